@@ -1,0 +1,41 @@
+# Every target sets itself up first: a fresh clone needs only `make demo` or `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvpool-installed
+export LMCACHE_TRACK_USAGE := false
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: setup redis test lint demo bench clean
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU torch pinned by constraints-cpu.txt; unpinned pip would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[test]'
+	touch $(STAMP)
+
+redis:
+	@if ! command -v redis-server >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing redis-server (apt-get)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else \
+	    echo "redis-server is missing: run 'sudo apt-get install -y redis-server' and retry"; exit 1; \
+	  fi; \
+	fi
+
+setup: $(STAMP) redis
+
+lint: setup
+	$(VENV)/bin/ruff check backend bench tests
+	$(VENV)/bin/mypy backend
+
+test: setup lint
+	$(PY) -m pytest -q -p no:cacheprovider
+
+demo: setup
+	$(PY) -m bench.demo
+
+clean:
+	rm -rf $(VENV) .kvpool .pytest_cache .mypy_cache .ruff_cache

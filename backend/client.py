@@ -1,0 +1,666 @@
+"""PoolClient: batched put/get/contains/delete against a kvpool pool.
+
+Lookups are one pipelined Redis round trip; bytes move between the client and the
+nodes over per-node pools of multiplexed connections (many requests in flight on
+each). Payloads are received with ``recv_into`` straight into buffers the caller's
+*sink* hands out, so the LMCache connector receives into LMCache's own memory.
+
+Errors: a node that is down, slow or answers a miss costs only the keys it held
+(they come back as misses, with one warning per outage); Redis being unreachable
+raises :class:`MetadataError`. Nothing here ever waits longer than ``timeout_ms``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Coroutine, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+from backend.config import PoolConfig
+from backend.errors import (
+    AuthError,
+    CapacityError,
+    IntegrityError,
+    KVPoolError,
+    NodeUnavailable,
+    ProtocolError,
+)
+from backend.metadata import Location, MetadataStore, NodeInfo
+from backend.placement import choose_nodes, rank_nodes
+from backend.protocol import (
+    DEFAULT_LIMITS,
+    PUT_INTEGRITY,
+    PUT_STORED,
+    ItemMeta,
+    Op,
+    Status,
+    auth_mac,
+    checksum,
+    decode_flags,
+    decode_get_response,
+    decode_json,
+    encode_header,
+    encode_items,
+    encode_json,
+    encode_keys,
+    error_for_status,
+)
+from backend.transport import Buffer, FrameSocket
+
+__all__ = ["Chunk", "Fetched", "PoolClient", "SyncPoolClient", "Sink", "BytesSink"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+REGISTRY_REFRESH_S = 1.0
+MAX_FRAME_DATA_BYTES = 256 * 1024 * 1024  # split larger batches into several frames
+PUT_ATTEMPTS = 3  # first choice, then the next-ranked nodes
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One value to store: bytes plus the tensor layout they will be rebuilt with."""
+
+    key: str
+    data: Buffer
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = ()
+    fmt: int = 0
+
+    def item_meta(self) -> ItemMeta:
+        view = memoryview(self.data).cast("B")
+        shape = self.shape or (len(view),)
+        return ItemMeta(self.key, len(view), checksum(view), self.dtype, shape, self.fmt)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetched:
+    """A chunk read back with :class:`BytesSink`."""
+
+    meta: ItemMeta
+    data: bytearray
+
+
+class Sink(Protocol[T]):  # type: ignore[misc]
+    """Where a get puts bytes: hands out a buffer per item, takes it back on failure."""
+
+    async def allocate(self, meta: ItemMeta) -> tuple[T, Buffer] | None: ...
+
+    def release(self, handle: T) -> None: ...
+
+
+class BytesSink:
+    """The default sink: a fresh bytearray per item."""
+
+    async def allocate(self, meta: ItemMeta) -> tuple[Fetched, Buffer] | None:
+        data = bytearray(meta.nbytes)
+        return Fetched(meta, data), data
+
+    def release(self, handle: Fetched) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class _Pending(Generic[T]):
+    op: int
+    future: asyncio.Future[Any]
+    keys: Sequence[str] = ()
+    sink: Sink[T] | None = None
+
+
+class _NodeConnection:
+    """One multiplexed connection: a reader task matches responses to request ids."""
+
+    def __init__(self, node: NodeInfo, config: PoolConfig) -> None:
+        self.node = node
+        self.config = config
+        self.sock: FrameSocket | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending[Any]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._connect_lock = asyncio.Lock()
+        self.broken = False
+
+    @property
+    def load(self) -> int:
+        return len(self._pending)
+
+    async def ensure_open(self) -> None:
+        if self.sock is not None:
+            return
+        async with self._connect_lock:
+            if self.sock is not None:
+                return
+            sock = await FrameSocket.connect(self.node.host, self.node.port, self.config.timeout_s)
+            self.sock = sock
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop(sock))
+            try:
+                hello = decode_json(await self.request(Op.HELLO, encode_json({"client": "kvpool"})))
+                if hello.get("auth_required"):
+                    if not self.config.token:
+                        raise AuthError(f"node {self.node.node_id} requires a token; add it as kvpool://:TOKEN@...")
+                    mac = auth_mac(self.config.token, bytes.fromhex(str(hello.get("nonce", ""))))
+                    await self.request(Op.AUTH, encode_json({"mac": mac}))
+                if hello.get("epoch") != self.node.epoch:
+                    raise NodeUnavailable(f"node {self.node.node_id} restarted (epoch {hello.get('epoch')})")
+            except BaseException:
+                self.close(NodeUnavailable("handshake failed"))
+                raise
+
+    def close(self, reason: BaseException | None = None) -> None:
+        self.broken = True
+        if self.sock is not None:
+            self.sock.close()
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            self._reader.cancel()
+        error = reason or NodeUnavailable(f"connection to {self.node.node_id} closed")
+        for pending in self._pending.values():
+            if not pending.future.done():
+                pending.future.set_exception(error)
+        self._pending.clear()
+
+    async def request(self, op: int, meta: bytes, data: Sequence[Buffer] = (), keys: Sequence[str] = (),
+                      sink: Sink[Any] | None = None) -> Any:  # fmt: skip
+        """Send one request and wait for its response (bounded by the pool timeout)."""
+        assert self.sock is not None
+        request_id = next(self._ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = _Pending(op, future, keys, sink)
+        data_len = sum(len(memoryview(b).cast("B")) for b in data)
+        try:
+            async with asyncio.timeout(self.config.timeout_s):
+                await self.sock.send([encode_header(op, request_id, meta, data_len), meta, *data])
+                return await future
+        except TimeoutError:
+            # The stream's state is unknown (maybe mid-frame): never reuse it.
+            self.close(NodeUnavailable(f"node {self.node.node_id} timed out after {self.config.timeout_ms} ms"))
+            raise NodeUnavailable(
+                f"node {self.node.node_id} ({self.node.address}) timed out after {self.config.timeout_ms} ms"
+            ) from None
+        finally:
+            self._pending.pop(request_id, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # mark retrieved
+
+    async def _read_loop(self, sock: FrameSocket) -> None:
+        try:
+            while True:
+                header, meta = await sock.recv_frame_head(DEFAULT_LIMITS)
+                pending = self._pending.get(header.request_id)
+                if pending is None or not header.is_response or header.base_op != pending.op:
+                    raise ProtocolError(f"unexpected response (op {header.op}, id {header.request_id})")
+                if header.status != Status.OK:
+                    await sock.discard(header.data_len)
+                    message = bytes(meta).decode("utf-8", "replace")
+                    if not pending.future.done():
+                        pending.future.set_exception(error_for_status(header.status, message))
+                    continue
+                if pending.op == Op.GET_BATCH:
+                    result: Any = await self._receive_get(sock, header.data_len, meta, pending)
+                else:
+                    await sock.discard(header.data_len)
+                    result = meta
+                if pending.future.done():
+                    _release_results(pending.sink, result if pending.op == Op.GET_BATCH else [])
+                else:
+                    pending.future.set_result(result)
+        except asyncio.CancelledError:
+            pass
+        except (KVPoolError, OSError) as exc:
+            self.close(exc if isinstance(exc, KVPoolError) else NodeUnavailable(str(exc)))
+        except BaseException as exc:  # a sink bug must not leave waiters hanging
+            self.close(NodeUnavailable(f"reader failed: {exc!r}"))
+            raise
+
+    async def _receive_get(
+        self, sock: FrameSocket, data_len: int, meta: bytearray, pending: _Pending[Any]
+    ) -> list[Any]:
+        found = decode_get_response(meta, pending.keys, data_len)
+        sink = pending.sink
+        assert sink is not None
+        results: list[Any] = []
+        try:
+            for item in found:
+                if item is None:
+                    results.append(None)
+                    continue
+                allocated = await sink.allocate(item)
+                if allocated is None:
+                    await sock.discard(item.nbytes)
+                    results.append(None)
+                    continue
+                handle, buffer = allocated
+                results.append(handle)
+                view = memoryview(buffer).cast("B")
+                if len(view) != item.nbytes:
+                    raise ProtocolError(f"sink gave {len(view)} bytes for a {item.nbytes}-byte item")
+                await sock.recv_into(view)
+                if checksum(view) != item.checksum:
+                    sink.release(handle)
+                    results[-1] = IntegrityError(f"checksum mismatch for {item.key!r}")
+        except BaseException:
+            _release_results(sink, results)
+            raise
+        return results
+
+
+def _release_results(sink: Sink[Any] | None, results: Sequence[Any]) -> None:
+    if sink is None:
+        return
+    for handle in results:
+        if handle is not None and not isinstance(handle, BaseException):
+            sink.release(handle)
+
+
+class _NodePool:
+    """Up to ``connections_per_node`` connections to one node, least-loaded first."""
+
+    def __init__(self, node: NodeInfo, config: PoolConfig) -> None:
+        self.node = node
+        self.config = config
+        self.connections: list[_NodeConnection] = []
+
+    async def request(self, op: int, meta: bytes, **kwargs: Any) -> Any:
+        self.connections = [c for c in self.connections if not c.broken]
+        if len(self.connections) < self.config.connections_per_node:
+            conn = _NodeConnection(self.node, self.config)
+            self.connections.append(conn)
+        else:
+            conn = min(self.connections, key=lambda c: c.load)
+        try:
+            await conn.ensure_open()
+        except BaseException:
+            if conn in self.connections:
+                self.connections.remove(conn)
+            raise
+        return await conn.request(op, meta, **kwargs)
+
+    def close(self) -> None:
+        for conn in self.connections:
+            conn.close()
+        self.connections = []
+
+
+class PoolClient:
+    """Async client of one pool namespace. Use on one event loop; ``close()`` when done."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.meta = MetadataStore(config.redis_url, config.namespace, config.timeout_s)
+        self.counters: defaultdict[str, int] = defaultdict(int)
+        self._nodes: dict[str, NodeInfo] = {}
+        self._nodes_at = 0.0
+        self._pools: dict[tuple[str, int], _NodePool] = {}
+        self._pid = os.getpid()
+        self._warned: set[str] = set()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._refreshing: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- registry ---------------------------------------------------------------------
+    async def nodes(self, refresh: bool = False) -> list[NodeInfo]:
+        """Live nodes (refreshed in the background at most every second)."""
+        self._check_fork()
+        now = time.monotonic()
+        if refresh or not self._nodes_at:
+            await self._refresh_nodes()
+        elif now - self._nodes_at > REGISTRY_REFRESH_S and (self._refreshing is None or self._refreshing.done()):
+            self._refreshing = self._spawn(self._refresh_nodes_quietly())
+        return list(self._nodes.values())
+
+    async def _refresh_nodes(self) -> None:
+        infos = await self.meta.nodes()
+        self._nodes = {n.node_id: n for n in infos if n.alive}
+        self._nodes_at = time.monotonic()
+        live = {(n.node_id, n.epoch) for n in self._nodes.values()}
+        for ident in [i for i in self._pools if i not in live]:
+            self._pools.pop(ident).close()
+
+    async def _refresh_nodes_quietly(self) -> None:
+        with contextlib.suppress(KVPoolError):
+            await self._refresh_nodes()
+
+    def _pool(self, node: NodeInfo) -> _NodePool:
+        ident = (node.node_id, node.epoch)
+        pool = self._pools.get(ident)
+        if pool is None:
+            pool = self._pools[ident] = _NodePool(node, self.config)
+        return pool
+
+    def _check_fork(self) -> None:
+        if self._closed:
+            raise KVPoolError("PoolClient is closed")
+        if os.getpid() != self._pid:
+            # Sockets made before a fork belong to the parent: forget, never reuse.
+            self._pools = {}
+            self._pid = os.getpid()
+
+    def _warn_once(self, cause: str, message: str, *args: Any) -> None:
+        if cause not in self._warned:
+            self._warned.add(cause)
+            logger.warning(message, *args)
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def _alive(self, loc: Location) -> bool:
+        node = self._nodes.get(loc.node_id)
+        return node is not None and node.epoch == loc.epoch
+
+    def _ordered(self, entry: Sequence[Location]) -> list[Location]:
+        """Live locations, same cluster first, then least loaded."""
+
+        def rank(loc: Location) -> tuple[int, float]:
+            node = self._nodes[loc.node_id]
+            same = int(bool(self.config.cluster) and node.cluster == self.config.cluster)
+            load = node.used_bytes / node.capacity_bytes if node.capacity_bytes else 1.0
+            return (-same, load)
+
+        return sorted((loc for loc in entry if self._alive(loc)), key=rank)
+
+    # -- lookup -----------------------------------------------------------------------
+    async def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is held by a live node (one Redis round trip)."""
+        entries = await self.meta.lookup(keys)
+        await self.nodes()
+        stale = [(k, loc) for k, entry in zip(keys, entries) for loc in entry if not self._alive(loc)]
+        if stale:
+            self._clean_later(stale)
+        return [any(self._alive(loc) for loc in entry) for entry in entries]
+
+    async def hit_prefix(self, keys: Sequence[str]) -> int:
+        """How many keys from the start are all present."""
+        hits = await self.contains(keys)
+        return hits.index(False) if False in hits else len(hits)
+
+    def _clean_later(self, stale: Sequence[tuple[str, Location]]) -> None:
+        self.counters["stale_entries"] += len(stale)
+        self._spawn(self._clean_quietly(list(stale)))
+
+    async def _clean_quietly(self, stale: list[tuple[str, Location]]) -> None:
+        with contextlib.suppress(KVPoolError):
+            await self.meta.remove_stale(stale)
+
+    # -- put --------------------------------------------------------------------------
+    async def put(self, chunks: Sequence[Chunk]) -> None:
+        """Store every chunk on ``replicas`` nodes; raises if any chunk could not be stored.
+
+        Returns only when the nodes have acknowledged (bytes complete and indexed)
+        or failed, so the caller may reuse its buffers as soon as this returns.
+        """
+        if not chunks:
+            return
+        items = [c.item_meta() for c in chunks]
+        data = {c.key: c.data for c in chunks}
+        nodes = await self.nodes()
+        if not nodes:
+            raise CapacityError(f"no live node in namespace {self.config.namespace!r}")
+        # key -> nodes still to try, best first; each key needs `replicas` successes.
+        plans = {item.key: rank_nodes(item.key, nodes) for item in items}
+        wanted = {item.key: choose_nodes(item.key, nodes, self.config.replicas) for item in items}
+        stored: dict[str, int] = defaultdict(int)
+        tried: dict[str, set[str]] = defaultdict(set)
+        last_error: KVPoolError | None = None
+        targets = {item.key: [n for n in wanted[item.key]] for item in items}
+        by_key = {item.key: item for item in items}
+        for _ in range(PUT_ATTEMPTS):
+            groups: dict[str, list[ItemMeta]] = defaultdict(list)
+            node_of: dict[str, NodeInfo] = {}
+            for key, node_list in targets.items():
+                for node in node_list:
+                    groups[node.node_id].append(by_key[key])
+                    node_of[node.node_id] = node
+                    tried[key].add(node.node_id)
+            if not groups:
+                break
+            outcomes = await asyncio.gather(
+                *(self._put_on_node(node_of[nid], group, data) for nid, group in groups.items()),
+                return_exceptions=True,
+            )
+            targets = {}
+            for (nid, group), outcome in zip(groups.items(), outcomes):
+                for item, ok in zip(group, _put_flags(outcome, len(group))):
+                    if ok:
+                        stored[item.key] += 1
+                        continue
+                    remaining = [n for n in plans[item.key] if n.node_id not in tried[item.key]]
+                    if remaining:
+                        targets.setdefault(item.key, []).append(remaining[0])
+                if isinstance(outcome, KVPoolError):
+                    last_error = outcome
+                    self._warn_once(f"put:{nid}", "kvpool: put to node %s failed: %s", nid, outcome)
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+        failed = [item.key for item in items if stored[item.key] < min(self.config.replicas, len(nodes))]
+        self.counters["put_chunks"] += len(items) - len(failed)
+        self.counters["put_bytes"] += sum(i.nbytes for i in items if i.key not in set(failed))
+        if failed:
+            self.counters["put_failures"] += len(failed)
+            cause = f": {last_error}" if last_error else ""
+            error_type = type(last_error) if last_error is not None else CapacityError
+            raise error_type(f"{len(failed)} of {len(items)} chunks were not stored{cause}")
+
+    async def _put_on_node(self, node: NodeInfo, group: list[ItemMeta], data: dict[str, Buffer]) -> list[int]:
+        pool = self._pool(node)
+        flags: list[int] = []
+        for frame in _frames(group):
+            meta = encode_items(frame)
+            reply = await pool.request(Op.PUT_BATCH, meta, data=[data[i.key] for i in frame])
+            flags.extend(decode_flags(reply, len(frame)))
+        integrity = sum(1 for f in flags if f == PUT_INTEGRITY)
+        if integrity:
+            self.counters["integrity_failures"] += integrity
+        return flags
+
+    # -- get --------------------------------------------------------------------------
+    async def get(self, keys: Sequence[str], sink: Sink[T] | None = None) -> list[T | None]:
+        """Fetch keys into buffers from ``sink`` (default: new bytearrays); misses are None.
+
+        Every chunk is checked against its checksum before it is returned; a
+        mismatch is a miss, and that copy is dropped from the index.
+        """
+        self._check_fork()
+        the_sink: Sink[Any] = sink if sink is not None else BytesSink()
+        results: list[Any] = [None] * len(keys)
+        if not keys:
+            return results
+        entries = await self.meta.lookup(keys)
+        await self.nodes()
+        candidates = [self._ordered(entry) for entry in entries]
+        stale = [(k, loc) for k, entry in zip(keys, entries) for loc in entry if not self._alive(loc)]
+        todo = [i for i, cands in enumerate(candidates) if cands]
+        while todo:
+            groups: dict[str, list[int]] = defaultdict(list)
+            for i in todo:
+                groups[candidates[i][0].node_id].append(i)
+            outcomes = await asyncio.gather(
+                *(self._get_from_node(self._nodes[nid], [keys[i] for i in idx], the_sink)
+                  for nid, idx in groups.items()),
+                return_exceptions=True,
+            )  # fmt: skip
+            todo = []
+            for (nid, idx), outcome in zip(groups.items(), outcomes):
+                if isinstance(outcome, BaseException):
+                    if not isinstance(outcome, KVPoolError):
+                        raise outcome
+                    self._warn_once(f"get:{nid}", "kvpool: get from node %s failed, reading as misses: %s",
+                                    nid, outcome)  # fmt: skip
+                    outcome = [outcome] * len(idx)
+                else:
+                    self._warned.discard(f"get:{nid}")
+                for i, got in zip(idx, outcome):
+                    loc = candidates[i].pop(0)
+                    if got is None or isinstance(got, BaseException):
+                        if isinstance(got, IntegrityError):
+                            self.counters["integrity_failures"] += 1
+                            logger.warning("kvpool: %s on node %s; dropping that copy", got, nid)
+                        if got is None or isinstance(got, IntegrityError):
+                            stale.append((keys[i], loc))
+                        if candidates[i]:
+                            todo.append(i)
+                    else:
+                        results[i] = got
+        if stale:
+            self._clean_later(stale)
+        hits = sum(1 for r in results if r is not None)
+        self.counters["get_hits"] += hits
+        self.counters["get_misses"] += len(keys) - hits
+        return results
+
+    async def _get_from_node(self, node: NodeInfo, keys: list[str], sink: Sink[Any]) -> list[Any]:
+        pool = self._pool(node)
+        out: list[Any] = []
+        for start in range(0, len(keys), DEFAULT_LIMITS.max_items):
+            part = keys[start : start + DEFAULT_LIMITS.max_items]
+            out.extend(await pool.request(Op.GET_BATCH, encode_keys(part), keys=part, sink=sink))
+        return out
+
+    # -- delete, listing, stats -------------------------------------------------------
+    async def delete(self, keys: Sequence[str]) -> int:
+        """Remove keys everywhere: index first (so nobody reads them), then the bytes."""
+        entries = await self.meta.lookup(keys)
+        existed = await self.meta.delete(keys)
+        holders: dict[str, list[str]] = defaultdict(list)
+        for key, entry in zip(keys, entries):
+            for loc in entry:
+                holders[loc.node_id].append(key)
+        await self.nodes(refresh=True)
+        for nid, node_keys in holders.items():
+            node = self._nodes.get(nid)
+            if node is None:
+                continue
+            try:
+                await self._pool(node).request(Op.DELETE_BATCH, encode_keys(node_keys))
+            except KVPoolError as exc:
+                logger.warning("kvpool: delete on node %s failed (its copies age out): %s", nid, exc)
+        return existed
+
+    async def list_keys(self, match: str = "*") -> list[str]:
+        return [key async for key in self.meta.scan_keys(match)]
+
+    async def node_stats(self, node: NodeInfo) -> dict[str, Any]:
+        return decode_json(await self._pool(node).request(Op.STAT, b""))
+
+    async def ping(self) -> float:
+        """Redis round trip in ms; raises MetadataError if Redis is unreachable."""
+        return await self.meta.ping()
+
+    async def close(self) -> None:
+        """Close every connection; returns promptly even with nodes or Redis down."""
+        if self._closed:
+            return
+        self._closed = True
+        for pool in self._pools.values():
+            pool.close()
+        self._pools = {}
+        for task in list(self._background):
+            task.cancel()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                await asyncio.gather(*self._background, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                await self.meta.close()
+
+    async def __aenter__(self) -> PoolClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _frames(items: list[ItemMeta]) -> list[list[ItemMeta]]:
+    """Split a node's items into frames within the data and item limits."""
+    frames: list[list[ItemMeta]] = [[]]
+    size = 0
+    for item in items:
+        if frames[-1] and (size + item.nbytes > MAX_FRAME_DATA_BYTES or len(frames[-1]) >= DEFAULT_LIMITS.max_items):
+            frames.append([])
+            size = 0
+        frames[-1].append(item)
+        size += item.nbytes
+    return frames
+
+
+def _put_flags(outcome: Any, n: int) -> list[bool]:
+    if isinstance(outcome, BaseException):
+        return [False] * n
+    return [flag == PUT_STORED for flag in outcome]
+
+
+class SyncPoolClient:
+    """Blocking twin of :class:`PoolClient`: the same code on a private event-loop thread."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvpool-client", daemon=True)
+        self._thread.start()
+        self._client = self._call(self._make(config))
+        self.config = config
+
+    @staticmethod
+    async def _make(config: PoolConfig) -> PoolClient:
+        return PoolClient(config)
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return future.result(timeout_s)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return dict(self._client.counters)
+
+    def put(self, chunks: Sequence[Chunk]) -> None:
+        self._call(self._client.put(chunks))
+
+    def get(self, keys: Sequence[str]) -> list[Fetched | None]:
+        return self._call(self._client.get(keys))
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        return self._call(self._client.contains(keys))
+
+    def hit_prefix(self, keys: Sequence[str]) -> int:
+        return self._call(self._client.hit_prefix(keys))
+
+    def delete(self, keys: Sequence[str]) -> int:
+        return self._call(self._client.delete(keys))
+
+    def nodes(self, refresh: bool = True) -> list[NodeInfo]:
+        return self._call(self._client.nodes(refresh=refresh))
+
+    def list_keys(self, match: str = "*") -> list[str]:
+        return self._call(self._client.list_keys(match))
+
+    def node_stats(self, node: NodeInfo) -> dict[str, Any]:
+        return self._call(self._client.node_stats(node))
+
+    def ping(self) -> float:
+        return self._call(self._client.ping())
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            self._call(self._client.close(), timeout_s=5.0)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> SyncPoolClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

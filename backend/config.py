@@ -1,0 +1,259 @@
+"""PoolConfig: the one value object that says how to reach a pool.
+
+A pool is named by a URL::
+
+    kvpool://[:TOKEN@]REDIS_HOST:REDIS_PORT/NAMESPACE?option=value&...
+
+The URL points at the metadata Redis; nodes are discovered from its registry.
+Options may also come from ``KVPOOL_<OPTION>`` environment variables (which win over
+the URL) and from a YAML file. Everything is validated once, here; an unknown or
+malformed option raises :class:`ConfigError` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
+
+from backend.errors import ConfigError
+
+__all__ = ["PoolConfig", "parse_size", "format_size", "SCHEME", "DEFAULT_NAMESPACE"]
+
+SCHEME = "kvpool"
+DEFAULT_NAMESPACE = "default"
+ENV_PREFIX = "KVPOOL_"
+# Environment variables kvpool reads that are not PoolConfig options.
+ENV_NOT_OPTIONS = frozenset({"KVPOOL_URL", "KVPOOL_NCCL_LIBRARY", "KVPOOL_DEBUG"})
+
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_CLUSTER_RE = re.compile(r"^[A-Za-z0-9_.-]{0,64}$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1, "B": 1,
+    "K": 1024, "KB": 1000, "KIB": 1024,
+    "M": 1024**2, "MB": 1000**2, "MIB": 1024**2,
+    "G": 1024**3, "GB": 1000**3, "GIB": 1024**3,
+    "T": 1024**4, "TB": 1000**4, "TIB": 1024**4,
+}  # fmt: skip
+
+MAX_REPLICAS = 8
+MAX_CONNECTIONS_PER_NODE = 64
+MAX_TIMEOUT_MS = 600_000
+
+
+def parse_size(text: str, *, name: str = "size") -> int:
+    """Parse ``"4GiB"``, ``"512MiB"``, ``"1.5G"`` or ``"1048576"`` into bytes."""
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise ConfigError(name, f"{text!r} is not a size (examples: 4GiB, 512MiB, 1048576)")
+    number, unit = match.groups()
+    return int(float(number) * _SIZE_UNITS[(unit or "").upper()])
+
+
+def format_size(num_bytes: float) -> str:
+    """Render a byte count for people: ``4.0 GiB``."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def _parse_bool(key: str, text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in {"on", "true", "1", "yes"}:
+        return True
+    if lowered in {"off", "false", "0", "no"}:
+        return False
+    raise ConfigError(key, f"{text!r} is not on/off")
+
+
+def _parse_int(key: str, text: str, low: int, high: int) -> int:
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise ConfigError(key, f"{text!r} is not an integer") from None
+    if not low <= value <= high:
+        raise ConfigError(key, f"{value} is out of range [{low}, {high}]")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    """How a client reaches a pool. Build with :meth:`from_url`; the token is masked in repr."""
+
+    redis_host: str = "127.0.0.1"
+    redis_port: int = 6379
+    namespace: str = DEFAULT_NAMESPACE
+    token: str = dataclasses.field(default="", repr=False)
+    replicas: int = 1
+    timeout_ms: int = 2000
+    connections_per_node: int = 2
+    nccl: bool = False
+    cluster: str = ""
+    tls: bool = False
+
+    def __post_init__(self) -> None:
+        if not _NAMESPACE_RE.match(self.namespace):
+            raise ConfigError("namespace", f"{self.namespace!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
+        if not self.redis_host:
+            raise ConfigError("url", "missing Redis host")
+        if not 0 < self.redis_port < 65536:
+            raise ConfigError("url", f"Redis port {self.redis_port} is out of range")
+        if not _CLUSTER_RE.match(self.cluster):
+            raise ConfigError("cluster", f"{self.cluster!r} must be A-Z a-z 0-9 _ . -")
+        if self.tls:
+            raise ConfigError("tls", "TLS is not available in this version of kvpool; use tls=off")
+
+    def __repr__(self) -> str:
+        token = "'***'" if self.token else "''"
+        return (
+            f"PoolConfig(redis={self.redis_host}:{self.redis_port}, namespace={self.namespace!r}, "
+            f"token={token}, replicas={self.replicas}, timeout_ms={self.timeout_ms}, "
+            f"connections_per_node={self.connections_per_node}, nccl={self.nccl}, "
+            f"cluster={self.cluster!r}, tls={self.tls})"
+        )
+
+    @property
+    def timeout_s(self) -> float:
+        return self.timeout_ms / 1000.0
+
+    @property
+    def redis_url(self) -> str:
+        """The metadata Redis as a redis-py URL (no secrets: the token is for nodes)."""
+        return f"redis://{self.redis_host}:{self.redis_port}/0"
+
+    def to_url(self, *, with_token: bool = True) -> str:
+        """The canonical ``kvpool://`` URL for this config (options that differ from defaults)."""
+        auth = f":{quote(self.token, safe='')}@" if self.token and with_token else ""
+        if self.token and not with_token:
+            auth = ":***@"
+        defaults = PoolConfig()
+        query = [
+            f"{name}={_render(getattr(self, name))}"
+            for name in _OPTION_PARSERS
+            if getattr(self, name) != getattr(defaults, name)
+        ]
+        tail = ("?" + "&".join(query)) if query else ""
+        return f"{SCHEME}://{auth}{self.redis_host}:{self.redis_port}/{self.namespace}{tail}"
+
+    @classmethod
+    def from_url(cls, url: str, environ: Mapping[str, str] | None = None) -> PoolConfig:
+        """Parse a ``kvpool://`` URL; ``KVPOOL_*`` variables in ``environ`` override it."""
+        if not isinstance(url, str) or not url.strip():
+            raise ConfigError("url", "empty pool URL; expected kvpool://HOST:PORT/NAMESPACE")
+        parts = urlsplit(url.strip())
+        if parts.scheme != SCHEME:
+            raise ConfigError("url", f"scheme {parts.scheme or '(none)'!r} is not {SCHEME}:// in {_mask(url)}")
+        if parts.username:
+            raise ConfigError("url", "user names are not supported; put the token as kvpool://:TOKEN@HOST:PORT/NS")
+        try:
+            port = parts.port
+        except ValueError:
+            raise ConfigError("url", f"port is not a number in {_mask(url)}") from None
+        if not parts.hostname:
+            raise ConfigError("url", f"missing Redis host in {_mask(url)}")
+        if port is None:
+            raise ConfigError("url", f"missing Redis port in {_mask(url)} (e.g. :6379)")
+        namespace = unquote(parts.path.lstrip("/")) or DEFAULT_NAMESPACE
+        if "/" in namespace:
+            raise ConfigError("namespace", f"{namespace!r} must not contain '/'")
+        options: dict[str, str] = {}
+        for key, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
+            if key in options:
+                raise ConfigError(key, "given twice in the URL")
+            options[key] = value
+        if parts.fragment:
+            raise ConfigError("url", f"unexpected fragment '#{parts.fragment}'")
+        values: dict[str, Any] = {
+            "redis_host": parts.hostname,
+            "redis_port": port,
+            "namespace": namespace,
+            "token": unquote(parts.password or ""),
+        }
+        values.update(_parse_options(options, source="URL"))
+        values.update(_env_options(environ or {}))
+        return cls(**values)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> PoolConfig:
+        """Build from a mapping with ``url`` plus options (the YAML form)."""
+        if not isinstance(data, Mapping):
+            raise ConfigError("config", "expected a mapping of options")
+        unknown = set(data) - {"url", *_OPTION_PARSERS}
+        if unknown:
+            raise ConfigError(sorted(unknown)[0], f"unknown option; known: url, {', '.join(_OPTION_PARSERS)}")
+        base = cls.from_url(str(data.get("url", "")))
+        options = _parse_options({k: _render(v) for k, v in data.items() if k != "url"}, source="config")
+        options.update(_env_options(environ or {}))
+        return dataclasses.replace(base, **options)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, environ: Mapping[str, str] | None = None) -> PoolConfig:
+        """Load a YAML file holding ``url:`` and options."""
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError("config", f"{path} is not valid YAML: {exc}") from None
+        return cls.from_mapping(data or {}, environ)
+
+
+def _render(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def _mask(url: str) -> str:
+    return re.sub(r"//:[^@]*@", "//:***@", url)
+
+
+_OPTION_PARSERS: dict[str, Any] = {
+    "replicas": lambda k, v: _parse_int(k, v, 1, MAX_REPLICAS),
+    "timeout_ms": lambda k, v: _parse_int(k, v, 1, MAX_TIMEOUT_MS),
+    "connections_per_node": lambda k, v: _parse_int(k, v, 1, MAX_CONNECTIONS_PER_NODE),
+    "nccl": _parse_bool,
+    "cluster": lambda k, v: str(v),
+    "tls": _parse_bool,
+}
+
+
+def _parse_options(options: Mapping[str, str], *, source: str) -> dict[str, Any]:
+    parsed: dict[str, Any] = {}
+    for key, value in options.items():
+        parser = _OPTION_PARSERS.get(key)
+        if parser is None:
+            raise ConfigError(key, f"unknown option in the {source}; known: {', '.join(_OPTION_PARSERS)}")
+        parsed[key] = parser(key, value)
+    return parsed
+
+
+def _env_options(environ: Mapping[str, str]) -> dict[str, Any]:
+    options: dict[str, str] = {}
+    token: dict[str, str] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in ENV_NOT_OPTIONS:
+            continue
+        option = name[len(ENV_PREFIX) :].lower()
+        if option == "token":
+            token["token"] = value
+            continue
+        if option not in _OPTION_PARSERS:
+            raise ConfigError(
+                name,
+                "unknown kvpool environment variable; known: KVPOOL_TOKEN, "
+                + ", ".join(f"KVPOOL_{o.upper()}" for o in _OPTION_PARSERS),
+            )
+        options[option] = value
+    parsed = _parse_options(options, source="environment")
+    parsed.update(token)
+    return parsed

@@ -1,0 +1,76 @@
+"""The LMCache configuration that enables kvpool, as data, YAML and environment.
+
+Kept apart from ``lmcache_connector`` so the CLI can print it without importing
+LMCache (which takes seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "PLUGIN_NAME",
+    "ADAPTER_MODULE",
+    "ADAPTER_CLASS",
+    "url_config_key",
+    "lmcache_config",
+    "render_yaml",
+    "render_env",
+]
+
+PLUGIN_NAME = "kvpool"
+ADAPTER_MODULE = "backend.lmcache_connector"
+ADAPTER_CLASS = "KVPoolConnectorAdapter"
+DEFAULT_CHUNK_TOKENS = 256
+DEFAULT_LOCAL_CPU_GIB = 5.0
+
+
+def url_config_key(plugin_name: str = PLUGIN_NAME) -> str:
+    """The ``extra_config`` key holding the pool URL for a plugin instance."""
+    return f"remote_storage_plugin.{plugin_name}.url"
+
+
+def lmcache_config(
+    url: str, *, chunk_size: int = DEFAULT_CHUNK_TOKENS, local_cpu_gib: float = DEFAULT_LOCAL_CPU_GIB
+) -> dict[str, Any]:
+    """LMCache engine config that stores through the kvpool plugin at ``url``.
+
+    The plugin list is the only way LMCache 0.5 reaches a third-party connector;
+    ``remote_url`` is deliberately absent (setting both builds two remote backends).
+    """
+    return {
+        "chunk_size": chunk_size,
+        "local_cpu": True,
+        "max_local_cpu_size": local_cpu_gib,
+        "remote_serde": "naive",
+        "remote_storage_plugins": [PLUGIN_NAME],
+        "extra_config": {
+            f"remote_storage_plugin.{PLUGIN_NAME}.module_path": ADAPTER_MODULE,
+            f"remote_storage_plugin.{PLUGIN_NAME}.class_name": ADAPTER_CLASS,
+            url_config_key(): url,
+        },
+    }
+
+
+def render_yaml(config: dict[str, Any]) -> str:
+    return yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+
+
+def render_env(config: dict[str, Any]) -> str:
+    """The same config as ``LMCACHE_*`` variables, one ``export`` per line."""
+    lines = []
+    for key, value in config.items():
+        if isinstance(value, dict):
+            text = json.dumps(value, separators=(",", ":"))
+        elif isinstance(value, list):
+            text = ",".join(str(v) for v in value)
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
+        else:
+            text = str(value)
+        lines.append(f"export LMCACHE_{key.upper()}={shlex.quote(text)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,335 @@
+"""KVPoolConnector: kvpool as an LMCache 0.5 remote storage plugin.
+
+Enable it in the LMCache config (``kvpool lmcache-config`` prints this)::
+
+    remote_storage_plugins: ["kvpool"]
+    extra_config:
+      remote_storage_plugin.kvpool.module_path: backend.lmcache_connector
+      remote_storage_plugin.kvpool.class_name: KVPoolConnectorAdapter
+      remote_storage_plugin.kvpool.url: kvpool://127.0.0.1:6379/default
+
+This is the only module that imports LMCache. Every method runs on LMCache's
+event-loop thread and never blocks it; the ``*_sync`` methods are called from
+LMCache's worker threads and wait on that loop with a bound. Library errors stop
+here: they become misses, logged once per cause and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from backend.client import Chunk, PoolClient
+from backend.config import PoolConfig
+from backend.errors import ConfigError, KVPoolError
+from backend.lmcache_config import PLUGIN_NAME, url_config_key
+from backend.protocol import ItemMeta
+
+__all__ = ["KVPoolConnector", "KVPoolConnectorAdapter"]
+
+logger = logging.getLogger(__name__)
+
+ALLOCATE_TIMEOUT_S = 1.0  # LMCache's allocator blocks while its buffer is full: bound it
+ALLOCATE_RETRY_S = 0.002
+CLOSE_TIMEOUT_S = 1.0
+FIX_HINT = (
+    "start a pool with `kvpool up` (it prints the URL), or check "
+    "extra_config['remote_storage_plugin.kvpool.url'] / KVPOOL_URL"
+)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise KVPoolError(f"stored dtype {name!r} is not a torch dtype")
+    return dtype
+
+
+class _LMCacheSink:
+    """Receives chunks straight into memory objects from LMCache's own allocator."""
+
+    def __init__(self, connector: KVPoolConnector) -> None:
+        self.connector = connector
+
+    async def allocate(self, meta: ItemMeta) -> tuple[MemoryObj, Any] | None:
+        shape = torch.Size(meta.shape)
+        dtype = _torch_dtype(meta.dtype)
+        fmt = MemoryFormat(meta.fmt)
+        deadline = time.monotonic() + ALLOCATE_TIMEOUT_S
+        backend = self.connector.local_cpu_backend
+        while True:
+            obj = backend.allocate(shape, dtype, fmt, busy_loop=False)
+            if obj is not None:
+                view = obj.byte_array
+                if len(view) != meta.nbytes:
+                    obj.ref_count_down()
+                    raise KVPoolError(
+                        f"LMCache allocated {len(view)} bytes for {meta.key!r}, which holds {meta.nbytes}"
+                    )
+                return obj, view
+            if time.monotonic() >= deadline:
+                self.connector._miss("allocate", "LMCache's local buffer stayed full for %.1f s; "
+                                     "reading as a miss (raise max_local_cpu_size)", ALLOCATE_TIMEOUT_S)  # fmt: skip
+                return None
+            await asyncio.sleep(ALLOCATE_RETRY_S)
+
+    def release(self, handle: MemoryObj) -> None:
+        handle.ref_count_down()
+
+
+class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
+    """LMCache ``RemoteConnector`` over a kvpool pool."""
+
+    def __init__(
+        self,
+        pool_config: PoolConfig,
+        loop: asyncio.AbstractEventLoop,
+        local_cpu_backend: Any,
+        config: Any,
+        metadata: Any,
+    ) -> None:
+        super().__init__(config, metadata)
+        self.pool_config = pool_config
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self.client = PoolClient(pool_config)
+        self.counters: Counter[str] = Counter()
+        self._logged: set[str] = set()
+        self._sink = _LMCacheSink(self)
+        self._closed = False
+        # Report a pool that is down at start once, loudly: LMCache itself would
+        # only ever show misses.
+        asyncio.run_coroutine_threadsafe(self._startup_check(), loop)
+
+    # -- error boundary ---------------------------------------------------------------
+    def _miss(self, cause: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
+        self.counters[f"miss_{cause}"] += 1
+        if cause not in self._logged:
+            self._logged.add(cause)
+            logger.log(level, "kvpool: " + message, *args)
+
+    def _recovered(self, cause: str) -> None:
+        if cause in self._logged:
+            self._logged.discard(cause)
+            logger.warning("kvpool: %s recovered", cause)
+
+    async def _startup_check(self) -> None:
+        try:
+            await self.client.ping()
+            nodes = await self.client.nodes(refresh=True)
+        except KVPoolError as exc:
+            logger.error("kvpool: pool %s is unreachable at start (%s); every lookup misses until it is up. "
+                         "Fix: %s", self.pool_config.to_url(with_token=False), exc, FIX_HINT)  # fmt: skip
+            self._logged.add("redis")
+            return
+        if not nodes:
+            logger.error("kvpool: pool %s has no live node; every lookup misses until one joins. "
+                         "Fix: run `kvpool node --redis redis://%s:%d --namespace %s`",
+                         self.pool_config.to_url(with_token=False), self.pool_config.redis_host,
+                         self.pool_config.redis_port, self.pool_config.namespace)  # fmt: skip
+        else:
+            logger.info(
+                "kvpool: connected to %s (%d live nodes)", self.pool_config.to_url(with_token=False), len(nodes)
+            )
+
+    def _run_sync(self, coro: Any, what: str) -> Any:
+        """Run a coroutine on LMCache's loop from one of LMCache's worker threads."""
+        if self._on_loop_thread():
+            coro.close()
+            raise KVPoolError(f"{what} was called on the event-loop thread, where it would block it")
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(self.pool_config.timeout_s * 2)
+        except TimeoutError:
+            future.cancel()
+            raise KVPoolError(f"{what} timed out") from None
+
+    def _on_loop_thread(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return getattr(self.loop, "_thread_id", None) == threading.get_ident()
+
+    # -- lookup -----------------------------------------------------------------------
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return await self.batched_async_contains("", [key]) == 1
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return self.batched_contains([key]) == 1
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        try:
+            hits = await self.client.hit_prefix([k.to_string() for k in keys])
+        except KVPoolError as exc:
+            self._miss("lookup", "lookup failed, reading as misses: %s", exc)
+            return 0
+        self._recovered("lookup")
+        return int(hits)
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+        try:
+            return int(self._run_sync(self.client.hit_prefix([k.to_string() for k in keys]), "batched_contains"))
+        except KVPoolError as exc:
+            self._miss("lookup", "lookup failed, reading as misses: %s", exc)
+            return 0
+
+    # -- put --------------------------------------------------------------------------
+    def _chunk(self, key: CacheEngineKey, obj: MemoryObj) -> Chunk:
+        shapes = obj.get_shapes() if hasattr(obj, "get_shapes") else [obj.get_shape()]
+        if len(shapes) != 1:
+            raise KVPoolError(f"memory objects with {len(shapes)} shape groups are not supported yet")
+        return Chunk(
+            key=key.to_string(),
+            data=obj.byte_array,
+            dtype=_dtype_name(obj.get_dtype()),
+            shape=tuple(int(d) for d in obj.get_shape()),
+            fmt=int(obj.get_memory_format().value),
+        )
+
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        await self.batched_put([key], [memory_obj])
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys: Sequence[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+        # Returns only after the nodes answered: LMCache may reuse the buffers then.
+        try:
+            await self.client.put([self._chunk(k, o) for k, o in zip(keys, memory_objs)])
+        except KVPoolError as exc:
+            self._miss("put", "put failed, those chunks stay uncached: %s", exc)
+            return
+        self._recovered("put")
+        self.counters["put_chunks"] += len(keys)
+
+    # -- get --------------------------------------------------------------------------
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        return (await self.batched_get([key]))[0]
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        try:
+            objs = await self.client.get([k.to_string() for k in keys], self._sink)
+        except KVPoolError as exc:
+            self._miss("get", "get failed, reading as misses: %s", exc)
+            return [None] * len(keys)
+        self._recovered("get")
+        hits = sum(1 for o in objs if o is not None)
+        self.counters["get_hits"] += hits
+        self.counters["get_misses"] += len(keys) - hits
+        return list(objs)
+
+    def support_batched_get_non_blocking(self) -> bool:
+        return True
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey]) -> list[MemoryObj]:
+        """The hit prefix of ``keys``; objects after the first miss are released."""
+        objs = await self.batched_get(keys)
+        prefix: list[MemoryObj] = []
+        missed = False
+        for obj in objs:
+            if obj is None:
+                missed = True
+            elif missed:
+                obj.ref_count_down()
+            else:
+                prefix.append(obj)
+        return prefix
+
+    # -- admin ------------------------------------------------------------------------
+    async def list(self) -> list[str]:
+        try:
+            return await self.client.list_keys()
+        except KVPoolError as exc:
+            self._miss("list", "list failed: %s", exc)
+            return []
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        try:
+            return bool(self._run_sync(self.client.delete([key.to_string()]), "remove_sync"))
+        except KVPoolError as exc:
+            self._miss("remove", "remove failed: %s", exc)
+            return False
+
+    def support_ping(self) -> bool:
+        return True
+
+    async def ping(self) -> int:
+        """0 when Redis answers and at least one node is alive; 1 otherwise."""
+        try:
+            await self.client.ping()
+            return 0 if await self.client.nodes(refresh=True) else 1
+        except KVPoolError:
+            return 1
+
+    async def close(self) -> None:
+        """Close connections; bounded, never deadlocks on LMCache's loop."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                await self.client.close()
+        except TimeoutError:
+            logger.warning("kvpool: close took longer than %.1f s; abandoning connections", CLOSE_TIMEOUT_S)
+
+    def __repr__(self) -> str:
+        return f"<KVPoolConnector {self.pool_config.to_url(with_token=False)}>"
+
+
+class KVPoolConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
+    """What LMCache loads from ``remote_storage_plugins: ["kvpool"]``."""
+
+    def __init__(self) -> None:
+        super().__init__(f"{PLUGIN_NAME}://")
+
+    def can_parse(self, url: str) -> bool:
+        if url.startswith(f"{PLUGIN_NAME}://"):
+            return True
+        name = url.removeprefix("plugin://") if url.startswith("plugin://") else ""
+        return name.split(".", 1)[0] == PLUGIN_NAME
+
+    def create_connector(self, context: ConnectorContext) -> RemoteConnector:
+        plugin_name = context.plugin_name or PLUGIN_NAME
+        try:
+            pool_config = self._pool_config(context, plugin_name)
+        except ConfigError as exc:
+            logger.error("kvpool: plugin %r is misconfigured, LMCache will run without it: %s. Fix: %s",
+                         plugin_name, exc, FIX_HINT)  # fmt: skip
+            raise
+        return KVPoolConnector(pool_config, context.loop, context.local_cpu_backend, context.config, context.metadata)
+
+    @staticmethod
+    def _pool_config(context: ConnectorContext, plugin_name: str) -> PoolConfig:
+        extra = (context.config.extra_config if context.config is not None else None) or {}
+        url = extra.get(url_config_key(plugin_name))
+        if not url and context.url.startswith(f"{PLUGIN_NAME}://"):
+            url = context.url
+        url = url or os.environ.get("KVPOOL_URL")
+        if not url:
+            raise ConfigError(url_config_key(plugin_name), "no pool URL given (nor KVPOOL_URL)")
+        return PoolConfig.from_url(str(url), os.environ)

@@ -1,0 +1,336 @@
+"""The Redis metadata layer: key schema, node registry, index, Lua scripts.
+
+Redis holds metadata only -- which key lives on which node and tier, node liveness,
+epochs. Bytes never pass through it, and it can be rebuilt: a node that finds the
+namespace marker missing republishes what it holds.
+
+Key schema (``NS`` is the namespace)::
+
+    kvp:{NS}:marker          namespace marker; its absence means Redis lost our state
+    kvp:{NS}:epoch           counter; every node start takes a new epoch from it
+    kvp:{NS}:nodes           hash node_id -> NodeInfo JSON (the registry)
+    kvp:{NS}:hb:<node_id>    liveness; value = epoch, expires after the heartbeat TTL
+    kvp:NS:k:{<key>}         index entry: hash node_id -> "epoch|tier|nbytes|checksum"
+
+Registry keys share the hash tag ``{NS}`` (one Redis Cluster slot, small); index keys
+are tagged by their own key so the index spreads over every shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis import exceptions as redis_exceptions
+
+from backend.errors import MetadataError
+
+__all__ = ["MetadataStore", "NodeInfo", "Location", "IndexEntry"]
+
+logger = logging.getLogger(__name__)
+
+LOOKUP_BATCH = 1000  # keys per pipeline flush on republish/removal
+
+# Atomic commit of one location. A replica elsewhere whose checksum differs holds
+# other bytes under the same key: drop it so readers never mix two versions.
+_COMMIT_LUA = """
+local fields = redis.call('HGETALL', KEYS[1])
+for i = 1, #fields, 2 do
+  if fields[i] ~= ARGV[1] then
+    local sum = string.match(fields[i + 1], '^[^|]*|[^|]*|[^|]*|([^|]*)$')
+    if sum ~= ARGV[3] then redis.call('HDEL', KEYS[1], fields[i]) end
+  end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+# Remove a location only if it is still the one this node epoch wrote.
+_REMOVE_LUA = """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if v and string.sub(v, 1, #ARGV[2] + 1) == ARGV[2] .. '|' then
+  return redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+# Remove a location whatever epoch wrote it, if it still says what the caller saw.
+_REMOVE_EXACT_LUA = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  return redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """One copy of a key: which node and epoch wrote it, on which tier, how big."""
+
+    node_id: str
+    epoch: int
+    tier: str
+    nbytes: int
+    checksum: int
+
+    def encode(self) -> str:
+        return f"{self.epoch}|{self.tier}|{self.nbytes}|{self.checksum}"
+
+    @classmethod
+    def decode(cls, node_id: str, value: str) -> Location:
+        try:
+            epoch, tier, nbytes, item_sum = value.split("|")
+            return cls(node_id, int(epoch), tier, int(nbytes), int(item_sum))
+        except ValueError:
+            raise MetadataError(f"index entry for node {node_id!r} is malformed: {value!r}") from None
+
+
+IndexEntry = list[Location]
+
+
+@dataclasses.dataclass
+class NodeInfo:
+    """A pool node as the registry knows it."""
+
+    node_id: str
+    host: str
+    port: int
+    epoch: int
+    cluster: str = ""
+    hostname: str = ""
+    pid: int = 0
+    started_at: float = 0.0
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    object_count: int = 0
+    draining: bool = False
+    tiers: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    alive: bool = False  # filled by MetadataStore.nodes(), never stored
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.capacity_bytes - self.used_bytes)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data.pop("alive")
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> NodeInfo:
+        try:
+            data = json.loads(text)
+            known = {f.name for f in dataclasses.fields(cls)}
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except (ValueError, TypeError) as exc:
+            raise MetadataError(f"registry entry is malformed: {exc}") from None
+
+
+@contextlib.contextmanager
+def _redis_errors(action: str) -> Iterator[None]:
+    try:
+        yield
+    except redis_exceptions.RedisError as exc:
+        raise MetadataError(f"Redis {action} failed: {exc}") from None
+    except OSError as exc:
+        raise MetadataError(f"Redis {action} failed: {exc}") from None
+
+
+class MetadataStore:
+    """Async access to one namespace's metadata in Redis (redis-py + hiredis)."""
+
+    def __init__(self, redis_url: str, namespace: str, timeout_s: float = 2.0) -> None:
+        self.namespace = namespace
+        self.redis_url = redis_url
+        self._redis = aioredis.Redis.from_url(
+            redis_url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            decode_responses=True,
+            health_check_interval=0,
+        )
+        self._commit = self._redis.register_script(_COMMIT_LUA)
+        self._remove = self._redis.register_script(_REMOVE_LUA)
+        self._remove_exact = self._redis.register_script(_REMOVE_EXACT_LUA)
+        tag = "{" + namespace + "}"
+        self.marker_key = f"kvp:{tag}:marker"
+        self.epoch_key = f"kvp:{tag}:epoch"
+        self.nodes_key = f"kvp:{tag}:nodes"
+        self._hb_prefix = f"kvp:{tag}:hb:"
+        self._index_prefix = f"kvp:{namespace}:k:"
+
+    # -- keys -------------------------------------------------------------------------
+    def index_key(self, key: str) -> str:
+        return self._index_prefix + "{" + key + "}"
+
+    def key_from_index(self, index_key: str) -> str:
+        return index_key[len(self._index_prefix) + 1 : -1]
+
+    def heartbeat_key(self, node_id: str) -> str:
+        return self._hb_prefix + node_id
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._redis.aclose()
+
+    async def ping(self) -> float:
+        """Round-trip time to Redis in milliseconds."""
+        start = time.perf_counter()
+        with _redis_errors("PING"):
+            await self._redis.ping()
+        return (time.perf_counter() - start) * 1000
+
+    # -- namespace and registry -------------------------------------------------------
+    async def ensure_marker(self) -> bool:
+        """Create the namespace marker if missing; True if it had to be created."""
+        with _redis_errors("SET marker"):
+            return bool(await self._redis.set(self.marker_key, f"{time.time():.3f}", nx=True))
+
+    async def new_epoch(self) -> int:
+        with _redis_errors("INCR epoch"):
+            return int(await self._redis.incr(self.epoch_key))
+
+    async def heartbeat(self, info: NodeInfo, ttl_ms: int) -> bool:
+        """Publish ``info`` and refresh liveness. Returns False if the marker was missing."""
+        with _redis_errors("heartbeat"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hset(self.nodes_key, info.node_id, info.to_json())
+                pipe.set(self.heartbeat_key(info.node_id), str(info.epoch), px=ttl_ms)
+                pipe.exists(self.marker_key)
+                results = await pipe.execute()
+        return bool(results[2])
+
+    async def deregister(self, node_id: str) -> None:
+        with _redis_errors("deregister"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hdel(self.nodes_key, node_id)
+                pipe.delete(self.heartbeat_key(node_id))
+                await pipe.execute()
+
+    async def set_draining(self, node_id: str, draining: bool) -> None:
+        with _redis_errors("HGET node"):
+            raw = await self._redis.hget(self.nodes_key, node_id)
+        if raw is None:
+            raise MetadataError(f"node {node_id!r} is not registered in namespace {self.namespace!r}")
+        info = NodeInfo.from_json(raw)
+        info.draining = draining
+        with _redis_errors("HSET node"):
+            await self._redis.hset(self.nodes_key, node_id, info.to_json())
+
+    async def nodes(self) -> list[NodeInfo]:
+        """Every registered node, with ``alive`` set from its heartbeat key (one round trip each)."""
+        with _redis_errors("HGETALL nodes"):
+            raw = await self._redis.hgetall(self.nodes_key)
+        infos = [NodeInfo.from_json(text) for text in raw.values()]
+        if not infos:
+            return []
+        with _redis_errors("MGET heartbeats"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for info in infos:
+                    pipe.get(self.heartbeat_key(info.node_id))
+                beats = await pipe.execute()
+        for info, beat in zip(infos, beats):
+            info.alive = beat is not None and beat == str(info.epoch)
+        return sorted(infos, key=lambda i: i.node_id)
+
+    # -- index ------------------------------------------------------------------------
+    async def commit(self, locations: Sequence[tuple[str, Location]]) -> None:
+        """Make ``(key, location)`` pairs visible, in one pipelined round trip."""
+        if not locations:
+            return
+        with _redis_errors("index commit"):
+            for start in range(0, len(locations), LOOKUP_BATCH):
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for key, loc in locations[start : start + LOOKUP_BATCH]:
+                        await self._commit(
+                            keys=[self.index_key(key)],
+                            args=[loc.node_id, loc.encode(), str(loc.checksum)],
+                            client=pipe,
+                        )
+                    await pipe.execute()
+
+    async def remove(self, node_id: str, epoch: int, keys: Sequence[str]) -> None:
+        """Drop this node epoch's locations for ``keys`` (eviction, delete, shutdown)."""
+        if not keys:
+            return
+        with _redis_errors("index remove"):
+            for start in range(0, len(keys), LOOKUP_BATCH):
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for key in keys[start : start + LOOKUP_BATCH]:
+                        await self._remove(keys=[self.index_key(key)], args=[node_id, str(epoch)], client=pipe)
+                    await pipe.execute()
+
+    async def remove_stale(self, stale: Sequence[tuple[str, Location]]) -> None:
+        """Drop locations a reader found stale, unless they changed since it looked."""
+        if not stale:
+            return
+        with _redis_errors("stale cleanup"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for key, loc in stale:
+                    await self._remove_exact(keys=[self.index_key(key)], args=[loc.node_id, loc.encode()], client=pipe)
+                await pipe.execute()
+
+    async def lookup(self, keys: Sequence[str]) -> list[IndexEntry]:
+        """Every recorded location of every key, in one pipelined round trip."""
+        if not keys:
+            return []
+        with _redis_errors("index lookup"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.hgetall(self.index_key(key))
+                raw: list[dict[str, str]] = await pipe.execute()
+        entries: list[IndexEntry] = []
+        for fields in raw:
+            entry: IndexEntry = []
+            for node_id, value in fields.items():
+                try:
+                    entry.append(Location.decode(node_id, value))
+                except MetadataError as exc:
+                    logger.warning("ignoring %s", exc)
+            entries.append(entry)
+        return entries
+
+    async def delete(self, keys: Sequence[str]) -> int:
+        """Remove index entries outright; returns how many existed."""
+        if not keys:
+            return 0
+        with _redis_errors("index delete"):
+            return int(await self._redis.delete(*[self.index_key(k) for k in keys]))
+
+    async def scan_keys(self, match: str = "*", count: int = 1000) -> AsyncIterator[str]:
+        """Stream pool keys (SCAN, never KEYS). ``match`` is a glob on the pool key."""
+        pattern = self._index_prefix + "{" + match + "}"
+        with _redis_errors("SCAN"):
+            async for index_key in self._redis.scan_iter(match=pattern, count=count):
+                yield self.key_from_index(index_key)
+
+    async def flush_namespace(self) -> int:
+        """Delete every key of this namespace; returns how many were removed."""
+        removed = 0
+        tag = "{" + self.namespace + "}"
+        with _redis_errors("flush"):
+            for pattern in (self._index_prefix + "*", f"kvp:{tag}:*"):
+                batch: list[str] = []
+                async for key in self._redis.scan_iter(match=pattern, count=1000):
+                    batch.append(key)
+                    if len(batch) >= LOOKUP_BATCH:
+                        removed += int(await self._redis.delete(*batch))
+                        batch = []
+                if batch:
+                    removed += int(await self._redis.delete(*batch))
+        return removed
+
+    async def raw(self) -> Any:
+        """The underlying redis-py client (tests and the CLI's inspection verbs)."""
+        return self._redis

@@ -1,0 +1,1 @@
+"""The pool node process: an asyncio server in front of its storage tiers."""

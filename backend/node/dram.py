@@ -1,0 +1,103 @@
+"""DRAM tier: a byte-bounded LRU of complete, verified chunks."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from backend.errors import CapacityError
+from backend.protocol import ItemMeta
+
+__all__ = ["DramTier", "StoredChunk"]
+
+TIER_NAME = "dram"
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredChunk:
+    """A chunk's bytes and the metadata it was stored with. Buffers are never mutated."""
+
+    meta: ItemMeta
+    buffer: bytearray
+
+
+class DramTier:
+    """An LRU map of chunks bounded by ``capacity_bytes``.
+
+    Space is *reserved* before a chunk's bytes are received (so memory never exceeds
+    the bound while a put is in flight), then the chunk is inserted or the
+    reservation released. Eviction drops the oldest chunks and reports them so the
+    caller can remove their index entries.
+    """
+
+    name = TIER_NAME
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError("DRAM capacity must be positive")
+        self.capacity_bytes = capacity_bytes
+        self._chunks: OrderedDict[str, StoredChunk] = OrderedDict()
+        self._stored_bytes = 0
+        self._reserved_bytes = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._stored_bytes + self._reserved_bytes
+
+    @property
+    def stored_bytes(self) -> int:
+        return self._stored_bytes
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._chunks
+
+    def keys(self) -> list[str]:
+        return list(self._chunks)
+
+    def items(self) -> Iterator[tuple[str, StoredChunk]]:
+        return iter(list(self._chunks.items()))
+
+    def reserve(self, nbytes: int) -> list[StoredChunk]:
+        """Reserve ``nbytes``, evicting least recently used chunks; returns the evicted."""
+        if nbytes > self.capacity_bytes:
+            raise CapacityError(f"chunk of {nbytes} bytes is larger than the DRAM tier ({self.capacity_bytes} bytes)")
+        evicted: list[StoredChunk] = []
+        while self.used_bytes + nbytes > self.capacity_bytes and self._chunks:
+            _, chunk = self._chunks.popitem(last=False)
+            self._stored_bytes -= chunk.meta.nbytes
+            evicted.append(chunk)
+        if self.used_bytes + nbytes > self.capacity_bytes:
+            # Everything left is reserved by puts in flight.
+            raise CapacityError(f"DRAM tier full: {self._reserved_bytes} bytes reserved by puts in flight")
+        self._reserved_bytes += nbytes
+        return evicted
+
+    def release(self, nbytes: int) -> None:
+        """Give back a reservation whose put did not complete."""
+        self._reserved_bytes -= nbytes
+
+    def insert(self, chunk: StoredChunk) -> None:
+        """Store a chunk whose space was reserved; replaces an older copy of the key."""
+        self._reserved_bytes -= chunk.meta.nbytes
+        old = self._chunks.pop(chunk.meta.key, None)
+        if old is not None:
+            self._stored_bytes -= old.meta.nbytes
+        self._chunks[chunk.meta.key] = chunk
+        self._stored_bytes += chunk.meta.nbytes
+
+    def get(self, key: str) -> StoredChunk | None:
+        """The chunk for ``key`` (marked most recently used), or None."""
+        chunk = self._chunks.get(key)
+        if chunk is not None:
+            self._chunks.move_to_end(key)
+        return chunk
+
+    def delete(self, key: str) -> StoredChunk | None:
+        chunk = self._chunks.pop(key, None)
+        if chunk is not None:
+            self._stored_bytes -= chunk.meta.nbytes
+        return chunk

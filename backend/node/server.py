@@ -1,0 +1,424 @@
+"""The pool node: an asyncio TCP server in front of its DRAM tier.
+
+Put path (crash ordering): receive every byte into space reserved in the tier ->
+verify each chunk's checksum -> insert into the tier -> commit the index entries to
+Redis in one pipeline -> ack. A key becomes visible only at the commit, after its
+bytes are complete; a put that fails anywhere before the commit leaves nothing
+behind. If the commit itself fails the chunks are dropped again and the client is
+told, so nothing is acknowledged that readers cannot find.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from collections import Counter
+from typing import Any
+
+from backend.errors import AuthError, CapacityError, KVPoolError, MetadataError, NodeUnavailable, ProtocolError
+from backend.metadata import Location, MetadataStore, NodeInfo
+from backend.node.dram import DramTier, StoredChunk
+from backend.protocol import (
+    DEFAULT_LIMITS,
+    PUT_INTEGRITY,
+    PUT_NO_CAPACITY,
+    PUT_STORED,
+    RESPONSE_BIT,
+    Header,
+    ItemMeta,
+    Limits,
+    Op,
+    auth_mac,
+    checksum,
+    decode_items,
+    decode_json,
+    decode_keys,
+    encode_flags,
+    encode_get_response,
+    encode_header,
+    encode_json,
+    status_for_error,
+)
+from backend.transport import Buffer, FrameSocket
+
+__all__ = ["NodeConfig", "PoolNode", "run_node"]
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUESTS_IN_FLIGHT_PER_CONNECTION = 32
+SHUTDOWN_TIMEOUT_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeConfig:
+    """Everything a node needs to run; built by the CLI or by tests."""
+
+    redis_url: str
+    namespace: str
+    dram_bytes: int
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str = ""
+    node_id: str = ""
+    token: str = dataclasses.field(default="", repr=False)
+    cluster: str = ""
+    heartbeat_interval_ms: int = 1000
+    heartbeat_ttl_ms: int = 5000
+    redis_timeout_ms: int = 2000
+    limits: Limits = DEFAULT_LIMITS
+
+
+class PoolNode:
+    """One node: accepts client connections, stores chunks, keeps Redis in step."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.dram = DramTier(config.dram_bytes)
+        self.meta = MetadataStore(config.redis_url, config.namespace, config.redis_timeout_ms / 1000)
+        self.counters: Counter[str] = Counter()
+        self.epoch = 0
+        self.node_id = config.node_id
+        self.started_at = time.time()
+        self._listener: socket.socket | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._connections: set[FrameSocket] = set()
+        self._pending_removals: set[str] = set()
+        self._redis_ok = True
+        self._stopping = asyncio.Event()
+
+    # -- lifecycle --------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        assert self._listener is not None
+        return int(self._listener.getsockname()[1])
+
+    @property
+    def advertise_host(self) -> str:
+        if self.config.advertise_host:
+            return self.config.advertise_host
+        if self.config.host in ("", "0.0.0.0", "::"):
+            return socket.gethostname()
+        return self.config.host
+
+    async def start(self) -> None:
+        """Bind, take an epoch, register. Raises MetadataError if Redis is unreachable."""
+        listener = socket.create_server((self.config.host, self.config.port), backlog=512, reuse_port=False)
+        listener.setblocking(False)
+        self._listener = listener
+        if not self.node_id:
+            self.node_id = f"{socket.gethostname()}-{self.port}"
+        await self.meta.ensure_marker()
+        self.epoch = await self.meta.new_epoch()
+        await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
+        self._spawn(self._accept_loop())
+        self._spawn(self._heartbeat_loop())
+        logger.info(
+            "node %s epoch %d serving %s:%d (DRAM %d bytes, namespace %s)",
+            self.node_id, self.epoch, self.advertise_host, self.port, self.dram.capacity_bytes, self.config.namespace,
+        )  # fmt: skip
+
+    async def wait_stopped(self) -> None:
+        await self._stopping.wait()
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def stop(self) -> None:
+        """Stop serving, withdraw this node's index entries, deregister. Bounded in time."""
+        self._stopping.set()
+        if self._listener is not None:
+            self._listener.close()
+        for conn in list(self._connections):
+            conn.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
+                await self.meta.remove(self.node_id, self.epoch, self.dram.keys())
+                await self.meta.deregister(self.node_id)
+        except (KVPoolError, TimeoutError) as exc:
+            logger.warning("node %s: could not deregister cleanly: %s", self.node_id, exc)
+        await self.meta.close()
+        logger.info("node %s stopped", self.node_id)
+
+    def info(self) -> NodeInfo:
+        return NodeInfo(
+            node_id=self.node_id,
+            host=self.advertise_host,
+            port=self.port,
+            epoch=self.epoch,
+            cluster=self.config.cluster,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=self.started_at,
+            capacity_bytes=self.dram.capacity_bytes,
+            used_bytes=self.dram.used_bytes,
+            object_count=len(self.dram),
+            tiers={"dram": {"capacity_bytes": self.dram.capacity_bytes, "used_bytes": self.dram.used_bytes,
+                            "objects": len(self.dram)}},
+        )  # fmt: skip
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "epoch": self.epoch,
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "counters": dict(self.counters),
+            "dram": {"capacity_bytes": self.dram.capacity_bytes, "used_bytes": self.dram.used_bytes,
+                     "objects": len(self.dram)},
+        }  # fmt: skip
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- background -------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval_ms / 1000
+        while not self._stopping.is_set():
+            await asyncio.sleep(interval)
+            try:
+                marker_present = await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
+                if not marker_present:
+                    await self._republish()
+                await self._flush_removals()
+                if not self._redis_ok:
+                    logger.warning("node %s: Redis reachable again", self.node_id)
+                    self._redis_ok = True
+            except MetadataError as exc:
+                if self._redis_ok:
+                    logger.warning("node %s: Redis unreachable, serving what is held: %s", self.node_id, exc)
+                    self._redis_ok = False
+
+    async def _republish(self) -> None:
+        """Redis lost our namespace (restart or flush): publish everything we hold again."""
+        await self.meta.ensure_marker()
+        held = [(key, self._location(chunk.meta)) for key, chunk in self.dram.items()]
+        await self.meta.commit(held)
+        self.counters["republished"] += len(held)
+        logger.warning("node %s: namespace was missing in Redis; republished %d chunks", self.node_id, len(held))
+
+    async def _flush_removals(self) -> None:
+        if not self._pending_removals:
+            return
+        keys = [k for k in self._pending_removals if k not in self.dram]
+        self._pending_removals.clear()
+        await self.meta.remove(self.node_id, self.epoch, keys)
+
+    def _location(self, meta: ItemMeta) -> Location:
+        return Location(self.node_id, self.epoch, self.dram.name, meta.nbytes, meta.checksum)
+
+    # -- connections ------------------------------------------------------------------
+    async def _accept_loop(self) -> None:
+        assert self._listener is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, address = await loop.sock_accept(self._listener)
+            conn = FrameSocket(sock, loop, f"{address[0]}:{address[1]}")
+            self._spawn(self._serve_connection(conn))
+
+    async def _serve_connection(self, conn: FrameSocket) -> None:
+        self._connections.add(conn)
+        authed = not self.config.token
+        nonce = b""
+        in_flight = asyncio.Semaphore(MAX_REQUESTS_IN_FLIGHT_PER_CONNECTION)
+        header: Header | None = None
+        try:
+            while True:
+                header, meta = await conn.recv_frame_head(self.config.limits)
+                if header.is_response:
+                    raise ProtocolError(f"client sent a response frame (op {header.op})")
+                op = header.base_op
+                if op == Op.HELLO:
+                    nonce = secrets.token_bytes(32)
+                    body = {"node_id": self.node_id, "epoch": self.epoch, "auth_required": bool(self.config.token),
+                            "nonce": nonce.hex()}  # fmt: skip
+                    await self._reply(conn, header, encode_json(body))
+                    continue
+                if op == Op.AUTH:
+                    authed = self._check_auth(decode_json(meta), nonce)
+                    if not authed:
+                        self.counters["auth_failures"] += 1
+                        raise AuthError("wrong or missing token")
+                    await self._reply(conn, header, encode_json({"ok": True}))
+                    continue
+                if not authed:
+                    self.counters["auth_failures"] += 1
+                    raise AuthError("this node requires a token: send HELLO and AUTH first")
+                if op == Op.PUT_BATCH:
+                    # Bytes must leave the socket in order, so the receive happens here;
+                    # verification, commit and reply overlap with the next request.
+                    items = decode_items(meta, header.data_len, self.config.limits)
+                    received = await self._receive_put(conn, items)
+                    await in_flight.acquire()
+                    self._spawn(self._finish(conn, header, in_flight, self._commit_put(received)))
+                    continue
+                if header.data_len:
+                    raise ProtocolError(f"op {op} carries no data, got {header.data_len} bytes")
+                await in_flight.acquire()
+                self._spawn(self._finish(conn, header, in_flight, self._handle(op, meta)))
+        except asyncio.CancelledError:
+            raise
+        except NodeUnavailable:
+            pass  # the client went away
+        except KVPoolError as exc:
+            self.counters["protocol_errors" if isinstance(exc, ProtocolError) else "auth_errors"] += 1
+            logger.warning("node %s: closing connection from %s: %s", self.node_id, conn.peer, exc)
+            with contextlib.suppress(KVPoolError, OSError):
+                async with asyncio.timeout(1.0):
+                    await self._reply_error(conn, header, exc)
+        except OSError as exc:
+            logger.info("node %s: connection from %s failed: %s", self.node_id, conn.peer, exc)
+        finally:
+            conn.close()
+            self._connections.discard(conn)
+
+    def _check_auth(self, body: dict[str, Any], nonce: bytes) -> bool:
+        if not self.config.token:
+            return True
+        mac = body.get("mac")
+        if not nonce or not isinstance(mac, str):
+            return False
+        return hmac.compare_digest(mac, auth_mac(self.config.token, nonce))
+
+    async def _finish(self, conn: FrameSocket, header: Header, in_flight: asyncio.Semaphore, work: Any) -> None:
+        try:
+            try:
+                meta, data = await work
+            except KVPoolError as exc:
+                self.counters["request_errors"] += 1
+                await self._reply_error(conn, header, exc)
+                return
+            await self._reply(conn, header, meta, data)
+        except (NodeUnavailable, OSError):
+            conn.close()
+        finally:
+            in_flight.release()
+
+    async def _reply(self, conn: FrameSocket, header: Header, meta: bytes, data: list[Buffer] | None = None) -> None:
+        data = data or []
+        data_len = sum(len(b) for b in data)
+        head = encode_header(header.base_op | RESPONSE_BIT, header.request_id, meta, data_len)
+        await conn.send([head, meta, *data])
+
+    async def _reply_error(self, conn: FrameSocket, header: Header | None, exc: BaseException) -> None:
+        message = str(exc).encode("utf-8", "replace")[:4096]
+        op = (header.base_op if header is not None else Op.PING) | RESPONSE_BIT
+        request_id = header.request_id if header is not None else 0
+        await conn.send([encode_header(op, request_id, message, 0, status_for_error(exc)), message])
+
+    # -- requests ---------------------------------------------------------------------
+    async def _receive_put(self, conn: FrameSocket, items: list[ItemMeta]) -> list[tuple[ItemMeta, bytearray | None]]:
+        """Receive each chunk into reserved DRAM; an item with no room is read and dropped."""
+        received: list[tuple[ItemMeta, bytearray | None]] = []
+        try:
+            for item in items:
+                try:
+                    evicted = self.dram.reserve(item.nbytes)
+                except CapacityError:
+                    await conn.discard(item.nbytes)
+                    received.append((item, None))
+                    continue
+                self._note_evicted(evicted)
+                buffer = bytearray(item.nbytes)
+                received.append((item, buffer))
+                await conn.recv_into(buffer)
+        except BaseException:
+            for reserved_item, reserved in received:
+                if reserved is not None:
+                    self.dram.release(reserved_item.nbytes)
+            raise
+        return received
+
+    def _note_evicted(self, evicted: list[StoredChunk]) -> None:
+        if evicted:
+            self.counters["evictions"] += len(evicted)
+            self._pending_removals.update(chunk.meta.key for chunk in evicted)
+
+    async def _commit_put(self, received: list[tuple[ItemMeta, bytearray | None]]) -> tuple[bytes, list[Buffer]]:
+        flags: list[int] = []
+        stored: list[StoredChunk] = []
+        for item, buffer in received:
+            if buffer is None:
+                flags.append(PUT_NO_CAPACITY)
+                self.counters["put_rejected_capacity"] += 1
+            elif checksum(buffer) != item.checksum:
+                self.dram.release(item.nbytes)
+                flags.append(PUT_INTEGRITY)
+                self.counters["integrity_failures"] += 1
+            else:
+                chunk = StoredChunk(item, buffer)
+                self.dram.insert(chunk)
+                stored.append(chunk)
+                flags.append(PUT_STORED)
+        try:
+            await self._flush_removals()
+            await self.meta.commit([(c.meta.key, self._location(c.meta)) for c in stored])
+        except MetadataError:
+            # Not visible, so not kept: a put is acknowledged only once readers can find it.
+            for chunk in stored:
+                current = self.dram.get(chunk.meta.key)
+                if current is chunk:
+                    self.dram.delete(chunk.meta.key)
+            raise
+        self.counters["puts"] += len(stored)
+        self.counters["put_bytes"] += sum(c.meta.nbytes for c in stored)
+        return encode_flags(flags), []
+
+    async def _handle(self, op: int, meta: bytearray) -> tuple[bytes, list[Buffer]]:
+        limits = self.config.limits
+        if op == Op.GET_BATCH:
+            found: list[ItemMeta | None] = []
+            data: list[Buffer] = []
+            for key in decode_keys(meta, limits):
+                chunk = self.dram.get(key)
+                self.counters["gets"] += 1
+                if chunk is None:
+                    self.counters["misses"] += 1
+                    found.append(None)
+                else:
+                    self.counters["hits"] += 1
+                    self.counters["get_bytes"] += chunk.meta.nbytes
+                    found.append(chunk.meta)
+                    data.append(chunk.buffer)
+            return encode_get_response(found, limits), data
+        if op == Op.EXISTS_BATCH:
+            return encode_flags([int(key in self.dram) for key in decode_keys(meta, limits)]), []
+        if op == Op.DELETE_BATCH:
+            keys = decode_keys(meta, limits)
+            deleted = [key for key in keys if self.dram.delete(key) is not None]
+            await self.meta.remove(self.node_id, self.epoch, deleted)
+            self.counters["deletes"] += len(deleted)
+            gone = set(deleted)
+            return encode_flags([int(key in gone) for key in keys]), []
+        if op == Op.STAT:
+            return encode_json(self.stats()), []
+        if op == Op.PING:
+            return encode_json({"node_id": self.node_id, "epoch": self.epoch}), []
+        raise ProtocolError(f"op {op} is not a request")
+
+
+async def run_node(config: NodeConfig, ready: Any = None) -> None:
+    """Run a node until SIGTERM/SIGINT, then withdraw it from the pool cleanly."""
+    node = PoolNode(config)
+    await node.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, node.request_stop)
+    if ready is not None:
+        ready(node)
+    try:
+        await node.wait_stopped()
+    finally:
+        await node.stop()

@@ -1,0 +1,395 @@
+"""The wire format between clients and pool nodes (spec: docs/protocol.md).
+
+Every frame is a fixed 36-byte header, a *meta* section and a *data* section::
+
+    magic "KV" | version u8 | op u8 | status u16 | flags u16 | meta_len u32
+    | request_id u64 | data_len u64 | meta_checksum u64            (little-endian)
+
+``meta`` describes the frame (keys, sizes, per-item checksums, layouts); ``data`` is
+the concatenated chunk payloads. The meta checksum (xxh3-64) covers the meta section,
+and the meta section carries an xxh3-64 of every chunk, so every payload byte is
+covered without hashing anything twice. Lengths are checked against :class:`Limits`
+before anything is allocated. Responses carry the request's op with ``RESPONSE_BIT``
+set; a non-zero status makes the meta a UTF-8 error message.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from backend.errors import (
+    AuthError,
+    CapacityError,
+    IntegrityError,
+    KVPoolError,
+    MetadataError,
+    ProtocolError,
+)
+
+__all__ = [
+    "VERSION",
+    "HEADER",
+    "Op",
+    "Status",
+    "Header",
+    "ItemMeta",
+    "Limits",
+    "checksum",
+    "auth_mac",
+    "encode_header",
+    "decode_header",
+    "encode_items",
+    "decode_items",
+    "encode_keys",
+    "decode_keys",
+    "encode_flags",
+    "decode_flags",
+    "encode_get_response",
+    "decode_get_response",
+    "encode_json",
+    "decode_json",
+    "error_for_status",
+    "status_for_error",
+]
+
+MAGIC = b"KV"
+VERSION = 1
+HEADER = struct.Struct("<2sBBHHIQQQ")
+RESPONSE_BIT = 0x80
+
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_ITEM_FIXED = struct.Struct("<QQH")  # nbytes, checksum, fmt
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    AUTH = 2
+    PUT_BATCH = 3
+    GET_BATCH = 4
+    EXISTS_BATCH = 5
+    DELETE_BATCH = 6
+    STAT = 7
+    PING = 8
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    PROTOCOL = 1
+    AUTH = 2
+    CAPACITY = 3
+    INTEGRITY = 4
+    METADATA = 5
+    INTERNAL = 6
+
+
+# Per-item outcome of a PUT_BATCH, in the response's flag list.
+PUT_STORED = 0
+PUT_INTEGRITY = 1
+PUT_NO_CAPACITY = 2
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Hard limits a node enforces before allocating anything for a frame."""
+
+    max_meta_bytes: int = 4 * 1024 * 1024
+    max_data_bytes: int = 2 * 1024 * 1024 * 1024
+    max_items: int = 4096
+    max_key_bytes: int = 1024
+    max_dtype_bytes: int = 32
+    max_ndim: int = 8
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass(frozen=True)
+class Header:
+    op: int
+    status: int
+    flags: int
+    meta_len: int
+    request_id: int
+    data_len: int
+    meta_checksum: int
+
+    @property
+    def is_response(self) -> bool:
+        return bool(self.op & RESPONSE_BIT)
+
+    @property
+    def base_op(self) -> int:
+        return self.op & ~RESPONSE_BIT
+
+
+@dataclass(frozen=True)
+class ItemMeta:
+    """One chunk: its key, byte length, xxh3-64 checksum and tensor layout."""
+
+    key: str
+    nbytes: int
+    checksum: int
+    dtype: str
+    shape: tuple[int, ...]
+    fmt: int
+
+
+def auth_mac(token: str, nonce: bytes) -> str:
+    """The HMAC-SHA256 a client proves its token with; the token never crosses the wire."""
+    return hmac.new(token.encode("utf-8"), nonce, hashlib.sha256).hexdigest()
+
+
+def checksum(data: Any) -> int:
+    """xxh3-64 of a bytes-like object (memoryviews are hashed in place)."""
+    return int(xxhash.xxh3_64_intdigest(data))
+
+
+def encode_header(
+    op: int,
+    request_id: int,
+    meta: bytes | bytearray | memoryview = b"",
+    data_len: int = 0,
+    status: int = Status.OK,
+) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, op, status, 0, len(meta), request_id, data_len, checksum(meta))
+
+
+def decode_header(buf: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Header:
+    """Parse and bound-check a header; raises ProtocolError before anything is allocated."""
+    if len(buf) != HEADER.size:
+        raise ProtocolError(f"header is {len(buf)} bytes, expected {HEADER.size}")
+    magic, version, op, status, flags, meta_len, request_id, data_len, meta_sum = HEADER.unpack(buf)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version}, this side speaks {VERSION}")
+    if op & ~RESPONSE_BIT not in _OP_VALUES:
+        raise ProtocolError(f"unknown op code {op}")
+    if meta_len > limits.max_meta_bytes:
+        raise ProtocolError(f"meta section of {meta_len} bytes exceeds {limits.max_meta_bytes}")
+    if data_len > limits.max_data_bytes:
+        raise ProtocolError(f"data section of {data_len} bytes exceeds {limits.max_data_bytes}")
+    return Header(op, status, flags, meta_len, request_id, data_len, meta_sum)
+
+
+_OP_VALUES = frozenset(int(op) for op in Op)
+
+
+def verify_meta(header: Header, meta: bytes | bytearray | memoryview) -> None:
+    if checksum(meta) != header.meta_checksum:
+        raise ProtocolError("meta checksum mismatch")
+
+
+class _Reader:
+    """Bounds-checked cursor over a meta section."""
+
+    def __init__(self, buf: bytes | bytearray | memoryview) -> None:
+        self.view = memoryview(buf).cast("B") if not isinstance(buf, bytes) else memoryview(buf)
+        self.pos = 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        end = self.pos + n
+        if end > len(self.view):
+            raise ProtocolError(f"meta truncated while reading {what}")
+        out = self.view[self.pos : end]
+        self.pos = end
+        return out
+
+    def unpack(self, st: struct.Struct, what: str) -> tuple[Any, ...]:
+        return st.unpack(self.take(st.size, what))
+
+    def text(self, n: int, what: str) -> str:
+        try:
+            return bytes(self.take(n, what)).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError(f"{what} is not valid UTF-8") from None
+
+    def count(self, limits: Limits) -> int:
+        (n,) = self.unpack(_U32, "item count")
+        if n > limits.max_items:
+            raise ProtocolError(f"{n} items exceed the limit of {limits.max_items}")
+        return int(n)
+
+    def key(self, limits: Limits) -> str:
+        (n,) = self.unpack(_U16, "key length")
+        if n == 0 or n > limits.max_key_bytes:
+            raise ProtocolError(f"key length {n} outside 1..{limits.max_key_bytes}")
+        return self.text(n, "key")
+
+    def done(self) -> None:
+        if self.pos != len(self.view):
+            raise ProtocolError(f"{len(self.view) - self.pos} unexpected trailing meta bytes")
+
+
+def _encode_key(out: bytearray, key: str, limits: Limits) -> None:
+    raw = key.encode("utf-8")
+    if not 0 < len(raw) <= limits.max_key_bytes:
+        raise ProtocolError(f"key of {len(raw)} bytes outside 1..{limits.max_key_bytes}: {key[:80]!r}")
+    out += _U16.pack(len(raw))
+    out += raw
+
+
+def _encode_item(out: bytearray, item: ItemMeta, limits: Limits) -> None:
+    _encode_key(out, item.key, limits)
+    out += _ITEM_FIXED.pack(item.nbytes, item.checksum, item.fmt)
+    dtype = item.dtype.encode("ascii")
+    if not 0 < len(dtype) <= limits.max_dtype_bytes:
+        raise ProtocolError(f"dtype name {item.dtype!r} is empty or too long")
+    if len(item.shape) > limits.max_ndim:
+        raise ProtocolError(f"shape {item.shape} has more than {limits.max_ndim} dimensions")
+    out += _U8.pack(len(dtype))
+    out += dtype
+    out += _U8.pack(len(item.shape))
+    out += struct.pack(f"<{len(item.shape)}Q", *item.shape)
+
+
+def _decode_item(reader: _Reader, limits: Limits) -> ItemMeta:
+    key = reader.key(limits)
+    nbytes, item_sum, fmt = reader.unpack(_ITEM_FIXED, "item header")
+    (dtype_len,) = reader.unpack(_U8, "dtype length")
+    if not 0 < dtype_len <= limits.max_dtype_bytes:
+        raise ProtocolError(f"dtype length {dtype_len} outside 1..{limits.max_dtype_bytes}")
+    dtype = reader.text(dtype_len, "dtype")
+    (ndim,) = reader.unpack(_U8, "ndim")
+    if ndim > limits.max_ndim:
+        raise ProtocolError(f"{ndim} dimensions exceed the limit of {limits.max_ndim}")
+    shape = struct.unpack(f"<{ndim}Q", reader.take(8 * ndim, "shape"))
+    return ItemMeta(key, int(nbytes), int(item_sum), dtype, tuple(int(d) for d in shape), int(fmt))
+
+
+def encode_items(items: Sequence[ItemMeta], limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Meta of a PUT_BATCH request: item count, then each item's meta."""
+    if len(items) > limits.max_items:
+        raise ProtocolError(f"{len(items)} items exceed the limit of {limits.max_items}")
+    out = bytearray(_U32.pack(len(items)))
+    for item in items:
+        _encode_item(out, item, limits)
+    return bytes(out)
+
+
+def decode_items(
+    meta: bytes | bytearray | memoryview, data_len: int, limits: Limits = DEFAULT_LIMITS
+) -> list[ItemMeta]:
+    """Decode PUT_BATCH meta and check the items add up to the declared data length."""
+    reader = _Reader(meta)
+    items = [_decode_item(reader, limits) for _ in range(reader.count(limits))]
+    reader.done()
+    total = sum(item.nbytes for item in items)
+    if total != data_len:
+        raise ProtocolError(f"items declare {total} bytes but the frame carries {data_len}")
+    return items
+
+
+def encode_keys(keys: Sequence[str], limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Meta of GET/EXISTS/DELETE requests."""
+    if len(keys) > limits.max_items:
+        raise ProtocolError(f"{len(keys)} keys exceed the limit of {limits.max_items}")
+    out = bytearray(_U32.pack(len(keys)))
+    for key in keys:
+        _encode_key(out, key, limits)
+    return bytes(out)
+
+
+def decode_keys(meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> list[str]:
+    reader = _Reader(meta)
+    keys = [reader.key(limits) for _ in range(reader.count(limits))]
+    reader.done()
+    return keys
+
+
+def encode_flags(flags: Sequence[int]) -> bytes:
+    """Meta of EXISTS/DELETE/PUT responses: one status byte per item."""
+    return _U32.pack(len(flags)) + bytes(flags)
+
+
+def decode_flags(meta: bytes | bytearray | memoryview, expected: int) -> list[int]:
+    reader = _Reader(meta)
+    (n,) = reader.unpack(_U32, "flag count")
+    if n != expected:
+        raise ProtocolError(f"response carries {n} results for {expected} requested")
+    flags = list(reader.take(n, "flags"))
+    reader.done()
+    return flags
+
+
+def encode_get_response(found: Sequence[ItemMeta | None], limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Meta of a GET_BATCH response: per key a found byte and, if found, the item."""
+    out = bytearray(_U32.pack(len(found)))
+    for item in found:
+        if item is None:
+            out += b"\x00"
+        else:
+            out += b"\x01"
+            _encode_item(out, item, limits)
+    return bytes(out)
+
+
+def decode_get_response(
+    meta: bytes | bytearray | memoryview, keys: Sequence[str], data_len: int, limits: Limits = DEFAULT_LIMITS
+) -> list[ItemMeta | None]:
+    reader = _Reader(meta)
+    n = reader.count(limits)
+    if n != len(keys):
+        raise ProtocolError(f"GET response carries {n} results for {len(keys)} keys")
+    found: list[ItemMeta | None] = []
+    for key in keys:
+        (flag,) = reader.unpack(_U8, "found flag")
+        if flag == 0:
+            found.append(None)
+            continue
+        item = _decode_item(reader, limits)
+        if item.key != key:
+            raise ProtocolError(f"GET response answered {item.key!r} for {key!r}")
+        found.append(item)
+    reader.done()
+    total = sum(item.nbytes for item in found if item is not None)
+    if total != data_len:
+        raise ProtocolError(f"GET response declares {total} bytes but carries {data_len}")
+    return found
+
+
+def encode_json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode("utf-8")
+
+
+def decode_json(meta: bytes | bytearray | memoryview) -> dict[str, Any]:
+    try:
+        value = json.loads(bytes(meta).decode("utf-8")) if len(meta) else {}
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"control message is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ProtocolError("control message is not a JSON object")
+    return value
+
+
+_STATUS_ERRORS: dict[int, type[KVPoolError]] = {
+    Status.PROTOCOL: ProtocolError,
+    Status.AUTH: AuthError,
+    Status.CAPACITY: CapacityError,
+    Status.INTEGRITY: IntegrityError,
+    Status.METADATA: MetadataError,
+}
+
+
+def error_for_status(status: int, message: str) -> KVPoolError:
+    """The exception a client raises for an error frame from a node."""
+    return _STATUS_ERRORS.get(status, KVPoolError)(f"node: {message}")
+
+
+def status_for_error(exc: BaseException) -> Status:
+    """The status a node sends for an exception raised while serving a request."""
+    for status, cls in _STATUS_ERRORS.items():
+        if isinstance(exc, cls):
+            return Status(status)
+    return Status.INTERNAL

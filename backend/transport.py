@@ -1,0 +1,158 @@
+"""Zero-copy frame I/O over a non-blocking TCP socket, shared by clients and nodes.
+
+Bytes are received with ``recv_into`` straight into the caller's buffer and sent with
+``sendmsg`` over memoryviews; nothing on this path concatenates payloads. While data
+is available the loops run without yielding to the event loop, which is what makes
+a single connection approach the loopback ceiling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Sequence
+from typing import Union
+
+from backend.errors import NodeUnavailable
+from backend.protocol import DEFAULT_LIMITS, HEADER, Header, Limits, decode_header, verify_meta
+
+__all__ = ["FrameSocket", "Buffer", "tune_socket"]
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+# sendmsg accepts at most IOV_MAX (1024 on Linux) buffers per call.
+_MAX_IOV = 512
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """Non-blocking, no Nagle delay, large kernel buffers."""
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+        except OSError:
+            pass
+
+
+class FrameSocket:
+    """One TCP connection speaking kvpool frames; owned by a single event loop."""
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, peer: str) -> None:
+        tune_socket(sock)
+        self.sock = sock
+        self.loop = loop
+        self.peer = peer
+        self.closed = False
+        self.send_lock = asyncio.Lock()
+        self._header_buf = bytearray(HEADER.size)
+
+    @classmethod
+    async def connect(cls, host: str, port: int, timeout_s: float) -> FrameSocket:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout_s):
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                family, kind, proto, _, address = infos[0]
+                sock = socket.socket(family, kind, proto)
+                sock.setblocking(False)
+                try:
+                    await loop.sock_connect(sock, address)
+                except BaseException:
+                    sock.close()
+                    raise
+        except (OSError, TimeoutError) as exc:
+            raise NodeUnavailable(f"cannot connect to {host}:{port}: {exc or 'timed out'}") from None
+        return cls(sock, loop, f"{host}:{port}")
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+    async def _wait(self, writable: bool) -> None:
+        if self.closed:
+            raise NodeUnavailable(f"connection to {self.peer} is closed")
+        fut: asyncio.Future[None] = self.loop.create_future()
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        fd = self.sock.fileno()
+        if writable:
+            self.loop.add_writer(fd, ready)
+        else:
+            self.loop.add_reader(fd, ready)
+        try:
+            await fut
+        finally:
+            if not self.closed:
+                if writable:
+                    self.loop.remove_writer(fd)
+                else:
+                    self.loop.remove_reader(fd)
+
+    async def recv_into(self, buf: Buffer) -> None:
+        """Fill ``buf`` exactly; raises NodeUnavailable if the peer closes first."""
+        view = memoryview(buf).cast("B")
+        while view:
+            try:
+                n = self.sock.recv_into(view)
+            except BlockingIOError:
+                await self._wait(writable=False)
+                continue
+            except OSError as exc:
+                raise NodeUnavailable(f"receive from {self.peer} failed: {exc}") from None
+            if n == 0:
+                raise NodeUnavailable(f"{self.peer} closed the connection")
+            view = view[n:]
+
+    async def discard(self, nbytes: int) -> None:
+        """Read and drop ``nbytes`` (a payload nobody wants) in bounded pieces."""
+        scratch = bytearray(min(nbytes, 1024 * 1024))
+        while nbytes:
+            piece = memoryview(scratch)[: min(nbytes, len(scratch))]
+            await self.recv_into(piece)
+            nbytes -= len(piece)
+
+    async def recv_frame_head(self, limits: Limits = DEFAULT_LIMITS) -> tuple[Header, bytearray]:
+        """Receive a header and its meta section (verified); the data stays on the socket."""
+        await self.recv_into(self._header_buf)
+        header = decode_header(self._header_buf, limits)
+        meta = bytearray(header.meta_len)
+        if header.meta_len:
+            await self.recv_into(meta)
+        verify_meta(header, meta)
+        return header, meta
+
+    async def send(self, buffers: Sequence[Buffer]) -> None:
+        """Send all buffers in order as one uninterrupted byte stream."""
+        async with self.send_lock:
+            pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+            while pending:
+                try:
+                    sent = self.sock.sendmsg(pending[:_MAX_IOV])
+                except BlockingIOError:
+                    try:
+                        await self._wait(writable=True)
+                    except BaseException:
+                        # A frame cut short leaves the stream unusable: never reuse it.
+                        self.close()
+                        raise
+                    continue
+                except OSError as exc:
+                    self.close()
+                    raise NodeUnavailable(f"send to {self.peer} failed: {exc}") from None
+                while sent:
+                    head = pending[0]
+                    if sent >= len(head):
+                        sent -= len(head)
+                        pending.pop(0)
+                    else:
+                        pending[0] = head[sent:]
+                        sent = 0

@@ -1,0 +1,1 @@
+"""Benchmarks, the demo, and the LMCache harness they share with the tests."""

@@ -1,0 +1,150 @@
+"""Build LMCache's storage exactly as LMCache does, for the demo, the bench and the tests.
+
+``LMCacheStack`` = ``load_engine_config_with_overrides`` + ``CreateStorageBackends``
+on a private event loop thread: a ``LocalCPUBackend`` and a ``RemoteBackend`` for
+whatever remote the config names (the kvpool plugin, or one of LMCache's own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+
+import torch
+import yaml
+
+from backend.lmcache_config import lmcache_config
+
+MODEL = "kvpool-demo/tiny-model"
+NUM_LAYERS = 4
+NUM_HEADS = 8
+HEAD_SIZE = 64
+CHUNK_TOKENS = 256
+
+
+def kvpool_lmcache_config(url: str, *, chunk_size: int = CHUNK_TOKENS, local_cpu_gib: float = 1.0) -> dict[str, Any]:
+    """The LMCache config that enables kvpool (what ``kvpool lmcache-config`` prints)."""
+    return lmcache_config(url, chunk_size=chunk_size, local_cpu_gib=local_cpu_gib)
+
+
+class LMCacheStack:
+    """LMCache's LocalCPUBackend + RemoteBackend built from a config dict, on its own loop."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        *,
+        model: str = MODEL,
+        num_layers: int = NUM_LAYERS,
+        hidden: tuple[int, int] = (NUM_HEADS, HEAD_SIZE),
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        from lmcache.v1.config import load_engine_config_with_overrides
+        from lmcache.v1.metadata import LMCacheMetadata
+        from lmcache.v1.storage_backend import CreateStorageBackends
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvpool-lmcache-")
+        path = Path(self._tmp.name) / "lmcache.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.config = load_engine_config_with_overrides(config_file_path=str(path))
+        chunk = int(config.get("chunk_size", CHUNK_TOKENS))
+        self.model = model
+        self.dtype = dtype
+        self.shape = torch.Size([2, num_layers, chunk, hidden[0] * hidden[1]])
+        self.metadata = LMCacheMetadata(
+            model_name=model, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+            kv_dtype=dtype, kv_shape=(num_layers, 2, chunk, hidden[0], hidden[1]),
+        )  # fmt: skip
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="lmcache-loop", daemon=True)
+        self._thread.start()
+        self.backends = CreateStorageBackends(self.config, self.metadata, self.loop)
+        self.local = self.backends["LocalCPUBackend"]
+        remotes = [name for name in self.backends if name.startswith("RemoteBackend")]
+        if len(remotes) != 1:
+            raise RuntimeError(f"expected one remote backend, LMCache built {remotes or 'none'}")
+        self.remote = self.backends[remotes[0]]
+
+    @property
+    def chunk_bytes(self) -> int:
+        return int(self.shape.numel()) * self.dtype.itemsize
+
+    def key(self, chunk_hash: int) -> Any:
+        from lmcache.utils import CacheEngineKey
+
+        return CacheEngineKey(self.model, 1, 0, chunk_hash, self.dtype)
+
+    def make_object(self, seed: int) -> Any:
+        """A KV-shaped bf16 memory object from LMCache's allocator, filled from ``seed``."""
+        from lmcache.v1.memory_management import MemoryFormat
+
+        obj = self.local.allocate(self.shape, self.dtype, MemoryFormat.KV_2LTD)
+        if obj is None:
+            raise RuntimeError("LMCache's local buffer is full")
+        gen = torch.Generator().manual_seed(seed)
+        obj.tensor.copy_(torch.randn(self.shape, generator=gen).to(self.dtype))
+        return obj
+
+    def put(self, keys: Sequence[Any], objs: Sequence[Any], timeout_s: float = 60.0) -> None:
+        """Store through RemoteBackend and wait until every key's write completed."""
+        done = threading.Event()
+        remaining = [len(keys)]
+        lock = threading.Lock()
+
+        def on_complete(_key: Any) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    done.set()
+
+        self.remote.batched_submit_put_task(list(keys), list(objs), on_complete_callback=on_complete)
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"{remaining[0]} of {len(keys)} puts still pending after {timeout_s} s")
+
+    def contains_prefix(self, keys: Sequence[Any]) -> int:
+        future = asyncio.run_coroutine_threadsafe(self.remote.batched_async_contains("lookup", list(keys)), self.loop)
+        return int(future.result(30))
+
+    def get(self, keys: Sequence[Any]) -> list[Any]:
+        return list(self.remote.batched_get_blocking(list(keys)))
+
+    def connector(self) -> Any:
+        """The kvpool connector inside LMCache's instrumented wrapper."""
+        conn = self.remote.connection
+        return conn.getWrappedConnector() if hasattr(conn, "getWrappedConnector") else conn
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        closer = threading.Thread(target=self._close_backends, daemon=True)
+        closer.start()
+        closer.join(timeout_s)  # LMCache's redis:// connector deadlocks in close(): bound it
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout_s)
+        self._tmp.cleanup()
+
+    def _close_backends(self) -> None:
+        for backend in self.backends.values():
+            try:
+                backend.close()
+            except Exception:
+                pass
+
+
+def same_bytes(a: Any, b: Any) -> bool:
+    return bool(torch.equal(a.tensor.view(torch.uint8), b.tensor.view(torch.uint8)))
+
+
+def run_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{fn} did not return within {timeout_s} s")
+    return result[0]
