@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 REGISTRY_REFRESH_S = 1.0
+FRESH_VIEW_S = 0.1  # a registry view younger than this is trusted to call a node dead
 MAX_FRAME_DATA_BYTES = 256 * 1024 * 1024  # split larger batches into several frames
 PUT_ATTEMPTS = 3  # first choice, then the next-ranked nodes
 
@@ -371,13 +372,21 @@ class PoolClient:
         return sorted((loc for loc in entry if self._alive(loc)), key=rank)
 
     # -- lookup -----------------------------------------------------------------------
-    async def contains(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is held by a live node (one Redis round trip)."""
+    async def _lookup(self, keys: Sequence[str]) -> list[list[Location]]:
+        """Index entries for ``keys``; locations on dead nodes are queued for cleanup."""
         entries = await self.meta.lookup(keys)
         await self.nodes()
-        stale = [(k, loc) for k, entry in zip(keys, entries) for loc in entry if not self._alive(loc)]
-        if stale:
-            self._clean_later(stale)
+        if any(not self._alive(loc) for entry in entries for loc in entry):
+            if time.monotonic() - self._nodes_at > FRESH_VIEW_S:
+                await self._refresh_nodes()  # the view may predate a node's (re)start
+            stale = [(k, loc) for k, entry in zip(keys, entries) for loc in entry if not self._alive(loc)]
+            if stale:
+                self._clean_later(stale, confirmed=False)
+        return entries
+
+    async def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is held by a live node (one Redis round trip)."""
+        entries = await self._lookup(keys)
         return [any(self._alive(loc) for loc in entry) for entry in entries]
 
     async def hit_prefix(self, keys: Sequence[str]) -> int:
@@ -385,12 +394,21 @@ class PoolClient:
         hits = await self.contains(keys)
         return hits.index(False) if False in hits else len(hits)
 
-    def _clean_later(self, stale: Sequence[tuple[str, Location]]) -> None:
-        self.counters["stale_entries"] += len(stale)
-        self._spawn(self._clean_quietly(list(stale)))
+    def _clean_later(self, stale: Sequence[tuple[str, Location]], *, confirmed: bool) -> None:
+        """Drop stale locations in the background.
 
-    async def _clean_quietly(self, stale: list[tuple[str, Location]]) -> None:
+        ``confirmed``: the node itself said so (miss, bad checksum). Otherwise the
+        location only looked dead from this client's view, which is re-read first so
+        that a view older than a node's restart never deletes a live entry.
+        """
+        self._spawn(self._clean_quietly(list(stale), confirmed))
+
+    async def _clean_quietly(self, stale: list[tuple[str, Location]], confirmed: bool) -> None:
         with contextlib.suppress(KVPoolError):
+            if not confirmed:
+                await self._refresh_nodes()
+                stale = [(key, loc) for key, loc in stale if not self._alive(loc)]
+            self.counters["stale_entries"] += len(stale)
             await self.meta.remove_stale(stale)
 
     # -- put --------------------------------------------------------------------------
@@ -476,10 +494,9 @@ class PoolClient:
         results: list[Any] = [None] * len(keys)
         if not keys:
             return results
-        entries = await self.meta.lookup(keys)
-        await self.nodes()
+        entries = await self._lookup(keys)
         candidates = [self._ordered(entry) for entry in entries]
-        stale = [(k, loc) for k, entry in zip(keys, entries) for loc in entry if not self._alive(loc)]
+        stale: list[tuple[str, Location]] = []  # copies a node said it lacks or corrupted
         todo = [i for i, cands in enumerate(candidates) if cands]
         while todo:
             groups: dict[str, list[int]] = defaultdict(list)
@@ -513,7 +530,7 @@ class PoolClient:
                     else:
                         results[i] = got
         if stale:
-            self._clean_later(stale)
+            self._clean_later(stale, confirmed=True)
         hits = sum(1 for r in results if r is not None)
         self.counters["get_hits"] += hits
         self.counters["get_misses"] += len(keys) - hits

@@ -46,6 +46,7 @@ class FrameSocket:
         self.peer = peer
         self.closed = False
         self.send_lock = asyncio.Lock()
+        self._waiters: dict[bool, asyncio.Future[None]] = {}  # writable? -> waiting future
         self._header_buf = bytearray(HEADER.size)
 
     @classmethod
@@ -67,12 +68,23 @@ class FrameSocket:
         return cls(sock, loop, f"{host}:{port}")
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            try:
-                self.sock.close()
-            except OSError:
-                pass
+        """Close now; a coroutine waiting on this socket is woken with NodeUnavailable."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._waiters:
+            # Unregister before closing: the fd number is reused by the next socket.
+            fd = self.sock.fileno()
+            self.loop.remove_reader(fd)
+            self.loop.remove_writer(fd)
+            for waiter in self._waiters.values():
+                if not waiter.done():
+                    waiter.set_exception(NodeUnavailable(f"connection to {self.peer} closed"))
+            self._waiters.clear()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
 
     async def _wait(self, writable: bool) -> None:
         if self.closed:
@@ -88,10 +100,12 @@ class FrameSocket:
             self.loop.add_writer(fd, ready)
         else:
             self.loop.add_reader(fd, ready)
+        self._waiters[writable] = fut
         try:
             await fut
         finally:
             if not self.closed:
+                self._waiters.pop(writable, None)
                 if writable:
                     self.loop.remove_writer(fd)
                 else:

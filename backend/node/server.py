@@ -299,6 +299,11 @@ class PoolNode:
             except KVPoolError as exc:
                 self.counters["request_errors"] += 1
                 await self._reply_error(conn, header, exc)
+                if isinstance(exc, ProtocolError):
+                    # A malformed request: this peer's stream can't be trusted any more.
+                    self.counters["protocol_errors"] += 1
+                    logger.warning("node %s: closing connection from %s: %s", self.node_id, conn.peer, exc)
+                    conn.close()
                 return
             await self._reply(conn, header, meta, data)
         except (NodeUnavailable, OSError):

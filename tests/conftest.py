@@ -1,0 +1,131 @@
+"""Shared fixtures: a real redis-server and real pool-node processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+
+from backend.embedded import EmbeddedRedis  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+READY_RE = re.compile(r"kvpool node (\S+) ready at (\S+):(\d+) \(epoch (\d+)\)")
+NODE_START_TIMEOUT_S = 30.0
+
+
+@dataclass
+class NodeProcess:
+    """A ``kvpool node`` child process; its output is kept for assertions."""
+
+    args: list[str]
+    env: dict[str, str]
+    process: subprocess.Popen[str] | None = None
+    node_id: str = ""
+    host: str = ""
+    port: int = 0
+    epoch: int = 0
+    output: list[str] = field(default_factory=list)
+
+    def start(self) -> NodeProcess:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "backend.cli", "node", *self.args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=self.env,
+        )  # fmt: skip
+        ready = threading.Event()
+
+        def pump() -> None:
+            assert self.process is not None and self.process.stdout is not None
+            for line in self.process.stdout:
+                self.output.append(line)
+                match = READY_RE.search(line)
+                if match and not ready.is_set():
+                    self.node_id, self.host = match.group(1), match.group(2)
+                    self.port, self.epoch = int(match.group(3)), int(match.group(4))
+                    ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not ready.wait(NODE_START_TIMEOUT_S):
+            self.kill()
+            raise RuntimeError("node did not start:\n" + "".join(self.output[-30:]))
+        return self
+
+    @property
+    def log(self) -> str:
+        return "".join(self.output)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def terminate(self, timeout_s: float = 10.0) -> int:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout_s)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def namespace() -> str:
+    return "t" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def redis_factory() -> Iterator[list[EmbeddedRedis]]:
+    """Private redis-servers a test may kill and restart; all cleaned up after."""
+    made: list[EmbeddedRedis] = []
+    yield made
+    for server in made:
+        server.cleanup()
+
+
+@pytest.fixture
+def node_factory(redis_server: EmbeddedRedis, namespace: str) -> Iterator[object]:
+    started: list[NodeProcess] = []
+
+    def spawn(*extra: str, redis_url: str | None = None, ns: str | None = None, dram: str = "256MiB",
+              env: dict[str, str] | None = None) -> NodeProcess:  # fmt: skip
+        full_env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", **(env or {})}
+        args = ["--redis", redis_url or redis_server.url, "--namespace", ns or namespace, "--dram", dram, *extra]
+        node = NodeProcess(args, full_env).start()
+        started.append(node)
+        return node
+
+    yield spawn
+    for node in started:
+        node.kill()
+
+
+@pytest.fixture
+def pool_url(redis_server: EmbeddedRedis, namespace: str) -> str:
+    return f"kvpool://127.0.0.1:{redis_server.port}/{namespace}"
+
+
+def wait_until(predicate: object, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(interval_s)
+    return False
