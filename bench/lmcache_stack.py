@@ -88,9 +88,19 @@ class LMCacheStack:
         obj = self.local.allocate(self.shape, self.dtype, MemoryFormat.KV_2LTD)
         if obj is None:
             raise RuntimeError("LMCache's local buffer is full")
-        gen = torch.Generator().manual_seed(seed)
-        obj.tensor.copy_(torch.randn(self.shape, generator=gen).to(self.dtype))
+        obj.tensor.copy_(self.expected_tensor(seed))
         return obj
+
+    def expected_tensor(self, seed: int) -> torch.Tensor:
+        """The tensor ``make_object(seed)`` holds: any process can recompute it to verify."""
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(self.shape, generator=gen).to(self.dtype)
+
+    @staticmethod
+    def release(objs: Sequence[Any]) -> None:
+        for obj in objs:
+            if obj is not None:
+                obj.ref_count_down()
 
     def put(self, keys: Sequence[Any], objs: Sequence[Any], timeout_s: float = 60.0) -> None:
         """Store through RemoteBackend and wait until every key's write completed."""

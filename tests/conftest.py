@@ -18,7 +18,7 @@ import pytest
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
-from backend.embedded import EmbeddedRedis  # noqa: E402
+from backend.embedded import EmbeddedRedis
 
 REPO = Path(__file__).resolve().parent.parent
 READY_RE = re.compile(r"kvpool node (\S+) ready at (\S+):(\d+) \(epoch (\d+)\)")

@@ -1,0 +1,82 @@
+"""One LMCache engine in its own process: stores or reads chunks through kvpool.
+
+    python -m bench.engine put URL --chunks N   # engine A: store N chunks
+    python -m bench.engine get URL --chunks N   # engine B: find them, read them, verify every byte
+
+LMCache's side is built by LMCache's own code (``bench.lmcache_stack``). Prints one
+JSON line with what it saw; exits 1 if any byte read back differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
+
+FIRST_HASH = 0x5EED
+
+
+def run(role: str, url: str, chunks: int, layers: int, heads: int, head_size: int, local_cpu_gib: float) -> dict:
+    stack = LMCacheStack(
+        kvpool_lmcache_config(url, local_cpu_gib=local_cpu_gib), num_layers=layers, hidden=(heads, head_size)
+    )
+    keys = [stack.key(FIRST_HASH + i) for i in range(chunks)]
+    total_bytes = stack.chunk_bytes * chunks
+    report: dict[str, object] = {"role": role, "chunks": chunks, "chunk_bytes": stack.chunk_bytes,
+                                 "remote_backend": type(stack.remote).__name__, "backends": list(stack.backends)}  # fmt: skip
+    if role == "put":
+        objs = [stack.make_object(i) for i in range(chunks)]
+        start = time.perf_counter()
+        stack.put(keys, objs)
+        report["seconds"] = time.perf_counter() - start
+        stack.release(objs)
+        report["hit_prefix"] = stack.contains_prefix(keys)
+    else:
+        start = time.perf_counter()
+        report["hit_prefix"] = stack.contains_prefix(keys)
+        report["lookup_ms"] = (time.perf_counter() - start) * 1000
+        start = time.perf_counter()
+        got = stack.get(keys)
+        report["seconds"] = time.perf_counter() - start
+        report["hits"] = sum(1 for g in got if g is not None)
+        report["identical"] = sum(
+            1 for i, g in enumerate(got)
+            if g is not None and torch.equal(g.tensor.view(torch.uint8), stack.expected_tensor(i).view(torch.uint8))
+        )  # fmt: skip
+        first = next((g for g in got if g is not None), None)
+        if first is not None:
+            report["shape"] = list(first.get_shape())
+            report["dtype"] = str(first.get_dtype())
+            report["fmt"] = first.get_memory_format().name
+        stack.release(got)
+    report["gb_per_s"] = total_bytes / float(report["seconds"]) / 1e9  # type: ignore[arg-type]
+    start = time.monotonic()
+    stack.close()
+    report["close_s"] = round(time.monotonic() - start, 3)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("role", choices=("put", "get"))
+    parser.add_argument("url")
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-size", type=int, default=64)
+    parser.add_argument("--local-cpu-gib", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    report = run(args.role, args.url, args.chunks, args.layers, args.heads, args.head_size, args.local_cpu_gib)
+    print(json.dumps(report), flush=True)
+    if args.role == "get" and report["identical"] != report["hits"]:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""kvpool as LMCache sees it: built by LMCache's own CreateStorageBackends from a config.
+
+LMCache hides plugin failures as silent misses, so these tests prove real hits
+through LMCache's RemoteBackend, and that every failure stays a bounded miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from backend.embedded import EmbeddedRedis, free_port
+from backend.lmcache_connector import ALLOCATE_TIMEOUT_S
+from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
+from tests.conftest import REPO, wait_until
+
+
+def _worker(role: str, url: str, count: int) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.engine", role, url, "--chunks", str(count)],
+        capture_output=True, text=True, timeout=180, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def stack_factory():
+    made: list[LMCacheStack] = []
+
+    def make(url: str, **config) -> LMCacheStack:
+        cfg = kvpool_lmcache_config(url)
+        cfg.update(config)
+        stack = LMCacheStack(cfg)
+        made.append(stack)
+        return stack
+
+    yield make
+    for stack in made:
+        stack.close()
+
+
+def test_engine_b_in_another_process_reads_what_engine_a_stored(node_factory, pool_url):
+    node_factory()
+    stored = _worker("put", pool_url, 6)
+    assert stored["hit_prefix"] == 6
+    assert "RemoteBackend-kvpool" in stored["backends"]
+    read = _worker("get", pool_url, 6)
+    assert read["hit_prefix"] == 6
+    assert read["hits"] == 6 and read["identical"] == 6
+    assert read["shape"] == [2, 4, 256, 512]
+    assert read["dtype"] == "torch.bfloat16" and read["fmt"] == "KV_2LTD"
+    assert read["close_s"] < 1.0 and stored["close_s"] < 1.0
+
+
+def test_batched_async_contains_counts_the_prefix_before_a_missing_key(node_factory, pool_url, stack_factory):
+    node_factory()
+    stack = stack_factory(pool_url)
+    keys = [stack.key(100 + i) for i in range(5)]
+    objs = [stack.make_object(i) for i in range(5)]
+    stack.put(keys[:2] + keys[3:], objs[:2] + objs[3:])
+    assert stack.contains_prefix(keys) == 2
+    assert stack.contains_prefix(keys[3:]) == 2
+    assert stack.remote.batched_contains(keys) == 2  # the sync variant, from this thread
+    got = stack.get(keys)
+    assert [g is not None for g in got] == [True, True, False, True, True]
+    stack.release(objs + got)
+
+
+def test_remove_and_list_go_through_the_pool(node_factory, pool_url, stack_factory):
+    node_factory()
+    stack = stack_factory(pool_url)
+    keys = [stack.key(7 + i) for i in range(3)]
+    objs = [stack.make_object(i) for i in range(3)]
+    stack.put(keys, objs)
+    stack.release(objs)
+    listed = asyncio.run_coroutine_threadsafe(stack.connector().list(), stack.loop).result(10)
+    assert sorted(listed) == sorted(k.to_string() for k in keys)
+    assert stack.remote.remove(keys[0]) is True
+    assert stack.contains_prefix(keys) == 0 and stack.contains_prefix(keys[1:]) == 2
+
+
+def _max_loop_gap_while(stack: LMCacheStack, action) -> tuple[float, object]:
+    """Run ``action`` while ticking LMCache's loop; returns the longest gap between ticks."""
+    gaps: list[float] = []
+    stop = threading.Event()
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    future = asyncio.run_coroutine_threadsafe(ticker(), stack.loop)
+    try:
+        result = action()
+    finally:
+        stop.set()
+        future.result(5)
+    return max(gaps), result
+
+
+def test_killed_node_gives_misses_within_the_timeout_and_never_blocks_the_loop(node_factory, pool_url, stack_factory):
+    node = node_factory()
+    stack = stack_factory(pool_url + "?timeout_ms=500")
+    keys = [stack.key(200 + i) for i in range(4)]
+    objs = [stack.make_object(i) for i in range(4)]
+    stack.put(keys, objs)
+    stack.release(objs)
+    node.kill()
+    start = time.monotonic()
+    gap, got = _max_loop_gap_while(stack, lambda: stack.get(keys))
+    assert got == [None] * 4
+    assert time.monotonic() - start < 1.5
+    assert gap < 0.5
+    # put after the node died: no exception escapes into LMCache either
+    more = [stack.make_object(9)]
+    stack.put([stack.key(999)], more)
+    stack.release(more)
+    assert stack.connector().counters["miss_put"] == 1
+
+
+def test_redis_down_during_the_run_misses_then_recovers(node_factory, redis_factory, stack_factory):
+    redis = EmbeddedRedis().start()
+    redis_factory.append(redis)
+    node_factory(redis_url=redis.url, ns="lmc")
+    stack = stack_factory(f"kvpool://127.0.0.1:{redis.port}/lmc?timeout_ms=500")
+    keys = [stack.key(300 + i) for i in range(3)]
+    objs = [stack.make_object(i) for i in range(3)]
+    stack.put(keys, objs)
+    redis.kill()
+    assert stack.contains_prefix(keys) == 0
+    assert stack.get(keys) == [None] * 3
+    restarted = EmbeddedRedis(redis.port)
+    redis_factory.append(restarted)
+    restarted.start()
+    assert wait_until(lambda: stack.contains_prefix(keys) == 3, 15.0)
+    got = stack.get(keys)
+    assert all(g is not None for g in got)
+    stack.release(objs + got)
+
+
+def test_pool_down_at_start_is_reported_once_at_error_with_the_fix(stack_factory, caplog):
+    caplog.set_level(logging.WARNING)
+    stack = stack_factory(f"kvpool://127.0.0.1:{free_port()}/none?timeout_ms=300")
+    assert wait_until(lambda: any("unreachable at start" in r.message for r in caplog.records), 5.0)
+    keys = [stack.key(1), stack.key(2)]
+    assert stack.contains_prefix(keys) == 0
+    assert stack.contains_prefix(keys) == 0
+    assert stack.get(keys) == [None, None]
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR and r.name.startswith("backend")]
+    assert len(errors) == 1
+    assert "Fix:" in errors[0].message and "kvpool up" in errors[0].message
+
+
+def test_bad_pool_url_is_reported_at_error_with_the_fix(caplog):
+    caplog.set_level(logging.WARNING)
+    stack = LMCacheStack(kvpool_lmcache_config("kvpool://127.0.0.1/no-port"))
+    try:
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR and r.name.startswith("backend")]
+        assert len(errors) == 1
+        assert "missing Redis port" in errors[0].message and "Fix:" in errors[0].message
+        assert stack.remote.connection is None  # LMCache itself only logs and runs without it
+    finally:
+        stack.close()
+
+
+def test_get_waits_a_bounded_time_when_lmcaches_buffer_is_full(node_factory, pool_url, stack_factory):
+    node_factory()
+    stack = stack_factory(pool_url, max_local_cpu_size=0.02)  # ~20 MiB: ten 2 MiB chunks
+    keys = [stack.key(400 + i) for i in range(2)]
+    objs = [stack.make_object(i) for i in range(2)]
+    stack.put(keys, objs)
+    hog = [o for o in iter(lambda: stack.local.allocate(stack.shape, stack.dtype, busy_loop=False), None)]
+    assert hog, "the buffer should have had room before"
+    start = time.monotonic()
+    gap, got = _max_loop_gap_while(stack, lambda: stack.get(keys))
+    elapsed = time.monotonic() - start
+    assert got == [None, None]
+    assert stack.connector().counters["miss_allocate"] >= 1
+    assert ALLOCATE_TIMEOUT_S <= elapsed < ALLOCATE_TIMEOUT_S + 1.5
+    assert gap < 0.5
+    stack.release(hog)
+    got = stack.get(keys)  # room again: real hits
+    assert all(g is not None for g in got)
+    stack.release(objs + got)
+
+
+def test_a_process_using_kvpool_exits_cleanly(node_factory, pool_url):
+    node_factory()
+    code = (
+        "from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config\n"
+        f"s = LMCacheStack(kvpool_lmcache_config({pool_url!r}))\n"
+        "o = [s.make_object(1)]; s.put([s.key(1)], o); s.release(o)\n"
+        "assert s.contains_prefix([s.key(1)]) == 1\n"
+        "s.close()\n"
+    )
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert time.monotonic() - start < 60
