@@ -158,11 +158,14 @@ async def pool_status(config: PoolConfig) -> dict[str, Any]:
         hits = gets = 0
         for node in alive:
             try:
-                counters = (await client.node_stats(node)).get("counters", {})
+                stats = await client.node_stats(node)
             except KVPoolError:
-                continue
+                continue  # the registry's figures (up to a heartbeat old) stand
+            counters = stats.get("counters", {})
             hits += int(counters.get("hits", 0))
             gets += int(counters.get("gets", 0))
+            node.used_bytes = int(stats["dram"]["used_bytes"])
+            node.object_count = int(stats["dram"]["objects"])
         return {
             "redis": {"url": config.redis_url, "reachable": True, "rtt_ms": round(rtt_ms, 3)},
             "namespace": config.namespace,

@@ -1,0 +1,138 @@
+"""The kvpool CLI as a user runs it: real processes, real pool."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+from backend import Chunk, PoolConfig, SyncPoolClient
+from backend.embedded import free_port
+from tests.conftest import REPO
+
+
+def kvpool(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "backend.cli", *args], capture_output=True, text=True, cwd=REPO,
+        timeout=timeout, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def test_lmcache_config_prints_exactly_what_the_quickstart_shows():
+    doc = (REPO / "docs" / "quickstart.md").read_text()
+    block = re.search(r"prints exactly this:\n\n```yaml\n(.*?)```", doc, re.S)
+    assert block is not None
+    out = kvpool("lmcache-config", "--url", "kvpool://127.0.0.1:6379/default")
+    assert out.returncode == 0
+    assert out.stdout == block.group(1)
+
+
+def test_lmcache_config_env_format_is_read_back_by_lmcache():
+    out = kvpool("lmcache-config", "--url", "kvpool://10.1.2.3:6380/prod", "--format", "env")
+    assert out.returncode == 0
+    env = {}
+    for line in out.stdout.splitlines():
+        name, _, value = line.removeprefix("export ").partition("=")
+        env[name] = subprocess.run(["sh", "-c", f"printf %s {value}"], capture_output=True, text=True).stdout
+    code = (
+        "import json\nfrom lmcache.v1.config import load_engine_config_with_overrides\n"
+        "c = load_engine_config_with_overrides()\n"
+        "print(json.dumps({'plugins': c.remote_storage_plugins, 'extra': c.extra_config, 'remote_url': c.remote_url}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**os.environ, **env})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["plugins"] == ["kvpool"]
+    assert seen["remote_url"] is None
+    assert seen["extra"]["remote_storage_plugin.kvpool.url"] == "kvpool://10.1.2.3:6380/prod"
+    assert seen["extra"]["remote_storage_plugin.kvpool.class_name"] == "KVPoolConnectorAdapter"
+
+
+def test_bad_url_is_one_line_naming_the_problem_and_exit_1():
+    out = kvpool("lmcache-config", "--url", "redis://127.0.0.1:6379/x")
+    assert out.returncode == 1
+    assert out.stderr.strip().count("\n") == 0
+    assert "scheme" in out.stderr and "kvpool://" in out.stderr
+
+
+def test_usage_errors_exit_2():
+    assert kvpool("frobnicate").returncode == 2
+    assert kvpool("node", "--dram", "1GiB").returncode == 2  # --redis is required
+    bad_size = kvpool("node", "--redis", "redis://127.0.0.1:1", "--dram", "lots")
+    assert bad_size.returncode == 1 and "--dram" in bad_size.stderr
+
+
+def test_status_with_unreachable_redis_is_one_line_and_exit_1():
+    out = kvpool("status", "--url", f"kvpool://127.0.0.1:{free_port()}/x?timeout_ms=300")
+    assert out.returncode == 1
+    assert out.stderr.strip().count("\n") == 0 and "Redis" in out.stderr
+
+
+def test_status_json_reports_nodes_objects_and_bytes(node_factory, pool_url):
+    node_factory(dram="64MiB")
+    node_factory(dram="32MiB")
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        client.put([Chunk(f"s@{i}", bytes(1000 + i)) for i in range(5)])
+        client.get(["s@0", "s@1", "nope"])
+    out = kvpool("status", "--url", pool_url, "--json")
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert status["nodes"] == {"alive": 2, "dead": 0}
+    assert status["objects"] == 5
+    assert status["used_bytes"] == sum(1000 + i for i in range(5))
+    assert status["capacity_bytes"] == 96 * 2**20
+    assert status["hits"] == 2 and status["gets"] == 2  # "nope" never reached a node
+    human = kvpool("status", "--url", pool_url)
+    assert "2 alive, 0 dead" in human.stdout
+
+
+def test_up_prints_the_url_serves_and_stops_cleanly_on_ctrl_c():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backend.cli", "up", "--dram", "64MiB"], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, cwd=REPO,
+    )  # fmt: skip
+    lines: list[str] = []
+    found = threading.Event()
+    url: list[str] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.strip().startswith("kvpool://") and not url:
+                url.append(line.strip())
+                found.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert found.wait(30), "".join(lines)
+        with SyncPoolClient(PoolConfig.from_url(url[0])) as client:
+            client.put([Chunk("u", b"hello")])
+            assert bytes(client.get(["u"])[0].data) == b"hello"
+        assert "remote_storage_plugins" in "".join(lines)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "kvpool pool stopped." in "".join(lines)
+    port = int(url[0].split(":")[2].split("/")[0])
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0  # the private redis-server is gone
+
+
+def test_public_api_is_what_the_readme_lists():
+    import backend
+
+    readme = (REPO / "README.md").read_text()
+    listed = set(re.findall(r"`(\w+)`", readme.split("The public Python API is")[1].split("\n\n")[0]))
+    errors = {name for name in backend.__all__ if name.endswith("Error") or name == "NodeUnavailable"}
+    assert set(backend.__all__) - errors == listed - {"backend", "__all__"}
+    for name in backend.__all__:
+        assert hasattr(backend, name)
