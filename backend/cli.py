@@ -64,7 +64,9 @@ def _node_options(parser: argparse.ArgumentParser, dram_default: str) -> None:
     parser.add_argument("--dram", default=dram_default, help=f"DRAM tier size (default {dram_default})")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
-    parser.add_argument("--advertise", default="", help="address clients should use (default: --host)")
+    parser.add_argument(
+        "--advertise", default="", help="address clients should use (default: --host, or the hostname for 0.0.0.0)"
+    )
     parser.add_argument("--node-id", default="", help="stable node id (default: HOSTNAME-PORT)")
     parser.add_argument("--cluster", default="", help="cluster label for same-cluster reads")
     parser.add_argument("--token-file", type=Path, help="file holding the pool token (or set KVPOOL_TOKEN)")
@@ -77,9 +79,14 @@ def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
             token = args.token_file.read_text().strip()
         except OSError as exc:
             raise ConfigError("--token-file", f"cannot read {args.token_file}: {exc.strerror}") from None
+        if not token:
+            raise ConfigError("--token-file", f"{args.token_file} is empty; a node without a token accepts anyone")
     PoolConfig(namespace=args.namespace, cluster=args.cluster)  # validates both
+    dram_bytes = parse_size(args.dram, name="--dram")
+    if dram_bytes <= 0:
+        raise ConfigError("--dram", f"{args.dram!r} is not a positive size")
     return NodeConfig(
-        redis_url=redis_url, namespace=args.namespace, dram_bytes=parse_size(args.dram, name="--dram"),
+        redis_url=redis_url, namespace=args.namespace, dram_bytes=dram_bytes,
         host=args.host, port=args.port, advertise_host=args.advertise, node_id=args.node_id,
         token=token, cluster=args.cluster,
     )  # fmt: skip
@@ -229,7 +236,7 @@ COMMANDS = {"up": cmd_up, "node": cmd_node, "status": cmd_status, "lmcache-confi
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    debug = args.debug or bool(os.environ.get("KVPOOL_DEBUG"))
+    debug = args.debug or os.environ.get("KVPOOL_DEBUG", "").lower() in {"1", "true", "on", "yes"}
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

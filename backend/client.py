@@ -64,6 +64,7 @@ T = TypeVar("T")
 REGISTRY_REFRESH_S = 1.0
 FRESH_VIEW_S = 0.1  # a registry view younger than this is trusted to call a node dead
 MAX_FRAME_DATA_BYTES = 256 * 1024 * 1024  # split larger batches into several frames
+MAX_FRAME_ITEMS = 1024  # keeps a frame's meta far below the 4 MiB limit even with 1 KiB keys
 PUT_ATTEMPTS = 3  # first choice, then the next-ranked nodes
 
 
@@ -127,6 +128,7 @@ class _NodeConnection:
         self.sock: FrameSocket | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending[Any]] = {}
+        self._abandoned: set[int] = set()  # cancelled requests whose responses are still due
         self._reader: asyncio.Task[None] | None = None
         self._connect_lock = asyncio.Lock()
         self.broken = False
@@ -188,7 +190,9 @@ class _NodeConnection:
                 f"node {self.node.node_id} ({self.node.address}) timed out after {self.config.timeout_ms} ms"
             ) from None
         finally:
-            self._pending.pop(request_id, None)
+            answered = future.done() and not future.cancelled()
+            if self._pending.pop(request_id, None) is not None and not answered and not self.broken:
+                self._abandoned.add(request_id)  # cancelled by the caller: skip its response
             if future.done() and not future.cancelled():
                 future.exception()  # mark retrieved
 
@@ -196,6 +200,10 @@ class _NodeConnection:
         try:
             while True:
                 header, meta = await sock.recv_frame_head(DEFAULT_LIMITS)
+                if header.request_id in self._abandoned:
+                    self._abandoned.discard(header.request_id)
+                    await sock.discard(header.data_len)
+                    continue
                 pending = self._pending.get(header.request_id)
                 if pending is None or not header.is_response or header.base_op != pending.op:
                     raise ProtocolError(f"unexpected response (op {header.op}, id {header.request_id})")
@@ -210,6 +218,7 @@ class _NodeConnection:
                 else:
                     await sock.discard(header.data_len)
                     result = meta
+                self._abandoned.discard(header.request_id)  # it may have been cancelled mid-receive
                 if pending.future.done():
                     _release_results(pending.sink, result if pending.op == Op.GET_BATCH else [])
                 else:
@@ -503,7 +512,7 @@ class PoolClient:
             for i in todo:
                 groups[candidates[i][0].node_id].append(i)
             outcomes = await asyncio.gather(
-                *(self._get_from_node(self._nodes[nid], [keys[i] for i in idx], the_sink)
+                *(self._get_from_node(self._nodes[nid], [(keys[i], candidates[i][0].nbytes) for i in idx], the_sink)
                   for nid, idx in groups.items()),
                 return_exceptions=True,
             )  # fmt: skip
@@ -536,12 +545,13 @@ class PoolClient:
         self.counters["get_misses"] += len(keys) - hits
         return results
 
-    async def _get_from_node(self, node: NodeInfo, keys: list[str], sink: Sink[Any]) -> list[Any]:
+    async def _get_from_node(self, node: NodeInfo, wanted: list[tuple[str, int]], sink: Sink[Any]) -> list[Any]:
+        """GET ``(key, expected size)`` pairs from one node, in frames within the size limits."""
         pool = self._pool(node)
         out: list[Any] = []
-        for start in range(0, len(keys), DEFAULT_LIMITS.max_items):
-            part = keys[start : start + DEFAULT_LIMITS.max_items]
-            out.extend(await pool.request(Op.GET_BATCH, encode_keys(part), keys=part, sink=sink))
+        for frame in _frames(wanted):
+            keys = [key for key, _ in frame]
+            out.extend(await pool.request(Op.GET_BATCH, encode_keys(keys), keys=keys, sink=sink))
         return out
 
     # -- delete, listing, stats -------------------------------------------------------
@@ -598,16 +608,22 @@ class PoolClient:
         await self.close()
 
 
-def _frames(items: list[ItemMeta]) -> list[list[ItemMeta]]:
-    """Split a node's items into frames within the data and item limits."""
-    frames: list[list[ItemMeta]] = [[]]
+def _frame_data_budget() -> int:
+    # Never ask a node for a response larger than this side accepts.
+    return min(MAX_FRAME_DATA_BYTES, DEFAULT_LIMITS.max_data_bytes)
+
+
+def _frames(items: Sequence[T]) -> list[list[T]]:
+    """Split items (ItemMeta, or (key, nbytes) pairs) into frames within the size and count limits."""
+    frames: list[list[T]] = [[]]
     size = 0
     for item in items:
-        if frames[-1] and (size + item.nbytes > MAX_FRAME_DATA_BYTES or len(frames[-1]) >= DEFAULT_LIMITS.max_items):
+        nbytes = item.nbytes if isinstance(item, ItemMeta) else item[1]  # type: ignore[index]
+        if frames[-1] and (size + nbytes > _frame_data_budget() or len(frames[-1]) >= MAX_FRAME_ITEMS):
             frames.append([])
             size = 0
         frames[-1].append(item)
-        size += item.nbytes
+        size += nbytes
     return frames
 
 

@@ -34,10 +34,10 @@ _CLUSTER_RE = re.compile(r"^[A-Za-z0-9_.-]{0,64}$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
     "": 1, "B": 1,
-    "K": 1024, "KB": 1000, "KIB": 1024,
-    "M": 1024**2, "MB": 1000**2, "MIB": 1024**2,
-    "G": 1024**3, "GB": 1000**3, "GIB": 1024**3,
-    "T": 1024**4, "TB": 1000**4, "TIB": 1024**4,
+    "K": 1024, "KB": 1000, "KI": 1024, "KIB": 1024,
+    "M": 1024**2, "MB": 1000**2, "MI": 1024**2, "MIB": 1024**2,
+    "G": 1024**3, "GB": 1000**3, "GI": 1024**3, "GIB": 1024**3,
+    "T": 1024**4, "TB": 1000**4, "TI": 1024**4, "TIB": 1024**4,
 }  # fmt: skip
 
 MAX_REPLICAS = 8
@@ -124,9 +124,13 @@ class PoolConfig:
         return self.timeout_ms / 1000.0
 
     @property
+    def _host_for_url(self) -> str:
+        return f"[{self.redis_host}]" if ":" in self.redis_host else self.redis_host
+
+    @property
     def redis_url(self) -> str:
         """The metadata Redis as a redis-py URL (no secrets: the token is for nodes)."""
-        return f"redis://{self.redis_host}:{self.redis_port}/0"
+        return f"redis://{self._host_for_url}:{self.redis_port}/0"
 
     def to_url(self, *, with_token: bool = True) -> str:
         """The canonical ``kvpool://`` URL for this config (options that differ from defaults)."""
@@ -140,7 +144,7 @@ class PoolConfig:
             if getattr(self, name) != getattr(defaults, name)
         ]
         tail = ("?" + "&".join(query)) if query else ""
-        return f"{SCHEME}://{auth}{self.redis_host}:{self.redis_port}/{self.namespace}{tail}"
+        return f"{SCHEME}://{auth}{self._host_for_url}:{self.redis_port}/{self.namespace}{tail}"
 
     @classmethod
     def from_url(cls, url: str, environ: Mapping[str, str] | None = None) -> PoolConfig:
@@ -155,7 +159,7 @@ class PoolConfig:
         try:
             port = parts.port
         except ValueError:
-            raise ConfigError("url", f"port is not a number in {_mask(url)}") from None
+            raise ConfigError("url", f"port is not a number in 0-65535 in {_mask(url)}") from None
         if not parts.hostname:
             raise ConfigError("url", f"missing Redis host in {_mask(url)}")
         if port is None:

@@ -113,6 +113,9 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self._logged: set[str] = set()
         self._sink = _LMCacheSink(self)
         self._closed = False
+        if pool_config.nccl:
+            # TCP is always the fallback path; the GPU-direct channel is not in this build.
+            logger.warning("kvpool: nccl=on requested, but this build has no NCCL channel; chunks move over TCP")
         # Report a pool that is down at start once, loudly: LMCache itself would
         # only ever show misses.
         asyncio.run_coroutine_threadsafe(self._startup_check(), loop)

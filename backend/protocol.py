@@ -45,6 +45,7 @@ __all__ = [
     "Limits",
     "checksum",
     "auth_mac",
+    "verify_meta",
     "encode_header",
     "decode_header",
     "encode_items",
@@ -242,7 +243,13 @@ def _encode_key(out: bytearray, key: str, limits: Limits) -> None:
 
 def _encode_item(out: bytearray, item: ItemMeta, limits: Limits) -> None:
     _encode_key(out, item.key, limits)
+    if not (0 <= item.nbytes < 2**64 and 0 <= item.checksum < 2**64 and 0 <= item.fmt < 2**16):
+        raise ProtocolError(f"item {item.key[:80]!r}: nbytes, checksum or fmt out of range")
+    if any(not 0 <= d < 2**64 for d in item.shape):
+        raise ProtocolError(f"item {item.key[:80]!r}: shape {item.shape} has a negative or huge dimension")
     out += _ITEM_FIXED.pack(item.nbytes, item.checksum, item.fmt)
+    if not item.dtype.isascii():
+        raise ProtocolError(f"dtype name {item.dtype!r} is not ASCII")
     dtype = item.dtype.encode("ascii")
     if not 0 < len(dtype) <= limits.max_dtype_bytes:
         raise ProtocolError(f"dtype name {item.dtype!r} is empty or too long")
@@ -275,7 +282,13 @@ def encode_items(items: Sequence[ItemMeta], limits: Limits = DEFAULT_LIMITS) -> 
     out = bytearray(_U32.pack(len(items)))
     for item in items:
         _encode_item(out, item, limits)
-    return bytes(out)
+    return _bounded(out, limits)
+
+
+def _bounded(meta: bytearray, limits: Limits) -> bytes:
+    if len(meta) > limits.max_meta_bytes:
+        raise ProtocolError(f"meta section of {len(meta)} bytes exceeds {limits.max_meta_bytes}; send fewer items")
+    return bytes(meta)
 
 
 def decode_items(
@@ -298,7 +311,7 @@ def encode_keys(keys: Sequence[str], limits: Limits = DEFAULT_LIMITS) -> bytes:
     out = bytearray(_U32.pack(len(keys)))
     for key in keys:
         _encode_key(out, key, limits)
-    return bytes(out)
+    return _bounded(out, limits)
 
 
 def decode_keys(meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> list[str]:
@@ -310,6 +323,8 @@ def decode_keys(meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_L
 
 def encode_flags(flags: Sequence[int]) -> bytes:
     """Meta of EXISTS/DELETE/PUT responses: one status byte per item."""
+    if any(not 0 <= f <= 255 for f in flags):
+        raise ProtocolError("a result flag is outside 0..255")
     return _U32.pack(len(flags)) + bytes(flags)
 
 
@@ -332,7 +347,7 @@ def encode_get_response(found: Sequence[ItemMeta | None], limits: Limits = DEFAU
         else:
             out += b"\x01"
             _encode_item(out, item, limits)
-    return bytes(out)
+    return _bounded(out, limits)
 
 
 def decode_get_response(
@@ -366,8 +381,8 @@ def encode_json(obj: Any) -> bytes:
 def decode_json(meta: bytes | bytearray | memoryview) -> dict[str, Any]:
     try:
         value = json.loads(bytes(meta).decode("utf-8")) if len(meta) else {}
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"control message is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ProtocolError(f"control message is not JSON: {str(exc)[:200]}") from None
     if not isinstance(value, dict):
         raise ProtocolError("control message is not a JSON object")
     return value

@@ -134,15 +134,23 @@ class FrameSocket:
             await self.recv_into(piece)
             nbytes -= len(piece)
 
-    async def recv_frame_head(self, limits: Limits = DEFAULT_LIMITS) -> tuple[Header, bytearray]:
-        """Receive a header and its meta section (verified); the data stays on the socket."""
+    async def recv_header(self, limits: Limits = DEFAULT_LIMITS) -> Header:
+        """Receive and bound-check one frame header."""
         await self.recv_into(self._header_buf)
-        header = decode_header(self._header_buf, limits)
+        return decode_header(self._header_buf, limits)
+
+    async def recv_meta(self, header: Header) -> bytearray:
+        """Receive a frame's meta section (already bounded by its header) and verify it."""
         meta = bytearray(header.meta_len)
         if header.meta_len:
             await self.recv_into(meta)
         verify_meta(header, meta)
-        return header, meta
+        return meta
+
+    async def recv_frame_head(self, limits: Limits = DEFAULT_LIMITS) -> tuple[Header, bytearray]:
+        """Receive a header and its meta section (verified); the data stays on the socket."""
+        header = await self.recv_header(limits)
+        return header, await self.recv_meta(header)
 
     async def send(self, buffers: Sequence[Buffer]) -> None:
         """Send all buffers in order as one uninterrupted byte stream."""

@@ -270,3 +270,65 @@ def test_other_connections_keep_working_while_one_sends_garbage(node_factory, po
     good.close()
     bad.close()
     assert node.alive()
+
+
+def test_error_for_an_unparsable_header_answers_request_id_zero(node_factory):
+    node = node_factory()
+    sock = _raw(node)
+    sock.sendall(encode_header(Op.HELLO, 41, encode_json({})) + encode_json({}))
+    assert _read_frame(sock)[0].request_id == 41
+    sock.sendall(b"XX" + bytes(HEADER.size - 2))
+    header, message = _read_frame(sock)
+    assert header.status == Status.PROTOCOL and header.request_id == 0
+    assert b"bad magic" in message
+    sock.close()
+
+
+def test_hello_carrying_data_is_refused(node_factory):
+    node = node_factory()
+    sock = _raw(node)
+    sock.sendall(encode_header(Op.HELLO, 3, b"{}", data_len=5) + b"{}" + b"extra")
+    header, message = _read_frame(sock)
+    assert header.status == Status.PROTOCOL and b"carries no data" in message
+    assert _closed(sock)
+    sock.close()
+
+
+def test_get_larger_than_one_frame_is_split_and_read_whole(node_factory, pool_url, monkeypatch):
+    import backend.client as client_module
+    from backend.protocol import Limits
+
+    # This client accepts responses of at most 300 KiB; the node would happily send more.
+    monkeypatch.setattr(client_module, "DEFAULT_LIMITS", Limits(max_data_bytes=300 * 1024))
+    node_factory()
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        chunks = _chunks("big", 6, 200 * 1024)  # 1.2 MiB: at least four frames each way
+        client.put(chunks)
+        got = client.get([c.key for c in chunks])
+        assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
+        stats = client.node_stats(client.nodes()[0])
+    assert stats["counters"]["hits"] == 6
+
+
+async def test_cancelling_one_request_does_not_break_the_others_on_its_connection(node_factory, pool_url):
+    node_factory()
+    config = PoolConfig.from_url(pool_url + "?connections_per_node=1")
+    async with PoolClient(config) as client:
+        big = _chunks("cb", 8, 2 * 1024 * 1024)
+        small = _chunks("cs", 2, 1000)
+        await client.put(big + small)
+        slow = asyncio.ensure_future(client.get([c.key for c in big]))
+        conn = None
+        while conn is None:  # cancel once the GET is on the wire, before its answer is back
+            await asyncio.sleep(0)
+            pools = list(client._pools.values())
+            conns = [c for p in pools for c in p.connections if any(x.op == Op.GET_BATCH for x in c._pending.values())]
+            conn = conns[0] if conns else None
+        slow.cancel()
+        got = await client.get([c.key for c in small])
+        await asyncio.sleep(0.3)  # the cancelled GET's answer has arrived by now
+        assert not conn.broken
+        assert [bytes(g.data) for g in got] == [bytes(c.data) for c in small]
+        again = await client.get([c.key for c in big])
+        assert all(g is not None for g in again)
+        assert client.counters.get("stale_entries", 0) == 0

@@ -236,10 +236,14 @@ class PoolNode:
         header: Header | None = None
         try:
             while True:
-                header, meta = await conn.recv_frame_head(self.config.limits)
+                header = None  # an error before the header parses answers request id 0
+                header = await conn.recv_header(self.config.limits)
+                meta = await conn.recv_meta(header)
                 if header.is_response:
                     raise ProtocolError(f"client sent a response frame (op {header.op})")
                 op = header.base_op
+                if op != Op.PUT_BATCH and header.data_len:
+                    raise ProtocolError(f"op {op} carries no data, got {header.data_len} bytes")
                 if op == Op.HELLO:
                     nonce = secrets.token_bytes(32)
                     body = {"node_id": self.node_id, "epoch": self.epoch, "auth_required": bool(self.config.token),
@@ -264,8 +268,6 @@ class PoolNode:
                     await in_flight.acquire()
                     self._spawn(self._finish(conn, header, in_flight, self._commit_put(received)))
                     continue
-                if header.data_len:
-                    raise ProtocolError(f"op {op} carries no data, got {header.data_len} bytes")
                 await in_flight.acquire()
                 self._spawn(self._finish(conn, header, in_flight, self._handle(op, meta)))
         except asyncio.CancelledError:
@@ -296,8 +298,10 @@ class PoolNode:
         try:
             try:
                 meta, data = await work
-            except KVPoolError as exc:
+            except Exception as exc:
                 self.counters["request_errors"] += 1
+                if not isinstance(exc, KVPoolError):
+                    logger.exception("node %s: internal error serving op %d", self.node_id, header.base_op)
                 await self._reply_error(conn, header, exc)
                 if isinstance(exc, ProtocolError):
                     # A malformed request: this peer's stream can't be trusted any more.
@@ -386,9 +390,13 @@ class PoolNode:
         if op == Op.GET_BATCH:
             found: list[ItemMeta | None] = []
             data: list[Buffer] = []
+            budget = limits.max_data_bytes  # a response never exceeds what a client accepts
             for key in decode_keys(meta, limits):
                 chunk = self.dram.get(key)
                 self.counters["gets"] += 1
+                if chunk is not None and chunk.meta.nbytes > budget:
+                    self.counters["get_over_frame_limit"] += 1
+                    chunk = None
                 if chunk is None:
                     self.counters["misses"] += 1
                     found.append(None)
@@ -397,6 +405,7 @@ class PoolNode:
                     self.counters["get_bytes"] += chunk.meta.nbytes
                     found.append(chunk.meta)
                     data.append(chunk.buffer)
+                    budget -= chunk.meta.nbytes
             return encode_get_response(found, limits), data
         if op == Op.EXISTS_BATCH:
             return encode_flags([int(key in self.dram) for key in decode_keys(meta, limits)]), []

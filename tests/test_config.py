@@ -1,0 +1,470 @@
+"""PoolConfig: the kvpool:// URL, KVPOOL_* overrides, the YAML form, sizes, masking."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from backend.config import DEFAULT_NAMESPACE, PoolConfig, format_size, parse_size
+from backend.errors import ConfigError, KVPoolError
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+# -- the URL --------------------------------------------------------------------------
+
+
+def test_from_url_reads_host_port_namespace_token_and_options() -> None:
+    config = PoolConfig.from_url(
+        "kvpool://:s3cret@redis.example:6380/team-a?replicas=2&timeout_ms=750"
+        "&connections_per_node=4&nccl=on&cluster=rack_1&tls=off"
+    )
+
+    assert config.redis_host == "redis.example"
+    assert config.redis_port == 6380
+    assert config.namespace == "team-a"
+    assert config.token == "s3cret"
+    assert config.replicas == 2
+    assert config.timeout_ms == 750
+    assert config.connections_per_node == 4
+    assert config.nccl is True
+    assert config.cluster == "rack_1"
+    assert config.tls is False
+
+
+def test_from_url_without_options_gives_the_documented_defaults() -> None:
+    config = PoolConfig.from_url("kvpool://127.0.0.1:6379/ns")
+
+    assert (config.replicas, config.timeout_ms, config.connections_per_node) == (1, 2000, 2)
+    assert (config.nccl, config.cluster, config.tls, config.token) == (False, "", False, "")
+
+
+@pytest.mark.parametrize("url", ["kvpool://h:6379", "kvpool://h:6379/"])
+def test_from_url_without_a_path_uses_the_default_namespace(url: str) -> None:
+    assert PoolConfig.from_url(url).namespace == DEFAULT_NAMESPACE == "default"
+
+
+def test_from_url_percent_decodes_the_token() -> None:
+    assert PoolConfig.from_url("kvpool://:a%40b%3Ac%2Fd@h:1/ns").token == "a@b:c/d"
+
+
+def test_from_url_ignores_surrounding_whitespace() -> None:
+    assert PoolConfig.from_url("  kvpool://h:1/ns \n").namespace == "ns"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("on", True), ("ON", True), ("true", True), ("1", True), ("yes", True),
+     ("off", False), ("Off", False), ("false", False), ("0", False), ("no", False)],
+)  # fmt: skip
+def test_bool_options_accept_every_documented_spelling(text: str, expected: bool) -> None:
+    assert PoolConfig.from_url(f"kvpool://h:1/ns?nccl={text}").nccl is expected
+
+
+@pytest.mark.parametrize(
+    ("option", "low", "high"),
+    [("replicas", 1, 8), ("timeout_ms", 1, 600_000), ("connections_per_node", 1, 64)],
+)
+def test_int_options_accept_both_ends_of_their_range(option: str, low: int, high: int) -> None:
+    assert getattr(PoolConfig.from_url(f"kvpool://h:1/ns?{option}={low}"), option) == low
+    assert getattr(PoolConfig.from_url(f"kvpool://h:1/ns?{option}={high}"), option) == high
+
+
+def test_timeout_s_is_timeout_ms_in_seconds() -> None:
+    assert PoolConfig.from_url("kvpool://h:1/ns?timeout_ms=1500").timeout_s == 1.5
+
+
+def test_redis_url_points_at_db_0_and_never_carries_the_token() -> None:
+    config = PoolConfig.from_url("kvpool://:s3cret@redis.example:6380/ns")
+
+    assert config.redis_url == "redis://redis.example:6380/0"
+    assert "s3cret" not in config.redis_url
+
+
+# -- bad URLs and options: ConfigError names the offending part -------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "key", "fragment"),
+    [
+        ("", "url", "empty pool URL"),
+        ("   ", "url", "empty pool URL"),
+        ("redis://h:6379/ns", "url", "scheme 'redis' is not kvpool://"),
+        ("//h:6379/ns", "url", "scheme '(none)'"),
+        ("kvpool://:6379/ns", "url", "missing Redis host"),
+        ("kvpool://h/ns", "url", "missing Redis port"),
+        ("kvpool://h:abc/ns", "url", "port is not a number"),
+        ("kvpool://h:0/ns", "url", "Redis port 0 is out of range"),
+        ("kvpool://user:tok@h:6379/ns", "url", "user names are not supported"),
+        ("kvpool://user@h:6379/ns", "url", "user names are not supported"),
+        ("kvpool://h:6379/ns#part", "url", "unexpected fragment '#part'"),
+        ("kvpool://h:6379/ns?bogus=1", "bogus", "unknown option in the URL"),
+        ("kvpool://h:6379/ns?replicas=1&replicas=2", "replicas", "given twice"),
+        ("kvpool://h:6379/ns?replicas=0", "replicas", "0 is out of range [1, 8]"),
+        ("kvpool://h:6379/ns?replicas=9", "replicas", "9 is out of range [1, 8]"),
+        ("kvpool://h:6379/ns?replicas=two", "replicas", "'two' is not an integer"),
+        ("kvpool://h:6379/ns?replicas=", "replicas", "'' is not an integer"),
+        ("kvpool://h:6379/ns?timeout_ms=0", "timeout_ms", "out of range [1, 600000]"),
+        ("kvpool://h:6379/ns?timeout_ms=600001", "timeout_ms", "out of range [1, 600000]"),
+        ("kvpool://h:6379/ns?timeout_ms=1.5", "timeout_ms", "is not an integer"),
+        ("kvpool://h:6379/ns?connections_per_node=0", "connections_per_node", "out of range [1, 64]"),
+        ("kvpool://h:6379/ns?connections_per_node=65", "connections_per_node", "out of range [1, 64]"),
+        ("kvpool://h:6379/ns?nccl=maybe", "nccl", "'maybe' is not on/off"),
+        ("kvpool://h:6379/ns?nccl", "nccl", "'' is not on/off"),
+        ("kvpool://h:6379/ns?tls=banana", "tls", "'banana' is not on/off"),
+        ("kvpool://h:6379/bad%20ns", "namespace", "must be 1-64 characters"),
+        ("kvpool://h:6379/ns!", "namespace", "must be 1-64 characters"),
+        ("kvpool://h:6379/" + "n" * 65, "namespace", "must be 1-64 characters"),
+        ("kvpool://h:6379/a/b", "namespace", "must not contain '/'"),
+        ("kvpool://h:6379/a%2Fb", "namespace", "must not contain '/'"),
+        ("kvpool://h:6379/ns?cluster=rack%201", "cluster", "must be A-Z a-z 0-9 _ . -"),
+        ("kvpool://h:6379/ns?cluster=" + "c" * 65, "cluster", "must be A-Z a-z 0-9 _ . -"),
+    ],
+)
+def test_bad_url_raises_config_error_naming_the_offending_part(url: str, key: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_url(url)
+
+    assert caught.value.key == key
+    assert fragment in str(caught.value)
+    assert str(caught.value).startswith(f"{key}: ")
+
+
+def test_namespace_of_64_allowed_characters_is_accepted() -> None:
+    name = "A-z_0.9" + "x" * 57
+    assert PoolConfig.from_url(f"kvpool://h:1/{name}").namespace == name
+
+
+def test_tls_on_is_refused_with_a_message_that_says_to_use_tls_off() -> None:
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_url("kvpool://h:6379/ns?tls=on")
+
+    assert caught.value.key == "tls"
+    assert "TLS is not available" in str(caught.value)
+    assert "tls=off" in str(caught.value)
+
+
+def test_unknown_option_error_lists_the_known_options() -> None:
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_url("kvpool://h:1/ns?replica=2")
+
+    assert caught.value.key == "replica"
+    for known in ("replicas", "timeout_ms", "connections_per_node", "nccl", "cluster", "tls"):
+        assert known in str(caught.value)
+
+
+def test_url_errors_never_echo_the_token() -> None:
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_url("redis://:hunter2@h:6379/ns")
+
+    assert "hunter2" not in str(caught.value)
+    assert ":***@" in str(caught.value)
+
+
+def test_config_error_is_both_a_kvpool_error_and_a_value_error() -> None:
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_url("kvpool://h:1/ns?replicas=0")
+
+    assert isinstance(caught.value, KVPoolError)
+    assert isinstance(caught.value, ValueError)
+
+
+def test_constructing_directly_validates_like_the_url_does() -> None:
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig(namespace="no spaces")
+    assert caught.value.key == "namespace"
+
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig(redis_host="")
+    assert caught.value.key == "url"
+
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig(redis_port=65536)
+    assert caught.value.key == "url"
+
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig(tls=True)
+    assert caught.value.key == "tls"
+
+
+def test_config_is_immutable() -> None:
+    config = PoolConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.replicas = 3  # type: ignore[misc]
+
+
+# -- environment overrides ------------------------------------------------------------
+
+
+def test_env_option_overrides_the_url() -> None:
+    config = PoolConfig.from_url(
+        "kvpool://h:1/ns?replicas=2&nccl=off&cluster=a",
+        {"KVPOOL_REPLICAS": "3", "KVPOOL_NCCL": "on", "KVPOOL_CLUSTER": "b"},
+    )
+
+    assert (config.replicas, config.nccl, config.cluster) == (3, True, "b")
+
+
+def test_env_token_overrides_the_url_token() -> None:
+    config = PoolConfig.from_url("kvpool://:from-url@h:1/ns", {"KVPOOL_TOKEN": "from-env"})
+    assert config.token == "from-env"
+
+
+def test_empty_env_token_clears_the_url_token() -> None:
+    # A set-but-empty KVPOOL_TOKEN still wins over the URL: the documented precedence.
+    config = PoolConfig.from_url("kvpool://:from-url@h:1/ns", {"KVPOOL_TOKEN": ""})
+    assert config.token == ""
+
+
+def test_env_variables_that_are_not_options_are_ignored() -> None:
+    environ = {
+        "KVPOOL_URL": "kvpool://elsewhere:2/other",
+        "KVPOOL_NCCL_LIBRARY": "/opt/nccl/libnccl.so.2",
+        "KVPOOL_DEBUG": "1",
+        "PATH": "/usr/bin",
+        "REDIS_URL": "redis://x:1/0",
+    }
+    config = PoolConfig.from_url("kvpool://h:1/ns", environ)
+
+    assert config == PoolConfig.from_url("kvpool://h:1/ns")
+
+
+def test_unknown_kvpool_env_variable_raises_naming_the_variable() -> None:
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_url("kvpool://h:1/ns", {"KVPOOL_REPLICA": "2"})
+
+    assert caught.value.key == "KVPOOL_REPLICA"
+    assert "unknown kvpool environment variable" in str(caught.value)
+    assert "KVPOOL_TOKEN" in str(caught.value)
+    assert "KVPOOL_REPLICAS" in str(caught.value)
+
+
+def test_bad_env_value_raises_naming_the_option() -> None:
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_url("kvpool://h:1/ns", {"KVPOOL_TIMEOUT_MS": "soon"})
+
+    assert caught.value.key == "timeout_ms"
+    assert "'soon' is not an integer" in str(caught.value)
+
+
+def test_env_can_turn_on_tls_only_to_be_refused() -> None:
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_url("kvpool://h:1/ns", {"KVPOOL_TLS": "on"})
+    assert caught.value.key == "tls"
+
+
+def test_from_url_reads_no_process_environment_unless_given_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_REPLICAS", "5")
+    monkeypatch.setenv("KVPOOL_BOGUS", "x")
+
+    assert PoolConfig.from_url("kvpool://h:1/ns").replicas == 1
+
+
+# -- mapping and YAML -----------------------------------------------------------------
+
+
+def test_from_mapping_takes_url_plus_typed_options() -> None:
+    config = PoolConfig.from_mapping(
+        {"url": "kvpool://:tok@h:7000/ns", "replicas": 2, "timeout_ms": 900, "nccl": True, "cluster": "east"}
+    )
+
+    assert (config.redis_host, config.redis_port, config.namespace, config.token) == ("h", 7000, "ns", "tok")
+    assert (config.replicas, config.timeout_ms, config.nccl, config.cluster) == (2, 900, True, "east")
+
+
+def test_from_mapping_options_override_the_url_and_env_overrides_both() -> None:
+    data = {"url": "kvpool://h:1/ns?replicas=2&timeout_ms=100", "replicas": 3}
+
+    config = PoolConfig.from_mapping(data, {"KVPOOL_TIMEOUT_MS": "250"})
+
+    assert config.replicas == 3
+    assert config.timeout_ms == 250
+
+
+def test_from_mapping_rejects_an_unknown_key_by_name() -> None:
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_mapping({"url": "kvpool://h:1/ns", "token": "x"})
+
+    assert caught.value.key == "token"
+    assert "unknown option" in str(caught.value)
+
+
+def test_from_mapping_without_url_raises_on_url() -> None:
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_mapping({"replicas": 2})
+    assert caught.value.key == "url"
+
+
+def test_from_mapping_rejects_a_non_mapping() -> None:
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_mapping(["kvpool://h:1/ns"])  # type: ignore[arg-type]
+    assert caught.value.key == "config"
+
+
+def test_from_mapping_validates_option_values() -> None:
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_mapping({"url": "kvpool://h:1/ns", "replicas": 99})
+    assert caught.value.key == "replicas"
+
+
+def test_from_yaml_reads_a_real_file(tmp_path: Path) -> None:
+    path = tmp_path / "kvpool.yaml"
+    path.write_text(
+        "url: kvpool://:tok@redis.internal:6379/prod\n"
+        "replicas: 2\n"
+        "connections_per_node: 8\n"
+        "nccl: on\n"
+        "cluster: gpu-rack-3\n"
+    )
+
+    config = PoolConfig.from_yaml(path)
+
+    assert config.redis_host == "redis.internal"
+    assert config.namespace == "prod"
+    assert config.token == "tok"
+    assert (config.replicas, config.connections_per_node, config.nccl, config.cluster) == (2, 8, True, "gpu-rack-3")
+
+
+def test_from_yaml_accepts_a_string_path_and_env_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "kvpool.yaml"
+    path.write_text("url: kvpool://h:1/ns\nreplicas: 2\n")
+
+    config = PoolConfig.from_yaml(str(path), {"KVPOOL_REPLICAS": "4"})
+
+    assert config.replicas == 4
+
+
+def test_from_yaml_missing_file_raises_config_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_yaml(missing)
+
+    assert caught.value.key == "config"
+    assert f"cannot read {missing}" in str(caught.value)
+
+
+def test_from_yaml_invalid_yaml_raises_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("url: [unclosed\n")
+
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_yaml(path)
+
+    assert caught.value.key == "config"
+    assert "is not valid YAML" in str(caught.value)
+
+
+def test_from_yaml_empty_file_raises_on_the_missing_url(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_yaml(path)
+    assert caught.value.key == "url"
+
+
+def test_from_yaml_unknown_key_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "typo.yaml"
+    path.write_text("url: kvpool://h:1/ns\nreplica: 2\n")
+
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_yaml(path)
+    assert caught.value.key == "replica"
+
+
+# -- canonical URL and masking --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "kvpool://127.0.0.1:6379/default",
+        "kvpool://redis.example:6380/team-a?replicas=3",
+        "kvpool://:tok@h:1/ns?replicas=2&timeout_ms=500&connections_per_node=16&nccl=on&cluster=east",
+        "kvpool://:p%40ss%2Fw%3Ard@h:1/ns",
+    ],
+)
+def test_to_url_round_trips_through_from_url(url: str) -> None:
+    config = PoolConfig.from_url(url)
+
+    assert PoolConfig.from_url(config.to_url()) == config
+    assert config.to_url() == url
+
+
+def test_to_url_lists_only_options_that_differ_from_defaults() -> None:
+    url = PoolConfig.from_url("kvpool://h:1/ns?replicas=1&timeout_ms=2000&nccl=off&cluster=x").to_url()
+    assert url == "kvpool://h:1/ns?cluster=x"
+
+
+def test_to_url_without_token_masks_it() -> None:
+    config = PoolConfig.from_url("kvpool://:s3cret@h:1/ns")
+
+    assert config.to_url(with_token=False) == "kvpool://:***@h:1/ns"
+    assert PoolConfig.from_url("kvpool://h:1/ns").to_url(with_token=False) == "kvpool://h:1/ns"
+
+
+def test_repr_and_str_mask_the_token() -> None:
+    config = PoolConfig.from_url("kvpool://:s3cret@h:1/ns?replicas=2")
+
+    for text in (repr(config), str(config), f"{config}", repr([config])):
+        assert "s3cret" not in text
+        assert "token='***'" in text
+    assert "replicas=2" in repr(config)
+    assert "token=''" in repr(PoolConfig())
+
+
+# -- sizes ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1048576", 1048576),
+        ("0", 0),
+        ("7B", 7),
+        ("4GiB", 4 * GiB),
+        ("4gib", 4 * GiB),
+        ("512MiB", 512 * MiB),
+        ("1.5G", int(1.5 * GiB)),
+        ("2K", 2048),
+        ("2KiB", 2048),
+        ("2KB", 2000),
+        ("4GB", 4_000_000_000),
+        ("1T", 1024**4),
+        ("1TB", 10**12),
+        (" 64 MiB ", 64 * MiB),
+    ],
+)
+def test_parse_size_understands_binary_and_decimal_units(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "4 PiB", "4XB", "four", "1,5G"])
+def test_parse_size_rejects_non_sizes_naming_the_setting(text: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_size(text, name="--dram")
+
+    assert caught.value.key == "--dram"
+    assert "is not a size" in str(caught.value)
+
+
+def test_parse_size_accepts_the_unit_suffix_without_b() -> None:
+    assert parse_size("4Gi") == 4 * GiB
+
+
+@pytest.mark.parametrize(
+    ("num_bytes", "text"),
+    [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (4 * GiB, "4.0 GiB"), (3 * 1024**4, "3.0 TiB")],
+)
+def test_format_size_renders_binary_units(num_bytes: int, text: str) -> None:
+    assert format_size(num_bytes) == text
+
+
+def test_ipv6_host_round_trips() -> None:
+    config = PoolConfig.from_url("kvpool://[::1]:6379/ns")
+
+    assert PoolConfig.from_url(config.to_url()) == config
+    assert config.redis_url == "redis://[::1]:6379/0"
