@@ -25,6 +25,8 @@ __all__ = ["main", "build_parser"]
 
 logger = logging.getLogger("kvpool")
 
+DEFAULT_UP_NVME_DIR = Path(".kvpool") / "nvme"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description="Run and manage a kvpool KV-cache pool.")
@@ -34,11 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = verbs.add_parser("up", help="run a pool in the foreground: a private redis-server plus one node")
     up.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a private one")
-    _node_options(up, dram_default="1GiB")
+    _node_options(up, dram_default="1GiB", nvme_dir_default=DEFAULT_UP_NVME_DIR, nvme_default="8GiB")
 
     node = verbs.add_parser("node", help="run a node that joins an existing pool")
     node.add_argument("--redis", metavar="URL", required=True, help="the pool's metadata Redis, redis://HOST:PORT")
-    _node_options(node, dram_default="4GiB")
+    _node_options(node, dram_default="4GiB", nvme_dir_default=None, nvme_default="100GiB")
 
     status = verbs.add_parser("status", help="is the pool healthy: Redis, nodes, capacity, objects")
     _url_option(status)
@@ -59,9 +61,14 @@ def _url_option(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _node_options(parser: argparse.ArgumentParser, dram_default: str) -> None:
+def _node_options(
+    parser: argparse.ArgumentParser, dram_default: str, nvme_dir_default: Path | None, nvme_default: str
+) -> None:
     parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help=f"pool namespace (default {DEFAULT_NAMESPACE})")
     parser.add_argument("--dram", default=dram_default, help=f"DRAM tier size (default {dram_default})")
+    where = f"default {nvme_dir_default}" if nvme_dir_default else "default: no NVMe tier"
+    parser.add_argument("--nvme-dir", type=Path, default=nvme_dir_default, help=f"NVMe tier directory ({where})")
+    parser.add_argument("--nvme", default=nvme_default, help=f"NVMe tier size; 0 turns it off (default {nvme_default})")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
     parser.add_argument(
@@ -85,8 +92,10 @@ def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
     dram_bytes = parse_size(args.dram, name="--dram")
     if dram_bytes <= 0:
         raise ConfigError("--dram", f"{args.dram!r} is not a positive size")
+    nvme_bytes = parse_size(args.nvme, name="--nvme") if args.nvme_dir is not None else 0
     return NodeConfig(
         redis_url=redis_url, namespace=args.namespace, dram_bytes=dram_bytes,
+        nvme_dir=args.nvme_dir if nvme_bytes else None, nvme_bytes=nvme_bytes,
         host=args.host, port=args.port, advertise_host=args.advertise, node_id=args.node_id,
         token=token, cluster=args.cluster,
     )  # fmt: skip
@@ -133,8 +142,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             node = PoolNode(config)
             await node.start()
             url = _pool_url(node, redis_url, config.namespace)
+            nvme = f"NVMe {format_size(config.nvme_bytes)} at {config.nvme_dir}" if config.nvme_dir else "no NVMe"
             print(f"kvpool pool is up: redis {redis_url}, node {node.node_id} at {node.advertise_host}:{node.port}, "
-                  f"DRAM {format_size(config.dram_bytes)}")  # fmt: skip
+                  f"DRAM {format_size(config.dram_bytes)}, {nvme}")  # fmt: skip
             print(f"\nPool URL:\n  {url}\n\nLMCache config (LMCACHE_CONFIG_FILE):\n")
             print(render_yaml(lmcache_config(url)))
             print("Ctrl-C stops the pool.", flush=True)
@@ -171,8 +181,8 @@ async def pool_status(config: PoolConfig) -> dict[str, Any]:
             counters = stats.get("counters", {})
             hits += int(counters.get("hits", 0))
             gets += int(counters.get("gets", 0))
-            node.used_bytes = int(stats["dram"]["used_bytes"])
-            node.object_count = int(stats["dram"]["objects"])
+            node.used_bytes = sum(int(t["used_bytes"]) for t in stats["tiers"].values())
+            node.object_count = int(stats["objects"])
         return {
             "redis": {"url": config.redis_url, "reachable": True, "rtt_ms": round(rtt_ms, 3)},
             "namespace": config.namespace,

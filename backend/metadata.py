@@ -60,6 +60,16 @@ end
 return 0
 """
 
+# Change a location's tier, only if this node epoch still holds the key (never resurrects).
+_MOVE_LUA = """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if v and string.sub(v, 1, #ARGV[2] + 1) == ARGV[2] .. '|' then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+  return 1
+end
+return 0
+"""
+
 # Remove a location whatever epoch wrote it, if it still says what the caller saw.
 _REMOVE_EXACT_LUA = """
 if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
@@ -162,6 +172,7 @@ class MetadataStore:
         self._commit = self._redis.register_script(_COMMIT_LUA)
         self._remove = self._redis.register_script(_REMOVE_LUA)
         self._remove_exact = self._redis.register_script(_REMOVE_EXACT_LUA)
+        self._move = self._redis.register_script(_MOVE_LUA)
         tag = "{" + namespace + "}"
         self.marker_key = f"kvp:{tag}:marker"
         self.epoch_key = f"kvp:{tag}:epoch"
@@ -269,6 +280,19 @@ class MetadataStore:
                 async with self._redis.pipeline(transaction=False) as pipe:
                     for key in keys[start : start + LOOKUP_BATCH]:
                         await self._remove(keys=[self.index_key(key)], args=[node_id, str(epoch)], client=pipe)
+                    await pipe.execute()
+
+    async def move(self, locations: Sequence[tuple[str, Location]]) -> None:
+        """Record that keys moved tier on their node (same node and epoch), one pipeline."""
+        if not locations:
+            return
+        with _redis_errors("index move"):
+            for start in range(0, len(locations), LOOKUP_BATCH):
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for key, loc in locations[start : start + LOOKUP_BATCH]:
+                        await self._move(
+                            keys=[self.index_key(key)], args=[loc.node_id, str(loc.epoch), loc.encode()], client=pipe
+                        )
                     await pipe.execute()
 
     async def remove_stale(self, stale: Sequence[tuple[str, Location]]) -> None:

@@ -92,9 +92,9 @@ def test_status_json_reports_nodes_objects_and_bytes(node_factory, pool_url):
     assert "2 alive, 0 dead" in human.stdout
 
 
-def test_up_prints_the_url_serves_and_stops_cleanly_on_ctrl_c():
+def test_up_prints_the_url_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "backend.cli", "up", "--dram", "64MiB"], stdout=subprocess.PIPE,
+        [sys.executable, "-m", "backend.cli", "up", "--dram", "64MiB", "--nvme-dir", str(tmp_path)], stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, cwd=REPO,
     )  # fmt: skip
     lines: list[str] = []

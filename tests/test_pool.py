@@ -54,7 +54,7 @@ def test_delete_removes_index_entry_and_node_bytes(node_factory, pool_url):
         assert client.delete([chunks[0].key]) == 1
         assert client.contains([c.key for c in chunks]) == [False, True, True]
         stats = client.node_stats(client.nodes()[0])
-        assert stats["dram"]["objects"] == 2
+        assert stats["tiers"]["dram"]["objects"] == 2
         assert stats["counters"]["deletes"] == 1
     assert node.alive()
 

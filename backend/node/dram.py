@@ -27,8 +27,8 @@ class DramTier:
 
     Space is *reserved* before a chunk's bytes are received (so memory never exceeds
     the bound while a put is in flight), then the chunk is inserted or the
-    reservation released. Eviction drops the oldest chunks and reports them so the
-    caller can remove their index entries.
+    reservation released. What leaves the tier when it is full (demotion to NVMe or
+    eviction) is the tier manager's decision (``backend.node.tiers``).
     """
 
     name = TIER_NAME
@@ -61,20 +61,24 @@ class DramTier:
     def items(self) -> Iterator[tuple[str, StoredChunk]]:
         return iter(list(self._chunks.items()))
 
-    def reserve(self, nbytes: int) -> list[StoredChunk]:
-        """Reserve ``nbytes``, evicting least recently used chunks; returns the evicted."""
-        if nbytes > self.capacity_bytes:
-            raise CapacityError(f"chunk of {nbytes} bytes is larger than the DRAM tier ({self.capacity_bytes} bytes)")
-        evicted: list[StoredChunk] = []
-        while self.used_bytes + nbytes > self.capacity_bytes and self._chunks:
-            _, chunk = self._chunks.popitem(last=False)
-            self._stored_bytes -= chunk.meta.nbytes
-            evicted.append(chunk)
-        if self.used_bytes + nbytes > self.capacity_bytes:
-            # Everything left is reserved by puts in flight.
-            raise CapacityError(f"DRAM tier full: {self._reserved_bytes} bytes reserved by puts in flight")
+    def fits(self, nbytes: int) -> bool:
+        return self.used_bytes + nbytes <= self.capacity_bytes
+
+    def reserve(self, nbytes: int) -> None:
+        """Reserve ``nbytes`` for a chunk about to arrive; CapacityError if it does not fit now."""
+        if not self.fits(nbytes):
+            raise CapacityError(
+                f"DRAM tier full: {nbytes} bytes do not fit ({self.used_bytes} of {self.capacity_bytes} used)"
+            )
         self._reserved_bytes += nbytes
-        return evicted
+
+    def oldest(self) -> StoredChunk | None:
+        """The least recently used chunk, without touching its recency."""
+        return next(iter(self._chunks.values()), None)
+
+    def peek(self, key: str) -> StoredChunk | None:
+        """The chunk for ``key`` without touching its recency."""
+        return self._chunks.get(key)
 
     def release(self, nbytes: int) -> None:
         """Give back a reservation whose put did not complete."""

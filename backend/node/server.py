@@ -21,11 +21,14 @@ import signal
 import socket
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from backend.errors import AuthError, CapacityError, KVPoolError, MetadataError, NodeUnavailable, ProtocolError
 from backend.metadata import Location, MetadataStore, NodeInfo
-from backend.node.dram import DramTier, StoredChunk
+from backend.node.dram import StoredChunk
+from backend.node.recovery import RecoveryReport, node_identity, scan
+from backend.node.tiers import DRAM, TierConfig, TierManager
 from backend.protocol import (
     DEFAULT_LIMITS,
     PUT_INTEGRITY,
@@ -74,6 +77,16 @@ class NodeConfig:
     heartbeat_ttl_ms: int = 5000
     redis_timeout_ms: int = 2000
     limits: Limits = DEFAULT_LIMITS
+    nvme_dir: Path | None = None
+    nvme_bytes: int = 0
+    high_watermark: float = 0.90
+    low_watermark: float = 0.80
+
+    def tier_config(self) -> TierConfig:
+        return TierConfig(
+            dram_bytes=self.dram_bytes, nvme_dir=self.nvme_dir, nvme_bytes=self.nvme_bytes,
+            high_watermark=self.high_watermark, low_watermark=self.low_watermark,
+        )  # fmt: skip
 
 
 class PoolNode:
@@ -81,7 +94,8 @@ class PoolNode:
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.dram = DramTier(config.dram_bytes)
+        self.tiers = TierManager(config.tier_config())
+        self.recovery: RecoveryReport | None = None
         self.meta = MetadataStore(config.redis_url, config.namespace, config.redis_timeout_ms / 1000)
         self.counters: Counter[str] = Counter()
         self.epoch = 0
@@ -90,7 +104,6 @@ class PoolNode:
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._connections: set[FrameSocket] = set()
-        self._pending_removals: set[str] = set()
         self._redis_ok = True
         self._stopping = asyncio.Event()
 
@@ -113,16 +126,30 @@ class PoolNode:
         listener = socket.create_server((self.config.host, self.config.port), backlog=512, reuse_port=False)
         listener.setblocking(False)
         self._listener = listener
+        if self.tiers.nvme is not None:
+            root = self.tiers.nvme.root
+            self.node_id = await asyncio.to_thread(node_identity, root, self.node_id)
+            records, report = await asyncio.to_thread(scan, root)
+            self.recovery = report
+            self.tiers.load_nvme(records)
+            logger.info("node %s: recovered %d NVMe chunks (%d bytes) in %.2f s; %d quarantined, %d temp files removed",
+                        self.node_id, report.files, report.bytes, report.seconds,
+                        report.quarantined, report.temp_removed)  # fmt: skip
         if not self.node_id:
             self.node_id = f"{socket.gethostname()}-{self.port}"
         await self.meta.ensure_marker()
         self.epoch = await self.meta.new_epoch()
+        if self.recovery is not None and self.recovery.files:
+            await self._publish_inventory()  # the old epoch's entries are overwritten
         await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
+        self.tiers.start()
         self._spawn(self._accept_loop())
         self._spawn(self._heartbeat_loop())
+        nvme = self.tiers.nvme
         logger.info(
-            "node %s epoch %d serving %s:%d (DRAM %d bytes, namespace %s)",
-            self.node_id, self.epoch, self.advertise_host, self.port, self.dram.capacity_bytes, self.config.namespace,
+            "node %s epoch %d serving %s:%d (DRAM %d bytes, NVMe %s, namespace %s)",
+            self.node_id, self.epoch, self.advertise_host, self.port, self.tiers.dram.capacity_bytes,
+            f"{nvme.capacity_bytes} bytes at {nvme.root}" if nvme else "off", self.config.namespace,
         )  # fmt: skip
 
     async def wait_stopped(self) -> None:
@@ -143,10 +170,11 @@ class PoolNode:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         try:
             async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
-                await self.meta.remove(self.node_id, self.epoch, self.dram.keys())
+                await self.meta.remove(self.node_id, self.epoch, sorted(self.tiers.keys()))
                 await self.meta.deregister(self.node_id)
         except (KVPoolError, TimeoutError) as exc:
             logger.warning("node %s: could not deregister cleanly: %s", self.node_id, exc)
+        await self.tiers.close()
         await self.meta.close()
         logger.info("node %s stopped", self.node_id)
 
@@ -160,22 +188,22 @@ class PoolNode:
             hostname=socket.gethostname(),
             pid=os.getpid(),
             started_at=self.started_at,
-            capacity_bytes=self.dram.capacity_bytes,
-            used_bytes=self.dram.used_bytes,
-            object_count=len(self.dram),
-            tiers={"dram": {"capacity_bytes": self.dram.capacity_bytes, "used_bytes": self.dram.used_bytes,
-                            "objects": len(self.dram)}},
-        )  # fmt: skip
+            capacity_bytes=self.tiers.capacity_bytes,
+            used_bytes=self.tiers.used_bytes,
+            object_count=len(self.tiers),
+            tiers=self.tiers.stats(),
+        )
 
     def stats(self) -> dict[str, Any]:
         return {
             "node_id": self.node_id,
             "epoch": self.epoch,
             "uptime_s": round(time.time() - self.started_at, 3),
-            "counters": dict(self.counters),
-            "dram": {"capacity_bytes": self.dram.capacity_bytes, "used_bytes": self.dram.used_bytes,
-                     "objects": len(self.dram)},
-        }  # fmt: skip
+            "counters": dict(self.counters + self.tiers.counters),
+            "objects": len(self.tiers),
+            "tiers": self.tiers.stats(),
+            "recovery": dataclasses.asdict(self.recovery) if self.recovery else None,
+        }
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -192,7 +220,7 @@ class PoolNode:
                 marker_present = await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
                 if not marker_present:
                     await self._republish()
-                await self._flush_removals()
+                await self._flush_index()
                 if not self._redis_ok:
                     logger.warning("node %s: Redis reachable again", self.node_id)
                     self._redis_ok = True
@@ -204,20 +232,36 @@ class PoolNode:
     async def _republish(self) -> None:
         """Redis lost our namespace (restart or flush): publish everything we hold again."""
         await self.meta.ensure_marker()
-        held = [(key, self._location(chunk.meta)) for key, chunk in self.dram.items()]
+        count = await self._publish_inventory()
+        logger.warning("node %s: namespace was missing in Redis; republished %d chunks", self.node_id, count)
+
+    async def _publish_inventory(self) -> int:
+        held = [(meta.key, self._location(meta, tier)) for meta, tier in self.tiers.inventory()]
         await self.meta.commit(held)
         self.counters["republished"] += len(held)
-        logger.warning("node %s: namespace was missing in Redis; republished %d chunks", self.node_id, len(held))
+        return len(held)
 
-    async def _flush_removals(self) -> None:
-        if not self._pending_removals:
-            return
-        keys = [k for k in self._pending_removals if k not in self.dram]
-        self._pending_removals.clear()
-        await self.meta.remove(self.node_id, self.epoch, keys)
+    async def _flush_index(self) -> None:
+        """Publish what the tiers did since the last flush: evictions, drops and tier moves."""
+        removed, self.tiers.index_removed = self.tiers.index_removed, set()
+        moved, self.tiers.index_moved = self.tiers.index_moved, {}
+        gone = [key for key in removed if not self.tiers.contains(key)]
+        moves = []
+        for key in moved:
+            meta, tier = self.tiers.meta_of(key), self.tiers.tier_of(key)
+            if meta is not None and tier is not None:
+                moves.append((key, self._location(meta, tier)))
+        try:
+            await self.meta.remove(self.node_id, self.epoch, gone)
+            await self.meta.move(moves)
+        except MetadataError:
+            # Keep them for the next flush; an index entry that outlives its bytes reads as a miss.
+            self.tiers.index_removed |= set(gone)
+            self.tiers.index_moved.update({key: loc.tier for key, loc in moves})
+            raise
 
-    def _location(self, meta: ItemMeta) -> Location:
-        return Location(self.node_id, self.epoch, self.dram.name, meta.nbytes, meta.checksum)
+    def _location(self, meta: ItemMeta, tier: str = DRAM) -> Location:
+        return Location(self.node_id, self.epoch, tier, meta.nbytes, meta.checksum)
 
     # -- connections ------------------------------------------------------------------
     async def _accept_loop(self) -> None:
@@ -328,62 +372,57 @@ class PoolNode:
         await conn.send([encode_header(op, request_id, message, 0, status_for_error(exc)), message])
 
     # -- requests ---------------------------------------------------------------------
-    async def _receive_put(self, conn: FrameSocket, items: list[ItemMeta]) -> list[tuple[ItemMeta, bytearray | None]]:
-        """Receive each chunk into reserved DRAM; an item with no room is read and dropped."""
-        received: list[tuple[ItemMeta, bytearray | None]] = []
-        try:
-            for item in items:
-                try:
-                    evicted = self.dram.reserve(item.nbytes)
-                except CapacityError:
-                    await conn.discard(item.nbytes)
-                    received.append((item, None))
-                    continue
-                self._note_evicted(evicted)
-                buffer = bytearray(item.nbytes)
-                received.append((item, buffer))
+    async def _receive_put(self, conn: FrameSocket, items: list[ItemMeta]) -> list[tuple[int, StoredChunk | None]]:
+        """Receive each chunk into reserved DRAM and verify it; returns a PUT outcome per item.
+
+        A verified chunk enters the tiers at once (so a batch larger than DRAM can
+        demote its own first chunks), but is not visible to readers before the index
+        commit. An item with no room is read off the socket and dropped.
+        """
+        received: list[tuple[int, StoredChunk | None]] = []
+        for item in items:
+            try:
+                await self.tiers.reserve(item.nbytes)
+            except CapacityError:
+                await conn.discard(item.nbytes)
+                received.append((PUT_NO_CAPACITY, None))
+                continue
+            buffer = bytearray(item.nbytes)
+            try:
                 await conn.recv_into(buffer)
-        except BaseException:
-            for reserved_item, reserved in received:
-                if reserved is not None:
-                    self.dram.release(reserved_item.nbytes)
-            raise
+            except BaseException:
+                self.tiers.release(item.nbytes)
+                await self._discard_uncommitted([c for _, c in received if c is not None])
+                raise
+            if checksum(buffer) != item.checksum:
+                self.tiers.release(item.nbytes)
+                received.append((PUT_INTEGRITY, None))
+                continue
+            chunk = StoredChunk(item, buffer)
+            self.tiers.insert(chunk)
+            received.append((PUT_STORED, chunk))
         return received
 
-    def _note_evicted(self, evicted: list[StoredChunk]) -> None:
-        if evicted:
-            self.counters["evictions"] += len(evicted)
-            self._pending_removals.update(chunk.meta.key for chunk in evicted)
+    async def _discard_uncommitted(self, chunks: list[StoredChunk]) -> None:
+        for chunk in chunks:
+            await self.tiers.discard(chunk)
 
-    async def _commit_put(self, received: list[tuple[ItemMeta, bytearray | None]]) -> tuple[bytes, list[Buffer]]:
-        flags: list[int] = []
-        stored: list[StoredChunk] = []
-        for item, buffer in received:
-            if buffer is None:
-                flags.append(PUT_NO_CAPACITY)
-                self.counters["put_rejected_capacity"] += 1
-            elif checksum(buffer) != item.checksum:
-                self.dram.release(item.nbytes)
-                flags.append(PUT_INTEGRITY)
-                self.counters["integrity_failures"] += 1
-            else:
-                chunk = StoredChunk(item, buffer)
-                self.dram.insert(chunk)
-                stored.append(chunk)
-                flags.append(PUT_STORED)
+    async def _commit_put(self, received: list[tuple[int, StoredChunk | None]]) -> tuple[bytes, list[Buffer]]:
+        stored = [chunk for _, chunk in received if chunk is not None]
+        self.counters["put_rejected_capacity"] += sum(1 for flag, _ in received if flag == PUT_NO_CAPACITY)
+        self.counters["integrity_failures"] += sum(1 for flag, _ in received if flag == PUT_INTEGRITY)
         try:
-            await self._flush_removals()
-            await self.meta.commit([(c.meta.key, self._location(c.meta)) for c in stored])
+            await self._flush_index()
+            await self.meta.commit(
+                [(c.meta.key, self._location(c.meta, self.tiers.tier_of(c.meta.key) or DRAM)) for c in stored]
+            )
         except MetadataError:
             # Not visible, so not kept: a put is acknowledged only once readers can find it.
-            for chunk in stored:
-                current = self.dram.get(chunk.meta.key)
-                if current is chunk:
-                    self.dram.delete(chunk.meta.key)
+            await self._discard_uncommitted(stored)
             raise
         self.counters["puts"] += len(stored)
         self.counters["put_bytes"] += sum(c.meta.nbytes for c in stored)
-        return encode_flags(flags), []
+        return encode_flags([flag for flag, _ in received]), []
 
     async def _handle(self, op: int, meta: bytearray) -> tuple[bytes, list[Buffer]]:
         limits = self.config.limits
@@ -392,7 +431,7 @@ class PoolNode:
             data: list[Buffer] = []
             budget = limits.max_data_bytes  # a response never exceeds what a client accepts
             for key in decode_keys(meta, limits):
-                chunk = self.dram.get(key)
+                chunk = await self.tiers.get(key)
                 self.counters["gets"] += 1
                 if chunk is not None and chunk.meta.nbytes > budget:
                     self.counters["get_over_frame_limit"] += 1
@@ -408,10 +447,10 @@ class PoolNode:
                     budget -= chunk.meta.nbytes
             return encode_get_response(found, limits), data
         if op == Op.EXISTS_BATCH:
-            return encode_flags([int(key in self.dram) for key in decode_keys(meta, limits)]), []
+            return encode_flags([int(self.tiers.contains(key)) for key in decode_keys(meta, limits)]), []
         if op == Op.DELETE_BATCH:
             keys = decode_keys(meta, limits)
-            deleted = [key for key in keys if self.dram.delete(key) is not None]
+            deleted = [key for key in keys if await self.tiers.delete(key)]
             await self.meta.remove(self.node_id, self.epoch, deleted)
             self.counters["deletes"] += len(deleted)
             gone = set(deleted)

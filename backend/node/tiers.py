@@ -1,0 +1,376 @@
+"""Tier manager: DRAM (LRU) in front of an optional NVMe tier, and what moves between them.
+
+* A put reserves DRAM space. If DRAM is full, its least recently used chunks are
+  demoted to NVMe (or, with no NVMe tier, evicted) until the chunk fits. Only when
+  nothing can move -- the NVMe tier is absent and DRAM is all reserved, or the disk
+  refuses writes -- does the put get CapacityError.
+* A background task keeps DRAM between its watermarks (demote above ``high``
+  down to ``low``) so puts rarely wait for the disk.
+* NVMe evicts its least recently used files when a demotion needs room.
+* A hit on NVMe is read back in a worker thread, verified, and promoted to DRAM;
+  the file stays, so a later demotion of the same chunk costs nothing.
+* A file whose checksum fails is moved to ``quarantine/`` and reads as a miss.
+
+The manager never talks to Redis. It records which keys this node stopped holding
+(``index_removed``) and which moved tier (``index_moved``); the server publishes them
+in batches. All disk I/O runs on worker threads; the event loop never waits on a disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+import logging
+import shutil
+from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from backend.errors import CapacityError, IntegrityError
+from backend.node.dram import DramTier, StoredChunk
+from backend.node.nvme import NvmeFile, read_payload, write_chunk
+from backend.protocol import ItemMeta
+
+__all__ = ["TierConfig", "TierManager", "DRAM", "NVME"]
+
+logger = logging.getLogger(__name__)
+
+DRAM = "dram"
+NVME = "nvme"
+HEADER_ALLOWANCE_BYTES = 4096  # room reserved on disk for a file's header
+DEMOTER_IDLE_S = 0.5
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+@dataclasses.dataclass(frozen=True)
+class TierConfig:
+    dram_bytes: int
+    nvme_dir: Path | None = None
+    nvme_bytes: int = 0
+    high_watermark: float = 0.90
+    low_watermark: float = 0.80
+    io_threads: int = 4
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            raise ValueError("watermarks must satisfy 0 < low < high <= 1")
+
+
+class NvmeIndex:
+    """Which chunks are on disk, least recently used first, and the bytes they take."""
+
+    def __init__(self, root: Path, capacity_bytes: int) -> None:
+        self.root = root
+        self.capacity_bytes = capacity_bytes
+        self.files: OrderedDict[str, NvmeFile] = OrderedDict()
+        self.used_bytes = 0
+
+    def add(self, record: NvmeFile) -> None:
+        self.remove(record.meta.key)
+        self.files[record.meta.key] = record
+        self.used_bytes += record.file_bytes
+
+    def remove(self, key: str) -> NvmeFile | None:
+        record = self.files.pop(key, None)
+        if record is not None:
+            self.used_bytes -= record.file_bytes
+        return record
+
+    def touch(self, key: str) -> NvmeFile | None:
+        record = self.files.get(key)
+        if record is not None:
+            self.files.move_to_end(key)
+        return record
+
+
+class TierManager:
+    """DRAM + NVMe for one node. Use from the node's event loop only."""
+
+    def __init__(self, config: TierConfig) -> None:
+        self.config = config
+        self.dram = DramTier(config.dram_bytes)
+        self.nvme = NvmeIndex(config.nvme_dir, config.nvme_bytes) if config.nvme_dir and config.nvme_bytes else None
+        self.counters: Counter[str] = Counter()
+        self.index_removed: set[str] = set()
+        self.index_moved: dict[str, str] = {}
+        self.disk_full = False
+        self._lock = asyncio.Lock()  # one demotion/eviction decision at a time
+        self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvpool-nvme")
+        self._wake = asyncio.Event()
+        self._demoter: asyncio.Task[None] | None = None
+
+    # -- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        if self.nvme is not None and self._demoter is None:
+            self._demoter = asyncio.get_running_loop().create_task(self._demote_loop())
+
+    async def close(self) -> None:
+        if self._demoter is not None:
+            self._demoter.cancel()
+            await asyncio.gather(self._demoter, return_exceptions=True)
+        self._io.shutdown(wait=True, cancel_futures=True)
+
+    def load_nvme(self, records: list[NvmeFile]) -> None:
+        """Adopt files found by recovery, oldest first (so LRU order follows file age)."""
+        assert self.nvme is not None
+        for record in records:
+            self.nvme.add(record)
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    # -- accounting -------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self.dram.capacity_bytes + (self.nvme.capacity_bytes if self.nvme else 0)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.dram.used_bytes + (self.nvme.used_bytes if self.nvme else 0)
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def contains(self, key: str) -> bool:
+        return key in self.dram or (self.nvme is not None and key in self.nvme.files)
+
+    def tier_of(self, key: str) -> str | None:
+        if key in self.dram:
+            return DRAM
+        if self.nvme is not None and key in self.nvme.files:
+            return NVME
+        return None
+
+    def meta_of(self, key: str) -> ItemMeta | None:
+        chunk = self.dram.peek(key)
+        if chunk is not None:
+            return chunk.meta
+        record = self.nvme.files.get(key) if self.nvme is not None else None
+        return record.meta if record is not None else None
+
+    def keys(self) -> set[str]:
+        return set(self.dram.keys()) | (set(self.nvme.files) if self.nvme else set())
+
+    def inventory(self) -> list[tuple[ItemMeta, str]]:
+        """Every chunk held and the tier serving it (for republishing the index)."""
+        held = [(chunk.meta, DRAM) for _, chunk in self.dram.items()]
+        if self.nvme is not None:
+            held += [(r.meta, NVME) for k, r in self.nvme.files.items() if k not in self.dram]
+        return held
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        tiers: dict[str, dict[str, Any]] = {
+            DRAM: {"capacity_bytes": self.dram.capacity_bytes, "used_bytes": self.dram.used_bytes,
+                   "objects": len(self.dram)},
+        }  # fmt: skip
+        if self.nvme is not None:
+            tiers[NVME] = {"capacity_bytes": self.nvme.capacity_bytes, "used_bytes": self.nvme.used_bytes,
+                           "objects": len(self.nvme.files), "disk_full": self.disk_full}  # fmt: skip
+        return tiers
+
+    # -- put path ---------------------------------------------------------------------
+    async def reserve(self, nbytes: int) -> None:
+        """Reserve DRAM for an incoming chunk, demoting or evicting older ones as needed."""
+        if nbytes > self.dram.capacity_bytes:
+            raise CapacityError(
+                f"chunk of {nbytes} bytes is larger than the DRAM tier ({self.dram.capacity_bytes} bytes)"
+            )
+        if not self.dram.fits(nbytes):
+            async with self._lock:
+                while not self.dram.fits(nbytes):
+                    victim = self.dram.oldest()
+                    if victim is None:
+                        raise CapacityError("DRAM tier is fully reserved by puts in flight")
+                    await self._demote(victim)
+        self.dram.reserve(nbytes)
+        self._maybe_wake()
+
+    def release(self, nbytes: int) -> None:
+        self.dram.release(nbytes)
+
+    def insert(self, chunk: StoredChunk) -> None:
+        """Store a verified chunk in reserved DRAM; an NVMe copy with other bytes is dropped."""
+        self.dram.insert(chunk)
+        if self.nvme is not None:
+            old = self.nvme.files.get(chunk.meta.key)
+            if old is not None and old.meta.checksum != chunk.meta.checksum:
+                self._forget_file(old)
+
+    async def discard(self, chunk: StoredChunk) -> None:
+        """Undo ``insert`` (the put was not committed), unless the key was replaced since."""
+        key = chunk.meta.key
+        if self.dram.peek(key) is chunk:
+            self.dram.delete(key)
+        elif self.dram.peek(key) is not None:
+            return  # a newer put of the key owns it now
+        record = self.nvme.files.get(key) if self.nvme is not None else None
+        if record is not None and record.meta.checksum == chunk.meta.checksum:
+            assert self.nvme is not None
+            self.nvme.remove(key)
+            await self._run(_unlink, record.path)
+
+    # -- get path ---------------------------------------------------------------------
+    async def get(self, key: str) -> StoredChunk | None:
+        """The chunk from DRAM, or read back (verified) from NVMe and promoted; None if not held."""
+        chunk = self.dram.get(key)
+        if chunk is not None or self.nvme is None:
+            return chunk
+        record = self.nvme.touch(key)
+        if record is None:
+            return None
+        nbytes = record.meta.nbytes
+        try:
+            await self.reserve(nbytes)
+            promote = True
+        except CapacityError:
+            promote = False  # serve from disk without keeping a DRAM copy
+        buffer = bytearray(nbytes)
+        try:
+            await self._run(read_payload, record, buffer)
+        except (IntegrityError, OSError) as exc:
+            if promote:
+                self.release(nbytes)
+            await self._quarantine(record, exc)
+            return None
+        chunk = StoredChunk(record.meta, buffer)
+        if promote:
+            current = self.dram.peek(key)
+            if current is None:
+                self.dram.insert(chunk)
+                self.index_moved[key] = DRAM
+                self.counters["promotions"] += 1
+            else:  # a put of the same key landed while we read
+                self.release(nbytes)
+                chunk = current
+        self.counters["nvme_reads"] += 1
+        return chunk
+
+    async def delete(self, key: str) -> bool:
+        found = self.dram.delete(key) is not None
+        if self.nvme is not None:
+            record = self.nvme.remove(key)
+            if record is not None:
+                found = True
+                await self._run(_unlink, record.path)
+        return found
+
+    # -- movement ---------------------------------------------------------------------
+    async def _demote(self, chunk: StoredChunk) -> None:
+        """Move a DRAM chunk to NVMe (or evict it with no NVMe tier). Caller holds the lock."""
+        key = chunk.meta.key
+        if self.nvme is None:
+            self.dram.delete(key)
+            self.index_removed.add(key)
+            self.counters["evictions"] += 1
+            return
+        record = self.nvme.files.get(key)
+        if record is None or record.meta.checksum != chunk.meta.checksum:
+            record = await self._write(chunk)
+        if self.dram.peek(key) is chunk:
+            self.dram.delete(key)
+            self.index_moved[key] = NVME
+            self.counters["demotions"] += 1
+        elif (current := self.dram.peek(key)) is not None and current.meta.checksum != chunk.meta.checksum:
+            self._forget_file(record)  # replaced by other bytes while we wrote
+
+    async def _write(self, chunk: StoredChunk) -> NvmeFile:
+        assert self.nvme is not None
+        need = chunk.meta.nbytes + HEADER_ALLOWANCE_BYTES
+        if need > self.nvme.capacity_bytes:
+            raise CapacityError(f"chunk of {chunk.meta.nbytes} bytes is larger than the NVMe tier")
+        if self.disk_full:
+            raise CapacityError("NVMe tier: the disk refused the last write (full); not demoting")
+        while self.nvme.used_bytes + need > self.nvme.capacity_bytes:
+            oldest = next(iter(self.nvme.files.values()))
+            self._forget_file(oldest)
+            self.counters["nvme_evictions"] += 1
+        try:
+            record: NvmeFile = await self._run(write_chunk, self.nvme.root, chunk.meta, chunk.buffer)
+        except OSError as exc:
+            if exc.errno in _DISK_FULL:
+                self.disk_full = True
+                self.counters["disk_full"] += 1
+                logger.error("NVMe tier %s: disk full (%s); puts that need demotion now fail with "
+                             "CapacityError until space is freed", self.nvme.root, exc.strerror)  # fmt: skip
+                self._schedule_disk_recheck()
+            raise CapacityError(f"NVMe write failed: {exc.strerror}") from None
+        self.nvme.add(record)
+        self.counters["nvme_writes"] += 1
+        return record
+
+    def _forget_file(self, record: NvmeFile) -> None:
+        """Drop a file from the index now and from the disk in the background."""
+        assert self.nvme is not None
+        if self.nvme.files.get(record.meta.key) is record:
+            self.nvme.remove(record.meta.key)
+        if record.meta.key not in self.dram:
+            self.index_removed.add(record.meta.key)
+        asyncio.get_running_loop().run_in_executor(self._io, _unlink, record.path)
+
+    async def _quarantine(self, record: NvmeFile, exc: BaseException) -> None:
+        assert self.nvme is not None
+        self.counters["integrity_failures"] += 1
+        self.counters["quarantined"] += 1
+        logger.error("NVMe tier: %s; quarantining %s", exc, record.path.name)
+        if self.nvme.files.get(record.meta.key) is record:
+            self.nvme.remove(record.meta.key)
+        if record.meta.key not in self.dram:
+            self.index_removed.add(record.meta.key)
+        await self._run(quarantine_file, self.nvme.root, record.path)
+
+    def _maybe_wake(self) -> None:
+        if self.nvme is not None and self.dram.used_bytes > self.config.high_watermark * self.dram.capacity_bytes:
+            self._wake.set()
+
+    async def _demote_loop(self) -> None:
+        """Keep DRAM below the high watermark, demoting down to the low one."""
+        low = self.config.low_watermark * self.dram.capacity_bytes
+        high = self.config.high_watermark * self.dram.capacity_bytes
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), DEMOTER_IDLE_S)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            if self.dram.used_bytes <= high:
+                continue
+            async with self._lock:
+                while self.dram.used_bytes > low and (victim := self.dram.oldest()) is not None:
+                    try:
+                        await self._demote(victim)
+                    except CapacityError:
+                        break  # the disk refuses: puts will see CapacityError instead
+
+    def _schedule_disk_recheck(self) -> None:
+        async def recheck() -> None:
+            await asyncio.sleep(5.0)
+            assert self.nvme is not None
+            free = await self._run(lambda: shutil.disk_usage(self.nvme.root).free)  # type: ignore[union-attr]
+            if free > HEADER_ALLOWANCE_BYTES * 16:
+                self.disk_full = False
+                logger.warning("NVMe tier %s: disk has free space again", self.nvme.root)
+            else:
+                self._schedule_disk_recheck()
+
+        asyncio.get_running_loop().create_task(recheck())
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+QUARANTINE_DIR = "quarantine"
+
+
+def quarantine_file(root: Path, path: Path) -> Path:
+    """Move a bad file out of the chunk tree (kept for inspection, never served)."""
+    target_dir = root / QUARANTINE_DIR
+    target_dir.mkdir(parents=True, exist_ok=True)
+    target = target_dir / path.name
+    try:
+        path.replace(target)
+    except FileNotFoundError:
+        pass
+    return target

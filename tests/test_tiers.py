@@ -1,0 +1,290 @@
+"""DRAM -> NVMe tiering, safetensors files, restart recovery and integrity."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from backend import CapacityError, Chunk, NodeUnavailable, PoolConfig, SyncPoolClient
+from backend.metadata import MetadataStore
+from backend.node.dram import StoredChunk
+from backend.node.nvme import CHUNKS_DIR, chunk_path, read_header, write_chunk
+from backend.node.recovery import scan
+from backend.node.tiers import DRAM, NVME, TierConfig, TierManager
+from backend.protocol import ItemMeta, checksum
+from tests.conftest import wait_until
+
+KIB = 1024
+
+
+def _chunks(prefix: str, count: int, size: int, seed: int = 0) -> list[Chunk]:
+    rng = random.Random(seed)
+    return [Chunk(f"{prefix}@{i}", rng.randbytes(size)) for i in range(count)]
+
+
+def _stored(key: str, size: int, seed: int = 0) -> StoredChunk:
+    data = bytearray(random.Random(seed).randbytes(size))
+    return StoredChunk(ItemMeta(key, size, checksum(data), "uint8", (size,), 0), data)
+
+
+def _index(redis_url: str, namespace: str, keys: list[str]) -> list[list]:
+    async def lookup() -> list[list]:
+        meta = MetadataStore(redis_url, namespace)
+        try:
+            return await meta.lookup(keys)
+        finally:
+            await meta.close()
+
+    return asyncio.run(lookup())
+
+
+def _nvme_node(node_factory, tmp_path: Path, dram: str = "1MiB", nvme: str = "64MiB", **kw):
+    return node_factory("--nvme-dir", str(tmp_path / "nvme"), "--nvme", nvme, dram=dram, **kw)
+
+
+# -- through real node processes ------------------------------------------------------
+
+
+def test_puts_larger_than_dram_spill_to_nvme_and_all_read_back(node_factory, pool_url, redis_server, namespace,
+                                                               tmp_path):  # fmt: skip
+    _nvme_node(node_factory, tmp_path)
+    chunks = _chunks("spill", 24, 128 * KIB)  # 3 MiB into 1 MiB of DRAM
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        for chunk in chunks:
+            client.put([chunk])
+        keys = [c.key for c in chunks]
+
+        def tiers() -> list[str]:
+            return [entry[0].tier if entry else "missing" for entry in _index(redis_server.url, namespace, keys)]
+
+        assert wait_until(lambda: tiers().count(NVME) >= 16, 5.0), tiers()
+        assert "missing" not in tiers()
+        stats = client.node_stats(client.nodes()[0])
+        assert stats["counters"]["demotions"] >= 16
+        assert stats["tiers"]["nvme"]["objects"] >= 16
+        got = client.get(keys)
+        assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
+
+
+def test_flipped_byte_on_disk_is_a_miss_quarantined_and_unindexed(node_factory, pool_url, redis_server, namespace,
+                                                                  tmp_path):  # fmt: skip
+    _nvme_node(node_factory, tmp_path)
+    chunks = _chunks("flip", 16, 128 * KIB)
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        for chunk in chunks:
+            client.put([chunk])
+        victim = chunks[0]  # the oldest: demoted first, no longer in DRAM
+        path = chunk_path(tmp_path / "nvme", victim.key)
+        assert wait_until(path.exists, 5.0)
+        record = read_header(path)
+        with open(path, "r+b") as f:
+            f.seek(record.data_offset + 1000)
+            byte = f.read(1)
+            f.seek(record.data_offset + 1000)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        assert client.get([victim.key]) == [None]
+        assert not path.exists()
+        assert (tmp_path / "nvme" / "quarantine" / path.name).exists()
+        assert wait_until(lambda: _index(redis_server.url, namespace, [victim.key]) == [[]], 5.0)
+        stats = client.node_stats(client.nodes()[0])
+        assert stats["counters"]["integrity_failures"] == 1
+        others = client.get([c.key for c in chunks[1:]])
+        assert [bytes(g.data) for g in others] == [bytes(c.data) for c in chunks[1:]]
+
+
+def test_kill_9_mid_writes_then_restart_serves_every_acknowledged_nvme_chunk(node_factory, pool_url, tmp_path):
+    nvme_dir = tmp_path / "nvme"
+    node = _nvme_node(node_factory, tmp_path, dram="2MiB", nvme="256MiB")
+    config = PoolConfig.from_url(pool_url + "?timeout_ms=1000")
+    acked: dict[str, bytes] = {}
+    stop = threading.Event()
+
+    def writer() -> None:
+        with SyncPoolClient(config) as client:
+            for i in range(2000):
+                if stop.is_set():
+                    return
+                batch = _chunks(f"kill{i}", 4, 64 * KIB, seed=i)
+                try:
+                    client.put(batch)
+                except (CapacityError, NodeUnavailable, Exception):  # the node dies under us
+                    return
+                acked.update({c.key: bytes(c.data) for c in batch})
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert wait_until(lambda: len(acked) >= 200, 30.0)
+    node.kill()  # SIGKILL, mid-write
+    stop.set()
+    thread.join(30)
+    on_disk = {}
+    for path in (nvme_dir / CHUNKS_DIR).rglob("*.safetensors"):
+        try:
+            on_disk[read_header(path).meta.key] = path
+        except ValueError:
+            pass  # a torn file: must not be served (checked below)
+    # debris a crash can leave: a temp file and a truncated chunk file
+    planted_tmp = nvme_dir / CHUNKS_DIR / "00" / "deadbeef.tmp"
+    planted_tmp.parent.mkdir(parents=True, exist_ok=True)
+    planted_tmp.write_bytes(b"partial")
+    torn_key = "torn@key"
+    torn = write_chunk(nvme_dir, ItemMeta(torn_key, 4096, 0, "uint8", (4096,), 0), bytes(4096)).path
+    with open(torn, "r+b") as f:
+        f.truncate(torn.stat().st_size - 100)
+
+    survivors = [k for k in acked if k in on_disk]
+    assert len(survivors) >= 100  # most acknowledged chunks had reached the disk
+    restarted = _nvme_node(node_factory, tmp_path, dram="2MiB", nvme="256MiB")
+    assert restarted.node_id == node.node_id and restarted.epoch > node.epoch
+    with SyncPoolClient(config) as client:
+        assert client.hit_prefix(survivors) == len(survivors)
+        got = client.get(survivors)
+        assert all(g is not None and bytes(g.data) == acked[k] for k, g in zip(survivors, got, strict=True))
+        assert client.get([torn_key]) == [None]
+        stats = client.node_stats(client.nodes()[0])
+    assert stats["recovery"]["files"] == len(on_disk)
+    assert stats["recovery"]["temp_removed"] >= 1 and stats["recovery"]["quarantined"] == 1
+    assert not planted_tmp.exists()
+    assert not list((nvme_dir / CHUNKS_DIR).rglob("*.tmp"))
+    assert (nvme_dir / "quarantine" / torn.name).exists()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount_point)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip("mounting a 3 MiB tmpfs needs root (CI runs as root)")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
+
+
+def test_full_disk_degrades_puts_to_other_nodes_and_loses_nothing_stored(node_factory, pool_url, tiny_disk, tmp_path):
+    full = node_factory("--nvme-dir", str(tiny_disk), "--nvme", "64MiB", "--node-id", "tiny", dram="1MiB")
+    chunks = _chunks("full", 40, 128 * KIB)  # 5 MiB: more than 1 MiB DRAM + 3 MiB disk
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        stored, refused = [], 0
+        for chunk in chunks:
+            try:
+                client.put([chunk])
+                stored.append(chunk)
+            except CapacityError:
+                refused += 1
+        assert refused > 0 and len(stored) >= 20
+        got = client.get([c.key for c in stored])
+        assert [bytes(g.data) for g in got] == [bytes(c.data) for c in stored]  # nothing stored was lost
+        stats = client.node_stats(client.nodes()[0])
+        assert stats["counters"]["disk_full"] >= 1 and stats["tiers"]["nvme"]["disk_full"] is True
+        # a second node joins: the chunks the full node refuses are placed there
+        node_factory(dram="64MiB")
+        client.nodes(refresh=True)
+        rest = [c for c in chunks if c not in stored]
+        client.put(rest)
+        assert all(g is not None for g in client.get([c.key for c in rest]))
+    assert full.alive()
+
+
+def test_nvme_file_loads_with_safetensors_and_equals_what_lmcache_stored(node_factory, pool_url, tmp_path):
+    from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
+
+    _nvme_node(node_factory, tmp_path, dram="3MiB")
+    stack = LMCacheStack(kvpool_lmcache_config(pool_url))
+    try:
+        keys = [stack.key(900 + i) for i in range(3)]
+        objs = [stack.make_object(i) for i in range(3)]  # 2 MiB each: the first must be demoted
+        stack.put(keys, objs)
+        stack.release(objs)
+        path = chunk_path(tmp_path / "nvme", keys[0].to_string())
+        assert wait_until(path.exists, 5.0)
+        tensors = load_file(str(path))
+        assert list(tensors) == ["kv"]
+        assert tensors["kv"].dtype == torch.bfloat16 and tensors["kv"].shape == stack.shape
+        assert torch.equal(tensors["kv"].view(torch.uint8), stack.expected_tensor(0).view(torch.uint8))
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+        assert meta["key"] == keys[0].to_string() and meta["fmt"] == "1" and meta["kvpool_format"] == "1"
+        got = stack.get(keys[:1])  # read back from NVMe through LMCache
+        assert torch.equal(got[0].tensor.view(torch.uint8), stack.expected_tensor(0).view(torch.uint8))
+        stack.release(got)
+    finally:
+        stack.close()
+
+
+# -- the tier manager in-process, for exact LRU scripts -------------------------------
+
+
+async def test_lru_demotes_the_least_recently_used_and_promotes_an_nvme_hit(tmp_path):
+    tiers = TierManager(TierConfig(dram_bytes=4 * 64 * KIB, nvme_dir=tmp_path, nvme_bytes=16 * 64 * KIB))
+    try:
+        for i, key in enumerate("ABCD"):
+            await tiers.reserve(64 * KIB)
+            tiers.insert(_stored(key, 64 * KIB, seed=i))
+        await tiers.get("A")  # A is now the most recent; B the least
+        await tiers.reserve(64 * KIB)
+        tiers.insert(_stored("E", 64 * KIB, seed=5))
+        assert [tiers.tier_of(k) for k in "ABCDE"] == [DRAM, NVME, DRAM, DRAM, DRAM]
+        assert tiers.index_moved == {"B": NVME}
+        chunk = await tiers.get("B")  # an NVMe hit: verified and promoted, C (now LRU) demoted
+        assert chunk is not None and chunk.buffer == _stored("B", 64 * KIB, seed=1).buffer
+        assert [tiers.tier_of(k) for k in "ABCDE"] == [DRAM, DRAM, NVME, DRAM, DRAM]
+        assert tiers.counters["promotions"] == 1 and tiers.counters["demotions"] == 2
+        assert tiers.nvme is not None and "B" in tiers.nvme.files  # the file stays: re-demotion is free
+    finally:
+        await tiers.close()
+
+
+async def test_nvme_evicts_its_oldest_file_when_full_and_reports_it(tmp_path):
+    tiers = TierManager(TierConfig(dram_bytes=64 * KIB, nvme_dir=tmp_path, nvme_bytes=3 * (64 + 4) * KIB))
+    try:
+        for i in range(5):
+            await tiers.reserve(64 * KIB)
+            tiers.insert(_stored(f"k{i}", 64 * KIB, seed=i))
+        # k0..k3 went to disk in turn; disk holds 3, so k0 was evicted
+        assert tiers.tier_of("k0") is None and tiers.counters["nvme_evictions"] == 1
+        assert "k0" in tiers.index_removed
+        assert [tiers.tier_of(f"k{i}") for i in range(1, 5)] == [NVME, NVME, NVME, DRAM]
+        assert await tiers.get("k0") is None
+    finally:
+        await tiers.close()
+
+
+async def test_background_demotion_keeps_dram_under_the_high_watermark(tmp_path):
+    tiers = TierManager(TierConfig(dram_bytes=10 * 64 * KIB, nvme_dir=tmp_path, nvme_bytes=64 * 64 * KIB))
+    tiers.start()
+    try:
+        for i in range(10):
+            await tiers.reserve(64 * KIB)
+            tiers.insert(_stored(f"w{i}", 64 * KIB, seed=i))
+        # 100% > 90% high watermark: the demoter brings DRAM down to the 80% low one
+        for _ in range(100):
+            if tiers.dram.used_bytes <= 8 * 64 * KIB:
+                break
+            await asyncio.sleep(0.02)
+        assert tiers.dram.used_bytes == 8 * 64 * KIB
+        assert [tiers.tier_of(f"w{i}") for i in range(3)] == [NVME, NVME, DRAM]
+    finally:
+        await tiers.close()
+
+
+def test_recovery_scan_reads_headers_orders_by_age_and_quarantines_garbage(tmp_path):
+    records = []
+    for i in range(5):
+        records.append(write_chunk(tmp_path, _stored(f"r{i}", 1000 + i, seed=i).meta, bytes(1000 + i)))
+        os.utime(records[-1].path, (1_000_000 + i, 1_000_000 + i))
+    garbage = chunk_path(tmp_path, "garbage")
+    garbage.parent.mkdir(parents=True, exist_ok=True)
+    garbage.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    found, report = scan(tmp_path)
+    assert [r.meta.key for r in found] == [f"r{i}" for i in range(5)]
+    assert report.files == 5 and report.quarantined == 1
+    assert (tmp_path / "quarantine" / garbage.name).exists()
