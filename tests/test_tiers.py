@@ -137,7 +137,7 @@ def test_kill_9_mid_writes_then_restart_serves_every_acknowledged_nvme_chunk(nod
     planted_tmp.parent.mkdir(parents=True, exist_ok=True)
     planted_tmp.write_bytes(b"partial")
     torn_key = "torn@key"
-    torn = write_chunk(nvme_dir, ItemMeta(torn_key, 4096, 0, "uint8", (4096,), 0), bytes(4096)).path
+    torn = Path(write_chunk(nvme_dir, ItemMeta(torn_key, 4096, 0, "uint8", (4096,), 0), bytes(4096)).path)
     with open(torn, "r+b") as f:
         f.truncate(torn.stat().st_size - 100)
 

@@ -71,9 +71,13 @@ class FileCodecError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class NvmeFile:
-    """A chunk on disk: where it is, what it holds, where its payload starts."""
+    """A chunk on disk: where it is, what it holds, where its payload starts.
 
-    path: Path
+    ``path`` is a plain string: recovery makes one per file and pathlib would cost
+    more than reading the header.
+    """
+
+    path: str
     meta: ItemMeta
     data_offset: int
 
@@ -85,10 +89,16 @@ class NvmeFile:
 CHUNKS_DIR = "chunks"
 
 
+def chunk_name(key: str) -> tuple[str, str]:
+    """(shard directory, file name) of a key's chunk file."""
+    digest = xxhash.xxh3_128_hexdigest(key.encode("utf-8"))
+    return digest[:2], digest + SUFFIX
+
+
 def chunk_path(root: Path, key: str) -> Path:
     """``root/chunks/ab/<xxh3-128 of key>.safetensors`` (256 shards; keys hold '/', names are hashes)."""
-    digest = xxhash.xxh3_128_hexdigest(key.encode("utf-8"))
-    return root / CHUNKS_DIR / digest[:2] / f"{digest}{SUFFIX}"
+    shard, name = chunk_name(key)
+    return root / CHUNKS_DIR / shard / name
 
 
 def _header_bytes(meta: ItemMeta) -> bytes:
@@ -116,8 +126,13 @@ def _header_bytes(meta: ItemMeta) -> bytes:
     return _U64.pack(len(raw)) + raw
 
 
-def write_chunk(root: Path, meta: ItemMeta, payload: memoryview | bytes | bytearray) -> NvmeFile:
-    """Write one chunk durably (tmp, fsync, rename, fsync dir); returns its file record."""
+def write_chunk(
+    root: Path, meta: ItemMeta, payload: memoryview | bytes | bytearray, *, durable: bool = True
+) -> NvmeFile:
+    """Write one chunk durably (tmp, fsync, rename, fsync dir); returns its file record.
+
+    ``durable=False`` skips both fsyncs: only for generating test and bench fixtures.
+    """
     path = chunk_path(root, meta.key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(TMP_SUFFIX)
@@ -135,35 +150,53 @@ def write_chunk(root: Path, meta: ItemMeta, payload: memoryview | bytes | bytear
                 else:
                     buffers[0] = memoryview(buffers[0])[written:]
                     written = 0
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return NvmeFile(path, meta, len(head))
+    if durable:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    return NvmeFile(str(path), meta, len(head))
 
 
-def read_header(path: Path) -> NvmeFile:
+HEADER_READ_BYTES = 4096  # one read covers a kvpool header (a few hundred bytes)
+
+
+def read_header(path: Path | str) -> NvmeFile:
     """Parse a chunk file's header only (no payload read); FileCodecError if it is not whole."""
+    record, _ = read_header_and_mtime(path)
+    return record
+
+
+def read_header_and_mtime(path: Path | str) -> tuple[NvmeFile, float]:
+    """``read_header`` plus the file's mtime, in one open, one read and one fstat (recovery's hot loop)."""
     try:
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) != 8:
-                raise FileCodecError("shorter than a safetensors header")
-            (n,) = _U64.unpack(prefix)
-            if n > MAX_HEADER_BYTES:
-                raise FileCodecError(f"header of {n} bytes is not a kvpool header")
-            raw = f.read(n)
-            size = os.fstat(f.fileno()).st_size
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            head = os.read(fd, HEADER_READ_BYTES)
+            st = os.fstat(fd)
+            if len(head) >= 8 and 8 + _U64.unpack_from(head)[0] > len(head):
+                n = _U64.unpack_from(head)[0]
+                if n <= MAX_HEADER_BYTES:
+                    head += os.pread(fd, 8 + n - len(head), len(head))
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise FileCodecError(f"unreadable: {exc.strerror}") from None
+    if len(head) < 8:
+        raise FileCodecError("shorter than a safetensors header")
+    (n,) = _U64.unpack_from(head)
+    if n > MAX_HEADER_BYTES:
+        raise FileCodecError(f"header of {n} bytes is not a kvpool header")
+    raw = head[8 : 8 + n]
     if len(raw) != n:
         raise FileCodecError("header truncated")
     try:
@@ -185,9 +218,9 @@ def read_header(path: Path) -> NvmeFile:
     if offsets != [0, nbytes]:
         raise FileCodecError(f"data offsets {offsets} do not match {nbytes} bytes")
     data_offset = 8 + n
-    if size != data_offset + nbytes:
-        raise FileCodecError(f"file is {size} bytes, header promises {data_offset + nbytes}")
-    return NvmeFile(path, meta, data_offset)
+    if st.st_size != data_offset + nbytes:
+        raise FileCodecError(f"file is {st.st_size} bytes, header promises {data_offset + nbytes}")
+    return NvmeFile(str(path), meta, data_offset), st.st_mtime
 
 
 def read_payload(record: NvmeFile, into: memoryview | bytearray) -> None:

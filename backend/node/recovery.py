@@ -21,14 +21,22 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from backend.node.nvme import CHUNKS_DIR, SUFFIX, TMP_SUFFIX, FileCodecError, NvmeFile, chunk_path, read_header
+from backend.node.nvme import (
+    CHUNKS_DIR,
+    SUFFIX,
+    TMP_SUFFIX,
+    FileCodecError,
+    NvmeFile,
+    chunk_name,
+    read_header_and_mtime,
+)
 from backend.node.tiers import quarantine_file
 
 __all__ = ["RecoveryReport", "scan", "node_identity"]
 
 logger = logging.getLogger(__name__)
 
-SCAN_THREADS = 8
+SCAN_THREADS = 1  # parsing holds the GIL: on a warm cache more threads measured slower (bench.nvme_bench)
 NODE_ID_FILE = "node_id"
 
 
@@ -41,28 +49,29 @@ class RecoveryReport:
     seconds: float = 0.0
 
 
-def _scan_shard(root: Path, shard: Path) -> tuple[list[tuple[float, NvmeFile]], int, int]:
+def _scan_shard(root: Path, shard: str) -> tuple[list[tuple[float, NvmeFile]], int, int]:
     found: list[tuple[float, NvmeFile]] = []
     quarantined = removed = 0
+    shard_name = os.path.basename(shard)
     with os.scandir(shard) as entries:
         for entry in entries:
-            path = Path(entry.path)
-            if entry.name.endswith(TMP_SUFFIX):
-                path.unlink(missing_ok=True)
+            name = entry.name
+            if name.endswith(TMP_SUFFIX):
+                os.unlink(entry.path)
                 removed += 1
                 continue
-            if not entry.name.endswith(SUFFIX):
+            if not name.endswith(SUFFIX):
                 continue
             try:
-                record = read_header(path)
-                if chunk_path(root, record.meta.key) != path:
+                record, mtime = read_header_and_mtime(entry.path)
+                if chunk_name(record.meta.key) != (shard_name, name):
                     raise FileCodecError(f"holds {record.meta.key!r}, which belongs elsewhere")
             except FileCodecError as exc:
-                logger.error("NVMe recovery: quarantining %s: %s", entry.name, exc)
-                quarantine_file(root, path)
+                logger.error("NVMe recovery: quarantining %s: %s", name, exc)
+                quarantine_file(root, entry.path)
                 quarantined += 1
                 continue
-            found.append((entry.stat().st_mtime, record))
+            found.append((mtime, record))
     return found, quarantined, removed
 
 
@@ -71,7 +80,7 @@ def scan(root: Path) -> tuple[list[NvmeFile], RecoveryReport]:
     start = time.perf_counter()
     report = RecoveryReport()
     chunks = root / CHUNKS_DIR
-    shards = sorted(p for p in chunks.iterdir() if p.is_dir()) if chunks.is_dir() else []
+    shards = sorted(e.path for e in os.scandir(chunks) if e.is_dir()) if chunks.is_dir() else []
     found: list[tuple[float, NvmeFile]] = []
     with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="kvpool-recovery") as pool:
         for shard_found, quarantined, removed in pool.map(lambda s: _scan_shard(root, s), shards):

@@ -19,9 +19,11 @@ in batches. All disk I/O runs on worker threads; the event loop never waits on a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import logging
+import os
 import shutil
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -313,7 +315,7 @@ class TierManager:
         assert self.nvme is not None
         self.counters["integrity_failures"] += 1
         self.counters["quarantined"] += 1
-        logger.error("NVMe tier: %s; quarantining %s", exc, record.path.name)
+        logger.error("NVMe tier: %s; quarantining %s", exc, os.path.basename(record.path))
         if self.nvme.files.get(record.meta.key) is record:
             self.nvme.remove(record.meta.key)
         if record.meta.key not in self.dram:
@@ -357,20 +359,19 @@ class TierManager:
         asyncio.get_running_loop().create_task(recheck())
 
 
-def _unlink(path: Path) -> None:
-    path.unlink(missing_ok=True)
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 QUARANTINE_DIR = "quarantine"
 
 
-def quarantine_file(root: Path, path: Path) -> Path:
+def quarantine_file(root: Path, path: str) -> Path:
     """Move a bad file out of the chunk tree (kept for inspection, never served)."""
     target_dir = root / QUARANTINE_DIR
     target_dir.mkdir(parents=True, exist_ok=True)
-    target = target_dir / path.name
-    try:
-        path.replace(target)
-    except FileNotFoundError:
-        pass
+    target = target_dir / os.path.basename(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(path, target)
     return target
