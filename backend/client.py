@@ -131,6 +131,7 @@ class _NodeConnection:
         self._abandoned: set[int] = set()  # cancelled requests whose responses are still due
         self._reader: asyncio.Task[None] | None = None
         self._connect_lock = asyncio.Lock()
+        self._ready = False  # set once HELLO/AUTH succeeded; nothing else is sent before
         self.broken = False
 
     @property
@@ -138,11 +139,13 @@ class _NodeConnection:
         return len(self._pending)
 
     async def ensure_open(self) -> None:
-        if self.sock is not None:
+        if self._ready:
             return
         async with self._connect_lock:
-            if self.sock is not None:
+            if self._ready:
                 return
+            if self.broken:
+                raise NodeUnavailable(f"connection to {self.node.node_id} is closed")
             sock = await FrameSocket.connect(self.node.host, self.node.port, self.config.timeout_s)
             self.sock = sock
             self._reader = asyncio.get_running_loop().create_task(self._read_loop(sock))
@@ -155,6 +158,7 @@ class _NodeConnection:
                     await self.request(Op.AUTH, encode_json({"mac": mac}))
                 if hello.get("epoch") != self.node.epoch:
                     raise NodeUnavailable(f"node {self.node.node_id} restarted (epoch {hello.get('epoch')})")
+                self._ready = True
             except BaseException:
                 self.close(NodeUnavailable("handshake failed"))
                 raise
@@ -179,11 +183,17 @@ class _NodeConnection:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = _Pending(op, future, keys, sink)
         data_len = sum(len(memoryview(b).cast("B")) for b in data)
+        sent = False
         try:
             async with asyncio.timeout(self.config.timeout_s):
                 await self.sock.send([encode_header(op, request_id, meta, data_len), meta, *data])
+                sent = True
                 return await future
-        except TimeoutError:
+        except BaseException as exc:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                _release_results(sink, future.result() if op == Op.GET_BATCH else [])  # answered too late
+            if not isinstance(exc, TimeoutError):
+                raise
             # The stream's state is unknown (maybe mid-frame): never reuse it.
             self.close(NodeUnavailable(f"node {self.node.node_id} timed out after {self.config.timeout_ms} ms"))
             raise NodeUnavailable(
@@ -191,7 +201,7 @@ class _NodeConnection:
             ) from None
         finally:
             answered = future.done() and not future.cancelled()
-            if self._pending.pop(request_id, None) is not None and not answered and not self.broken:
+            if self._pending.pop(request_id, None) is not None and sent and not answered and not self.broken:
                 self._abandoned.add(request_id)  # cancelled by the caller: skip its response
             if future.done() and not future.cancelled():
                 future.exception()  # mark retrieved
@@ -246,7 +256,7 @@ class _NodeConnection:
                 allocated = await sink.allocate(item)
                 if allocated is None:
                     await sock.discard(item.nbytes)
-                    results.append(None)
+                    results.append(DECLINED)
                     continue
                 handle, buffer = allocated
                 results.append(handle)
@@ -263,12 +273,20 @@ class _NodeConnection:
         return results
 
 
+DECLINED = object()  # the sink had no room: a miss for this call only, the copy is fine
+
+
 def _release_results(sink: Sink[Any] | None, results: Sequence[Any]) -> None:
     if sink is None:
         return
     for handle in results:
-        if handle is not None and not isinstance(handle, BaseException):
+        if handle is not None and handle is not DECLINED and not isinstance(handle, BaseException):
             sink.release(handle)
+
+
+def _release_task(task: asyncio.Task[Any], sink: Sink[Any]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        _release_results(sink, task.result())
 
 
 class _NodePool:
@@ -437,7 +455,7 @@ class PoolClient:
         # key -> nodes still to try, best first; each key needs `replicas` successes.
         plans = {item.key: rank_nodes(item.key, nodes) for item in items}
         wanted = {item.key: choose_nodes(item.key, nodes, self.config.replicas) for item in items}
-        stored: dict[str, int] = defaultdict(int)
+        stored: dict[str, set[str]] = defaultdict(set)  # key -> distinct nodes holding it
         tried: dict[str, set[str]] = defaultdict(set)
         last_error: KVPoolError | None = None
         targets = {item.key: [n for n in wanted[item.key]] for item in items}
@@ -460,17 +478,18 @@ class PoolClient:
             for (nid, group), outcome in zip(groups.items(), outcomes):
                 for item, ok in zip(group, _put_flags(outcome, len(group))):
                     if ok:
-                        stored[item.key] += 1
+                        stored[item.key].add(nid)
                         continue
                     remaining = [n for n in plans[item.key] if n.node_id not in tried[item.key]]
                     if remaining:
                         targets.setdefault(item.key, []).append(remaining[0])
+                        tried[item.key].add(remaining[0].node_id)  # never the same fallback twice
                 if isinstance(outcome, KVPoolError):
                     last_error = outcome
                     self._warn_once(f"put:{nid}", "kvpool: put to node %s failed: %s", nid, outcome)
                 elif isinstance(outcome, BaseException):
                     raise outcome
-        failed = [item.key for item in items if stored[item.key] < min(self.config.replicas, len(nodes))]
+        failed = [item.key for item in items if len(stored[item.key]) < min(self.config.replicas, len(nodes))]
         self.counters["put_chunks"] += len(items) - len(failed)
         self.counters["put_bytes"] += sum(i.nbytes for i in items if i.key not in set(failed))
         if failed:
@@ -507,37 +526,58 @@ class PoolClient:
         candidates = [self._ordered(entry) for entry in entries]
         stale: list[tuple[str, Location]] = []  # copies a node said it lacks or corrupted
         todo = [i for i, cands in enumerate(candidates) if cands]
-        while todo:
-            groups: dict[str, list[int]] = defaultdict(list)
-            for i in todo:
-                groups[candidates[i][0].node_id].append(i)
-            outcomes = await asyncio.gather(
-                *(self._get_from_node(self._nodes[nid], [(keys[i], candidates[i][0].nbytes) for i in idx], the_sink)
-                  for nid, idx in groups.items()),
-                return_exceptions=True,
-            )  # fmt: skip
-            todo = []
-            for (nid, idx), outcome in zip(groups.items(), outcomes):
-                if isinstance(outcome, BaseException):
-                    if not isinstance(outcome, KVPoolError):
-                        raise outcome
-                    self._warn_once(f"get:{nid}", "kvpool: get from node %s failed, reading as misses: %s",
-                                    nid, outcome)  # fmt: skip
-                    outcome = [outcome] * len(idx)
-                else:
-                    self._warned.discard(f"get:{nid}")
-                for i, got in zip(idx, outcome):
-                    loc = candidates[i].pop(0)
-                    if got is None or isinstance(got, BaseException):
-                        if isinstance(got, IntegrityError):
-                            self.counters["integrity_failures"] += 1
-                            logger.warning("kvpool: %s on node %s; dropping that copy", got, nid)
-                        if got is None or isinstance(got, IntegrityError):
-                            stale.append((keys[i], loc))
-                        if candidates[i]:
-                            todo.append(i)
+        tasks: list[asyncio.Task[list[Any]]] = []
+        try:
+            while todo:
+                groups: dict[str, list[int]] = defaultdict(list)
+                for i in todo:
+                    groups[candidates[i][0].node_id].append(i)
+                tasks = [
+                    asyncio.ensure_future(
+                        self._get_from_node(
+                            self._nodes[nid], [(keys[i], candidates[i][0].nbytes) for i in idx], the_sink
+                        )
+                    )
+                    for nid, idx in groups.items()
+                ]
+                await asyncio.wait(tasks)
+                todo = []
+                for (nid, idx), task in zip(groups.items(), tasks):
+                    error = task.exception()
+                    if error is not None and not isinstance(error, KVPoolError):
+                        raise error
+                    if error is not None:
+                        self._warn_once(f"get:{nid}", "kvpool: get from node %s failed, reading as misses: %s",
+                                        nid, error)  # fmt: skip
+                        outcome: list[Any] = [error] * len(idx)
                     else:
-                        results[i] = got
+                        self._warned.discard(f"get:{nid}")
+                        outcome = task.result()
+                    for i, got in zip(idx, outcome):
+                        loc = candidates[i].pop(0)
+                        if got is DECLINED:
+                            continue  # no room here this time; the copy itself is fine
+                        if got is None or isinstance(got, BaseException):
+                            if isinstance(got, IntegrityError):
+                                self.counters["integrity_failures"] += 1
+                                logger.warning("kvpool: %s on node %s; dropping that copy", got, nid)
+                            if got is None or isinstance(got, IntegrityError):
+                                stale.append((keys[i], loc))
+                            if candidates[i]:
+                                todo.append(i)
+                        else:
+                            results[i] = got
+                tasks = []
+        except BaseException:
+            # Cancelled (LMCache gave up) or failed: hand back every buffer taken so far.
+            for task in tasks:
+                if task.done():
+                    _release_task(task, the_sink)
+                else:
+                    task.cancel()
+                    task.add_done_callback(lambda t: _release_task(t, the_sink))
+            _release_results(the_sink, results)
+            raise
         if stale:
             self._clean_later(stale, confirmed=True)
         hits = sum(1 for r in results if r is not None)
@@ -549,9 +589,13 @@ class PoolClient:
         """GET ``(key, expected size)`` pairs from one node, in frames within the size limits."""
         pool = self._pool(node)
         out: list[Any] = []
-        for frame in _frames(wanted):
-            keys = [key for key, _ in frame]
-            out.extend(await pool.request(Op.GET_BATCH, encode_keys(keys), keys=keys, sink=sink))
+        try:
+            for frame in _frames(wanted):
+                keys = [key for key, _ in frame]
+                out.extend(await pool.request(Op.GET_BATCH, encode_keys(keys), keys=keys, sink=sink))
+        except BaseException:
+            _release_results(sink, out)  # an earlier frame's buffers are ours to give back
+            raise
         return out
 
     # -- delete, listing, stats -------------------------------------------------------

@@ -6,7 +6,7 @@ namespace marker missing republishes what it holds.
 
 Key schema (``NS`` is the namespace)::
 
-    kvp:{NS}:marker          namespace marker; its absence means Redis lost our state
+    kvp:{NS}:marker          namespace generation; missing or changed means Redis lost our state
     kvp:{NS}:epoch           counter; every node start takes a new epoch from it
     kvp:{NS}:nodes           hash node_id -> NodeInfo JSON (the registry)
     kvp:{NS}:hb:<node_id>    liveness; value = epoch, expires after the heartbeat TTL
@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -68,6 +69,13 @@ if v and string.sub(v, 1, #ARGV[2] + 1) == ARGV[2] .. '|' then
   return 1
 end
 return 0
+"""
+
+_EPOCH_FLOOR_LUA = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+return 1
 """
 
 # Remove a location whatever epoch wrote it, if it still says what the caller saw.
@@ -173,6 +181,7 @@ class MetadataStore:
         self._remove = self._redis.register_script(_REMOVE_LUA)
         self._remove_exact = self._redis.register_script(_REMOVE_EXACT_LUA)
         self._move = self._redis.register_script(_MOVE_LUA)
+        self._epoch_floor = self._redis.register_script(_EPOCH_FLOOR_LUA)
         tag = "{" + namespace + "}"
         self.marker_key = f"kvp:{tag}:marker"
         self.epoch_key = f"kvp:{tag}:epoch"
@@ -203,24 +212,37 @@ class MetadataStore:
         return (time.perf_counter() - start) * 1000
 
     # -- namespace and registry -------------------------------------------------------
-    async def ensure_marker(self) -> bool:
-        """Create the namespace marker if missing; True if it had to be created."""
+    async def ensure_marker(self) -> str:
+        """The namespace marker's generation, creating it if missing.
+
+        A node publishes its inventory under a generation; a different or missing
+        one later means Redis lost (or was flushed of) what it had published.
+        """
         with _redis_errors("SET marker"):
-            return bool(await self._redis.set(self.marker_key, f"{time.time():.3f}", nx=True))
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.set(self.marker_key, f"{time.time():.3f}-{uuid.uuid4().hex[:12]}", nx=True)
+                pipe.get(self.marker_key)
+                _, generation = await pipe.execute()
+        return str(generation)
+
+    async def ensure_epoch_at_least(self, epoch: int) -> None:
+        """Raise the epoch counter to ``epoch`` (after Redis lost it, epochs must keep growing)."""
+        with _redis_errors("epoch floor"):
+            await self._epoch_floor(keys=[self.epoch_key], args=[str(epoch)])
 
     async def new_epoch(self) -> int:
         with _redis_errors("INCR epoch"):
             return int(await self._redis.incr(self.epoch_key))
 
-    async def heartbeat(self, info: NodeInfo, ttl_ms: int) -> bool:
-        """Publish ``info`` and refresh liveness. Returns False if the marker was missing."""
+    async def heartbeat(self, info: NodeInfo, ttl_ms: int) -> str | None:
+        """Publish ``info`` and refresh liveness. Returns the marker's generation (None if missing)."""
         with _redis_errors("heartbeat"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hset(self.nodes_key, info.node_id, info.to_json())
                 pipe.set(self.heartbeat_key(info.node_id), str(info.epoch), px=ttl_ms)
-                pipe.exists(self.marker_key)
+                pipe.get(self.marker_key)
                 results = await pipe.execute()
-        return bool(results[2])
+        return None if results[2] is None else str(results[2])
 
     async def deregister(self, node_id: str) -> None:
         with _redis_errors("deregister"):

@@ -31,6 +31,7 @@ class NodeProcess:
 
     args: list[str]
     env: dict[str, str]
+    max_open_files: int = 0
     process: subprocess.Popen[str] | None = None
     node_id: str = ""
     host: str = ""
@@ -42,6 +43,7 @@ class NodeProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "backend.cli", "node", *self.args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=self.env,
+            preexec_fn=self._limit_files if self.max_open_files else None,
         )  # fmt: skip
         ready = threading.Event()
 
@@ -60,6 +62,19 @@ class NodeProcess:
             self.kill()
             raise RuntimeError("node did not start:\n" + "".join(self.output[-30:]))
         return self
+
+    def _limit_files(self) -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.max_open_files, self.max_open_files))
+
+    def pause(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
 
     @property
     def log(self) -> str:
@@ -104,15 +119,17 @@ def node_factory(redis_server: EmbeddedRedis, namespace: str) -> Iterator[object
     started: list[NodeProcess] = []
 
     def spawn(*extra: str, redis_url: str | None = None, ns: str | None = None, dram: str = "256MiB",
-              env: dict[str, str] | None = None) -> NodeProcess:  # fmt: skip
+              env: dict[str, str] | None = None, max_open_files: int = 0) -> NodeProcess:  # fmt: skip
         full_env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", **(env or {})}
         args = ["--redis", redis_url or redis_server.url, "--namespace", ns or namespace, "--dram", dram, *extra]
-        node = NodeProcess(args, full_env).start()
+        node = NodeProcess(args, full_env, max_open_files).start()
         started.append(node)
         return node
 
     yield spawn
     for node in started:
+        if node.alive():
+            node.resume()
         node.kill()
 
 

@@ -57,6 +57,8 @@ __all__ = ["NodeConfig", "PoolNode", "run_node"]
 logger = logging.getLogger(__name__)
 
 MAX_REQUESTS_IN_FLIGHT_PER_CONNECTION = 32
+REPLY_TIMEOUT_S = 30.0  # a reply the client does not read in this time closes the connection
+ACCEPT_RETRY_S = 0.1
 SHUTDOWN_TIMEOUT_S = 5.0
 
 
@@ -81,6 +83,7 @@ class NodeConfig:
     nvme_bytes: int = 0
     high_watermark: float = 0.90
     low_watermark: float = 0.80
+    frame_timeout_s: float = 30.0  # once a header arrived, the rest of its frame must follow
 
     def tier_config(self) -> TierConfig:
         return TierConfig(
@@ -105,6 +108,7 @@ class PoolNode:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._connections: set[FrameSocket] = set()
         self._redis_ok = True
+        self._generation = ""  # the namespace marker this node last published under
         self._stopping = asyncio.Event()
 
     # -- lifecycle --------------------------------------------------------------------
@@ -137,7 +141,7 @@ class PoolNode:
                         report.quarantined, report.temp_removed)  # fmt: skip
         if not self.node_id:
             self.node_id = f"{socket.gethostname()}-{self.port}"
-        await self.meta.ensure_marker()
+        self._generation = await self.meta.ensure_marker()
         self.epoch = await self.meta.new_epoch()
         if self.recovery is not None and self.recovery.files:
             await self._publish_inventory()  # the old epoch's entries are overwritten
@@ -217,8 +221,8 @@ class PoolNode:
         while not self._stopping.is_set():
             await asyncio.sleep(interval)
             try:
-                marker_present = await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
-                if not marker_present:
+                generation = await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
+                if generation != self._generation:
                     await self._republish()
                 await self._flush_index()
                 if not self._redis_ok:
@@ -230,9 +234,16 @@ class PoolNode:
                     self._redis_ok = False
 
     async def _republish(self) -> None:
-        """Redis lost our namespace (restart or flush): publish everything we hold again."""
-        await self.meta.ensure_marker()
+        """Redis lost our namespace (restart or flush): publish everything we hold again.
+
+        Every node does this once per new marker generation, whichever node
+        recreated the marker first.
+        """
+        generation = await self.meta.ensure_marker()
+        await self.meta.ensure_epoch_at_least(self.epoch)
+        await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
         count = await self._publish_inventory()
+        self._generation = generation
         logger.warning("node %s: namespace was missing in Redis; republished %d chunks", self.node_id, count)
 
     async def _publish_inventory(self) -> int:
@@ -267,10 +278,24 @@ class PoolNode:
     async def _accept_loop(self) -> None:
         assert self._listener is not None
         loop = asyncio.get_running_loop()
-        while True:
-            sock, address = await loop.sock_accept(self._listener)
-            conn = FrameSocket(sock, loop, f"{address[0]}:{address[1]}")
-            self._spawn(self._serve_connection(conn))
+        try:
+            while True:
+                try:
+                    sock, address = await loop.sock_accept(self._listener)
+                except OSError as exc:  # EMFILE, ECONNABORTED, ...: keep accepting
+                    self.counters["accept_errors"] += 1
+                    logger.warning("node %s: accept failed: %s", self.node_id, exc)
+                    await asyncio.sleep(ACCEPT_RETRY_S)
+                    continue
+                conn = FrameSocket(sock, loop, f"{address[0]}:{address[1]}")
+                self._spawn(self._serve_connection(conn))
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            # A node that cannot accept must not stay registered as alive.
+            logger.exception("node %s: accept loop failed; stopping", self.node_id)
+            self.request_stop()
+            raise
 
     async def _serve_connection(self, conn: FrameSocket) -> None:
         self._connections.add(conn)
@@ -282,7 +307,8 @@ class PoolNode:
             while True:
                 header = None  # an error before the header parses answers request id 0
                 header = await conn.recv_header(self.config.limits)
-                meta = await conn.recv_meta(header)
+                async with asyncio.timeout(self.config.frame_timeout_s):
+                    meta = await conn.recv_meta(header)
                 if header.is_response:
                     raise ProtocolError(f"client sent a response frame (op {header.op})")
                 op = header.base_op
@@ -308,7 +334,8 @@ class PoolNode:
                     # Bytes must leave the socket in order, so the receive happens here;
                     # verification, commit and reply overlap with the next request.
                     items = decode_items(meta, header.data_len, self.config.limits)
-                    received = await self._receive_put(conn, items)
+                    async with asyncio.timeout(self.config.frame_timeout_s):
+                        received = await self._receive_put(conn, items)
                     await in_flight.acquire()
                     self._spawn(self._finish(conn, header, in_flight, self._commit_put(received)))
                     continue
@@ -318,6 +345,10 @@ class PoolNode:
             raise
         except NodeUnavailable:
             pass  # the client went away
+        except TimeoutError:
+            self.counters["stalled_connections"] += 1
+            logger.warning("node %s: %s stalled mid-frame for %.0f s; closing", self.node_id, conn.peer,
+                           self.config.frame_timeout_s)  # fmt: skip
         except KVPoolError as exc:
             self.counters["protocol_errors" if isinstance(exc, ProtocolError) else "auth_errors"] += 1
             logger.warning("node %s: closing connection from %s: %s", self.node_id, conn.peer, exc)
@@ -363,7 +394,12 @@ class PoolNode:
         data = data or []
         data_len = sum(len(b) for b in data)
         head = encode_header(header.base_op | RESPONSE_BIT, header.request_id, meta, data_len)
-        await conn.send([head, meta, *data])
+        try:
+            async with asyncio.timeout(REPLY_TIMEOUT_S):
+                await conn.send([head, meta, *data])
+        except TimeoutError:
+            conn.close()  # the client stopped reading: do not pin buffers for it
+            raise NodeUnavailable(f"{conn.peer} did not read its reply in {REPLY_TIMEOUT_S:.0f} s") from None
 
     async def _reply_error(self, conn: FrameSocket, header: Header | None, exc: BaseException) -> None:
         message = str(exc).encode("utf-8", "replace")[:4096]
@@ -380,27 +416,31 @@ class PoolNode:
         commit. An item with no room is read off the socket and dropped.
         """
         received: list[tuple[int, StoredChunk | None]] = []
-        for item in items:
-            try:
-                await self.tiers.reserve(item.nbytes)
-            except CapacityError:
-                await conn.discard(item.nbytes)
-                received.append((PUT_NO_CAPACITY, None))
-                continue
-            buffer = bytearray(item.nbytes)
-            try:
-                await conn.recv_into(buffer)
-            except BaseException:
-                self.tiers.release(item.nbytes)
-                await self._discard_uncommitted([c for _, c in received if c is not None])
-                raise
-            if checksum(buffer) != item.checksum:
-                self.tiers.release(item.nbytes)
-                received.append((PUT_INTEGRITY, None))
-                continue
-            chunk = StoredChunk(item, buffer)
-            self.tiers.insert(chunk)
-            received.append((PUT_STORED, chunk))
+        try:
+            for item in items:
+                try:
+                    await self.tiers.reserve(item.nbytes)
+                except CapacityError:
+                    await conn.discard(item.nbytes)
+                    received.append((PUT_NO_CAPACITY, None))
+                    continue
+                buffer = bytearray(item.nbytes)
+                try:
+                    await conn.recv_into(buffer)
+                except BaseException:
+                    self.tiers.release(item.nbytes)
+                    raise
+                if checksum(buffer) != item.checksum:
+                    self.tiers.release(item.nbytes)
+                    received.append((PUT_INTEGRITY, None))
+                    continue
+                chunk = StoredChunk(item, buffer)
+                self.tiers.insert(chunk)
+                received.append((PUT_STORED, chunk))
+        except BaseException:
+            # The frame never completed (peer gone, stalled): nothing of it stays.
+            await self._discard_uncommitted([c for _, c in received if c is not None])
+            raise
         return received
 
     async def _discard_uncommitted(self, chunks: list[StoredChunk]) -> None:
