@@ -74,7 +74,9 @@ def _node_options(
     parser.add_argument(
         "--advertise", default="", help="address clients should use (default: --host, or the hostname for 0.0.0.0)"
     )
-    parser.add_argument("--node-id", default="", help="stable node id (default: HOSTNAME-PORT)")
+    parser.add_argument(
+        "--node-id", default="", help="stable node id (default: kept in the NVMe dir, else HOSTNAME-PORT)"
+    )
     parser.add_argument("--cluster", default="", help="cluster label for same-cluster reads")
     parser.add_argument("--token-file", type=Path, help="file holding the pool token (or set KVPOOL_TOKEN)")
 
