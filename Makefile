@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvpool-installed
 export LMCACHE_TRACK_USAGE := false
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup redis test lint demo bench clean
+.PHONY: setup redis test lint demo bench docs clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -33,6 +33,9 @@ lint: setup
 
 test: setup lint
 	$(PY) -m pytest -q -p no:cacheprovider
+
+docs: setup
+	$(PY) -m tests.test_cli_docs
 
 demo: setup
 	$(PY) -m bench.demo

@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from backend import __version__
+from backend import __version__, admin
 from backend.client import PoolClient
 from backend.config import DEFAULT_NAMESPACE, PoolConfig, format_size, parse_size
 from backend.embedded import EmbeddedRedis
 from backend.errors import ConfigError, KVPoolError
 from backend.lmcache_config import lmcache_config, render_env, render_yaml
-from backend.metadata import MetadataStore, NodeInfo
 from backend.node.server import NodeConfig, PoolNode
 
 __all__ = ["main", "build_parser"]
@@ -26,6 +28,7 @@ __all__ = ["main", "build_parser"]
 logger = logging.getLogger("kvpool")
 
 DEFAULT_UP_NVME_DIR = Path(".kvpool") / "nvme"
+T = TypeVar("T")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,12 +42,50 @@ def build_parser() -> argparse.ArgumentParser:
     _node_options(up, dram_default="1GiB", nvme_dir_default=DEFAULT_UP_NVME_DIR, nvme_default="8GiB")
 
     node = verbs.add_parser("node", help="run a node that joins an existing pool")
-    node.add_argument("--redis", metavar="URL", required=True, help="the pool's metadata Redis, redis://HOST:PORT")
+    node.add_argument("--redis", metavar="URL", help="the pool's metadata Redis, redis://HOST:PORT (required)")
     _node_options(node, dram_default="4GiB", nvme_dir_default=None, nvme_default="100GiB")
 
-    status = verbs.add_parser("status", help="is the pool healthy: Redis, nodes, capacity, objects")
-    _url_option(status)
-    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status = verbs.add_parser("status", help="one screen: Redis, nodes, capacity, objects, hit rate")
+    _admin_options(status)
+
+    nodes = verbs.add_parser("nodes", help="table of nodes: address, epoch, uptime, tiers, request rate")
+    _admin_options(nodes)
+
+    ls = verbs.add_parser("ls", help="list cached chunks with node, tier, size and age (streams; SCAN)")
+    _admin_options(ls)
+    ls.add_argument("--model", help="only keys of this model (LMCache key prefix MODEL@)")
+    ls.add_argument("--prefix", help="only keys starting with this text")
+    ls.add_argument("--limit", type=int, default=None, help="stop after this many keys")
+
+    stats = verbs.add_parser("stats", help="counters and p50/p99 latency per op, summed over nodes")
+    _admin_options(stats)
+
+    evict = verbs.add_parser("evict", help="remove chunks everywhere: KEY..., or --model / --prefix")
+    _admin_options(evict)
+    evict.add_argument("keys", nargs="*", metavar="KEY")
+    evict.add_argument("--model", help="every key of this model")
+    evict.add_argument("--prefix", help="every key starting with this text")
+
+    drain = verbs.add_parser("drain", help="move a node's chunks to other nodes, then leave it draining")
+    _admin_options(drain)
+    drain.add_argument("node_id", metavar="NODE")
+    drain.add_argument("--to", metavar="NODE", help="move everything to this node (default: normal placement)")
+    drain.add_argument("--batch", type=int, default=admin.DRAIN_BATCH_ITEMS,
+                       help=f"chunks moved per step (default {admin.DRAIN_BATCH_ITEMS})")  # fmt: skip
+
+    flush = verbs.add_parser("flush", help="wipe every chunk of a namespace (asks unless --yes)")
+    _admin_options(flush)
+    flush.add_argument("--namespace", required=True, help="the namespace to wipe (must be given explicitly)")
+    flush.add_argument("--yes", action="store_true", help="do not ask")
+
+    check = verbs.add_parser("check", help="fsck: index vs bytes, checksums, dead nodes; --fix repairs")
+    _admin_options(check)
+    check.add_argument("--fix", action="store_true", help="repair what was found and say what changed")
+    check.add_argument("--deep", action="store_true", help="verify the checksum of every chunk (default: a sample)")
+
+    doctor = verbs.add_parser("doctor", help="check an LMCache config end to end: plugin, Redis, nodes, round trip")
+    doctor.add_argument("--lmcache-config", required=True, type=Path, metavar="FILE", help="LMCache YAML file")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
 
     cfg = verbs.add_parser("lmcache-config", help="print the LMCache config that enables kvpool")
     _url_option(cfg)
@@ -52,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk size in tokens (default 256)")
     cfg.add_argument("--local-cpu-gib", type=float, default=5.0, help="LMCache local CPU buffer (default 5.0)")
     return parser
+
+
+def _admin_options(parser: argparse.ArgumentParser) -> None:
+    _url_option(parser)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def _url_option(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +110,7 @@ def _url_option(parser: argparse.ArgumentParser) -> None:
 def _node_options(
     parser: argparse.ArgumentParser, dram_default: str, nvme_dir_default: Path | None, nvme_default: str
 ) -> None:
+    parser.add_argument("--config", type=Path, metavar="FILE", help="YAML file of these options (flags win)")
     parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help=f"pool namespace (default {DEFAULT_NAMESPACE})")
     parser.add_argument("--dram", default=dram_default, help=f"DRAM tier size (default {dram_default})")
     where = f"default {nvme_dir_default}" if nvme_dir_default else "default: no NVMe tier"
@@ -79,6 +126,9 @@ def _node_options(
     )
     parser.add_argument("--cluster", default="", help="cluster label for same-cluster reads")
     parser.add_argument("--token-file", type=Path, help="file holding the pool token (or set KVPOOL_TOKEN)")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /health on this port "
+                        "(0: any free port; default: off)")  # fmt: skip
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
 
 
 def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
@@ -99,7 +149,7 @@ def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
         redis_url=redis_url, namespace=args.namespace, dram_bytes=dram_bytes,
         nvme_dir=args.nvme_dir if nvme_bytes else None, nvme_bytes=nvme_bytes,
         host=args.host, port=args.port, advertise_host=args.advertise, node_id=args.node_id,
-        token=token, cluster=args.cluster,
+        token=token, cluster=args.cluster, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
     )  # fmt: skip
 
 
@@ -122,6 +172,9 @@ async def _serve(node: PoolNode) -> None:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    if not args.redis:  # a usage error: argparse cannot require it because --config may supply it
+        print("kvpool: error: kvpool node needs --redis redis://HOST:PORT (or redis: in --config)", file=sys.stderr)
+        return 2
     config = _node_config(args, args.redis)
 
     async def run() -> None:
@@ -166,72 +219,211 @@ def _config(args: argparse.Namespace) -> PoolConfig:
     return PoolConfig.from_url(args.url, os.environ)
 
 
-async def pool_status(config: PoolConfig) -> dict[str, Any]:
-    """Everything ``kvpool status`` shows, as data."""
-    meta = MetadataStore(config.redis_url, config.namespace, config.timeout_s)
-    client = PoolClient(config)
-    try:
-        rtt_ms = await meta.ping()
-        nodes: list[NodeInfo] = await meta.nodes()
-        alive = [n for n in nodes if n.alive]
-        hits = gets = 0
-        for node in alive:
-            try:
-                stats = await client.node_stats(node)
-            except KVPoolError:
-                continue  # the registry's figures (up to a heartbeat old) stand
-            counters = stats.get("counters", {})
-            hits += int(counters.get("hits", 0))
-            gets += int(counters.get("gets", 0))
-            node.used_bytes = sum(int(t["used_bytes"]) for t in stats["tiers"].values())
-            node.object_count = int(stats["objects"])
-        return {
-            "redis": {"url": config.redis_url, "reachable": True, "rtt_ms": round(rtt_ms, 3)},
-            "namespace": config.namespace,
-            "nodes": {"alive": len(alive), "dead": len(nodes) - len(alive)},
-            "capacity_bytes": sum(n.capacity_bytes for n in alive),
-            "used_bytes": sum(n.used_bytes for n in alive),
-            "free_bytes": sum(n.free_bytes for n in alive),
-            "objects": sum(n.object_count for n in alive),
-            "gets": gets,
-            "hits": hits,
-            "hit_rate": round(hits / gets, 4) if gets else None,
-            "node_list": [
-                {
-                    "node_id": n.node_id,
-                    "address": n.address,
-                    "alive": n.alive,
-                    "epoch": n.epoch,
-                    "capacity_bytes": n.capacity_bytes,
-                    "used_bytes": n.used_bytes,
-                    "objects": n.object_count,
-                }
-                for n in nodes
-            ],
-        }
-    finally:
-        await client.close()
-        await meta.close()
+def _run(args: argparse.Namespace, work: Callable[[PoolClient], Awaitable[T]]) -> T:
+    """Run ``work`` with a client of the pool named by ``--url``; always closes it."""
+    config = _config(args)
+
+    async def go() -> T:
+        async with PoolClient(config) as client:
+            return await work(client)
+
+    return asyncio.run(go())
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=False, default=str))
+
+
+def _table(title: str | None, columns: list[str], rows: list[list[Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=False)
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*(str(cell) for cell in row))
+    Console(width=max(120, shutil.get_terminal_size().columns)).print(table)
+
+
+def _tiers_text(tiers: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{name} {format_size(t['used_bytes'])}/{format_size(t['capacity_bytes'])}" for name, t in tiers.items()
+    )
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = asyncio.run(pool_status(_config(args)))
+    status = _run(args, admin.pool_status)
     if args.json:
-        print(json.dumps(status, indent=2))
+        _print_json(status)
         return 0
+    recent = status["recent"]
     hit_rate = "n/a" if status["hit_rate"] is None else f"{status['hit_rate'] * 100:.1f}%"
+    recent_rate = "n/a" if recent["hit_rate"] is None else f"{recent['hit_rate'] * 100:.1f}%"
     print(f"Redis       {status['redis']['url']} reachable ({status['redis']['rtt_ms']:.2f} ms)")
     print(f"Namespace   {status['namespace']}")
-    print(f"Nodes       {status['nodes']['alive']} alive, {status['nodes']['dead']} dead")
+    n = status["nodes"]
+    print(f"Nodes       {n['alive']} alive, {n['dead']} dead, {n['draining']} draining")
     print(f"Capacity    {format_size(status['used_bytes'])} used of {format_size(status['capacity_bytes'])} "
           f"({format_size(status['free_bytes'])} free)")  # fmt: skip
+    for name, tier in status["tiers"].items():
+        print(f"  {name:<9} {format_size(tier['used_bytes'])} / {format_size(tier['capacity_bytes'])}, "
+              f"{tier['objects']} objects")  # fmt: skip
     print(f"Objects     {status['objects']}")
-    print(f"Hit rate    {hit_rate} ({status['hits']} of {status['gets']} node gets since start)")
-    for n in status["node_list"]:
-        state = "alive" if n["alive"] else "DEAD"
-        print(f"  {n['node_id']:<24} {n['address']:<22} {state:<5} epoch {n['epoch']:<4} "
-              f"{format_size(n['used_bytes'])} / {format_size(n['capacity_bytes'])}, {n['objects']} objects")  # fmt: skip
+    print(f"Hit rate    {recent_rate} over the last {recent['window_s'] / 60:.1f} min "
+          f"({recent['hits']} of {recent['gets']} node gets); {hit_rate} since start")  # fmt: skip
+    for row in status["node_list"]:
+        state = "alive" if row["alive"] else "DEAD"
+        state += ", draining" if row["draining"] else ""
+        print(f"  {row['node_id']:<24} {row['address']:<22} {state:<16} epoch {row['epoch']:<4} "
+              f"{format_size(row['used_bytes'])} / {format_size(row['capacity_bytes'])}, {row['objects']} objects")  # fmt: skip
     return 0
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    rows = _run(args, admin.node_rows)
+    if args.json:
+        _print_json(rows)
+        return 0
+    _table(
+        None,
+        ["node", "address", "cluster", "epoch", "state", "uptime", "tiers", "req/s", "heartbeat"],
+        [[r["node_id"], r["address"], r["cluster"] or "-", r["epoch"],
+          ("alive" if r["alive"] else "DEAD") + (", draining" if r["draining"] else ""),
+          f"{r['uptime_s']:.0f} s", _tiers_text(r["tiers"]),
+          "-" if r["requests_per_s"] is None else f"{r['requests_per_s']:.1f}",
+          "-" if r["last_heartbeat_s"] is None else f"{r['last_heartbeat_s']:.1f} s ago"] for r in rows],
+    )  # fmt: skip
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit <= 0:
+        raise ConfigError("--limit", "must be a positive number")
+
+    async def stream(client: PoolClient) -> int:
+        count = 0
+        async for row in admin.iter_keys(client, model=args.model, prefix=args.prefix, limit=args.limit):
+            count += 1
+            if args.json:
+                print(json.dumps(row), flush=False)
+            else:
+                print(f"{row['key']}  {row['node_id']}  {row['tier']}  {format_size(row['nbytes'])}  {row['age_s']} s")
+        sys.stdout.flush()
+        return count
+
+    count = _run(args, stream)
+    if not args.json:
+        print(f"({count} copies)", file=sys.stderr)
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    stats = _run(args, admin.pool_stats)
+    if args.json:
+        _print_json(stats)
+        return 0
+    _table(f"counters ({stats['nodes']} nodes)", ["counter", "value"], [[k, v] for k, v in stats["counters"].items()])
+    _table("service time per op", ["op", "count", "p50 ms", "p99 ms"],
+           [[op, v["count"], v["p50_ms"], v["p99_ms"]] for op, v in stats["latency"].items()])  # fmt: skip
+    return 0
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    if args.keys and (args.model or args.prefix):
+        raise ConfigError("evict", "give keys or --model/--prefix, not both")
+    removed = _run(args, lambda c: admin.evict(c, args.keys, model=args.model, prefix=args.prefix))
+    _print_json({"evicted": removed}) if args.json else print(f"evicted {removed} chunks")
+    return 0
+
+
+def _progress(description: str, quiet: bool) -> tuple[Any, Callable[[int, int], None]]:
+    from rich.progress import Progress
+
+    progress = Progress(transient=True, disable=quiet or not sys.stderr.isatty())
+    task = progress.add_task(description, total=None)
+
+    def update(done: int, total: int) -> None:
+        progress.update(task, completed=done, total=total)
+
+    return progress, update
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    if args.batch <= 0:
+        raise ConfigError("--batch", "must be a positive number")
+    bar, update = _progress(f"draining {args.node_id}", args.json)
+    with bar:
+        result = _run(args, lambda c: admin.drain(c, args.node_id, to=args.to, batch=args.batch, progress=update))
+    if args.json:
+        _print_json(result)
+    else:
+        print(f"drained {args.node_id}: {result['moved']} chunks moved, {result['already_elsewhere']} were already "
+              f"elsewhere, {result['unreadable']} unreadable; the node is marked draining")  # fmt: skip
+    return 0
+
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    if not args.yes:
+        if not sys.stdin.isatty():
+            print(f"kvpool: refusing to flush namespace {args.namespace!r} without --yes", file=sys.stderr)
+            return 2
+        answer = input(f"Type the namespace ({args.namespace}) to wipe every chunk in it: ")
+        if answer.strip() != args.namespace:
+            print("kvpool: not flushed", file=sys.stderr)
+            return 2
+    args.url = _with_namespace(args.url, args.namespace)
+    result = _run(args, admin.flush)
+    _print_json(result) if args.json else print(
+        f"flushed {args.namespace}: {result['chunks_deleted']} chunks deleted, "
+        f"{result['index_entries_removed']} index entries removed"
+    )
+    return 0
+
+
+def _with_namespace(url: str | None, namespace: str) -> str:
+    config = _config(argparse.Namespace(url=url))
+    return dataclasses.replace(config, namespace=namespace).to_url()
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    bar, update = _progress("checking", args.json)
+    with bar:
+        report = _run(args, lambda c: admin.check(c, fix=args.fix, deep=args.deep, progress=update))
+    if args.json:
+        _print_json(report)
+        return 0
+    print(f"checked {report['index_entries']} index entries, verified {report['verified']} checksums")
+    for kind, label in (("orphan_entries", "index entries without bytes"), ("orphan_bytes", "bytes without index entries"),
+                        ("corrupt", "corrupt copies"), ("dead_node_entries", "entries of dead nodes")):  # fmt: skip
+        print(f"  {label:<30} {len(report[kind])}")
+        for row in report[kind][:10]:
+            print(f"    {row['key']} on {row['node_id']} ({row['tier']})")
+    print(f"  {'dead nodes':<30} {len(report['dead_nodes'])} {' '.join(report['dead_nodes'])}")
+    if report["fixed"]:
+        f = report["fixed"]
+        print(f"fixed: removed {f['entries_removed']} index entries, re-indexed {f['bytes_reindexed']} chunks, "
+              f"forgot {f['dead_nodes_forgotten']} dead nodes")  # fmt: skip
+    elif report["problems"]:
+        print("run `kvpool check --fix` to repair")
+    else:
+        print("clean")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from backend.lmcache_connector import diagnose
+
+    findings = diagnose(args.lmcache_config)
+    if args.json:
+        _print_json(findings)
+    else:
+        for f in findings:
+            mark = "ok  " if f["ok"] else "FAIL"
+            print(f"[{mark}] {f['check']}: {f['detail']}")
+            if not f["ok"] and f["fix"]:
+                print(f"       fix: {f['fix']}")
+    return 0 if all(f["ok"] for f in findings) else 1
 
 
 def cmd_lmcache_config(args: argparse.Namespace) -> int:
@@ -242,12 +434,56 @@ def cmd_lmcache_config(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"up": cmd_up, "node": cmd_node, "status": cmd_status, "lmcache-config": cmd_lmcache_config}
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "up": cmd_up, "node": cmd_node, "status": cmd_status, "nodes": cmd_nodes, "ls": cmd_ls, "stats": cmd_stats,
+    "evict": cmd_evict, "drain": cmd_drain, "flush": cmd_flush, "check": cmd_check, "doctor": cmd_doctor,
+    "lmcache-config": cmd_lmcache_config,
+}  # fmt: skip
+
+
+def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; for ``up``/``node`` with ``--config FILE``, the file's options become defaults."""
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None) is None:
+        return args
+    import yaml
+
+    try:
+        data = yaml.safe_load(args.config.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError("--config", f"cannot read {args.config}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("--config", f"{args.config} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("--config", f"{args.config} must hold a mapping of options")
+    sub = _subparser(parser, args.verb)
+    known = {a.dest for a in sub._actions if a.dest not in ("help", "config")}
+    defaults = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in known:
+            raise ConfigError(str(key), f"unknown option in {args.config}; known: {', '.join(sorted(known))}")
+        action = next(a for a in sub._actions if a.dest == dest)
+        convert = action.type
+        defaults[dest] = convert(value) if callable(convert) and value is not None else value
+    sub.set_defaults(**defaults)
+    return parser.parse_args(argv)
+
+
+def _subparser(parser: argparse.ArgumentParser, verb: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[verb]  # type: ignore[no-any-return]
+    raise KeyError(verb)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = _apply_config_file(parser, argv)
+    except ConfigError as exc:
+        print(f"kvpool: error: {exc}", file=sys.stderr)
+        return 2
     debug = args.debug or os.environ.get("KVPOOL_DEBUG", "").lower() in {"1", "true", "on", "yes"}
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.INFO,

@@ -439,19 +439,22 @@ class PoolClient:
             await self.meta.remove_stale(stale)
 
     # -- put --------------------------------------------------------------------------
-    async def put(self, chunks: Sequence[Chunk]) -> None:
+    async def put(self, chunks: Sequence[Chunk], *, only: Sequence[str] | None = None) -> None:
         """Store every chunk on ``replicas`` nodes; raises if any chunk could not be stored.
 
         Returns only when the nodes have acknowledged (bytes complete and indexed)
         or failed, so the caller may reuse its buffers as soon as this returns.
+        ``only`` restricts placement to these node ids (``kvpool drain --to``).
         """
         if not chunks:
             return
         items = [c.item_meta() for c in chunks]
         data = {c.key: c.data for c in chunks}
         nodes = await self.nodes()
+        if only is not None:
+            nodes = [n for n in nodes if n.node_id in set(only)]
         if not nodes:
-            raise CapacityError(f"no live node in namespace {self.config.namespace!r}")
+            raise CapacityError(f"no live node in namespace {self.config.namespace!r} can take writes")
         # key -> nodes still to try, best first; each key needs `replicas` successes.
         plans = {item.key: rank_nodes(item.key, nodes) for item in items}
         wanted = {item.key: choose_nodes(item.key, nodes, self.config.replicas) for item in items}
@@ -489,7 +492,8 @@ class PoolClient:
                     self._warn_once(f"put:{nid}", "kvpool: put to node %s failed: %s", nid, outcome)
                 elif isinstance(outcome, BaseException):
                     raise outcome
-        failed = [item.key for item in items if len(stored[item.key]) < min(self.config.replicas, len(nodes))]
+        eligible = sum(1 for n in nodes if not n.draining)
+        failed = [item.key for item in items if len(stored[item.key]) < min(self.config.replicas, max(eligible, 1))]
         self.counters["put_chunks"] += len(items) - len(failed)
         self.counters["put_bytes"] += sum(i.nbytes for i in items if i.key not in set(failed))
         if failed:
@@ -617,6 +621,22 @@ class PoolClient:
             except KVPoolError as exc:
                 logger.warning("kvpool: delete on node %s failed (its copies age out): %s", nid, exc)
         return existed
+
+    async def node(self, node_id: str) -> NodeInfo:
+        """A live node by id (NodeUnavailable if it is not alive)."""
+        nodes = {n.node_id: n for n in await self.nodes(refresh=True)}
+        if node_id not in nodes:
+            raise NodeUnavailable(f"node {node_id!r} is not alive in namespace {self.config.namespace!r}")
+        return nodes[node_id]
+
+    async def fetch_from(self, node: NodeInfo, wanted: Sequence[tuple[str, int]]) -> list[Fetched | None]:
+        """Read ``(key, nbytes)`` from one given node (not any replica); verified like ``get``."""
+        got = await self._get_from_node(node, list(wanted), BytesSink())
+        return [g if isinstance(g, Fetched) else None for g in got]
+
+    async def node_request(self, node: NodeInfo, op: Op, meta: bytes) -> bytes:
+        """One admin request to one node; returns the response meta."""
+        return bytes(await self._pool(node).request(op, meta))
 
     async def list_keys(self, match: str = "*") -> list[str]:
         return [key async for key in self.meta.scan_keys(match)]

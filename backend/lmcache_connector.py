@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ from backend.errors import ConfigError, KVPoolError
 from backend.lmcache_config import PLUGIN_NAME, url_config_key
 from backend.protocol import ItemMeta
 
-__all__ = ["KVPoolConnector", "KVPoolConnectorAdapter"]
+__all__ = ["KVPoolConnector", "KVPoolConnectorAdapter", "diagnose"]
 
 logger = logging.getLogger(__name__)
 
@@ -336,3 +337,118 @@ class KVPoolConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
         if not url:
             raise ConfigError(url_config_key(plugin_name), "no pool URL given (nor KVPOOL_URL)")
         return PoolConfig.from_url(str(url), os.environ)
+
+
+DOCTOR_MODEL = "kvpool-doctor/probe"
+DOCTOR_TIMEOUT_S = 30.0
+
+
+def diagnose(config_path: Path) -> list[dict[str, Any]]:
+    """Check an LMCache config end to end, the way LMCache itself would use it.
+
+    Loads the file with LMCache's loader, builds LMCache's storage backends from it
+    (so a plugin that fails to load shows here, not as silent misses), checks Redis
+    and the nodes, and makes one put/get round trip through LMCache's RemoteBackend.
+    Returns findings: ``{"ok", "check", "detail", "fix"}``.
+    """
+    from lmcache.v1.config import load_engine_config_with_overrides
+
+    findings: list[dict[str, Any]] = []
+
+    def add(ok: bool, check: str, detail: str, fix: str = "") -> bool:
+        findings.append({"ok": ok, "check": check, "detail": detail, "fix": fix})
+        return ok
+
+    try:
+        config = load_engine_config_with_overrides(config_file_path=str(config_path))
+    except Exception as exc:  # LMCache raises many kinds here
+        add(False, "LMCache config", f"{config_path} does not load: {exc}", "fix the YAML (see docs/quickstart.md)")
+        return findings
+    add(True, "LMCache config", f"{config_path} loads")
+    plugins = [str(p) for p in (config.remote_storage_plugins or [])]
+    names = [p for p in plugins if p.split(".", 1)[0] == PLUGIN_NAME]
+    if not add(bool(names), "plugin listed", f"remote_storage_plugins = {plugins}",
+               f'set remote_storage_plugins: ["{PLUGIN_NAME}"]'):  # fmt: skip
+        return findings
+    plugin = names[0]
+    extra = config.extra_config or {}
+    for suffix, expected in (("module_path", "backend.lmcache_connector"), ("class_name", "KVPoolConnectorAdapter")):
+        key = f"remote_storage_plugin.{plugin}.{suffix}"
+        add(extra.get(key) == expected, key, f"is {extra.get(key)!r}", f"set extra_config['{key}'] = {expected!r}")
+    if config.remote_url:
+        add(False, "remote_url", f"is also set ({config.remote_url}): LMCache builds a second remote backend "
+            "and writes every chunk twice", "remove remote_url; the plugin entry is enough")  # fmt: skip
+    try:
+        pool_config = PoolConfig.from_url(str(extra.get(url_config_key(plugin)) or os.environ.get("KVPOOL_URL", "")),
+                                          os.environ)  # fmt: skip
+    except ConfigError as exc:
+        add(False, "pool URL", str(exc), f"set extra_config['{url_config_key(plugin)}'] = kvpool://HOST:PORT/NAMESPACE")
+        return findings
+    add(True, "pool URL", pool_config.to_url(with_token=False))
+
+    async def probe_pool() -> tuple[float, int]:
+        async with PoolClient(pool_config) as client:
+            return await client.ping(), len(await client.nodes(refresh=True))
+
+    try:
+        rtt_ms, live = asyncio.run(probe_pool())
+    except KVPoolError as exc:
+        add(False, "Redis", str(exc), "start the pool (`kvpool up`) or fix the host/port in the URL")
+        return findings
+    add(True, "Redis", f"reachable ({rtt_ms:.2f} ms)")
+    if not add(live > 0, "nodes", f"{live} live", f"start one: kvpool node --redis {pool_config.redis_url} "
+               f"--namespace {pool_config.namespace}"):  # fmt: skip
+        return findings
+    _round_trip(config, plugin, add)
+    return findings
+
+
+def _round_trip(config: Any, plugin: str, add: Any) -> None:
+    """Build LMCache's storage from ``config`` and move one chunk through RemoteBackend."""
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend import CreateStorageBackends
+
+    chunk = int(config.chunk_size)
+    metadata = LMCacheMetadata(model_name=DOCTOR_MODEL, world_size=1, local_world_size=1, worker_id=0,
+                               local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=(2, 2, chunk, 1, 64))  # fmt: skip
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="kvpool-doctor", daemon=True)
+    thread.start()
+    backends: dict[str, Any] = {}
+    try:
+        backends = CreateStorageBackends(config, metadata, loop)
+        remote: Any = backends.get(f"RemoteBackend-{plugin}")
+        if not add(remote is not None and remote.connection is not None, "plugin loaded",
+                   "LMCache built RemoteBackend-" + plugin if remote is not None and remote.connection is not None
+                   else "LMCache has no working kvpool backend (LMCache hides why: see its log above)",
+                   "check that kvpool is installed in this Python environment (pip install kvpool)"):  # fmt: skip
+            return
+        local = backends["LocalCPUBackend"]
+        shape = torch.Size([2, 2, chunk, 64])
+        obj = local.allocate(shape, torch.bfloat16, MemoryFormat.KV_2LTD)
+        if obj is None:
+            add(False, "round trip", "LMCache could not allocate a probe chunk", "raise max_local_cpu_size")
+            return
+        obj.tensor.copy_(torch.randn(shape).to(torch.bfloat16))
+        expected = obj.tensor.clone()
+        key = CacheEngineKey(DOCTOR_MODEL, 1, 0, int(time.time() * 1000), torch.bfloat16)
+        done = threading.Event()
+        remote.batched_submit_put_task([key], [obj], on_complete_callback=lambda _k: done.set())
+        obj.ref_count_down()
+        if not done.wait(DOCTOR_TIMEOUT_S) or not remote.contains(key):
+            add(False, "round trip", "the probe chunk was not stored", "see `kvpool status` and the node logs")
+            return
+        got = remote.get_blocking(key)
+        same = got is not None and torch.equal(got.tensor.view(torch.uint8), expected.view(torch.uint8))
+        if got is not None:
+            got.ref_count_down()
+        remote.remove(key)
+        add(same, "round trip", "put and get through LMCache's RemoteBackend, byte-identical" if same
+            else "the probe chunk came back different or not at all", "run `kvpool check --deep`")  # fmt: skip
+    finally:
+        closer = threading.Thread(target=lambda: [b.close() for b in backends.values()], daemon=True)
+        closer.start()
+        closer.join(5.0)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5.0)

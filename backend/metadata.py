@@ -10,7 +10,8 @@ Key schema (``NS`` is the namespace)::
     kvp:{NS}:epoch           counter; every node start takes a new epoch from it
     kvp:{NS}:nodes           hash node_id -> NodeInfo JSON (the registry)
     kvp:{NS}:hb:<node_id>    liveness; value = epoch, expires after the heartbeat TTL
-    kvp:NS:k:{<key>}         index entry: hash node_id -> "epoch|tier|nbytes|checksum"
+    kvp:{NS}:draining        set of node ids placement skips (kvpool drain)
+    kvp:NS:k:{<key>}         index entry: hash node_id -> "epoch|tier|nbytes|checksum|written_at"
 
 Registry keys share the hash tag ``{NS}`` (one Redis Cluster slot, small); index keys
 are tagged by their own key so the index spreads over every shard.
@@ -44,7 +45,7 @@ _COMMIT_LUA = """
 local fields = redis.call('HGETALL', KEYS[1])
 for i = 1, #fields, 2 do
   if fields[i] ~= ARGV[1] then
-    local sum = string.match(fields[i + 1], '^[^|]*|[^|]*|[^|]*|([^|]*)$')
+    local sum = string.match(fields[i + 1], '^[^|]*|[^|]*|[^|]*|([^|]*)')
     if sum ~= ARGV[3] then redis.call('HDEL', KEYS[1], fields[i]) end
   end
 end
@@ -89,22 +90,23 @@ return 0
 
 @dataclasses.dataclass(frozen=True)
 class Location:
-    """One copy of a key: which node and epoch wrote it, on which tier, how big."""
+    """One copy of a key: which node and epoch wrote it, on which tier, how big, when."""
 
     node_id: str
     epoch: int
     tier: str
     nbytes: int
     checksum: int
+    written_at: int = dataclasses.field(default_factory=lambda: int(time.time()), compare=False)
 
     def encode(self) -> str:
-        return f"{self.epoch}|{self.tier}|{self.nbytes}|{self.checksum}"
+        return f"{self.epoch}|{self.tier}|{self.nbytes}|{self.checksum}|{self.written_at}"
 
     @classmethod
     def decode(cls, node_id: str, value: str) -> Location:
         try:
-            epoch, tier, nbytes, item_sum = value.split("|")
-            return cls(node_id, int(epoch), tier, int(nbytes), int(item_sum))
+            epoch, tier, nbytes, item_sum, written_at = value.split("|")
+            return cls(node_id, int(epoch), tier, int(nbytes), int(item_sum), int(written_at))
         except ValueError:
             raise MetadataError(f"index entry for node {node_id!r} is malformed: {value!r}") from None
 
@@ -127,8 +129,9 @@ class NodeInfo:
     capacity_bytes: int = 0
     used_bytes: int = 0
     object_count: int = 0
-    draining: bool = False
-    tiers: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    tiers: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    heartbeat_at: float = 0.0
+    draining: bool = False  # filled by MetadataStore.nodes() from the draining set
     alive: bool = False  # filled by MetadataStore.nodes(), never stored
 
     @property
@@ -142,6 +145,7 @@ class NodeInfo:
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
         data.pop("alive")
+        data.pop("draining")  # kept in the draining set, so heartbeats cannot undo a drain
         return json.dumps(data, sort_keys=True)
 
     @classmethod
@@ -186,6 +190,7 @@ class MetadataStore:
         self.marker_key = f"kvp:{tag}:marker"
         self.epoch_key = f"kvp:{tag}:epoch"
         self.nodes_key = f"kvp:{tag}:nodes"
+        self.draining_key = f"kvp:{tag}:draining"
         self._hb_prefix = f"kvp:{tag}:hb:"
         self._index_prefix = f"kvp:{namespace}:k:"
 
@@ -252,14 +257,25 @@ class MetadataStore:
                 await pipe.execute()
 
     async def set_draining(self, node_id: str, draining: bool) -> None:
-        with _redis_errors("HGET node"):
-            raw = await self._redis.hget(self.nodes_key, node_id)
-        if raw is None:
+        """Mark a node draining (placement skips it) or not; kept apart from its heartbeats."""
+        with _redis_errors("HEXISTS node"):
+            known = await self._redis.hexists(self.nodes_key, node_id)
+        if not known:
             raise MetadataError(f"node {node_id!r} is not registered in namespace {self.namespace!r}")
-        info = NodeInfo.from_json(raw)
-        info.draining = draining
-        with _redis_errors("HSET node"):
-            await self._redis.hset(self.nodes_key, node_id, info.to_json())
+        with _redis_errors("draining set"):
+            if draining:
+                await self._redis.sadd(self.draining_key, node_id)
+            else:
+                await self._redis.srem(self.draining_key, node_id)
+
+    async def forget_node(self, node_id: str) -> None:
+        """Remove a dead node from the registry (``kvpool check --fix``)."""
+        with _redis_errors("forget node"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hdel(self.nodes_key, node_id)
+                pipe.delete(self.heartbeat_key(node_id))
+                pipe.srem(self.draining_key, node_id)
+                await pipe.execute()
 
     async def nodes(self) -> list[NodeInfo]:
         """Every registered node, with ``alive`` set from its heartbeat key (one round trip each)."""
@@ -270,11 +286,13 @@ class MetadataStore:
             return []
         with _redis_errors("MGET heartbeats"):
             async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.smembers(self.draining_key)
                 for info in infos:
                     pipe.get(self.heartbeat_key(info.node_id))
-                beats = await pipe.execute()
+                draining, *beats = await pipe.execute()
         for info, beat in zip(infos, beats):
             info.alive = beat is not None and beat == str(info.epoch)
+            info.draining = info.node_id in draining
         return sorted(infos, key=lambda i: i.node_id)
 
     # -- index ------------------------------------------------------------------------
@@ -353,6 +371,19 @@ class MetadataStore:
             return 0
         with _redis_errors("index delete"):
             return int(await self._redis.delete(*[self.index_key(k) for k in keys]))
+
+    async def scan_entries(
+        self, match: str = "*", batch: int = LOOKUP_BATCH
+    ) -> AsyncIterator[list[tuple[str, IndexEntry]]]:
+        """Stream ``(key, locations)`` in batches: SCAN plus one pipelined lookup per batch."""
+        keys: list[str] = []
+        async for key in self.scan_keys(match, count=batch):
+            keys.append(key)
+            if len(keys) >= batch:
+                yield list(zip(keys, await self.lookup(keys)))
+                keys = []
+        if keys:
+            yield list(zip(keys, await self.lookup(keys)))
 
     async def scan_keys(self, match: str = "*", count: int = 1000) -> AsyncIterator[str]:
         """Stream pool keys (SCAN, never KEYS). ``match`` is a glob on the pool key."""

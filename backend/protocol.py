@@ -82,6 +82,8 @@ class Op(enum.IntEnum):
     DELETE_BATCH = 6
     STAT = 7
     PING = 8
+    INVENTORY = 9  # admin: page through the keys a node holds
+    VERIFY_BATCH = 10  # admin: a node re-checks its own copies' checksums
 
 
 class Status(enum.IntEnum):

@@ -83,7 +83,7 @@ def test_status_json_reports_nodes_objects_and_bytes(node_factory, pool_url):
     out = kvpool("status", "--url", pool_url, "--json")
     assert out.returncode == 0, out.stderr
     status = json.loads(out.stdout)
-    assert status["nodes"] == {"alive": 2, "dead": 0}
+    assert status["nodes"] == {"alive": 2, "dead": 0, "draining": 0}
     assert status["objects"] == 5
     assert status["used_bytes"] == sum(1000 + i for i in range(5))
     assert status["capacity_bytes"] == 96 * 2**20

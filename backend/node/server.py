@@ -11,6 +11,7 @@ told, so nothing is acknowledged that readers cannot find.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hmac
@@ -20,12 +21,13 @@ import secrets
 import signal
 import socket
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 from backend.errors import AuthError, CapacityError, KVPoolError, MetadataError, NodeUnavailable, ProtocolError
 from backend.metadata import Location, MetadataStore, NodeInfo
+from backend.metrics import NodeMetricsServer
 from backend.node.dram import StoredChunk
 from backend.node.recovery import RecoveryReport, node_identity, scan
 from backend.node.tiers import DRAM, TierConfig, TierManager
@@ -57,6 +59,11 @@ __all__ = ["NodeConfig", "PoolNode", "run_node"]
 logger = logging.getLogger(__name__)
 
 MAX_REQUESTS_IN_FLIGHT_PER_CONNECTION = 32
+LATENCY_SAMPLES = 1024
+RECENT_WINDOW_S = 300  # "recent" rates in STAT cover the last five minutes
+RECENT_SNAPSHOTS = 400
+INVENTORY_PAGE_MAX = 10_000
+VERIFY_STATUS = {"ok": 0, "missing": 1, "corrupt": 2}
 REPLY_TIMEOUT_S = 30.0  # a reply the client does not read in this time closes the connection
 ACCEPT_RETRY_S = 0.1
 SHUTDOWN_TIMEOUT_S = 5.0
@@ -84,6 +91,8 @@ class NodeConfig:
     high_watermark: float = 0.90
     low_watermark: float = 0.80
     frame_timeout_s: float = 30.0  # once a header arrived, the rest of its frame must follow
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
 
     def tier_config(self) -> TierConfig:
         return TierConfig(
@@ -109,6 +118,12 @@ class PoolNode:
         self._connections: set[FrameSocket] = set()
         self._redis_ok = True
         self._generation = ""  # the namespace marker this node last published under
+        self.metrics: NodeMetricsServer | None = None
+        self._snapshots: collections.deque[tuple[float, int, int, int]] = collections.deque(maxlen=RECENT_SNAPSHOTS)
+        # the last LATENCY_SAMPLES service times per op, for p50/p99 in STAT
+        self.latency: dict[str, collections.deque[float]] = defaultdict(
+            lambda: collections.deque(maxlen=LATENCY_SAMPLES)
+        )
         self._stopping = asyncio.Event()
 
     # -- lifecycle --------------------------------------------------------------------
@@ -147,6 +162,13 @@ class PoolNode:
             await self._publish_inventory()  # the old epoch's entries are overwritten
         await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
         self.tiers.start()
+        if self.config.metrics_port is not None:
+            self.metrics = NodeMetricsServer(
+                self.stats, self.health, self.config.metrics_host, self.config.metrics_port
+            )
+            await self.metrics.start()
+            logger.info("node %s: metrics at http://%s:%d/metrics", self.node_id, self.config.metrics_host,
+                        self.metrics.port)  # fmt: skip
         self._spawn(self._accept_loop())
         self._spawn(self._heartbeat_loop())
         nvme = self.tiers.nvme
@@ -178,6 +200,8 @@ class PoolNode:
                 await self.meta.deregister(self.node_id)
         except (KVPoolError, TimeoutError) as exc:
             logger.warning("node %s: could not deregister cleanly: %s", self.node_id, exc)
+        if self.metrics is not None:
+            await self.metrics.stop()
         await self.tiers.close()
         await self.meta.close()
         logger.info("node %s stopped", self.node_id)
@@ -196,6 +220,7 @@ class PoolNode:
             used_bytes=self.tiers.used_bytes,
             object_count=len(self.tiers),
             tiers=self.tiers.stats(),
+            heartbeat_at=time.time(),
         )
 
     def stats(self) -> dict[str, Any]:
@@ -207,7 +232,39 @@ class PoolNode:
             "objects": len(self.tiers),
             "tiers": self.tiers.stats(),
             "recovery": dataclasses.asdict(self.recovery) if self.recovery else None,
+            "latency_ms": {op: sorted(samples) for op, samples in self.latency.items() if samples},
+            "recent": self._recent(),
         }
+
+    def _snapshot(self) -> tuple[float, int, int, int]:
+        c = self.counters
+        return (time.monotonic(), c["requests"], c["gets"], c["hits"])
+
+    def _recent(self) -> dict[str, Any]:
+        """Requests, gets and hits over the last ``RECENT_WINDOW_S`` (or since start)."""
+        now = self._snapshot()
+        old = next((s for s in self._snapshots if now[0] - s[0] <= RECENT_WINDOW_S), None)
+        if old is None:
+            old = (now[0] - (time.time() - self.started_at), 0, 0, 0)
+        window = max(now[0] - old[0], 1e-3)
+        return {"window_s": round(window, 1), "requests_per_s": round((now[1] - old[1]) / window, 3),
+                "gets": now[2] - old[2], "hits": now[3] - old[3]}  # fmt: skip
+
+    def _inventory(self, request: dict[str, Any]) -> bytes:
+        """One page of ``[key, tier, nbytes, checksum]`` after ``request["after"]``, sorted by key."""
+        after, limit = request.get("after", ""), request.get("limit", 1000)
+        if not isinstance(after, str) or not isinstance(limit, int) or not 0 < limit <= INVENTORY_PAGE_MAX:
+            raise ProtocolError(f"INVENTORY wants {{after: str, limit: 1..{INVENTORY_PAGE_MAX}}}")
+        page, more = _inventory_page(self.tiers, after, limit)
+        return encode_json({"items": page, "more": more})
+
+    def health(self) -> dict[str, Any]:
+        """What ``/health`` answers: ok while serving with Redis reachable."""
+        serving = self._listener is not None and not self._stopping.is_set()
+        healthy = serving and self._redis_ok
+        return {"status": "ok" if healthy else "degraded", "node_id": self.node_id, "epoch": self.epoch,
+                "serving": serving, "redis_reachable": self._redis_ok,
+                "nvme_disk_full": self.tiers.disk_full}  # fmt: skip
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -220,6 +277,7 @@ class PoolNode:
         interval = self.config.heartbeat_interval_ms / 1000
         while not self._stopping.is_set():
             await asyncio.sleep(interval)
+            self._snapshots.append(self._snapshot())
             try:
                 generation = await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
                 if generation != self._generation:
@@ -307,6 +365,7 @@ class PoolNode:
             while True:
                 header = None  # an error before the header parses answers request id 0
                 header = await conn.recv_header(self.config.limits)
+                started = time.perf_counter()
                 async with asyncio.timeout(self.config.frame_timeout_s):
                     meta = await conn.recv_meta(header)
                 if header.is_response:
@@ -337,10 +396,10 @@ class PoolNode:
                     async with asyncio.timeout(self.config.frame_timeout_s):
                         received = await self._receive_put(conn, items)
                     await in_flight.acquire()
-                    self._spawn(self._finish(conn, header, in_flight, self._commit_put(received)))
+                    self._spawn(self._finish(conn, header, in_flight, self._commit_put(received), started))
                     continue
                 await in_flight.acquire()
-                self._spawn(self._finish(conn, header, in_flight, self._handle(op, meta)))
+                self._spawn(self._finish(conn, header, in_flight, self._handle(op, meta), started))
         except asyncio.CancelledError:
             raise
         except NodeUnavailable:
@@ -369,7 +428,9 @@ class PoolNode:
             return False
         return hmac.compare_digest(mac, auth_mac(self.config.token, nonce))
 
-    async def _finish(self, conn: FrameSocket, header: Header, in_flight: asyncio.Semaphore, work: Any) -> None:
+    async def _finish(
+        self, conn: FrameSocket, header: Header, in_flight: asyncio.Semaphore, work: Any, started: float
+    ) -> None:
         try:
             try:
                 meta, data = await work
@@ -385,6 +446,8 @@ class PoolNode:
                     conn.close()
                 return
             await self._reply(conn, header, meta, data)
+            self.counters["requests"] += 1
+            self.latency[Op(header.base_op).name.lower()].append((time.perf_counter() - started) * 1000)
         except (NodeUnavailable, OSError):
             conn.close()
         finally:
@@ -495,11 +558,25 @@ class PoolNode:
             self.counters["deletes"] += len(deleted)
             gone = set(deleted)
             return encode_flags([int(key in gone) for key in keys]), []
+        if op == Op.INVENTORY:
+            return self._inventory(decode_json(meta)), []
+        if op == Op.VERIFY_BATCH:
+            return encode_flags([VERIFY_STATUS[await self.tiers.verify(k)] for k in decode_keys(meta, limits)]), []
         if op == Op.STAT:
             return encode_json(self.stats()), []
         if op == Op.PING:
             return encode_json({"node_id": self.node_id, "epoch": self.epoch}), []
         raise ProtocolError(f"op {op} is not a request")
+
+
+def _inventory_page(tiers: TierManager, after: str, limit: int) -> tuple[list[list[Any]], bool]:
+    keys = sorted(k for k in tiers.keys() if k > after)
+    page = []
+    for key in keys[:limit]:
+        meta, tier = tiers.meta_of(key), tiers.tier_of(key)
+        if meta is not None and tier is not None:
+            page.append([key, tier, meta.nbytes, meta.checksum])
+    return page, len(keys) > limit
 
 
 async def run_node(config: NodeConfig, ready: Any = None) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 from backend.errors import CapacityError, IntegrityError
 from backend.node.dram import DramTier, StoredChunk
 from backend.node.nvme import NvmeFile, read_payload, write_chunk
-from backend.protocol import ItemMeta
+from backend.protocol import ItemMeta, checksum
 
 __all__ = ["TierConfig", "TierManager", "DRAM", "NVME"]
 
@@ -248,6 +248,26 @@ class TierManager:
                 chunk = current
         self.counters["nvme_reads"] += 1
         return chunk
+
+    async def verify(self, key: str) -> str:
+        """Re-check this node's copy of ``key``: "ok", "missing" or "corrupt" (then dropped)."""
+        chunk = self.dram.peek(key)
+        if chunk is not None:
+            if checksum(chunk.buffer) == chunk.meta.checksum:
+                return "ok"
+            self.dram.delete(key)  # memory went bad: never serve it
+            self.counters["integrity_failures"] += 1
+            if self.nvme is None or key not in self.nvme.files:
+                self.index_removed.add(key)
+        record = self.nvme.touch(key) if self.nvme is not None else None
+        if record is None:
+            return "corrupt" if chunk is not None else "missing"
+        try:
+            await self._run(read_payload, record, bytearray(record.meta.nbytes))
+        except (IntegrityError, OSError) as exc:
+            await self._quarantine(record, exc)
+            return "corrupt"
+        return "ok"
 
     async def delete(self, key: str) -> bool:
         found = self.dram.delete(key) is not None

@@ -1,0 +1,368 @@
+"""Admin operations behind the CLI: inspect, move and repair a pool.
+
+Each function takes a :class:`PoolClient` and returns plain data; the CLI only
+parses arguments and prints. Nothing here holds more than one batch of chunk
+bytes at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from backend.client import Chunk, PoolClient
+from backend.errors import ConfigError, KVPoolError
+from backend.metadata import Location, NodeInfo
+from backend.protocol import Op, decode_flags, decode_json, encode_json, encode_keys
+
+__all__ = [
+    "pool_status",
+    "node_rows",
+    "iter_keys",
+    "pool_stats",
+    "evict",
+    "drain",
+    "flush",
+    "check",
+    "glob_escape",
+]
+
+DRAIN_BATCH_ITEMS = 64
+DRAIN_BATCH_BYTES = 256 * 1024 * 1024  # memory a drain holds at once
+INVENTORY_PAGE = 1000
+CHECK_SAMPLE = 100  # chunks whose checksum `check` re-verifies without --deep
+
+Progress = Callable[[int, int], None]  # (done, total)
+
+
+def glob_escape(text: str) -> str:
+    """Escape Redis glob characters so user text matches literally."""
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
+
+
+def _match(model: str | None, prefix: str | None) -> str:
+    if model and prefix:
+        raise ConfigError("--prefix", "give --model or --prefix, not both")
+    if model:
+        return glob_escape(model) + "@*"
+    if prefix:
+        return glob_escape(prefix) + "*"
+    return "*"
+
+
+async def _stats_of(client: PoolClient, nodes: Sequence[NodeInfo]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for node in nodes:
+        if node.alive:
+            try:
+                out[node.node_id] = await client.node_stats(node)
+            except KVPoolError:
+                pass  # the registry's figures (up to a heartbeat old) stand
+    return out
+
+
+async def pool_status(client: PoolClient) -> dict[str, Any]:
+    """Redis, nodes, capacity, objects and hit rate: what ``kvpool status`` shows."""
+    rtt_ms = await client.meta.ping()
+    nodes = await client.meta.nodes()
+    stats = await _stats_of(client, nodes)
+    alive = [n for n in nodes if n.alive]
+    for node in alive:
+        if node.node_id in stats:
+            node.used_bytes = sum(int(t["used_bytes"]) for t in stats[node.node_id]["tiers"].values())
+            node.object_count = int(stats[node.node_id]["objects"])
+    recent_gets = sum(int(s["recent"]["gets"]) for s in stats.values())
+    recent_hits = sum(int(s["recent"]["hits"]) for s in stats.values())
+    gets = sum(int(s["counters"].get("gets", 0)) for s in stats.values())
+    hits = sum(int(s["counters"].get("hits", 0)) for s in stats.values())
+    tiers: dict[str, dict[str, int]] = defaultdict(lambda: {"capacity_bytes": 0, "used_bytes": 0, "objects": 0})
+    for s in stats.values():
+        for name, tier in s["tiers"].items():
+            for field in ("capacity_bytes", "used_bytes", "objects"):
+                tiers[name][field] += int(tier[field])
+    return {
+        "redis": {"url": client.config.redis_url, "reachable": True, "rtt_ms": round(rtt_ms, 3)},
+        "namespace": client.config.namespace,
+        "nodes": {
+            "alive": len(alive),
+            "dead": len(nodes) - len(alive),
+            "draining": sum(1 for n in nodes if n.draining),
+        },
+        "capacity_bytes": sum(n.capacity_bytes for n in alive),
+        "used_bytes": sum(n.used_bytes for n in alive),
+        "free_bytes": sum(n.free_bytes for n in alive),
+        "objects": sum(n.object_count for n in alive),
+        "tiers": dict(tiers),
+        "gets": gets,
+        "hits": hits,
+        "hit_rate": round(hits / gets, 4) if gets else None,
+        "recent": {
+            "window_s": max((s["recent"]["window_s"] for s in stats.values()), default=0),
+            "gets": recent_gets,
+            "hits": recent_hits,
+            "hit_rate": round(recent_hits / recent_gets, 4) if recent_gets else None,
+        },
+        "node_list": [
+            {
+                "node_id": n.node_id,
+                "address": n.address,
+                "alive": n.alive,
+                "draining": n.draining,
+                "epoch": n.epoch,
+                "capacity_bytes": n.capacity_bytes,
+                "used_bytes": n.used_bytes,
+                "objects": n.object_count,
+            }
+            for n in nodes
+        ],
+    }
+
+
+async def node_rows(client: PoolClient) -> list[dict[str, Any]]:
+    """One row per registered node: what ``kvpool nodes`` shows."""
+    nodes = await client.meta.nodes()
+    stats = await _stats_of(client, nodes)
+    now = time.time()
+    rows = []
+    for n in nodes:
+        s = stats.get(n.node_id)
+        rows.append({
+            "node_id": n.node_id, "address": n.address, "cluster": n.cluster, "epoch": n.epoch,
+            "alive": n.alive, "draining": n.draining,
+            "uptime_s": round(s["uptime_s"] if s else now - n.started_at, 1),
+            "tiers": s["tiers"] if s else n.tiers,
+            "requests_per_s": s["recent"]["requests_per_s"] if s else None,
+            "last_heartbeat_s": round(now - n.heartbeat_at, 1) if n.heartbeat_at else None,
+        })  # fmt: skip
+    return rows
+
+
+async def iter_keys(
+    client: PoolClient, *, model: str | None = None, prefix: str | None = None, limit: int | None = None
+) -> AsyncIterator[dict[str, Any]]:
+    """Stream index entries (SCAN, never KEYS): key, node, tier, size, age."""
+    now = int(time.time())
+    count = 0
+    async for batch in client.meta.scan_entries(_match(model, prefix)):
+        for key, entry in batch:
+            for loc in entry:
+                yield {"key": key, "node_id": loc.node_id, "tier": loc.tier, "nbytes": loc.nbytes,
+                       "age_s": max(0, now - loc.written_at)}  # fmt: skip
+            count += 1
+            if limit is not None and count >= limit:
+                return
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return float(sorted_values[index])
+
+
+async def pool_stats(client: PoolClient) -> dict[str, Any]:
+    """Counters summed over live nodes, and p50/p99 service time per op."""
+    nodes = await client.meta.nodes()
+    stats = await _stats_of(client, nodes)
+    totals: dict[str, int] = defaultdict(int)
+    samples: dict[str, list[float]] = defaultdict(list)
+    for s in stats.values():
+        for name, value in s["counters"].items():
+            totals[name] += int(value)
+        for op, values in s.get("latency_ms", {}).items():
+            samples[op].extend(values)
+    latency = {
+        op: {
+            "count": len(v),
+            "p50_ms": round(_percentile(sorted(v), 0.5), 3),
+            "p99_ms": round(_percentile(sorted(v), 0.99), 3),
+        }
+        for op, v in sorted(samples.items())
+    }
+    return {"nodes": len(stats), "counters": dict(sorted(totals.items())), "latency": latency}
+
+
+async def evict(client: PoolClient, keys: Sequence[str] = (), *, model: str | None = None,
+                prefix: str | None = None) -> int:  # fmt: skip
+    """Remove chunks everywhere (index first, then bytes); returns how many existed."""
+    if keys:
+        return await client.delete(list(keys))
+    if not model and not prefix:
+        raise ConfigError("evict", "name keys, or --model / --prefix")
+    removed = 0
+    batch: list[str] = []
+    async for key in client.meta.scan_keys(_match(model, prefix)):
+        batch.append(key)
+        if len(batch) >= INVENTORY_PAGE:
+            removed += await client.delete(batch)
+            batch = []
+    if batch:
+        removed += await client.delete(batch)
+    return removed
+
+
+async def _inventory(client: PoolClient, node: NodeInfo) -> AsyncIterator[list[list[Any]]]:
+    after = ""
+    while True:
+        page = decode_json(
+            await client.node_request(node, Op.INVENTORY, encode_json({"after": after, "limit": INVENTORY_PAGE}))
+        )
+        items = page.get("items", [])
+        if items:
+            yield items
+            after = items[-1][0]
+        if not page.get("more") or not items:
+            return
+
+
+async def drain(
+    client: PoolClient,
+    node_id: str,
+    *,
+    to: str | None = None,
+    batch: int = DRAIN_BATCH_ITEMS,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Move every chunk off ``node_id`` (bytes verified on the way), leaving it draining.
+
+    The node is marked draining first, so placement sends no new writes there.
+    Each batch is read from the node, written elsewhere, and only then deleted from
+    the node: interrupting at any point loses nothing, and running again resumes.
+    """
+    source = await client.node(node_id)
+    if to is not None:
+        target = await client.node(to)
+        if target.node_id == node_id:
+            raise ConfigError("--to", "the target is the node being drained")
+    await client.meta.set_draining(node_id, True)
+    await client.nodes(refresh=True)
+    total = int((await client.node_stats(source))["objects"])
+    moved = already = lost = 0
+    async for page in _inventory(client, source):
+        for group in _groups(page, batch):
+            entries = await client.meta.lookup([row[0] for row in group])
+            elsewhere = {row[0] for row, entry in zip(group, entries) if any(loc.node_id != node_id for loc in entry)}
+            copy = [(row[0], int(row[2])) for row in group if row[0] not in elsewhere]
+            fetched = await client.fetch_from(source, copy) if copy else []
+            chunks = [
+                Chunk(f.meta.key, f.data, f.meta.dtype, f.meta.shape, f.meta.fmt) for f in fetched if f is not None
+            ]
+            lost += sum(1 for f in fetched if f is None)
+            if chunks:
+                await client.put(chunks, only=[to] if to else None)
+            done = [c.key for c in chunks] + sorted(elsewhere)
+            if done:
+                await client.node_request(source, Op.DELETE_BATCH, encode_keys(done))
+            moved += len(chunks)
+            already += len(elsewhere)
+            if progress is not None:
+                progress(moved + already + lost, max(total, moved + already + lost))
+    return {"node_id": node_id, "moved": moved, "already_elsewhere": already, "unreadable": lost, "draining": True}
+
+
+def _groups(page: list[list[Any]], batch: int) -> list[list[list[Any]]]:
+    """Split inventory rows into groups of at most ``batch`` chunks and ``DRAIN_BATCH_BYTES``."""
+    groups: list[list[list[Any]]] = [[]]
+    size = 0
+    for row in page:
+        if groups[-1] and (len(groups[-1]) >= batch or size + int(row[2]) > DRAIN_BATCH_BYTES):
+            groups.append([])
+            size = 0
+        groups[-1].append(row)
+        size += int(row[2])
+    return [g for g in groups if g]
+
+
+async def flush(client: PoolClient) -> dict[str, int]:
+    """Wipe the namespace's data: every node's chunks and every index entry (nodes stay)."""
+    deleted = 0
+    for node in await client.nodes(refresh=True):
+        async for page in _inventory(client, node):
+            flags = decode_flags(await client.node_request(node, Op.DELETE_BATCH, encode_keys([r[0] for r in page])),
+                                 len(page))  # fmt: skip
+            deleted += sum(flags)
+    removed = 0
+    batch: list[str] = []
+    async for key in client.meta.scan_keys():
+        batch.append(key)
+        if len(batch) >= INVENTORY_PAGE:
+            removed += await client.meta.delete(batch)
+            batch = []
+    if batch:
+        removed += await client.meta.delete(batch)
+    return {"chunks_deleted": deleted, "index_entries_removed": removed}
+
+
+async def check(client: PoolClient, *, fix: bool = False, deep: bool = False,
+                progress: Progress | None = None) -> dict[str, Any]:  # fmt: skip
+    """fsck for the pool: index vs bytes on nodes, checksums, dead nodes; ``fix`` repairs.
+
+    Finds index entries whose bytes are gone, bytes no entry points at, copies whose
+    checksum fails (a sample, or all with ``deep``), and entries of dead nodes.
+    """
+    nodes = await client.meta.nodes()
+    alive = {n.node_id: n for n in nodes if n.alive}
+    dead = [n.node_id for n in nodes if not n.alive]
+    orphan_entries: list[tuple[str, Location]] = []
+    dead_entries: list[tuple[str, Location]] = []
+    corrupt: list[tuple[str, Location]] = []
+    verified = 0
+    scanned = 0
+    async for batch in client.meta.scan_entries():
+        by_node: dict[str, list[tuple[str, Location]]] = defaultdict(list)
+        for key, entry in batch:
+            for loc in entry:
+                node = alive.get(loc.node_id)
+                if node is None or node.epoch != loc.epoch:
+                    dead_entries.append((key, loc))
+                else:
+                    by_node[loc.node_id].append((key, loc))
+        for nid, pairs in by_node.items():
+            keys = [k for k, _ in pairs]
+            present = decode_flags(await client.node_request(alive[nid], Op.EXISTS_BATCH, encode_keys(keys)), len(keys))
+            held = [(k, loc) for (k, loc), here in zip(pairs, present) if here]
+            orphan_entries += [(k, loc) for (k, loc), here in zip(pairs, present) if not here]
+            to_verify = held if deep else held[: max(0, CHECK_SAMPLE - verified)]
+            if to_verify:
+                vkeys = [k for k, _ in to_verify]
+                status = decode_flags(
+                    await client.node_request(alive[nid], Op.VERIFY_BATCH, encode_keys(vkeys)), len(vkeys)
+                )
+                corrupt += [(k, loc) for (k, loc), st in zip(to_verify, status) if st != 0]
+                verified += len(to_verify)
+        scanned += len(batch)
+        if progress is not None:
+            progress(scanned, scanned)
+    orphan_bytes: list[tuple[str, Location]] = []
+    for node in alive.values():
+        async for page in _inventory(client, node):
+            entries = await client.meta.lookup([row[0] for row in page])
+            for (key, tier, nbytes, item_sum), entry in zip(page, entries):
+                if not any(loc.node_id == node.node_id and loc.epoch == node.epoch for loc in entry):
+                    orphan_bytes.append((key, Location(node.node_id, node.epoch, tier, int(nbytes), int(item_sum))))
+    report: dict[str, Any] = {
+        "index_entries": scanned,
+        "verified": verified,
+        "orphan_entries": [_row(k, loc) for k, loc in orphan_entries],
+        "orphan_bytes": [_row(k, loc) for k, loc in orphan_bytes],
+        "corrupt": [_row(k, loc) for k, loc in corrupt],
+        "dead_node_entries": [_row(k, loc) for k, loc in dead_entries],
+        "dead_nodes": dead,
+        "fixed": {},
+    }
+    report["problems"] = sum(
+        len(report[k]) for k in ("orphan_entries", "orphan_bytes", "corrupt", "dead_node_entries", "dead_nodes")
+    )
+    if fix and report["problems"]:
+        # Corrupt copies were already dropped by their node on VERIFY; remove their entries now.
+        await client.meta.remove_stale(orphan_entries + dead_entries + corrupt)
+        await client.meta.commit(orphan_bytes)  # valid bytes nobody could find: index them
+        for node_id in dead:
+            await client.meta.forget_node(node_id)
+        report["fixed"] = {"entries_removed": len(orphan_entries) + len(dead_entries) + len(corrupt),
+                           "bytes_reindexed": len(orphan_bytes), "dead_nodes_forgotten": len(dead)}  # fmt: skip
+    return report
+
+
+def _row(key: str, loc: Location) -> dict[str, Any]:
+    return {"key": key, "node_id": loc.node_id, "epoch": loc.epoch, "tier": loc.tier, "nbytes": loc.nbytes}

@@ -1,0 +1,253 @@
+"""Every admin verb against a real pool (redis-server + 2 node processes) with data in it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from backend import Chunk, PoolConfig, SyncPoolClient
+from backend.embedded import free_port
+from backend.metadata import Location, MetadataStore, NodeInfo
+from backend.node.nvme import chunk_path, read_header
+from tests.conftest import REPO, NodeProcess, wait_until
+from tests.test_cli import kvpool
+
+KIB = 1024
+
+
+def _data(prefix: str, count: int, size: int, seed: int = 0) -> list[Chunk]:
+    rng = random.Random(seed)
+    return [Chunk(f"{prefix}@1@0@{i}@bfloat16", rng.randbytes(size)) for i in range(count)]
+
+
+def _json(*args: str) -> object:
+    out = kvpool(*args, "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.fixture
+def pool(node_factory, pool_url):
+    a, b = node_factory(dram="64MiB"), node_factory(dram="32MiB")
+    return pool_url, a, b
+
+
+def test_status_nodes_ls_and_stats_report_the_real_numbers(pool):
+    url, a, b = pool
+    model_a = _data("org/model-a", 10, 10 * KIB)
+    model_b = _data("org/model-b", 4, 2 * KIB)
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        client.put(model_a + model_b)
+        client.get([c.key for c in model_a[:6]])
+    status = _json("status", "--url", url)
+    assert status["nodes"] == {"alive": 2, "dead": 0, "draining": 0}
+    assert status["objects"] == 14
+    assert status["used_bytes"] == 10 * 10 * KIB + 4 * 2 * KIB
+    assert status["recent"]["gets"] == 6 and status["recent"]["hit_rate"] == 1.0
+
+    rows = _json("nodes", "--url", url)
+    assert {r["node_id"] for r in rows} == {a.node_id, b.node_id}
+    assert sum(r["tiers"]["dram"]["objects"] for r in rows) == 14
+    assert {r["tiers"]["dram"]["capacity_bytes"] for r in rows} == {64 * 2**20, 32 * 2**20}
+    assert all(r["alive"] and r["last_heartbeat_s"] is not None for r in rows)
+
+    listed = kvpool("ls", "--url", url, "--model", "org/model-b", "--json")
+    entries = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert sorted(e["key"] for e in entries) == sorted(c.key for c in model_b)
+    assert all(e["nbytes"] == 2 * KIB and e["tier"] == "dram" and e["age_s"] >= 0 for e in entries)
+    limited = kvpool("ls", "--url", url, "--prefix", "org/model-", "--limit", "5", "--json")
+    assert len(limited.stdout.splitlines()) == 5
+
+    stats = _json("stats", "--url", url)
+    assert stats["counters"]["puts"] == 14
+    assert stats["counters"]["hits"] == 6
+    assert stats["counters"]["put_bytes"] == 10 * 10 * KIB + 4 * 2 * KIB
+    assert stats["latency"]["get_batch"]["count"] >= 1 and stats["latency"]["get_batch"]["p99_ms"] > 0
+
+
+def test_evict_by_key_model_and_prefix(pool):
+    url, _, _ = pool
+    chunks = _data("m1", 3, 100) + _data("m2", 3, 100) + _data("other", 2, 100)
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        client.put(chunks)
+        assert _json("evict", "--url", url, chunks[0].key) == {"evicted": 1}
+        assert _json("evict", "--url", url, "--model", "m2") == {"evicted": 3}
+        assert _json("evict", "--url", url, "--prefix", "oth") == {"evicted": 2}
+        assert client.contains([c.key for c in chunks]) == [False, True, True] + [False] * 5
+        assert _json("status", "--url", url)["objects"] == 2
+
+
+def test_drain_moves_every_chunk_verified_and_resumes_after_being_killed(pool):
+    url, a, b = pool
+    chunks = _data("drain", 300, 64 * KIB)
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        client.put(chunks)
+        on_a = int(client.node_stats(next(n for n in client.nodes() if n.node_id == a.node_id))["objects"])
+        assert on_a > 50
+        proc = subprocess.Popen([sys.executable, "-m", "backend.cli", "drain", a.node_id, "--url", url, "--batch", "1"],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        node_a = next(n for n in client.nodes() if n.node_id == a.node_id)
+        assert wait_until(lambda: int(client.node_stats(node_a)["objects"]) < on_a - 10, 30.0, 0.02)
+        proc.send_signal(signal.SIGKILL)  # killed half-way
+        proc.wait(10)
+        left = int(client.node_stats(node_a)["objects"])
+        assert 0 < left < on_a
+        assert all(g is not None for g in client.get([c.key for c in chunks]))  # nothing lost meanwhile
+        result = _json("drain", a.node_id, "--url", url)  # resume
+        assert result["moved"] + result["already_elsewhere"] == left
+        assert int(client.node_stats(node_a)["objects"]) == 0
+        got = client.get([c.key for c in chunks])
+        assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
+        entries = asyncio.run(_lookup(url, [c.key for c in chunks]))
+        assert all([loc.node_id for loc in entry] == [b.node_id] for entry in entries)
+        assert [n.draining for n in client.nodes() if n.node_id == a.node_id] == [True]
+        client.put(_data("after", 20, 100))  # placement now skips the drained node
+        assert int(client.node_stats(node_a)["objects"]) == 0
+
+
+async def _lookup(url: str, keys: list[str]):
+    config = PoolConfig.from_url(url)
+    meta = MetadataStore(config.redis_url, config.namespace)
+    try:
+        return await meta.lookup(keys)
+    finally:
+        await meta.close()
+
+
+def test_check_finds_each_injected_inconsistency_and_fix_repairs_it(node_factory, pool_url, tmp_path):
+    nvme = tmp_path / "nvme"
+    disk = node_factory("--nvme-dir", str(nvme), "--nvme", "64MiB", dram="1MiB")
+    mem = node_factory(dram="64MiB")
+    config = PoolConfig.from_url(pool_url)
+    chunks = _data("chk", 30, 128 * KIB)
+    with SyncPoolClient(config) as client:
+        for chunk in chunks:
+            client.put([chunk])
+        keys = [c.key for c in chunks]
+        entries = asyncio.run(_lookup(pool_url, keys))
+        on_disk = [k for k, e in zip(keys, entries) if e and e[0].node_id == disk.node_id and e[0].tier == "nvme"]
+        on_mem = [k for k, e in zip(keys, entries) if e and e[0].node_id == mem.node_id]
+        assert wait_until(lambda: chunk_path(nvme, on_disk[0]).exists(), 5.0)
+        # 1. corrupted file
+        path = chunk_path(nvme, on_disk[0])
+        record = read_header(path)
+        with open(path, "r+b") as f:
+            f.seek(record.data_offset + 5)
+            f.write(b"\xff\x00\xff")
+        # 2. orphan bytes: the index entry vanishes, the node still holds the chunk
+        subprocess.run(["redis-cli", "-p", str(config.redis_port), "DEL", f"kvp:{config.namespace}:k:{{{on_mem[0]}}}"],
+                       check=True, capture_output=True)  # fmt: skip
+        mem_epoch = next(n.epoch for n in client.nodes() if n.node_id == mem.node_id)
+
+        async def inject() -> None:
+            meta = MetadataStore(config.redis_url, config.namespace)
+            try:
+                # 3. orphan entry: points at a live node that never had the chunk
+                await meta.commit([("ghost@1@0@1@bfloat16", Location(mem.node_id, mem_epoch, "dram", 10, 1))])
+                # 4. a dead node with an entry
+                dead = NodeInfo("dead-node", "127.0.0.1", 1, 99)
+                redis = await meta.raw()
+                await redis.hset(meta.nodes_key, "dead-node", dead.to_json())
+                await meta.commit([("dead@1@0@1@bfloat16", Location("dead-node", 99, "dram", 10, 2))])
+            finally:
+                await meta.close()
+
+        asyncio.run(inject())
+    report = _json("check", "--url", pool_url, "--deep")
+    assert [r["key"] for r in report["corrupt"]] == [on_disk[0]]
+    assert [r["key"] for r in report["orphan_bytes"]] == [on_mem[0]]
+    assert [r["key"] for r in report["orphan_entries"]] == ["ghost@1@0@1@bfloat16"]
+    assert [r["key"] for r in report["dead_node_entries"]] == ["dead@1@0@1@bfloat16"]
+    assert report["dead_nodes"] == ["dead-node"]
+    # The node quarantined the corrupt copy (and dropped its entry) the moment it verified it,
+    # as on any read; --fix repairs the rest.
+    assert not path.exists() and (nvme / "quarantine" / path.name).exists()
+    fixed = _json("check", "--url", pool_url, "--deep", "--fix")["fixed"]
+    assert fixed == {"entries_removed": 2, "bytes_reindexed": 1, "dead_nodes_forgotten": 1}
+    again = _json("check", "--url", pool_url, "--deep")
+    assert again["problems"] == 0
+    with SyncPoolClient(config) as client:
+        assert client.get([on_mem[0]])[0] is not None  # the re-indexed chunk is found again
+        assert client.get([on_disk[0]]) == [None]
+
+
+def test_flush_asks_unless_yes_and_wipes_the_namespace(pool):
+    url, _, _ = pool
+    chunks = _data("fl", 10, 1000)
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        client.put(chunks)
+        ns = PoolConfig.from_url(url).namespace
+        refused = kvpool("flush", "--url", url, "--namespace", ns)
+        assert refused.returncode == 2 and "--yes" in refused.stderr
+        assert client.hit_prefix([c.key for c in chunks]) == 10  # nothing changed
+        result = _json("flush", "--url", url, "--namespace", ns, "--yes")
+        assert result["chunks_deleted"] == 10
+        assert client.contains([c.key for c in chunks]) == [False] * 10
+        assert _json("status", "--url", url)["objects"] == 0
+
+
+def test_bad_arguments_are_usage_errors_and_change_nothing(pool):
+    url, _, _ = pool
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        client.put(_data("keep", 2, 10))
+        for args in (["ls", "--url", url, "--limit", "x"], ["drain"], ["check", "--url", url, "--bogus"],
+                     ["evict", "--url", url, "--model"]):  # fmt: skip
+            assert kvpool(*args).returncode == 2, args
+        assert client.hit_prefix(["keep@1@0@0@bfloat16", "keep@1@0@1@bfloat16"]) == 2
+
+
+def test_unreachable_redis_is_one_line_and_exit_1_for_every_verb():
+    url = f"kvpool://127.0.0.1:{free_port()}/x?timeout_ms=300"
+    for verb in (["status"], ["nodes"], ["ls"], ["stats"], ["evict", "k"], ["drain", "n"], ["check"]):
+        out = kvpool(*verb, "--url", url)
+        assert out.returncode == 1, (verb, out.stderr)
+        assert out.stderr.strip().count("\n") == 0 and "Redis" in out.stderr, (verb, out.stderr)
+
+
+def test_doctor_passes_on_a_good_config_and_names_the_fix_for_bad_ones(pool, tmp_path):
+    url, _, _ = pool
+    good = tmp_path / "good.yaml"
+    good.write_text(kvpool("lmcache-config", "--url", url).stdout)
+    ok = kvpool("doctor", "--lmcache-config", str(good), "--json", timeout=180)
+    findings = json.loads(ok.stdout)
+    assert ok.returncode == 0, findings
+    assert {f["check"] for f in findings} >= {"plugin loaded", "round trip", "nodes", "Redis"}
+
+    config = yaml.safe_load(good.read_text())
+    config["remote_storage_plugins"] = []
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(yaml.safe_dump(config))
+    out = kvpool("doctor", "--lmcache-config", str(missing), timeout=180)
+    assert out.returncode == 1 and "remote_storage_plugins" in out.stdout and "fix:" in out.stdout
+
+    config = yaml.safe_load(good.read_text())
+    config["extra_config"]["remote_storage_plugin.kvpool.url"] = f"kvpool://127.0.0.1:{free_port()}/x?timeout_ms=300"
+    down = tmp_path / "down.yaml"
+    down.write_text(yaml.safe_dump(config))
+    out = kvpool("doctor", "--lmcache-config", str(down), timeout=180)
+    assert out.returncode == 1 and "[FAIL] Redis" in out.stdout and "kvpool up" in out.stdout
+
+
+def test_node_reads_its_options_from_a_config_file(redis_server, namespace, tmp_path):
+    cfg = tmp_path / "node.yaml"
+    cfg.write_text(yaml.safe_dump({"redis": redis_server.url, "namespace": namespace, "dram": "8MiB",
+                                   "node-id": "from-yaml"}))  # fmt: skip
+    node = NodeProcess(["--config", str(cfg)], {**os.environ}).start()
+    try:
+        assert node.node_id == "from-yaml"
+        with SyncPoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{redis_server.port}/{namespace}")) as client:
+            assert client.nodes()[0].capacity_bytes == 8 * 2**20
+    finally:
+        node.kill()
+    cfg.write_text(yaml.safe_dump({"redis": redis_server.url, "dramm": "8MiB"}))
+    out = subprocess.run([sys.executable, "-m", "backend.cli", "node", "--config", str(cfg)], capture_output=True,
+                         text=True, cwd=REPO, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and "dramm" in out.stderr

@@ -1,0 +1,52 @@
+"""docs/cli.md is the CLI's own --help output: this test fails when they drift.
+
+Regenerate with ``make docs``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+VERBS = ["up", "node", "status", "nodes", "ls", "stats", "evict", "drain", "flush", "check", "doctor", "lmcache-config"]
+HEADER = """# kvpool CLI reference
+
+Generated from `kvpool --help` and `kvpool VERB --help` by `make docs`;
+`tests/test_cli_docs.py` fails when this file and the CLI drift apart. For what each
+verb is for and how to run a pool, see [operations](operations.md).
+
+Exit codes: `0` success, `1` a kvpool error (one line on stderr; `--debug` shows the
+trace), `2` a usage error (nothing was changed). Every verb that reads the pool takes
+`--url kvpool://...` (default `$KVPOOL_URL`) and `--json`.
+"""
+
+
+def _help(*args: str) -> str:
+    env = {**os.environ, "COLUMNS": "100", "LMCACHE_TRACK_USAGE": "false"}
+    out = subprocess.run([sys.executable, "-m", "backend.cli", *args, "--help"], capture_output=True, text=True,
+                         cwd=REPO, env=env, timeout=60, check=True)  # fmt: skip
+    return out.stdout.rstrip() + "\n"
+
+
+def render_cli_doc() -> str:
+    parts = [HEADER, "## kvpool\n\n```\n" + _help() + "```\n"]
+    for verb in VERBS:
+        parts.append(f"## kvpool {verb}\n\n```\n" + _help(verb) + "```\n")
+    return "\n".join(parts)
+
+
+def test_cli_doc_matches_the_help_output():
+    assert (REPO / "docs" / "cli.md").read_text() == render_cli_doc(), "docs/cli.md is stale: run `make docs`"
+
+
+def test_every_verb_is_documented():
+    listed = _help()
+    for verb in VERBS:
+        assert verb in listed
+
+
+if __name__ == "__main__":
+    (REPO / "docs" / "cli.md").write_text(render_cli_doc())
