@@ -36,6 +36,7 @@ from backend.client import Chunk, PoolClient
 from backend.config import PoolConfig
 from backend.errors import ConfigError, KVPoolError
 from backend.lmcache_config import PLUGIN_NAME, url_config_key
+from backend.metrics import register_connector_metrics, unregister_connector_metrics
 from backend.protocol import ItemMeta
 
 __all__ = ["KVPoolConnector", "KVPoolConnectorAdapter", "diagnose"]
@@ -104,6 +105,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         local_cpu_backend: Any,
         config: Any,
         metadata: Any,
+        plugin_name: str = PLUGIN_NAME,
     ) -> None:
         super().__init__(config, metadata)
         self.pool_config = pool_config
@@ -114,12 +116,20 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self._logged: set[str] = set()
         self._sink = _LMCacheSink(self)
         self._closed = False
+        self._plugin = plugin_name
+        # In-process Prometheus: LMCache's own metrics live in the default registry too.
+        register_connector_metrics(self._metric_counters, plugin_name)
         if pool_config.nccl:
             # TCP is always the fallback path; the GPU-direct channel is not in this build.
             logger.warning("kvpool: nccl=on requested, but this build has no NCCL channel; chunks move over TCP")
         # Report a pool that is down at start once, loudly: LMCache itself would
         # only ever show misses.
         asyncio.run_coroutine_threadsafe(self._startup_check(), loop)
+
+    def _metric_counters(self) -> dict[str, int]:
+        """The connector's counters plus the client's integrity and stale-entry counts."""
+        return {**self.counters, "integrity_failures": self.client.counters["integrity_failures"],
+                "stale_entries": self.client.counters["stale_entries"]}  # fmt: skip
 
     # -- error boundary ---------------------------------------------------------------
     def _miss(self, cause: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
@@ -295,6 +305,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         if self._closed:
             return
         self._closed = True
+        unregister_connector_metrics(self._plugin)
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
                 await self.client.close()
@@ -325,7 +336,9 @@ class KVPoolConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
             logger.error("kvpool: plugin %r is misconfigured, LMCache will run without it: %s. Fix: %s",
                          plugin_name, exc, FIX_HINT)  # fmt: skip
             raise
-        return KVPoolConnector(pool_config, context.loop, context.local_cpu_backend, context.config, context.metadata)
+        return KVPoolConnector(
+            pool_config, context.loop, context.local_cpu_backend, context.config, context.metadata, plugin_name
+        )
 
     @staticmethod
     def _pool_config(context: ConnectorContext, plugin_name: str) -> PoolConfig:

@@ -208,3 +208,18 @@ def test_a_process_using_kvpool_exits_cleanly(node_factory, pool_url):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert time.monotonic() - start < 60
+
+
+def test_connector_counters_reach_prometheus_in_process(node_factory, pool_url, stack_factory):
+    from prometheus_client import REGISTRY
+
+    node_factory()
+    stack = stack_factory(pool_url)
+    keys = [stack.key(600 + i) for i in range(3)]
+    objs = [stack.make_object(i) for i in range(3)]
+    stack.put(keys, objs)
+    got = stack.get(keys + [stack.key(699)])
+    stack.release(objs + got)
+    hits = REGISTRY.get_sample_value("kvpool_connector_get_hits_total", {"plugin": "kvpool"})
+    misses = REGISTRY.get_sample_value("kvpool_connector_get_misses_total", {"plugin": "kvpool"})
+    assert hits is not None and hits >= 3 and misses is not None and misses >= 1

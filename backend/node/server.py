@@ -113,6 +113,7 @@ class PoolNode:
         self.epoch = 0
         self.node_id = config.node_id
         self.started_at = time.time()
+        self._started_monotonic = time.monotonic()
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._connections: set[FrameSocket] = set()
@@ -156,12 +157,7 @@ class PoolNode:
                         report.quarantined, report.temp_removed)  # fmt: skip
         if not self.node_id:
             self.node_id = f"{socket.gethostname()}-{self.port}"
-        self._generation = await self.meta.ensure_marker()
-        self.epoch = await self.meta.new_epoch()
-        if self.recovery is not None and self.recovery.files:
-            await self._publish_inventory()  # the old epoch's entries are overwritten
-        await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
-        self.tiers.start()
+        # Bind the metrics port before registering: if it is taken, nothing is left in Redis.
         if self.config.metrics_port is not None:
             self.metrics = NodeMetricsServer(
                 self.stats, self.health, self.config.metrics_host, self.config.metrics_port
@@ -169,6 +165,12 @@ class PoolNode:
             await self.metrics.start()
             logger.info("node %s: metrics at http://%s:%d/metrics", self.node_id, self.config.metrics_host,
                         self.metrics.port)  # fmt: skip
+        self._generation = await self.meta.ensure_marker()
+        self.epoch = await self.meta.new_epoch()
+        if self.recovery is not None and self.recovery.files:
+            await self._publish_inventory()  # the old epoch's entries are overwritten
+        await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
+        self.tiers.start()
         self._spawn(self._accept_loop())
         self._spawn(self._heartbeat_loop())
         nvme = self.tiers.nvme
@@ -227,7 +229,7 @@ class PoolNode:
         return {
             "node_id": self.node_id,
             "epoch": self.epoch,
-            "uptime_s": round(time.time() - self.started_at, 3),
+            "uptime_s": round(time.monotonic() - self._started_monotonic, 3),
             "counters": dict(self.counters + self.tiers.counters),
             "objects": len(self.tiers),
             "tiers": self.tiers.stats(),
@@ -409,7 +411,10 @@ class PoolNode:
             logger.warning("node %s: %s stalled mid-frame for %.0f s; closing", self.node_id, conn.peer,
                            self.config.frame_timeout_s)  # fmt: skip
         except KVPoolError as exc:
-            self.counters["protocol_errors" if isinstance(exc, ProtocolError) else "auth_errors"] += 1
+            if isinstance(exc, ProtocolError):
+                self.counters["protocol_errors"] += 1
+            elif not isinstance(exc, AuthError):  # refused tokens are counted once, as auth_failures
+                self.counters["connection_errors"] += 1
             logger.warning("node %s: closing connection from %s: %s", self.node_id, conn.peer, exc)
             with contextlib.suppress(KVPoolError, OSError):
                 async with asyncio.timeout(1.0):
