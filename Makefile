@@ -40,5 +40,10 @@ docs: setup
 demo: setup
 	$(PY) -m bench.demo
 
+# LMCache's backends side by side (docs/benchmarks.md); e.g. make bench BENCH_ARGS=--quick
+BENCH_ARGS ?=
+bench: setup
+	$(PY) -m bench.harness $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .kvpool .pytest_cache .mypy_cache .ruff_cache

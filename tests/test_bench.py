@@ -11,11 +11,14 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import redis
+import torch
 
 from backend.embedded import EmbeddedRedis
+from bench.harness import SMOKE_SHAPES, base_bytes, byte_view, identical, stamp
 from bench.peers import PEER_NAMES
 from bench.resp_proxy import CountingProxy, RespCounter
 from tests.conftest import REPO
@@ -119,3 +122,13 @@ def test_proxy_counts_a_pipeline_as_one_round_trip_and_sequential_commands_one_e
     assert after_pipeline["requests"] - before["requests"] == 1000
     assert after_pipeline["round_trips"] - before["round_trips"] == 1
     assert after_sequential["round_trips"] - after_pipeline["round_trips"] == 20
+
+
+def test_byte_check_catches_one_flipped_byte_and_a_chunk_read_under_another_key():
+    base = base_bytes(SMOKE_SHAPES["16KiB"])
+    chunk = SimpleNamespace(tensor=base.clone().view(torch.bfloat16))
+    stamp(chunk, 7)
+    assert identical(chunk, base, 7)
+    assert not identical(chunk, base, 8)  # the right bytes under the wrong key
+    byte_view(chunk)[base.numel() // 2] ^= 1
+    assert not identical(chunk, base, 7)

@@ -1,0 +1,410 @@
+"""The storage services the harness compares, each started here and reached through LMCache.
+
+A peer starts its server, gives the LMCache config that reaches it, names the Redis
+server (if any) that answers its lookups, empties itself between measurements, and
+stops. Every server is a child process on 127.0.0.1 and is stopped by its own pid.
+
+| peer | server | LMCache reaches it with |
+|---|---|---|
+| kvpool | ``kvpool up --nvme 0`` (private Redis + one DRAM node) | the kvpool plugin |
+| redis | ``redis-server`` | ``remote_url: redis://`` |
+| resp | the same ``redis-server`` | ``remote_url: resp://`` (no chunk meta, no unfull chunks) |
+| lm | ``python -m lmcache.v1.server HOST PORT cpu`` | ``remote_url: lm://`` |
+| fs | a directory on the local disk | ``remote_url: fs://127.0.0.1:0/ABS/PATH`` |
+| mooncake | ``mooncake_master`` + ``mooncake_client`` (if installed) | ``remote_url: mooncakestore://`` |
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+from backend.embedded import EmbeddedRedis, free_port
+from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
+
+__all__ = ["Peer", "KVPoolPeer", "RedisPeer", "LMServerPeer", "FSPeer", "MooncakePeer", "PEER_NAMES", "make_peers"]
+
+REPO = Path(__file__).resolve().parent.parent
+PEER_NAMES = ("kvpool", "redis", "resp", "lm", "fs", "mooncake")
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+STORE_SETTLE_S = 10.0
+LMCACHE_BLOCKING_TIMEOUT_S = 60  # LMCache's default (10 s) is short for 8 x 32 MiB over redis:// on 2 cores
+KVPOOL_URL_RE = re.compile(r"^\s*(kvpool://\S+)\s*$")
+
+
+def base_config(local_cpu_gib: float) -> dict[str, Any]:
+    """What every LMCache config here shares: 256-token chunks, a local CPU buffer, no compression."""
+    return {
+        "chunk_size": 256,
+        "local_cpu": True,
+        "max_local_cpu_size": local_cpu_gib,
+        "remote_serde": "naive",
+        "blocking_timeout_secs": LMCACHE_BLOCKING_TIMEOUT_S,
+    }
+
+
+class ServerProcess:
+    """A child process whose output is kept and scanned for a readiness line."""
+
+    def __init__(self, name: str, argv: list[str], ready: re.Pattern[str] | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.ready_re = ready
+        self.lines: list[str] = []
+        self.match: re.Match[str] | None = None
+        self.process: subprocess.Popen[str] | None = None
+        self._ready = threading.Event()
+
+    def start(self, env: dict[str, str] | None = None) -> ServerProcess:
+        self.process = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
+        )  # fmt: skip
+        threading.Thread(target=self._pump, name=f"{self.name}-output", daemon=True).start()
+        return self
+
+    def _pump(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if self.ready_re is not None and self.match is None:
+                self.match = self.ready_re.match(line)
+                if self.match:
+                    self._ready.set()
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> re.Match[str]:
+        if not self._ready.wait(timeout_s) or self.match is None:
+            self.stop()
+            raise RuntimeError(f"{self.name} did not start within {timeout_s:.0f} s:\n{self.tail()}")
+        return self.match
+
+    def wait_port(self, port: int, timeout_s: float = START_TIMEOUT_S, *, required: bool = True) -> bool:
+        """Wait until ``port`` accepts; False (or an error if ``required``) when it never does."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            if _listening(port):
+                return True
+            time.sleep(0.1)
+        if not required:
+            return False
+        self.stop()
+        raise RuntimeError(f"{self.name} did not listen on port {port} within {timeout_s:.0f} s:\n{self.tail()}")
+
+    def check_alive(self) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.tail()}")
+
+    def tail(self, lines: int = 20) -> str:
+        return "".join(self.lines[-lines:])
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(sig)
+        try:
+            self.process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(STOP_TIMEOUT_S)
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+class Peer:
+    """One backend as the harness drives it."""
+
+    name = ""
+    ceiling = "tcp_loopback"  # the machine ceiling its GB/s are compared with
+    skip_reason: str | None = None  # set when it cannot run here
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def lmcache_config(self, local_cpu_gib: float, *, redis_port: int | None = None) -> dict[str, Any]:
+        """LMCache config reaching this peer; ``redis_port`` replaces its Redis port (for the counting proxy)."""
+        raise NotImplementedError
+
+    @property
+    def redis_port(self) -> int | None:
+        """The Redis server that answers this peer's lookups, if it has one."""
+        return None
+
+    def clear(self, stack: LMCacheStack, keys: Sequence[Any]) -> None:
+        """Forget ``keys`` so that the next measurement starts from an empty store."""
+
+    def new_chunk_size(self) -> None:
+        """Called before each chunk size."""
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+
+class KVPoolPeer(Peer):
+    """kvpool's own pool, DRAM only: ``kvpool up --dram SIZE --nvme 0``."""
+
+    name = "kvpool"
+
+    def __init__(self, dram: str) -> None:
+        self.dram = dram
+        self.url = ""
+        self.server = ServerProcess(
+            "kvpool up", [sys.executable, "-m", "backend.cli", "up", "--dram", dram, "--nvme", "0"], KVPOOL_URL_RE
+        )
+
+    def start(self) -> None:
+        self.url = self.server.start().wait_ready().group(1)
+
+    @property
+    def redis_port(self) -> int | None:
+        return urlsplit(self.url).port
+
+    def lmcache_config(self, local_cpu_gib: float, *, redis_port: int | None = None) -> dict[str, Any]:
+        url = self.url
+        if redis_port is not None:
+            parts = urlsplit(url)
+            url = urlunsplit(parts._replace(netloc=f"{parts.hostname}:{redis_port}"))
+        config = kvpool_lmcache_config(url, local_cpu_gib=local_cpu_gib)
+        config["blocking_timeout_secs"] = LMCACHE_BLOCKING_TIMEOUT_S
+        return config
+
+    def clear(self, stack: LMCacheStack, keys: Sequence[Any]) -> None:
+        for key in keys:  # LMCache removes one key at a time, through the connector's remove_sync
+            stack.remote.remove(key)
+
+    def stop(self) -> None:
+        self.server.stop(signal.SIGINT)  # Ctrl-C, as a user stops it
+
+
+class SharedRedis:
+    """One ``redis-server`` for the redis:// and resp:// peers, started by the first that needs it."""
+
+    def __init__(self) -> None:
+        self.server: EmbeddedRedis | None = None
+        self.users = 0
+
+    def acquire(self) -> EmbeddedRedis:
+        if self.server is None:
+            self.server = EmbeddedRedis().start()
+        self.users += 1
+        return self.server
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0 and self.server is not None:
+            self.server.cleanup()
+            self.server = None
+
+
+class RedisPeer(Peer):
+    """LMCache's own ``redis://`` or ``resp://`` connector on a redis-server started here."""
+
+    def __init__(self, scheme: str, shared: SharedRedis) -> None:
+        self.name = scheme
+        self.scheme = scheme
+        self.shared = shared
+        self.server: EmbeddedRedis | None = None
+
+    def start(self) -> None:
+        self.server = self.shared.acquire()
+
+    @property
+    def redis_port(self) -> int | None:
+        return self.server.port if self.server is not None else None
+
+    def lmcache_config(self, local_cpu_gib: float, *, redis_port: int | None = None) -> dict[str, Any]:
+        config = base_config(local_cpu_gib)
+        config["remote_url"] = f"{self.scheme}://127.0.0.1:{redis_port or self.redis_port}"
+        if self.scheme == "resp":
+            # LMCache's RESP adapter asserts both (it stores raw bytes of full chunks only).
+            config["save_unfull_chunk"] = False
+            config["extra_config"] = {"save_chunk_meta": False}
+        return config
+
+    def clear(self, stack: LMCacheStack, keys: Sequence[Any]) -> None:
+        with redis.Redis(port=self.redis_port, socket_timeout=30) as client:
+            client.flushall()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server = None
+            self.shared.release()
+
+
+class LMServerPeer(Peer):
+    """LMCache's own server: ``python -m lmcache.v1.server 127.0.0.1 PORT cpu``.
+
+    It has no delete and no eviction, so it is restarted before each chunk size.
+    """
+
+    name = "lm"
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.server: ServerProcess | None = None
+        self.sizes_served = 0
+
+    def start(self) -> None:
+        self.port = free_port()
+        self.server = ServerProcess(
+            "lmcache.v1.server", [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(self.port), "cpu"]
+        ).start()
+        self.server.wait_port(self.port)
+
+    def lmcache_config(self, local_cpu_gib: float, *, redis_port: int | None = None) -> dict[str, Any]:
+        return {**base_config(local_cpu_gib), "remote_url": f"lm://127.0.0.1:{self.port}"}
+
+    def new_chunk_size(self) -> None:
+        if self.sizes_served:
+            self.stop()
+            self.start()
+        self.sizes_served += 1
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+class FSPeer(Peer):
+    """LMCache's ``fs://`` connector on a fresh directory of the local disk (page cache, no fsync)."""
+
+    name = "fs"
+    ceiling = "memcpy"
+
+    def __init__(self, parent: str | None = None) -> None:
+        self.parent = parent
+        self.path: Path | None = None
+
+    def start(self) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix="kvpool-bench-fs-", dir=self.parent)).resolve()
+
+    def lmcache_config(self, local_cpu_gib: float, *, redis_port: int | None = None) -> dict[str, Any]:
+        return {**base_config(local_cpu_gib), "remote_url": f"fs://127.0.0.1:0{self.path}"}
+
+    def clear(self, stack: LMCacheStack, keys: Sequence[Any]) -> None:
+        assert self.path is not None
+        for child in self.path.iterdir():
+            if child.is_dir():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+
+    def stop(self) -> None:
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None
+
+
+def mooncake_missing() -> str | None:
+    """Why Mooncake cannot run here, or None when its module and binaries are present."""
+    missing = []
+    if importlib.util.find_spec("mooncake") is None:
+        missing.append("no 'mooncake' module (pip package mooncake-transfer-engine-non-cuda)")
+    for binary in ("mooncake_master", "mooncake_client"):
+        if shutil.which(binary) is None:
+            missing.append(f"no {binary} binary")
+    return "; ".join(missing) or None
+
+
+class MooncakePeer(Peer):
+    """LMCache's ``mooncakestore://`` connector on a local master and one store node (TCP).
+
+    Settings follow the project's LMCache notes: the master address must be given as
+    ``mooncake_master_server_addr``, and a single-key get is not implemented (LMCache
+    uses its batched get). Not yet run: Mooncake was not installed where this was written.
+    """
+
+    name = "mooncake"
+
+    def __init__(self, segment_bytes: int) -> None:
+        self.segment_bytes = segment_bytes
+        self.skip_reason = mooncake_missing()
+        self.rpc_port = self.http_port = 0
+        self.servers: list[ServerProcess] = []
+        self.sizes_served = 0
+
+    def start(self) -> None:
+        self.rpc_port, self.http_port, metrics_port, store_port = (free_port() for _ in range(4))
+        master = ServerProcess("mooncake_master", [
+            "mooncake_master", "-rpc_port", str(self.rpc_port), "-rpc_address", "127.0.0.1",
+            "-enable_http_metadata_server=true", "-http_metadata_server_port", str(self.http_port),
+            "-http_metadata_server_host", "127.0.0.1", "-metrics_port", str(metrics_port),
+            "-metrics_host", "127.0.0.1",
+        ]).start()  # fmt: skip
+        self.servers.append(master)
+        master.wait_port(self.rpc_port)
+        master.wait_port(self.http_port)
+        store = ServerProcess("mooncake_client", [
+            "mooncake_client", "-host", "127.0.0.1", "-port", str(store_port),
+            "-global_segment_size", str(self.segment_bytes), "-local_buffer_size", "0",
+            "-master_server_address", f"127.0.0.1:{self.rpc_port}",
+            "-metadata_server", f"http://127.0.0.1:{self.http_port}/metadata", "-protocol", "tcp",
+        ]).start()  # fmt: skip
+        self.servers.append(store)
+        # Whether the store node listens on -port itself is not documented: give it a
+        # moment, and require only that it is still running.
+        store.wait_port(store_port, STORE_SETTLE_S, required=False)
+        store.check_alive()
+
+    def lmcache_config(self, local_cpu_gib: float, *, redis_port: int | None = None) -> dict[str, Any]:
+        local_buffer_bytes = int(local_cpu_gib * 2**30)
+        return {
+            **base_config(local_cpu_gib),
+            "remote_url": f"mooncakestore://127.0.0.1:{self.rpc_port}",
+            "extra_config": {
+                "local_hostname": "127.0.0.1",
+                "metadata_server": f"http://127.0.0.1:{self.http_port}/metadata",
+                "mooncake_master_server_addr": f"127.0.0.1:{self.rpc_port}",
+                "protocol": "tcp",
+                "device_name": "",
+                "global_segment_size": 0,
+                "local_buffer_size": local_buffer_bytes,
+                "transfer_timeout": LMCACHE_BLOCKING_TIMEOUT_S,
+            },
+        }
+
+    def new_chunk_size(self) -> None:
+        if self.sizes_served:  # LMCache's Mooncake connector has no remove: start empty instead
+            self.stop()
+            self.start()
+        self.sizes_served += 1
+
+    def stop(self) -> None:
+        for server in reversed(self.servers):
+            server.stop()
+        self.servers = []
+
+
+def make_peers(names: Sequence[str], *, kvpool_dram: str, fs_parent: str | None, mooncake_bytes: int) -> list[Peer]:
+    """The peers called ``names``, in that order; redis and resp share one redis-server."""
+    shared = SharedRedis()
+    factories: dict[str, Callable[[], Peer]] = {
+        "kvpool": lambda: KVPoolPeer(kvpool_dram),
+        "redis": lambda: RedisPeer("redis", shared),
+        "resp": lambda: RedisPeer("resp", shared),
+        "lm": LMServerPeer,
+        "fs": lambda: FSPeer(fs_parent),
+        "mooncake": lambda: MooncakePeer(mooncake_bytes),
+    }
+    return [factories[name]() for name in names]
