@@ -64,7 +64,8 @@ T = TypeVar("T")
 REGISTRY_REFRESH_S = 1.0
 FRESH_VIEW_S = 0.1  # a registry view younger than this is trusted to call a node dead
 MAX_FRAME_DATA_BYTES = 256 * 1024 * 1024  # split larger batches into several frames
-MAX_FRAME_ITEMS = 1024  # keeps a frame's meta far below the 4 MiB limit even with 1 KiB keys
+MAX_FRAME_ITEMS = 1024
+MIN_TRANSFER_BYTES_PER_S = 50 * 1024 * 1024  # a request's timeout grows by 20 ms per MiB it moves  # keeps a frame's meta far below the 4 MiB limit even with 1 KiB keys
 PUT_ATTEMPTS = 3  # first choice, then the next-ranked nodes
 
 
@@ -176,16 +177,22 @@ class _NodeConnection:
         self._pending.clear()
 
     async def request(self, op: int, meta: bytes, data: Sequence[Buffer] = (), keys: Sequence[str] = (),
-                      sink: Sink[Any] | None = None) -> Any:  # fmt: skip
-        """Send one request and wait for its response (bounded by the pool timeout)."""
+                      sink: Sink[Any] | None = None, expect_bytes: int = 0) -> Any:  # fmt: skip
+        """Send one request and wait for its response.
+
+        Bounded by the pool's ``timeout_ms`` plus the time the request's bytes (sent
+        and expected back) take at ``MIN_TRANSFER_BYTES_PER_S``: a 256 MiB frame is
+        not a slow node.
+        """
         assert self.sock is not None
         request_id = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = _Pending(op, future, keys, sink)
         data_len = sum(len(memoryview(b).cast("B")) for b in data)
         sent = False
+        timeout_s = self.config.timeout_s + (data_len + expect_bytes) / MIN_TRANSFER_BYTES_PER_S
         try:
-            async with asyncio.timeout(self.config.timeout_s):
+            async with asyncio.timeout(timeout_s):
                 await self.sock.send([encode_header(op, request_id, meta, data_len), meta, *data])
                 sent = True
                 return await future
@@ -195,9 +202,9 @@ class _NodeConnection:
             if not isinstance(exc, TimeoutError):
                 raise
             # The stream's state is unknown (maybe mid-frame): never reuse it.
-            self.close(NodeUnavailable(f"node {self.node.node_id} timed out after {self.config.timeout_ms} ms"))
+            self.close(NodeUnavailable(f"node {self.node.node_id} timed out after {timeout_s * 1000:.0f} ms"))
             raise NodeUnavailable(
-                f"node {self.node.node_id} ({self.node.address}) timed out after {self.config.timeout_ms} ms"
+                f"node {self.node.node_id} ({self.node.address}) timed out after {timeout_s * 1000:.0f} ms"
             ) from None
         finally:
             answered = future.done() and not future.cancelled()
@@ -596,7 +603,8 @@ class PoolClient:
         try:
             for frame in _frames(wanted):
                 keys = [key for key, _ in frame]
-                out.extend(await pool.request(Op.GET_BATCH, encode_keys(keys), keys=keys, sink=sink))
+                expect = sum(nbytes for _, nbytes in frame)
+                out.extend(await pool.request(Op.GET_BATCH, encode_keys(keys), keys=keys, sink=sink, expect_bytes=expect))
         except BaseException:
             _release_results(sink, out)  # an earlier frame's buffers are ours to give back
             raise

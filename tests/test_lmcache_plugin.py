@@ -218,7 +218,7 @@ def test_connector_counters_reach_prometheus_in_process(node_factory, pool_url, 
     keys = [stack.key(600 + i) for i in range(3)]
     objs = [stack.make_object(i) for i in range(3)]
     stack.put(keys, objs)
-    got = stack.get(keys + [stack.key(699)])
+    got = stack.get([*keys, stack.key(699)])
     stack.release(objs + got)
     hits = REGISTRY.get_sample_value("kvpool_connector_get_hits_total", {"plugin": "kvpool"})
     misses = REGISTRY.get_sample_value("kvpool_connector_get_misses_total", {"plugin": "kvpool"})

@@ -235,7 +235,7 @@ async def test_lru_demotes_the_least_recently_used_and_promotes_an_nvme_hit(tmp_
         assert [tiers.tier_of(k) for k in "ABCDE"] == [DRAM, NVME, DRAM, DRAM, DRAM]
         assert tiers.index_moved == {"B": NVME}
         chunk = await tiers.get("B")  # an NVMe hit: verified and promoted, C (now LRU) demoted
-        assert chunk is not None and chunk.buffer == _stored("B", 64 * KIB, seed=1).buffer
+        assert chunk is not None and bytes(chunk.buffer) == bytes(_stored("B", 64 * KIB, seed=1).buffer)
         assert [tiers.tier_of(k) for k in "ABCDE"] == [DRAM, DRAM, NVME, DRAM, DRAM]
         assert tiers.counters["promotions"] == 1 and tiers.counters["demotions"] == 2
         assert tiers.nvme is not None and "B" in tiers.nvme.files  # the file stays: re-demotion is free
@@ -288,3 +288,27 @@ def test_recovery_scan_reads_headers_orders_by_age_and_quarantines_garbage(tmp_p
     assert [r.meta.key for r in found] == [f"r{i}" for i in range(5)]
     assert report.files == 5 and report.quarantined == 1
     assert (tmp_path / "quarantine" / garbage.name).exists()
+
+
+def test_buffer_factory_hands_out_prefaulted_buffers_of_recent_sizes_within_budget():
+    import time as _time
+
+    from backend.node.buffers import BufferFactory
+
+    factory = BufferFactory(budget_bytes=4 * 64 * KIB)
+    try:
+        first = factory.take(64 * KIB)  # cold: allocated inline
+        assert len(first) == 64 * KIB and factory.misses == 1
+        deadline = _time.monotonic() + 5
+        while factory._ready_bytes < 4 * 64 * KIB and _time.monotonic() < deadline:
+            _time.sleep(0.01)
+        assert factory._ready_bytes == 4 * 64 * KIB  # filled up to the budget, no further
+        warm = factory.take(64 * KIB)
+        assert factory.hits == 1 and len(warm) == 64 * KIB
+        warm[:3] = b"abc"  # writable, exactly the size asked for
+        assert bytes(warm[:3]) == b"abc"
+        for size in (1000, 2000, 3000, 4000):  # newer sizes push the oldest out of the pool
+            factory.take(size)
+        assert 64 * KIB not in factory._ready
+    finally:
+        factory.close()

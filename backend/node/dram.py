@@ -7,6 +7,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from backend.errors import CapacityError
+from backend.node.buffers import ChunkBuffer
 from backend.protocol import ItemMeta
 
 __all__ = ["DramTier", "StoredChunk"]
@@ -19,7 +20,7 @@ class StoredChunk:
     """A chunk's bytes and the metadata it was stored with. Buffers are never mutated."""
 
     meta: ItemMeta
-    buffer: bytearray
+    buffer: ChunkBuffer
 
 
 class DramTier:

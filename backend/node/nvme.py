@@ -223,7 +223,7 @@ def read_header_and_mtime(path: Path | str) -> tuple[NvmeFile, float]:
     return NvmeFile(str(path), meta, data_offset), st.st_mtime
 
 
-def read_payload(record: NvmeFile, into: memoryview | bytearray) -> None:
+def read_payload(record: NvmeFile, into: Any) -> None:
     """Read a chunk's payload into ``into`` and verify its checksum (IntegrityError if wrong)."""
     view = memoryview(into).cast("B")
     if len(view) != record.meta.nbytes:

@@ -121,6 +121,7 @@ class PoolNode:
         self._generation = ""  # the namespace marker this node last published under
         self.metrics: NodeMetricsServer | None = None
         self._snapshots: collections.deque[tuple[float, int, int, int]] = collections.deque(maxlen=RECENT_SNAPSHOTS)
+        self._snapshots.append((time.monotonic(), 0, 0, 0))  # the window of a young node starts at zero
         # the last LATENCY_SAMPLES service times per op, for p50/p99 in STAT
         self.latency: dict[str, collections.deque[float]] = defaultdict(
             lambda: collections.deque(maxlen=LATENCY_SAMPLES)
@@ -245,9 +246,7 @@ class PoolNode:
     def _recent(self) -> dict[str, Any]:
         """Requests, gets and hits over the last ``RECENT_WINDOW_S`` (or since start)."""
         now = self._snapshot()
-        old = next((s for s in self._snapshots if now[0] - s[0] <= RECENT_WINDOW_S), None)
-        if old is None:
-            old = (now[0] - (time.time() - self.started_at), 0, 0, 0)
+        old = next((s for s in self._snapshots if now[0] - s[0] <= RECENT_WINDOW_S), self._snapshots[-1])
         window = max(now[0] - old[0], 1e-3)
         return {"window_s": round(window, 1), "requests_per_s": round((now[1] - old[1]) / window, 3),
                 "gets": now[2] - old[2], "hits": now[3] - old[3]}  # fmt: skip
@@ -492,7 +491,7 @@ class PoolNode:
                     await conn.discard(item.nbytes)
                     received.append((PUT_NO_CAPACITY, None))
                     continue
-                buffer = bytearray(item.nbytes)
+                buffer = self.tiers.buffers.take(item.nbytes)
                 try:
                     await conn.recv_into(buffer)
                 except BaseException:
@@ -566,7 +565,10 @@ class PoolNode:
         if op == Op.INVENTORY:
             return self._inventory(decode_json(meta)), []
         if op == Op.VERIFY_BATCH:
-            return encode_flags([VERIFY_STATUS[await self.tiers.verify(k)] for k in decode_keys(meta, limits)]), []
+            flags = [VERIFY_STATUS[await self.tiers.verify(k)] for k in decode_keys(meta, limits)]
+            if any(flags):
+                await self._flush_index()  # a dropped corrupt copy leaves the index now, not at the next beat
+            return encode_flags(flags), []
         if op == Op.STAT:
             return encode_json(self.stats()), []
         if op == Op.PING:

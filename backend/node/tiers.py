@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.errors import CapacityError, IntegrityError
+from backend.node.buffers import BufferFactory
 from backend.node.dram import DramTier, StoredChunk
 from backend.node.nvme import NvmeFile, read_payload, write_chunk
 from backend.protocol import ItemMeta, checksum
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 DRAM = "dram"
 NVME = "nvme"
 HEADER_ALLOWANCE_BYTES = 4096  # room reserved on disk for a file's header
+PREFAULT_BUDGET_BYTES = 256 * 1024 * 1024  # ready, pre-faulted buffers (see buffers.py)
 DEMOTER_IDLE_S = 0.5
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 
@@ -100,6 +102,7 @@ class TierManager:
         self.disk_full = False
         self._lock = asyncio.Lock()  # one demotion/eviction decision at a time
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvpool-nvme")
+        self.buffers = BufferFactory(min(PREFAULT_BUDGET_BYTES, config.dram_bytes // 4))
         self._wake = asyncio.Event()
         self._demoter: asyncio.Task[None] | None = None
 
@@ -113,6 +116,7 @@ class TierManager:
             self._demoter.cancel()
             await asyncio.gather(self._demoter, return_exceptions=True)
         self._io.shutdown(wait=True, cancel_futures=True)
+        self.buffers.close()
 
     def load_nvme(self, records: list[NvmeFile]) -> None:
         """Adopt files found by recovery, oldest first (so LRU order follows file age)."""
@@ -228,7 +232,7 @@ class TierManager:
             promote = True
         except CapacityError:
             promote = False  # serve from disk without keeping a DRAM copy
-        buffer = bytearray(nbytes)
+        buffer = self.buffers.take(nbytes)
         try:
             await self._run(read_payload, record, buffer)
         except (IntegrityError, OSError) as exc:
@@ -263,7 +267,7 @@ class TierManager:
         if record is None:
             return "corrupt" if chunk is not None else "missing"
         try:
-            await self._run(read_payload, record, bytearray(record.meta.nbytes))
+            await self._run(read_payload, record, self.buffers.take(record.meta.nbytes))
         except (IntegrityError, OSError) as exc:
             await self._quarantine(record, exc)
             return "corrupt"
