@@ -273,14 +273,18 @@ def _groups(page: list[list[Any]], batch: int) -> list[list[list[Any]]]:
     return [g for g in groups if g]
 
 
-async def flush(client: PoolClient) -> dict[str, int]:
+async def flush(client: PoolClient, progress: Progress | None = None) -> dict[str, int]:
     """Wipe the namespace's data: every node's chunks and every index entry (nodes stay)."""
     deleted = 0
-    for node in await client.nodes(refresh=True):
+    nodes = await client.nodes(refresh=True)
+    total = sum([int((await client.node_stats(n))["objects"]) for n in nodes])
+    for node in nodes:
         async for page in _inventory(client, node):
             flags = decode_flags(await client.node_request(node, Op.DELETE_BATCH, encode_keys([r[0] for r in page])),
                                  len(page))  # fmt: skip
             deleted += sum(flags)
+            if progress is not None:
+                progress(deleted, max(total, deleted))
     removed = 0
     batch: list[str] = []
     async for key in client.meta.scan_keys():

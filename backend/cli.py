@@ -373,7 +373,9 @@ def cmd_flush(args: argparse.Namespace) -> int:
             print("kvpool: not flushed", file=sys.stderr)
             return 2
     args.url = _with_namespace(args.url, args.namespace)
-    result = _run(args, admin.flush)
+    bar, update = _progress(f"flushing {args.namespace}", args.json)
+    with bar:
+        result = _run(args, lambda c: admin.flush(c, progress=update))
     _print_json(result) if args.json else print(
         f"flushed {args.namespace}: {result['chunks_deleted']} chunks deleted, "
         f"{result['index_entries_removed']} index entries removed"
