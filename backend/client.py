@@ -65,7 +65,9 @@ REGISTRY_REFRESH_S = 1.0
 FRESH_VIEW_S = 0.1  # a registry view younger than this is trusted to call a node dead
 MAX_FRAME_DATA_BYTES = 256 * 1024 * 1024  # split larger batches into several frames
 MAX_FRAME_ITEMS = 1024
-MIN_TRANSFER_BYTES_PER_S = 50 * 1024 * 1024  # a request's timeout grows by 20 ms per MiB it moves  # keeps a frame's meta far below the 4 MiB limit even with 1 KiB keys
+MIN_TRANSFER_BYTES_PER_S = (
+    50 * 1024 * 1024
+)  # a request's timeout grows by 20 ms per MiB it moves  # keeps a frame's meta far below the 4 MiB limit even with 1 KiB keys
 PUT_ATTEMPTS = 3  # first choice, then the next-ranked nodes
 
 
@@ -604,7 +606,9 @@ class PoolClient:
             for frame in _frames(wanted):
                 keys = [key for key, _ in frame]
                 expect = sum(nbytes for _, nbytes in frame)
-                out.extend(await pool.request(Op.GET_BATCH, encode_keys(keys), keys=keys, sink=sink, expect_bytes=expect))
+                out.extend(
+                    await pool.request(Op.GET_BATCH, encode_keys(keys), keys=keys, sink=sink, expect_bytes=expect)
+                )
         except BaseException:
             _release_results(sink, out)  # an earlier frame's buffers are ours to give back
             raise

@@ -296,54 +296,36 @@ class MetadataStore:
         return sorted(infos, key=lambda i: i.node_id)
 
     # -- index ------------------------------------------------------------------------
-    async def commit(self, locations: Sequence[tuple[str, Location]]) -> None:
-        """Make ``(key, location)`` pairs visible, in one pipelined round trip."""
-        if not locations:
-            return
-        with _redis_errors("index commit"):
-            for start in range(0, len(locations), LOOKUP_BATCH):
+    async def _run_per_key(self, action: str, script: Any, calls: Sequence[tuple[str, list[str]]]) -> None:
+        """Run a one-key Lua script for each ``(key, args)``, pipelined in batches.
+
+        One script per key keeps every call inside one Redis Cluster slot.
+        """
+        with _redis_errors(action):
+            for start in range(0, len(calls), LOOKUP_BATCH):
                 async with self._redis.pipeline(transaction=False) as pipe:
-                    for key, loc in locations[start : start + LOOKUP_BATCH]:
-                        await self._commit(
-                            keys=[self.index_key(key)],
-                            args=[loc.node_id, loc.encode(), str(loc.checksum)],
-                            client=pipe,
-                        )
+                    for key, args in calls[start : start + LOOKUP_BATCH]:
+                        await script(keys=[self.index_key(key)], args=args, client=pipe)
                     await pipe.execute()
+
+    async def commit(self, locations: Sequence[tuple[str, Location]]) -> None:
+        """Make ``(key, location)`` pairs visible, in one pipelined round trip per batch."""
+        calls = [(key, [loc.node_id, loc.encode(), str(loc.checksum)]) for key, loc in locations]
+        await self._run_per_key("index commit", self._commit, calls)
 
     async def remove(self, node_id: str, epoch: int, keys: Sequence[str]) -> None:
         """Drop this node epoch's locations for ``keys`` (eviction, delete, shutdown)."""
-        if not keys:
-            return
-        with _redis_errors("index remove"):
-            for start in range(0, len(keys), LOOKUP_BATCH):
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for key in keys[start : start + LOOKUP_BATCH]:
-                        await self._remove(keys=[self.index_key(key)], args=[node_id, str(epoch)], client=pipe)
-                    await pipe.execute()
+        await self._run_per_key("index remove", self._remove, [(key, [node_id, str(epoch)]) for key in keys])
 
     async def move(self, locations: Sequence[tuple[str, Location]]) -> None:
-        """Record that keys moved tier on their node (same node and epoch), one pipeline."""
-        if not locations:
-            return
-        with _redis_errors("index move"):
-            for start in range(0, len(locations), LOOKUP_BATCH):
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for key, loc in locations[start : start + LOOKUP_BATCH]:
-                        await self._move(
-                            keys=[self.index_key(key)], args=[loc.node_id, str(loc.epoch), loc.encode()], client=pipe
-                        )
-                    await pipe.execute()
+        """Record that keys moved tier on their node (same node and epoch)."""
+        calls = [(key, [loc.node_id, str(loc.epoch), loc.encode()]) for key, loc in locations]
+        await self._run_per_key("index move", self._move, calls)
 
     async def remove_stale(self, stale: Sequence[tuple[str, Location]]) -> None:
         """Drop locations a reader found stale, unless they changed since it looked."""
-        if not stale:
-            return
-        with _redis_errors("stale cleanup"):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for key, loc in stale:
-                    await self._remove_exact(keys=[self.index_key(key)], args=[loc.node_id, loc.encode()], client=pipe)
-                await pipe.execute()
+        calls = [(key, [loc.node_id, loc.encode()]) for key, loc in stale]
+        await self._run_per_key("stale cleanup", self._remove_exact, calls)
 
     async def lookup(self, keys: Sequence[str]) -> list[IndexEntry]:
         """Every recorded location of every key, in one pipelined round trip."""
