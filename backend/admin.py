@@ -241,7 +241,12 @@ async def drain(
     async for page in _inventory(client, source):
         for group in _groups(page, batch):
             entries = await client.meta.lookup([row[0] for row in group])
-            elsewhere = {row[0] for row, entry in zip(group, entries) if any(loc.node_id != node_id for loc in entry)}
+            live = {n.node_id: n for n in await client.nodes(refresh=True)}
+            elsewhere = {
+                row[0]
+                for row, entry in zip(group, entries)
+                if any(_safe_copy(loc, row, node_id, live) for loc in entry)
+            }
             copy = [(row[0], int(row[2])) for row in group if row[0] not in elsewhere]
             fetched = await client.fetch_from(source, copy) if copy else []
             chunks = [
@@ -258,6 +263,12 @@ async def drain(
             if progress is not None:
                 progress(moved + already + lost, max(total, moved + already + lost))
     return {"node_id": node_id, "moved": moved, "already_elsewhere": already, "unreadable": lost, "draining": True}
+
+
+def _safe_copy(loc: Location, row: list[Any], draining: str, live: dict[str, NodeInfo]) -> bool:
+    """Whether ``loc`` is another good copy of inventory ``row``: live node, same epoch, same bytes."""
+    node = live.get(loc.node_id)
+    return loc.node_id != draining and node is not None and node.epoch == loc.epoch and loc.checksum == int(row[3])
 
 
 def _groups(page: list[list[Any]], batch: int) -> list[list[list[Any]]]:
@@ -358,14 +369,50 @@ async def check(client: PoolClient, *, fix: bool = False, deep: bool = False,
         len(report[k]) for k in ("orphan_entries", "orphan_bytes", "corrupt", "dead_node_entries", "dead_nodes")
     )
     if fix and report["problems"]:
+        # Repair against a fresh view: a node may have come back or restarted meanwhile.
+        fresh = {n.node_id: n for n in await client.meta.nodes() if n.alive}
+
+        def still_dead(loc: Location) -> bool:
+            node = fresh.get(loc.node_id)
+            return node is None or node.epoch != loc.epoch
+
+        dead_entries = [(k, loc) for k, loc in dead_entries if still_dead(loc)]
+        dead = [node_id for node_id in dead if node_id not in fresh]
+        reindex = await _still_orphaned(client, orphan_bytes, fresh)
         # Corrupt copies were already dropped by their node on VERIFY; remove their entries now.
         await client.meta.remove_stale(orphan_entries + dead_entries + corrupt)
-        await client.meta.commit(orphan_bytes)  # valid bytes nobody could find: index them
+        await client.meta.commit(reindex)  # valid bytes nobody could find: index them
         for node_id in dead:
             await client.meta.forget_node(node_id)
         report["fixed"] = {"entries_removed": len(orphan_entries) + len(dead_entries) + len(corrupt),
-                           "bytes_reindexed": len(orphan_bytes), "dead_nodes_forgotten": len(dead)}  # fmt: skip
+                           "bytes_reindexed": len(reindex), "dead_nodes_forgotten": len(dead)}  # fmt: skip
     return report
+
+
+async def _still_orphaned(
+    client: PoolClient, orphans: list[tuple[str, Location]], fresh: dict[str, NodeInfo]
+) -> list[tuple[str, Location]]:
+    """Orphan copies that are still unindexed, still held, and conflict with no indexed copy."""
+    if not orphans:
+        return []
+    entries = await client.meta.lookup([k for k, _ in orphans])
+    keep: list[tuple[str, Location]] = []
+    for (key, loc), entry in zip(orphans, entries):
+        node = fresh.get(loc.node_id)
+        if node is None or node.epoch != loc.epoch:
+            continue
+        if any(other.node_id == loc.node_id or other.checksum != loc.checksum for other in entry):
+            continue  # indexed meanwhile, or another version is indexed: leave it
+        keep.append((key, loc))
+    by_node: dict[str, list[tuple[str, Location]]] = defaultdict(list)
+    for key, loc in keep:
+        by_node[loc.node_id].append((key, loc))
+    held: list[tuple[str, Location]] = []
+    for node_id, pairs in by_node.items():
+        keys = [k for k, _ in pairs]
+        status = decode_flags(await client.node_request(fresh[node_id], Op.VERIFY_BATCH, encode_keys(keys)), len(keys))
+        held += [pair for pair, st in zip(pairs, status) if st == 0]
+    return held
 
 
 def _row(key: str, loc: Location) -> dict[str, Any]:

@@ -251,3 +251,28 @@ def test_node_reads_its_options_from_a_config_file(redis_server, namespace, tmp_
     out = subprocess.run([sys.executable, "-m", "backend.cli", "node", "--config", str(cfg)], capture_output=True,
                          text=True, cwd=REPO, timeout=60)  # fmt: skip
     assert out.returncode == 2 and "dramm" in out.stderr
+
+
+def test_drain_copies_a_chunk_whose_other_copy_is_on_a_dead_node(pool):
+    url, a, _ = pool
+    chunks = _data("dead-replica", 20, 4 * KIB)
+    config = PoolConfig.from_url(url)
+    with SyncPoolClient(config) as client:
+        client.put(chunks)
+        entries = asyncio.run(_lookup(url, [c.key for c in chunks]))
+        on_a = [c for c, e in zip(chunks, entries) if e[0].node_id == a.node_id]
+        assert on_a
+
+        async def fake_replicas() -> None:  # copies on a node that is gone
+            meta = MetadataStore(config.redis_url, config.namespace)
+            try:
+                await meta.commit([(c.key, Location("gone-node", 7, "dram", len(c.data), e[0].checksum))
+                                   for c, e in zip(chunks, entries) if e[0].node_id == a.node_id])  # fmt: skip
+            finally:
+                await meta.close()
+
+        asyncio.run(fake_replicas())
+        result = _json("drain", a.node_id, "--url", url)
+        assert result["moved"] == len(on_a) and result["already_elsewhere"] == 0
+        got = client.get([c.key for c in chunks])
+        assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]

@@ -312,3 +312,70 @@ def test_buffer_factory_hands_out_prefaulted_buffers_of_recent_sizes_within_budg
         assert 64 * KIB not in factory._ready
     finally:
         factory.close()
+
+
+def test_a_batch_larger_than_dram_never_acknowledges_what_it_evicted(node_factory, pool_url):
+    node_factory(dram="1MiB")  # no NVMe tier: the batch's first chunks are evicted by its last
+    chunks = _chunks("self-evict", 8, 256 * KIB)
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        with pytest.raises(CapacityError, match="not stored"):
+            client.put(chunks)
+        present = client.contains([c.key for c in chunks])
+        got = client.get([c.key for c in chunks])
+        assert present == [g is not None for g in got]  # the index promises only what is there
+        assert sum(present) == 4
+        assert all(bytes(g.data) == bytes(c.data) for c, g in zip(chunks, got, strict=True) if g is not None)
+
+
+async def test_a_delete_during_an_nvme_read_is_not_undone_by_promotion(tmp_path, monkeypatch):
+    import backend.node.tiers as tiers_module
+
+    tiers = TierManager(TierConfig(dram_bytes=64 * KIB, nvme_dir=tmp_path, nvme_bytes=1 << 20))
+    try:
+        for i, key in enumerate("PQ"):
+            await tiers.reserve(64 * KIB)
+            tiers.insert(_stored(key, 64 * KIB, seed=i))
+        assert tiers.tier_of("P") == NVME
+        real_read = tiers_module.read_payload
+
+        def slow_read(record, into):  # the bytes are read; the thread is slow to return
+            import time as _time
+
+            real_read(record, into)
+            _time.sleep(0.2)
+
+        monkeypatch.setattr(tiers_module, "read_payload", slow_read)
+        reading = asyncio.ensure_future(tiers.get("P"))
+        await asyncio.sleep(0.05)
+        assert await tiers.delete("P")
+        assert await reading is None
+        assert not tiers.contains("P")
+    finally:
+        await tiers.close()
+
+
+async def test_a_delete_during_a_demotion_leaves_no_file_behind(tmp_path, monkeypatch):
+    import backend.node.tiers as tiers_module
+
+    tiers = TierManager(TierConfig(dram_bytes=64 * KIB, nvme_dir=tmp_path, nvme_bytes=1 << 20))
+    try:
+        await tiers.reserve(64 * KIB)
+        tiers.insert(_stored("D", 64 * KIB))
+        real_write = tiers_module.write_chunk
+
+        def slow_write(*args, **kwargs):
+            import time as _time
+
+            _time.sleep(0.2)
+            return real_write(*args, **kwargs)
+
+        monkeypatch.setattr(tiers_module, "write_chunk", slow_write)
+        demoting = asyncio.ensure_future(tiers.reserve(64 * KIB))  # D must move to disk first
+        await asyncio.sleep(0.05)
+        assert await tiers.delete("D")
+        await demoting
+        tiers.release(64 * KIB)
+        assert not tiers.contains("D")
+        assert not list((tmp_path / "chunks").rglob("*.safetensors"))
+    finally:
+        await tiers.close()

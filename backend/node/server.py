@@ -475,21 +475,25 @@ class PoolNode:
         await conn.send([encode_header(op, request_id, message, 0, status_for_error(exc)), message])
 
     # -- requests ---------------------------------------------------------------------
-    async def _receive_put(self, conn: FrameSocket, items: list[ItemMeta]) -> list[tuple[int, StoredChunk | None]]:
+    async def _receive_put(
+        self, conn: FrameSocket, items: list[ItemMeta]
+    ) -> list[tuple[int, ItemMeta, StoredChunk | None]]:
         """Receive each chunk into reserved DRAM and verify it; returns a PUT outcome per item.
 
         A verified chunk enters the tiers at once (so a batch larger than DRAM can
         demote its own first chunks), but is not visible to readers before the index
-        commit. An item with no room is read off the socket and dropped.
+        commit. A chunk this node already holds with the same bytes is not stored
+        twice (and so cannot be lost if this put fails). An item with no room is read
+        off the socket and dropped.
         """
-        received: list[tuple[int, StoredChunk | None]] = []
+        received: list[tuple[int, ItemMeta, StoredChunk | None]] = []
         try:
             for item in items:
                 try:
                     await self.tiers.reserve(item.nbytes)
                 except CapacityError:
                     await conn.discard(item.nbytes)
-                    received.append((PUT_NO_CAPACITY, None))
+                    received.append((PUT_NO_CAPACITY, item, None))
                     continue
                 buffer = self.tiers.buffers.take(item.nbytes)
                 try:
@@ -499,14 +503,18 @@ class PoolNode:
                     raise
                 if checksum(buffer) != item.checksum:
                     self.tiers.release(item.nbytes)
-                    received.append((PUT_INTEGRITY, None))
+                    received.append((PUT_INTEGRITY, item, None))
+                    continue
+                if self.tiers.holds(item.key, item.checksum):
+                    self.tiers.release(item.nbytes)
+                    received.append((PUT_STORED, item, None))
                     continue
                 chunk = StoredChunk(item, buffer)
                 self.tiers.insert(chunk)
-                received.append((PUT_STORED, chunk))
+                received.append((PUT_STORED, item, chunk))
         except BaseException:
             # The frame never completed (peer gone, stalled): nothing of it stays.
-            await self._discard_uncommitted([c for _, c in received if c is not None])
+            await self._discard_uncommitted([c for _, _, c in received if c is not None])
             raise
         return received
 
@@ -514,22 +522,28 @@ class PoolNode:
         for chunk in chunks:
             await self.tiers.discard(chunk)
 
-    async def _commit_put(self, received: list[tuple[int, StoredChunk | None]]) -> tuple[bytes, list[Buffer]]:
-        stored = [chunk for _, chunk in received if chunk is not None]
-        self.counters["put_rejected_capacity"] += sum(1 for flag, _ in received if flag == PUT_NO_CAPACITY)
-        self.counters["integrity_failures"] += sum(1 for flag, _ in received if flag == PUT_INTEGRITY)
+    async def _commit_put(self, received: list[tuple[int, ItemMeta, StoredChunk | None]]) -> tuple[bytes, list[Buffer]]:
+        flags: list[int] = []
+        visible: list[tuple[str, Location]] = []
+        for flag, item, _ in received:
+            if flag == PUT_STORED and not self.tiers.holds(item.key, item.checksum):
+                flag = PUT_NO_CAPACITY  # evicted by a later chunk of its own batch: never acknowledge it
+            if flag == PUT_STORED:
+                visible.append((item.key, self._location(item, self.tiers.tier_of(item.key) or DRAM)))
+            flags.append(flag)
+        self.counters["put_rejected_capacity"] += flags.count(PUT_NO_CAPACITY)
+        self.counters["integrity_failures"] += flags.count(PUT_INTEGRITY)
         try:
-            await self._flush_index()
-            await self.meta.commit(
-                [(c.meta.key, self._location(c.meta, self.tiers.tier_of(c.meta.key) or DRAM)) for c in stored]
-            )
+            await self.meta.commit(visible)
         except MetadataError:
             # Not visible, so not kept: a put is acknowledged only once readers can find it.
-            await self._discard_uncommitted(stored)
+            await self._discard_uncommitted([c for _, _, c in received if c is not None])
             raise
-        self.counters["puts"] += len(stored)
-        self.counters["put_bytes"] += sum(c.meta.nbytes for c in stored)
-        return encode_flags([flag for flag, _ in received]), []
+        with contextlib.suppress(MetadataError):
+            await self._flush_index()  # what the batch evicted; kept for the heartbeat if this fails
+        self.counters["puts"] += len(visible)
+        self.counters["put_bytes"] += sum(loc.nbytes for _, loc in visible)
+        return encode_flags(flags), []
 
     async def _handle(self, op: int, meta: bytearray) -> tuple[bytes, list[Buffer]]:
         limits = self.config.limits

@@ -204,6 +204,14 @@ class TierManager:
             if old is not None and old.meta.checksum != chunk.meta.checksum:
                 self._forget_file(old)
 
+    def holds(self, key: str, item_checksum: int) -> bool:
+        """Whether this node holds ``key`` with exactly these bytes (DRAM or NVMe)."""
+        chunk = self.dram.peek(key)
+        if chunk is not None:
+            return chunk.meta.checksum == item_checksum
+        record = self.nvme.files.get(key) if self.nvme is not None else None
+        return record is not None and record.meta.checksum == item_checksum
+
     async def discard(self, chunk: StoredChunk) -> None:
         """Undo ``insert`` (the put was not committed), unless the key was replaced since."""
         key = chunk.meta.key
@@ -216,6 +224,8 @@ class TierManager:
             assert self.nvme is not None
             self.nvme.remove(key)
             await self._run(_unlink, record.path)
+        if not self.contains(key):
+            self.index_removed.add(key)  # an older committed copy may have been displaced
 
     # -- get path ---------------------------------------------------------------------
     async def get(self, key: str) -> StoredChunk | None:
@@ -238,7 +248,13 @@ class TierManager:
         except (IntegrityError, OSError) as exc:
             if promote:
                 self.release(nbytes)
-            await self._quarantine(record, exc)
+            if self.nvme.files.get(key) is record:  # not if a newer file replaced it meanwhile
+                await self._quarantine(record, exc)
+            return None
+        if self.nvme.files.get(key) is not record:
+            # Deleted, or replaced by other bytes, while we read: what we hold is history.
+            if promote:
+                self.release(nbytes)
             return None
         chunk = StoredChunk(record.meta, buffer)
         if promote:
@@ -293,7 +309,10 @@ class TierManager:
             return
         record = self.nvme.files.get(key)
         if record is None or record.meta.checksum != chunk.meta.checksum:
-            record = await self._write(chunk)
+            written = await self._write(chunk)
+            if written is None:
+                return  # deleted or replaced while we wrote: nothing to move
+            record = written
         if self.dram.peek(key) is chunk:
             self.dram.delete(key)
             self.index_moved[key] = NVME
@@ -301,7 +320,8 @@ class TierManager:
         elif (current := self.dram.peek(key)) is not None and current.meta.checksum != chunk.meta.checksum:
             self._forget_file(record)  # replaced by other bytes while we wrote
 
-    async def _write(self, chunk: StoredChunk) -> NvmeFile:
+    async def _write(self, chunk: StoredChunk) -> NvmeFile | None:
+        """Write a DRAM chunk's file; None if the chunk was deleted or replaced meanwhile."""
         assert self.nvme is not None
         need = chunk.meta.nbytes + HEADER_ALLOWANCE_BYTES
         if need > self.nvme.capacity_bytes:
@@ -322,6 +342,10 @@ class TierManager:
                              "CapacityError until space is freed", self.nvme.root, exc.strerror)  # fmt: skip
                 self._schedule_disk_recheck()
             raise CapacityError(f"NVMe write failed: {exc.strerror}") from None
+        current = self.dram.peek(chunk.meta.key)
+        if current is None or current.meta.checksum != chunk.meta.checksum:
+            await self._run(_unlink, record.path)  # the bytes we wrote are no longer wanted
+            return None
         self.nvme.add(record)
         self.counters["nvme_writes"] += 1
         return record
