@@ -332,8 +332,16 @@ class TierManager:
             oldest = next(iter(self.nvme.files.values()))
             self._forget_file(oldest)
             self.counters["nvme_evictions"] += 1
+        job = asyncio.get_running_loop().run_in_executor(
+            self._io, write_chunk, self.nvme.root, chunk.meta, chunk.buffer
+        )
         try:
-            record: NvmeFile = await self._run(write_chunk, self.nvme.root, chunk.meta, chunk.buffer)
+            record: NvmeFile = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            # The put that needed this demotion gave up; the thread still finishes the
+            # file, which nothing would index: remove it when it lands.
+            job.add_done_callback(_unlink_written)
+            raise
         except OSError as exc:
             if exc.errno in _DISK_FULL:
                 self.disk_full = True
@@ -405,6 +413,11 @@ class TierManager:
                 self._schedule_disk_recheck()
 
         asyncio.get_running_loop().create_task(recheck())
+
+
+def _unlink_written(job: Any) -> None:
+    if not job.cancelled() and job.exception() is None:
+        _unlink(job.result().path)
 
 
 def _unlink(path: str) -> None:
