@@ -190,13 +190,7 @@ async def evict(client: PoolClient, keys: Sequence[str] = (), *, model: str | No
     if not model and not prefix:
         raise ConfigError("evict", "name keys, or --model / --prefix")
     removed = 0
-    batch: list[str] = []
-    async for key in client.meta.scan_keys(_match(model, prefix)):
-        batch.append(key)
-        if len(batch) >= INVENTORY_PAGE:
-            removed += await client.delete(batch)
-            batch = []
-    if batch:
+    async for batch in client.meta.scan_key_batches(_match(model, prefix), INVENTORY_PAGE):
         removed += await client.delete(batch)
     return removed
 
@@ -297,13 +291,7 @@ async def flush(client: PoolClient, progress: Progress | None = None) -> dict[st
             if progress is not None:
                 progress(deleted, max(total, deleted))
     removed = 0
-    batch: list[str] = []
-    async for key in client.meta.scan_keys():
-        batch.append(key)
-        if len(batch) >= INVENTORY_PAGE:
-            removed += await client.meta.delete(batch)
-            batch = []
-    if batch:
+    async for batch in client.meta.scan_key_batches(batch=INVENTORY_PAGE):
         removed += await client.meta.delete(batch)
     return {"chunks_deleted": deleted, "index_entries_removed": removed}
 

@@ -358,14 +358,19 @@ class MetadataStore:
         self, match: str = "*", batch: int = LOOKUP_BATCH
     ) -> AsyncIterator[list[tuple[str, IndexEntry]]]:
         """Stream ``(key, locations)`` in batches: SCAN plus one pipelined lookup per batch."""
+        async for keys in self.scan_key_batches(match, batch):
+            yield list(zip(keys, await self.lookup(keys)))
+
+    async def scan_key_batches(self, match: str = "*", batch: int = LOOKUP_BATCH) -> AsyncIterator[list[str]]:
+        """Stream pool keys (SCAN) in lists of at most ``batch``."""
         keys: list[str] = []
         async for key in self.scan_keys(match, count=batch):
             keys.append(key)
             if len(keys) >= batch:
-                yield list(zip(keys, await self.lookup(keys)))
+                yield keys
                 keys = []
         if keys:
-            yield list(zip(keys, await self.lookup(keys)))
+            yield keys
 
     async def scan_keys(self, match: str = "*", count: int = 1000) -> AsyncIterator[str]:
         """Stream pool keys (SCAN, never KEYS). ``match`` is a glob on the pool key."""

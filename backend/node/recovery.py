@@ -18,7 +18,6 @@ import os
 import socket
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from backend.node.nvme import (
@@ -36,7 +35,6 @@ __all__ = ["RecoveryReport", "scan", "node_identity"]
 
 logger = logging.getLogger(__name__)
 
-SCAN_THREADS = 1  # parsing holds the GIL: on a warm cache more threads measured slower (bench.nvme_bench)
 NODE_ID_FILE = "node_id"
 
 
@@ -82,11 +80,13 @@ def scan(root: Path) -> tuple[list[NvmeFile], RecoveryReport]:
     chunks = root / CHUNKS_DIR
     shards = sorted(e.path for e in os.scandir(chunks) if e.is_dir()) if chunks.is_dir() else []
     found: list[tuple[float, NvmeFile]] = []
-    with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="kvpool-recovery") as pool:
-        for shard_found, quarantined, removed in pool.map(lambda s: _scan_shard(root, s), shards):
-            found.extend(shard_found)
-            report.quarantined += quarantined
-            report.temp_removed += removed
+    # One thread (the caller's): header parsing holds the GIL, and on a warm cache more
+    # scan threads measured slower (bench.nvme_bench).
+    for shard in shards:
+        shard_found, quarantined, removed = _scan_shard(root, shard)
+        found.extend(shard_found)
+        report.quarantined += quarantined
+        report.temp_removed += removed
     found.sort(key=lambda pair: pair[0])
     records = [record for _, record in found]
     report.files = len(records)
