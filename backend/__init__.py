@@ -3,7 +3,7 @@
 The public surface is what ``__all__`` lists; everything else is private.
 """
 
-from backend.client import Chunk, Fetched, PoolClient, SyncPoolClient
+from backend.client import Chunk, Fetched, Lock, PoolClient, SyncPoolClient
 from backend.config import PoolConfig
 from backend.errors import (
     AuthError,
@@ -26,6 +26,7 @@ __all__ = [
     "PoolConfig",
     "Chunk",
     "Fetched",
+    "Lock",
     "KVPoolError",
     "ConfigError",
     "MetadataError",

@@ -74,10 +74,8 @@ T = TypeVar("T")
 REGISTRY_REFRESH_S = 1.0
 FRESH_VIEW_S = 0.1  # a registry view younger than this is trusted to call a node dead
 MAX_FRAME_DATA_BYTES = 256 * 1024 * 1024  # split larger batches into several frames
-MAX_FRAME_ITEMS = 1024
-MIN_TRANSFER_BYTES_PER_S = (
-    50 * 1024 * 1024
-)  # a request's timeout grows by 20 ms per MiB it moves  # keeps a frame's meta far below the 4 MiB limit even with 1 KiB keys
+MAX_FRAME_ITEMS = 1024  # keeps a frame's meta far below the 4 MiB limit even with 1 KiB keys
+MIN_TRANSFER_BYTES_PER_S = 50 * 1024 * 1024  # a request's timeout grows by 20 ms per MiB it moves
 PUT_ATTEMPTS = 3  # first choice, then the next-ranked nodes
 # A same-host read holds its lease from the LEASE answer until the copy is done; the
 # longest wait in between is the caller's allocator (the LMCache connector bounds it at 1 s).

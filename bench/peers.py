@@ -6,7 +6,8 @@ stops. Every server is a child process on 127.0.0.1 and is stopped by its own pi
 
 | peer | server | LMCache reaches it with |
 |---|---|---|
-| kvpool | ``kvpool up --nvme 0`` (private Redis + one DRAM node) | the kvpool plugin |
+| kvpool | ``kvpool up --nvme 0 --shm-dir off`` (private Redis + one DRAM node) | the kvpool plugin, over TCP as from another host |
+| kvpool-shm | ``kvpool up --nvme 0`` (DRAM in a /dev/shm arena) | the kvpool plugin, same-host fast path |
 | redis | ``redis-server`` | ``remote_url: redis://`` |
 | resp | the same ``redis-server`` | ``remote_url: resp://`` (no chunk meta, no unfull chunks) |
 | lm | ``python -m lmcache.v1.server HOST PORT cpu`` | ``remote_url: lm://`` |
@@ -39,7 +40,7 @@ from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
 __all__ = ["Peer", "KVPoolPeer", "RedisPeer", "LMServerPeer", "FSPeer", "MooncakePeer", "PEER_NAMES", "make_peers"]
 
 REPO = Path(__file__).resolve().parent.parent
-PEER_NAMES = ("kvpool", "redis", "resp", "lm", "fs", "mooncake")
+PEER_NAMES = ("kvpool", "kvpool-shm", "redis", "resp", "lm", "fs", "mooncake")
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 STORE_SETTLE_S = 10.0
@@ -161,16 +162,20 @@ class Peer:
 
 
 class KVPoolPeer(Peer):
-    """kvpool's own pool, DRAM only: ``kvpool up --dram SIZE --nvme 0``."""
+    """kvpool's own pool, DRAM only: ``kvpool up --dram SIZE --nvme 0``.
 
-    name = "kvpool"
+    ``shm=False`` measures the TCP path, as a client on another host sees it (the
+    node keeps no arena); ``shm=True`` measures the same-host fast path.
+    """
 
-    def __init__(self, dram: str) -> None:
+    def __init__(self, dram: str, *, shm: bool = False) -> None:
         self.dram = dram
+        self.shm = shm
+        self.name = "kvpool-shm" if shm else "kvpool"
+        self.ceiling = "memcpy" if shm else "tcp_loopback"
         self.url = ""
-        self.server = ServerProcess(
-            "kvpool up", [sys.executable, "-m", "backend.cli", "up", "--dram", dram, "--nvme", "0"], KVPOOL_URL_RE
-        )
+        command = [sys.executable, "-m", "backend.cli", "up", "--dram", dram, "--nvme", "0"]
+        self.server = ServerProcess("kvpool up", command + ([] if shm else ["--shm-dir", "off"]), KVPOOL_URL_RE)
 
     def start(self) -> None:
         self.url = self.server.start().wait_ready().group(1)
@@ -180,10 +185,12 @@ class KVPoolPeer(Peer):
         return urlsplit(self.url).port
 
     def lmcache_config(self, local_cpu_gib: float, *, redis_port: int | None = None) -> dict[str, Any]:
-        url = self.url
+        parts = urlsplit(self.url)
         if redis_port is not None:
-            parts = urlsplit(url)
-            url = urlunsplit(parts._replace(netloc=f"{parts.hostname}:{redis_port}"))
+            parts = parts._replace(netloc=f"{parts.hostname}:{redis_port}")
+        if not self.shm:
+            parts = parts._replace(query="&".join(q for q in (parts.query, "shm=off") if q))
+        url = urlunsplit(parts)
         config = kvpool_lmcache_config(url, local_cpu_gib=local_cpu_gib)
         config["blocking_timeout_secs"] = LMCACHE_BLOCKING_TIMEOUT_S
         return config
@@ -401,6 +408,7 @@ def make_peers(names: Sequence[str], *, kvpool_dram: str, fs_parent: str | None,
     shared = SharedRedis()
     factories: dict[str, Callable[[], Peer]] = {
         "kvpool": lambda: KVPoolPeer(kvpool_dram),
+        "kvpool-shm": lambda: KVPoolPeer(kvpool_dram, shm=True),
         "redis": lambda: RedisPeer("redis", shared),
         "resp": lambda: RedisPeer("resp", shared),
         "lm": LMServerPeer,

@@ -83,6 +83,10 @@ def targets(results: dict[str, Any], ceilings: dict[str, float]) -> list[dict[st
         add(f"kvpool {op} >= best of lm:// / resp://", _ratio(kv and kv[f"{op}_gbps"], best_peer(op)), 1.0)
         if op == "get":
             add("kvpool get >= 0.7x TCP loopback", _ratio(kv and kv["get_gbps"], tcp), 0.7)
+    shm = _find(results, "kvpool-shm", TARGET_CHUNK, TARGET_BATCH, 1)
+    fs = _find(results, "fs", TARGET_CHUNK, TARGET_BATCH, 1)
+    add("same-host get >= fs:// get", _ratio(shm and shm["get_gbps"], fs and fs["get_gbps"]), 1.0)
+    add("same-host get >= 0.5x memcpy", _ratio(shm and shm["get_gbps"], ceilings.get("memcpy_gbps")), 0.5)
     add("lookup of 1,000 keys = 1 Redis round trip", lookup_rt, 1, False, " round trips")
     add("p99 of a single 4 MiB get <= 0.5x redis:// p99",
         _ratio(single and single["get_ms"]["p99"], single_ref and single_ref["get_ms"]["p99"]), 0.5, False)  # fmt: skip

@@ -27,7 +27,7 @@ HARNESS_TIMEOUT_S = 150
 CELL_FIELDS = {"chunk", "chunk_bytes", "shape", "batch", "clients", "rounds", "chunks_read", "misses", "mismatches",
                "errors", "put_gbps", "get_gbps", "put_ms", "get_ms", "put_vs_ceiling", "get_vs_ceiling",
                "put_vs_redis", "get_vs_redis", "get_p99_vs_redis"}  # fmt: skip
-REDIS_BACKED = ("kvpool", "redis", "resp")
+REDIS_BACKED = ("kvpool", "kvpool-shm", "redis", "resp")
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_quick_smoke_run_reads_back_every_chunk_byte_identical(smoke_run):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert run["ok"] is True and run["failures"] == []
     ran = [name for name, b in run["backends"].items() if b["status"] != "skipped"]
-    assert set(ran) >= {"kvpool", "redis", "resp", "lm", "fs"}
+    assert set(ran) >= {"kvpool", "kvpool-shm", "redis", "resp", "lm", "fs"}
     for name in ran:
         backend = run["backends"][name]
         assert backend["status"] == "ok", (name, backend.get("errors"))
