@@ -612,7 +612,7 @@ def _parse_cursor(cursor: str | None) -> tuple[int, int]:
 def _chunk(name: str, obj: MemoryObj) -> Chunk:
     """The pool chunk of a memory object: its bytes, plus its layout when it has one shape group."""
     data = memoryview(obj.byte_array).cast("B")
-    shapes = obj.get_shapes() if hasattr(obj, "get_shapes") else [obj.get_shape()]
+    shapes = getattr(obj.meta, "shapes", None) or [obj.get_shape()]
     fmt = int(obj.get_memory_format().value)
     if len(shapes) == 1:
         dtype = str(obj.get_dtype()).removeprefix("torch.")
