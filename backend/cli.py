@@ -35,6 +35,7 @@ __all__ = ["main", "build_parser"]
 logger = logging.getLogger("kvpool")
 
 DEFAULT_UP_NVME_DIR = Path(".kvpool") / "nvme"
+DEFAULT_SHM_DIR = "/dev/shm"
 T = TypeVar("T")
 
 
@@ -145,6 +146,9 @@ def _node_options(
     parser.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /health on this port "
                         "(0: any free port; default: off)")  # fmt: skip
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
+    parser.add_argument("--shm-dir", default=DEFAULT_SHM_DIR, metavar="DIR|off",
+                        help=f"keep DRAM in a shared-memory arena here so same-host clients read without TCP "
+                        f"(default {DEFAULT_SHM_DIR}; off: private memory)")  # fmt: skip
 
 
 def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
@@ -161,11 +165,18 @@ def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
     if dram_bytes <= 0:
         raise ConfigError("--dram", f"{args.dram!r} is not a positive size")
     nvme_bytes = parse_size(args.nvme, name="--nvme") if args.nvme_dir is not None else 0
+    # YAML reads a bare `off` as False
+    shm_dir = None if args.shm_dir is False or str(args.shm_dir).lower() == "off" else Path(args.shm_dir)
+    if shm_dir is not None and not shm_dir.is_dir():
+        if args.shm_dir != DEFAULT_SHM_DIR:
+            raise ConfigError("--shm-dir", f"{args.shm_dir} is not a directory (use 'off' for no arena)")
+        shm_dir = None  # a system without /dev/shm: private memory, TCP for everyone
     return NodeConfig(
         redis_url=redis_url, namespace=args.namespace, dram_bytes=dram_bytes,
         nvme_dir=args.nvme_dir if nvme_bytes else None, nvme_bytes=nvme_bytes,
         host=args.host, port=args.port, advertise_host=args.advertise, node_id=args.node_id,
         token=token, cluster=args.cluster, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+        shm_dir=shm_dir,
     )  # fmt: skip
 
 

@@ -5,6 +5,10 @@ nodes over per-node pools of multiplexed connections (many requests in flight on
 each). Payloads are received with ``recv_into`` straight into buffers the caller's
 *sink* hands out, so the LMCache connector receives into LMCache's own memory.
 
+A node on this host publishes a shared-memory arena (``backend.shm``); the client then
+asks it for a LEASE with offsets instead of the bytes and copies the chunks straight
+out of the mapping, which skips the socket and one copy (``shm=off`` turns this off).
+
 Errors: a node that is down, slow or answers a miss costs only the keys it held
 (they come back as misses, with one warning per outage); Redis being unreachable
 raises :class:`MetadataError`. Nothing here ever waits longer than ``timeout_ms``.
@@ -28,6 +32,7 @@ from backend.config import PoolConfig
 from backend.errors import (
     AuthError,
     CapacityError,
+    ConfigError,
     IntegrityError,
     KVPoolError,
     NodeUnavailable,
@@ -37,6 +42,7 @@ from backend.metadata import Location, MetadataStore, NodeInfo
 from backend.placement import choose_nodes, rank_nodes
 from backend.protocol import (
     DEFAULT_LIMITS,
+    LEASE_MAP,
     PUT_INTEGRITY,
     PUT_STORED,
     ItemMeta,
@@ -47,15 +53,19 @@ from backend.protocol import (
     decode_flags,
     decode_get_response,
     decode_json,
+    decode_lease_response,
     encode_header,
     encode_items,
     encode_json,
     encode_keys,
+    encode_lease_request,
+    encode_release,
     error_for_status,
 )
+from backend.shm import ArenaView
 from backend.transport import Buffer, FrameSocket
 
-__all__ = ["Chunk", "Fetched", "PoolClient", "SyncPoolClient", "Sink", "BytesSink"]
+__all__ = ["Chunk", "Fetched", "Lock", "PoolClient", "SyncPoolClient", "Sink", "BytesSink"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +79,10 @@ MIN_TRANSFER_BYTES_PER_S = (
     50 * 1024 * 1024
 )  # a request's timeout grows by 20 ms per MiB it moves  # keeps a frame's meta far below the 4 MiB limit even with 1 KiB keys
 PUT_ATTEMPTS = 3  # first choice, then the next-ranked nodes
+# A same-host read holds its lease from the LEASE answer until the copy is done; the
+# longest wait in between is the caller's allocator (the LMCache connector bounds it at 1 s).
+SHM_LEASE_MS = 10_000
+MAX_LOCK_TTL_MS = 600_000  # the node's bound (backend.node.leases.MAX_LEASE_TTL_MS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +99,16 @@ class Chunk:
         view = memoryview(self.data).cast("B")
         shape = self.shape or (len(view),)
         return ItemMeta(self.key, len(view), checksum(view), self.dtype, shape, self.fmt)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lock:
+    """A key pinned on one node by :meth:`PoolClient.lock` until unlocked or its ttl ends."""
+
+    key: str
+    node_id: str
+    lease_id: int
+    epoch: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,6 +361,7 @@ class PoolClient:
         self._nodes: dict[str, NodeInfo] = {}
         self._nodes_at = 0.0
         self._pools: dict[tuple[str, int], _NodePool] = {}
+        self._arenas: dict[tuple[str, int], ArenaView | None] = {}  # None: not on this host
         self._pid = os.getpid()
         self._warned: set[str] = set()
         self._background: set[asyncio.Task[Any]] = set()
@@ -361,6 +386,8 @@ class PoolClient:
         live = {(n.node_id, n.epoch) for n in self._nodes.values()}
         for ident in [i for i in self._pools if i not in live]:
             self._pools.pop(ident).close()
+        for ident in [i for i in self._arenas if i not in live]:
+            del self._arenas[ident]
 
     async def _refresh_nodes_quietly(self) -> None:
         with contextlib.suppress(KVPoolError):
@@ -379,6 +406,7 @@ class PoolClient:
         if os.getpid() != self._pid:
             # Sockets made before a fork belong to the parent: forget, never reuse.
             self._pools = {}
+            self._arenas = {}
             self._pid = os.getpid()
 
     def _warn_once(self, cause: str, message: str, *args: Any) -> None:
@@ -599,7 +627,14 @@ class PoolClient:
         return results
 
     async def _get_from_node(self, node: NodeInfo, wanted: list[tuple[str, int]], sink: Sink[Any]) -> list[Any]:
-        """GET ``(key, expected size)`` pairs from one node, in frames within the size limits."""
+        """GET ``(key, expected size)`` pairs from one node: mapped when it is on this host, else TCP."""
+        arena = self._arena(node)
+        if arena is not None:
+            return await self._get_mapped(node, arena, wanted, sink)
+        return await self._get_over_tcp(node, wanted, sink)
+
+    async def _get_over_tcp(self, node: NodeInfo, wanted: list[tuple[str, int]], sink: Sink[Any]) -> list[Any]:
+        """GET_BATCH in frames within the size limits; bytes arrive straight in the sink's buffers."""
         pool = self._pool(node)
         out: list[Any] = []
         try:
@@ -613,6 +648,139 @@ class PoolClient:
             _release_results(sink, out)  # an earlier frame's buffers are ours to give back
             raise
         return out
+
+    # -- same-host reads --------------------------------------------------------------
+    def _arena(self, node: NodeInfo) -> ArenaView | None:
+        """The node's shared-memory arena if this process can map it (same host, same user)."""
+        if not self.config.shm or not node.shm_path:
+            return None
+        ident = (node.node_id, node.epoch)
+        if ident not in self._arenas:
+            try:
+                self._arenas[ident] = ArenaView(node.shm_path, node.shm_token)
+                logger.info("kvpool: node %s is on this host; reading through %s", node.node_id, node.shm_path)
+            except (OSError, ValueError):
+                self._arenas[ident] = None  # another host, another user, or a stale file: TCP
+        return self._arenas[ident]
+
+    async def _get_mapped(
+        self, node: NodeInfo, arena: ArenaView, wanted: list[tuple[str, int]], sink: Sink[Any]
+    ) -> list[Any]:
+        """LEASE the keys with offsets, copy each from the arena, release; chunks without a region go over TCP."""
+        pool = self._pool(node)
+        out: list[Any] = []
+        over_tcp: list[int] = []
+        try:
+            for start in range(0, len(wanted), MAX_FRAME_ITEMS):
+                keys = [key for key, _ in wanted[start : start + MAX_FRAME_ITEMS]]
+                reply = await pool.request(Op.LEASE, encode_lease_request(keys, SHM_LEASE_MS, LEASE_MAP))
+                lease_id, found = decode_lease_response(reply, keys)
+                try:
+                    for index, entry in enumerate(found, start):
+                        if entry is not None and entry[1] is None:
+                            over_tcp.append(index)
+                        out.append(None if entry is None or entry[1] is None else
+                                   await self._copy_mapped(node, arena, entry[0], entry[1], sink))  # fmt: skip
+                finally:
+                    if lease_id:
+                        self._spawn(self._release_quietly(pool, lease_id))
+            if over_tcp:
+                got = await self._get_over_tcp(node, [wanted[i] for i in over_tcp], sink)
+                for index, handle in zip(over_tcp, got):
+                    out[index] = handle
+        except BaseException:
+            _release_results(sink, out)
+            raise
+        return out
+
+    async def _copy_mapped(self, node: NodeInfo, arena: ArenaView, item: ItemMeta, offset: int, sink: Sink[Any]) -> Any:
+        allocated = await sink.allocate(item)
+        if allocated is None:
+            return DECLINED
+        handle, buffer = allocated
+        view = memoryview(buffer).cast("B")
+        try:
+            if len(view) != item.nbytes:
+                raise ProtocolError(f"sink gave {len(view)} bytes for a {item.nbytes}-byte item")
+            try:
+                arena.copy_into(view, offset)
+            except ValueError as exc:
+                raise ProtocolError(f"node {node.node_id} answered a bad arena offset: {exc}") from None
+        except BaseException:
+            sink.release(handle)
+            raise
+        if checksum(view) != item.checksum:
+            sink.release(handle)
+            return IntegrityError(f"checksum mismatch for {item.key!r} in the shared-memory arena")
+        self.counters["shm_get_bytes"] += item.nbytes
+        return handle
+
+    async def _release_quietly(self, pool: _NodePool, lease_id: int, keys: Sequence[str] = ()) -> None:
+        try:
+            await pool.request(Op.RELEASE, encode_release(lease_id, keys))
+        except KVPoolError as exc:  # the lease ends at its deadline instead
+            logger.debug("kvpool: releasing lease on node %s failed: %s", pool.node.node_id, exc)
+
+    # -- locks ------------------------------------------------------------------------
+    async def lock(self, keys: Sequence[str], ttl_ms: int) -> list[Lock | None]:
+        """Pin each key on the node that serves it for ``ttl_ms``; None where the pool lacks it.
+
+        One Redis round trip for the locations, then one LEASE per node. A locked key
+        is neither demoted nor evicted by its node until :meth:`unlock` or the ttl.
+        A node that fails costs only its keys (None), like a miss.
+        """
+        self._check_fork()
+        if not 0 < ttl_ms <= MAX_LOCK_TTL_MS:
+            raise ConfigError("ttl_ms", f"{ttl_ms} is outside 1..{MAX_LOCK_TTL_MS}")
+        results: list[Lock | None] = [None] * len(keys)
+        if not keys:
+            return results
+        entries = await self._lookup(keys)
+        groups: dict[str, list[int]] = defaultdict(list)
+        for index, entry in enumerate(entries):
+            ordered = self._ordered(entry)
+            if ordered:
+                groups[ordered[0].node_id].append(index)
+
+        async def on_node(node: NodeInfo, indexes: list[int]) -> None:
+            for start in range(0, len(indexes), MAX_FRAME_ITEMS):
+                part = indexes[start : start + MAX_FRAME_ITEMS]
+                names = [keys[i] for i in part]
+                reply = await self._pool(node).request(Op.LEASE, encode_lease_request(names, ttl_ms, 0))
+                lease_id, found = decode_lease_response(reply, names)
+                for index, entry in zip(part, found):
+                    if entry is not None:
+                        results[index] = Lock(keys[index], node.node_id, lease_id, node.epoch)
+
+        outcomes = await asyncio.gather(
+            *(on_node(self._nodes[nid], indexes) for nid, indexes in groups.items()), return_exceptions=True
+        )
+        for nid, outcome in zip(groups, outcomes):
+            if isinstance(outcome, KVPoolError):
+                self._warn_once(f"lock:{nid}", "kvpool: lock on node %s failed, reading as misses: %s", nid, outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+        return results
+
+    async def unlock(self, locks: Sequence[Lock | None]) -> None:
+        """End locks taken by :meth:`lock`. Idempotent; locks on nodes gone or restarted are ignored."""
+        self._check_fork()
+        by_lease: dict[tuple[str, int, int], list[str]] = defaultdict(list)
+        for held in locks:
+            if held is not None:
+                by_lease[(held.node_id, held.epoch, held.lease_id)].append(held.key)
+        if not by_lease:
+            return
+        await self.nodes()
+        releases = []
+        for (nid, epoch, lease_id), names in by_lease.items():
+            node = self._nodes.get(nid)
+            if node is None or node.epoch != epoch:
+                continue  # the node restarted: its leases died with it
+            pool = self._pool(node)
+            releases += [self._release_quietly(pool, lease_id, names[i : i + MAX_FRAME_ITEMS])
+                         for i in range(0, len(names), MAX_FRAME_ITEMS)]  # fmt: skip
+        await asyncio.gather(*releases)
 
     # -- delete, listing, stats -------------------------------------------------------
     async def delete(self, keys: Sequence[str]) -> int:
@@ -745,6 +913,12 @@ class SyncPoolClient:
 
     def delete(self, keys: Sequence[str]) -> int:
         return self._call(self._client.delete(keys))
+
+    def lock(self, keys: Sequence[str], ttl_ms: int) -> list[Lock | None]:
+        return self._call(self._client.lock(keys, ttl_ms))
+
+    def unlock(self, locks: Sequence[Lock | None]) -> None:
+        self._call(self._client.unlock(locks))
 
     def nodes(self, refresh: bool = True) -> list[NodeInfo]:
         return self._call(self._client.nodes(refresh=refresh))

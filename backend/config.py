@@ -97,6 +97,7 @@ class PoolConfig:
     nccl: bool = False
     cluster: str = ""
     tls: bool = False
+    shm: bool = True  # read through a same-host node's shared-memory arena when there is one
 
     def __post_init__(self) -> None:
         if not _NAMESPACE_RE.match(self.namespace):
@@ -116,7 +117,7 @@ class PoolConfig:
             f"PoolConfig(redis={self.redis_host}:{self.redis_port}, namespace={self.namespace!r}, "
             f"token={token}, replicas={self.replicas}, timeout_ms={self.timeout_ms}, "
             f"connections_per_node={self.connections_per_node}, nccl={self.nccl}, "
-            f"cluster={self.cluster!r}, tls={self.tls})"
+            f"cluster={self.cluster!r}, tls={self.tls}, shm={self.shm})"
         )
 
     @property
@@ -228,6 +229,7 @@ _OPTION_PARSERS: dict[str, Any] = {
     "nccl": _parse_bool,
     "cluster": lambda k, v: str(v),
     "tls": _parse_bool,
+    "shm": _parse_bool,
 }
 
 

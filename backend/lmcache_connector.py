@@ -129,7 +129,8 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
     def _metric_counters(self) -> dict[str, int]:
         """The connector's counters plus the client's integrity and stale-entry counts."""
         return {**self.counters, "integrity_failures": self.client.counters["integrity_failures"],
-                "stale_entries": self.client.counters["stale_entries"]}  # fmt: skip
+                "stale_entries": self.client.counters["stale_entries"],
+                "shm_get_bytes": self.client.counters["shm_get_bytes"]}  # fmt: skip
 
     # -- error boundary ---------------------------------------------------------------
     def _miss(self, cause: str, message: str, *args: Any, level: int = logging.WARNING) -> None:

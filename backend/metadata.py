@@ -131,6 +131,8 @@ class NodeInfo:
     object_count: int = 0
     tiers: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     heartbeat_at: float = 0.0
+    shm_path: str = ""  # the node's shared-memory arena, readable by same-host clients
+    shm_token: str = ""  # written in the arena's header: proves a client opened this node's file
     draining: bool = False  # filled by MetadataStore.nodes() from the draining set
     alive: bool = False  # filled by MetadataStore.nodes(), never stored
 

@@ -80,6 +80,11 @@ NODE_COUNTERS: dict[str, str] = {
     "stalled_connections": "Connections closed because a frame stalled mid-way.",
     "accept_errors": "Failed accepts (EMFILE and the like).",
     "requests": "Requests answered successfully (HELLO and AUTH not counted).",
+    "shm_get_bytes": "Payload bytes same-host clients copied from the shared-memory arena (not sent).",
+    "leases_granted": "Leases granted (same-host reads and locks).",
+    "leases_released": "Leases ended by their client.",
+    "leases_expired": "Leases ended by their deadline (client gone or slow).",
+    "leases_refused": "Leases refused because the node held its maximum.",
 }
 LATENCY_QUANTILES = (0.5, 0.9, 0.99)
 
@@ -98,6 +103,13 @@ class NodeCollector:
         yield _gauge("uptime_seconds", "Seconds since the node process started.", node, stats["uptime_s"])
         yield _gauge("epoch", "Epoch this node took at its start (a restart takes a new one).", node, stats["epoch"])
         yield _gauge("objects", "Distinct chunks held, over all tiers.", node, stats["objects"])
+        yield _gauge("leases", "Leases currently held by clients.", node, stats.get("leases", 0))
+        arena = stats.get("arena")
+        if arena:
+            yield _gauge("arena_allocated_bytes", "Bytes of the shared-memory arena in use.", node,
+                         arena["allocated_bytes"])  # fmt: skip
+            yield _gauge("arena_grown_bytes", "Bytes of the shared-memory arena backed by memory.", node,
+                         arena["grown_bytes"])  # fmt: skip
         healthy = 1 if self.health().get("status") == "ok" else 0
         yield _gauge("healthy", "1 while /health answers ok, else 0.", node, healthy)
         yield from _tier_gauges(node, stats.get("tiers") or {})
@@ -364,6 +376,7 @@ CONNECTOR_COUNTERS: dict[str, str] = {
     "put_chunks": "Chunks LMCache handed to the pool and the pool stored.",
     "get_hits": "Chunks LMCache asked the pool for and received.",
     "get_misses": "Chunks LMCache asked the pool for and did not receive.",
+    "shm_get_bytes": "Bytes read through a same-host node's shared-memory arena instead of TCP.",
 }
 
 

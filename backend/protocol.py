@@ -58,6 +58,14 @@ __all__ = [
     "decode_get_response",
     "encode_json",
     "decode_json",
+    "encode_lease_request",
+    "decode_lease_request",
+    "encode_lease_response",
+    "decode_lease_response",
+    "encode_release",
+    "decode_release",
+    "LEASE_MAP",
+    "NO_OFFSET",
     "error_for_status",
     "status_for_error",
 ]
@@ -71,6 +79,8 @@ _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _ITEM_FIXED = struct.Struct("<QQH")  # nbytes, checksum, fmt
+_U64 = struct.Struct("<Q")
+_LEASE_HEAD = struct.Struct("<IB")  # ttl_ms, flags
 
 
 class Op(enum.IntEnum):
@@ -84,6 +94,8 @@ class Op(enum.IntEnum):
     PING = 8
     INVENTORY = 9  # admin: page through the keys a node holds
     VERIFY_BATCH = 10  # admin: a node re-checks its own copies' checksums
+    LEASE = 11  # pin keys for a while; with LEASE_MAP, answer same-host arena offsets
+    RELEASE = 12  # end a lease (or its hold on some keys)
 
 
 class Status(enum.IntEnum):
@@ -95,6 +107,10 @@ class Status(enum.IntEnum):
     METADATA = 5
     INTERNAL = 6
 
+
+# LEASE request flags, and the offset of a leased chunk that has no arena region.
+LEASE_MAP = 0x1
+NO_OFFSET = 2**64 - 1
 
 # Per-item outcome of a PUT_BATCH, in the response's flag list.
 PUT_STORED = 0
@@ -374,6 +390,77 @@ def decode_get_response(
     if total != data_len:
         raise ProtocolError(f"GET response declares {total} bytes but carries {data_len}")
     return found
+
+
+def encode_lease_request(keys: Sequence[str], ttl_ms: int, flags: int, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Meta of a LEASE request: ttl, flags, then the keys as in GET."""
+    if not 0 < ttl_ms < 2**32 or not 0 <= flags <= 255:
+        raise ProtocolError(f"lease ttl_ms {ttl_ms} or flags {flags} out of range")
+    return _LEASE_HEAD.pack(ttl_ms, flags) + encode_keys(keys, limits)
+
+
+def decode_lease_request(
+    meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> tuple[int, int, list[str]]:
+    """``(ttl_ms, flags, keys)`` of a LEASE request."""
+    if len(meta) < _LEASE_HEAD.size:
+        raise ProtocolError("LEASE meta truncated before its ttl and flags")
+    ttl_ms, flags = _LEASE_HEAD.unpack(bytes(meta[: _LEASE_HEAD.size]))
+    if flags & ~LEASE_MAP:
+        raise ProtocolError(f"unknown LEASE flags {flags:#x}")
+    return int(ttl_ms), int(flags), decode_keys(memoryview(meta)[_LEASE_HEAD.size :], limits)
+
+
+def encode_lease_response(
+    lease_id: int, found: Sequence[tuple[ItemMeta, int] | None], limits: Limits = DEFAULT_LIMITS
+) -> bytes:
+    """Meta of a LEASE response: the lease id, then per key a found byte and, if found, item + offset."""
+    out = bytearray(_U64.pack(lease_id) + _U32.pack(len(found)))
+    for entry in found:
+        if entry is None:
+            out += b"\x00"
+            continue
+        item, offset = entry
+        out += b"\x01"
+        _encode_item(out, item, limits)
+        out += _U64.pack(offset)
+    return _bounded(out, limits)
+
+
+def decode_lease_response(
+    meta: bytes | bytearray | memoryview, keys: Sequence[str], limits: Limits = DEFAULT_LIMITS
+) -> tuple[int, list[tuple[ItemMeta, int | None] | None]]:
+    """``(lease_id, per key None or (item, offset or None))`` of a LEASE response."""
+    reader = _Reader(meta)
+    (lease_id,) = reader.unpack(_U64, "lease id")
+    n = reader.count(limits)
+    if n != len(keys):
+        raise ProtocolError(f"LEASE response carries {n} results for {len(keys)} keys")
+    found: list[tuple[ItemMeta, int | None] | None] = []
+    for key in keys:
+        (flag,) = reader.unpack(_U8, "found flag")
+        if flag == 0:
+            found.append(None)
+            continue
+        item = _decode_item(reader, limits)
+        if item.key != key:
+            raise ProtocolError(f"LEASE response answered {item.key!r} for {key!r}")
+        (offset,) = reader.unpack(_U64, "offset")
+        found.append((item, None if offset == NO_OFFSET else int(offset)))
+    reader.done()
+    return int(lease_id), found
+
+
+def encode_release(lease_id: int, keys: Sequence[str] = (), limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Meta of a RELEASE request: the lease id, then the keys to let go (none: all of them)."""
+    return _U64.pack(lease_id) + encode_keys(keys, limits)
+
+
+def decode_release(meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> tuple[int, list[str]]:
+    if len(meta) < _U64.size:
+        raise ProtocolError("RELEASE meta truncated before its lease id")
+    (lease_id,) = _U64.unpack(bytes(meta[: _U64.size]))
+    return int(lease_id), decode_keys(memoryview(meta)[_U64.size :], limits)
 
 
 def encode_json(obj: Any) -> bytes:

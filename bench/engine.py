@@ -54,6 +54,7 @@ def run(role: str, url: str, chunks: int, layers: int, heads: int, head_size: in
             report["dtype"] = str(first.get_dtype())
             report["fmt"] = first.get_memory_format().name
         stack.release(got)
+        report["shm_get_bytes"] = stack.connector().client.counters["shm_get_bytes"]
     report["gb_per_s"] = total_bytes / float(report["seconds"]) / 1e9  # type: ignore[arg-type]
     start = time.monotonic()
     stack.close()

@@ -162,7 +162,11 @@ def main() -> int:
     print(f"NVMe tier, {args.chunks} x {args.chunk_mib} MiB chunks, in {args.dir or tempfile.gettempdir()}")
     for reference, column in (("raw", "raw GB/s"), ("dd", "dd GB/s")):
         print(f"{'':24}{'kvpool GB/s':>12}{column:>10}{'ratio':>8}")
-        for label, kind in (("write (fsync)", "write"), ("read, cold cache", "read_cold"), ("read, hot cache", "read_hot")):
+        for label, kind in (
+            ("write (fsync)", "write"),
+            ("read, cold cache", "read_cold"),
+            ("read, hot cache", "read_hot"),
+        ):
             ours, raw = tp[f"kvpool_{kind}_gbps"], tp[f"{reference}_{kind}_gbps"]
             print(f"{label:<24}{ours:>12.2f}{raw:>10.2f}{ours / raw:>8.2f}")
     print("raw = Python write+fsync / readinto of one plain file per chunk; dd = one file, bs = chunk size")

@@ -19,6 +19,7 @@ import pytest
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
 from backend.embedded import EmbeddedRedis
+from backend.node.arena import remove_stale_arenas
 
 REPO = Path(__file__).resolve().parent.parent
 READY_RE = re.compile(r"kvpool node (\S+) ready at (\S+):(\d+) \(epoch (\d+)\)")
@@ -119,9 +120,13 @@ def node_factory(redis_server: EmbeddedRedis, namespace: str) -> Iterator[object
     started: list[NodeProcess] = []
 
     def spawn(*extra: str, redis_url: str | None = None, ns: str | None = None, dram: str = "256MiB",
-              env: dict[str, str] | None = None, max_open_files: int = 0) -> NodeProcess:  # fmt: skip
+              env: dict[str, str] | None = None, max_open_files: int = 0, shm: bool = False) -> NodeProcess:  # fmt: skip
+        """A node process. ``shm=False`` (the default here) makes every read go over TCP,
+        as it does from another host; tests of the same-host path pass ``shm=True``."""
         full_env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", **(env or {})}
         args = ["--redis", redis_url or redis_server.url, "--namespace", ns or namespace, "--dram", dram, *extra]
+        if not shm and "--shm-dir" not in extra:
+            args += ["--shm-dir", "off"]
         node = NodeProcess(args, full_env, max_open_files).start()
         started.append(node)
         return node
@@ -131,6 +136,7 @@ def node_factory(redis_server: EmbeddedRedis, namespace: str) -> Iterator[object
         if node.alive():
             node.resume()
         node.kill()
+    remove_stale_arenas(Path("/dev/shm"))  # the killed nodes' shared-memory files
 
 
 @pytest.fixture

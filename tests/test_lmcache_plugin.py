@@ -60,6 +60,17 @@ def test_engine_b_in_another_process_reads_what_engine_a_stored(node_factory, po
     assert read["close_s"] < 1.0 and stored["close_s"] < 1.0
 
 
+def test_engine_on_the_nodes_host_reads_through_shared_memory_and_gets_the_same_bytes(node_factory, pool_url):
+    node_factory(shm=True)
+    _worker("put", pool_url, 6)
+    mapped = _worker("get", pool_url, 6)
+    assert mapped["hits"] == 6 and mapped["identical"] == 6
+    assert mapped["shm_get_bytes"] == 6 * mapped["chunk_bytes"]
+    over_tcp = _worker("get", pool_url + "?shm=off", 6)
+    assert over_tcp["hits"] == 6 and over_tcp["identical"] == 6
+    assert over_tcp["shm_get_bytes"] == 0
+
+
 def test_batched_async_contains_counts_the_prefix_before_a_missing_key(node_factory, pool_url, stack_factory):
     node_factory()
     stack = stack_factory(pool_url)

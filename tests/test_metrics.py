@@ -329,11 +329,11 @@ def _source_counters() -> tuple[set[str], set[str]]:
 
 
 def _scrape_busy_nvme_node(node_factory, pool_url, tmp_path) -> set[str]:
-    """Every sample name a node with an NVMe tier emits once it served puts and gets.
+    """Every sample name a node with an NVMe tier and an arena emits once it served puts and gets.
 
     Such a node emits every family a DRAM-only node does, plus the NVMe and recovery ones.
     """
-    node = node_factory("--metrics-port", "0", "--nvme-dir", str(tmp_path / "nvme"), "--nvme", "16MiB")
+    node = node_factory("--metrics-port", "0", "--nvme-dir", str(tmp_path / "nvme"), "--nvme", "16MiB", shm=True)
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
         chunks = _chunks("doc", 2, 1024)
         client.put(chunks)

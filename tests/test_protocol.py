@@ -112,6 +112,7 @@ def test_op_and_status_codes_have_their_wire_values() -> None:
     assert {op.name: int(op) for op in Op} == {
         "HELLO": 1, "AUTH": 2, "PUT_BATCH": 3, "GET_BATCH": 4,
         "EXISTS_BATCH": 5, "DELETE_BATCH": 6, "STAT": 7, "PING": 8, "INVENTORY": 9, "VERIFY_BATCH": 10,
+        "LEASE": 11, "RELEASE": 12,
     }  # fmt: skip
     assert {s.name: int(s) for s in Status} == {
         "OK": 0, "PROTOCOL": 1, "AUTH": 2, "CAPACITY": 3, "INTEGRITY": 4, "METADATA": 5, "INTERNAL": 6,
@@ -188,7 +189,7 @@ def test_decode_header_rejects_another_protocol_version(version: int) -> None:
         decode_header(raw_header(version=version))
 
 
-@pytest.mark.parametrize("op", [0, 11, 0x7F, RESPONSE_BIT, RESPONSE_BIT | 11, 0xFF])
+@pytest.mark.parametrize("op", [0, 0x50, 0x7F, RESPONSE_BIT, RESPONSE_BIT | 0x50, 0xFF])
 def test_decode_header_rejects_an_unknown_op(op: int) -> None:
     with pytest.raises(ProtocolError, match=f"unknown op code {op}"):
         decode_header(raw_header(op=op))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 
 from backend.errors import CapacityError
 from backend.node.buffers import ChunkBuffer
@@ -73,9 +73,9 @@ class DramTier:
             )
         self._reserved_bytes += nbytes
 
-    def oldest(self) -> StoredChunk | None:
-        """The least recently used chunk, without touching its recency."""
-        return next(iter(self._chunks.values()), None)
+    def oldest(self, skip: Container[str] = ()) -> StoredChunk | None:
+        """The least recently used chunk whose key is not in ``skip``, without touching recency."""
+        return next((c for k, c in self._chunks.items() if k not in skip), None)
 
     def peek(self, key: str) -> StoredChunk | None:
         """The chunk for ``key`` without touching its recency."""

@@ -29,10 +29,13 @@ from backend.errors import AuthError, CapacityError, KVPoolError, MetadataError,
 from backend.metadata import Location, MetadataStore, NodeInfo
 from backend.metrics import NodeMetricsServer
 from backend.node.dram import StoredChunk
+from backend.node.leases import MAX_LEASE_TTL_MS
 from backend.node.recovery import RecoveryReport, node_identity, scan
 from backend.node.tiers import DRAM, TierConfig, TierManager
 from backend.protocol import (
     DEFAULT_LIMITS,
+    LEASE_MAP,
+    NO_OFFSET,
     PUT_INTEGRITY,
     PUT_NO_CAPACITY,
     PUT_STORED,
@@ -46,10 +49,13 @@ from backend.protocol import (
     decode_items,
     decode_json,
     decode_keys,
+    decode_lease_request,
+    decode_release,
     encode_flags,
     encode_get_response,
     encode_header,
     encode_json,
+    encode_lease_response,
     status_for_error,
 )
 from backend.transport import Buffer, FrameSocket
@@ -93,11 +99,12 @@ class NodeConfig:
     frame_timeout_s: float = 30.0  # once a header arrived, the rest of its frame must follow
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
+    shm_dir: Path | None = None  # shared-memory arena for same-host clients; None: off
 
     def tier_config(self) -> TierConfig:
         return TierConfig(
             dram_bytes=self.dram_bytes, nvme_dir=self.nvme_dir, nvme_bytes=self.nvme_bytes,
-            high_watermark=self.high_watermark, low_watermark=self.low_watermark,
+            high_watermark=self.high_watermark, low_watermark=self.low_watermark, shm_dir=self.shm_dir,
         )  # fmt: skip
 
 
@@ -224,6 +231,8 @@ class PoolNode:
             object_count=len(self.tiers),
             tiers=self.tiers.stats(),
             heartbeat_at=time.time(),
+            shm_path=str(self.tiers.arena.path) if self.tiers.arena is not None else "",
+            shm_token=self.tiers.arena.token if self.tiers.arena is not None else "",
         )
 
     def stats(self) -> dict[str, Any]:
@@ -231,8 +240,10 @@ class PoolNode:
             "node_id": self.node_id,
             "epoch": self.epoch,
             "uptime_s": round(time.monotonic() - self._started_monotonic, 3),
-            "counters": dict(self.counters + self.tiers.counters),
+            "counters": dict(self.counters + self.tiers.counters + self.tiers.leases.counters),
             "objects": len(self.tiers),
+            "leases": len(self.tiers.leases),
+            "arena": self.tiers.arena.stats() if self.tiers.arena is not None else None,
             "tiers": self.tiers.stats(),
             "recovery": dataclasses.asdict(self.recovery) if self.recovery else None,
             "latency_ms": {op: sorted(samples) for op, samples in self.latency.items() if samples},
@@ -278,6 +289,7 @@ class PoolNode:
         interval = self.config.heartbeat_interval_ms / 1000
         while not self._stopping.is_set():
             await asyncio.sleep(interval)
+            self.tiers.leases.expire()
             self._snapshots.append(self._snapshot())
             try:
                 generation = await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
@@ -495,7 +507,7 @@ class PoolNode:
                     await conn.discard(item.nbytes)
                     received.append((PUT_NO_CAPACITY, item, None))
                     continue
-                buffer = self.tiers.buffers.take(item.nbytes)
+                buffer = self.tiers.take_buffer(item.nbytes)
                 try:
                     await conn.recv_into(buffer)
                 except BaseException:
@@ -583,11 +595,54 @@ class PoolNode:
             if any(flags):
                 await self._flush_index()  # a dropped corrupt copy leaves the index now, not at the next beat
             return encode_flags(flags), []
+        if op == Op.LEASE:
+            ttl_ms, lease_flags, keys = decode_lease_request(meta, limits)
+            if ttl_ms > MAX_LEASE_TTL_MS:
+                raise ProtocolError(f"lease ttl_ms {ttl_ms} exceeds {MAX_LEASE_TTL_MS}")
+            return await self._lease(keys, ttl_ms, bool(lease_flags & LEASE_MAP)), []
+        if op == Op.RELEASE:
+            lease_id, keys = decode_release(meta, limits)
+            return encode_json({"released": self.tiers.leases.release(lease_id, keys)}), []
         if op == Op.STAT:
             return encode_json(self.stats()), []
         if op == Op.PING:
             return encode_json({"node_id": self.node_id, "epoch": self.epoch}), []
         raise ProtocolError(f"op {op} is not a request")
+
+    async def _lease(self, keys: list[str], ttl_ms: int, want_map: bool) -> bytes:
+        """Pin the keys this node holds; with ``want_map``, also answer their arena offsets.
+
+        A mapped read is a GET whose bytes the client copies itself: the chunk is
+        fetched (an NVMe hit is promoted into the arena) and the lease holds the
+        chunk object, so its region outlives a concurrent delete or eviction.
+        Without ``want_map`` this is a lock only: nothing moves, so it never waits.
+        """
+        found: list[tuple[ItemMeta, int] | None] = []
+        held: list[str] = []
+        chunks: list[StoredChunk] = []
+        arena = self.tiers.arena
+        for key in keys:
+            if want_map:
+                chunk = await self.tiers.get(key)
+                self.counters["gets"] += 1
+                if chunk is None:
+                    self.counters["misses"] += 1
+                    found.append(None)
+                    continue
+                offset = arena.offset_of(chunk.buffer) if arena is not None else None
+                self.counters["hits"] += 1
+                if offset is not None:
+                    self.counters["shm_get_bytes"] += chunk.meta.nbytes
+                found.append((chunk.meta, NO_OFFSET if offset is None else offset))
+                chunks.append(chunk)
+            else:
+                item = self.tiers.meta_of(key)
+                found.append(None if item is None else (item, NO_OFFSET))
+                if item is None:
+                    continue
+            held.append(key)
+        lease_id = self.tiers.leases.grant(held, chunks, ttl_ms) if held else 0
+        return encode_lease_response(lease_id, found, self.config.limits)
 
 
 def _inventory_page(tiers: TierManager, after: str, limit: int) -> tuple[list[list[Any]], bool]:

@@ -10,6 +10,11 @@
 * A hit on NVMe is read back in a worker thread, verified, and promoted to DRAM;
   the file stays, so a later demotion of the same chunk costs nothing.
 * A file whose checksum fails is moved to ``quarantine/`` and reads as a miss.
+* A chunk under a lease (``leases.py``) is pinned: neither demoted nor evicted until
+  the lease ends. Explicit deletes still remove it from the index at once.
+* With a shared-memory arena (``arena.py``), DRAM chunks live in it, so clients on
+  this host can copy them without a socket; when the arena has no room, a chunk
+  lives in private memory and is served over TCP.
 
 The manager never talks to Redis. It records which keys this node stopped holding
 (``index_removed``) and which moved tier (``index_moved``); the server publishes them
@@ -31,8 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from backend.errors import CapacityError, IntegrityError
-from backend.node.buffers import BufferFactory
+from backend.node.arena import ShmArena, remove_stale_arenas
+from backend.node.buffers import BufferFactory, ChunkBuffer
 from backend.node.dram import DramTier, StoredChunk
+from backend.node.leases import LeaseTable
 from backend.node.nvme import NvmeFile, read_payload, write_chunk
 from backend.protocol import ItemMeta, checksum
 
@@ -46,6 +53,8 @@ HEADER_ALLOWANCE_BYTES = 4096  # room reserved on disk for a file's header
 PREFAULT_BUDGET_BYTES = 256 * 1024 * 1024  # ready, pre-faulted buffers (see buffers.py)
 DEMOTER_IDLE_S = 0.5
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+ARENA_SLACK = 0.25  # arena room beyond DRAM for regions still held by leases or replies in flight
+ARENA_MIN_SLACK_BYTES = 64 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +65,7 @@ class TierConfig:
     high_watermark: float = 0.90
     low_watermark: float = 0.80
     io_threads: int = 4
+    shm_dir: Path | None = None  # where the shared-memory arena lives; None: private memory only
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark < self.high_watermark <= 1:
@@ -102,7 +112,11 @@ class TierManager:
         self.disk_full = False
         self._lock = asyncio.Lock()  # one demotion/eviction decision at a time
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvpool-nvme")
-        self.buffers = BufferFactory(min(PREFAULT_BUDGET_BYTES, config.dram_bytes // 4))
+        self.leases = LeaseTable(on_unpinned=self._maybe_wake)
+        self.arena = _open_arena(config)
+        # Pre-faulted private buffers: for every chunk when there is no arena, else for the overflow.
+        prefault = 0 if self.arena is not None else min(PREFAULT_BUDGET_BYTES, config.dram_bytes // 4)
+        self.buffers = BufferFactory(prefault)
         self._wake = asyncio.Event()
         self._demoter: asyncio.Task[None] | None = None
 
@@ -117,6 +131,8 @@ class TierManager:
             await asyncio.gather(self._demoter, return_exceptions=True)
         self._io.shutdown(wait=True, cancel_futures=True)
         self.buffers.close()
+        if self.arena is not None:
+            self.arena.close()
 
     def load_nvme(self, records: list[NvmeFile]) -> None:
         """Adopt files found by recovery, oldest first (so LRU order follows file age)."""
@@ -177,6 +193,14 @@ class TierManager:
         return tiers
 
     # -- put path ---------------------------------------------------------------------
+    def take_buffer(self, nbytes: int) -> ChunkBuffer:
+        """A buffer for a chunk entering DRAM: in the arena when it has room."""
+        if self.arena is not None:
+            buffer = self.arena.alloc(nbytes)
+            if buffer is not None:
+                return buffer
+        return self.buffers.take(nbytes)
+
     async def reserve(self, nbytes: int) -> None:
         """Reserve DRAM for an incoming chunk, demoting or evicting older ones as needed."""
         if nbytes > self.dram.capacity_bytes:
@@ -186,9 +210,9 @@ class TierManager:
         if not self.dram.fits(nbytes):
             async with self._lock:
                 while not self.dram.fits(nbytes):
-                    victim = self.dram.oldest()
+                    victim = self.dram.oldest(skip=self.leases.pinned)
                     if victim is None:
-                        raise CapacityError("DRAM tier is fully reserved by puts in flight")
+                        raise CapacityError("DRAM tier is full of puts in flight and leased chunks")
                     await self._demote(victim)
         self.dram.reserve(nbytes)
         self._maybe_wake()
@@ -242,7 +266,7 @@ class TierManager:
             promote = True
         except CapacityError:
             promote = False  # serve from disk without keeping a DRAM copy
-        buffer = self.buffers.take(nbytes)
+        buffer = self.take_buffer(nbytes) if promote else self.buffers.take(nbytes)
         try:
             await self._run(read_payload, record, buffer)
         except (IntegrityError, OSError) as exc:
@@ -329,7 +353,10 @@ class TierManager:
         if self.disk_full:
             raise CapacityError("NVMe tier: the disk refused the last write (full); not demoting")
         while self.nvme.used_bytes + need > self.nvme.capacity_bytes:
-            oldest = next(iter(self.nvme.files.values()))
+            pinned = self.leases.pinned
+            oldest = next((r for k, r in self.nvme.files.items() if k not in pinned), None)
+            if oldest is None:
+                raise CapacityError("NVMe tier is full of leased chunks")
             self._forget_file(oldest)
             self.counters["nvme_evictions"] += 1
         job = asyncio.get_running_loop().run_in_executor(
@@ -395,7 +422,7 @@ class TierManager:
             if self.dram.used_bytes <= high:
                 continue
             async with self._lock:
-                while self.dram.used_bytes > low and (victim := self.dram.oldest()) is not None:
+                while self.dram.used_bytes > low and (victim := self.dram.oldest(self.leases.pinned)) is not None:
                     try:
                         await self._demote(victim)
                     except CapacityError:
@@ -413,6 +440,22 @@ class TierManager:
                 self._schedule_disk_recheck()
 
         asyncio.get_running_loop().create_task(recheck())
+
+
+def _open_arena(config: TierConfig) -> ShmArena | None:
+    """The shared-memory arena for DRAM, or None (logged) when the directory cannot hold one."""
+    if config.shm_dir is None:
+        return None
+    stale = remove_stale_arenas(config.shm_dir)
+    if stale:
+        logger.info("removed %d shared-memory arena(s) of nodes that no longer run", stale)
+    size = config.dram_bytes + max(int(config.dram_bytes * ARENA_SLACK), ARENA_MIN_SLACK_BYTES)
+    try:
+        return ShmArena(config.shm_dir, size)
+    except OSError as exc:
+        logger.warning("no shared-memory arena in %s (%s): same-host clients read over TCP",
+                       config.shm_dir, exc.strerror or exc)  # fmt: skip
+        return None
 
 
 def _unlink_written(job: Any) -> None:

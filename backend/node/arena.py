@@ -1,0 +1,222 @@
+"""Shared-memory arena that holds a node's DRAM tier, so same-host clients read without a socket.
+
+The arena is one file in ``/dev/shm`` (tmpfs), mapped by the node read-write and by
+clients on the same host read-only. A same-host GET becomes: the node answers with
+each chunk's offset and a *lease* (``backend.node.leases``), the client copies from
+its mapping straight into LMCache's buffer, verifies the checksum, and releases the
+lease. Chunks are immutable, so the only hazard is the node reusing a region while a
+client still copies from it; that cannot happen because a region is freed only when
+the last reference to its buffer is gone, and a lease holds one.
+
+Layout: a 4 KiB header (magic, a random token that the node also publishes in the
+registry, the arena size), then the chunk regions. The file is sized up front but
+its pages are allocated in steps (``posix_fallocate``), only as regions are first
+needed: an idle node costs no memory, and a full ``/dev/shm`` is an allocation that
+fails cleanly (the chunk then lives in private memory and is served over TCP) rather
+than a SIGBUS on first touch.
+
+Allocation is first-fit over an offset-ordered free list with coalescing; chunks are
+mostly of one size, so the list stays short. A region is returned to the list by a
+finalizer on the numpy array behind the chunk's memoryview, which runs when the
+last view of it (tier, lease, a reply still being sent) is dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import secrets
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from backend.shm import ARENA_MAGIC, HEADER, HEADER_BYTES
+
+__all__ = ["ShmArena", "remove_stale_arenas"]
+
+logger = logging.getLogger(__name__)
+
+ALIGN_BYTES = 4096  # page-aligned regions: memcpy at full speed, no false sharing
+GROW_STEP_BYTES = 64 * 1024 * 1024
+GROW_RETRY_S = 5.0  # after /dev/shm refused pages, do not ask again for this long
+FILE_PREFIX = "kvpool-"
+FILE_SUFFIX = ".arena"
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: map the pages now, not one fault at a time
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+class ShmArena:
+    """The node side: allocates chunk buffers inside one shared-memory file."""
+
+    def __init__(self, directory: Path, size_bytes: int) -> None:
+        if size_bytes <= 0:
+            raise ValueError("arena size must be positive")
+        self.size_bytes = _align(size_bytes)
+        self.token = secrets.token_hex(16)
+        self.path = Path(directory) / f"{FILE_PREFIX}{os.getpid()}-{self.token[:8]}{FILE_SUFFIX}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, HEADER_BYTES + self.size_bytes)
+            os.posix_fallocate(fd, 0, HEADER_BYTES)
+            self._map = mmap.mmap(fd, HEADER_BYTES + self.size_bytes, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            raise
+        self._fd = fd
+        self._map[:HEADER_BYTES] = HEADER.pack(ARENA_MAGIC, self.token.encode(), self.size_bytes).ljust(
+            HEADER_BYTES, b"\0"
+        )
+        self._array = np.frombuffer(self._map, dtype=np.uint8)
+        self._base_address = int(self._array.ctypes.data)
+        self._lock = threading.Lock()  # finalizers may run on worker threads
+        self._free_starts: list[int] = []  # offset-ordered starts of free regions
+        self._free_size: dict[int, int] = {}  # start -> size
+        self._free_end: dict[int, int] = {}  # end -> start, to coalesce with the left neighbour
+        self._grown = HEADER_BYTES  # pages below this offset exist in /dev/shm
+        self._refused_at = 0.0
+        self.allocated_bytes = 0
+        self.allocations = 0
+        self.fallbacks = 0  # allocations the arena could not serve (caller used private memory)
+
+    # -- allocation -------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> memoryview | None:
+        """A writable buffer of exactly ``nbytes`` inside the arena, or None if there is no room."""
+        need = _align(max(nbytes, 1))
+        with self._lock:
+            start = self._first_fit(need)
+            if start is None and self._grow(need):
+                start = self._first_fit(need)
+            if start is None:
+                self.fallbacks += 1
+                return None
+            self._take(start, need)
+            self.allocated_bytes += need
+            self.allocations += 1
+        array = self._array[start : start + nbytes]
+        owner = np.frombuffer(array, dtype=np.uint8)  # a fresh object the finalizer can watch
+        finalizer = weakref.finalize(owner, self._free, start, need)
+        finalizer.atexit = False
+        return owner.data
+
+    def offset_of(self, view: memoryview) -> int | None:
+        """Where ``view`` starts in the arena file, or None if it is not an arena buffer."""
+        with contextlib.suppress(ValueError, TypeError):
+            address = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+            offset = address - self._base_address
+            if HEADER_BYTES <= offset and offset + len(view) <= HEADER_BYTES + self.size_bytes:
+                return offset
+        return None
+
+    def _first_fit(self, need: int) -> int | None:
+        for start in self._free_starts:
+            if self._free_size[start] >= need:
+                return start
+        return None
+
+    def _take(self, start: int, need: int) -> None:
+        size = self._remove_free(start)
+        if size > need:
+            self._add_free(start + need, size - need)
+
+    def _free(self, start: int, size: int) -> None:
+        with self._lock:
+            self.allocated_bytes -= size
+            self._release_region(start, size)
+
+    def _release_region(self, start: int, size: int) -> None:
+        left = self._free_end.get(start)
+        if left is not None:  # coalesce with the free region that ends where this starts
+            size += self._remove_free(left)
+            start = left
+        if start + size in self._free_size:
+            size += self._remove_free(start + size)
+        self._add_free(start, size)
+
+    def _add_free(self, start: int, size: int) -> None:
+        bisect.insort(self._free_starts, start)
+        self._free_size[start] = size
+        self._free_end[start + size] = start
+
+    def _remove_free(self, start: int) -> int:
+        self._free_starts.pop(bisect.bisect_left(self._free_starts, start))
+        size = self._free_size.pop(start)
+        del self._free_end[start + size]
+        return size
+
+    def _grow(self, need: int) -> bool:
+        """Allocate more pages at the end of the grown part; False if none can be had."""
+        end = HEADER_BYTES + self.size_bytes
+        if self._grown >= end or time.monotonic() - self._refused_at < GROW_RETRY_S:
+            return False
+        tail = self._free_end.get(self._grown)  # a free region touching the grown end
+        have = self._grown - tail if tail is not None else 0
+        step = min(max(GROW_STEP_BYTES, _align(need - have)), end - self._grown)
+        try:
+            os.posix_fallocate(self._fd, self._grown, step)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise
+            self._refused_at = time.monotonic()
+            logger.warning("shared-memory arena %s: %s could not grow by %d bytes (%s); new chunks use "
+                           "private memory and are served over TCP", self.path, self.path.parent, step,
+                           exc.strerror)  # fmt: skip
+            return False
+        with contextlib.suppress(OSError, ValueError):
+            self._map.madvise(_MADV_POPULATE_WRITE, self._grown, step)  # else: faults on first write
+        self._release_region(self._grown, step)
+        self._grown += step
+        return True
+
+    @property
+    def grown_bytes(self) -> int:
+        return self._grown - HEADER_BYTES
+
+    def stats(self) -> dict[str, int | str]:
+        return {"path": str(self.path), "size_bytes": self.size_bytes, "grown_bytes": self.grown_bytes,
+                "allocated_bytes": self.allocated_bytes, "fallbacks": self.fallbacks}  # fmt: skip
+
+    def close(self) -> None:
+        """Remove the file. Clients that mapped it keep their mapping until they drop it."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+def remove_stale_arenas(directory: Path) -> int:
+    """Delete arena files of node processes that no longer exist (killed without cleanup)."""
+    removed = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            name = entry.name
+            if not (name.startswith(FILE_PREFIX) and name.endswith(FILE_SUFFIX)):
+                continue
+            pid_text = name[len(FILE_PREFIX) :].split("-", 1)[0]
+            if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+                removed += 1
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True

@@ -1,0 +1,56 @@
+"""The same-host fast path's file format, and the client's read-only view of a node's arena.
+
+A node keeps its DRAM tier in one shared-memory file (``backend.node.arena``). Its
+first 4 KiB are a header: magic, a random token the node also publishes in the
+registry, and the size of the data part. A client that can open the file named in
+the registry, and finds the same token in it, is on the node's host and may copy
+chunks straight out of the mapping (after a LEASE that keeps them in place).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+
+import numpy as np
+
+__all__ = ["ARENA_MAGIC", "HEADER", "HEADER_BYTES", "ArenaView", "read_header"]
+
+ARENA_MAGIC = b"KVPOOLSHM1"
+HEADER_BYTES = 4096
+HEADER = struct.Struct("<10s32sQ")  # magic, token (hex), data size in bytes
+
+
+class ArenaView:
+    """The client side: a read-only mapping of a node's arena on this host."""
+
+    def __init__(self, path: str, token: str) -> None:
+        """Map ``path`` read-only; OSError if it cannot be opened, ValueError if it is not that node's."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise ValueError(f"{path} is too small to be a kvpool arena")
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        magic, found_token, data_bytes = read_header(self._map[:HEADER_BYTES])
+        if magic != ARENA_MAGIC or found_token != token or data_bytes + HEADER_BYTES > size:
+            self._map.close()
+            raise ValueError(f"{path} is not the arena this node published")
+        self.path = path
+        self.size_bytes = size
+        self._array = np.frombuffer(self._map, dtype=np.uint8)
+
+    def copy_into(self, dest: memoryview, offset: int) -> None:
+        """Copy ``len(dest)`` bytes at ``offset`` into ``dest``; ValueError if out of range."""
+        nbytes = len(dest)
+        if offset < HEADER_BYTES or offset + nbytes > self.size_bytes:
+            raise ValueError(f"region {offset}+{nbytes} is outside the arena ({self.size_bytes} bytes)")
+        np.copyto(np.frombuffer(dest, dtype=np.uint8), self._array[offset : offset + nbytes])
+
+
+def read_header(raw: bytes) -> tuple[bytes, str, int]:
+    magic, token, data_bytes = HEADER.unpack(raw[: HEADER.size])
+    return bytes(magic), bytes(token).decode("ascii", "replace"), int(data_bytes)

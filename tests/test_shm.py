@@ -1,0 +1,231 @@
+"""The same-host fast path: shared-memory arena, leases, locks.
+
+Real node processes with their DRAM tier in /dev/shm; the client in this process
+maps it read-only. Leases must keep bytes in place: a chunk under lease is never
+evicted or overwritten, and a lease its client never releases still ends.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from backend.client import Chunk, PoolClient, SyncPoolClient
+from backend.config import PoolConfig
+from backend.errors import ConfigError, ProtocolError
+from backend.metadata import NodeInfo
+from backend.node.arena import ShmArena, remove_stale_arenas
+from backend.protocol import LEASE_MAP, Op, decode_lease_response, encode_lease_request, encode_release
+from backend.shm import ArenaView
+from tests.conftest import REPO, wait_until
+
+MiB = 1024 * 1024
+
+
+def _chunks(prefix: str, count: int, size: int, seed: int = 0) -> list[Chunk]:
+    rng = random.Random(seed)
+    return [Chunk(f"{prefix}@{i}", rng.randbytes(size)) for i in range(count)]
+
+
+def _node_info(client: SyncPoolClient) -> NodeInfo:
+    (node,) = client.nodes()
+    return node
+
+
+def _stats(client: SyncPoolClient) -> dict:
+    return client.node_stats(_node_info(client))
+
+
+# -- the arena on its own ------------------------------------------------------------------
+
+
+def test_arena_region_is_reused_only_after_its_last_view_is_dropped():
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
+        arena = ShmArena(Path(directory), 8 * MiB)
+        try:
+            first = arena.alloc(1 * MiB)
+            assert first is not None
+            offset = arena.offset_of(first)
+            tail = first[MiB // 2 :]  # a slice still being sent keeps the whole region
+            del first
+            gc.collect()
+            second = arena.alloc(1 * MiB)
+            assert second is not None and arena.offset_of(second) != offset
+            del tail
+            gc.collect()
+            third = arena.alloc(1 * MiB)
+            assert third is not None and arena.offset_of(third) == offset
+        finally:
+            arena.close()
+
+
+def test_arena_full_answers_none_and_frees_coalesce_back_into_one_region():
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
+        arena = ShmArena(Path(directory), 4 * MiB)
+        try:
+            held = [arena.alloc(MiB) for _ in range(4)]
+            assert all(h is not None for h in held)
+            assert arena.alloc(MiB) is None and arena.fallbacks == 1
+            del held
+            gc.collect()
+            whole = arena.alloc(4 * MiB)  # only possible if the four regions merged again
+            assert whole is not None
+            assert arena.stats()["allocated_bytes"] == 4 * MiB
+        finally:
+            arena.close()
+
+
+def test_client_maps_only_the_arena_whose_token_the_node_published():
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
+        arena = ShmArena(Path(directory), MiB)
+        try:
+            buf = arena.alloc(4096)
+            assert buf is not None
+            buf[:] = b"k" * 4096
+            view = ArenaView(str(arena.path), arena.token)
+            out = bytearray(4096)
+            view.copy_into(memoryview(out), arena.offset_of(buf))
+            assert out == b"k" * 4096
+            with pytest.raises(ValueError, match="outside the arena"):
+                view.copy_into(memoryview(out), view.size_bytes)
+            with pytest.raises(ValueError, match="not the arena"):
+                ArenaView(str(arena.path), "0" * 32)
+        finally:
+            arena.close()
+    client = PoolClient(PoolConfig())
+    elsewhere = NodeInfo("n", "10.0.0.9", 1, 1, shm_path="/dev/shm/kvpool-1-none.arena", shm_token="x")
+    assert client._arena(elsewhere) is None  # another host's file does not exist here: TCP
+
+
+def test_arenas_of_dead_node_processes_are_removed():
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        stale = Path(directory) / f"kvpool-{int(dead.stdout)}-deadbeef.arena"
+        stale.write_bytes(b"x")
+        live = Path(directory) / f"kvpool-{os.getpid()}-cafecafe.arena"
+        live.write_bytes(b"x")
+        assert remove_stale_arenas(Path(directory)) == 1
+        assert not stale.exists() and live.exists()
+
+
+# -- through a node ------------------------------------------------------------------------
+
+
+def test_same_host_get_copies_from_the_arena_and_returns_identical_bytes(node_factory, pool_url):
+    node_factory(shm=True)
+    chunks = [Chunk(f"m@1@0@{i}@bfloat16", os.urandom(MiB + 4096 * i), "bfloat16", (MiB // 2 + 2048 * i,), 1)
+              for i in range(6)]  # fmt: skip
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        client.put(chunks)
+        got = client.get([c.key for c in chunks] + ["m@1@0@missing@bfloat16"])
+        assert got[-1] is None
+        for chunk, fetched in zip(chunks, got):
+            assert fetched is not None and bytes(fetched.data) == chunk.data
+            assert fetched.meta.shape == chunk.shape and fetched.meta.dtype == "bfloat16"
+        assert client.counters["shm_get_bytes"] == sum(len(c.data) for c in chunks)
+        stats = _stats(client)
+        assert stats["counters"].get("get_bytes", 0) == 0  # nothing went over the socket
+        assert stats["counters"]["shm_get_bytes"] == sum(len(c.data) for c in chunks)
+        wait_until(lambda: _stats(client)["leases"] == 0, timeout_s=5.0)  # released after the copy
+
+
+def test_shm_off_reads_over_tcp_from_the_same_node(node_factory, pool_url):
+    node_factory(shm=True)
+    chunks = _chunks("tcp", 3, 256 * 1024)
+    with SyncPoolClient(PoolConfig.from_url(pool_url + "?shm=off")) as client:
+        client.put(chunks)
+        got = client.get([c.key for c in chunks])
+        assert [bytes(g.data) for g in got] == [c.data for c in chunks]
+        assert client.counters.get("shm_get_bytes", 0) == 0
+        assert _stats(client)["counters"]["get_bytes"] == 3 * 256 * 1024
+
+
+def test_a_leased_chunk_is_never_evicted_or_overwritten(node_factory, pool_url):
+    node_factory(shm=True, dram="8MiB")  # no NVMe: DRAM pressure evicts
+    config = PoolConfig.from_url(pool_url)
+    with SyncPoolClient(config) as client:
+        (held,) = _chunks("held", 1, MiB, seed=1)
+        client.put([held])
+        node = _node_info(client)
+        reply = client._call(
+            client._client.node_request(node, Op.LEASE, encode_lease_request([held.key], 60_000, LEASE_MAP))
+        )
+        lease_id, [(item, offset)] = decode_lease_response(reply, [held.key])
+        assert lease_id and offset is not None and item.nbytes == MiB
+        client.delete([held.key])  # gone from the index, but the lease still holds its region
+        for round_ in range(4):  # 4 x 8 MiB through an 8 MiB tier: every unleased region is reused
+            client.put(_chunks(f"fill{round_}", 8, MiB, seed=10 + round_))
+        view = ArenaView(node.shm_path, node.shm_token)
+        out = bytearray(MiB)
+        view.copy_into(memoryview(out), offset)
+        assert out == held.data
+        released = client._call(client._client.node_request(node, Op.RELEASE, encode_release(lease_id)))
+        assert b'"released":1' in released
+        assert _stats(client)["leases"] == 0
+
+
+def test_a_locked_chunk_survives_eviction_pressure_and_an_unlocked_one_goes(node_factory, pool_url):
+    node_factory(shm=True, dram="8MiB")
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        locked, unlocked = _chunks("lk", 2, MiB, seed=2)
+        client.put([locked, unlocked])
+        locks = client.lock([locked.key, "lk@absent"], ttl_ms=60_000)
+        assert locks[0] is not None and locks[0].key == locked.key and locks[1] is None
+        for round_ in range(3):
+            client.put(_chunks(f"press{round_}", 6, MiB, seed=20 + round_))  # 6 + the locked 1 fit in 8
+        assert client.contains([locked.key, unlocked.key]) == [True, False]
+        got = client.get([locked.key])
+        assert got[0] is not None and bytes(got[0].data) == locked.data
+        client.unlock(locks)
+        client.unlock(locks)  # idempotent
+        assert _stats(client)["leases"] == 0
+        for round_ in range(3):
+            client.put(_chunks(f"after{round_}", 6, MiB, seed=30 + round_))
+        assert client.contains([locked.key]) == [False]  # unlocked: LRU may evict it now
+
+
+def test_a_lease_whose_client_died_ends_at_its_deadline(node_factory, pool_url):
+    node_factory(shm=True, dram="8MiB")
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        (chunk,) = _chunks("orphan", 1, MiB, seed=3)
+        client.put([chunk])
+        code = (
+            "import os, sys\n"
+            "from backend.client import SyncPoolClient\n"
+            "from backend.config import PoolConfig\n"
+            f"c = SyncPoolClient(PoolConfig.from_url({pool_url!r}))\n"
+            f"assert c.lock([{chunk.key!r}], ttl_ms=1500)[0] is not None\n"
+            "sys.stdout.flush(); os._exit(0)  # dies without unlocking\n"
+        )
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert _stats(client)["leases"] == 1
+        wait_until(lambda: _stats(client)["leases"] == 0, timeout_s=10.0)
+        assert _stats(client)["counters"]["leases_expired"] == 1
+        for round_ in range(3):
+            client.put(_chunks(f"evict{round_}", 6, MiB, seed=40 + round_))
+        assert client.contains([chunk.key]) == [False]  # no longer pinned
+
+
+def test_bad_lock_and_lease_requests_are_refused_with_the_reason(node_factory, pool_url):
+    node_factory(shm=True)
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        client.put(_chunks("bad", 1, 4096))
+        with pytest.raises(ConfigError, match="ttl_ms"):
+            client.lock(["bad@0"], ttl_ms=0)
+        node = _node_info(client)
+        with pytest.raises(ProtocolError, match="exceeds"):
+            client._call(client._client.node_request(node, Op.LEASE, encode_lease_request(["bad@0"], 10**9, 0)))
+        with pytest.raises(ProtocolError, match="unknown LEASE flags"):
+            client._call(client._client.node_request(node, Op.LEASE, encode_lease_request(["bad@0"], 1000, 0x80)))
+        # the node still serves, and an unknown lease id releases nothing
+        reply = client._call(client._client.node_request(node, Op.RELEASE, encode_release(12345)))
+        assert b'"released":0' in reply
+        assert client.get(["bad@0"])[0] is not None
