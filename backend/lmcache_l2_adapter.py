@@ -47,7 +47,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from backend.admin import glob_escape
-from backend.client import Chunk, PoolClient
+from backend.client import MAX_LOCK_TTL_MS, Chunk, Lock, PoolClient
 from backend.config import PoolConfig
 from backend.errors import ConfigError, KVPoolError
 from backend.protocol import ItemMeta
@@ -56,8 +56,6 @@ from backend.transport import Buffer
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc
     from lmcache.v1.memory_management import MemoryObj
-
-    from backend.client import Lock
 
 __all__ = [
     "KVPoolL2Adapter",
@@ -136,8 +134,12 @@ class KVPoolL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
         if not isinstance(url, str):
             raise ConfigError("adapter_params.url", f"must be a string, got {type(url).__name__}")
         pool = PoolConfig.from_url(url, os.environ)
-        return cls(pool, _positive_int(d, "lock_ttl_ms", DEFAULT_LOCK_TTL_MS),
-                   _positive_int(d, "usage_refresh_ms", DEFAULT_USAGE_REFRESH_MS))  # fmt: skip
+        lock_ttl_ms = _positive_int(d, "lock_ttl_ms", DEFAULT_LOCK_TTL_MS)
+        if lock_ttl_ms > MAX_LOCK_TTL_MS:
+            raise ConfigError(
+                "adapter_params.lock_ttl_ms", f"{lock_ttl_ms} exceeds the nodes' bound of {MAX_LOCK_TTL_MS}"
+            )
+        return cls(pool, lock_ttl_ms, _positive_int(d, "usage_refresh_ms", DEFAULT_USAGE_REFRESH_MS))
 
     @classmethod
     def help(cls) -> str:

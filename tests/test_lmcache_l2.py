@@ -395,6 +395,7 @@ def test_in_process_and_multiprocess_data_share_one_pool_without_mixing(node_fac
         ({"url": "kvpool://127.0.0.1/no-port"}, "port"),
         ({"url": "kvpool://127.0.0.1:6379/ns", "lock_ttl": 5}, "adapter_params.lock_ttl"),
         ({"url": "kvpool://127.0.0.1:6379/ns", "lock_ttl_ms": 0}, "adapter_params.lock_ttl_ms"),
+        ({"url": "kvpool://127.0.0.1:6379/ns", "lock_ttl_ms": 3_600_000}, "adapter_params.lock_ttl_ms"),
         ({"url": "kvpool://127.0.0.1:6379/ns", "usage_refresh_ms": "5s"}, "adapter_params.usage_refresh_ms"),
     ],
 )
@@ -425,3 +426,18 @@ def test_pool_down_gives_misses_and_an_unhealthy_status_never_a_hang(adapters):
     assert store(adapter, [object_key(1)], [memory_obj(payload(1))]).is_successful() is False
     adapter.refresh_usage()
     assert adapter.report_status()["is_healthy"] is False
+
+
+def test_a_lock_never_unlocked_ends_with_its_lease(node_factory, pool_url, adapters):
+    node_factory("--nvme", "0", dram="2MiB")
+    adapter = adapters(pool_url, lock_ttl_ms=1000)
+    key = object_key(30)
+    assert store(adapter, [key], [memory_obj(payload(30))]).is_successful()
+    assert lookup_and_lock(adapter, [key]) == [True]  # and LMCache never unlocks it
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as pool:
+
+        def evicted_after_more_pressure() -> bool:
+            _pressure(pool, f"ttl{time.monotonic_ns()}", 24)
+            return pool.contains([adapter_key(key)]) == [False]
+
+        assert wait_until(evicted_after_more_pressure, WAIT_S, interval_s=0.2)
