@@ -72,7 +72,7 @@ T = TypeVar("T")
 
 MP_KEY_PREFIX = "mp:"
 DEFAULT_LOCK_TTL_MS = 30_000  # longer than LMCache's lookup -> load window; a crash frees it by itself
-DEFAULT_USAGE_REFRESH_MS = 5_000  # registry capacity and per-salt bytes are at most this old
+DEFAULT_USAGE_REFRESH_MS = 10_000  # registry capacity and per-salt bytes are at most this old
 UNLOCK_ATTEMPTS = 3  # then the lease's TTL frees the chunk
 UNLOCK_RETRY_S = 0.2
 CLOSE_TIMEOUT_S = 2.0
