@@ -441,3 +441,21 @@ def test_a_lock_never_unlocked_ends_with_its_lease(node_factory, pool_url, adapt
             return pool.contains([adapter_key(key)]) == [False]
 
         assert wait_until(evicted_after_more_pressure, WAIT_S, interval_s=0.2)
+
+
+def test_close_returns_the_leases_it_still_holds(node_factory, pool_url):
+    node_factory("--nvme", "0", dram="2MiB")
+    adapter = build_adapter(pool_url, lock_ttl_ms=600_000)
+    key = object_key(31)
+    try:
+        assert store(adapter, [key], [memory_obj(payload(31))]).is_successful()
+        assert lookup_and_lock(adapter, [key]) == [True]
+    finally:
+        adapter.close()
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as pool:
+
+        def evicted_after_more_pressure() -> bool:
+            _pressure(pool, f"close{time.monotonic_ns()}", 24)
+            return pool.contains([adapter_key(key)]) == [False]
+
+        assert wait_until(evicted_after_more_pressure, WAIT_S, interval_s=0.2)
