@@ -20,7 +20,14 @@ from backend.client import PoolClient
 from backend.config import DEFAULT_NAMESPACE, PoolConfig, format_size, parse_size
 from backend.embedded import EmbeddedRedis
 from backend.errors import ConfigError, KVPoolError
-from backend.lmcache_config import lmcache_config, render_env, render_yaml
+from backend.lmcache_config import (
+    lmcache_config,
+    lmcache_mp_adapter,
+    lmcache_mp_server_args,
+    render_env,
+    render_mp_command,
+    render_yaml,
+)
 from backend.node.server import NodeConfig, PoolNode
 
 __all__ = ["main", "build_parser"]
@@ -30,6 +37,9 @@ logger = logging.getLogger("kvpool")
 DEFAULT_UP_NVME_DIR = Path(".kvpool") / "nvme"
 DEFAULT_SHM_DIR = "/dev/shm"
 T = TypeVar("T")
+
+
+FORMATS = {"inproc": ("yaml", "env"), "mp": ("args", "json")}  # lmcache-config --format, per --mode
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,9 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     cfg = verbs.add_parser("lmcache-config", help="print the LMCache config that enables kvpool")
     _url_option(cfg)
-    cfg.add_argument("--format", choices=("yaml", "env"), default="yaml", help="YAML file or LMCACHE_* variables")
+    cfg.add_argument("--mode", choices=("inproc", "mp"), default="inproc",
+                     help="inproc: LMCache inside the engine (remote storage plugin, default); "
+                          "mp: LMCache multiprocess server (L2 adapter)")  # fmt: skip
+    cfg.add_argument("--format", choices=FORMATS["inproc"] + FORMATS["mp"], default=None,
+                     help="inproc: yaml (default) or env (LMCACHE_* variables); "
+                          "mp: args (`lmcache server` command, default) or json (the --l2-adapter value)")  # fmt: skip
     cfg.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk size in tokens (default 256)")
-    cfg.add_argument("--local-cpu-gib", type=float, default=5.0, help="LMCache local CPU buffer (default 5.0)")
+    cfg.add_argument("--local-cpu-gib", type=float, default=5.0,
+                     help="LMCache local CPU buffer; in mp mode the server's L1 size (default 5.0)")  # fmt: skip
     return parser
 
 
@@ -441,9 +457,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_lmcache_config(args: argparse.Namespace) -> int:
     config = _config(args)  # validates the URL before printing it
-    data = lmcache_config(args.url, chunk_size=args.chunk_size, local_cpu_gib=args.local_cpu_gib)
     del config
-    print(render_env(data) if args.format == "env" else render_yaml(data), end="")
+    fmt = args.format or FORMATS[args.mode][0]
+    if fmt not in FORMATS[args.mode]:
+        raise ConfigError("--format", f"{fmt!r} is not a format of --mode {args.mode} "
+                          f"(choose {' or '.join(FORMATS[args.mode])})")  # fmt: skip
+    if args.mode == "mp":
+        if fmt == "json":
+            print(json.dumps(lmcache_mp_adapter(args.url)))
+        else:
+            server_args = lmcache_mp_server_args(args.url, chunk_size=args.chunk_size, l1_size_gib=args.local_cpu_gib)
+            print(render_mp_command(server_args), end="")
+        return 0
+    data = lmcache_config(args.url, chunk_size=args.chunk_size, local_cpu_gib=args.local_cpu_gib)
+    print(render_env(data) if fmt == "env" else render_yaml(data), end="")
     return 0
 
 

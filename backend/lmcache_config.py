@@ -20,11 +20,20 @@ __all__ = [
     "lmcache_config",
     "render_yaml",
     "render_env",
+    "L2_ADAPTER_MODULE",
+    "L2_ADAPTER_CLASS",
+    "L2_ADAPTER_CONFIG_CLASS",
+    "lmcache_mp_adapter",
+    "lmcache_mp_server_args",
+    "render_mp_command",
 ]
 
 PLUGIN_NAME = "kvpool"
 ADAPTER_MODULE = "backend.lmcache_connector"
 ADAPTER_CLASS = "KVPoolConnectorAdapter"
+L2_ADAPTER_MODULE = "backend.lmcache_l2_adapter"
+L2_ADAPTER_CLASS = "KVPoolL2Adapter"
+L2_ADAPTER_CONFIG_CLASS = "KVPoolL2AdapterConfig"
 DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_LOCAL_CPU_GIB = 5.0
 
@@ -74,3 +83,40 @@ def render_env(config: dict[str, Any]) -> str:
             text = str(value)
         lines.append(f"export LMCACHE_{key.upper()}={shlex.quote(text)}")
     return "\n".join(lines) + "\n"
+
+
+def lmcache_mp_adapter(url: str) -> dict[str, Any]:
+    """The ``--l2-adapter`` spec that makes an LMCache multiprocess server store in kvpool.
+
+    LMCache's ``plugin`` adapter type imports ``module_path``, builds
+    ``config_class_name`` from ``adapter_params`` and hands it to ``class_name``.
+    """
+    return {
+        "type": "plugin",
+        "module_path": L2_ADAPTER_MODULE,
+        "class_name": L2_ADAPTER_CLASS,
+        "config_class_name": L2_ADAPTER_CONFIG_CLASS,
+        "adapter_params": {"url": url},
+    }
+
+
+def lmcache_mp_server_args(
+    url: str, *, chunk_size: int = DEFAULT_CHUNK_TOKENS, l1_size_gib: float = DEFAULT_LOCAL_CPU_GIB
+) -> list[str]:
+    """Arguments of ``lmcache server`` (multiprocess mode) with kvpool as its only L2.
+
+    No ``eviction`` key in the adapter spec: the pool evicts on its own nodes, so
+    LMCache's L2 eviction stays off for it. ``--eviction-policy`` is L1's.
+    """
+    return [
+        "--chunk-size", str(chunk_size),
+        "--l1-size-gb", str(l1_size_gib),
+        "--eviction-policy", "LRU",
+        "--l2-adapter", json.dumps(lmcache_mp_adapter(url), separators=(",", ":")),
+    ]  # fmt: skip
+
+
+def render_mp_command(args: list[str]) -> str:
+    """``lmcache server`` with ``args``, one option per line, quoted for a POSIX shell."""
+    pairs = [" ".join(shlex.quote(a) for a in args[i : i + 2]) for i in range(0, len(args), 2)]
+    return "lmcache server \\\n  " + " \\\n  ".join(pairs) + "\n"
