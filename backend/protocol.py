@@ -368,14 +368,14 @@ def encode_get_response(found: Sequence[ItemMeta | None], limits: Limits = DEFAU
     return _bounded(out, limits)
 
 
-def decode_get_response(
-    meta: bytes | bytearray | memoryview, keys: Sequence[str], data_len: int, limits: Limits = DEFAULT_LIMITS
-) -> list[ItemMeta | None]:
-    reader = _Reader(meta)
+def _decode_answers(
+    reader: _Reader, keys: Sequence[str], what: str, limits: Limits, *, offsets: bool
+) -> list[tuple[ItemMeta, int | None] | None]:
+    """Per key of a GET or LEASE answer: None (not found) or its item and, for LEASE, its offset."""
     n = reader.count(limits)
     if n != len(keys):
-        raise ProtocolError(f"GET response carries {n} results for {len(keys)} keys")
-    found: list[ItemMeta | None] = []
+        raise ProtocolError(f"{what} response carries {n} results for {len(keys)} keys")
+    found: list[tuple[ItemMeta, int | None] | None] = []
     for key in keys:
         (flag,) = reader.unpack(_U8, "found flag")
         if flag == 0:
@@ -383,8 +383,20 @@ def decode_get_response(
             continue
         item = _decode_item(reader, limits)
         if item.key != key:
-            raise ProtocolError(f"GET response answered {item.key!r} for {key!r}")
-        found.append(item)
+            raise ProtocolError(f"{what} response answered {item.key!r} for {key!r}")
+        offset = None
+        if offsets:
+            (raw,) = reader.unpack(_U64, "offset")
+            offset = None if raw == NO_OFFSET else int(raw)
+        found.append((item, offset))
+    return found
+
+
+def decode_get_response(
+    meta: bytes | bytearray | memoryview, keys: Sequence[str], data_len: int, limits: Limits = DEFAULT_LIMITS
+) -> list[ItemMeta | None]:
+    reader = _Reader(meta)
+    found = [None if a is None else a[0] for a in _decode_answers(reader, keys, "GET", limits, offsets=False)]
     reader.done()
     total = sum(item.nbytes for item in found if item is not None)
     if total != data_len:
@@ -433,20 +445,7 @@ def decode_lease_response(
     """``(lease_id, per key None or (item, offset or None))`` of a LEASE response."""
     reader = _Reader(meta)
     (lease_id,) = reader.unpack(_U64, "lease id")
-    n = reader.count(limits)
-    if n != len(keys):
-        raise ProtocolError(f"LEASE response carries {n} results for {len(keys)} keys")
-    found: list[tuple[ItemMeta, int | None] | None] = []
-    for key in keys:
-        (flag,) = reader.unpack(_U8, "found flag")
-        if flag == 0:
-            found.append(None)
-            continue
-        item = _decode_item(reader, limits)
-        if item.key != key:
-            raise ProtocolError(f"LEASE response answered {item.key!r} for {key!r}")
-        (offset,) = reader.unpack(_U64, "offset")
-        found.append((item, None if offset == NO_OFFSET else int(offset)))
+    found = _decode_answers(reader, keys, "LEASE", limits, offsets=True)
     reader.done()
     return int(lease_id), found
 

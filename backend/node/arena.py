@@ -24,6 +24,7 @@ last view of it (tier, lease, a reply still being sent) is dropped.
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import errno
 import logging
@@ -80,7 +81,11 @@ class ShmArena:
         )
         self._array = np.frombuffer(self._map, dtype=np.uint8)
         self._base_address = int(self._array.ctypes.data)
-        self._lock = threading.Lock()  # finalizers may run on worker threads
+        self._lock = threading.Lock()
+        # Finalizers may run on any thread, and even inside alloc() while the lock is held
+        # (a garbage collection triggered there): they only queue the region; the
+        # allocator takes it back under its lock.
+        self._freed: collections.deque[tuple[int, int]] = collections.deque()
         self._free_starts: list[int] = []  # offset-ordered starts of free regions
         self._free_size: dict[int, int] = {}  # start -> size
         self._free_end: dict[int, int] = {}  # end -> start, to coalesce with the left neighbour
@@ -95,6 +100,7 @@ class ShmArena:
         """A writable buffer of exactly ``nbytes`` inside the arena, or None if there is no room."""
         need = _align(max(nbytes, 1))
         with self._lock:
+            self._take_back_freed()
             start = self._first_fit(need)
             if start is None and self._grow(need):
                 start = self._first_fit(need)
@@ -131,7 +137,12 @@ class ShmArena:
             self._add_free(start + need, size - need)
 
     def _free(self, start: int, size: int) -> None:
-        with self._lock:
+        self._freed.append((start, size))  # deque.append is atomic; no lock here (see __init__)
+
+    def _take_back_freed(self) -> None:
+        """Return queued regions to the free list. Caller holds the lock."""
+        while self._freed:
+            start, size = self._freed.popleft()
             self.allocated_bytes -= size
             self._release_region(start, size)
 
@@ -184,6 +195,8 @@ class ShmArena:
         return self._grown - HEADER_BYTES
 
     def stats(self) -> dict[str, int | str]:
+        with self._lock:
+            self._take_back_freed()
         return {"path": str(self.path), "size_bytes": self.size_bytes, "grown_bytes": self.grown_bytes,
                 "allocated_bytes": self.allocated_bytes, "fallbacks": self.fallbacks}  # fmt: skip
 
