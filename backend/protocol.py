@@ -430,7 +430,9 @@ def encode_channel_request(session: str, keys: Sequence[str], limits: Limits = D
     return _bounded(bytearray(encode_json({"session": session, "keys": list(keys)})), limits)
 
 
-def decode_channel_request(meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> tuple[str, list[str]]:
+def decode_channel_request(
+    meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> tuple[str, list[str]]:
     body = decode_json(meta)
     session, keys = body.get("session"), body.get("keys")
     if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_BYTES or not session.isascii():

@@ -81,7 +81,9 @@ def transfer_timeout(base_s: float, nbytes: int) -> float:
 class Link(Protocol):
     """One side of a pair communicator. Blocking calls, each bounded by its timeout."""
 
-    broken: bool
+    @property
+    def broken(self) -> bool:
+        """True once aborted or failed: the pair must be made again."""
 
     def send(self, buffers: Sequence[Buffer], timeout_s: float) -> None:
         """Send host buffers to the peer, as one batch (one NCCL group)."""
