@@ -177,7 +177,7 @@ async def test_peer_death_mid_transfer_aborts_the_pair_and_a_new_node_pairs_agai
     transport = CpuTransport(progress=lambda index: node.kill() if index == 0 else None)
     channel = _channel(client, transport)
     try:
-        with pytest.raises(NcclError, match="closed the channel mid-transfer|receive failed"):
+        with pytest.raises(NcclError, match=r"closed the channel mid-transfer|receive failed"):
             await channel.get(info, [c.key for c in chunks], BytesSink())
         assert channel.pair_count() == 0 and channel.counters["pair_failures"] == 1
     finally:
