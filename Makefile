@@ -28,8 +28,8 @@ redis:
 setup: $(STAMP) redis
 
 lint: setup
-	$(VENV)/bin/ruff check backend bench tests
-	$(VENV)/bin/mypy backend
+	$(VENV)/bin/ruff check backend nccl_channel bench tests
+	$(VENV)/bin/mypy backend nccl_channel
 
 test: setup lint
 	$(PY) -m pytest -q -p no:cacheprovider

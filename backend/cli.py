@@ -142,6 +142,10 @@ def _node_options(
         "--node-id", default="", help="stable node id (default: kept in the NVMe dir, else HOSTNAME-PORT)"
     )
     parser.add_argument("--cluster", default="", help="cluster label for same-cluster reads")
+    parser.add_argument("--channel", choices=("off", "nccl", "cpu"), default="off",
+                        help="serve same-cluster clients over the channel: nccl (GPU), cpu (its socket twin, "
+                        "for tests) or off (default); needs --cluster")  # fmt: skip
+    parser.add_argument("--device", default="cuda:0", help="CUDA device of --channel nccl (default cuda:0)")
     parser.add_argument("--token-file", type=Path, help="file holding the pool token (or set KVPOOL_TOKEN)")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /health on this port "
                         "(0: any free port; default: off)")  # fmt: skip
@@ -161,6 +165,8 @@ def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
         if not token:
             raise ConfigError("--token-file", f"{args.token_file} is empty; a node without a token accepts anyone")
     PoolConfig(namespace=args.namespace, cluster=args.cluster)  # validates both
+    if args.channel != "off" and not args.cluster:
+        raise ConfigError("--channel", "the channel serves clients of the same cluster: give --cluster NAME too")
     dram_bytes = parse_size(args.dram, name="--dram")
     if dram_bytes <= 0:
         raise ConfigError("--dram", f"{args.dram!r} is not a positive size")
@@ -177,6 +183,7 @@ def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
         host=args.host, port=args.port, advertise_host=args.advertise, node_id=args.node_id,
         token=token, cluster=args.cluster, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
         shm_dir=shm_dir,
+        channel=args.channel, device=args.device,
     )  # fmt: skip
 
 

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from backend.config import PoolConfig
@@ -779,6 +779,33 @@ class PoolClient:
             releases += [self._release_quietly(pool, lease_id, names[i : i + MAX_FRAME_ITEMS])
                          for i in range(0, len(names), MAX_FRAME_ITEMS)]  # fmt: skip
         await asyncio.gather(*releases)
+
+    # -- channel (nccl_channel) --------------------------------------------------------
+    async def channel_plan(
+        self, keys: Sequence[str], reachable: Callable[[NodeInfo], bool]
+    ) -> dict[str, tuple[NodeInfo, list[int]]]:
+        """Group key indices by the node a channel would read them from.
+
+        A key is planned only when its best live copy (same cluster first, then least
+        loaded, as for ``get``) is on a node for which ``reachable(node)`` holds;
+        the others are left to ``get``. One Redis round trip.
+        """
+        self._check_fork()
+        plan: dict[str, tuple[NodeInfo, list[int]]] = {}
+        if not keys:
+            return plan
+        for index, entry in enumerate(await self._lookup(keys)):
+            ordered = self._ordered(entry)
+            if not ordered:
+                continue
+            node = self._nodes[ordered[0].node_id]
+            if reachable(node):
+                plan.setdefault(node.node_id, (node, []))[1].append(index)
+        return plan
+
+    async def channel_request(self, node: NodeInfo, meta: bytes) -> bytes:
+        """One CHANNEL_GET to ``node`` over its TCP protocol; returns the response meta."""
+        return bytes(await self._pool(node).request(Op.CHANNEL_GET, meta))
 
     # -- delete, listing, stats -------------------------------------------------------
     async def delete(self, keys: Sequence[str]) -> int:

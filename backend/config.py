@@ -43,6 +43,8 @@ _SIZE_UNITS = {
 MAX_REPLICAS = 8
 MAX_CONNECTIONS_PER_NODE = 64
 MAX_TIMEOUT_MS = 600_000
+# What nccl=on moves bytes over: libnccl between GPUs, or the CPU transport (sockets, same contract).
+CHANNEL_TRANSPORTS = ("nccl", "cpu")
 
 
 def parse_size(text: str, *, name: str = "size") -> int:
@@ -98,6 +100,7 @@ class PoolConfig:
     cluster: str = ""
     tls: bool = False
     shm: bool = True  # read through a same-host node's shared-memory arena when there is one
+    channel_transport: str = "nccl"
 
     def __post_init__(self) -> None:
         if not _NAMESPACE_RE.match(self.namespace):
@@ -110,6 +113,10 @@ class PoolConfig:
             raise ConfigError("cluster", f"{self.cluster!r} must be A-Z a-z 0-9 _ . -")
         if self.tls:
             raise ConfigError("tls", "TLS is not available in this version of kvpool; use tls=off")
+        if self.channel_transport not in CHANNEL_TRANSPORTS:
+            raise ConfigError(
+                "channel_transport", f"{self.channel_transport!r} is not one of {', '.join(CHANNEL_TRANSPORTS)}"
+            )
 
     def __repr__(self) -> str:
         token = "'***'" if self.token else "''"
@@ -117,7 +124,8 @@ class PoolConfig:
             f"PoolConfig(redis={self.redis_host}:{self.redis_port}, namespace={self.namespace!r}, "
             f"token={token}, replicas={self.replicas}, timeout_ms={self.timeout_ms}, "
             f"connections_per_node={self.connections_per_node}, nccl={self.nccl}, "
-            f"cluster={self.cluster!r}, tls={self.tls}, shm={self.shm})"
+            f"cluster={self.cluster!r}, tls={self.tls}, shm={self.shm}, "
+            f"channel_transport={self.channel_transport!r})"
         )
 
     @property
@@ -230,6 +238,7 @@ _OPTION_PARSERS: dict[str, Any] = {
     "cluster": lambda k, v: str(v),
     "tls": _parse_bool,
     "shm": _parse_bool,
+    "channel_transport": lambda k, v: str(v).strip().lower(),
 }
 
 

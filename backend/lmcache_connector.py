@@ -17,10 +17,13 @@ here: they become misses, logged once per cause and counted.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import socket
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,7 +37,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from backend.client import Chunk, PoolClient
 from backend.config import PoolConfig
-from backend.errors import ConfigError, KVPoolError
+from backend.errors import ConfigError, KVPoolError, NcclError
 from backend.lmcache_config import PLUGIN_NAME, url_config_key
 from backend.metrics import register_connector_metrics, unregister_connector_metrics
 from backend.protocol import ItemMeta
@@ -46,6 +49,7 @@ logger = logging.getLogger(__name__)
 ALLOCATE_TIMEOUT_S = 1.0  # LMCache's allocator blocks while its buffer is full: bound it
 ALLOCATE_RETRY_S = 0.002
 CLOSE_TIMEOUT_S = 1.0
+ENDPOINT_TTL_MS = 3_600_000  # a channel endpoint's registration; informational, rendezvous does not need it
 FIX_HINT = (
     "start a pool with `kvpool up` (it prints the URL), or check "
     "extra_config['remote_storage_plugin.kvpool.url'] / KVPOOL_URL"
@@ -119,9 +123,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self._plugin = plugin_name
         # In-process Prometheus: LMCache's own metrics live in the default registry too.
         register_connector_metrics(self._metric_counters, plugin_name)
-        if pool_config.nccl:
-            # TCP is always the fallback path; the GPU-direct channel is not in this build.
-            logger.warning("kvpool: nccl=on requested, but this build has no NCCL channel; chunks move over TCP")
+        self.channel = self._open_channel()  # nccl_channel.channel.NcclChannel with nccl=on, else None
         # Report a pool that is down at start once, loudly: LMCache itself would
         # only ever show misses.
         asyncio.run_coroutine_threadsafe(self._startup_check(), loop)
@@ -248,7 +250,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         try:
-            objs = await self.client.get([k.to_string() for k in keys], self._sink)
+            objs = await self._fetch([k.to_string() for k in keys])
         except KVPoolError as exc:
             self._miss("get", "get failed, reading as misses: %s", exc)
             return [None] * len(keys)
@@ -274,6 +276,89 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             else:
                 prefix.append(obj)
         return prefix
+
+    # -- channel (nccl_channel) --------------------------------------------------------
+    def _open_channel(self) -> Any:
+        """The channel for ``nccl=on``, or None (logged once) when it cannot run here."""
+        if not self.pool_config.nccl:
+            return None
+        if not self.pool_config.cluster:
+            logger.warning("kvpool: nccl=on without cluster=NAME: no node counts as same-cluster; chunks move over TCP")
+            return None
+        from nccl_channel.channel import NcclChannel, make_transport
+        from nccl_channel.rendezvous import Rendezvous
+
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cuda:0"
+        try:
+            transport = make_transport(self.pool_config.channel_transport, device)
+        except NcclError as exc:
+            logger.warning("kvpool: nccl=on, but %s; chunks move over TCP", exc)
+            return None
+        endpoint = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        channel = NcclChannel(transport, Rendezvous(self.client.meta), endpoint, self.pool_config.cluster,
+                              self.client.channel_request, self.pool_config.timeout_s)  # fmt: skip
+        record = json.dumps({"cluster": self.pool_config.cluster, "transport": transport.kind, "pid": os.getpid()})
+        asyncio.run_coroutine_threadsafe(self._register_endpoint(endpoint, record), self.loop)
+        logger.info("kvpool: channel endpoint %s (%s, cluster %s)", endpoint, transport.kind, self.pool_config.cluster)
+        return channel
+
+    async def _register_endpoint(self, endpoint: str, record: str) -> None:
+        try:
+            await self.client.meta.register_endpoint(endpoint, record, ENDPOINT_TTL_MS)
+        except KVPoolError as exc:
+            logger.info("kvpool: channel endpoint %s not registered: %s", endpoint, exc)
+
+    async def _fetch(self, keys: list[str]) -> list[MemoryObj | None]:
+        """Same-cluster hits over the channel when it is on; everything else, and any the channel failed, over TCP."""
+        results: list[Any] = [None] * len(keys)
+        try:
+            todo = await self._fetch_channel(keys, results) if self.channel is not None else list(range(len(keys)))
+            if todo:
+                got = await self.client.get([keys[i] for i in todo], self._sink)
+                for index, obj in zip(todo, got):
+                    results[index] = obj
+                    if obj is not None:
+                        self.counters["get_bytes_tcp"] += len(obj.byte_array)
+        except BaseException:
+            for obj in results:
+                if obj is not None:
+                    obj.ref_count_down()
+            raise
+        return results
+
+    async def _fetch_channel(self, keys: list[str], results: list[Any]) -> list[int]:
+        """Fill ``results`` over the channel, one batch per node; returns the indices left for TCP."""
+        try:
+            plan = await self.client.channel_plan(keys, self.channel.serves)
+        except KVPoolError:
+            return list(range(len(keys)))  # the TCP path meets the same lookup failure and reports it
+        outcomes = await asyncio.gather(
+            *(self.channel.get(node, [keys[i] for i in idx], self._sink) for node, idx in plan.values()),
+            return_exceptions=True,
+        )
+        done: set[int] = set()
+        error: BaseException | None = None
+        for (node, idx), outcome in zip(plan.values(), outcomes):
+            if isinstance(outcome, KVPoolError):  # NcclError, or the node's control path failed
+                self.counters["channel_fallbacks"] += len(idx)
+                if "channel" not in self._logged:
+                    self._logged.add("channel")
+                    logger.warning("kvpool: channel to node %s failed, reading over TCP: %s", node.node_id, outcome)
+                continue
+            if isinstance(outcome, BaseException):
+                error = error or outcome
+                continue
+            for index, obj in zip(idx, outcome):
+                if obj is None or isinstance(obj, BaseException):
+                    continue  # a miss or a bad copy there: TCP tries every copy
+                results[index] = obj
+                done.add(index)
+                self.counters["get_bytes_channel"] += len(obj.byte_array)
+        if error is not None:
+            raise error
+        if done:
+            self._recovered("channel")
+        return [i for i in range(len(keys)) if i not in done]
 
     # -- admin ------------------------------------------------------------------------
     async def list(self) -> list[str]:
@@ -309,6 +394,8 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         unregister_connector_metrics(self._plugin)
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                if self.channel is not None:
+                    await self.channel.close()
                 await self.client.close()
         except TimeoutError:
             logger.warning("kvpool: close took longer than %.1f s; abandoning connections", CLOSE_TIMEOUT_S)

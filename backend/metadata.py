@@ -12,6 +12,8 @@ Key schema (``NS`` is the namespace)::
     kvp:{NS}:hb:<node_id>    liveness; value = epoch, expires after the heartbeat TTL
     kvp:{NS}:draining        set of node ids placement skips (kvpool drain)
     kvp:NS:k:{<key>}         index entry: hash node_id -> "epoch|tier|nbytes|checksum|written_at"
+    kvp:{NS}:rdv:<session>   channel rendezvous offer (JSON), read once by the peer; expires (TTL)
+    kvp:{NS}:ep:<endpoint>   channel endpoint (JSON: cluster, transport); expires unless refreshed
 
 Registry keys share the hash tag ``{NS}`` (one Redis Cluster slot, small); index keys
 are tagged by their own key so the index spreads over every shard.
@@ -133,6 +135,7 @@ class NodeInfo:
     heartbeat_at: float = 0.0
     shm_path: str = ""  # the node's shared-memory arena, readable by same-host clients
     shm_token: str = ""  # written in the arena's header: proves a client opened this node's file
+    channel: str = ""  # channel transport this node serves ("nccl", "cpu"), empty if none
     draining: bool = False  # filled by MetadataStore.nodes() from the draining set
     alive: bool = False  # filled by MetadataStore.nodes(), never stored
 
@@ -194,6 +197,8 @@ class MetadataStore:
         self.nodes_key = f"kvp:{tag}:nodes"
         self.draining_key = f"kvp:{tag}:draining"
         self._hb_prefix = f"kvp:{tag}:hb:"
+        self._rendezvous_prefix = f"kvp:{tag}:rdv:"
+        self._endpoint_prefix = f"kvp:{tag}:ep:"
         self._index_prefix = f"kvp:{namespace}:k:"
 
     # -- keys -------------------------------------------------------------------------
@@ -396,6 +401,31 @@ class MetadataStore:
                 if batch:
                     removed += int(await self._redis.delete(*batch))
         return removed
+
+    # -- channel rendezvous -----------------------------------------------------------
+    def rendezvous_key(self, session: str) -> str:
+        return self._rendezvous_prefix + session
+
+    async def offer_rendezvous(self, session: str, value: str, ttl_ms: int) -> None:
+        """Publish a channel rendezvous offer that expires after ``ttl_ms``."""
+        with _redis_errors("rendezvous offer"):
+            await self._redis.set(self.rendezvous_key(session), value, px=ttl_ms)
+
+    async def take_rendezvous(self, session: str) -> str | None:
+        """Read and delete an offer (one peer joins it once); None if missing or expired."""
+        with _redis_errors("rendezvous take"):
+            value = await self._redis.getdel(self.rendezvous_key(session))
+        return None if value is None else str(value)
+
+    async def register_endpoint(self, endpoint_id: str, value: str, ttl_ms: int) -> None:
+        """Announce a channel endpoint (a client or node that can join communicators) for ``ttl_ms``."""
+        with _redis_errors("endpoint register"):
+            await self._redis.set(self._endpoint_prefix + endpoint_id, value, px=ttl_ms)
+
+    async def endpoint(self, endpoint_id: str) -> str | None:
+        with _redis_errors("endpoint lookup"):
+            value = await self._redis.get(self._endpoint_prefix + endpoint_id)
+        return None if value is None else str(value)
 
     async def raw(self) -> Any:
         """The underlying redis-py client (tests and the CLI's inspection verbs)."""

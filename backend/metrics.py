@@ -377,6 +377,9 @@ CONNECTOR_COUNTERS: dict[str, str] = {
     "get_hits": "Chunks LMCache asked the pool for and received.",
     "get_misses": "Chunks LMCache asked the pool for and did not receive.",
     "shm_get_bytes": "Bytes read through a same-host node's shared-memory arena instead of TCP.",
+    "get_bytes_tcp": "Payload bytes of hits received over the nodes' TCP protocol.",
+    "get_bytes_channel": "Payload bytes of hits received over the channel (nccl=on, same cluster).",
+    "channel_fallbacks": "Chunks the channel failed to bring (NcclError, node or pair failure), then read over TCP.",
 }
 
 

@@ -68,6 +68,10 @@ __all__ = [
     "NO_OFFSET",
     "error_for_status",
     "status_for_error",
+    "encode_channel_request",
+    "decode_channel_request",
+    "encode_channel_response",
+    "decode_channel_response",
 ]
 
 MAGIC = b"KV"
@@ -96,6 +100,7 @@ class Op(enum.IntEnum):
     VERIFY_BATCH = 10  # admin: a node re-checks its own copies' checksums
     LEASE = 11  # pin keys for a while; with LEASE_MAP, answer same-host arena offsets
     RELEASE = 12  # end a lease (or its hold on some keys)
+    CHANNEL_GET = 13  # ask for chunks whose bytes travel over the channel (nccl_channel), not this socket
 
 
 class Status(enum.IntEnum):
@@ -496,3 +501,60 @@ def status_for_error(exc: BaseException) -> Status:
         if isinstance(exc, cls):
             return Status(status)
     return Status.INTERNAL
+
+
+# -- CHANNEL_GET ------------------------------------------------------------------------
+# The request and response are JSON metas with no data section: the bytes travel over
+# the channel's communicator, in the order of the keys that were found.
+MAX_SESSION_BYTES = 64
+
+
+def encode_channel_request(session: str, keys: Sequence[str], limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Meta of a CHANNEL_GET: the rendezvous session of the pair and the keys wanted (may be none)."""
+    if len(keys) > limits.max_items:
+        raise ProtocolError(f"{len(keys)} keys exceed the limit of {limits.max_items}")
+    return _bounded(bytearray(encode_json({"session": session, "keys": list(keys)})), limits)
+
+
+def decode_channel_request(
+    meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> tuple[str, list[str]]:
+    body = decode_json(meta)
+    session, keys = body.get("session"), body.get("keys")
+    if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_BYTES or not session.isascii():
+        raise ProtocolError(f"CHANNEL_GET session must be 1..{MAX_SESSION_BYTES} ASCII characters")
+    if not isinstance(keys, list) or len(keys) > limits.max_items:
+        raise ProtocolError(f"CHANNEL_GET keys must be a list of at most {limits.max_items}")
+    for key in keys:
+        if not isinstance(key, str) or not 0 < len(key.encode("utf-8")) <= limits.max_key_bytes:
+            raise ProtocolError(f"CHANNEL_GET key outside 1..{limits.max_key_bytes} bytes")
+    return session, keys
+
+
+def encode_channel_response(found: Sequence[ItemMeta | None], limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Meta of a CHANNEL_GET response: per key null or [nbytes, checksum, dtype, shape, fmt]."""
+    rows = [None if item is None else [item.nbytes, item.checksum, item.dtype, list(item.shape), item.fmt]
+            for item in found]  # fmt: skip
+    return _bounded(bytearray(encode_json({"found": rows})), limits)
+
+
+def decode_channel_response(
+    meta: bytes | bytearray | memoryview, keys: Sequence[str], limits: Limits = DEFAULT_LIMITS
+) -> list[ItemMeta | None]:
+    rows = decode_json(meta).get("found")
+    if not isinstance(rows, list) or len(rows) != len(keys):
+        raise ProtocolError(f"CHANNEL_GET response does not carry one result per key ({len(keys)})")
+    found: list[ItemMeta | None] = []
+    for key, row in zip(keys, rows):
+        if row is None:
+            found.append(None)
+            continue
+        try:
+            nbytes, item_sum, dtype, shape, fmt = row
+            item = ItemMeta(key, int(nbytes), int(item_sum), str(dtype), tuple(int(d) for d in shape), int(fmt))
+        except (TypeError, ValueError):
+            raise ProtocolError(f"CHANNEL_GET response row for {key[:80]!r} is malformed") from None
+        if not 0 <= item.nbytes <= limits.max_data_bytes or len(item.shape) > limits.max_ndim:
+            raise ProtocolError(f"CHANNEL_GET response row for {key[:80]!r} is out of range")
+        found.append(item)
+    return found

@@ -25,7 +25,16 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from backend.errors import AuthError, CapacityError, KVPoolError, MetadataError, NodeUnavailable, ProtocolError
+from backend.errors import (
+    AuthError,
+    CapacityError,
+    ConfigError,
+    KVPoolError,
+    MetadataError,
+    NcclError,
+    NodeUnavailable,
+    ProtocolError,
+)
 from backend.metadata import Location, MetadataStore, NodeInfo
 from backend.metrics import NodeMetricsServer
 from backend.node.dram import StoredChunk
@@ -46,11 +55,13 @@ from backend.protocol import (
     Op,
     auth_mac,
     checksum,
+    decode_channel_request,
     decode_items,
     decode_json,
     decode_keys,
     decode_lease_request,
     decode_release,
+    encode_channel_response,
     encode_flags,
     encode_get_response,
     encode_header,
@@ -100,6 +111,8 @@ class NodeConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     shm_dir: Path | None = None  # shared-memory arena for same-host clients; None: off
+    channel: str = "off"  # serve CHANNEL_GET over this transport: "off", "cpu" or "nccl" (nccl_channel)
+    device: str = "cuda:0"  # the CUDA device of the NCCL channel
 
     def tier_config(self) -> TierConfig:
         return TierConfig(
@@ -134,6 +147,7 @@ class PoolNode:
             lambda: collections.deque(maxlen=LATENCY_SAMPLES)
         )
         self._stopping = asyncio.Event()
+        self.channel: Any = None  # nccl_channel.channel.ChannelServer once started, if configured
 
     # -- lifecycle --------------------------------------------------------------------
     @property
@@ -173,6 +187,7 @@ class PoolNode:
             await self.metrics.start()
             logger.info("node %s: metrics at http://%s:%d/metrics", self.node_id, self.config.metrics_host,
                         self.metrics.port)  # fmt: skip
+        self._start_channel()
         self._generation = await self.meta.ensure_marker()
         self.epoch = await self.meta.new_epoch()
         if self.recovery is not None and self.recovery.files:
@@ -212,6 +227,8 @@ class PoolNode:
             logger.warning("node %s: could not deregister cleanly: %s", self.node_id, exc)
         if self.metrics is not None:
             await self.metrics.stop()
+        if self.channel is not None:
+            self.channel.close()
         await self.tiers.close()
         await self.meta.close()
         logger.info("node %s stopped", self.node_id)
@@ -223,6 +240,7 @@ class PoolNode:
             port=self.port,
             epoch=self.epoch,
             cluster=self.config.cluster,
+            channel=self.channel.kind if self.channel is not None else "",
             hostname=socket.gethostname(),
             pid=os.getpid(),
             started_at=self.started_at,
@@ -240,7 +258,9 @@ class PoolNode:
             "node_id": self.node_id,
             "epoch": self.epoch,
             "uptime_s": round(time.monotonic() - self._started_monotonic, 3),
-            "counters": dict(self.counters + self.tiers.counters + self.tiers.leases.counters),
+            "counters": dict(
+                self.counters + self.tiers.counters + self.tiers.leases.counters + self._channel_counters()
+            ),
             "objects": len(self.tiers),
             "leases": len(self.tiers.leases),
             "arena": self.tiers.arena.stats() if self.tiers.arena is not None else None,
@@ -603,6 +623,8 @@ class PoolNode:
         if op == Op.RELEASE:
             lease_id, keys = decode_release(meta, limits)
             return encode_json({"released": self.tiers.leases.release(lease_id, keys)}), []
+        if op == Op.CHANNEL_GET:
+            return await self._channel_get(meta)
         if op == Op.STAT:
             return encode_json(self.stats()), []
         if op == Op.PING:
@@ -643,6 +665,47 @@ class PoolNode:
             held.append(key)
         lease_id = self.tiers.leases.grant(held, chunks, ttl_ms) if held else 0
         return encode_lease_response(lease_id, found, self.config.limits)
+
+    # -- channel (nccl_channel) --------------------------------------------------------
+    def _start_channel(self) -> None:
+        """Build the channel server for ``config.channel``; ConfigError if it cannot run here."""
+        if self.config.channel == "off":
+            return
+        from nccl_channel.channel import ChannelServer, make_transport
+        from nccl_channel.rendezvous import Rendezvous
+
+        try:
+            transport = make_transport(self.config.channel, self.config.device)
+        except NcclError as exc:
+            raise ConfigError("--channel", str(exc)) from None
+        self.channel = ChannelServer(transport, Rendezvous(self.meta), self.node_id, self.config.cluster,
+                                     self.config.redis_timeout_ms / 1000)  # fmt: skip
+
+    def _channel_counters(self) -> Counter[str]:
+        return Counter(self.channel.counters) if self.channel is not None else Counter()
+
+    async def _channel_get(self, meta: bytearray) -> tuple[bytes, list[Buffer]]:
+        """CHANNEL_GET: join the pair if new, answer which keys are held, send their bytes over the pair."""
+        if self.channel is None:
+            raise ProtocolError(f"node {self.node_id} serves no channel (start it with --channel)")
+        session, keys = decode_channel_request(meta, self.config.limits)
+        await self.channel.join(session)  # NcclError: answered as an error; the client falls back to TCP
+        found: list[ItemMeta | None] = []
+        buffers: list[Buffer] = []
+        for key in keys:
+            chunk = await self.tiers.get(key)
+            self.counters["channel_gets"] += 1
+            if chunk is None:
+                self.counters["channel_misses"] += 1
+                found.append(None)
+            else:
+                self.counters["channel_hits"] += 1
+                found.append(chunk.meta)
+                buffers.append(chunk.buffer)
+        if buffers:
+            # The client receives after reading the answer; the pair's lock keeps batches in order.
+            self._spawn(self.channel.send(session, buffers))
+        return encode_channel_response(found, self.config.limits), []
 
 
 def _inventory_page(tiers: TierManager, after: str, limit: int) -> tuple[list[list[Any]], bool]:

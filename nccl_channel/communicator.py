@@ -1,0 +1,166 @@
+"""PairCommunicator: a 2-rank NCCL communicator that moves contiguous torch tensors.
+
+One communicator per (client, server) pair, with its own CUDA stream. Creation and
+every transfer are bounded: the communicator is created non-blocking and polled
+with ``ncclCommGetAsyncError``; a transfer is issued inside one NCCL group and its
+completion is polled with a CUDA event. When the deadline passes, the communicator
+is aborted (``ncclCommAbort`` stops its kernels) and :class:`NcclError` is raised, so
+the caller can fall back to TCP instead of hanging. Close explicitly; nothing is torn
+down in ``__del__`` (a destroy there could block on a peer at interpreter exit).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from backend.errors import NcclError
+from nccl_channel.library import NCCL_IN_PROGRESS, NCCL_SUCCESS, NCCL_TIMEOUT, NcclLibrary, NcclUniqueId
+
+__all__ = ["PairCommunicator"]
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.0005
+MAX_POLL_S = 0.01
+
+
+def _contiguous_bytes(tensor: torch.Tensor, what: str) -> int:
+    if not tensor.is_cuda:
+        raise NcclError(f"{what}: NCCL moves CUDA tensors, got one on {tensor.device}")
+    if not tensor.is_contiguous():
+        raise NcclError(f"{what}: the tensor is not contiguous")
+    return int(tensor.numel() * tensor.element_size())
+
+
+class PairCommunicator:
+    """A communicator of ``world_size`` ranks (2 for a pair; 1 for a self test) on one device."""
+
+    def __init__(self, lib: NcclLibrary, comm: Any, rank: int, world_size: int, device: torch.device) -> None:
+        self.lib = lib
+        self.comm = comm
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self.broken = False
+        self.closed = False
+
+    @property
+    def peer(self) -> int:
+        return (self.rank + 1) % self.world_size
+
+    @classmethod
+    def create(cls, lib: NcclLibrary, uid: NcclUniqueId, rank: int, world_size: int, device: torch.device | str,
+               timeout_s: float) -> PairCommunicator:  # fmt: skip
+        """Join a communicator; every rank calls this with the same ``uid``. Aborted at the deadline."""
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise NcclError(f"NCCL needs a CUDA device, got {dev}")
+        with torch.cuda.device(dev):
+            comm, result = lib.comm_init_rank_config(world_size, uid, rank)
+            try:
+                _wait_ready(lib, comm, result, time.monotonic() + timeout_s, f"creating rank {rank} of {world_size}")
+            except NcclError:
+                _abort_quietly(lib, comm)
+                raise
+        return cls(lib, comm, rank, world_size, dev)
+
+    def send(self, tensors: Sequence[torch.Tensor], timeout_s: float, peer: int | None = None) -> None:
+        """Send every tensor to ``peer`` inside one NCCL group and wait for completion."""
+        self._run([(t, "send") for t in tensors], timeout_s, peer)
+
+    def recv(self, tensors: Sequence[torch.Tensor], timeout_s: float, peer: int | None = None) -> None:
+        """Receive into every tensor from ``peer`` inside one NCCL group and wait for completion."""
+        self._run([(t, "recv") for t in tensors], timeout_s, peer)
+
+    def exchange(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], timeout_s: float,
+                 peer: int | None = None) -> None:  # fmt: skip
+        """Sends and receives in one group (with ``world_size == 1`` this is a self copy)."""
+        self._run([*((t, "send") for t in sends), *((t, "recv") for t in recvs)], timeout_s, peer)
+
+    def _run(self, ops: list[tuple[torch.Tensor, str]], timeout_s: float, peer: int | None) -> None:
+        if self.closed or self.broken:
+            raise NcclError("the communicator was closed or aborted")
+        target = self.peer if peer is None else peer
+        deadline = time.monotonic() + timeout_s
+        sizes = [_contiguous_bytes(t, f"{kind} {i}") for i, (t, kind) in enumerate(ops)]
+        # The stream must see the producer's writes (staging copies on the current stream).
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream_handle = int(self.stream.cuda_stream)
+        try:
+            with torch.cuda.device(self.device):
+                self.lib.group_start()
+                try:
+                    for (tensor, kind), nbytes in zip(ops, sizes):
+                        issue = self.lib.send if kind == "send" else self.lib.recv
+                        issue(int(tensor.data_ptr()), nbytes, target, self.comm, stream_handle)
+                finally:
+                    result = self.lib.group_end()
+                _wait_ready(self.lib, self.comm, result, deadline, "issuing the group")
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                _wait_event(done, deadline)
+        except NcclError:
+            self.abort()
+            raise
+        for tensor, _ in ops:
+            tensor.record_stream(self.stream)
+
+    def abort(self) -> None:
+        """Stop everything in flight and free the communicator; never blocks on the peer."""
+        if self.closed:
+            return
+        self.broken = True
+        self.closed = True
+        try:
+            self.lib.comm_abort(self.comm)
+        except NcclError as exc:
+            logger.warning("nccl: abort failed: %s", exc)
+
+    def close(self) -> None:
+        """Free the communicator once its work is done (abort if it is broken)."""
+        if self.closed:
+            return
+        if self.broken:
+            self.abort()
+            return
+        self.closed = True
+        try:
+            self.lib.comm_destroy(self.comm)
+        except NcclError as exc:
+            logger.warning("nccl: destroy failed: %s", exc)
+
+
+def _wait_ready(lib: NcclLibrary, comm: Any, result: int, deadline: float, what: str) -> None:
+    """Poll a non-blocking communicator until it is ready; NcclError at the deadline (the caller aborts)."""
+    state = result
+    pause = POLL_S
+    while state == NCCL_IN_PROGRESS:
+        if time.monotonic() >= deadline:
+            raise NcclError(f"{what} timed out", NCCL_TIMEOUT, lib.error_string(NCCL_TIMEOUT))
+        time.sleep(pause)
+        pause = min(pause * 2, MAX_POLL_S)
+        state = lib.comm_async_error(comm)
+    if state != NCCL_SUCCESS:
+        raise NcclError(f"{what} failed", state, lib.error_string(state))
+
+
+def _abort_quietly(lib: NcclLibrary, comm: Any) -> None:
+    try:
+        lib.comm_abort(comm)
+    except NcclError as exc:
+        logger.warning("nccl: abort failed: %s", exc)
+
+
+def _wait_event(event: torch.cuda.Event, deadline: float) -> None:
+    pause = POLL_S
+    while not event.query():
+        if time.monotonic() >= deadline:
+            raise NcclError("transfer did not complete in time", NCCL_TIMEOUT, "timeout")
+        time.sleep(pause)
+        pause = min(pause * 2, MAX_POLL_S)

@@ -1,0 +1,96 @@
+"""Unique-id exchange through the metadata layer, so two processes that know only
+each other's id can build a communicator.
+
+The side that starts a pair (rank 0, the client) makes the transport's unique id
+and publishes an :class:`Offer` under a fresh session id, as a Redis key with a TTL
+(``kvp:{NS}:rdv:<session>``). It then tells the peer the session id over the node's
+TCP protocol; the peer takes the offer (read and delete: it is joined once), checks
+that it is meant for it, and joins as rank 1. An offer nobody takes expires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from typing import Protocol
+
+from backend.errors import MetadataError, NcclError
+
+__all__ = ["Offer", "RendezvousStore", "Rendezvous", "new_session"]
+
+DEFAULT_TTL_MS = 30_000
+
+
+class RendezvousStore(Protocol):
+    """What the rendezvous needs of the metadata layer (``backend.metadata.MetadataStore``)."""
+
+    async def offer_rendezvous(self, session: str, value: str, ttl_ms: int) -> None: ...
+
+    async def take_rendezvous(self, session: str) -> str | None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Offer:
+    """What rank 0 publishes: who offers, to whom, over which transport, with which id."""
+
+    session: str
+    transport: str
+    unique_id: bytes
+    initiator: str  # endpoint id of rank 0
+    target: str  # node id that may join
+    cluster: str
+
+    def encode(self) -> str:
+        body = dataclasses.asdict(self)
+        body["unique_id"] = self.unique_id.hex()
+        return json.dumps(body, sort_keys=True)
+
+    @classmethod
+    def decode(cls, text: str) -> Offer:
+        try:
+            body = json.loads(text)
+            return cls(
+                session=str(body["session"]), transport=str(body["transport"]),
+                unique_id=bytes.fromhex(str(body["unique_id"])), initiator=str(body["initiator"]),
+                target=str(body["target"]), cluster=str(body["cluster"]),
+            )  # fmt: skip
+        except (ValueError, KeyError, TypeError) as exc:
+            raise NcclError(f"rendezvous offer is malformed: {exc}") from None
+
+
+def new_session() -> str:
+    return uuid.uuid4().hex
+
+
+class Rendezvous:
+    """Publishes and takes offers through a :class:`RendezvousStore`."""
+
+    def __init__(self, store: RendezvousStore, ttl_ms: int = DEFAULT_TTL_MS) -> None:
+        if ttl_ms <= 0:
+            raise ValueError(f"rendezvous TTL must be positive, got {ttl_ms} ms")
+        self.store = store
+        self.ttl_ms = ttl_ms
+
+    async def publish(self, offer: Offer) -> None:
+        try:
+            await self.store.offer_rendezvous(offer.session, offer.encode(), self.ttl_ms)
+        except MetadataError as exc:
+            raise NcclError(f"cannot publish rendezvous {offer.session}: {exc}") from None
+
+    async def take(self, session: str, *, target: str, cluster: str, transport: str) -> Offer:
+        """The offer for ``session``, checked to be meant for this endpoint; NcclError otherwise."""
+        try:
+            text = await self.store.take_rendezvous(session)
+        except MetadataError as exc:
+            raise NcclError(f"cannot read rendezvous {session}: {exc}") from None
+        if text is None:
+            raise NcclError(f"rendezvous {session} is missing or expired")
+        offer = Offer.decode(text)
+        if offer.session != session or offer.target != target:
+            raise NcclError(f"rendezvous {session} is meant for {offer.target!r}, not {target!r}")
+        if offer.cluster != cluster:
+            raise NcclError(f"rendezvous {session} comes from cluster {offer.cluster!r}; this is {cluster!r}")
+        if offer.transport != transport:
+            raise NcclError(f"rendezvous {session} wants transport {offer.transport!r}; this side has {transport!r}")
+        return offer

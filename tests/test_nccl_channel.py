@@ -1,0 +1,227 @@
+"""The channel over its CPU transport: real redis-server, real node processes, real sockets.
+
+The CPU transport has the NCCL transport's contract, so this exercises everything
+but libnccl itself: rendezvous through Redis, the pair cache, batches, timeouts,
+peer death mid-transfer, and the fallback to TCP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+
+from backend import Chunk, KVPoolError, NcclError, PoolClient, PoolConfig, ProtocolError
+from backend.client import BytesSink
+from backend.metadata import MetadataStore
+from backend.protocol import Op, encode_channel_request, encode_json
+from nccl_channel.channel import ChannelServer, CpuTransport, NcclChannel
+from nccl_channel.rendezvous import Offer, Rendezvous, new_session
+from tests.conftest import wait_until
+
+CLUSTER = "rack-a"
+TIMEOUT_MS = 1000
+
+
+def _chunks(prefix: str, count: int, size: int) -> list[Chunk]:
+    return [Chunk(f"{prefix}@{i}", os.urandom(size)) for i in range(count)]
+
+
+@pytest.fixture
+async def client(pool_url) -> AsyncIterator[PoolClient]:
+    pool = PoolClient(PoolConfig.from_url(f"{pool_url}?cluster={CLUSTER}&timeout_ms={TIMEOUT_MS}"))
+    yield pool
+    await pool.close()
+
+
+def _channel(client: PoolClient, transport: CpuTransport | None = None) -> NcclChannel:
+    return NcclChannel(transport or CpuTransport(), Rendezvous(client.meta), "test-endpoint", CLUSTER,
+                       client.channel_request, client.config.timeout_s)  # fmt: skip
+
+
+async def _node_info(client: PoolClient, node_id: str):
+    return next(n for n in await client.nodes(refresh=True) if n.node_id == node_id)
+
+
+# -- rendezvous -------------------------------------------------------------------------------
+async def test_an_offer_is_taken_once_and_only_by_its_target(redis_server, namespace):
+    store = MetadataStore(redis_server.url, namespace)
+    rdv = Rendezvous(store)
+    try:
+        offer = Offer(new_session(), "cpu", b"\x01\x02", "client-1", "node-1", CLUSTER)
+        await rdv.publish(offer)
+        with pytest.raises(NcclError, match="meant for 'node-1', not 'node-2'"):
+            await rdv.take(offer.session, target="node-2", cluster=CLUSTER, transport="cpu")
+        await rdv.publish(offer)
+        got = await rdv.take(offer.session, target="node-1", cluster=CLUSTER, transport="cpu")
+        assert got == offer
+        with pytest.raises(NcclError, match="missing or expired"):
+            await rdv.take(offer.session, target="node-1", cluster=CLUSTER, transport="cpu")
+        await rdv.publish(offer)
+        with pytest.raises(NcclError, match="comes from cluster 'rack-a'; this is 'rack-b'"):
+            await rdv.take(offer.session, target="node-1", cluster="rack-b", transport="cpu")
+        await rdv.publish(offer)
+        with pytest.raises(NcclError, match="wants transport 'cpu'; this side has 'nccl'"):
+            await rdv.take(offer.session, target="node-1", cluster=CLUSTER, transport="nccl")
+    finally:
+        await store.close()
+
+
+async def test_an_untaken_offer_expires_in_redis(redis_server, namespace):
+    store = MetadataStore(redis_server.url, namespace)
+    try:
+        offer = Offer(new_session(), "cpu", b"id", "client-1", "node-1", CLUSTER)
+        await Rendezvous(store, ttl_ms=100).publish(offer)
+        redis = await store.raw()
+        assert 0 < await redis.pttl(store.rendezvous_key(offer.session)) <= 100
+        for _ in range(100):  # bounded: at most ~5 s
+            if not await redis.exists(store.rendezvous_key(offer.session)):
+                break
+            await asyncio.sleep(0.05)
+        assert not await redis.exists(store.rendezvous_key(offer.session))
+    finally:
+        await store.close()
+
+
+async def test_cpu_transport_pairs_two_ends_from_the_published_id_alone(redis_server, namespace):
+    store = MetadataStore(redis_server.url, namespace)
+    server = ChannelServer(CpuTransport(), Rendezvous(store), "node-x", CLUSTER, timeout_s=5.0)
+    transport = CpuTransport()
+    unique_id, state = transport.prepare()
+    try:
+        session = new_session()
+        await Rendezvous(store).publish(Offer(session, "cpu", unique_id, "client-x", "node-x", CLUSTER))
+        link, _ = await asyncio.gather(asyncio.to_thread(transport.join, unique_id, 0, state, 5.0),
+                                       server.join(session))  # fmt: skip
+        payload = [os.urandom(1000), b"", os.urandom(70_000)]
+        received = asyncio.ensure_future(asyncio.to_thread(link.recv, [len(p) for p in payload], 5.0))
+        await server.send(session, payload)
+        got = await received
+        assert [bytes(t.numpy()) for t in got] == payload
+        assert server.counters["channel_bytes"] == 71_000
+        link.close()
+    finally:
+        transport.discard(state)
+        server.close()
+        await store.close()
+
+
+# -- against a real node ---------------------------------------------------------------------
+async def test_a_batch_arrives_byte_identical_and_the_pair_is_reused(node_factory, client):
+    node = node_factory("--cluster", CLUSTER, "--channel", "cpu")
+    chunks = _chunks("batch", 12, 300_000)
+    await client.put(chunks)
+    info = await _node_info(client, node.node_id)
+    assert info.channel == "cpu" and info.cluster == CLUSTER
+    channel = _channel(client)
+    try:
+        assert channel.serves(info)
+        keys = [c.key for c in chunks]
+        got = await channel.get(info, [*keys[:6], "batch@missing", *keys[6:]], BytesSink())
+        assert got[6] is None
+        assert [bytes(g.data) for g in got[:6] + got[7:]] == [bytes(c.data) for c in chunks]
+        again = await channel.get(info, keys[::-1], BytesSink())
+        assert [bytes(g.data) for g in again] == [bytes(c.data) for c in chunks[::-1]]
+        assert channel.counters["pairs_created"] == 1 and channel.pair_count() == 1
+        stats = await client.node_stats(info)
+        assert stats["counters"]["channel_pairs"] == 1
+        assert stats["counters"]["channel_hits"] == 24 and stats["counters"]["channel_misses"] == 1
+        assert stats["counters"]["channel_bytes"] == 2 * 12 * 300_000
+    finally:
+        await channel.close()
+
+
+async def test_concurrent_gets_on_one_pair_are_serialised_and_all_correct(node_factory, client):
+    node = node_factory("--cluster", CLUSTER, "--channel", "cpu")
+    chunks = _chunks("conc", 8, 200_000)
+    await client.put(chunks)
+    info = await _node_info(client, node.node_id)
+    channel = _channel(client)
+    try:
+        results = await asyncio.gather(*(channel.get(info, [c.key], BytesSink()) for c in chunks))
+        assert [bytes(r[0].data) for r in results] == [bytes(c.data) for c in chunks]
+        assert channel.counters["pairs_created"] == 1
+    finally:
+        await channel.close()
+
+
+async def test_a_node_of_another_cluster_or_without_channel_is_not_served(node_factory, client):
+    other = node_factory("--cluster", "rack-b", "--channel", "cpu")
+    plain = node_factory("--cluster", CLUSTER)
+    channel = _channel(client)
+    nodes = {n.node_id: n for n in await client.nodes(refresh=True)}
+    assert not channel.serves(nodes[other.node_id])
+    assert not channel.serves(nodes[plain.node_id])
+    with pytest.raises(KVPoolError, match="serves no channel"):
+        await client.channel_request(nodes[plain.node_id], encode_channel_request(new_session(), []))
+
+
+async def test_a_node_refuses_an_unknown_session_and_a_malformed_request(node_factory, client):
+    node = node_factory("--cluster", CLUSTER, "--channel", "cpu")
+    info = await _node_info(client, node.node_id)
+    with pytest.raises(KVPoolError, match="missing or expired"):
+        await client.channel_request(info, encode_channel_request(new_session(), ["k"]))
+    with pytest.raises(ProtocolError, match="session must be"):
+        await client.channel_request(info, encode_json({"keys": []}))
+    assert node.alive()
+
+
+async def test_peer_death_mid_transfer_aborts_the_pair_and_a_new_node_pairs_again(node_factory, client):
+    """The node is killed after the first chunk of a batch arrived: NcclError, pair dropped."""
+    node = node_factory("--cluster", CLUSTER, "--channel", "cpu")
+    chunks = _chunks("death", 8, 4 * 1024 * 1024)  # far more than the socket buffers hold
+    await client.put(chunks)
+    info = await _node_info(client, node.node_id)
+    transport = CpuTransport(progress=lambda index: node.kill() if index == 0 else None)
+    channel = _channel(client, transport)
+    try:
+        with pytest.raises(NcclError, match=r"closed the channel mid-transfer|receive failed"):
+            await channel.get(info, [c.key for c in chunks], BytesSink())
+        assert channel.pair_count() == 0 and channel.counters["pair_failures"] == 1
+    finally:
+        await channel.close()
+
+
+async def test_a_stalled_peer_times_out_instead_of_hanging(node_factory, client):
+    node = node_factory("--cluster", CLUSTER, "--channel", "cpu")
+    chunks = _chunks("stall", 8, 4 * 1024 * 1024)
+    await client.put(chunks)
+    info = await _node_info(client, node.node_id)
+    transport = CpuTransport(progress=lambda index: node.pause() if index == 0 else None)
+    channel = _channel(client, transport)
+    try:
+        async with asyncio.timeout(60):  # the channel's own bound is ~1.6 s; this only guards the test
+            with pytest.raises(NcclError, match="timed out"):
+                await channel.get(info, [c.key for c in chunks], BytesSink())
+        assert channel.pair_count() == 0
+    finally:
+        node.resume()
+        await channel.close()
+    # The node survives a client that gave up: its send fails, the pair is dropped, it keeps serving.
+    fresh = _channel(client)
+    try:
+        got = await fresh.get(info, [chunks[0].key], BytesSink())
+        assert bytes(got[0].data) == bytes(chunks[0].data)
+    finally:
+        await fresh.close()
+    assert wait_until(lambda: "pair dropped" in node.log, 30.0)
+
+
+def test_channel_messages_round_trip_and_reject_what_is_malformed():
+    from backend.protocol import ItemMeta, decode_channel_request, decode_channel_response, encode_channel_response
+
+    assert Op.CHANNEL_GET == 13  # 11 and 12 belong to other ops
+    assert decode_channel_request(encode_channel_request("s1", ["a", "b"])) == ("s1", ["a", "b"])
+    item = ItemMeta("b", 10, 99, "bfloat16", (2, 5), 1)
+    meta = encode_channel_response([None, item])
+    assert decode_channel_response(meta, ["a", "b"]) == [None, item]
+    with pytest.raises(ProtocolError, match="one result per key"):
+        decode_channel_response(meta, ["a"])
+    with pytest.raises(ProtocolError, match="malformed"):
+        decode_channel_response(encode_json({"found": [[1, 2]]}), ["a"])
+    with pytest.raises(ProtocolError, match="key outside"):
+        decode_channel_request(encode_json({"session": "s", "keys": [""]}))
+    with pytest.raises(ProtocolError, match="session must be"):
+        decode_channel_request(encode_json({"session": "x" * 65, "keys": []}))

@@ -1,0 +1,145 @@
+"""The NCCL channel on a real GPU (marked ``gpu``; skipped cleanly without one).
+
+``bench/device_check.sh`` runs these and the bandwidth measurement. NCCL refuses two
+ranks on one GPU: single-GPU tests use a 1-rank communicator sending to itself inside
+one group; the two-process test needs two GPUs and is skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+GPUS = torch.cuda.device_count()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")]
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def lib():
+    import nccl_channel
+    from nccl_channel.library import load_library
+
+    status = nccl_channel.available()
+    if not status:
+        pytest.skip(f"NCCL channel unavailable: {status.reason}")
+    return load_library()
+
+
+def test_the_binding_loads_and_reports_its_version(lib):
+    from nccl_channel.library import version_string
+
+    version = lib.version()
+    print(f"libnccl {version_string(version)} from {lib.path}")
+    assert version >= 21700
+
+
+def test_self_send_and_recv_inside_one_group_move_the_bytes(lib):
+    from nccl_channel.communicator import PairCommunicator
+
+    comm = PairCommunicator.create(lib, lib.unique_id(), 0, 1, "cuda:0", TIMEOUT_S)
+    try:
+        sources = [torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda:0") for n in (1, 4096, 3 << 20)]
+        targets = [torch.zeros_like(s) for s in sources]
+        comm.exchange(sources, targets, TIMEOUT_S, peer=0)
+        assert all(torch.equal(s, t) for s, t in zip(sources, targets))
+    finally:
+        comm.close()
+
+
+def test_staging_is_copied_into_an_lmcache_memory_object_and_verified(lib):
+    from backend.protocol import checksum
+    from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config, same_bytes
+    from nccl_channel.channel import _copy_and_verify
+    from nccl_channel.communicator import PairCommunicator
+
+    stack = LMCacheStack(kvpool_lmcache_config("kvpool://127.0.0.1:1/none?timeout_ms=200"))
+    comm = PairCommunicator.create(lib, lib.unique_id(), 0, 1, "cuda:0", TIMEOUT_S)
+    expected = stack.make_object(7)
+    target = stack.make_object(8)
+    try:
+        source = expected.tensor.view(torch.uint8).reshape(-1).to("cuda:0")
+        staging = torch.empty_like(source)
+        comm.exchange([source], [staging], TIMEOUT_S, peer=0)
+        view = memoryview(target.byte_array).cast("B")
+        assert _copy_and_verify([(view, staging, checksum(memoryview(expected.byte_array).cast("B")))]) == [True]
+        assert same_bytes(target, expected)
+    finally:
+        comm.close()
+        stack.release([expected, target])
+        stack.close()
+
+
+def test_nccl_bandwidth_against_a_device_to_device_copy(lib):
+    from bench.nccl_bandwidth import measure
+
+    result = measure([2, 32], iters=5)
+    for row in result["rows"]:
+        print(
+            f"{row['size_mib']} MiB: torch D2D {row['torch_d2d_gbps']:.1f} GB/s, NCCL {row['nccl_self_gbps']:.1f} GB/s"
+        )
+        assert row["torch_d2d_gbps"] > 0 and row["nccl_self_gbps"] > 0
+
+
+PAIR_WORKER = textwrap.dedent("""
+    import asyncio, sys, torch
+    from backend.metadata import MetadataStore
+    from nccl_channel.library import load_library
+    from nccl_channel.channel import NcclTransport
+    from nccl_channel.rendezvous import Offer, Rendezvous
+
+    rank, redis_url, namespace, session = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    transport = NcclTransport(f"cuda:{rank}")
+
+    async def main():
+        store = MetadataStore(redis_url, namespace)
+        rdv = Rendezvous(store)
+        if rank == 0:
+            uid, state = transport.prepare()
+            await rdv.publish(Offer(session, "nccl", uid, "rank0", "rank1", "c"))
+        else:
+            for _ in range(600):
+                try:
+                    uid = (await rdv.take(session, target="rank1", cluster="c", transport="nccl")).unique_id
+                    break
+                except Exception:
+                    await asyncio.sleep(0.05)
+        await store.close()
+        link = await asyncio.to_thread(transport.join, uid, rank, None, 60.0)
+        payload = bytes(range(256)) * 4096
+        if rank == 1:
+            link.send([payload, payload[:1000]], 60.0)
+        else:
+            got = link.recv([len(payload), 1000], 60.0)
+            assert bytes(got[0].cpu().numpy()) == payload and bytes(got[1].cpu().numpy()) == payload[:1000]
+        link.close()
+        print("ok")
+
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.skipif(GPUS < 2, reason="NCCL refuses two ranks on one GPU: the pair test needs 2 GPUs")
+def test_two_processes_pair_through_redis_and_move_a_batch(lib, redis_server, namespace):
+    import uuid
+
+    session = uuid.uuid4().hex
+    procs = [subprocess.Popen([sys.executable, "-c", PAIR_WORKER, str(rank), redis_server.url, namespace, session],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]  # fmt: skip
+    outputs = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        outputs.append((proc.returncode, out, err))
+    for code, out, err in outputs:
+        assert code == 0 and "ok" in out, err[-3000:]
