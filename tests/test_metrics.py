@@ -319,8 +319,11 @@ def _source_counters() -> tuple[set[str], set[str]]:
     """
     literal = re.compile(r'"([a-z_][a-z0-9_]*)"')
     node = set()
-    for path in sorted((REPO / "backend" / "node").glob("*.py")):
-        for index in re.findall(r"counters\[([^\]]+)\]", path.read_text()):
+    sources = [path.read_text() for path in sorted((REPO / "backend" / "node").glob("*.py"))]
+    channel = (REPO / "nccl_channel" / "channel.py").read_text()
+    sources.append(channel[channel.index("class ChannelServer") :])  # a node started with --channel adds these
+    for text in sources:
+        for index in re.findall(r"counters\[([^\]]+)\]", text):
             node |= set(literal.findall(index))
     source = (REPO / "backend" / "lmcache_connector.py").read_text()
     connector = {name for index in re.findall(r"counters\[([^\]]+)\]", source) for name in literal.findall(index)}
