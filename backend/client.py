@@ -80,6 +80,7 @@ PUT_ATTEMPTS = 3  # first choice, then the next-ranked nodes
 # A same-host read holds its lease from the LEASE answer until the copy is done; the
 # longest wait in between is the caller's allocator (the LMCache connector bounds it at 1 s).
 SHM_LEASE_MS = 10_000
+SHM_LEASE_TRUST = 0.5  # copy from the arena only within this share of the lease (clocks, queueing)
 MAX_LOCK_TTL_MS = 600_000  # the node's bound (backend.node.leases.MAX_LEASE_TTL_MS)
 
 
@@ -305,6 +306,7 @@ class _NodeConnection:
 
 
 DECLINED = object()  # the sink had no room: a miss for this call only, the copy is fine
+TCP = object()  # a mapped read that must be redone over TCP
 
 
 def _release_results(sink: Sink[Any] | None, results: Sequence[Any]) -> None:
@@ -664,21 +666,38 @@ class PoolClient:
     async def _get_mapped(
         self, node: NodeInfo, arena: ArenaView, wanted: list[tuple[str, int]], sink: Sink[Any]
     ) -> list[Any]:
-        """LEASE the keys with offsets, copy each from the arena, release; chunks without a region go over TCP."""
+        """LEASE the keys with offsets, copy each from the arena while the lease holds, release.
+
+        A chunk goes over TCP instead when the node gives it no region (it could not
+        promote it into the arena), when the node refuses the lease (its lease table
+        is full), when the sink kept us waiting so long that the lease may be ending,
+        or when the mapped copy fails its checksum: the TCP read then decides whether
+        the chunk itself is bad, so a mapped read never drops a copy on its own.
+        """
         pool = self._pool(node)
-        out: list[Any] = []
+        out: list[Any] = [None] * len(wanted)
         over_tcp: list[int] = []
         try:
             for start in range(0, len(wanted), MAX_FRAME_ITEMS):
                 keys = [key for key, _ in wanted[start : start + MAX_FRAME_ITEMS]]
-                reply = await pool.request(Op.LEASE, encode_lease_request(keys, SHM_LEASE_MS, LEASE_MAP))
+                trust_until = time.monotonic() + SHM_LEASE_MS / 1000 * SHM_LEASE_TRUST
+                try:
+                    reply = await pool.request(Op.LEASE, encode_lease_request(keys, SHM_LEASE_MS, LEASE_MAP))
+                except CapacityError:
+                    over_tcp.extend(range(start, start + len(keys)))
+                    continue
                 lease_id, found = decode_lease_response(reply, keys)
                 try:
                     for index, entry in enumerate(found, start):
-                        if entry is not None and entry[1] is None:
+                        if entry is None:
+                            continue
+                        item, offset = entry
+                        got = TCP if offset is None else await self._copy_mapped(node, arena, item, offset,
+                                                                                   sink, trust_until)  # fmt: skip
+                        if got is TCP:
                             over_tcp.append(index)
-                        out.append(None if entry is None or entry[1] is None else
-                                   await self._copy_mapped(node, arena, entry[0], entry[1], sink))  # fmt: skip
+                        else:
+                            out[index] = got
                 finally:
                     if lease_id:
                         self._spawn(self._release_quietly(pool, lease_id))
@@ -691,7 +710,10 @@ class PoolClient:
             raise
         return out
 
-    async def _copy_mapped(self, node: NodeInfo, arena: ArenaView, item: ItemMeta, offset: int, sink: Sink[Any]) -> Any:
+    async def _copy_mapped(
+        self, node: NodeInfo, arena: ArenaView, item: ItemMeta, offset: int, sink: Sink[Any], trust_until: float
+    ) -> Any:
+        """Copy one leased chunk from the arena into a sink buffer; TCP when the copy cannot be trusted."""
         allocated = await sink.allocate(item)
         if allocated is None:
             return DECLINED
@@ -700,18 +722,20 @@ class PoolClient:
         try:
             if len(view) != item.nbytes:
                 raise ProtocolError(f"sink gave {len(view)} bytes for a {item.nbytes}-byte item")
-            try:
-                arena.copy_into(view, offset)
-            except ValueError as exc:
-                raise ProtocolError(f"node {node.node_id} answered a bad arena offset: {exc}") from None
+            if time.monotonic() < trust_until:
+                try:
+                    arena.copy_into(view, offset)
+                except ValueError as exc:
+                    raise ProtocolError(f"node {node.node_id} answered a bad arena offset: {exc}") from None
+                if time.monotonic() < trust_until and checksum(view) == item.checksum:
+                    self.counters["shm_get_bytes"] += item.nbytes
+                    return handle
+                logger.debug("kvpool: mapped copy of %r not trusted; reading it over TCP", item.key)
         except BaseException:
             sink.release(handle)
             raise
-        if checksum(view) != item.checksum:
-            sink.release(handle)
-            return IntegrityError(f"checksum mismatch for {item.key!r} in the shared-memory arena")
-        self.counters["shm_get_bytes"] += item.nbytes
-        return handle
+        sink.release(handle)
+        return TCP
 
     async def _release_quietly(self, pool: _NodePool, lease_id: int, keys: Sequence[str] = ()) -> None:
         try:
@@ -761,7 +785,12 @@ class PoolClient:
         return results
 
     async def unlock(self, locks: Sequence[Lock | None]) -> None:
-        """End locks taken by :meth:`lock`. Idempotent; locks on nodes gone or restarted are ignored."""
+        """End locks taken by :meth:`lock`; idempotent, so a failed call may simply be repeated.
+
+        Locks on nodes gone from the registry or restarted are ignored (their leases
+        died with them). Every node is tried; then the first failure (a node that did
+        not answer) is raised, and its locks end at their ttl unless a retry succeeds.
+        """
         self._check_fork()
         by_lease: dict[tuple[str, int, int], list[str]] = defaultdict(list)
         for held in locks:
@@ -776,9 +805,15 @@ class PoolClient:
             if node is None or node.epoch != epoch:
                 continue  # the node restarted: its leases died with it
             pool = self._pool(node)
-            releases += [self._release_quietly(pool, lease_id, names[i : i + MAX_FRAME_ITEMS])
+            releases += [pool.request(Op.RELEASE, encode_release(lease_id, names[i : i + MAX_FRAME_ITEMS]))
                          for i in range(0, len(names), MAX_FRAME_ITEMS)]  # fmt: skip
-        await asyncio.gather(*releases)
+        outcomes = await asyncio.gather(*releases, return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, KVPoolError):
+                raise outcome
+        failed = [outcome for outcome in outcomes if isinstance(outcome, KVPoolError)]
+        if failed:
+            raise failed[0]
 
     # -- channel (nccl_channel) --------------------------------------------------------
     async def channel_plan(

@@ -213,6 +213,7 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._completed_lookup: dict[L2TaskId, Bitmap] = {}
         self._completed_load: dict[L2TaskId, Bitmap] = {}
         self._held: defaultdict[ObjectKey, list[Lock]] = defaultdict(list)  # one lease per successful lookup
+        self._salt_delta: Counter[str] = Counter()  # bytes stored minus deleted by this adapter since the last scan
         self._view = _PoolView()
         self._closed = False
         self._store_efd = create_event_notifier()
@@ -327,6 +328,7 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._failed("store", "L2 store failed, those chunks stay out of the pool", exc)
         if stored:
             self.counters["stored_chunks"] += len(stored)
+            self._count_salt_bytes(stored, sizes, +1)
             self._notify_keys_stored(stored, sizes)
         with self._lock:
             self._completed_store[task_id] = L2StoreResult(ok, sent_bytes)
@@ -405,13 +407,24 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         bitmap = Bitmap(len(keys))
         try:
             names = [pool_key(k) for k in keys]
-            buffers = {name: memoryview(obj.byte_array).cast("B") for name, obj in zip(names, objects)}
-            got = await self.client.get(names, _BufferSink(buffers, self))
+            views = [memoryview(obj.byte_array).cast("B") for obj in objects]
+            first: dict[str, int] = {}  # a key named twice is fetched once, then copied to its other objects
+            for i, name in enumerate(names):
+                first.setdefault(name, i)
+            unique = list(first)
+            sink = _BufferSink({name: views[first[name]] for name in unique}, self)
+            handles = await self.client.get(unique, sink)
+            got = dict(zip(unique, handles))
             loaded = []
-            for i, handle in enumerate(got):
-                if handle is not None:
-                    bitmap.set(i)
-                    loaded.append(keys[i])
+            for i, name in enumerate(names):
+                if got[name] is None:
+                    continue
+                if i != first[name]:
+                    if len(views[i]) != len(views[first[name]]):
+                        continue  # another layout under the same key: a miss for this object
+                    views[i][:] = views[first[name]]
+                bitmap.set(i)
+                loaded.append(keys[i])
             self.counters["loaded_chunks"] += len(loaded)
             self.counters["load_misses"] += len(keys) - len(loaded)
             if loaded:
@@ -434,7 +447,14 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             logger.warning("kvpool: L2 delete of %d keys failed: %s", len(keys), exc)
             return
         if deleted:
+            self._count_salt_bytes(deleted, sizes, -1)
             self._notify_keys_deleted(deleted, sizes)
+
+    def _count_salt_bytes(self, keys: list[ObjectKey], sizes: list[int], sign: int) -> None:
+        """This adapter's own stores and deletes since the last index scan, shown by ``get_usage`` at once."""
+        with self._lock:
+            for key, size in zip(keys, sizes):
+                self._salt_delta[key.cache_salt] += sign * size
 
     async def _delete(self, keys: list[ObjectKey]) -> tuple[list[ObjectKey], list[int]]:
         names = [pool_key(k) for k in keys]
@@ -490,7 +510,13 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         """
         view = self._view
         own = super().get_usage()
-        by_salt = view.bytes_by_salt if view.bytes_by_salt is not None else own.bytes_by_cache_salt
+        if view.bytes_by_salt is None:
+            by_salt = dict(own.bytes_by_cache_salt)
+        else:
+            by_salt = dict(view.bytes_by_salt)
+            with self._lock:
+                for salt, delta in self._salt_delta.items():
+                    by_salt[salt] = max(0, by_salt.get(salt, 0) + delta)
         return AdapterUsage(
             total_bytes_used=view.used_bytes if view.reachable else own.total_bytes_used,
             total_capacity_bytes=view.capacity_bytes,
@@ -508,10 +534,14 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         return dict(totals)
 
     async def _refresh(self) -> None:
+        with self._lock:  # the scan sees what was stored before it starts; keep counting what comes after
+            before, self._salt_delta = self._salt_delta, Counter()
         try:
             nodes = await self.client.nodes(refresh=True)
             by_salt = await self.usage_by_salt()
         except KVPoolError as exc:
+            with self._lock:
+                self._salt_delta.update(before)
             self._view = dataclasses.replace(self._view, reachable=False, live_nodes=0)
             self._warn_once("registry", "kvpool: L2 adapter cannot read the pool registry: %s", exc)
             return

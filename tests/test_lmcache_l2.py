@@ -308,6 +308,30 @@ def test_same_chunk_under_two_salts_is_two_entries_and_usage_is_reported_per_sal
     del node
 
 
+def test_per_salt_usage_follows_this_adapters_stores_and_deletes_between_scans(node_factory, pool_url, adapters):
+    node_factory()
+    adapter = adapters(pool_url)  # refreshes every 10 s: the first scan has run, the next is far off
+    adapter.refresh_usage()
+    assert dict(adapter.get_usage().bytes_by_cache_salt) == {}
+    keys = [object_key(60, "carol"), object_key(61, "carol"), object_key(62, "dave")]
+    assert store(adapter, keys, [memory_obj(payload(60 + i)) for i in range(3)]).is_successful()
+    assert dict(adapter.get_usage().bytes_by_cache_salt) == {"carol": 2 * CHUNK_BYTES, "dave": CHUNK_BYTES}
+    adapter.delete([keys[0]])
+    assert dict(adapter.get_usage().bytes_by_cache_salt) == {"carol": CHUNK_BYTES, "dave": CHUNK_BYTES}
+    adapter.refresh_usage()  # the scan agrees, and the deltas are not counted twice
+    assert dict(adapter.get_usage().bytes_by_cache_salt) == {"carol": CHUNK_BYTES, "dave": CHUNK_BYTES}
+
+
+def test_a_key_named_twice_in_one_load_fills_both_memory_objects(node_factory, pool_url, adapters):
+    node_factory()
+    adapter = adapters(pool_url)
+    key = object_key(70)
+    assert store(adapter, [key], [memory_obj(payload(70))]).is_successful()
+    hits, got = load(adapter, [key, object_key(71), key])
+    assert hits == [True, False, True]
+    assert same_bytes(got[0], payload(70)) and same_bytes(got[2], payload(70))
+
+
 def test_list_l2_keys_pages_through_every_key_with_the_model_filter(node_factory, pool_url, adapters):
     node_factory()
     adapter = adapters(pool_url)

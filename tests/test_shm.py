@@ -7,6 +7,7 @@ evicted or overwritten, and a lease its client never releases still ends.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import random
@@ -17,12 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from backend.client import Chunk, PoolClient, SyncPoolClient
+import backend.client as client_module
+from backend.client import BytesSink, Chunk, Fetched, PoolClient, SyncPoolClient
 from backend.config import PoolConfig
-from backend.errors import ConfigError, ProtocolError
+from backend.errors import ConfigError, KVPoolError, ProtocolError
 from backend.metadata import NodeInfo
 from backend.node.arena import ShmArena, remove_stale_arenas
-from backend.protocol import LEASE_MAP, Op, decode_lease_response, encode_lease_request, encode_release
+from backend.node.leases import MAX_LEASES
+from backend.protocol import LEASE_MAP, ItemMeta, Op, decode_lease_response, encode_lease_request, encode_release
 from backend.shm import ArenaView
 from tests.conftest import REPO, wait_until
 
@@ -243,3 +246,83 @@ def test_bad_lock_and_lease_requests_are_refused_with_the_reason(node_factory, p
         reply = client._call(client._client.node_request(node, Op.RELEASE, encode_release(12345)))
         assert b'"released":0' in reply
         assert client.get(["bad@0"])[0] is not None
+
+
+# -- when a mapped read cannot be trusted ------------------------------------------------
+
+
+class _SlowSink(BytesSink):
+    """A sink that keeps the reader waiting, as LMCache's does while its buffer is full."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    async def allocate(self, meta: ItemMeta) -> tuple[Fetched, bytearray] | None:
+        await asyncio.sleep(self.delay_s)
+        return await super().allocate(meta)
+
+
+def test_a_read_held_up_past_the_trusted_share_of_its_lease_goes_over_tcp(node_factory, pool_url, monkeypatch):
+    node_factory(shm=True)
+    monkeypatch.setattr(client_module, "SHM_LEASE_TRUST", 0.005)  # trust the arena for 50 ms of the lease
+    chunks = _chunks("slow", 3, 256 * 1024, seed=5)
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        client.put(chunks)
+        got = client._call(client._client.get([c.key for c in chunks], _SlowSink(0.2)))
+        assert [bytes(g.data) for g in got] == [c.data for c in chunks]
+        assert client.counters.get("shm_get_bytes", 0) == 0
+        assert _stats(client)["counters"]["get_bytes"] == 3 * 256 * 1024
+        assert client.counters.get("integrity_failures", 0) == 0
+
+
+def test_a_mapped_copy_failing_its_checksum_is_reread_over_tcp_and_the_copy_kept(node_factory, pool_url, monkeypatch):
+    node_factory(shm=True)
+
+    def torn_copy(self: ArenaView, out: memoryview, offset: int) -> None:  # a region reused mid-copy
+        out[:] = bytes(len(out))
+
+    monkeypatch.setattr(ArenaView, "copy_into", torn_copy)
+    chunks = _chunks("torn", 2, 128 * 1024, seed=6)
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        client.put(chunks)
+        got = client.get([c.key for c in chunks])
+        assert [bytes(g.data) for g in got] == [c.data for c in chunks]
+        assert client.counters.get("integrity_failures", 0) == 0
+        assert client.contains([c.key for c in chunks]) == [True, True]  # not dropped from the index
+
+
+def test_a_node_whose_lease_table_is_full_still_serves_the_read_over_tcp(node_factory, pool_url):
+    node_factory(shm=True)
+    (chunk,) = _chunks("full", 1, 64 * 1024, seed=7)
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        client.put([chunk])
+        node = _node_info(client)
+
+        async def fill_lease_table() -> None:
+            request = encode_lease_request([chunk.key], 60_000, 0)
+            for _ in range(MAX_LEASES // 1024):
+                await asyncio.gather(*(client._client.node_request(node, Op.LEASE, request) for _ in range(1024)))
+
+        client._call(fill_lease_table())
+        assert _stats(client)["leases"] == MAX_LEASES
+        (got,) = client.get([chunk.key])
+        assert got is not None and bytes(got.data) == chunk.data
+        assert client.counters.get("shm_get_bytes", 0) == 0
+        assert _stats(client)["counters"]["leases_refused"] == 1
+
+
+def test_unlock_raises_when_a_node_cannot_be_told_and_a_retry_is_harmless(node_factory, pool_url):
+    node = node_factory(shm=True)
+    (chunk,) = _chunks("unl", 1, 4096, seed=8)
+    with SyncPoolClient(PoolConfig.from_url(pool_url + "?timeout_ms=1000")) as client:
+        client.put([chunk])
+        locks = client.lock([chunk.key], ttl_ms=60_000)
+        node.pause()  # stopped, still registered: the RELEASE is not answered
+        try:
+            with pytest.raises(KVPoolError):
+                client.unlock(locks)
+        finally:
+            node.resume()
+        client.unlock(locks)  # the retry ends the lease
+        assert _stats(client)["leases"] == 0
+        client.unlock(locks)  # and one more is a no-op
