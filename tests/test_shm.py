@@ -14,6 +14,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from backend.client import BytesSink, Chunk, Fetched, PoolClient, SyncPoolClient
 from backend.config import PoolConfig
 from backend.errors import ConfigError, KVPoolError, ProtocolError
 from backend.metadata import NodeInfo
-from backend.node.arena import ShmArena, remove_stale_arenas
+from backend.node.arena import GROW_AHEAD_BYTES, ShmArena, remove_stale_arenas
 from backend.node.leases import MAX_LEASES
 from backend.protocol import LEASE_MAP, ItemMeta, Op, decode_lease_response, encode_lease_request, encode_release
 from backend.shm import ArenaView
@@ -81,6 +82,23 @@ def test_arena_full_answers_none_and_frees_coalesce_back_into_one_region():
             whole = arena.alloc(4 * MiB)  # only possible if the four regions merged again
             assert whole is not None
             assert arena.stats()["allocated_bytes"] == 4 * MiB
+        finally:
+            arena.close()
+
+
+def test_an_arena_in_use_keeps_pages_ready_ahead_and_an_idle_one_takes_none():
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
+        arena = ShmArena(Path(directory), GROW_AHEAD_BYTES + 64 * MiB)
+        try:
+            time.sleep(0.2)
+            assert arena.grown_bytes == 0  # no allocation yet: no memory taken
+            first = arena.alloc(MiB)
+            assert first is not None
+            # the grower thread, not the allocation, takes the next GROW_AHEAD_BYTES
+            assert wait_until(lambda: arena.grown_bytes >= MiB + GROW_AHEAD_BYTES, timeout_s=20.0)
+            assert arena.stats()["allocated_bytes"] == MiB
+            big = arena.alloc(GROW_AHEAD_BYTES)  # served from the pages grown ahead
+            assert big is not None and arena.fallbacks == 0
         finally:
             arena.close()
 

@@ -15,6 +15,12 @@ needed: an idle node costs no memory, and a full ``/dev/shm`` is an allocation t
 fails cleanly (the chunk then lives in private memory and is served over TCP) rather
 than a SIGBUS on first touch.
 
+Taking pages costs about 1 GB/s here (the kernel zeroes each one), so once the arena
+is in use a grower thread keeps ``GROW_AHEAD_BYTES`` of pages ready past the last
+allocation, off the event loop (``posix_fallocate`` and a ctypes ``madvise`` both
+run without the GIL). An allocation that still finds no room grows inline, after
+waiting for a step the thread has under way.
+
 Allocation is first-fit over an offset-ordered free list with coalescing; chunks are
 mostly of one size, so the list stays short. A region is returned to the list by a
 finalizer on the numpy array behind the chunk's memoryview, which runs when the
@@ -26,6 +32,7 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import ctypes
 import errno
 import logging
 import mmap
@@ -46,10 +53,21 @@ logger = logging.getLogger(__name__)
 
 ALIGN_BYTES = 4096  # page-aligned regions: memcpy at full speed, no false sharing
 GROW_STEP_BYTES = 64 * 1024 * 1024
+GROW_AHEAD_BYTES = 256 * 1024 * 1024  # free room kept ready at the grown end, once the arena is in use
 GROW_RETRY_S = 5.0  # after /dev/shm refused pages, do not ask again for this long
 FILE_PREFIX = "kvpool-"
 FILE_SUFFIX = ".arena"
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: map the pages now, not one fault at a time
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def _madvise(address: int, length: int, advice: int) -> None:
+    """madvise(2) through ctypes, which drops the GIL (``mmap.madvise`` holds it); errors are ignored."""
+    _libc.madvise(address, length, advice)
 
 
 def _align(nbytes: int) -> int:
@@ -91,6 +109,12 @@ class ShmArena:
         self._free_end: dict[int, int] = {}  # end -> start, to coalesce with the left neighbour
         self._grown = HEADER_BYTES  # pages below this offset exist in /dev/shm
         self._refused_at = 0.0
+        self._growing = False  # the grower thread is adding pages at _grown (outside the lock)
+        self._grow_done = threading.Condition(self._lock)
+        self._wake_grower = threading.Event()
+        self._closed = False
+        self._grower = threading.Thread(target=self._grow_ahead, name="kvpool-arena-grow", daemon=True)
+        self._grower.start()
         self.allocated_bytes = 0
         self.allocations = 0
         self.fallbacks = 0  # allocations the arena could not serve (caller used private memory)
@@ -110,6 +134,8 @@ class ShmArena:
             self._take(start, need)
             self.allocated_bytes += need
             self.allocations += 1
+            if self._tail_room() < GROW_AHEAD_BYTES and self._grown < HEADER_BYTES + self.size_bytes:
+                self._wake_grower.set()
         array = self._array[start : start + nbytes]
         owner = np.frombuffer(array, dtype=np.uint8)  # a fresh object the finalizer can watch
         finalizer = weakref.finalize(owner, self._free, start, need)
@@ -166,16 +192,31 @@ class ShmArena:
         del self._free_end[start + size]
         return size
 
+    def _tail_room(self) -> int:
+        """Free bytes touching the grown end (what the next allocations can take without growing)."""
+        tail = self._free_end.get(self._grown)
+        return self._grown - tail if tail is not None else 0
+
     def _grow(self, need: int) -> bool:
-        """Allocate more pages at the end of the grown part; False if none can be had."""
+        """Allocate more pages at the end of the grown part; False if none can be had. Caller holds the lock."""
+        while self._growing:  # the grower thread's step may be all that is needed
+            self._grow_done.wait(timeout=1.0)
+        if self._first_fit(need) is not None:
+            return True
         end = HEADER_BYTES + self.size_bytes
         if self._grown >= end or time.monotonic() - self._refused_at < GROW_RETRY_S:
             return False
-        tail = self._free_end.get(self._grown)  # a free region touching the grown end
-        have = self._grown - tail if tail is not None else 0
-        step = min(max(GROW_STEP_BYTES, _align(need - have)), end - self._grown)
+        step = min(max(GROW_STEP_BYTES, _align(need - self._tail_room())), end - self._grown)
+        if not self._take_pages(self._grown, step):
+            return False
+        self._release_region(self._grown, step)
+        self._grown += step
+        return True
+
+    def _take_pages(self, start: int, step: int) -> bool:
+        """Back ``[start, start + step)`` with pages; False (and no retry for a while) if /dev/shm is full."""
         try:
-            os.posix_fallocate(self._fd, self._grown, step)
+            os.posix_fallocate(self._fd, start, step)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise
@@ -184,11 +225,39 @@ class ShmArena:
                            "private memory and are served over TCP", self.path, self.path.parent, step,
                            exc.strerror)  # fmt: skip
             return False
-        with contextlib.suppress(OSError, ValueError):
-            self._map.madvise(_MADV_POPULATE_WRITE, self._grown, step)  # else: faults on first write
-        self._release_region(self._grown, step)
-        self._grown += step
+        # Map the pages now rather than one fault at a time on first write (Linux >= 5.14).
+        _madvise(self._base_address + start, step, _MADV_POPULATE_WRITE)
         return True
+
+    def _grow_ahead(self) -> None:
+        """Grower thread: keep GROW_AHEAD_BYTES of pages ready at the grown end, outside the lock."""
+        end = HEADER_BYTES + self.size_bytes
+        while True:
+            self._wake_grower.wait()
+            self._wake_grower.clear()
+            while True:
+                with self._lock:
+                    if (self._closed or self._growing or self._grown >= end or self._tail_room() >= GROW_AHEAD_BYTES
+                            or time.monotonic() - self._refused_at < GROW_RETRY_S):  # fmt: skip
+                        break
+                    start, step = self._grown, min(GROW_STEP_BYTES, end - self._grown)
+                    self._growing = True
+                grown = False
+                try:
+                    grown = self._take_pages(start, step)
+                except OSError as exc:
+                    logger.warning("shared-memory arena %s: growing failed: %s", self.path, exc)
+                finally:
+                    with self._lock:
+                        if grown:
+                            self._release_region(start, step)
+                            self._grown += step
+                        self._growing = False
+                        self._grow_done.notify_all()
+                if not grown:
+                    break
+            if self._closed:
+                return
 
     @property
     def grown_bytes(self) -> int:
@@ -202,6 +271,9 @@ class ShmArena:
 
     def close(self) -> None:
         """Remove the file. Clients that mapped it keep their mapping until they drop it."""
+        self._closed = True
+        self._wake_grower.set()
+        self._grower.join(timeout=5.0)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         with contextlib.suppress(OSError):
