@@ -132,3 +132,17 @@ def test_byte_check_catches_one_flipped_byte_and_a_chunk_read_under_another_key(
     assert not identical(chunk, base, 8)  # the right bytes under the wrong key
     byte_view(chunk)[base.numel() // 2] ^= 1
     assert not identical(chunk, base, 7)
+
+
+def test_get_profile_reads_through_the_arena_and_over_tcp_and_names_where_time_went():
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.profile_get", "--chunk-mib", "1", "--batch", "2", "--rounds", "3"],
+        cwd=REPO, capture_output=True, text=True, timeout=HARNESS_TIMEOUT_S,
+        env={**os.environ, "LMCACHE_TRACK_USAGE": "false"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "one-thread memmove" in proc.stdout
+    sections = proc.stdout.split("\n\n")
+    assert [s.split(":")[0] for s in sections[1:]] == ["same-host arena", "TCP"]
+    assert "copy_into" in sections[1]  # the arena path copies from the mapping (it raises if nothing did)
+    assert "recv_into" in sections[2]
