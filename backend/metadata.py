@@ -13,7 +13,7 @@ Key schema (``NS`` is the namespace)::
     kvp:{NS}:draining        set of node ids placement skips (kvpool drain)
     kvp:NS:k:{<key>}         index entry: hash node_id -> "epoch|tier|nbytes|checksum|written_at"
     kvp:{NS}:rdv:<session>   channel rendezvous offer (JSON), read once by the peer; expires (TTL)
-    kvp:{NS}:ep:<endpoint>   channel endpoint (JSON: cluster, transport); expires unless refreshed
+    kvp:{NS}:ep:<endpoint>   channel endpoint (JSON: cluster, transport); informational, set once, expires after its TTL
 
 Registry keys share the hash tag ``{NS}`` (one Redis Cluster slot, small); index keys
 are tagged by their own key so the index spreads over every shard.

@@ -15,9 +15,12 @@ Client side (:class:`NcclChannel`), for chunks on a node of its own cluster:
 
 Node side (:class:`ChannelServer`): joins offers meant for it and sends.
 
-Every step is bounded; on any failure the pair is aborted and dropped, and the
-error (:class:`NcclError`, or the control path's ``KVPoolError``) reaches the caller,
-which falls back to TCP. Pairs are serialised: one transfer at a time per pair.
+Every step is bounded; on any failure the pair is dropped, and the error
+(:class:`NcclError`, or the control path's ``KVPoolError``) reaches the caller, which
+falls back to TCP and reads that node over TCP for a back-off period. Pairs are
+serialised: one transfer at a time per pair. A pair's link is aborted in a worker
+thread, and only once no transfer thread uses it (NCCL forbids concurrent calls on
+one communicator): tearing down never blocks the event loop.
 
 Two transports share this contract (:class:`Transport`): :class:`NcclTransport`
 (libnccl, GPU to GPU) and :class:`CpuTransport` (a TCP socket between the two
@@ -70,6 +73,8 @@ Buffer = bytes | bytearray | memoryview
 MIN_TRANSFER_BYTES_PER_S = 50 * 1024 * 1024  # a transfer's timeout grows by 20 ms per MiB
 MAX_PAIRS = 64  # communicators kept per endpoint; the least recently used is closed
 SECRET_BYTES = 16
+TEARDOWN_TIMEOUT_S = 10.0  # bound on an abort or a unique id, each run in a worker thread
+BACKOFF_S = 30.0  # after a channel failure, the client reads that node over TCP this long
 _BATCH_HEAD = struct.Struct("<QQ")  # CPU transport: item count, total bytes
 
 
@@ -90,6 +95,9 @@ class Link(Protocol):
 
     def recv(self, sizes: Sequence[int], timeout_s: float) -> list[torch.Tensor]:
         """Receive a batch of ``sizes`` bytes into staging; the views stay valid until the next recv."""
+
+    def cancel(self) -> None:
+        """Make an in-flight send or recv stop soon with NcclError; safe from any thread."""
 
     def abort(self) -> None:
         """Tear down now, without waiting for the peer; later calls raise NcclError."""
@@ -122,26 +130,34 @@ class CpuLink:
         self.progress = progress
         self.broken = False
         self._staging = torch.empty(0, dtype=torch.uint8)
+        try:
+            host, port = sock.getpeername()[:2]
+            self.peer = f"{host}:{port}"
+        except OSError:
+            self.peer = "(a peer already gone)"
 
-    def _deadline_io(self, deadline: float, what: str) -> None:
+    def _deadline_io(self, deadline: float, what: str, timeout_s: float) -> None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise NcclError(f"{what} timed out", 8, "timeout")
+            raise NcclError(f"CPU channel {what} {self.peer} timed out after {timeout_s:.1f} s")
         self.sock.settimeout(remaining)
 
     def send(self, buffers: Sequence[Buffer], timeout_s: float) -> None:
         views = [memoryview(b).cast("B") for b in buffers]
         deadline = time.monotonic() + timeout_s
         try:
-            self._deadline_io(deadline, "send")
+            self._deadline_io(deadline, "send to", timeout_s)
             self.sock.sendall(_BATCH_HEAD.pack(len(views), sum(len(v) for v in views)))
             for view in views:
-                self._deadline_io(deadline, "send")
+                self._deadline_io(deadline, "send to", timeout_s)
                 self.sock.sendall(view)
         except NcclError:
             self.abort()
             raise
-        except OSError as exc:  # socket.timeout is an OSError
+        except TimeoutError:  # socket.timeout
+            self.abort()
+            raise NcclError(f"CPU channel send to {self.peer} timed out after {timeout_s:.1f} s") from None
+        except OSError as exc:
             self.abort()
             raise NcclError(f"send failed: {exc or 'timed out'}") from None
 
@@ -150,7 +166,7 @@ class CpuLink:
         deadline = time.monotonic() + timeout_s
         head = bytearray(_BATCH_HEAD.size)
         try:
-            self._recv_exact(memoryview(head), deadline)
+            self._recv_exact(memoryview(head), deadline, timeout_s)
             count, declared = _BATCH_HEAD.unpack(head)
             if (count, declared) != (len(sizes), total):
                 raise NcclError(f"peer sent {count} items / {declared} bytes, expected {len(sizes)} / {total}")
@@ -159,7 +175,7 @@ class CpuLink:
             staging = memoryview(self._staging.numpy()).cast("B")
             views, offset = [], 0
             for index, size in enumerate(sizes):
-                self._recv_exact(staging[offset : offset + size], deadline)
+                self._recv_exact(staging[offset : offset + size], deadline, timeout_s)
                 views.append(self._staging[offset : offset + size])
                 offset += size
                 if self.progress is not None:
@@ -167,18 +183,28 @@ class CpuLink:
         except NcclError:
             self.abort()
             raise
+        except TimeoutError:  # socket.timeout
+            self.abort()
+            raise NcclError(f"CPU channel receive from {self.peer} timed out after {timeout_s:.1f} s") from None
         except OSError as exc:
             self.abort()
             raise NcclError(f"receive failed: {exc or 'timed out'}") from None
+        except RuntimeError as exc:  # torch.OutOfMemoryError for the staging buffer is one
+            self.abort()
+            raise NcclError(f"staging {total} bytes failed: {exc}") from None
         return views
 
-    def _recv_exact(self, view: memoryview, deadline: float) -> None:
+    def _recv_exact(self, view: memoryview, deadline: float, timeout_s: float) -> None:
         while view:
-            self._deadline_io(deadline, "receive")
+            self._deadline_io(deadline, "receive from", timeout_s)
             n = self.sock.recv_into(view)
             if n == 0:
                 raise NcclError("the peer closed the channel mid-transfer")
             view = view[n:]
+
+    def cancel(self) -> None:
+        with contextlib.suppress(OSError):  # wakes a blocked send or recv; the socket stays open
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def abort(self) -> None:
         self.broken = True
@@ -215,7 +241,7 @@ class CpuTransport:
         deadline = time.monotonic() + timeout_s
         if rank == 0:
             listener, secret = state
-            return self._accept(listener, secret, deadline)
+            return self._accept(listener, secret, deadline, timeout_s)
         try:
             address = json.loads(unique_id)
             host, port, secret = str(address["host"]), int(address["port"]), bytes.fromhex(address["secret"])
@@ -229,11 +255,12 @@ class CpuTransport:
             raise NcclError(f"cannot join the pair at {host}:{port}: {exc or 'timed out'}") from None
         return CpuLink(sock, self.progress)
 
-    def _accept(self, listener: socket.socket, secret: bytes, deadline: float) -> CpuLink:
+    def _accept(self, listener: socket.socket, secret: bytes, deadline: float, timeout_s: float) -> CpuLink:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise NcclError("the peer did not join the pair in time", 8, "timeout")
+                raise NcclError(f"the peer did not join the CPU pair at {listener.getsockname()[:2]} "
+                                f"within {timeout_s:.1f} s")  # fmt: skip
             listener.settimeout(remaining)
             try:
                 sock, _ = listener.accept()
@@ -275,24 +302,35 @@ class NcclLink:
 
     def send(self, buffers: Sequence[Buffer], timeout_s: float) -> None:
         views = [memoryview(b).cast("B") for b in buffers]
-        staging = self._stage(sum(len(v) for v in views))
-        slices, offset = [], 0
-        for view in views:
-            if len(view):
-                part = staging[offset : offset + len(view)]
-                part.copy_(torch.frombuffer(view, dtype=torch.uint8))
-                slices.append(part)
-            offset += len(view)
+        try:
+            staging = self._stage(sum(len(v) for v in views))
+            slices, offset = [], 0
+            for view in views:
+                if len(view):
+                    part = staging[offset : offset + len(view)]
+                    part.copy_(torch.frombuffer(view, dtype=torch.uint8))
+                    slices.append(part)
+                offset += len(view)
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one: the caller falls back to TCP
+            self.comm.abort()
+            raise NcclError(f"staging a batch on {self.comm.device} failed: {exc}") from None
         self.comm.send(slices, timeout_s)
 
     def recv(self, sizes: Sequence[int], timeout_s: float) -> list[torch.Tensor]:
-        staging = self._stage(sum(sizes))
+        try:
+            staging = self._stage(sum(sizes))
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one: the caller falls back to TCP
+            self.comm.abort()
+            raise NcclError(f"staging {sum(sizes)} bytes on {self.comm.device} failed: {exc}") from None
         views, offset = [], 0
         for size in sizes:
             views.append(staging[offset : offset + size])
             offset += size
         self.comm.recv([v for v in views if v.numel()], timeout_s)
         return views
+
+    def cancel(self) -> None:
+        self.comm.abort_requested = True  # the transfer thread's polling loop stops and aborts
 
     def abort(self) -> None:
         self.comm.abort()
@@ -336,6 +374,13 @@ def make_transport(kind: str, device: str = "cuda:0") -> Transport:
         status = available()
         if not status.ok:
             raise NcclError(f"the NCCL channel cannot run here: {status.reason}")
+        count = torch.cuda.device_count()
+        try:
+            target = torch.device(device)
+        except RuntimeError:
+            target = torch.device("cpu")
+        if target.type != "cuda" or (target.index or 0) >= count:
+            raise NcclError(f"device {device!r} is not a visible CUDA device (this process sees {count})")
         return NcclTransport(device)
     raise NcclError(f"unknown channel transport {kind!r}; known: nccl, cpu")
 
@@ -364,6 +409,83 @@ class _Pair:
     session: str
     link: Link
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    transfer: asyncio.Future[Any] | None = None  # the worker thread's send or recv, while one runs
+    retired: bool = False
+
+
+class _PairCache:
+    """Pairs by key, least recently used first, shared by both ends of the channel.
+
+    Retiring a pair removes it at once; its link is aborted in a worker thread once
+    the pair's transfer thread (if any) has returned, so a communicator never sees
+    two calls at a time and the event loop never waits on NCCL.
+    """
+
+    def __init__(self, max_pairs: int) -> None:
+        self.max_pairs = max_pairs
+        self._pairs: OrderedDict[Any, _Pair] = OrderedDict()
+        self._teardowns: set[asyncio.Task[None]] = set()
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def live(self, key: Any) -> _Pair | None:
+        """The pair of ``key`` if it exists and is not broken (marked most recently used)."""
+        pair = self._pairs.get(key)
+        if pair is None or pair.link.broken:
+            return None
+        self._pairs.move_to_end(key)
+        return pair
+
+    def add(self, key: Any, pair: _Pair) -> None:
+        """Keep ``pair``; past ``max_pairs``, retire the least recently used pairs no transfer holds."""
+        old = self._pairs.get(key)
+        if old is not None:
+            self.retire(key, old)
+        self._pairs[key] = pair
+        idle = [k for k, p in self._pairs.items() if not p.lock.locked() and p is not pair]
+        for k in idle[: len(self._pairs) - self.max_pairs]:
+            self.retire(k, self._pairs[k])
+
+    def retire(self, key: Any, pair: _Pair) -> None:
+        """Drop ``pair`` now; abort its link off the event loop once its transfer thread returned."""
+        if self._pairs.get(key) is pair:
+            del self._pairs[key]
+        if pair.retired:
+            return
+        pair.retired = True
+        if pair.transfer is not None and not pair.transfer.done():
+            pair.link.cancel()
+        task = asyncio.ensure_future(_abort_after(pair.link, pair.transfer))
+        self._teardowns.add(task)
+        task.add_done_callback(self._teardowns.discard)
+
+    async def close(self) -> None:
+        """Retire every pair and wait (bounded) for their aborts."""
+        for key, pair in list(self._pairs.items()):
+            self.retire(key, pair)
+        if self._teardowns:
+            await asyncio.wait(list(self._teardowns), timeout=2 * TEARDOWN_TIMEOUT_S)
+
+
+async def _abort_after(link: Link, transfer: asyncio.Future[Any] | None) -> None:
+    if transfer is not None:
+        await asyncio.wait([transfer])  # bounded: the thread's own transfer timeout; cancel() shortens it
+        if not transfer.cancelled():
+            transfer.exception()  # already reported by the transfer's caller
+    try:
+        await _in_thread(link.abort, "aborting a pair")
+    except NcclError as exc:
+        logger.warning("channel: %s", exc)
+
+
+async def _in_thread(call: Callable[[], T], what: str) -> T:
+    """Run a blocking NCCL call in a worker thread, bounded by TEARDOWN_TIMEOUT_S."""
+    try:
+        async with asyncio.timeout(TEARDOWN_TIMEOUT_S):
+            return await asyncio.to_thread(call)
+    except TimeoutError:
+        raise NcclError(f"{what} timed out after {TEARDOWN_TIMEOUT_S:.0f} s (left to its thread)") from None
 
 
 class NcclChannel:
@@ -374,17 +496,19 @@ class NcclChannel:
     """
 
     def __init__(self, transport: Transport, rendezvous: Rendezvous, endpoint_id: str, cluster: str,
-                 request: Request, timeout_s: float, max_pairs: int = MAX_PAIRS) -> None:  # fmt: skip
+                 request: Request, timeout_s: float, max_pairs: int = MAX_PAIRS,
+                 backoff_s: float = BACKOFF_S) -> None:  # fmt: skip
         self.transport = transport
         self.rendezvous = rendezvous
         self.endpoint_id = endpoint_id
         self.cluster = cluster
         self.timeout_s = timeout_s
-        self.max_pairs = max_pairs
+        self.backoff_s = backoff_s
         self.counters: Counter[str] = Counter()
         self._request = request
-        self._pairs: OrderedDict[tuple[str, int], _Pair] = OrderedDict()
+        self._pairs = _PairCache(max_pairs)
         self._creating: dict[tuple[str, int], asyncio.Lock] = {}
+        self._backoff_until: dict[str, float] = {}  # node id -> monotonic time the channel may try it again
         self._closed = False
 
     @property
@@ -392,36 +516,37 @@ class NcclChannel:
         return self.transport.kind
 
     def serves(self, node: Any) -> bool:
-        """Whether ``node`` is reachable over this channel: same cluster, same transport."""
-        return bool(self.cluster) and node.cluster == self.cluster and getattr(node, "channel", "") == self.kind
+        """Whether ``node`` is reachable over this channel: same cluster, same transport, not backing off."""
+        return (
+            bool(self.cluster)
+            and node.cluster == self.cluster
+            and getattr(node, "channel", "") == self.kind
+            and time.monotonic() >= self._backoff_until.get(node.node_id, 0.0)
+        )
 
     def pair_count(self) -> int:
         return len(self._pairs)
 
     async def _pair(self, node: Peer) -> _Pair:
         ident = (node.node_id, node.epoch)
-        pair = self._pairs.get(ident)
-        if pair is not None and not pair.link.broken:
-            self._pairs.move_to_end(ident)
+        pair = self._pairs.live(ident)
+        if pair is not None:
             return pair
         async with self._creating.setdefault(ident, asyncio.Lock()):
-            pair = self._pairs.get(ident)
-            if pair is not None and not pair.link.broken:
+            pair = self._pairs.live(ident)
+            if pair is not None:
                 return pair
-            self._drop(ident)
             link, session = await self._connect(node)
-            pair = self._pairs[ident] = _Pair(session, link)
+            pair = _Pair(session, link)
+            self._pairs.add(ident, pair)
             self.counters["pairs_created"] += 1
-            while len(self._pairs) > self.max_pairs:
-                _, oldest = self._pairs.popitem(last=False)
-                oldest.link.close()
             return pair
 
     async def _connect(self, node: Peer) -> tuple[Link, str]:
         if self._closed:
             raise NcclError("the channel is closed")
         session = new_session()
-        unique_id, state = self.transport.prepare()
+        unique_id, state = await _in_thread(self.transport.prepare, "making a unique id")  # NCCL's first takes s
         try:
             offer = Offer(session, self.transport.kind, unique_id, self.endpoint_id, node.node_id, self.cluster)
             await self.rendezvous.publish(offer)
@@ -431,18 +556,13 @@ class NcclChannel:
             except BaseException:
                 self.transport.discard(state)  # a CPU accept fails at once instead of at its deadline
                 with contextlib.suppress(Exception):
-                    (await joining).abort()
+                    await _in_thread((await joining).abort, "aborting a half-made pair")
                 raise
             link = await joining
         finally:
             self.transport.discard(state)
         logger.info("channel: paired with node %s over %s (session %s)", node.node_id, self.kind, session)
         return link, session
-
-    def _drop(self, ident: tuple[str, int]) -> None:
-        pair = self._pairs.pop(ident, None)
-        if pair is not None:
-            pair.link.abort()
 
     async def get(self, node: Peer, keys: Sequence[str], sink: Sink[Any]) -> list[Any]:
         """Fetch ``keys`` from ``node`` over the channel into ``sink`` buffers.
@@ -453,8 +573,11 @@ class NcclChannel:
         """
         if not keys:
             return []
-        ident = (node.node_id, node.epoch)
-        pair = await self._pair(node)
+        try:
+            pair = await self._pair(node)
+        except Exception:
+            self._back_off(node)
+            raise
         async with pair.lock:
             try:
                 reply = await self._request(node, encode_channel_request(pair.session, keys))
@@ -463,18 +586,28 @@ class NcclChannel:
                 total = sum(item.nbytes for item in items)
                 staged: list[torch.Tensor] = []
                 if items:
-                    staged = await asyncio.to_thread(
-                        pair.link.recv, [i.nbytes for i in items], transfer_timeout(self.timeout_s, total)
+                    timeout_s = transfer_timeout(self.timeout_s, total)
+                    pair.transfer = asyncio.ensure_future(
+                        asyncio.to_thread(pair.link.recv, [i.nbytes for i in items], timeout_s)
                     )
-            except BaseException:
-                if self._pairs.get(ident) is pair:
-                    self._drop(ident)
-                else:
-                    pair.link.abort()
+                    # Shielded: cancelling this call must not leave the thread running unnoticed;
+                    # retire() below aborts the link only after the thread has returned.
+                    staged = await asyncio.shield(pair.transfer)
+            except BaseException as exc:
+                self._pairs.retire((node.node_id, node.epoch), pair)
                 self.counters["pair_failures"] += 1
+                if isinstance(exc, Exception):
+                    self._back_off(node)
                 raise
+            finally:
+                pair.transfer = None
             self.counters["bytes"] += total
             return await self._deliver(found, staged, sink)
+
+    def _back_off(self, node: Peer) -> None:
+        """Read ``node`` over TCP for ``backoff_s``: a failing node should not cost a timeout per batch."""
+        self._backoff_until[node.node_id] = time.monotonic() + self.backoff_s
+        logger.info("channel: node %s read over TCP for %.0f s after a channel failure", node.node_id, self.backoff_s)
 
     async def _deliver(self, found: list[ItemMeta | None], staged: list[torch.Tensor], sink: Sink[Any]) -> list[Any]:
         """Copy staged chunks into sink buffers and verify each checksum."""
@@ -509,10 +642,9 @@ class NcclChannel:
         return results
 
     async def close(self) -> None:
+        """Abort every pair (never destroy: a gone peer would hang it); bounded."""
         self._closed = True
-        for pair in self._pairs.values():
-            pair.link.close()
-        self._pairs.clear()
+        await self._pairs.close()
 
 
 def _copy_and_verify(work: Sequence[tuple[memoryview, torch.Tensor, int]]) -> list[bool]:
@@ -535,9 +667,8 @@ class ChannelServer:
         self.node_id = node_id
         self.cluster = cluster
         self.timeout_s = timeout_s
-        self.max_pairs = max_pairs
         self.counters: Counter[str] = Counter()
-        self._pairs: OrderedDict[str, _Pair] = OrderedDict()
+        self._pairs = _PairCache(max_pairs)
         self._joining: dict[str, asyncio.Lock] = {}
 
     @property
@@ -546,53 +677,48 @@ class ChannelServer:
 
     async def join(self, session: str) -> None:
         """Make sure the pair of ``session`` exists, joining its offer if new. Bounded; NcclError on failure."""
-        pair = self._pairs.get(session)
-        if pair is not None and not pair.link.broken:
-            self._pairs.move_to_end(session)
+        if self._pairs.live(session) is not None:
             return
         lock = self._joining.setdefault(session, asyncio.Lock())
         try:
             async with lock:
-                if session in self._pairs and not self._pairs[session].link.broken:
+                if self._pairs.live(session) is not None:
                     return
-                self._drop(session)
                 offer = await self.rendezvous.take(session, target=self.node_id, cluster=self.cluster,
                                                    transport=self.kind)  # fmt: skip
                 link = await asyncio.to_thread(self.transport.join, offer.unique_id, 1, None, self.timeout_s)
-                self._pairs[session] = _Pair(session, link)
+                self._pairs.add(session, _Pair(session, link))
                 self.counters["channel_pairs"] += 1
-                while len(self._pairs) > self.max_pairs:
-                    _, oldest = self._pairs.popitem(last=False)
-                    oldest.link.close()
                 logger.info("channel: node %s paired with %s over %s", self.node_id, offer.initiator, self.kind)
         finally:
             self._joining.pop(session, None)
 
-    def _drop(self, session: str) -> None:
-        pair = self._pairs.pop(session, None)
-        if pair is not None:
-            pair.link.abort()
-
     async def send(self, session: str, buffers: Sequence[Buffer]) -> None:
         """Send ``buffers`` as one batch over the pair of ``session``; a failure drops the pair."""
-        pair = self._pairs.get(session)
+        pair = self._pairs.live(session)
         if pair is None:
             self.counters["channel_errors"] += 1
             logger.warning("channel: node %s has no pair for session %s; nothing sent", self.node_id, session)
             return
         nbytes = sum(len(memoryview(b).cast("B")) for b in buffers)
         async with pair.lock:
+            pair.transfer = asyncio.ensure_future(
+                asyncio.to_thread(pair.link.send, buffers, transfer_timeout(self.timeout_s, nbytes))
+            )
             try:
-                await asyncio.to_thread(pair.link.send, buffers, transfer_timeout(self.timeout_s, nbytes))
-            except NcclError as exc:
+                await asyncio.shield(pair.transfer)
+            except Exception as exc:  # NcclError, or anything else a link let through: never reuse the pair
                 self.counters["channel_errors"] += 1
-                if self._pairs.get(session) is pair:
-                    self._drop(session)
+                self._pairs.retire(session, pair)
                 logger.warning("channel: send to session %s failed, pair dropped: %s", session, exc)
                 return
+            except BaseException:
+                self._pairs.retire(session, pair)  # cancelled (node stopping): aborted once the thread returns
+                raise
+            finally:
+                pair.transfer = None
         self.counters["channel_bytes"] += nbytes
 
-    def close(self) -> None:
-        for pair in self._pairs.values():
-            pair.link.close()
-        self._pairs.clear()
+    async def close(self) -> None:
+        """Abort every pair (never destroy: a gone peer would hang it); bounded."""
+        await self._pairs.close()

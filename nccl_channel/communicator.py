@@ -5,21 +5,23 @@ every transfer are bounded: the communicator is created non-blocking and polled
 with ``ncclCommGetAsyncError``; a transfer is issued inside one NCCL group and its
 completion is polled with a CUDA event. When the deadline passes, the communicator
 is aborted (``ncclCommAbort`` stops its kernels) and :class:`NcclError` is raised, so
-the caller can fall back to TCP instead of hanging. Close explicitly; nothing is torn
-down in ``__del__`` (a destroy there could block on a peer at interpreter exit).
+the caller can fall back to TCP instead of hanging. Another thread never calls NCCL
+on a communicator in use: it sets ``abort_requested`` and the polling loop, in the
+transfer's own thread, stops and aborts. Close explicitly; nothing is torn down in
+``__del__`` (a destroy there could block on a peer at interpreter exit).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from backend.errors import NcclError
-from nccl_channel.library import NCCL_IN_PROGRESS, NCCL_SUCCESS, NCCL_TIMEOUT, NcclLibrary, NcclUniqueId
+from nccl_channel.library import NCCL_IN_PROGRESS, NCCL_SUCCESS, NcclLibrary, NcclUniqueId
 
 __all__ = ["PairCommunicator"]
 
@@ -49,6 +51,7 @@ class PairCommunicator:
         self.stream = torch.cuda.Stream(device=device)
         self.broken = False
         self.closed = False
+        self.abort_requested = False  # set from any thread; the transfer's polling loop aborts
 
     @property
     def peer(self) -> int:
@@ -64,7 +67,7 @@ class PairCommunicator:
         with torch.cuda.device(dev):
             comm, result = lib.comm_init_rank_config(world_size, uid, rank)
             try:
-                _wait_ready(lib, comm, result, time.monotonic() + timeout_s, f"creating rank {rank} of {world_size}")
+                _wait_ready(lib, comm, result, timeout_s, f"creating rank {rank} of {world_size}")
             except NcclError:
                 _abort_quietly(lib, comm)
                 raise
@@ -87,7 +90,7 @@ class PairCommunicator:
         if self.closed or self.broken:
             raise NcclError("the communicator was closed or aborted")
         target = self.peer if peer is None else peer
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
         sizes = [_contiguous_bytes(t, f"{kind} {i}") for i, (t, kind) in enumerate(ops)]
         # The stream must see the producer's writes (staging copies on the current stream).
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -101,15 +104,19 @@ class PairCommunicator:
                         issue(int(tensor.data_ptr()), nbytes, target, self.comm, stream_handle)
                 finally:
                     result = self.lib.group_end()
-                _wait_ready(self.lib, self.comm, result, deadline, "issuing the group")
+                what = f"rank {self.rank}: a group of {len(ops)} transfers with peer rank {target}"
+                _wait_ready(self.lib, self.comm, result, timeout_s, what, started, self._abort_requested)
                 done = torch.cuda.Event()
                 done.record(self.stream)
-                _wait_event(done, deadline)
+                _wait_event(done, timeout_s, what, started, self._abort_requested)
         except NcclError:
             self.abort()
             raise
         for tensor, _ in ops:
             tensor.record_stream(self.stream)
+
+    def _abort_requested(self) -> bool:
+        return self.abort_requested
 
     def abort(self) -> None:
         """Stop everything in flight and free the communicator; never blocks on the peer."""
@@ -136,13 +143,18 @@ class PairCommunicator:
             logger.warning("nccl: destroy failed: %s", exc)
 
 
-def _wait_ready(lib: NcclLibrary, comm: Any, result: int, deadline: float, what: str) -> None:
-    """Poll a non-blocking communicator until it is ready; NcclError at the deadline (the caller aborts)."""
+def _never() -> bool:
+    return False
+
+
+def _wait_ready(lib: NcclLibrary, comm: Any, result: int, timeout_s: float, what: str, started: float | None = None,
+                stop: Callable[[], bool] = _never) -> None:  # fmt: skip
+    """Poll a non-blocking communicator until it is ready; NcclError at the deadline or on ``stop()`` (the caller aborts)."""
     state = result
     pause = POLL_S
+    deadline = (time.monotonic() if started is None else started) + timeout_s
     while state == NCCL_IN_PROGRESS:
-        if time.monotonic() >= deadline:
-            raise NcclError(f"{what} timed out", NCCL_TIMEOUT, lib.error_string(NCCL_TIMEOUT))
+        _check_wait(deadline, timeout_s, what, stop)
         time.sleep(pause)
         pause = min(pause * 2, MAX_POLL_S)
         state = lib.comm_async_error(comm)
@@ -157,10 +169,18 @@ def _abort_quietly(lib: NcclLibrary, comm: Any) -> None:
         logger.warning("nccl: abort failed: %s", exc)
 
 
-def _wait_event(event: torch.cuda.Event, deadline: float) -> None:
+def _wait_event(event: torch.cuda.Event, timeout_s: float, what: str, started: float,
+                stop: Callable[[], bool]) -> None:  # fmt: skip
     pause = POLL_S
+    deadline = started + timeout_s
     while not event.query():
-        if time.monotonic() >= deadline:
-            raise NcclError("transfer did not complete in time", NCCL_TIMEOUT, "timeout")
+        _check_wait(deadline, timeout_s, what, stop)
         time.sleep(pause)
         pause = min(pause * 2, MAX_POLL_S)
+
+
+def _check_wait(deadline: float, timeout_s: float, what: str, stop: Callable[[], bool]) -> None:
+    if stop():
+        raise NcclError(f"{what} was cancelled")
+    if time.monotonic() >= deadline:
+        raise NcclError(f"{what} timed out after {timeout_s:.1f} s")

@@ -54,7 +54,6 @@ PROBE_TIMEOUT_S = 30.0
 # ncclResult_t values (nccl.h)
 NCCL_SUCCESS = 0
 NCCL_IN_PROGRESS = 7
-NCCL_TIMEOUT = 8
 NCCL_UINT8 = 1  # ncclDataType_t: bytes are moved as uint8, whatever the tensor's dtype
 NCCL_CONFIG_UNDEF_INT = -(2**31)
 NCCL_API_MAGIC = 0xCAFEBEEF

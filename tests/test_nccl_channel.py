@@ -104,7 +104,7 @@ async def test_cpu_transport_pairs_two_ends_from_the_published_id_alone(redis_se
         link.close()
     finally:
         transport.discard(state)
-        server.close()
+        await server.close()
         await store.close()
 
 
@@ -225,3 +225,141 @@ def test_channel_messages_round_trip_and_reject_what_is_malformed():
         decode_channel_request(encode_json({"session": "s", "keys": [""]}))
     with pytest.raises(ProtocolError, match="session must be"):
         decode_channel_request(encode_json({"session": "x" * 65, "keys": []}))
+
+
+class _RecordingTransport(CpuTransport):
+    """The CPU transport, its links noting when a receive starts, ends and when the link is aborted."""
+
+    def __init__(self, progress) -> None:
+        super().__init__(progress=progress)
+        self.events: list[str] = []
+
+    def join(self, unique_id: bytes, rank: int, state, timeout_s: float):
+        return _RecordingLink(super().join(unique_id, rank, state, timeout_s), self.events)
+
+
+class _RecordingLink:
+    def __init__(self, link, events: list[str]) -> None:
+        self.link, self.events = link, events
+
+    @property
+    def broken(self) -> bool:
+        return self.link.broken
+
+    def send(self, buffers, timeout_s: float) -> None:
+        self.link.send(buffers, timeout_s)
+
+    def recv(self, sizes, timeout_s: float):
+        self.events.append("recv start")
+        try:
+            return self.link.recv(sizes, timeout_s)
+        finally:
+            self.events.append("recv end")
+
+    def cancel(self) -> None:
+        self.link.cancel()
+
+    def abort(self) -> None:
+        self.events.append("abort")
+        self.link.abort()
+
+    def close(self) -> None:
+        self.link.close()
+
+
+async def test_a_cancelled_get_aborts_the_pair_only_after_its_receive_thread_returned(node_factory, client):
+    """NCCL forbids two calls on one communicator at a time: the abort waits for the receiving thread."""
+    node = node_factory("--cluster", CLUSTER, "--channel", "cpu")
+    chunks = _chunks("cancel", 8, 4 * 1024 * 1024)
+    await client.put(chunks)
+    info = await _node_info(client, node.node_id)
+    arrived = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def first_chunk(index: int) -> None:
+        if index == 0:
+            node.pause()  # the receive now blocks until cancelled or timed out
+            loop.call_soon_threadsafe(arrived.set)
+
+    transport = _RecordingTransport(first_chunk)
+    channel = _channel(client, transport)
+    try:
+        fetch = asyncio.ensure_future(channel.get(info, [c.key for c in chunks], BytesSink()))
+        await asyncio.wait_for(arrived.wait(), 10)
+        fetch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await fetch
+        assert channel.pair_count() == 0
+        async with asyncio.timeout(10):  # the abort runs on this loop: poll without blocking it
+            while "abort" not in transport.events:
+                await asyncio.sleep(0.05)
+        assert transport.events == ["recv start", "recv end", "abort"]
+        assert channel.serves(info)  # a cancelled call is not the node's failure: no back-off
+    finally:
+        node.resume()
+        await channel.close()
+
+
+async def test_after_a_channel_failure_the_node_is_read_over_tcp_for_the_backoff_period(node_factory, client):
+    node = node_factory("--cluster", CLUSTER, "--channel", "cpu")
+    chunks = _chunks("backoff", 8, 4 * 1024 * 1024)
+    await client.put(chunks)
+    info = await _node_info(client, node.node_id)
+    transport = CpuTransport(progress=lambda index: node.pause() if index == 0 else None)
+    channel = NcclChannel(transport, Rendezvous(client.meta), "test-endpoint", CLUSTER, client.channel_request,
+                          client.config.timeout_s, backoff_s=3.0)  # fmt: skip
+    try:
+        assert channel.serves(info)
+        with pytest.raises(NcclError, match="timed out after"):
+            await channel.get(info, [c.key for c in chunks], BytesSink())
+        assert not channel.serves(info)
+        await asyncio.sleep(3.1)
+        assert channel.serves(info)
+    finally:
+        node.resume()
+        await channel.close()
+
+
+def test_a_node_asked_for_the_nccl_channel_without_a_gpu_exits_naming_the_option(redis_server, namespace):
+    import subprocess
+    import sys
+
+    from nccl_channel import available
+
+    if available().ok:
+        pytest.skip("this machine can run the NCCL channel")
+    args = ["--redis", redis_server.url, "--namespace", namespace, "--dram", "64MiB", "--shm-dir", "off",
+            "--cluster", CLUSTER, "--channel", "nccl"]  # fmt: skip
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
+    out = subprocess.run([sys.executable, "-m", "backend.cli", "node", *args], capture_output=True, text=True,
+                         timeout=60, env=env)  # fmt: skip
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "kvpool: error: --channel: the NCCL channel cannot run here" in out.stderr
+
+
+async def test_a_channel_batch_stops_at_the_nodes_data_cap_and_the_rest_are_misses(redis_server, namespace, client):
+    """As for GET_BATCH, one CHANNEL_GET moves at most ``limits.max_data_bytes``; the client reads the rest over TCP."""
+    import dataclasses
+
+    from backend.node.server import NodeConfig, PoolNode
+    from backend.protocol import DEFAULT_LIMITS
+
+    limits = dataclasses.replace(DEFAULT_LIMITS, max_data_bytes=250_000)
+    node = PoolNode(NodeConfig(redis_server.url, namespace, 64 * 1024 * 1024, cluster=CLUSTER, channel="cpu",
+                               limits=limits))  # fmt: skip
+    await node.start()
+    channel = _channel(client)
+    try:
+        chunks = _chunks("cap", 4, 100_000)
+        for chunk in chunks:  # one per frame: each fits the node's cap
+            await client.put([chunk])
+        info = await _node_info(client, node.node_id)
+        got = await channel.get(info, [c.key for c in chunks], BytesSink())
+        assert [bytes(g.data) for g in got[:2]] == [bytes(c.data) for c in chunks[:2]]
+        assert got[2:] == [None, None]
+        assert node.counters["get_over_frame_limit"] == 2 and node.counters["channel_hits"] == 2
+        rest = await client.get([c.key for c in chunks[2:]], BytesSink())
+        assert [bytes(g.data) for g in rest] == [bytes(c.data) for c in chunks[2:]]
+    finally:
+        await channel.close()
+        await node.stop()

@@ -30,7 +30,14 @@ const char* ncclGetErrorString(int r) { strcpy(buf, "fake error "); buf[11] = '0
 int ncclGetVersion(int* v) { *v = 21903; return 0; }
 int ncclGetUniqueId(char* id) { for (int i = 0; i < 128; i++) id[i] = (char)i; return 0; }
 int ncclCommInitRank(void** c, int n, char id[128], int r) { return 5; }
-int ncclCommInitRankConfig(void** c, int n, char id[128], int r, void* cfg) { return 5; }
+typedef struct { char internal[128]; } ncclUniqueId;
+typedef struct { unsigned long size; unsigned int magic, version; int blocking; } configHead;
+/* 4 (invalid argument) unless the config is a non-blocking ncclConfig_t of NCCL 2.17's layout;
+   5 (invalid usage) once it is, so the test sees which one it got. */
+int ncclCommInitRankConfig(void** c, int n, ncclUniqueId id, int r, configHead* cfg) {
+    if (!cfg || cfg->size != 48 || cfg->magic != 0xcafebeef || cfg->version != 21700 || cfg->blocking != 0) return 4;
+    return 5;
+}
 int ncclCommAbort(void* c) { return 0; }
 int ncclCommDestroy(void* c) { return 0; }
 int ncclCommGetAsyncError(void* c, int* e) { *e = 0; return 0; }
@@ -153,6 +160,7 @@ def test_the_function_table_loads_and_every_failure_carries_code_and_string(tmp_
     assert NcclUniqueId.from_bytes(uid.to_bytes()).to_bytes() == uid.to_bytes()
     with pytest.raises(NcclError) as caught:
         lib.comm_init_rank_config(2, uid, 0)
+    # 5, not 4: the fake accepted the config struct (size 48, magic, version 21700, blocking 0)
     assert caught.value.result == 5 and caught.value.result_string == "fake error 5"
     assert "ncclCommInitRankConfig failed (ncclResult 5: fake error 5)" in str(caught.value)
     with pytest.raises(NcclError, match="ncclSend failed"):

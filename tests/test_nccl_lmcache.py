@@ -110,3 +110,23 @@ def test_peer_death_mid_transfer_falls_back_to_tcp_with_correct_bytes(fault, nod
     finally:
         near.resume()
         stack.release(objs)
+
+
+def test_nccl_on_without_a_gpu_logs_one_warning_and_reads_over_tcp(node_factory, pool_url, stack_factory, caplog):
+    """The default transport is NCCL; on a machine without GPU or libnccl the connector says why once."""
+    caplog.set_level(logging.WARNING)
+    node_factory("--cluster", CLUSTER, "--channel", "cpu")
+    stack = stack_factory(f"{pool_url}?nccl=on&cluster={CLUSTER}")
+    keys, objs = _store(stack, 500, 4)
+    got = stack.get(keys)
+    again = stack.get(keys)
+    try:
+        assert _identical(stack, got, objs) and _identical(stack, again, objs)
+        connector = stack.connector()
+        assert connector.channel is None
+        assert connector.counters["get_bytes_tcp"] == 8 * stack.chunk_bytes
+        assert connector.counters["get_bytes_channel"] == 0
+        warnings = [r.message for r in caplog.records if "nccl=on, but" in r.message]
+        assert len(warnings) == 1 and "cannot run here" in warnings[0]
+    finally:
+        stack.release(objs + got + again)

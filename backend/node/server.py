@@ -165,6 +165,7 @@ class PoolNode:
 
     async def start(self) -> None:
         """Bind, take an epoch, register. Raises MetadataError if Redis is unreachable."""
+        transport = self._channel_transport()  # a ConfigError here leaves no port bound
         listener = socket.create_server((self.config.host, self.config.port), backlog=512, reuse_port=False)
         listener.setblocking(False)
         self._listener = listener
@@ -187,7 +188,7 @@ class PoolNode:
             await self.metrics.start()
             logger.info("node %s: metrics at http://%s:%d/metrics", self.node_id, self.config.metrics_host,
                         self.metrics.port)  # fmt: skip
-        self._start_channel()
+        self._start_channel(transport)
         self._generation = await self.meta.ensure_marker()
         self.epoch = await self.meta.new_epoch()
         if self.recovery is not None and self.recovery.files:
@@ -228,7 +229,7 @@ class PoolNode:
         if self.metrics is not None:
             await self.metrics.stop()
         if self.channel is not None:
-            self.channel.close()
+            await self.channel.close()
         await self.tiers.close()
         await self.meta.close()
         logger.info("node %s stopped", self.node_id)
@@ -667,17 +668,24 @@ class PoolNode:
         return encode_lease_response(lease_id, found, self.config.limits)
 
     # -- channel (nccl_channel) --------------------------------------------------------
-    def _start_channel(self) -> None:
-        """Build the channel server for ``config.channel``; ConfigError if it cannot run here."""
+    def _channel_transport(self) -> Any:
+        """The transport of ``config.channel`` (None when off); ConfigError if it cannot run here."""
         if self.config.channel == "off":
-            return
-        from nccl_channel.channel import ChannelServer, make_transport
-        from nccl_channel.rendezvous import Rendezvous
+            return None
+        from nccl_channel.channel import make_transport
 
         try:
-            transport = make_transport(self.config.channel, self.config.device)
+            return make_transport(self.config.channel, self.config.device)
         except NcclError as exc:
             raise ConfigError("--channel", str(exc)) from None
+
+    def _start_channel(self, transport: Any) -> None:
+        """Build the channel server over ``transport`` (once the node id is known)."""
+        if transport is None:
+            return
+        from nccl_channel.channel import ChannelServer
+        from nccl_channel.rendezvous import Rendezvous
+
         self.channel = ChannelServer(transport, Rendezvous(self.meta), self.node_id, self.config.cluster,
                                      self.config.redis_timeout_ms / 1000)  # fmt: skip
 
@@ -692,9 +700,13 @@ class PoolNode:
         await self.channel.join(session)  # NcclError: answered as an error; the client falls back to TCP
         found: list[ItemMeta | None] = []
         buffers: list[Buffer] = []
+        budget = self.config.limits.max_data_bytes  # as GET_BATCH: keys past it are misses, read over TCP
         for key in keys:
             chunk = await self.tiers.get(key)
             self.counters["channel_gets"] += 1
+            if chunk is not None and chunk.meta.nbytes > budget:
+                self.counters["get_over_frame_limit"] += 1
+                chunk = None
             if chunk is None:
                 self.counters["channel_misses"] += 1
                 found.append(None)
@@ -702,6 +714,7 @@ class PoolNode:
                 self.counters["channel_hits"] += 1
                 found.append(chunk.meta)
                 buffers.append(chunk.buffer)
+                budget -= chunk.meta.nbytes
         if buffers:
             # The client receives after reading the answer; the pair's lock keeps batches in order.
             self._spawn(self.channel.send(session, buffers))
