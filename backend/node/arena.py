@@ -18,7 +18,8 @@ than a SIGBUS on first touch.
 Taking pages costs about 1 GB/s here (the kernel zeroes each one), so once the arena
 is in use a grower thread keeps ``GROW_AHEAD_BYTES`` of pages ready past the last
 allocation, off the event loop (``posix_fallocate`` and a ctypes ``madvise`` both
-run without the GIL). An allocation that still finds no room grows inline, after
+run without the GIL) and at the lowest CPU priority, so that during a burst of puts
+it does not take the core the event loop needs. An allocation that still finds no room grows inline, after
 waiting for a step the thread has under way.
 
 Allocation is first-fit over an offset-ordered free list with coalescing; chunks are
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 ALIGN_BYTES = 4096  # page-aligned regions: memcpy at full speed, no false sharing
 GROW_STEP_BYTES = 64 * 1024 * 1024
 GROW_AHEAD_BYTES = 256 * 1024 * 1024  # free room kept ready at the grown end, once the arena is in use
+GROWER_NICE = 19  # the grower runs when the node's loop and its clients leave a core idle
 GROW_RETRY_S = 5.0  # after /dev/shm refused pages, do not ask again for this long
 FILE_PREFIX = "kvpool-"
 FILE_SUFFIX = ".arena"
@@ -231,6 +233,8 @@ class ShmArena:
 
     def _grow_ahead(self) -> None:
         """Grower thread: keep GROW_AHEAD_BYTES of pages ready at the grown end, outside the lock."""
+        with contextlib.suppress(OSError, AttributeError):  # Linux: this thread only, lowest priority
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GROWER_NICE)
         end = HEADER_BYTES + self.size_bytes
         while True:
             self._wake_grower.wait()
