@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvpool-installed
 export LMCACHE_TRACK_USAGE := false
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup redis test lint demo bench docs clean
+.PHONY: setup redis test faults lint demo bench docs clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -33,6 +33,10 @@ lint: setup
 
 test: setup lint
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The fault-injection suite in full (make test runs its short version): longer runs, more rounds.
+faults: setup
+	KVPOOL_FULL=1 $(PY) -m pytest -q -p no:cacheprovider tests/faults
 
 docs: setup
 	$(PY) -m tests.test_cli_docs

@@ -135,9 +135,9 @@ def _node_options(
     parser.add_argument("--nvme", default=nvme_default, help=f"NVMe tier size; 0 turns it off (default {nvme_default})")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
-    parser.add_argument(
-        "--advertise", default="", help="address clients should use (default: --host, or the hostname for 0.0.0.0)"
-    )
+    parser.add_argument("--advertise", default="", metavar="HOST[:PORT]",
+                        help="address clients should use, published in the registry (default: --host, or the "
+                        "hostname for 0.0.0.0; the port defaults to the one listened on)")  # fmt: skip
     parser.add_argument(
         "--node-id", default="", help="stable node id (default: kept in the NVMe dir, else HOSTNAME-PORT)"
     )
@@ -177,14 +177,34 @@ def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
         if args.shm_dir != DEFAULT_SHM_DIR:
             raise ConfigError("--shm-dir", f"{args.shm_dir} is not a directory (use 'off' for no arena)")
         shm_dir = None  # a system without /dev/shm: private memory, TCP for everyone
+    advertise_host, advertise_port = _advertised(str(args.advertise or ""))
     return NodeConfig(
         redis_url=redis_url, namespace=args.namespace, dram_bytes=dram_bytes,
         nvme_dir=args.nvme_dir if nvme_bytes else None, nvme_bytes=nvme_bytes,
-        host=args.host, port=args.port, advertise_host=args.advertise, node_id=args.node_id,
+        host=args.host, port=args.port, advertise_host=advertise_host, advertise_port=advertise_port,
+        node_id=args.node_id,
         token=token, cluster=args.cluster, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
         shm_dir=shm_dir,
         channel=args.channel, device=args.device,
     )  # fmt: skip
+
+
+def _advertised(value: str) -> tuple[str, int]:
+    """``HOST``, ``HOST:PORT``, ``:PORT``, ``[V6]:PORT`` or a bare IPv6 address -> (host or "", port or 0)."""
+    if value.startswith("["):
+        host, bracket, rest = value[1:].partition("]")
+        if not bracket or not host or (rest and not rest.startswith(":")):
+            raise ConfigError("--advertise", f"{value!r} is not HOST, HOST:PORT or [IPV6]:PORT")
+        port_text = rest[1:] if rest else ""
+    elif value.count(":") == 1:
+        host, _, port_text = value.partition(":")
+    else:
+        host, port_text = value, ""  # a name, or an IPv6 address without a port
+    if not port_text:
+        return host, 0
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError("--advertise", f"{value!r}: the port must be a number in 1..65535")
+    return host, int(port_text)
 
 
 def _pool_url(node: PoolNode, redis_url: str, namespace: str) -> str:
@@ -214,7 +234,10 @@ def cmd_node(args: argparse.Namespace) -> int:
     async def run() -> None:
         node = PoolNode(config)
         await node.start()
-        print(f"kvpool node {node.node_id} ready at {node.advertise_host}:{node.port} (epoch {node.epoch})", flush=True)
+        print(
+            f"kvpool node {node.node_id} ready at {node.advertise_host}:{node.advertise_port} (epoch {node.epoch})",
+            flush=True,
+        )
         await _serve(node)
 
     asyncio.run(run())
@@ -232,7 +255,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             await node.start()
             url = _pool_url(node, redis_url, config.namespace)
             nvme = f"NVMe {format_size(config.nvme_bytes)} at {config.nvme_dir}" if config.nvme_dir else "no NVMe"
-            print(f"kvpool pool is up: redis {redis_url}, node {node.node_id} at {node.advertise_host}:{node.port}, "
+            print(f"kvpool pool is up: redis {redis_url}, node {node.node_id} at {node.advertise_host}:{node.advertise_port}, "
                   f"DRAM {format_size(config.dram_bytes)}, {nvme}")  # fmt: skip
             print(f"\nPool URL:\n  {url}\n\nLMCache config (LMCACHE_CONFIG_FILE):\n")
             print(render_yaml(lmcache_config(url)))

@@ -77,6 +77,9 @@ MAX_FRAME_DATA_BYTES = 256 * 1024 * 1024  # split larger batches into several fr
 MAX_FRAME_ITEMS = 1024  # keeps a frame's meta far below the 4 MiB limit even with 1 KiB keys
 MIN_TRANSFER_BYTES_PER_S = 50 * 1024 * 1024  # a request's timeout grows by 20 ms per MiB it moves
 PUT_ATTEMPTS = 3  # first choice, then the next-ranked nodes
+# A node that failed a read (down, stalled, reset) is tried after its replicas for this
+# long: about one heartbeat TTL, by when the registry has declared it dead or it answers again.
+SUSPECT_S = 5.0
 # A same-host read holds its lease from the LEASE answer until the copy is done; the
 # longest wait in between is the caller's allocator (the LMCache connector bounds it at 1 s).
 SHM_LEASE_MS = 10_000
@@ -366,6 +369,7 @@ class PoolClient:
         self._warned: set[str] = set()
         self._background: set[asyncio.Task[Any]] = set()
         self._refreshing: asyncio.Task[None] | None = None
+        self._suspect_until: dict[str, float] = {}  # node id -> monotonic time it is read from last until
         self._closed = False
 
     # -- registry ---------------------------------------------------------------------
@@ -425,13 +429,15 @@ class PoolClient:
         return node is not None and node.epoch == loc.epoch
 
     def _ordered(self, entry: Sequence[Location]) -> list[Location]:
-        """Live locations, same cluster first, then least loaded."""
+        """Live locations: nodes that just failed a read last, then same cluster first, then least loaded."""
+        now = time.monotonic()
 
-        def rank(loc: Location) -> tuple[int, float]:
+        def rank(loc: Location) -> tuple[bool, int, float]:
             node = self._nodes[loc.node_id]
+            suspect = self._suspect_until.get(loc.node_id, 0.0) > now
             same = int(bool(self.config.cluster) and node.cluster == self.config.cluster)
             load = node.used_bytes / node.capacity_bytes if node.capacity_bytes else 1.0
-            return (-same, load)
+            return (suspect, -same, load)
 
         return sorted((loc for loc in entry if self._alive(loc)), key=rank)
 
@@ -588,11 +594,13 @@ class PoolClient:
                     if error is not None and not isinstance(error, KVPoolError):
                         raise error
                     if error is not None:
-                        self._warn_once(f"get:{nid}", "kvpool: get from node %s failed, reading as misses: %s",
+                        self._warn_once(f"get:{nid}", "kvpool: get from node %s failed; its keys go to replicas, else miss: %s",
                                         nid, error)  # fmt: skip
+                        self._suspect_until[nid] = time.monotonic() + SUSPECT_S
                         outcome: list[Any] = [error] * len(idx)
                     else:
                         self._warned.discard(f"get:{nid}")
+                        self._suspect_until.pop(nid, None)
                         outcome = task.result()
                     for i, got in zip(idx, outcome):
                         loc = candidates[i].pop(0)
@@ -606,6 +614,8 @@ class PoolClient:
                                 stale.append((keys[i], loc))
                             if candidates[i]:
                                 todo.append(i)
+                                if isinstance(got, KVPoolError):
+                                    self.counters["get_failovers"] += 1
                         else:
                             results[i] = got
                 tasks = []

@@ -96,6 +96,7 @@ class NodeConfig:
     host: str = "127.0.0.1"
     port: int = 0
     advertise_host: str = ""
+    advertise_port: int = 0  # 0: the port listened on; else a forwarder's (NAT, container, proxy)
     node_id: str = ""
     token: str = dataclasses.field(default="", repr=False)
     cluster: str = ""
@@ -163,6 +164,10 @@ class PoolNode:
             return socket.gethostname()
         return self.config.host
 
+    @property
+    def advertise_port(self) -> int:
+        return self.config.advertise_port or self.port
+
     async def start(self) -> None:
         """Bind, take an epoch, register. Raises MetadataError if Redis is unreachable."""
         transport = self._channel_transport()  # a ConfigError here leaves no port bound
@@ -199,8 +204,9 @@ class PoolNode:
         self._spawn(self._heartbeat_loop())
         nvme = self.tiers.nvme
         logger.info(
-            "node %s epoch %d serving %s:%d (DRAM %d bytes, NVMe %s, namespace %s)",
-            self.node_id, self.epoch, self.advertise_host, self.port, self.tiers.dram.capacity_bytes,
+            "node %s epoch %d listening on %s:%d, advertised as %s:%d (DRAM %d bytes, NVMe %s, namespace %s)",
+            self.node_id, self.epoch, self.config.host, self.port, self.advertise_host, self.advertise_port,
+            self.tiers.dram.capacity_bytes,
             f"{nvme.capacity_bytes} bytes at {nvme.root}" if nvme else "off", self.config.namespace,
         )  # fmt: skip
 
@@ -238,7 +244,7 @@ class PoolNode:
         return NodeInfo(
             node_id=self.node_id,
             host=self.advertise_host,
-            port=self.port,
+            port=self.advertise_port,
             epoch=self.epoch,
             cluster=self.config.cluster,
             channel=self.channel.kind if self.channel is not None else "",
