@@ -129,10 +129,11 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         asyncio.run_coroutine_threadsafe(self._startup_check(), loop)
 
     def _metric_counters(self) -> dict[str, int]:
-        """The connector's counters plus the client's integrity and stale-entry counts."""
+        """The connector's counters plus the client's integrity, stale-entry and failover counts."""
         return {**self.counters, "integrity_failures": self.client.counters["integrity_failures"],
                 "stale_entries": self.client.counters["stale_entries"],
-                "shm_get_bytes": self.client.counters["shm_get_bytes"]}  # fmt: skip
+                "shm_get_bytes": self.client.counters["shm_get_bytes"],
+                "get_failovers": self.client.counters["get_failovers"]}  # fmt: skip
 
     # -- error boundary ---------------------------------------------------------------
     def _miss(self, cause: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
