@@ -77,8 +77,8 @@ MAX_FRAME_DATA_BYTES = 256 * 1024 * 1024  # split larger batches into several fr
 MAX_FRAME_ITEMS = 1024  # keeps a frame's meta far below the 4 MiB limit even with 1 KiB keys
 MIN_TRANSFER_BYTES_PER_S = 50 * 1024 * 1024  # a request's timeout grows by 20 ms per MiB it moves
 PUT_ATTEMPTS = 3  # first choice, then the next-ranked nodes
-# A node that failed a read (down, stalled, reset) is tried after its replicas for this
-# long: about one heartbeat TTL, by when the registry has declared it dead or it answers again.
+# A node that failed a read (down, stalled, reset) is tried after its replicas for this long,
+# or until it answers a read: about one heartbeat TTL, by when the registry has declared it dead.
 SUSPECT_S = 5.0
 # A same-host read holds its lease from the LEASE answer until the copy is done; the
 # longest wait in between is the caller's allocator (the LMCache connector bounds it at 1 s).
@@ -882,6 +882,7 @@ class PoolClient:
     async def fetch_from(self, node: NodeInfo, wanted: Sequence[tuple[str, int]]) -> list[Fetched | None]:
         """Read ``(key, nbytes)`` from one given node (not any replica); verified like ``get``."""
         got = await self._get_from_node(node, list(wanted), BytesSink())
+        self._suspect_until.pop(node.node_id, None)  # it answers reads again: no longer tried last
         return [g if isinstance(g, Fetched) else None for g in got]
 
     async def node_request(self, node: NodeInfo, op: Op, meta: bytes) -> bytes:
