@@ -79,6 +79,17 @@ def test_a_node_advertised_behind_a_forwarder_is_reached_through_it(proxied, poo
     assert proxy.counters["accepted"] >= 1
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("", ("", 0)), ("node1", ("node1", 0)), ("node1:7000", ("node1", 7000)), (":7000", ("", 7000)),
+     ("[fd00::1]:7000", ("fd00::1", 7000)), ("[fd00::1]", ("fd00::1", 0)), ("fd00::1", ("fd00::1", 0))],
+)  # fmt: skip
+def test_advertise_takes_a_host_a_port_or_both(value, expected):
+    from backend.cli import _advertised
+
+    assert _advertised(value) == expected
+
+
 @pytest.mark.parametrize("value", ["host:0", "host:99999", "host:port", "[::1", "[::1]x"])
 def test_a_bad_advertise_address_is_refused_naming_the_flag(redis_server, value):
     proc = subprocess.run(
