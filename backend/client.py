@@ -594,8 +594,8 @@ class PoolClient:
                     if error is not None and not isinstance(error, KVPoolError):
                         raise error
                     if error is not None:
-                        self._warn_once(f"get:{nid}", "kvpool: get from node %s failed; its keys go to replicas, else miss: %s",
-                                        nid, error)  # fmt: skip
+                        self._warn_once(f"get:{nid}", "kvpool: get from node %s failed; its keys go to "
+                                        "replicas, else miss: %s", nid, error)  # fmt: skip
                         self._suspect_until[nid] = time.monotonic() + SUSPECT_S
                         outcome: list[Any] = [error] * len(idx)
                     else:
