@@ -109,9 +109,11 @@ def _put_index(chunk: Chunk) -> int:
     return int(chunk.key.split("-")[1])
 
 
-def test_kill_9_mid_get_fails_over_to_the_replica_and_never_returns_wrong_bytes(node_factory, pool_url):
-    victim = node_factory("--cluster", "near")  # the client's own cluster: every read tries it first
-    node_factory()
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shared-memory"])
+def test_kill_9_mid_get_fails_over_to_the_replica_and_never_returns_wrong_bytes(node_factory, pool_url, shm):
+    # shared-memory: the client copies out of the nodes' arenas, which outlive a killed node
+    victim = node_factory("--cluster", "near", shm=shm)  # the client's own cluster: every read tries it first
+    node_factory(shm=shm)
     with SyncPoolClient(PoolConfig.from_url(pool_url + "?replicas=2&timeout_ms=1000&cluster=near")) as client:
         chunks = _chunks("kg", 32, 256 * 1024)
         client.put(chunks)
@@ -138,6 +140,7 @@ def test_kill_9_mid_get_fails_over_to_the_replica_and_never_returns_wrong_bytes(
         assert not errors, errors
         assert all(hits == len(keys) for hits in rounds)  # the replica answered every key
         assert client.counters.get("get_failovers", 0) >= 1
+        assert (client.counters.get("shm_get_bytes", 0) > 0) == shm  # the path under test was taken
 
 
 def test_a_frozen_node_is_read_around_within_the_timeout_and_serves_again_after_sigcont(node_factory, pool_url):
