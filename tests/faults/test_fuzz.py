@@ -91,6 +91,9 @@ class Target:
     url: str
     baseline_bytes: int
 
+    def __repr__(self) -> str:  # hypothesis prints it with every failing example; the log is long
+        return f"Target(node={self.node.node_id} at {self.node.host}:{self.node.port})"
+
     @property
     def pid(self) -> int:
         assert self.node.process is not None
