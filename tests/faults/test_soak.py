@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from bench.soak import Values, verdict
 from tests.conftest import REPO
 
@@ -18,6 +20,7 @@ FULL = bool(os.environ.get("KVPOOL_FULL"))
 DURATION_S = 120 if FULL else 12
 
 
+@pytest.mark.timeout(DURATION_S + 240)
 def test_a_soak_of_32_clients_over_twice_the_dram_returns_no_wrong_byte_and_stays_within_memory() -> None:
     cmd = [sys.executable, "-m", "bench.soak", "--duration", str(DURATION_S), "--clients", "32", "--nodes", "2",
            "--dram", "32MiB", "--json"]  # fmt: skip
