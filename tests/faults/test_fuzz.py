@@ -53,7 +53,7 @@ from backend.protocol import (
 from tests.conftest import NodeProcess
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))
-EXAMPLES = 300 if FULL else 40
+EXAMPLES = 2000 if FULL else 60
 TOKEN = "fuzz-token-0123456789"
 MIB = 1024 * 1024
 DRAM_BYTES = 32 * MIB
@@ -418,8 +418,9 @@ def put_frames(draw: st.DrawFn) -> tuple[bytes, list[tuple[str, bytes, bool]], i
     ]
     meta = encode_items(items)
     payload = b"".join(data for _, data, _ in values)
-    skew = draw(st.sampled_from([0, 0, 0, 1, -1]))  # data_len that disagrees with the items
-    data_len = max(len(payload) + skew, 0)
+    # A data_len that disagrees with the items (none when there is nothing to take from).
+    data_len = max(len(payload) + draw(st.sampled_from([0, 0, 0, 1, -1])), 0)
+    skew = data_len - len(payload)
     frame = _raw_header(Op.PUT_BATCH, 5, meta, data_len=data_len) + meta + payload[:data_len]
     return frame, values, skew
 
