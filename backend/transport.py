@@ -24,6 +24,9 @@ SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 # A meta section up to this size is received into one buffer allocated up front;
 # a larger one grows (doubling) as its bytes arrive.
 EAGER_META_BYTES = 256 * 1024
+# Bytes nobody wants are read in pieces this large: a peer that stalls in the middle
+# of a dropped payload holds only this much (1 MiB each let 64 such peers cost 64 MiB).
+DISCARD_PIECE_BYTES = 64 * 1024
 # sendmsg accepts at most IOV_MAX (1024 on Linux) buffers per call.
 _MAX_IOV = 512
 
@@ -136,7 +139,7 @@ class FrameSocket:
 
     async def discard(self, nbytes: int) -> None:
         """Read and drop ``nbytes`` (a payload nobody wants) in bounded pieces."""
-        scratch = bytearray(min(nbytes, 1024 * 1024))
+        scratch = bytearray(min(nbytes, DISCARD_PIECE_BYTES))
         while nbytes:
             piece = memoryview(scratch)[: min(nbytes, len(scratch))]
             await self.recv_into(piece)

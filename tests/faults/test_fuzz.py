@@ -494,7 +494,10 @@ def test_random_bytes_are_refused_or_dropped_and_the_connection_closes(target: T
 
 
 def test_stalled_half_sent_frames_cost_only_what_they_sent_and_do_not_hold_up_other_clients(target: Target) -> None:
-    """64 connections each declare a 4 MiB meta, send 2 bytes of it and stall."""
+    """64 connections declare a 4 MiB meta and 64 a 2 GiB chunk (no room: read and dropped);
+    each sends 2 bytes of it and stalls."""
+    big = ItemMeta(f"stall-{uuid.uuid4().hex}", DEFAULT_LIMITS.max_data_bytes, 0, "uint8", (1,), 0)
+    put_meta = encode_items([big])
     before = _memory_bytes(target.pid)["VmRSS"]
     stalled = []
     try:
@@ -502,13 +505,17 @@ def test_stalled_half_sent_frames_cost_only_what_they_sent_and_do_not_hold_up_ot
             sock = _connect(target, authed=True)
             sock.sendall(_raw_header(Op.GET_BATCH, 1, meta_len=DEFAULT_LIMITS.max_meta_bytes) + b"\x01\x00")
             stalled.append(sock)
+            sock = _connect(target, authed=True)
+            sock.sendall(_raw_header(Op.PUT_BATCH, 1, put_meta, data_len=big.nbytes) + put_meta + b"\x01\x00")
+            stalled.append(sock)
         for _ in range(5):
             target.check_healthy()  # round trips through the node's loop: it has read the stalled headers
         grown = _memory_bytes(target.pid)["VmRSS"] - before
-        assert grown < 32 * MIB, f"64 stalled frames grew the node by {grown / MIB:.0f} MiB (declared 256 MiB)"
+        assert grown < 32 * MIB, f"128 stalled frames grew the node by {grown / MIB:.0f} MiB"
     finally:
         for sock in stalled:
             sock.close()
+    assert target.client.contains([big.key]) == [False]
 
 
 # -- key and value limits on the client side ---------------------------------------------
