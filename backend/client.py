@@ -49,6 +49,8 @@ from backend.protocol import (
     Op,
     Status,
     auth_mac,
+    check_item,
+    check_key,
     checksum,
     decode_flags,
     decode_get_response,
@@ -85,6 +87,8 @@ SUSPECT_S = 5.0
 SHM_LEASE_MS = 10_000
 SHM_LEASE_TRUST = 0.5  # copy from the arena only within this share of the lease (clocks, queueing)
 MAX_LOCK_TTL_MS = 600_000  # the node's bound (backend.node.leases.MAX_LEASE_TTL_MS)
+# Why a put failed when every node answered but none stored the chunk (PUT_NO_CAPACITY or PUT_INTEGRITY).
+NO_ROOM = ": no node took them (no room: larger than a node's DRAM tier or DRAM full of puts in flight; or corrupt on arrival)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +105,16 @@ class Chunk:
         view = memoryview(self.data).cast("B")
         shape = self.shape or (len(view),)
         return ItemMeta(self.key, len(view), checksum(view), self.dtype, shape, self.fmt)
+
+    def checked_item_meta(self) -> ItemMeta:
+        """:meth:`item_meta`, after checking the key, size and layout against the protocol's limits.
+
+        The size is checked before the payload is hashed, so an oversized value is
+        refused at once.
+        """
+        nbytes = memoryview(self.data).nbytes
+        check_item(ItemMeta(self.key, nbytes, 0, self.dtype, self.shape or (nbytes,), self.fmt))
+        return self.item_meta()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -456,6 +470,7 @@ class PoolClient:
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is held by a live node (one Redis round trip)."""
+        _check_keys(keys)
         entries = await self._lookup(keys)
         return [any(self._alive(loc) for loc in entry) for entry in entries]
 
@@ -491,7 +506,8 @@ class PoolClient:
         """
         if not chunks:
             return
-        items = [c.item_meta() for c in chunks]
+        # A chunk that breaks a limit refuses the whole call before anything is sent.
+        items = [c.checked_item_meta() for c in chunks]
         data = {c.key: c.data for c in chunks}
         nodes = await self.nodes()
         if only is not None:
@@ -541,7 +557,7 @@ class PoolClient:
         self.counters["put_bytes"] += sum(i.nbytes for i in items if i.key not in set(failed))
         if failed:
             self.counters["put_failures"] += len(failed)
-            cause = f": {last_error}" if last_error else ""
+            cause = f": {last_error}" if last_error else NO_ROOM
             error_type = type(last_error) if last_error is not None else CapacityError
             raise error_type(f"{len(failed)} of {len(items)} chunks were not stored{cause}")
 
@@ -565,6 +581,7 @@ class PoolClient:
         mismatch is a miss, and that copy is dropped from the index.
         """
         self._check_fork()
+        _check_keys(keys)
         the_sink: Sink[Any] = sink if sink is not None else BytesSink()
         results: list[Any] = [None] * len(keys)
         if not keys:
@@ -764,6 +781,7 @@ class PoolClient:
         self._check_fork()
         if not 0 < ttl_ms <= MAX_LOCK_TTL_MS:
             raise ConfigError("ttl_ms", f"{ttl_ms} is outside 1..{MAX_LOCK_TTL_MS}")
+        _check_keys(keys)
         results: list[Lock | None] = [None] * len(keys)
         if not keys:
             return results
@@ -855,6 +873,7 @@ class PoolClient:
     # -- delete, listing, stats -------------------------------------------------------
     async def delete(self, keys: Sequence[str]) -> int:
         """Remove keys everywhere: index first (so nobody reads them), then the bytes."""
+        _check_keys(keys)
         entries = await self.meta.lookup(keys)
         existed = await self.meta.delete(keys)
         holders: dict[str, list[str]] = defaultdict(list)
@@ -921,6 +940,12 @@ class PoolClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _check_keys(keys: Sequence[str]) -> None:
+    """Refuse a call with a key no node could store (empty, too long, not UTF-8) before any I/O."""
+    for key in keys:
+        check_key(key)
 
 
 def _frame_data_budget() -> int:

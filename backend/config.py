@@ -27,7 +27,7 @@ SCHEME = "kvpool"
 DEFAULT_NAMESPACE = "default"
 ENV_PREFIX = "KVPOOL_"
 # Environment variables kvpool reads that are not PoolConfig options.
-# KVPOOL_FULL is the test suite's switch (`make faults`): engines under test read their config with it set.
+# KVPOOL_FULL selects the long fault suite (`make faults`); it must not make every client refuse to start.
 ENV_NOT_OPTIONS = frozenset({"KVPOOL_URL", "KVPOOL_NCCL_LIBRARY", "KVPOOL_DEBUG", "KVPOOL_FULL"})
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")

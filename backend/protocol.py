@@ -44,6 +44,8 @@ __all__ = [
     "ItemMeta",
     "Limits",
     "checksum",
+    "check_key",
+    "check_item",
     "auth_mac",
     "verify_meta",
     "encode_header",
@@ -256,28 +258,54 @@ class _Reader:
             raise ProtocolError(f"{len(self.view) - self.pos} unexpected trailing meta bytes")
 
 
+def check_key(key: str, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """The key's UTF-8 bytes; a ProtocolError naming the rule if it is not a storable key."""
+    if not isinstance(key, str):
+        raise ProtocolError(f"key {key!r} is a {type(key).__name__}; keys are str")
+    try:
+        raw = key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ProtocolError(f"key {key[:80]!r} is not valid UTF-8 ({exc.reason} at index {exc.start})") from None
+    if not raw:
+        raise ProtocolError(f"key of 0 bytes: a key is 1..{limits.max_key_bytes} UTF-8 bytes (max_key_bytes)")
+    if len(raw) > limits.max_key_bytes:
+        raise ProtocolError(f"key of {len(raw)} bytes is over max_key_bytes = {limits.max_key_bytes}: {key[:40]!r}...")
+    return raw
+
+
+def check_item(item: ItemMeta, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """The item's dtype name in ASCII; a ProtocolError naming the limit if it breaks one."""
+    check_key(item.key, limits)
+    if not 0 <= item.nbytes <= limits.max_data_bytes:
+        raise ProtocolError(
+            f"value of {item.key[:80]!r} is {item.nbytes} bytes, over max_data_bytes = {limits.max_data_bytes}"
+        )
+    if not (0 <= item.checksum < 2**64 and 0 <= item.fmt < 2**16):
+        raise ProtocolError(f"item {item.key[:80]!r}: checksum or fmt out of range")
+    if any(not 0 <= d < 2**64 for d in item.shape):
+        raise ProtocolError(f"item {item.key[:80]!r}: shape {item.shape} has a negative or huge dimension")
+    if len(item.shape) > limits.max_ndim:
+        raise ProtocolError(f"item {item.key[:80]!r}: shape has more than {limits.max_ndim} dimensions (max_ndim)")
+    if not item.dtype.isascii():
+        raise ProtocolError(f"item {item.key[:80]!r}: dtype name {item.dtype!r} is not ASCII")
+    dtype = item.dtype.encode("ascii")
+    if not 0 < len(dtype) <= limits.max_dtype_bytes:
+        raise ProtocolError(
+            f"dtype name {item.dtype!r} is empty or too long: 1..{limits.max_dtype_bytes} bytes (max_dtype_bytes)"
+        )
+    return dtype
+
+
 def _encode_key(out: bytearray, key: str, limits: Limits) -> None:
-    raw = key.encode("utf-8")
-    if not 0 < len(raw) <= limits.max_key_bytes:
-        raise ProtocolError(f"key of {len(raw)} bytes outside 1..{limits.max_key_bytes}: {key[:80]!r}")
+    raw = check_key(key, limits)
     out += _U16.pack(len(raw))
     out += raw
 
 
 def _encode_item(out: bytearray, item: ItemMeta, limits: Limits) -> None:
+    dtype = check_item(item, limits)
     _encode_key(out, item.key, limits)
-    if not (0 <= item.nbytes < 2**64 and 0 <= item.checksum < 2**64 and 0 <= item.fmt < 2**16):
-        raise ProtocolError(f"item {item.key[:80]!r}: nbytes, checksum or fmt out of range")
-    if any(not 0 <= d < 2**64 for d in item.shape):
-        raise ProtocolError(f"item {item.key[:80]!r}: shape {item.shape} has a negative or huge dimension")
     out += _ITEM_FIXED.pack(item.nbytes, item.checksum, item.fmt)
-    if not item.dtype.isascii():
-        raise ProtocolError(f"dtype name {item.dtype!r} is not ASCII")
-    dtype = item.dtype.encode("ascii")
-    if not 0 < len(dtype) <= limits.max_dtype_bytes:
-        raise ProtocolError(f"dtype name {item.dtype!r} is empty or too long")
-    if len(item.shape) > limits.max_ndim:
-        raise ProtocolError(f"shape {item.shape} has more than {limits.max_ndim} dimensions")
     out += _U8.pack(len(dtype))
     out += dtype
     out += _U8.pack(len(item.shape))

@@ -21,6 +21,12 @@ __all__ = ["FrameSocket", "Buffer", "tune_socket"]
 Buffer = Union[bytes, bytearray, memoryview]
 
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+# A meta section up to this size is received into one buffer allocated up front;
+# a larger one grows (doubling) as its bytes arrive.
+EAGER_META_BYTES = 256 * 1024
+# Bytes nobody wants are read in pieces this large: a peer that stalls in the middle
+# of a dropped payload holds only this much (1 MiB each let 64 such peers cost 64 MiB).
+DISCARD_PIECE_BYTES = 64 * 1024
 # sendmsg accepts at most IOV_MAX (1024 on Linux) buffers per call.
 _MAX_IOV = 512
 
@@ -133,7 +139,7 @@ class FrameSocket:
 
     async def discard(self, nbytes: int) -> None:
         """Read and drop ``nbytes`` (a payload nobody wants) in bounded pieces."""
-        scratch = bytearray(min(nbytes, 1024 * 1024))
+        scratch = bytearray(min(nbytes, DISCARD_PIECE_BYTES))
         while nbytes:
             piece = memoryview(scratch)[: min(nbytes, len(scratch))]
             await self.recv_into(piece)
@@ -145,10 +151,21 @@ class FrameSocket:
         return decode_header(self._header_buf, limits)
 
     async def recv_meta(self, header: Header) -> bytearray:
-        """Receive a frame's meta section (already bounded by its header) and verify it."""
-        meta = bytearray(header.meta_len)
-        if header.meta_len:
+        """Receive a frame's meta section (already bounded by its header) and verify it.
+
+        A large meta grows with the bytes that actually arrive, so a peer that
+        declares ``max_meta_bytes`` and stalls costs only what it sent, however
+        many such connections it opens.
+        """
+        if header.meta_len <= EAGER_META_BYTES:
+            meta = bytearray(header.meta_len)
             await self.recv_into(meta)
+        else:
+            meta = bytearray()
+            while len(meta) < header.meta_len:
+                piece = bytearray(min(header.meta_len - len(meta), max(len(meta), EAGER_META_BYTES)))
+                await self.recv_into(piece)
+                meta += piece
         verify_meta(header, meta)
         return meta
 

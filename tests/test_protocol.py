@@ -624,7 +624,7 @@ def test_random_bytes_never_crash_decode_get_response(data: bytes, keys: list[st
         st.builds(
             ItemMeta,
             key=st.text(min_size=1, max_size=40),
-            nbytes=st.integers(0, 2**32),
+            nbytes=st.integers(0, DEFAULT_LIMITS.max_data_bytes),
             checksum=st.integers(0, 2**64 - 1),
             dtype=st.sampled_from(["uint8", "bfloat16", "float16", "float32", "float8_e4m3fn"]),
             shape=st.lists(st.integers(0, 2**40), max_size=8).map(tuple),

@@ -469,7 +469,9 @@ class PoolNode:
         mac = body.get("mac")
         if not nonce or not isinstance(mac, str):
             return False
-        return hmac.compare_digest(mac, auth_mac(self.config.token, nonce))
+        # As bytes: compare_digest refuses str with non-ASCII characters (a TypeError, not a refusal).
+        given = mac.encode("utf-8", "surrogatepass")
+        return hmac.compare_digest(given, auth_mac(self.config.token, nonce).encode("ascii"))
 
     async def _finish(
         self, conn: FrameSocket, header: Header, in_flight: asyncio.Semaphore, work: Any, started: float
