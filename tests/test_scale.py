@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from backend import Chunk, PoolClient, PoolConfig
+from backend.admin import drain
 from backend.config import parse_size
 from backend.metadata import NodeInfo
 from tests.conftest import NodeProcess, wait_until
@@ -184,3 +185,28 @@ def test_a_drained_node_costs_no_hits(node_factory, pool_url):
             return [g is not None and g.data == c.data for g, c in zip(got, chunks)]
 
     assert all(asyncio.run(read()))
+
+
+def test_a_drain_right_after_another_node_died_still_costs_no_hits(node_factory, pool_url):
+    # The dead node stays in the registry until its heartbeat expires; a drain that
+    # trusted its copies would delete the only live one.
+    a, b, _ = (node_factory("--node-id", f"n{i}", "--nvme", "0", dram="32MiB") for i in range(3))
+    chunks = _chunks("pair", 300, SMALL)
+
+    async def scenario() -> list[bool]:
+        async with (
+            PoolClient(PoolConfig.from_url(pool_url + "?replicas=2")) as writer,
+            PoolClient(PoolConfig.from_url(pool_url)) as admin,
+        ):
+            await _put(writer, chunks)
+            holders = await _holders(writer, [c.key for c in chunks])
+            assert any(held == {"n0", "n1"} for held in holders)
+            b.kill()
+            report = await drain(admin, "n0")
+            assert report["unreadable"] == 0
+        assert a.terminate() == 0
+        async with PoolClient(PoolConfig.from_url(pool_url)) as client:
+            got = await client.get([c.key for c in chunks])
+            return [g is not None and g.data == c.data for g, c in zip(got, chunks)]
+
+    assert all(asyncio.run(scenario()))
