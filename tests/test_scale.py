@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Sequence
 
@@ -23,7 +25,7 @@ from backend import Chunk, PoolClient, PoolConfig
 from backend.admin import drain
 from backend.config import parse_size
 from backend.metadata import NodeInfo
-from tests.conftest import NodeProcess, wait_until
+from tests.conftest import REPO, NodeProcess, wait_until
 from tests.test_cli import kvpool
 
 KIB = 1024
@@ -210,3 +212,24 @@ def test_a_drain_right_after_another_node_died_still_costs_no_hits(node_factory,
             return [g is not None and g.data == c.data for g, c in zip(got, chunks)]
 
     assert all(asyncio.run(scenario()))
+
+
+def test_scale_bench_shows_capacity_adding_up_and_the_membership_events(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.scale", "--sizes", "1,4", "--working-set", "12MiB", "--node-dram", "8MiB",
+         "--chunk", "64KiB", "--rounds", "1", "--join-keys", "1000", "--no-redis-benchmark", "--results", str(tmp_path)],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    (path,) = tmp_path.glob("scale-*.json")
+    record = json.loads(path.read_text())
+    one, four = record["rows"]
+    assert (one["nodes"], four["nodes"]) == (1, 4)
+    assert one["hit_rate"] < 1.0 and four["hit_rate"] == 1.0  # the working set fits only in the larger pool
+    assert four["hgetall_per_get_key"] >= 1.0
+    events = record["membership"]
+    assert events["join"]["joiner_write_share"] > 0
+    assert events["kill"]["replicas_1"]["lost_exactly_those"]
+    assert events["kill"]["replicas_2"]["hits_after"] == events["kill"]["replicas_2"]["keys"]
+    assert events["drain"]["hits_after"] == events["drain"]["hits_before"]
+    assert "nodes  capacity  put GB/s" in out.stdout
