@@ -236,11 +236,12 @@ async def drain(
         for group in _groups(page, batch):
             entries = await client.meta.lookup([row[0] for row in group])
             live = {n.node_id: n for n in await client.nodes(refresh=True)}
-            elsewhere = {
-                row[0]
-                for row, entry in zip(group, entries)
-                if any(_safe_copy(loc, row, node_id, live) for loc in entry)
-            }
+            claimed: dict[str, list[str]] = defaultdict(list)  # node id -> keys the index says it holds
+            for row, entry in zip(group, entries):
+                for loc in entry:
+                    if _safe_copy(loc, row, node_id, live):
+                        claimed[loc.node_id].append(row[0])
+            elsewhere = await _confirmed(client, live, claimed)
             copy = [(row[0], int(row[2])) for row in group if row[0] not in elsewhere]
             fetched = await client.fetch_from(source, copy) if copy else []
             chunks = [
@@ -263,6 +264,23 @@ def _safe_copy(loc: Location, row: list[Any], draining: str, live: dict[str, Nod
     """Whether ``loc`` is another good copy of inventory ``row``: live node, same epoch, same bytes."""
     node = live.get(loc.node_id)
     return loc.node_id != draining and node is not None and node.epoch == loc.epoch and loc.checksum == int(row[3])
+
+
+async def _confirmed(client: PoolClient, live: dict[str, NodeInfo], claimed: dict[str, list[str]]) -> set[str]:
+    """The keys whose other copy its node confirms holding (EXISTS), one request per node.
+
+    The registry lists a node that died until its heartbeat expires; deleting the
+    drained copy on the strength of a dead node's entry would lose the key. A node
+    that does not answer confirms nothing, so its keys are copied.
+    """
+    held: set[str] = set()
+    for nid, keys in claimed.items():
+        try:
+            reply = await client.node_request(live[nid], Op.EXISTS_BATCH, encode_keys(keys))
+        except KVPoolError:
+            continue
+        held.update(key for key, here in zip(keys, decode_flags(reply, len(keys))) if here)
+    return held
 
 
 def _groups(page: list[list[Any]], batch: int) -> list[list[list[Any]]]:
