@@ -186,9 +186,11 @@ def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
         raise ConfigError("--tls-cert", "TLS needs both --tls-cert and --tls-key")
     if args.tls_cert is not None and not redis_url.startswith("rediss://"):
         # Clients reach a TLS node with tls=on, which also means rediss:// to the registry.
-        raise ConfigError("--tls-cert", f"a TLS node needs a TLS Redis (rediss://), not {redis_url}")
+        raise ConfigError("--tls-cert", f"a TLS node needs a TLS Redis (rediss://), not {_mask_redis_url(redis_url)}")
     if args.redis_ca is not None and not redis_url.startswith("rediss://"):
-        raise ConfigError("--redis-ca", f"a CA bundle only matters for a rediss:// Redis, not {redis_url}")
+        raise ConfigError(
+            "--redis-ca", f"a CA bundle only matters for a rediss:// Redis, not {_mask_redis_url(redis_url)}"
+        )
     PoolConfig(namespace=args.namespace, cluster=args.cluster)  # validates both
     if args.channel != "off" and not args.cluster:
         raise ConfigError("--channel", "the channel serves clients of the same cluster: give --cluster NAME too")

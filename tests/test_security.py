@@ -27,6 +27,7 @@ from backend import (
     ConfigError,
     MetadataError,
     NodeUnavailable,
+    PoolClient,
     PoolConfig,
     ProtocolError,
     SyncPoolClient,
@@ -189,6 +190,30 @@ def test_tls_pool_round_trips_bytes_with_a_token_and_a_redis_acl_user(secure_nod
         assert [bytes(f.data) for f in fetched] == [b"kv bytes" * 1000, bytes(range(256)) * 40_000]
         assert client.node_stats(info)["counters"].get("tls_failures", 0) == 0
     assert node.alive()
+
+
+def test_concurrent_puts_and_gets_share_one_tls_connection_without_mixing_bytes(
+    secure_node, secure_redis, pki, namespace
+):
+    secure_node()
+    url = _secure_url(pki, secure_redis, namespace, connections_per_node="1")
+    payloads = {f"c{i}": bytes([i]) * (256 * 1024 + i) for i in range(32)}
+
+    async def traffic() -> list[bytes | None]:
+        client = PoolClient(PoolConfig.from_url(url))
+        try:
+            keys = sorted(payloads)
+            # writes and reads in flight together on one TLS socket: the reader task and senders interleave
+            await asyncio.gather(*(client.put([Chunk(k, payloads[k])]) for k in keys[:16]))
+            puts = [client.put([Chunk(k, payloads[k])]) for k in keys[16:]]
+            gets = [client.get([k]) for k in keys[:16]]
+            results = await asyncio.gather(*puts, *gets)
+            got = [r[0] for r in results[len(puts) :]] + [r[0] for r in [await client.get([k]) for k in keys[16:]]]
+            return [None if f is None else bytes(f.data) for f in got]
+        finally:
+            await client.close()
+
+    assert _run(traffic()) == [payloads[k] for k in sorted(payloads)]
 
 
 def test_plaintext_client_to_a_tls_node_is_told_to_use_tls(secure_node, secure_redis, pki, namespace):
