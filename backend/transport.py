@@ -33,12 +33,12 @@ _TLS_WRITE_BYTES = 1024 * 1024
 _TLS_SMALL_BYTES = 16 * 1024  # buffers below this are copied together before a TLS send
 
 
-def client_tls_context(ca_file: str = "", *, key: str = "tls_ca") -> ssl.SSLContext:
+def client_tls_context(ca_file: str = "") -> ssl.SSLContext:
     """TLS for connecting to nodes: certificate and host name verified against ``ca_file`` or the system trust."""
     try:
         return ssl.create_default_context(cafile=ca_file or None)
     except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(key, f"cannot load CA certificates from {ca_file}: {exc}") from None
+        raise ConfigError("tls_ca", f"cannot load CA certificates from {ca_file}: {exc}") from None
 
 
 def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
@@ -152,8 +152,9 @@ class FrameSocket:
                 await self._wait(writable=True)
             except ssl.SSLCertVerificationError as exc:
                 raise NodeUnavailable(
-                    f"TLS handshake with {self.peer} failed: {exc.verify_message or exc} (is tls_ca the CA that "
-                    "signed the node's certificate, and does the certificate name the host the node advertises?)"
+                    f"TLS handshake with {self.peer} failed: certificate verify failed: {exc.verify_message or exc} "
+                    "(is tls_ca the CA that signed the node's certificate, and does the certificate name the host "
+                    "the node advertises?)"
                 ) from None
             except (ssl.SSLError, OSError) as exc:
                 raise NodeUnavailable(
