@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     _node_options(up, dram_default="1GiB", nvme_dir_default=DEFAULT_UP_NVME_DIR, nvme_default="8GiB")
 
     node = verbs.add_parser("node", help="run a node that joins an existing pool")
-    node.add_argument("--redis", metavar="URL", help="the pool's metadata Redis, redis://HOST:PORT (required)")
+    node.add_argument("--redis", metavar="URL", help="the pool's metadata Redis, redis://HOST:PORT or, with TLS "
+                      "and an ACL user, rediss://USER@HOST:PORT (required)")  # fmt: skip
     _node_options(node, dram_default="4GiB", nvme_dir_default=None, nvme_default="100GiB")
 
     status = verbs.add_parser("status", help="one screen: Redis, nodes, capacity, objects, hit rate")
@@ -147,6 +149,19 @@ def _node_options(
                         "for tests) or off (default); needs --cluster")  # fmt: skip
     parser.add_argument("--device", default="cuda:0", help="CUDA device of --channel nccl (default cuda:0)")
     parser.add_argument("--token-file", type=Path, help="file holding the pool token (or set KVPOOL_TOKEN)")
+    parser.add_argument("--tls-cert", type=Path, metavar="FILE",
+                        help="serve the node protocol over TLS only, with this PEM certificate chain "
+                        "(it must name the address clients use: --advertise or --host); needs --tls-key")  # fmt: skip
+    parser.add_argument("--tls-key", type=Path, metavar="FILE", help="the PEM private key of --tls-cert")
+    parser.add_argument(
+        "--redis-ca",
+        type=Path,
+        metavar="FILE",
+        help="CA bundle that verifies a rediss:// Redis (default: the system trust store)",
+    )
+    parser.add_argument("--redis-password-file", type=Path, metavar="FILE",
+                        help="file holding the Redis ACL password (or set KVPOOL_REDIS_PASSWORD); the user "
+                        "goes in the --redis URL: rediss://USER@HOST:PORT")  # fmt: skip
     parser.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /health on this port "
                         "(0: any free port; default: off)")  # fmt: skip
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
@@ -164,6 +179,18 @@ def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
             raise ConfigError("--token-file", f"cannot read {args.token_file}: {exc.strerror}") from None
         if not token:
             raise ConfigError("--token-file", f"{args.token_file} is empty; a node without a token accepts anyone")
+    redis_password = os.environ.get("KVPOOL_REDIS_PASSWORD", "")
+    if args.redis_password_file is not None:
+        redis_password = _read_secret(args.redis_password_file, "--redis-password-file")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("--tls-cert", "TLS needs both --tls-cert and --tls-key")
+    if args.tls_cert is not None and not redis_url.startswith("rediss://"):
+        # Clients reach a TLS node with tls=on, which also means rediss:// to the registry.
+        raise ConfigError("--tls-cert", f"a TLS node needs a TLS Redis (rediss://), not {_mask_redis_url(redis_url)}")
+    if args.redis_ca is not None and not redis_url.startswith("rediss://"):
+        raise ConfigError(
+            "--redis-ca", f"a CA bundle only matters for a rediss:// Redis, not {_mask_redis_url(redis_url)}"
+        )
     PoolConfig(namespace=args.namespace, cluster=args.cluster)  # validates both
     if args.channel != "off" and not args.cluster:
         raise ConfigError("--channel", "the channel serves clients of the same cluster: give --cluster NAME too")
@@ -186,6 +213,8 @@ def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
         token=token, cluster=args.cluster, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
         shm_dir=shm_dir,
         channel=args.channel, device=args.device,
+        tls_cert=args.tls_cert, tls_key=args.tls_key,
+        redis_password=redis_password, redis_ca_file=str(args.redis_ca or ""),
     )  # fmt: skip
 
 
@@ -207,12 +236,30 @@ def _advertised(value: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
+def _read_secret(path: Path, flag: str) -> str:
+    try:
+        secret = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(flag, f"cannot read {path}: {exc.strerror}") from None
+    if not secret:
+        raise ConfigError(flag, f"{path} is empty")
+    return secret
+
+
 def _pool_url(node: PoolNode, redis_url: str, namespace: str) -> str:
     from urllib.parse import urlsplit
 
     parts = urlsplit(redis_url)
     auth = ":TOKEN@" if node.config.token else ""
-    return f"kvpool://{auth}{parts.hostname}:{parts.port or 6379}/{namespace}"
+    query = (["tls=on"] if parts.scheme == "rediss" else []) + (
+        [f"redis_user={parts.username}"] if parts.username else []
+    )
+    tail = ("?" + "&".join(query)) if query else ""
+    return f"kvpool://{auth}{parts.hostname}:{parts.port or 6379}/{namespace}{tail}"
+
+
+def _mask_redis_url(url: str) -> str:
+    return re.sub(r"//([^:@/]*):[^@/]*@", r"//\1:***@", url)
 
 
 async def _serve(node: PoolNode) -> None:
@@ -255,7 +302,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             await node.start()
             url = _pool_url(node, redis_url, config.namespace)
             nvme = f"NVMe {format_size(config.nvme_bytes)} at {config.nvme_dir}" if config.nvme_dir else "no NVMe"
-            print(f"kvpool pool is up: redis {redis_url}, node {node.node_id} at {node.advertise_host}:{node.advertise_port}, "
+            print(f"kvpool pool is up: redis {_mask_redis_url(redis_url)}, node {node.node_id} at {node.advertise_host}:{node.advertise_port}, "
                   f"DRAM {format_size(config.dram_bytes)}, {nvme}")  # fmt: skip
             print(f"\nPool URL:\n  {url}\n\nLMCache config (LMCACHE_CONFIG_FILE):\n")
             print(render_yaml(lmcache_config(url)))

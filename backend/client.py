@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import ssl
 import threading
 import time
 from collections import defaultdict
@@ -65,7 +66,7 @@ from backend.protocol import (
     error_for_status,
 )
 from backend.shm import ArenaView
-from backend.transport import Buffer, FrameSocket
+from backend.transport import Buffer, FrameSocket, client_tls_context
 
 __all__ = ["Chunk", "Fetched", "Lock", "PoolClient", "SyncPoolClient", "Sink", "BytesSink"]
 
@@ -165,9 +166,10 @@ class _Pending(Generic[T]):
 class _NodeConnection:
     """One multiplexed connection: a reader task matches responses to request ids."""
 
-    def __init__(self, node: NodeInfo, config: PoolConfig) -> None:
+    def __init__(self, node: NodeInfo, config: PoolConfig, tls: ssl.SSLContext | None = None) -> None:
         self.node = node
         self.config = config
+        self.tls = tls
         self.sock: FrameSocket | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending[Any]] = {}
@@ -189,7 +191,8 @@ class _NodeConnection:
                 return
             if self.broken:
                 raise NodeUnavailable(f"connection to {self.node.node_id} is closed")
-            sock = await FrameSocket.connect(self.node.host, self.node.port, self.config.timeout_s)
+            _check_tls_agrees(self.node, self.tls is not None)
+            sock = await FrameSocket.connect(self.node.host, self.node.port, self.config.timeout_s, self.tls)
             self.sock = sock
             self._reader = asyncio.get_running_loop().create_task(self._read_loop(sock))
             try:
@@ -339,18 +342,33 @@ def _release_task(task: asyncio.Task[Any], sink: Sink[Any]) -> None:
         _release_results(sink, task.result())
 
 
+def _check_tls_agrees(node: NodeInfo, tls: bool) -> None:
+    """Refuse before connecting when the client and the node's registry entry disagree about TLS."""
+    if node.tls and not tls:
+        raise NodeUnavailable(
+            f"node {node.node_id} ({node.address}) serves TLS only; add tls=on (and tls_ca=PATH for a private CA) "
+            "to the pool URL"
+        )
+    if tls and not node.tls:
+        raise NodeUnavailable(
+            f"node {node.node_id} ({node.address}) does not serve TLS but the pool URL says tls=on; "
+            "start the node with --tls-cert and --tls-key"
+        )
+
+
 class _NodePool:
     """Up to ``connections_per_node`` connections to one node, least-loaded first."""
 
-    def __init__(self, node: NodeInfo, config: PoolConfig) -> None:
+    def __init__(self, node: NodeInfo, config: PoolConfig, tls: ssl.SSLContext | None = None) -> None:
         self.node = node
         self.config = config
+        self.tls = tls
         self.connections: list[_NodeConnection] = []
 
     async def request(self, op: int, meta: bytes, **kwargs: Any) -> Any:
         self.connections = [c for c in self.connections if not c.broken]
         if len(self.connections) < self.config.connections_per_node:
-            conn = _NodeConnection(self.node, self.config)
+            conn = _NodeConnection(self.node, self.config, self.tls)
             self.connections.append(conn)
         else:
             conn = min(self.connections, key=lambda c: c.load)
@@ -373,7 +391,11 @@ class PoolClient:
 
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
-        self.meta = MetadataStore(config.redis_url, config.namespace, config.timeout_s)
+        # Made once: loading the CA bundle is file I/O, and a bad path fails here, before any connection.
+        self._tls = client_tls_context(config.tls_ca) if config.tls else None
+        self.meta = MetadataStore(
+            config.redis_url, config.namespace, config.timeout_s, password=config.redis_password, ca_file=config.tls_ca
+        )
         self.counters: defaultdict[str, int] = defaultdict(int)
         self._nodes: dict[str, NodeInfo] = {}
         self._nodes_at = 0.0
@@ -415,7 +437,7 @@ class PoolClient:
         ident = (node.node_id, node.epoch)
         pool = self._pools.get(ident)
         if pool is None:
-            pool = self._pools[ident] = _NodePool(node, self.config)
+            pool = self._pools[ident] = _NodePool(node, self.config, self._tls)
         return pool
 
     def _check_fork(self) -> None:

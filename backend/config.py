@@ -5,6 +5,9 @@ A pool is named by a URL::
     kvpool://[:TOKEN@]REDIS_HOST:REDIS_PORT/NAMESPACE?option=value&...
 
 The URL points at the metadata Redis; nodes are discovered from its registry.
+``tls=on`` encrypts both: node connections (verified against ``tls_ca`` or the system
+trust) and Redis (``rediss://``). Redis ACL credentials are the ``redis_user`` and
+``redis_password`` options; the userinfo of the URL is the pool token, for nodes only.
 Options may also come from ``KVPOOL_<OPTION>`` environment variables (which win over
 the URL) and from a YAML file. Everything is validated once, here; an unknown or
 malformed option raises :class:`ConfigError` naming it.
@@ -99,7 +102,10 @@ class PoolConfig:
     connections_per_node: int = 2
     nccl: bool = False
     cluster: str = ""
-    tls: bool = False
+    tls: bool = False  # TLS to nodes and rediss:// to Redis
+    tls_ca: str = ""  # PEM CA bundle that verifies nodes and Redis; empty: the system trust store
+    redis_user: str = ""  # Redis ACL user; empty: Redis's default user
+    redis_password: str = dataclasses.field(default="", repr=False)
     shm: bool = True  # read through a same-host node's shared-memory arena when there is one
     channel_transport: str = "nccl"
 
@@ -112,8 +118,8 @@ class PoolConfig:
             raise ConfigError("url", f"Redis port {self.redis_port} is out of range")
         if not _CLUSTER_RE.match(self.cluster):
             raise ConfigError("cluster", f"{self.cluster!r} must be A-Z a-z 0-9 _ . -")
-        if self.tls:
-            raise ConfigError("tls", "TLS is not available in this version of kvpool; use tls=off")
+        if self.tls_ca and not self.tls:
+            raise ConfigError("tls_ca", "a CA bundle only matters with TLS: add tls=on")
         if self.channel_transport not in CHANNEL_TRANSPORTS:
             raise ConfigError(
                 "channel_transport", f"{self.channel_transport!r} is not one of {', '.join(CHANNEL_TRANSPORTS)}"
@@ -121,11 +127,13 @@ class PoolConfig:
 
     def __repr__(self) -> str:
         token = "'***'" if self.token else "''"
+        password = "'***'" if self.redis_password else "''"
         return (
             f"PoolConfig(redis={self.redis_host}:{self.redis_port}, namespace={self.namespace!r}, "
             f"token={token}, replicas={self.replicas}, timeout_ms={self.timeout_ms}, "
             f"connections_per_node={self.connections_per_node}, nccl={self.nccl}, "
-            f"cluster={self.cluster!r}, tls={self.tls}, shm={self.shm}, "
+            f"cluster={self.cluster!r}, tls={self.tls}, tls_ca={self.tls_ca!r}, "
+            f"redis_user={self.redis_user!r}, redis_password={password}, shm={self.shm}, "
             f"channel_transport={self.channel_transport!r})"
         )
 
@@ -139,17 +147,19 @@ class PoolConfig:
 
     @property
     def redis_url(self) -> str:
-        """The metadata Redis as a redis-py URL (no secrets: the token is for nodes)."""
-        return f"redis://{self._host_for_url}:{self.redis_port}/0"
+        """The metadata Redis as a redis-py URL: ``rediss://`` with TLS, the ACL user, never a secret."""
+        scheme = "rediss" if self.tls else "redis"
+        user = f"{quote(self.redis_user, safe='')}@" if self.redis_user else ""
+        return f"{scheme}://{user}{self._host_for_url}:{self.redis_port}/0"
 
     def to_url(self, *, with_token: bool = True) -> str:
-        """The canonical ``kvpool://`` URL for this config (options that differ from defaults)."""
+        """The canonical ``kvpool://`` URL for this config; ``with_token=False`` masks every secret."""
         auth = f":{quote(self.token, safe='')}@" if self.token and with_token else ""
         if self.token and not with_token:
             auth = ":***@"
         defaults = PoolConfig()
         query = [
-            f"{name}={_render(getattr(self, name))}"
+            f"{name}={'***' if name in _SECRET_OPTIONS and not with_token else quote(_render(getattr(self, name)))}"
             for name in _OPTION_PARSERS
             if getattr(self, name) != getattr(defaults, name)
         ]
@@ -228,9 +238,11 @@ def _render(value: Any) -> str:
 
 
 def _mask(url: str) -> str:
-    return re.sub(r"//:[^@]*@", "//:***@", url)
+    url = re.sub(r"//:[^@]*@", "//:***@", url)
+    return re.sub(r"([?&](?:" + "|".join(_SECRET_OPTIONS) + r")=)[^&#]*", r"\1***", url)
 
 
+_SECRET_OPTIONS = ("redis_password",)  # masked wherever a URL or config is shown
 _OPTION_PARSERS: dict[str, Any] = {
     "replicas": lambda k, v: _parse_int(k, v, 1, MAX_REPLICAS),
     "timeout_ms": lambda k, v: _parse_int(k, v, 1, MAX_TIMEOUT_MS),
@@ -238,6 +250,9 @@ _OPTION_PARSERS: dict[str, Any] = {
     "nccl": _parse_bool,
     "cluster": lambda k, v: str(v),
     "tls": _parse_bool,
+    "tls_ca": lambda k, v: str(v),
+    "redis_user": lambda k, v: str(v),
+    "redis_password": lambda k, v: str(v),
     "shm": _parse_bool,
     "channel_transport": lambda k, v: str(v).strip().lower(),
 }

@@ -136,6 +136,7 @@ class NodeInfo:
     shm_path: str = ""  # the node's shared-memory arena, readable by same-host clients
     shm_token: str = ""  # written in the arena's header: proves a client opened this node's file
     channel: str = ""  # channel transport this node serves ("nccl", "cpu"), empty if none
+    tls: bool = False  # the node protocol is served over TLS only
     draining: bool = False  # filled by MetadataStore.nodes() from the draining set
     alive: bool = False  # filled by MetadataStore.nodes(), never stored
 
@@ -167,6 +168,11 @@ class NodeInfo:
 def _redis_errors(action: str) -> Iterator[None]:
     try:
         yield
+    except (redis_exceptions.AuthenticationError, redis_exceptions.NoPermissionError) as exc:
+        raise MetadataError(
+            f"Redis {action} failed: Redis authentication refused ({exc}); check the ACL user and password "
+            "(redis_user / redis_password in the pool URL, or the node's --redis URL and --redis-password-file)"
+        ) from None
     except redis_exceptions.RedisError as exc:
         raise MetadataError(f"Redis {action} failed: {exc}") from None
     except OSError as exc:
@@ -176,15 +182,25 @@ def _redis_errors(action: str) -> Iterator[None]:
 class MetadataStore:
     """Async access to one namespace's metadata in Redis (redis-py + hiredis)."""
 
-    def __init__(self, redis_url: str, namespace: str, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, redis_url: str, namespace: str, timeout_s: float = 2.0, *, password: str = "", ca_file: str = ""
+    ) -> None:
+        """``redis_url`` is ``redis://`` or ``rediss://`` (TLS, verified against ``ca_file`` or the system
+        trust), optionally with an ACL user; ``password`` is used when the URL carries none."""
         self.namespace = namespace
         self.redis_url = redis_url
+        secure: dict[str, Any] = {}
+        if password:
+            secure["password"] = password
+        if ca_file and redis_url.startswith("rediss://"):
+            secure["ssl_ca_certs"] = ca_file
         self._redis = aioredis.Redis.from_url(
             redis_url,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             decode_responses=True,
             health_check_interval=0,
+            **secure,
         )
         self._commit = self._redis.register_script(_COMMIT_LUA)
         self._remove = self._redis.register_script(_REMOVE_LUA)

@@ -75,6 +75,7 @@ NODE_COUNTERS: dict[str, str] = {
     "quarantined": "NVMe files moved to quarantine/.",
     "republished": "Index entries republished after Redis lost the namespace.",
     "auth_failures": "Requests refused for a missing or wrong token.",
+    "tls_failures": "Connections closed because their TLS handshake failed (a plaintext client, an untrusted peer).",
     "protocol_errors": "Connections or requests refused as malformed.",
     "request_errors": "Requests answered with an error.",
     "stalled_connections": "Connections closed because a frame stalled mid-way.",

@@ -4,19 +4,24 @@ Bytes are received with ``recv_into`` straight into the caller's buffer and sent
 ``sendmsg`` over memoryviews; nothing on this path concatenates payloads. While data
 is available the loops run without yielding to the event loop, which is what makes
 a single connection approach the loopback ceiling.
+
+With TLS the same socket is wrapped by :mod:`ssl` (non-blocking, handshake driven
+by the event loop); ``recv_into`` still lands in the caller's buffer, and sends go
+one buffer at a time since an SSL socket has no ``sendmsg``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections.abc import Sequence
 from typing import Union
 
-from backend.errors import NodeUnavailable
+from backend.errors import ConfigError, NodeUnavailable
 from backend.protocol import DEFAULT_LIMITS, HEADER, Header, Limits, decode_header, verify_meta
 
-__all__ = ["FrameSocket", "Buffer", "tune_socket"]
+__all__ = ["FrameSocket", "Buffer", "tune_socket", "client_tls_context", "server_tls_context"]
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -29,6 +34,27 @@ EAGER_META_BYTES = 256 * 1024
 DISCARD_PIECE_BYTES = 64 * 1024
 # sendmsg accepts at most IOV_MAX (1024 on Linux) buffers per call.
 _MAX_IOV = 512
+# One SSL_write at most; a write that would block is retried with the same slice, as OpenSSL requires.
+_TLS_WRITE_BYTES = 1024 * 1024
+_TLS_SMALL_BYTES = 16 * 1024  # buffers below this are copied together before a TLS send
+
+
+def client_tls_context(ca_file: str = "") -> ssl.SSLContext:
+    """TLS for connecting to nodes: certificate and host name verified against ``ca_file`` or the system trust."""
+    try:
+        return ssl.create_default_context(cafile=ca_file or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError("tls_ca", f"cannot load CA certificates from {ca_file}: {exc}") from None
+
+
+def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """TLS for a node's listener: its certificate chain and private key (PEM)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError("--tls-cert", f"cannot load {cert_file} with key {key_file}: {exc}") from None
+    return context
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -60,8 +86,13 @@ class FrameSocket:
         self._waiters: dict[bool, asyncio.Future[None]] = {}  # writable? -> waiting future
         self._header_buf = bytearray(HEADER.size)
 
+    @property
+    def tls(self) -> bool:
+        return isinstance(self.sock, ssl.SSLSocket)
+
     @classmethod
-    async def connect(cls, host: str, port: int, timeout_s: float) -> FrameSocket:
+    async def connect(cls, host: str, port: int, timeout_s: float, tls: ssl.SSLContext | None = None) -> FrameSocket:
+        """Connect, and with ``tls`` complete the handshake (verifying ``host``), all within ``timeout_s``."""
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout_s):
@@ -76,7 +107,66 @@ class FrameSocket:
                     raise
         except (OSError, TimeoutError) as exc:
             raise NodeUnavailable(f"cannot connect to {host}:{port}: {exc or 'timed out'}") from None
-        return cls(sock, loop, f"{host}:{port}")
+        conn = cls(sock, loop, f"{host}:{port}")
+        if tls is None:
+            return conn
+        try:
+            async with asyncio.timeout(timeout_s):
+                await conn.start_tls(tls, server_hostname=host)
+        except TimeoutError:
+            conn.close()
+            raise NodeUnavailable(f"TLS handshake with {host}:{port} timed out") from None
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    async def peek_byte(self) -> int:
+        """The first byte waiting on the socket, left there (tells a TLS ClientHello from a frame)."""
+        while True:
+            try:
+                data = self.sock.recv(1, socket.MSG_PEEK)
+            except BlockingIOError:
+                await self._wait(writable=False)
+                continue
+            except OSError as exc:
+                raise NodeUnavailable(f"receive from {self.peer} failed: {exc}") from None
+            if not data:
+                raise NodeUnavailable(f"{self.peer} closed the connection")
+            return data[0]
+
+    async def start_tls(self, context: ssl.SSLContext, *, server_hostname: str | None = None) -> None:
+        """Wrap this connection in TLS and complete the handshake; server side when no ``server_hostname``.
+
+        Raises NodeUnavailable naming the peer and the likely cause; the caller bounds the time.
+        """
+        try:
+            self.sock = context.wrap_socket(
+                self.sock, server_side=server_hostname is None, server_hostname=server_hostname,
+                do_handshake_on_connect=False,
+            )  # fmt: skip
+        except OSError as exc:  # the peer left already
+            raise NodeUnavailable(f"TLS with {self.peer} failed: {exc}") from None
+        assert isinstance(self.sock, ssl.SSLSocket)
+        while True:
+            try:
+                self.sock.do_handshake()
+                return
+            except ssl.SSLWantReadError:
+                await self._wait(writable=False)
+            except ssl.SSLWantWriteError:
+                await self._wait(writable=True)
+            except ssl.SSLCertVerificationError as exc:
+                raise NodeUnavailable(
+                    f"TLS handshake with {self.peer} failed: certificate verify failed: {exc.verify_message or exc} "
+                    "(is tls_ca the CA that signed the node's certificate, and does the certificate name the host "
+                    "the node advertises?)"
+                ) from None
+            except (ssl.SSLError, OSError) as exc:
+                raise NodeUnavailable(
+                    f"TLS handshake with {self.peer} failed: {exc} (do both ends use TLS? a node serves TLS with "
+                    "--tls-cert/--tls-key, a client asks for it with tls=on)"
+                ) from None
 
     def close(self) -> None:
         """Close now; a coroutine waiting on this socket is woken with NodeUnavailable."""
@@ -128,8 +218,12 @@ class FrameSocket:
         while view:
             try:
                 n = self.sock.recv_into(view)
-            except BlockingIOError:
+            except (BlockingIOError, ssl.SSLWantReadError):
                 await self._wait(writable=False)
+                continue
+            except ssl.SSLWantWriteError:
+                # TLS wants to write while reading (rare); the writer slot may be the sender's, so poll.
+                await asyncio.sleep(0)
                 continue
             except OSError as exc:
                 raise NodeUnavailable(f"receive from {self.peer} failed: {exc}") from None
@@ -178,10 +272,17 @@ class FrameSocket:
         """Send all buffers in order as one uninterrupted byte stream."""
         async with self.send_lock:
             pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+            if self.tls:
+                pending = _coalesce_small(pending)
             while pending:
                 try:
-                    sent = self.sock.sendmsg(pending[:_MAX_IOV])
-                except BlockingIOError:
+                    if self.tls:
+                        sent = self.sock.send(pending[0][:_TLS_WRITE_BYTES])
+                    else:
+                        sent = self.sock.sendmsg(pending[:_MAX_IOV])
+                except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                    # (An SSL write that wants to read waits for the reader task to do it; the reader
+                    # slot is that task's, so this waits on writability, which is soon.)
                     try:
                         await self._wait(writable=True)
                     except BaseException:
@@ -200,3 +301,20 @@ class FrameSocket:
                     else:
                         pending[0] = head[sent:]
                         sent = 0
+
+
+def _coalesce_small(buffers: list[memoryview]) -> list[memoryview]:
+    """Join runs of small buffers (a header and its meta) so TLS sends them as one record, not several."""
+    out: list[memoryview] = []
+    run: list[memoryview] = []
+    for buf in buffers:
+        if len(buf) < _TLS_SMALL_BYTES:
+            run.append(buf)
+            continue
+        if run:
+            out.append(memoryview(b"".join(run)))
+            run = []
+        out.append(buf)
+    if run:
+        out.append(memoryview(b"".join(run)))
+    return out

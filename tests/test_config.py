@@ -138,13 +138,12 @@ def test_namespace_of_64_allowed_characters_is_accepted() -> None:
     assert PoolConfig.from_url(f"kvpool://h:1/{name}").namespace == name
 
 
-def test_tls_on_is_refused_with_a_message_that_says_to_use_tls_off() -> None:
-    with pytest.raises(ConfigError) as caught:
-        PoolConfig.from_url("kvpool://h:6379/ns?tls=on")
+def test_tls_on_means_rediss_to_redis_and_is_kept_in_the_canonical_url() -> None:
+    config = PoolConfig.from_url("kvpool://h:6379/ns?tls=on")
 
-    assert caught.value.key == "tls"
-    assert "TLS is not available" in str(caught.value)
-    assert "tls=off" in str(caught.value)
+    assert config.tls is True and config.tls_ca == ""
+    assert config.redis_url == "rediss://h:6379/0"
+    assert PoolConfig.from_url(config.to_url()) == config
 
 
 def test_unknown_option_error_lists_the_known_options() -> None:
@@ -186,8 +185,8 @@ def test_constructing_directly_validates_like_the_url_does() -> None:
     assert caught.value.key == "url"
 
     with pytest.raises(ConfigError) as caught:
-        PoolConfig(tls=True)
-    assert caught.value.key == "tls"
+        PoolConfig(tls_ca="/etc/ca.pem")
+    assert caught.value.key == "tls_ca"
 
 
 def test_config_is_immutable() -> None:
@@ -250,10 +249,9 @@ def test_bad_env_value_raises_naming_the_option() -> None:
     assert "'soon' is not an integer" in str(caught.value)
 
 
-def test_env_can_turn_on_tls_only_to_be_refused() -> None:
-    with pytest.raises(ConfigError) as caught:
-        PoolConfig.from_url("kvpool://h:1/ns", {"KVPOOL_TLS": "on"})
-    assert caught.value.key == "tls"
+def test_env_can_turn_on_tls_and_name_its_ca() -> None:
+    config = PoolConfig.from_url("kvpool://h:1/ns", {"KVPOOL_TLS": "on", "KVPOOL_TLS_CA": "/etc/ca.pem"})
+    assert (config.tls, config.tls_ca) == (True, "/etc/ca.pem")
 
 
 def test_from_url_reads_no_process_environment_unless_given_one(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,7 @@ import os
 import secrets
 import signal
 import socket
+import ssl
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -44,6 +45,7 @@ from backend.node.tiers import DRAM, TierConfig, TierManager
 from backend.protocol import (
     DEFAULT_LIMITS,
     LEASE_MAP,
+    MAGIC,
     NO_OFFSET,
     PUT_INTEGRITY,
     PUT_NO_CAPACITY,
@@ -69,7 +71,7 @@ from backend.protocol import (
     encode_lease_response,
     status_for_error,
 )
-from backend.transport import Buffer, FrameSocket
+from backend.transport import Buffer, FrameSocket, server_tls_context
 
 __all__ = ["NodeConfig", "PoolNode", "run_node"]
 
@@ -114,6 +116,10 @@ class NodeConfig:
     shm_dir: Path | None = None  # shared-memory arena for same-host clients; None: off
     channel: str = "off"  # serve CHANNEL_GET over this transport: "off", "cpu" or "nccl" (nccl_channel)
     device: str = "cuda:0"  # the CUDA device of the NCCL channel
+    tls_cert: Path | None = None  # PEM certificate chain: serve the node protocol over TLS only
+    tls_key: Path | None = None  # its private key (PEM)
+    redis_password: str = dataclasses.field(default="", repr=False)  # Redis ACL password, if not in redis_url
+    redis_ca_file: str = ""  # CA bundle verifying a rediss:// Redis; empty: the system trust store
 
     def tier_config(self) -> TierConfig:
         return TierConfig(
@@ -129,7 +135,11 @@ class PoolNode:
         self.config = config
         self.tiers = TierManager(config.tier_config())
         self.recovery: RecoveryReport | None = None
-        self.meta = MetadataStore(config.redis_url, config.namespace, config.redis_timeout_ms / 1000)
+        self.meta = MetadataStore(
+            config.redis_url, config.namespace, config.redis_timeout_ms / 1000,
+            password=config.redis_password, ca_file=config.redis_ca_file,
+        )  # fmt: skip
+        self._tls: ssl.SSLContext | None = None
         self.counters: Counter[str] = Counter()
         self.epoch = 0
         self.node_id = config.node_id
@@ -171,6 +181,7 @@ class PoolNode:
     async def start(self) -> None:
         """Bind, take an epoch, register. Raises MetadataError if Redis is unreachable."""
         transport = self._channel_transport()  # a ConfigError here leaves no port bound
+        self._tls = self._tls_context()
         listener = socket.create_server((self.config.host, self.config.port), backlog=512, reuse_port=False)
         listener.setblocking(False)
         self._listener = listener
@@ -210,6 +221,14 @@ class PoolNode:
             f"{nvme.capacity_bytes} bytes at {nvme.root}" if nvme else "off", self.config.namespace,
         )  # fmt: skip
 
+    def _tls_context(self) -> ssl.SSLContext | None:
+        cert, key = self.config.tls_cert, self.config.tls_key
+        if cert is None and key is None:
+            return None
+        if cert is None or key is None:
+            raise ConfigError("--tls-cert", "TLS needs both --tls-cert and --tls-key")
+        return server_tls_context(str(cert), str(key))
+
     async def wait_stopped(self) -> None:
         await self._stopping.wait()
 
@@ -248,6 +267,7 @@ class PoolNode:
             epoch=self.epoch,
             cluster=self.config.cluster,
             channel=self.channel.kind if self.channel is not None else "",
+            tls=self._tls is not None,
             hostname=socket.gethostname(),
             pid=os.getpid(),
             started_at=self.started_at,
@@ -402,6 +422,8 @@ class PoolNode:
         in_flight = asyncio.Semaphore(MAX_REQUESTS_IN_FLIGHT_PER_CONNECTION)
         header: Header | None = None
         try:
+            if self._tls is not None and not await self._start_tls(conn, self._tls):
+                return
             while True:
                 header = None  # an error before the header parses answers request id 0
                 header = await conn.recv_header(self.config.limits)
@@ -462,6 +484,28 @@ class PoolNode:
         finally:
             conn.close()
             self._connections.discard(conn)
+
+    async def _start_tls(self, conn: FrameSocket, context: ssl.SSLContext) -> bool:
+        """Complete a TLS handshake within the frame timeout; False (counted, logged) if it fails.
+
+        A plaintext kvpool client is told, in a plaintext error frame, that this node serves TLS only.
+        """
+        header: Header | None = None
+        try:
+            async with asyncio.timeout(self.config.frame_timeout_s):
+                if await conn.peek_byte() != MAGIC[0]:
+                    await conn.start_tls(context)
+                    return True
+                header = await conn.recv_header(self.config.limits)
+            raise ProtocolError("this node serves TLS only: add tls=on (and tls_ca=PATH) to the pool URL")
+        except (KVPoolError, TimeoutError) as exc:
+            self.counters["tls_failures"] += 1
+            logger.warning("node %s: TLS from %s failed: %s", self.node_id, conn.peer, exc or "timed out")
+            if header is not None:
+                with contextlib.suppress(KVPoolError, OSError):
+                    async with asyncio.timeout(1.0):
+                        await self._reply_error(conn, header, exc)
+            return False
 
     def _check_auth(self, body: dict[str, Any], nonce: bytes) -> bool:
         if not self.config.token:
