@@ -29,6 +29,7 @@ from backend.lmcache_config import (
     render_yaml,
 )
 from backend.node.server import NodeConfig, PoolNode
+from backend.redis_topology import SINGLE, RedisTarget, render_hosts
 
 __all__ = ["main", "build_parser"]
 
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     _node_options(up, dram_default="1GiB", nvme_dir_default=DEFAULT_UP_NVME_DIR, nvme_default="8GiB")
 
     node = verbs.add_parser("node", help="run a node that joins an existing pool")
-    node.add_argument("--redis", metavar="URL", help="the pool's metadata Redis, redis://HOST:PORT (required)")
+    node.add_argument("--redis", metavar="URL", help="the pool's metadata Redis (required): redis://HOST:PORT, "
+                      "redis+cluster://HOST:PORT[,HOST:PORT] or redis+sentinel://HOST:PORT[,HOST:PORT]/MASTER")  # fmt: skip
     _node_options(node, dram_default="4GiB", nvme_dir_default=None, nvme_default="100GiB")
 
     status = verbs.add_parser("status", help="one screen: Redis, nodes, capacity, objects, hit rate")
@@ -156,6 +158,7 @@ def _node_options(
 
 
 def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
+    RedisTarget.parse(redis_url, key="--redis")
     token = os.environ.get("KVPOOL_TOKEN", "")
     if args.token_file is not None:
         try:
@@ -190,9 +193,16 @@ def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
 def _pool_url(node: PoolNode, redis_url: str, namespace: str) -> str:
     from urllib.parse import urlsplit
 
-    parts = urlsplit(redis_url)
-    auth = ":TOKEN@" if node.config.token else ""
-    return f"kvpool://{auth}{parts.hostname}:{parts.port or 6379}/{namespace}"
+    target = RedisTarget.parse(redis_url, key="--redis")
+    if target.mode == SINGLE:
+        parts = urlsplit(redis_url)
+        config = PoolConfig(redis_host=parts.hostname or "127.0.0.1", redis_port=parts.port or 6379)
+    else:
+        (host, port), *more = target.hosts
+        config = PoolConfig(redis_host=host, redis_port=port, redis_mode=target.mode if not target.master else SINGLE,
+                            sentinel=target.master, redis_hosts=render_hosts(more))  # fmt: skip
+    url = dataclasses.replace(config, namespace=namespace).to_url()
+    return url.replace("kvpool://", "kvpool://:TOKEN@", 1) if node.config.token else url
 
 
 async def _serve(node: PoolNode) -> None:

@@ -4,7 +4,10 @@ A pool is named by a URL::
 
     kvpool://[:TOKEN@]REDIS_HOST:REDIS_PORT/NAMESPACE?option=value&...
 
-The URL points at the metadata Redis; nodes are discovered from its registry.
+The URL points at the metadata Redis; nodes are discovered from its registry. With
+``redis_mode=cluster`` REDIS_HOST:REDIS_PORT is any member of a Redis Cluster; with
+``sentinel=MASTER`` it is a Redis Sentinel that knows the master by that name
+(``redis_hosts=`` adds more members or sentinels).
 Options may also come from ``KVPOOL_<OPTION>`` environment variables (which win over
 the URL) and from a YAML file. Everything is validated once, here; an unknown or
 malformed option raises :class:`ConfigError` naming it.
@@ -20,6 +23,7 @@ from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from backend.errors import ConfigError
+from backend.redis_topology import CLUSTER, REDIS_MODES, SINGLE, RedisTarget, parse_hosts
 
 __all__ = ["PoolConfig", "parse_size", "format_size", "SCHEME", "DEFAULT_NAMESPACE"]
 
@@ -101,6 +105,9 @@ class PoolConfig:
     tls: bool = False
     shm: bool = True  # read through a same-host node's shared-memory arena when there is one
     channel_transport: str = "nccl"
+    redis_mode: str = SINGLE  # "cluster": REDIS_HOST:REDIS_PORT is one member of a Redis Cluster
+    sentinel: str = ""  # the master's name: REDIS_HOST:REDIS_PORT is a Redis Sentinel
+    redis_hosts: str = ""  # more cluster members or sentinels, "h1:p1,h2:p2"
 
     def __post_init__(self) -> None:
         if not _NAMESPACE_RE.match(self.namespace):
@@ -117,6 +124,17 @@ class PoolConfig:
             raise ConfigError(
                 "channel_transport", f"{self.channel_transport!r} is not one of {', '.join(CHANNEL_TRANSPORTS)}"
             )
+        if self.redis_mode == "sentinel":
+            raise ConfigError("redis_mode", "a Sentinel is chosen by naming its master: sentinel=MASTER")
+        if self.redis_mode not in REDIS_MODES:
+            raise ConfigError("redis_mode", f"{self.redis_mode!r} is not one of {', '.join(REDIS_MODES)}")
+        if self.sentinel and self.redis_mode == CLUSTER:
+            raise ConfigError("sentinel", "Sentinel does not manage a Redis Cluster: give redis_mode=cluster or "
+                              "sentinel=MASTER, not both")  # fmt: skip
+        if self.redis_hosts:
+            if self.redis_mode == SINGLE and not self.sentinel:
+                raise ConfigError("redis_hosts", "more Redis hosts need redis_mode=cluster or sentinel=MASTER")
+            parse_hosts(self.redis_hosts, key="redis_hosts")
 
     def __repr__(self) -> str:
         token = "'***'" if self.token else "''"
@@ -125,7 +143,8 @@ class PoolConfig:
             f"token={token}, replicas={self.replicas}, timeout_ms={self.timeout_ms}, "
             f"connections_per_node={self.connections_per_node}, nccl={self.nccl}, "
             f"cluster={self.cluster!r}, tls={self.tls}, shm={self.shm}, "
-            f"channel_transport={self.channel_transport!r})"
+            f"channel_transport={self.channel_transport!r}, redis_mode={self.redis_mode!r}, "
+            f"sentinel={self.sentinel!r}, redis_hosts={self.redis_hosts!r})"
         )
 
     @property
@@ -137,9 +156,16 @@ class PoolConfig:
         return f"[{self.redis_host}]" if ":" in self.redis_host else self.redis_host
 
     @property
+    def redis_target(self) -> RedisTarget:
+        hosts: tuple[tuple[str, int], ...] = ((self.redis_host, self.redis_port),)
+        if self.redis_hosts:
+            hosts += parse_hosts(self.redis_hosts, key="redis_hosts")
+        return RedisTarget.build(self.redis_mode, hosts, master=self.sentinel)
+
+    @property
     def redis_url(self) -> str:
-        """The metadata Redis as a redis-py URL (no secrets: the token is for nodes)."""
-        return f"redis://{self._host_for_url}:{self.redis_port}/0"
+        """The metadata Redis as a URL nodes take (``--redis``); no secrets: the token is for nodes."""
+        return self.redis_target.render()
 
     def to_url(self, *, with_token: bool = True) -> str:
         """The canonical ``kvpool://`` URL for this config (options that differ from defaults)."""
@@ -239,6 +265,9 @@ _OPTION_PARSERS: dict[str, Any] = {
     "tls": _parse_bool,
     "shm": _parse_bool,
     "channel_transport": lambda k, v: str(v).strip().lower(),
+    "redis_mode": lambda k, v: str(v).strip().lower(),
+    "sentinel": lambda k, v: str(v).strip(),
+    "redis_hosts": lambda k, v: str(v).replace(" ", ""),
 }
 
 

@@ -1,0 +1,244 @@
+"""The pool over a real 3-master Redis Cluster and through a real Redis Sentinel.
+
+Each test starts its own redis-servers: three ``--cluster-enabled yes`` servers joined
+by ``redis-cli --cluster create``, or one master watched by one ``redis-server
+--sentinel``. Then real node processes and a real client use the pool through the
+``kvpool://...?redis_mode=cluster`` or ``?sentinel=NAME`` URL.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from backend import Chunk, PoolConfig, SyncPoolClient
+from backend.embedded import free_port
+from backend.metadata import MetadataStore
+from tests.conftest import REPO, wait_until
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("redis-server") is None or shutil.which("redis-cli") is None, reason="needs redis-server and redis-cli"
+)
+
+START_TIMEOUT_S = 30.0
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 >= 65536:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+def _cli(port: int, *args: str) -> str:
+    proc = subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=30)
+    return proc.stdout
+
+
+def _ping(port: int) -> bool:
+    try:
+        return _cli(port, "PING").strip() == "PONG"
+    except subprocess.TimeoutExpired:
+        return False
+
+
+class RedisProcesses:
+    """redis-server processes a test starts; stopped (SIGKILL if need be) at the end."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.processes: dict[int, subprocess.Popen[bytes]] = {}
+
+    def start(self, port: int, *args: str) -> int:
+        workdir = self.root / str(port)
+        workdir.mkdir(exist_ok=True)
+        self.processes[port] = subprocess.Popen(
+            ["redis-server", *args, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir,
+        )  # fmt: skip
+        assert wait_until(lambda: _ping(port), START_TIMEOUT_S), (workdir / "redis.log").read_text()[-2000:]
+        return port
+
+    def start_sentinel(self, port: int, master: str, master_port: int) -> int:
+        conf = self.root / f"sentinel-{port}.conf"
+        conf.write_text(
+            f"port {port}\nbind 127.0.0.1\nsentinel monitor {master} 127.0.0.1 {master_port} 1\n"
+            f"sentinel down-after-milliseconds {master} 1000\nsentinel failover-timeout {master} 5000\n"
+        )
+        self.processes[port] = subprocess.Popen(
+            ["redis-server", str(conf), "--sentinel", "--logfile", str(self.root / f"sentinel-{port}.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.root,
+        )  # fmt: skip
+        assert wait_until(lambda: _ping(port), START_TIMEOUT_S)
+        return port
+
+    def kill(self, port: int) -> None:
+        process = self.processes.pop(port)
+        process.kill()
+        process.wait(10)
+
+    def stop_all(self) -> None:
+        for port in list(self.processes):
+            process = self.processes.pop(port)
+            process.terminate()
+            try:
+                process.wait(5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+
+
+@pytest.fixture
+def redis_processes(tmp_path: Path) -> Iterator[RedisProcesses]:
+    made = RedisProcesses(tmp_path)
+    yield made
+    made.stop_all()
+
+
+@pytest.fixture
+def redis_cluster(redis_processes: RedisProcesses) -> list[int]:
+    """Three masters, no replicas, all 16384 slots assigned; returns their ports."""
+    ports = [_cluster_port() for _ in range(3)]
+    for port in ports:
+        redis_processes.start(port, "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                              "--cluster-node-timeout", "2000")  # fmt: skip
+    create = subprocess.run(
+        ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "0",
+         "--cluster-yes"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert create.returncode == 0, create.stdout[-2000:] + create.stderr[-2000:]
+    for port in ports:
+        assert wait_until(lambda p=port: "cluster_state:ok" in _cli(p, "CLUSTER", "INFO"), START_TIMEOUT_S)
+    return ports
+
+
+def _chunks(prefix: str, count: int, size: int) -> list[Chunk]:
+    return [Chunk(f"{prefix}@{i}", os.urandom(size)) for i in range(count)]
+
+
+def _kvpool(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LMCACHE_TRACK_USAGE": "false"}
+    return subprocess.run(
+        [sys.executable, "-m", "backend.cli", *args], capture_output=True, text=True, timeout=120, cwd=REPO, env=env
+    )
+
+
+def _index_keys_on(port: int, namespace: str) -> int:
+    return len(_cli(port, "--scan", "--pattern", f"kvp:{namespace}:k:*").split())
+
+
+def test_pool_over_a_three_master_cluster_stores_lists_and_deletes_with_the_index_on_every_master(
+    redis_cluster, node_factory, namespace
+):
+    seed_a, seed_b, seed_c = redis_cluster
+    node_url = f"redis+cluster://127.0.0.1:{seed_a}"
+    a = node_factory(redis_url=node_url)
+    b = node_factory(redis_url=node_url)
+    # The client seeds from another member than the nodes did: any member will do.
+    url = f"kvpool://127.0.0.1:{seed_b}/{namespace}?redis_mode=cluster&redis_hosts=127.0.0.1:{seed_c}"
+    chunks = _chunks("cl", 60, 3000)
+    keys = [c.key for c in chunks]
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        assert {n.node_id for n in client.nodes()} == {a.node_id, b.node_id}
+        client.put(chunks)
+        got = client.get([*keys, "cl@absent"])
+        assert [bytes(g.data) for g in got[:-1]] == [bytes(c.data) for c in chunks]
+        assert got[-1] is None
+        assert client.contains(keys) == [True] * 60
+        assert sorted(client.list_keys()) == sorted(keys)
+        per_master = [_index_keys_on(port, namespace) for port in redis_cluster]
+        assert sum(per_master) == 60 and all(count > 0 for count in per_master), per_master
+        listed = _kvpool("ls", "--url", url)
+        assert listed.returncode == 0, listed.stderr
+        assert sorted(line.split()[0] for line in listed.stdout.splitlines()) == sorted(keys)
+        status = _kvpool("status", "--url", url)
+        assert status.returncode == 0, status.stderr
+        assert "2 alive" in status.stdout and "redis+cluster://" in status.stdout
+        assert client.delete(keys[:30]) == 30
+        assert client.contains(keys) == [False] * 30 + [True] * 30
+        assert client.get(keys[:30]) == [None] * 30
+
+
+def test_every_node_republishes_when_one_cluster_shard_restarts_empty(redis_cluster, redis_processes, node_factory,
+                                                                      namespace):  # fmt: skip
+    node = node_factory(redis_url=f"redis+cluster://127.0.0.1:{redis_cluster[0]}")
+    url = f"kvpool://127.0.0.1:{redis_cluster[0]}/{namespace}?redis_mode=cluster&timeout_ms=1000"
+    chunks = _chunks("sh", 60, 2000)
+    keys = [c.key for c in chunks]
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        client.put(chunks)
+        # Empty a shard that does NOT hold the registry and its marker: only its own marker tells.
+        registry_slot = _cli(redis_cluster[0], "CLUSTER", "KEYSLOT", f"kvp:{{{namespace}}}:marker").strip()
+        victim = next(port for port in redis_cluster
+                      if _cli(port, "CLUSTER", "COUNTKEYSINSLOT", registry_slot).strip() == "0")  # fmt: skip
+        lost = _index_keys_on(victim, namespace)
+        assert lost > 0
+        node.pause()  # hold its heartbeat so the misses can be seen before it republishes
+        _cli(victim, "FLUSHALL")
+        assert client.contains(keys).count(False) == lost  # that shard's keys miss; nothing raises
+        node.resume()
+        assert wait_until(lambda: client.contains(keys) == [True] * 60, 20.0)
+        got = client.get(keys)
+        assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
+    assert "republished" in node.log
+
+
+def test_pool_through_a_sentinel_finds_the_master_by_name(redis_processes, node_factory, namespace):
+    master = redis_processes.start(free_port())
+    sentinel = redis_processes.start_sentinel(free_port(), "kvmaster", master)
+    node_url = f"redis+sentinel://127.0.0.1:{sentinel}/kvmaster"
+    node = node_factory(redis_url=node_url)
+    url = f"kvpool://127.0.0.1:{sentinel}/{namespace}?sentinel=kvmaster"
+    chunks = _chunks("se", 10, 5000)
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        assert [n.node_id for n in client.nodes()] == [node.node_id]
+        client.put(chunks)
+        got = client.get([c.key for c in chunks])
+        assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
+    # The index is in the master the sentinel named, not anywhere else.
+    assert len(_cli(master, "--scan", "--pattern", f"kvp:{namespace}:k:*").split()) == 10
+    status = _kvpool("status", "--url", url)
+    assert status.returncode == 0, status.stderr
+    assert "redis+sentinel://" in status.stdout and "1 alive" in status.stdout
+
+
+def test_sentinel_with_an_unknown_master_name_is_an_error_naming_it(redis_processes, namespace):
+    master = redis_processes.start(free_port())
+    sentinel = redis_processes.start_sentinel(free_port(), "kvmaster", master)
+    status = _kvpool("status", "--url", f"kvpool://127.0.0.1:{sentinel}/{namespace}?sentinel=other")
+    assert status.returncode == 1
+    assert "other" in status.stderr
+
+
+async def test_metadata_calls_to_a_cluster_recover_from_scripts_lost_on_every_shard(redis_cluster, namespace):
+    from backend.metadata import Location
+
+    meta = MetadataStore(f"redis+cluster://127.0.0.1:{redis_cluster[2]}", namespace)
+    try:
+        keys = [f"s{i}" for i in range(50)]
+        await meta.commit([(k, Location("n1", 1, "dram", 10, 5)) for k in keys])
+        for port in redis_cluster:
+            _cli(port, "SCRIPT", "FLUSH")  # as a shard restarted empty would
+        await meta.remove("n1", 1, keys[:20])
+        entries = await meta.lookup(keys)
+        assert [bool(e) for e in entries] == [False] * 20 + [True] * 30
+        assert await meta.flush_namespace() >= 30
+        assert [k async for k in meta.scan_keys()] == []
+    finally:
+        await meta.close()
