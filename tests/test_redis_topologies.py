@@ -8,6 +8,7 @@ by ``redis-cli --cluster create``, or one master watched by one ``redis-server
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import socket
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from backend import Chunk, PoolConfig, SyncPoolClient
-from backend.embedded import free_port
+from backend.embedded import EmbeddedRedis, free_port
 from backend.metadata import MetadataStore
 from tests.conftest import REPO, wait_until
 
@@ -62,8 +63,12 @@ class RedisProcesses:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
+        self.args: dict[int, tuple[str, ...]] = {}
 
     def start(self, port: int, *args: str) -> int:
+        """A redis-server; started again on a port it ran on, it keeps its arguments (and cluster config)."""
+        args = args or self.args.get(port, ())
+        self.args[port] = args
         workdir = self.root / str(port)
         workdir.mkdir(exist_ok=True)
         self.processes[port] = subprocess.Popen(
@@ -199,6 +204,45 @@ def test_every_node_republishes_when_one_cluster_shard_restarts_empty(redis_clus
     assert "republished" in node.log
 
 
+def test_cluster_master_killed_reads_as_misses_and_restarted_empty_is_republished(
+    redis_cluster, redis_processes, node_factory, namespace
+):
+    node = node_factory(redis_url=f"redis+cluster://127.0.0.1:{redis_cluster[0]}")
+    url = f"kvpool://127.0.0.1:{redis_cluster[0]}/{namespace}?redis_mode=cluster&timeout_ms=1000"
+    chunks = _chunks("kl", 60, 2000)
+    keys = [c.key for c in chunks]
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        client.put(chunks)
+        victim = redis_cluster[1]
+        on_victim = {name[len(f"kvp:{namespace}:k:{{") : -1]
+                     for name in _cli(victim, "--scan", "--pattern", f"kvp:{namespace}:k:*").split()}  # fmt: skip
+        assert on_victim
+        redis_processes.kill(victim)
+        # A master without a replica is gone: its keys (and, once the cluster marks
+        # itself failed, every key) miss; nothing raises and nothing waits unbounded.
+        hits = run_in_thread(lambda: client.contains(keys), 60)
+        assert not any(hit for key, hit in zip(keys, hits) if key in on_victim)
+        got = run_in_thread(lambda: client.get(keys), 60)
+        for chunk, data in zip(chunks, got):
+            assert data is None if chunk.key in on_victim else data is None or bytes(data.data) == bytes(chunk.data)
+        redis_processes.start(victim)  # same port and cluster config, no data
+        for port in redis_cluster:
+            assert wait_until(lambda p=port: "cluster_state:ok" in _cli(p, "CLUSTER", "INFO"), START_TIMEOUT_S)
+        assert wait_until(lambda: client.contains(keys) == [True] * 60, 30.0)
+        got = client.get(keys)
+        assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
+    assert "republished 60 chunks" in node.log
+
+
+def run_in_thread(fn, timeout_s: float):
+    """``fn()``, or a failure if it does not return within ``timeout_s``."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        return pool.submit(fn).result(timeout_s)
+    finally:
+        pool.shutdown(wait=False)  # a call that hung fails the test instead of stalling it
+
+
 def test_pool_through_a_sentinel_finds_the_master_by_name(redis_processes, node_factory, namespace):
     master = redis_processes.start(free_port())
     sentinel = redis_processes.start_sentinel(free_port(), "kvmaster", master)
@@ -242,3 +286,48 @@ async def test_metadata_calls_to_a_cluster_recover_from_scripts_lost_on_every_sh
         assert [k async for k in meta.scan_keys()] == []
     finally:
         await meta.close()
+
+
+@pytest.fixture
+def lmcache_stack():
+    from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
+
+    made: list[LMCacheStack] = []
+
+    def make(url: str) -> LMCacheStack:
+        made.append(LMCacheStack(kvpool_lmcache_config(url)))
+        return made[-1]
+
+    yield make
+    for stack in made:
+        stack.close()
+
+
+def test_lmcache_misses_while_redis_restarts_empty_then_hits_the_same_bytes(node_factory, redis_factory,
+                                                                            lmcache_stack, namespace):  # fmt: skip
+    from bench.lmcache_stack import run_with_timeout, same_bytes
+
+    redis = EmbeddedRedis().start()
+    redis_factory.append(redis)
+    node = node_factory(redis_url=redis.url)
+    stack = lmcache_stack(f"kvpool://127.0.0.1:{redis.port}/{namespace}?timeout_ms=500")
+    keys = [stack.key(400 + i) for i in range(4)]
+    objs = [stack.make_object(i) for i in range(4)]
+    stack.put(keys, objs)
+    assert stack.contains_prefix(keys) == 4
+    redis.kill()
+    # Every wait below is bounded: a call that hung would fail the test, not stall it.
+    assert run_with_timeout(lambda: stack.contains_prefix(keys), 30) == 0
+    assert run_with_timeout(lambda: stack.get(keys), 30) == [None] * 4
+    late = [stack.make_object(9)]
+    run_with_timeout(lambda: stack.put([stack.key(499)], late), 60)  # no exception reaches LMCache
+    stack.release(late)
+    assert stack.connector().counters["miss_put"] == 1
+    restarted = EmbeddedRedis(redis.port)
+    redis_factory.append(restarted)
+    restarted.start()  # empty: the node finds its marker gone and republishes
+    assert wait_until(lambda: stack.contains_prefix(keys) == 4, 30.0)
+    got = stack.get(keys)
+    assert all(g is not None and same_bytes(g, obj) for g, obj in zip(got, objs))
+    stack.release(objs + got)
+    assert "republished 4 chunks" in node.log
