@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,90 +21,13 @@ import pytest
 from backend import Chunk, PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis, free_port
 from backend.metadata import MetadataStore
+from bench.redis_servers import RedisProcesses
+from bench.redis_servers import cli as _cli
 from tests.conftest import REPO, wait_until
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None or shutil.which("redis-cli") is None, reason="needs redis-server and redis-cli"
 )
-
-START_TIMEOUT_S = 30.0
-
-
-def _cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is free too."""
-    while True:
-        port = free_port()
-        if port + 10000 >= 65536:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
-
-
-def _cli(port: int, *args: str) -> str:
-    proc = subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=30)
-    return proc.stdout
-
-
-def _ping(port: int) -> bool:
-    try:
-        return _cli(port, "PING").strip() == "PONG"
-    except subprocess.TimeoutExpired:
-        return False
-
-
-class RedisProcesses:
-    """redis-server processes a test starts; stopped (SIGKILL if need be) at the end."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.processes: dict[int, subprocess.Popen[bytes]] = {}
-        self.args: dict[int, tuple[str, ...]] = {}
-
-    def start(self, port: int, *args: str) -> int:
-        """A redis-server; started again on a port it ran on, it keeps its arguments (and cluster config)."""
-        args = args or self.args.get(port, ())
-        self.args[port] = args
-        workdir = self.root / str(port)
-        workdir.mkdir(exist_ok=True)
-        self.processes[port] = subprocess.Popen(
-            ["redis-server", *args, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir,
-        )  # fmt: skip
-        assert wait_until(lambda: _ping(port), START_TIMEOUT_S), (workdir / "redis.log").read_text()[-2000:]
-        return port
-
-    def start_sentinel(self, port: int, master: str, master_port: int) -> int:
-        conf = self.root / f"sentinel-{port}.conf"
-        conf.write_text(
-            f"port {port}\nbind 127.0.0.1\nsentinel monitor {master} 127.0.0.1 {master_port} 1\n"
-            f"sentinel down-after-milliseconds {master} 1000\nsentinel failover-timeout {master} 5000\n"
-        )
-        self.processes[port] = subprocess.Popen(
-            ["redis-server", str(conf), "--sentinel", "--logfile", str(self.root / f"sentinel-{port}.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.root,
-        )  # fmt: skip
-        assert wait_until(lambda: _ping(port), START_TIMEOUT_S)
-        return port
-
-    def kill(self, port: int) -> None:
-        process = self.processes.pop(port)
-        process.kill()
-        process.wait(10)
-
-    def stop_all(self) -> None:
-        for port in list(self.processes):
-            process = self.processes.pop(port)
-            process.terminate()
-            try:
-                process.wait(5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
 
 
 @pytest.fixture
@@ -118,19 +40,7 @@ def redis_processes(tmp_path: Path) -> Iterator[RedisProcesses]:
 @pytest.fixture
 def redis_cluster(redis_processes: RedisProcesses) -> list[int]:
     """Three masters, no replicas, all 16384 slots assigned; returns their ports."""
-    ports = [_cluster_port() for _ in range(3)]
-    for port in ports:
-        redis_processes.start(port, "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                              "--cluster-node-timeout", "2000")  # fmt: skip
-    create = subprocess.run(
-        ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "0",
-         "--cluster-yes"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert create.returncode == 0, create.stdout[-2000:] + create.stderr[-2000:]
-    for port in ports:
-        assert wait_until(lambda p=port: "cluster_state:ok" in _cli(p, "CLUSTER", "INFO"), START_TIMEOUT_S)
-    return ports
+    return redis_processes.start_cluster(3)
 
 
 def _chunks(prefix: str, count: int, size: int) -> list[Chunk]:
@@ -226,8 +136,7 @@ def test_cluster_master_killed_reads_as_misses_and_restarted_empty_is_republishe
         for chunk, data in zip(chunks, got):
             assert data is None if chunk.key in on_victim else data is None or bytes(data.data) == bytes(chunk.data)
         redis_processes.start(victim)  # same port and cluster config, no data
-        for port in redis_cluster:
-            assert wait_until(lambda p=port: "cluster_state:ok" in _cli(p, "CLUSTER", "INFO"), START_TIMEOUT_S)
+        redis_processes.wait_cluster_ok(redis_cluster)
         assert wait_until(lambda: client.contains(keys) == [True] * 60, 30.0)
         got = client.get(keys)
         assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
