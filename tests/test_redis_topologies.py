@@ -171,6 +171,33 @@ def test_pool_through_a_sentinel_finds_the_master_by_name(redis_processes, node_
     assert "redis+sentinel://" in status.stdout and "1 alive" in status.stdout
 
 
+def test_sentinel_failover_reads_as_misses_then_the_promoted_replica_serves_the_same_index(
+    redis_processes, node_factory, namespace
+):
+    master = redis_processes.start(free_port())
+    replica = redis_processes.start(free_port(), "--replicaof", "127.0.0.1", str(master))
+    sentinel = redis_processes.start_sentinel(free_port(), "kvmaster", master)
+    assert wait_until(lambda: "master_link_status:up" in _cli(replica, "INFO", "replication"), 30.0)
+    node = node_factory(redis_url=f"redis+sentinel://127.0.0.1:{sentinel}/kvmaster")
+    url = f"kvpool://127.0.0.1:{sentinel}/{namespace}?sentinel=kvmaster&timeout_ms=1000"
+    chunks = _chunks("fo", 20, 3000)
+    keys = [c.key for c in chunks]
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        client.put(chunks)
+        assert _cli(master, "WAIT", "1", "5000").strip() == "1"  # the replica has the index too
+        redis_processes.kill(master)
+        hits = run_in_thread(lambda: client.contains(keys), 60)  # misses or hits, never an exception
+        assert hits in ([False] * 20, [True] * 20)
+        assert wait_until(lambda: "role:master" in _cli(replica, "INFO", "replication"), 30.0)
+        assert wait_until(lambda: client.contains(keys) == [True] * 20, 30.0)
+        got = client.get(keys)
+        assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
+        more = _chunks("after", 5, 1000)
+        client.put(more)  # writes go to the promoted master
+        assert len(_cli(replica, "--scan", "--pattern", f"kvp:{namespace}:k:{{after@*").split()) == 5
+    assert node.alive()
+
+
 def test_sentinel_with_an_unknown_master_name_is_an_error_naming_it(redis_processes, namespace):
     master = redis_processes.start(free_port())
     sentinel = redis_processes.start_sentinel(free_port(), "kvmaster", master)
