@@ -34,12 +34,13 @@ SENTINEL = "sentinel"
 REDIS_MODES = (SINGLE, CLUSTER)  # sentinel mode is chosen by naming the master (sentinel=NAME)
 _SCHEMES = {"redis+cluster": CLUSTER, "redis+sentinel": SENTINEL}
 
-# redis-py's defaults retry a refused connection 10 times with up to 1 s between tries,
-# far past kvpool's timeouts. A few quick retries ride over a reconnect or a cluster
-# redirection; the caller's deadline bounds the rest.
-RETRIES = 3
+# redis-py's default retries a failed command 10 times, up to 1 s apart (a RedisCluster
+# re-reads the slot map each time): far past kvpool's timeouts, and every lookup during
+# an outage would pay it. One quick retry rides over a connection that died with a
+# restarted Redis; MetadataStore's deadline bounds the rest.
+RETRIES = 1
 RETRY_BASE_S = 0.01
-RETRY_CAP_S = 0.1
+RETRY_CAP_S = 0.05
 
 
 def parse_hosts(text: str, *, key: str) -> tuple[tuple[str, int], ...]:

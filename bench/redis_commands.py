@@ -8,18 +8,23 @@ through :class:`MetadataStore` (as a node does after a put), looks them all up i
 batch (as a client's ``contains``/``get`` does), and prints the Redis commands each
 step cost (from ``INFO commandstats``, summed over every server) and the lookup's
 latency (p50/p99 over ``--rounds``). No nodes: this is the metadata layer alone.
+
+Then it times ``PoolClient.contains`` while the redis-server is stopped (SIGSTOP) and
+after it is killed: each call must return misses, not raise, within ``timeout_ms``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import statistics
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
+from backend import PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis
 from backend.metadata import Location, MetadataStore
 from bench.redis_servers import RedisProcesses, cli
@@ -66,10 +71,34 @@ async def _measure(url: str, ports: list[int], keys: int, rounds: int) -> dict[s
     }
 
 
+def _outage(timeout_ms: int, calls: int = 5) -> dict[str, tuple[float, float]]:
+    """min and max ms of ``contains`` while Redis is paused, then killed."""
+    keys = [f"k{i}" for i in range(10)]
+    spans: dict[str, tuple[float, float]] = {}
+    with EmbeddedRedis() as redis:
+        config = PoolConfig.from_url(f"kvpool://127.0.0.1:{redis.port}/outage?timeout_ms={timeout_ms}")
+        with SyncPoolClient(config) as client:
+            client.contains(keys)  # connected while Redis was up
+            process = redis.process
+            assert process is not None
+            stages = (("paused", lambda: process.send_signal(signal.SIGSTOP)),
+                      ("killed", lambda: (process.send_signal(signal.SIGCONT), redis.kill())))  # fmt: skip
+            for name, act in stages:
+                act()
+                times = []
+                for _ in range(calls):
+                    start = time.perf_counter()
+                    assert client.contains(keys) == [False] * len(keys)
+                    times.append((time.perf_counter() - start) * 1000)
+                spans[name] = (min(times), max(times))
+    return spans
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=1000, help="index entries per batch (default 1000)")
     parser.add_argument("--rounds", type=int, default=30, help="timed lookups (default 30)")
+    parser.add_argument("--timeout-ms", type=int, default=500, help="client timeout_ms for the outage (default 500)")
     args = parser.parse_args()
     with EmbeddedRedis() as single, tempfile.TemporaryDirectory(prefix="kvpool-cluster-") as root:
         servers = RedisProcesses(Path(root))
@@ -89,6 +118,9 @@ def main() -> None:
         print(f"  commit commands: {r['commit']}")
         print(f"  lookup commands: {r['lookup']}")
         print(f"  lookup latency: p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms")
+    print(f"\nRedis outage, contains of 10 keys with timeout_ms={args.timeout_ms} (all misses, no exception):")
+    for name, (low, high) in _outage(args.timeout_ms).items():
+        print(f"  redis-server {name}: {low:.0f}-{high:.0f} ms")
 
 
 if __name__ == "__main__":

@@ -267,3 +267,13 @@ def test_lmcache_misses_while_redis_restarts_empty_then_hits_the_same_bytes(node
     assert all(g is not None and same_bytes(g, obj) for g, obj in zip(got, objs))
     stack.release(objs + got)
     assert "republished 4 chunks" in node.log
+
+
+def test_bench_redis_commands_counts_one_hgetall_per_key_on_both_topologies():
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.redis_commands", "--keys", "50", "--rounds", "2"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("lookup commands: {'hgetall': 50}") == 2
+    assert "redis-server paused:" in proc.stdout and "redis-server killed:" in proc.stdout
