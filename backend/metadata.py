@@ -461,6 +461,31 @@ class MetadataStore:
             async for index_key in self._redis.scan_iter(match=pattern, count=count):
                 yield self.key_from_index(index_key)
 
+    async def scan_step(self, cursor: int, match: str = "*", count: int = 1000) -> tuple[int, list[str]]:
+        """One SCAN step over pool keys: ``(next cursor, keys)``; the cursor is 0 at the start and the end.
+
+        On a cluster the cursor also says which primary is being walked: the primary's
+        place in name order times 2**64, plus that primary's own SCAN cursor.
+        """
+        pattern = self._index_prefix + "{" + match + "}"
+        async with self._call("SCAN"):
+            if not self.is_cluster:
+                next_cursor, names = await self._redis.scan(cursor, match=pattern, count=count)
+                return int(next_cursor), [self.key_from_index(name) for name in names]
+            await self._redis.initialize()  # the slot map; a no-op once it is known
+            primaries = sorted(self._redis.get_primaries(), key=lambda node: node.name)
+            place, node_cursor = divmod(cursor, 1 << 64)
+            if place >= len(primaries):
+                raise MetadataError(f"SCAN cursor {cursor} names primary {place}; the cluster has {len(primaries)}")
+            node = primaries[place]
+            cursors, names = await self._redis.scan(node_cursor, match=pattern, count=count, target_nodes=node)
+            node_next = int(cursors[node.name])
+            if node_next == 0:
+                place, node_next = place + 1, 0
+                if place == len(primaries):
+                    return 0, [self.key_from_index(name) for name in names]
+            return (place << 64) + node_next, [self.key_from_index(name) for name in names]
+
     async def flush_namespace(self) -> int:
         """Delete every key of this namespace; returns how many were removed."""
         removed = 0

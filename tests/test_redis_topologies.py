@@ -277,3 +277,29 @@ def test_bench_redis_commands_counts_one_hgetall_per_key_on_both_topologies():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("lookup commands: {'hgetall': 50}") == 2
     assert "redis-server paused:" in proc.stdout and "redis-server killed:" in proc.stdout
+
+
+async def _walk(meta: MetadataStore, match: str) -> list[str]:
+    cursor, seen, steps = 0, [], 0
+    while True:
+        cursor, found = await meta.scan_step(cursor, match, count=10)
+        seen.extend(found)
+        steps += 1
+        if cursor == 0:
+            return seen
+        assert steps < 10_000
+
+
+async def test_scan_steps_walk_every_key_once_across_every_cluster_primary(redis_cluster, redis_server, namespace):
+    from backend.metadata import Location
+
+    for url in (f"redis+cluster://127.0.0.1:{redis_cluster[0]}", redis_server.url):
+        meta = MetadataStore(url, namespace)
+        try:
+            keys = [f"mp:w{i}" for i in range(250)]
+            await meta.commit([(k, Location("n1", 1, "dram", 10, 5)) for k in [*keys, "other"]])
+            walked = await _walk(meta, "mp:*")
+            assert sorted(walked) == sorted(keys), url  # each key once, none from another pattern
+        finally:
+            await meta.flush_namespace()
+            await meta.close()
