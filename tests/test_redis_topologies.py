@@ -303,3 +303,49 @@ async def test_scan_steps_walk_every_key_once_across_every_cluster_primary(redis
         finally:
             await meta.flush_namespace()
             await meta.close()
+
+
+@pytest.mark.parametrize(
+    ("query", "redis_url"),
+    [
+        ("", "redis://h:1/0"),
+        ("?redis_mode=cluster", "redis+cluster://h:1"),
+        ("?redis_mode=cluster&redis_hosts=h2:2,[::1]:3", "redis+cluster://h:1,h2:2,[::1]:3"),
+        ("?sentinel=kvmaster", "redis+sentinel://h:1/kvmaster"),
+        ("?sentinel=kvmaster&redis_hosts=h2:2", "redis+sentinel://h:1,h2:2/kvmaster"),
+    ],
+)
+def test_pool_url_names_the_redis_topology_nodes_take(query, redis_url):
+    config = PoolConfig.from_url(f"kvpool://h:1/ns{query}")
+    assert config.redis_url == redis_url
+    assert PoolConfig.from_url(config.to_url()) == config  # the canonical URL keeps the topology
+    from backend.redis_topology import RedisTarget
+
+    assert RedisTarget.parse(redis_url).render() == redis_url
+
+
+@pytest.mark.parametrize(
+    ("query", "option"),
+    [
+        ("?redis_mode=cluster&sentinel=m", "sentinel"),
+        ("?redis_hosts=h2:2", "redis_hosts"),
+        ("?redis_mode=cluster&redis_hosts=h2", "redis_hosts"),
+        ("?redis_mode=sentinel", "redis_mode"),
+        ("?redis_mode=shard", "redis_mode"),
+    ],
+)
+def test_wrong_redis_topology_options_are_config_errors_naming_the_option(query, option):
+    from backend.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_url(f"kvpool://h:1/ns{query}")
+    assert caught.value.key == option
+
+
+@pytest.mark.parametrize(
+    "url", ["redis+sentinel://127.0.0.1:1", "redis+cluster://127.0.0.1:1/x", "redis+cluster://nohost", "http://h:1"]
+)
+def test_node_refuses_a_malformed_redis_url_naming_the_flag(url):
+    proc = _kvpool("node", "--redis", url, "--dram", "1MiB")
+    assert proc.returncode == 1
+    assert "--redis" in proc.stderr
