@@ -85,6 +85,9 @@ def test_pool_over_a_three_master_cluster_stores_lists_and_deletes_with_the_inde
         status = _kvpool("status", "--url", url)
         assert status.returncode == 0, status.stderr
         assert "2 alive" in status.stdout and "redis+cluster://" in status.stdout
+        check = _kvpool("check", "--url", url)  # walks the index on every master, asks the nodes
+        assert check.returncode == 0, check.stderr
+        assert "checked 60 index entries" in check.stdout and "clean" in check.stdout
         assert client.delete(keys[:30]) == 30
         assert client.contains(keys) == [False] * 30 + [True] * 30
         assert client.get(keys[:30]) == [None] * 30
