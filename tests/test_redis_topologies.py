@@ -352,3 +352,27 @@ def test_node_refuses_a_malformed_redis_url_naming_the_flag(url):
     proc = _kvpool("node", "--redis", url, "--dram", "1MiB")
     assert proc.returncode == 1
     assert "--redis" in proc.stderr
+
+
+def test_a_hung_redis_reads_as_misses_and_a_put_fails_without_hanging(node_factory, redis_factory, namespace):
+    import signal
+
+    from backend.errors import KVPoolError
+
+    redis = EmbeddedRedis().start()
+    redis_factory.append(redis)
+    node_factory(redis_url=redis.url)
+    chunks = _chunks("hung", 5, 1000)
+    keys = [c.key for c in chunks]
+    with SyncPoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{redis.port}/{namespace}?timeout_ms=500")) as client:
+        client.put(chunks)
+        assert redis.process is not None
+        redis.process.send_signal(signal.SIGSTOP)  # accepts connections, never answers
+        try:
+            assert run_in_thread(lambda: client.contains(keys), 30) == [False] * 5
+            assert run_in_thread(lambda: client.get(keys), 30) == [None] * 5
+            with pytest.raises(KVPoolError):
+                run_in_thread(lambda: client.put(_chunks("late", 1, 100)), 30)  # not indexed: not acknowledged
+        finally:
+            redis.process.send_signal(signal.SIGCONT)
+        assert wait_until(lambda: client.contains(keys) == [True] * 5, 15.0)
