@@ -34,10 +34,10 @@ SENTINEL = "sentinel"
 REDIS_MODES = (SINGLE, CLUSTER)  # sentinel mode is chosen by naming the master (sentinel=NAME)
 _SCHEMES = {"redis+cluster": CLUSTER, "redis+sentinel": SENTINEL}
 
-# redis-py's default retries a failed command 10 times, up to 1 s apart (a RedisCluster
-# re-reads the slot map each time): far past kvpool's timeouts, and every lookup during
-# an outage would pay it. One quick retry rides over a connection that died with a
-# restarted Redis; MetadataStore's deadline bounds the rest.
+# A RedisCluster retries a failed command 10 times by default, up to 1 s apart,
+# re-reading the slot map each time: far past kvpool's timeouts, and every lookup
+# during an outage would pay it. One quick retry (every topology alike) rides over a
+# connection that died with a restarted Redis; MetadataStore's deadline bounds the rest.
 RETRIES = 1
 RETRY_BASE_S = 0.01
 RETRY_CAP_S = 0.05
