@@ -30,6 +30,7 @@ from backend.lmcache_config import (
     render_yaml,
 )
 from backend.node.server import NodeConfig, PoolNode
+from backend.redis_topology import SINGLE, RedisTarget, render_hosts
 
 __all__ = ["main", "build_parser"]
 
@@ -54,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     _node_options(up, dram_default="1GiB", nvme_dir_default=DEFAULT_UP_NVME_DIR, nvme_default="8GiB")
 
     node = verbs.add_parser("node", help="run a node that joins an existing pool")
-    node.add_argument("--redis", metavar="URL", help="the pool's metadata Redis, redis://HOST:PORT or, with TLS "
-                      "and an ACL user, rediss://USER@HOST:PORT (required)")  # fmt: skip
+    node.add_argument("--redis", metavar="URL", help="the pool's metadata Redis (required): redis://HOST:PORT, "
+                      "redis+cluster://HOST:PORT[,HOST:PORT] or redis+sentinel://HOST:PORT[,HOST:PORT]/MASTER; "
+                      "TLS: rediss://, rediss+cluster://, rediss+sentinel://; an ACL user as USER@HOST:PORT")  # fmt: skip
     _node_options(node, dram_default="4GiB", nvme_dir_default=None, nvme_default="100GiB")
 
     status = verbs.add_parser("status", help="one screen: Redis, nodes, capacity, objects, hit rate")
@@ -171,6 +173,7 @@ def _node_options(
 
 
 def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
+    redis_tls = RedisTarget.parse(redis_url, key="--redis").tls
     token = os.environ.get("KVPOOL_TOKEN", "")
     if args.token_file is not None:
         try:
@@ -184,10 +187,10 @@ def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
         redis_password = _read_secret(args.redis_password_file, "--redis-password-file")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("--tls-cert", "TLS needs both --tls-cert and --tls-key")
-    if args.tls_cert is not None and not redis_url.startswith("rediss://"):
+    if args.tls_cert is not None and not redis_tls:
         # Clients reach a TLS node with tls=on, which also means rediss:// to the registry.
         raise ConfigError("--tls-cert", f"a TLS node needs a TLS Redis (rediss://), not {_mask_redis_url(redis_url)}")
-    if args.redis_ca is not None and not redis_url.startswith("rediss://"):
+    if args.redis_ca is not None and not redis_tls:
         raise ConfigError(
             "--redis-ca", f"a CA bundle only matters for a rediss:// Redis, not {_mask_redis_url(redis_url)}"
         )
@@ -247,15 +250,20 @@ def _read_secret(path: Path, flag: str) -> str:
 
 
 def _pool_url(node: PoolNode, redis_url: str, namespace: str) -> str:
-    from urllib.parse import urlsplit
+    from urllib.parse import unquote, urlsplit
 
-    parts = urlsplit(redis_url)
-    auth = ":TOKEN@" if node.config.token else ""
-    query = (["tls=on"] if parts.scheme == "rediss" else []) + (
-        [f"redis_user={parts.username}"] if parts.username else []
-    )
-    tail = ("?" + "&".join(query)) if query else ""
-    return f"kvpool://{auth}{parts.hostname}:{parts.port or 6379}/{namespace}{tail}"
+    target = RedisTarget.parse(redis_url, key="--redis")
+    if target.mode == SINGLE:
+        parts = urlsplit(redis_url)
+        config = PoolConfig(redis_host=parts.hostname or "127.0.0.1", redis_port=parts.port or 6379,
+                            tls=target.tls, redis_user=unquote(parts.username or ""))  # fmt: skip
+    else:
+        (host, port), *more = target.hosts
+        config = PoolConfig(redis_host=host, redis_port=port, redis_mode=target.mode if not target.master else SINGLE,
+                            sentinel=target.master, redis_hosts=render_hosts(more),
+                            tls=target.tls, redis_user=target.user)  # fmt: skip
+    url = dataclasses.replace(config, namespace=namespace).to_url()
+    return url.replace("kvpool://", "kvpool://:TOKEN@", 1) if node.config.token else url
 
 
 def _mask_redis_url(url: str) -> str:

@@ -10,8 +10,10 @@ asks it for a LEASE with offsets instead of the bytes and copies the chunks stra
 out of the mapping, which skips the socket and one copy (``shm=off`` turns this off).
 
 Errors: a node that is down, slow or answers a miss costs only the keys it held
-(they come back as misses, with one warning per outage); Redis being unreachable
-raises :class:`MetadataError`. Nothing here ever waits longer than ``timeout_ms``.
+(they come back as misses, with one warning per outage). Redis being unreachable
+makes ``contains``/``get`` read as misses too (one warning per outage); ``put``,
+``delete`` and the listing verbs raise :class:`MetadataError`. Nothing here ever
+waits longer than ``timeout_ms`` for Redis.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from backend.errors import (
     ConfigError,
     IntegrityError,
     KVPoolError,
+    MetadataError,
     NodeUnavailable,
     ProtocolError,
 )
@@ -479,12 +482,23 @@ class PoolClient:
 
     # -- lookup -----------------------------------------------------------------------
     async def _lookup(self, keys: Sequence[str]) -> list[list[Location]]:
-        """Index entries for ``keys``; locations on dead nodes are queued for cleanup."""
-        entries = await self.meta.lookup(keys)
-        await self.nodes()
+        """Index entries for ``keys``; locations on dead nodes are queued for cleanup.
+
+        Redis unreachable (down, restarting, failing over) reads as every key missing:
+        a lookup is a hint, and a miss costs a recompute, never a failed request.
+        """
+        try:
+            entries = await self.meta.lookup(keys)
+            await self.nodes()
+            if any(not self._alive(loc) for entry in entries for loc in entry):
+                if time.monotonic() - self._nodes_at > FRESH_VIEW_S:
+                    await self._refresh_nodes()  # the view may predate a node's (re)start
+        except MetadataError as exc:
+            self._warn_once("redis", "kvpool: Redis lookup failed, reading as misses until it is back: %s", exc)
+            self.counters["lookup_failures"] += 1
+            return [[] for _ in keys]
+        self._warned.discard("redis")
         if any(not self._alive(loc) for entry in entries for loc in entry):
-            if time.monotonic() - self._nodes_at > FRESH_VIEW_S:
-                await self._refresh_nodes()  # the view may predate a node's (re)start
             stale = [(k, loc) for k, entry in zip(keys, entries) for loc in entry if not self._alive(loc)]
             if stale:
                 self._clean_later(stale, confirmed=False)

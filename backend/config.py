@@ -4,10 +4,13 @@ A pool is named by a URL::
 
     kvpool://[:TOKEN@]REDIS_HOST:REDIS_PORT/NAMESPACE?option=value&...
 
-The URL points at the metadata Redis; nodes are discovered from its registry.
-``tls=on`` encrypts both: node connections (verified against ``tls_ca`` or the system
-trust) and Redis (``rediss://``). Redis ACL credentials are the ``redis_user`` and
-``redis_password`` options; the userinfo of the URL is the pool token, for nodes only.
+The URL points at the metadata Redis; nodes are discovered from its registry. With
+``redis_mode=cluster`` REDIS_HOST:REDIS_PORT is any member of a Redis Cluster; with
+``sentinel=MASTER`` it is a Redis Sentinel that knows the master by that name
+(``redis_hosts=`` adds more members or sentinels). ``tls=on`` encrypts both: node
+connections (verified against ``tls_ca`` or the system trust) and Redis (``rediss://``).
+Redis ACL credentials are the ``redis_user`` and ``redis_password`` options; the
+userinfo of the URL is the pool token, for nodes only.
 Options may also come from ``KVPOOL_<OPTION>`` environment variables (which win over
 the URL) and from a YAML file. Everything is validated once, here; an unknown or
 malformed option raises :class:`ConfigError` naming it.
@@ -23,6 +26,7 @@ from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from backend.errors import ConfigError
+from backend.redis_topology import CLUSTER, REDIS_MODES, SINGLE, RedisTarget, parse_hosts
 
 __all__ = ["PoolConfig", "parse_size", "format_size", "SCHEME", "DEFAULT_NAMESPACE"]
 
@@ -108,6 +112,9 @@ class PoolConfig:
     redis_password: str = dataclasses.field(default="", repr=False)
     shm: bool = True  # read through a same-host node's shared-memory arena when there is one
     channel_transport: str = "nccl"
+    redis_mode: str = SINGLE  # "cluster": REDIS_HOST:REDIS_PORT is one member of a Redis Cluster
+    sentinel: str = ""  # the master's name: REDIS_HOST:REDIS_PORT is a Redis Sentinel
+    redis_hosts: str = ""  # more cluster members or sentinels, "h1:p1,h2:p2"
 
     def __post_init__(self) -> None:
         if not _NAMESPACE_RE.match(self.namespace):
@@ -124,6 +131,17 @@ class PoolConfig:
             raise ConfigError(
                 "channel_transport", f"{self.channel_transport!r} is not one of {', '.join(CHANNEL_TRANSPORTS)}"
             )
+        if self.redis_mode == "sentinel":
+            raise ConfigError("redis_mode", "a Sentinel is chosen by naming its master: sentinel=MASTER")
+        if self.redis_mode not in REDIS_MODES:
+            raise ConfigError("redis_mode", f"{self.redis_mode!r} is not one of {', '.join(REDIS_MODES)}")
+        if self.sentinel and self.redis_mode == CLUSTER:
+            raise ConfigError("sentinel", "Sentinel does not manage a Redis Cluster: give redis_mode=cluster or "
+                              "sentinel=MASTER, not both")  # fmt: skip
+        if self.redis_hosts:
+            if self.redis_mode == SINGLE and not self.sentinel:
+                raise ConfigError("redis_hosts", "more Redis hosts need redis_mode=cluster or sentinel=MASTER")
+            parse_hosts(self.redis_hosts, key="redis_hosts")
 
     def __repr__(self) -> str:
         token = "'***'" if self.token else "''"
@@ -134,7 +152,8 @@ class PoolConfig:
             f"connections_per_node={self.connections_per_node}, nccl={self.nccl}, "
             f"cluster={self.cluster!r}, tls={self.tls}, tls_ca={self.tls_ca!r}, "
             f"redis_user={self.redis_user!r}, redis_password={password}, shm={self.shm}, "
-            f"channel_transport={self.channel_transport!r})"
+            f"channel_transport={self.channel_transport!r}, redis_mode={self.redis_mode!r}, "
+            f"sentinel={self.sentinel!r}, redis_hosts={self.redis_hosts!r})"
         )
 
     @property
@@ -146,11 +165,16 @@ class PoolConfig:
         return f"[{self.redis_host}]" if ":" in self.redis_host else self.redis_host
 
     @property
+    def redis_target(self) -> RedisTarget:
+        hosts: tuple[tuple[str, int], ...] = ((self.redis_host, self.redis_port),)
+        if self.redis_hosts:
+            hosts += parse_hosts(self.redis_hosts, key="redis_hosts")
+        return RedisTarget.build(self.redis_mode, hosts, master=self.sentinel, tls=self.tls, user=self.redis_user)
+
+    @property
     def redis_url(self) -> str:
-        """The metadata Redis as a redis-py URL: ``rediss://`` with TLS, the ACL user, never a secret."""
-        scheme = "rediss" if self.tls else "redis"
-        user = f"{quote(self.redis_user, safe='')}@" if self.redis_user else ""
-        return f"{scheme}://{user}{self._host_for_url}:{self.redis_port}/0"
+        """The metadata Redis as a URL nodes take (``--redis``): ``rediss`` with TLS, the ACL user, never a secret."""
+        return self.redis_target.render()
 
     def to_url(self, *, with_token: bool = True) -> str:
         """The canonical ``kvpool://`` URL for this config; ``with_token=False`` masks every secret."""
@@ -255,6 +279,9 @@ _OPTION_PARSERS: dict[str, Any] = {
     "redis_password": lambda k, v: str(v),
     "shm": _parse_bool,
     "channel_transport": lambda k, v: str(v).strip().lower(),
+    "redis_mode": lambda k, v: str(v).strip().lower(),
+    "sentinel": lambda k, v: str(v).strip(),
+    "redis_hosts": lambda k, v: str(v).replace(" ", ""),
 }
 
 

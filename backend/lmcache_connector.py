@@ -158,9 +158,9 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             return
         if not nodes:
             logger.error("kvpool: pool %s has no live node; every lookup misses until one joins. "
-                         "Fix: run `kvpool node --redis redis://%s:%d --namespace %s`",
-                         self.pool_config.to_url(with_token=False), self.pool_config.redis_host,
-                         self.pool_config.redis_port, self.pool_config.namespace)  # fmt: skip
+                         "Fix: run `kvpool node --redis %s --namespace %s`",
+                         self.pool_config.to_url(with_token=False), self.pool_config.redis_url,
+                         self.pool_config.namespace)  # fmt: skip
         else:
             logger.info(
                 "kvpool: connected to %s (%d live nodes)", self.pool_config.to_url(with_token=False), len(nodes)

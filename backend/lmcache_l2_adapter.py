@@ -474,13 +474,11 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                           self.config.pool.timeout_s * DELETE_TIMEOUT_FACTOR)  # fmt: skip
 
     async def _list_page(self, pattern: str, page_size: int, scan_cursor: int, skip: int) -> KeyListPage:
-        redis = await self.client.meta.raw()
-        match = self.client.meta.index_key(pattern)
         names: list[str] = []
         token: str | None = None
         while True:
-            next_cursor, raw = await redis.scan(scan_cursor, match=match, count=max(page_size, 100))
-            batch = [self.client.meta.key_from_index(k) for k in raw][skip:]
+            next_cursor, found = await self.client.meta.scan_step(scan_cursor, pattern, count=max(page_size, 100))
+            batch = found[skip:]
             room = page_size - len(names)
             names.extend(batch[:room])
             if len(batch) > room:  # resume inside this SCAN step next time

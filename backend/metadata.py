@@ -7,6 +7,7 @@ namespace marker missing republishes what it holds.
 Key schema (``NS`` is the namespace)::
 
     kvp:{NS}:marker          namespace generation; missing or changed means Redis lost our state
+    kvp:NS:m:{NS.<n>}        Redis Cluster only: the same, on each other primary (see marker_keys)
     kvp:{NS}:epoch           counter; every node start takes a new epoch from it
     kvp:{NS}:nodes           hash node_id -> NodeInfo JSON (the registry)
     kvp:{NS}:hb:<node_id>    liveness; value = epoch, expires after the heartbeat TTL
@@ -17,10 +18,17 @@ Key schema (``NS`` is the namespace)::
 
 Registry keys share the hash tag ``{NS}`` (one Redis Cluster slot, small); index keys
 are tagged by their own key so the index spreads over every shard.
+
+The same code runs on one Redis, a Redis Cluster and a Sentinel-managed master
+(``backend.redis_topology`` builds the client). On a cluster a pipeline is split by
+redis-py into one pipeline per shard, sent in parallel; multi-key DEL is split by
+slot, SCAN walks every primary. Every call is bounded by ``timeout_s``: a Redis that
+is down, paused or failing over costs at most that long, then raises MetadataError.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -30,16 +38,17 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis import exceptions as redis_exceptions
 
 from backend.errors import MetadataError
+from backend.redis_topology import CLUSTER, RedisTarget, connect
 
 __all__ = ["MetadataStore", "NodeInfo", "Location", "IndexEntry"]
 
 logger = logging.getLogger(__name__)
 
 LOOKUP_BATCH = 1000  # keys per pipeline flush on republish/removal
+MARKER_TAG_SEARCH = 100_000  # hash tags tried to find one per cluster primary (16384 slots)
 
 # Atomic commit of one location. A replica elsewhere whose checksum differs holds
 # other bytes under the same key: drop it so readers never mix two versions.
@@ -179,6 +188,22 @@ def _redis_errors(action: str) -> Iterator[None]:
         raise MetadataError(f"Redis {action} failed: {exc}") from None
 
 
+@contextlib.asynccontextmanager
+async def _bounded(action: str, timeout_s: float) -> AsyncIterator[None]:
+    """Redis errors as MetadataError, and the whole call within ``timeout_s``.
+
+    redis-py retries and, on a cluster, re-reads the topology; this deadline is what
+    keeps a Redis that is down or failing over from costing a caller more than its
+    timeout. redis-py drops a connection whose command was cancelled mid-reply.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            with _redis_errors(action):
+                yield
+    except TimeoutError:
+        raise MetadataError(f"Redis {action} failed: no answer within {timeout_s * 1000:.0f} ms") from None
+
+
 class MetadataStore:
     """Async access to one namespace's metadata in Redis (redis-py + hiredis)."""
 
@@ -189,19 +214,10 @@ class MetadataStore:
         trust), optionally with an ACL user; ``password`` is used when the URL carries none."""
         self.namespace = namespace
         self.redis_url = redis_url
-        secure: dict[str, Any] = {}
-        if password:
-            secure["password"] = password
-        if ca_file and redis_url.startswith("rediss://"):
-            secure["ssl_ca_certs"] = ca_file
-        self._redis = aioredis.Redis.from_url(
-            redis_url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            decode_responses=True,
-            health_check_interval=0,
-            **secure,
-        )
+        self.target = RedisTarget.parse(redis_url)
+        self.timeout_s = timeout_s
+        # redis.asyncio Redis or RedisCluster
+        self._redis: Any = connect(self.target, timeout_s, password=password, ca_file=ca_file)
         self._commit = self._redis.register_script(_COMMIT_LUA)
         self._remove = self._redis.register_script(_REMOVE_LUA)
         self._remove_exact = self._redis.register_script(_REMOVE_EXACT_LUA)
@@ -216,6 +232,15 @@ class MetadataStore:
         self._rendezvous_prefix = f"kvp:{tag}:rdv:"
         self._endpoint_prefix = f"kvp:{tag}:ep:"
         self._index_prefix = f"kvp:{namespace}:k:"
+        self._shard_marker_prefix = f"kvp:{namespace}:m:"
+        self._scripts = (self._commit, self._remove, self._remove_exact, self._move, self._epoch_floor)
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.target.mode == CLUSTER
+
+    def _call(self, action: str) -> contextlib.AbstractAsyncContextManager[None]:
+        return _bounded(action, self.timeout_s)
 
     # -- keys -------------------------------------------------------------------------
     def index_key(self, key: str) -> str:
@@ -235,7 +260,7 @@ class MetadataStore:
     async def ping(self) -> float:
         """Round-trip time to Redis in milliseconds."""
         start = time.perf_counter()
-        with _redis_errors("PING"):
+        async with self._call("PING"):
             await self._redis.ping()
         return (time.perf_counter() - start) * 1000
 
@@ -244,36 +269,64 @@ class MetadataStore:
         """The namespace marker's generation, creating it if missing.
 
         A node publishes its inventory under a generation; a different or missing
-        one later means Redis lost (or was flushed of) what it had published.
+        one later means Redis lost (or was flushed of) what it had published. On a
+        cluster there is one marker per primary (see :meth:`marker_keys`), so a shard
+        that restarts empty changes the generation even though the others kept theirs.
         """
-        with _redis_errors("SET marker"):
+        async with self._call("SET marker"):
+            keys = await self.marker_keys()
+            fresh = f"{time.time():.3f}-{uuid.uuid4().hex[:12]}"
             async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.set(self.marker_key, f"{time.time():.3f}-{uuid.uuid4().hex[:12]}", nx=True)
-                pipe.get(self.marker_key)
-                _, generation = await pipe.execute()
-        return str(generation)
+                for key in keys:
+                    pipe.set(key, fresh, nx=True)
+                for key in keys:
+                    pipe.get(key)
+                results = await pipe.execute()
+        return "/".join(str(value) for value in results[len(keys) :])
+
+    async def marker_keys(self) -> list[str]:
+        """The keys whose loss means the index was lost: one per shard.
+
+        One Redis: the namespace marker. A cluster: the marker, and for every other
+        primary a key whose hash tag falls in a slot that primary serves (the first
+        ``NS.N`` that does, so every node of the pool picks the same keys).
+        """
+        if not self.is_cluster:
+            return [self.marker_key]
+        await self._redis.initialize()  # the slot map; a no-op once it is known
+        keys = {self._redis.get_node_from_key(self.marker_key).name: self.marker_key}
+        primaries = {node.name for node in self._redis.get_primaries()}
+        for n in range(MARKER_TAG_SEARCH):
+            if primaries <= keys.keys():
+                break
+            key = f"{self._shard_marker_prefix}{{{self.namespace}.{n}}}"
+            keys.setdefault(self._redis.get_node_from_key(key).name, key)
+        return sorted(keys.values())
 
     async def ensure_epoch_at_least(self, epoch: int) -> None:
         """Raise the epoch counter to ``epoch`` (after Redis lost it, epochs must keep growing)."""
-        with _redis_errors("epoch floor"):
+        async with self._call("epoch floor"):
             await self._epoch_floor(keys=[self.epoch_key], args=[str(epoch)])
 
     async def new_epoch(self) -> int:
-        with _redis_errors("INCR epoch"):
+        async with self._call("INCR epoch"):
             return int(await self._redis.incr(self.epoch_key))
 
     async def heartbeat(self, info: NodeInfo, ttl_ms: int) -> str | None:
         """Publish ``info`` and refresh liveness. Returns the marker's generation (None if missing)."""
-        with _redis_errors("heartbeat"):
+        async with self._call("heartbeat"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hset(self.nodes_key, info.node_id, info.to_json())
                 pipe.set(self.heartbeat_key(info.node_id), str(info.epoch), px=ttl_ms)
-                pipe.get(self.marker_key)
+                markers = await self.marker_keys()
+                for key in markers:
+                    pipe.get(key)
                 results = await pipe.execute()
-        return None if results[2] is None else str(results[2])
+        generations = results[2:]
+        return None if None in generations else "/".join(str(value) for value in generations)
 
     async def deregister(self, node_id: str) -> None:
-        with _redis_errors("deregister"):
+        async with self._call("deregister"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hdel(self.nodes_key, node_id)
                 pipe.delete(self.heartbeat_key(node_id))
@@ -281,11 +334,11 @@ class MetadataStore:
 
     async def set_draining(self, node_id: str, draining: bool) -> None:
         """Mark a node draining (placement skips it) or not; kept apart from its heartbeats."""
-        with _redis_errors("HEXISTS node"):
+        async with self._call("HEXISTS node"):
             known = await self._redis.hexists(self.nodes_key, node_id)
         if not known:
             raise MetadataError(f"node {node_id!r} is not registered in namespace {self.namespace!r}")
-        with _redis_errors("draining set"):
+        async with self._call("draining set"):
             if draining:
                 await self._redis.sadd(self.draining_key, node_id)
             else:
@@ -293,7 +346,7 @@ class MetadataStore:
 
     async def forget_node(self, node_id: str) -> None:
         """Remove a dead node from the registry (``kvpool check --fix``)."""
-        with _redis_errors("forget node"):
+        async with self._call("forget node"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hdel(self.nodes_key, node_id)
                 pipe.delete(self.heartbeat_key(node_id))
@@ -302,12 +355,12 @@ class MetadataStore:
 
     async def nodes(self) -> list[NodeInfo]:
         """Every registered node, with ``alive`` set from its heartbeat key (one round trip each)."""
-        with _redis_errors("HGETALL nodes"):
+        async with self._call("HGETALL nodes"):
             raw = await self._redis.hgetall(self.nodes_key)
         infos = [NodeInfo.from_json(text) for text in raw.values()]
         if not infos:
             return []
-        with _redis_errors("MGET heartbeats"):
+        async with self._call("MGET heartbeats"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.smembers(self.draining_key)
                 for info in infos:
@@ -322,14 +375,31 @@ class MetadataStore:
     async def _run_per_key(self, action: str, script: Any, calls: Sequence[tuple[str, list[str]]]) -> None:
         """Run a one-key Lua script for each ``(key, args)``, pipelined in batches.
 
-        One script per key keeps every call inside one Redis Cluster slot.
+        One script per key keeps every call inside one Redis Cluster slot. Each batch
+        has its own deadline, so publishing a large inventory is not cut short.
         """
-        with _redis_errors(action):
-            for start in range(0, len(calls), LOOKUP_BATCH):
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for key, args in calls[start : start + LOOKUP_BATCH]:
-                        await script(keys=[self.index_key(key)], args=args, client=pipe)
-                    await pipe.execute()
+        for start in range(0, len(calls), LOOKUP_BATCH):
+            batch = calls[start : start + LOOKUP_BATCH]
+            async with self._call(action):
+                try:
+                    await self._run_batch(script, batch)
+                except redis_exceptions.NoScriptError:
+                    # A cluster pipeline does not load scripts (a single-server one does):
+                    # load them on every primary and run the batch again. Every script
+                    # is idempotent, so the calls that already ran may run twice.
+                    await self._load_scripts()
+                    await self._run_batch(script, batch)
+
+    async def _run_batch(self, script: Any, batch: Sequence[tuple[str, list[str]]]) -> None:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for key, args in batch:
+                await script(keys=[self.index_key(key)], args=args, client=pipe)
+            await pipe.execute()
+
+    async def _load_scripts(self) -> None:
+        """SCRIPT LOAD every script (on a cluster redis-py sends it to every primary)."""
+        for script in self._scripts:
+            await self._redis.script_load(script.script)
 
     async def commit(self, locations: Sequence[tuple[str, Location]]) -> None:
         """Make ``(key, location)`` pairs visible, in one pipelined round trip per batch."""
@@ -354,7 +424,7 @@ class MetadataStore:
         """Every recorded location of every key, in one pipelined round trip."""
         if not keys:
             return []
-        with _redis_errors("index lookup"):
+        async with self._call("index lookup"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 for key in keys:
                     pipe.hgetall(self.index_key(key))
@@ -374,7 +444,7 @@ class MetadataStore:
         """Remove index entries outright; returns how many existed."""
         if not keys:
             return 0
-        with _redis_errors("index delete"):
+        async with self._call("index delete"):
             return int(await self._redis.delete(*[self.index_key(k) for k in keys]))
 
     async def scan_entries(
@@ -402,12 +472,37 @@ class MetadataStore:
             async for index_key in self._redis.scan_iter(match=pattern, count=count):
                 yield self.key_from_index(index_key)
 
+    async def scan_step(self, cursor: int, match: str = "*", count: int = 1000) -> tuple[int, list[str]]:
+        """One SCAN step over pool keys: ``(next cursor, keys)``; the cursor is 0 at the start and the end.
+
+        On a cluster the cursor also says which primary is being walked: the primary's
+        place in name order times 2**64, plus that primary's own SCAN cursor.
+        """
+        pattern = self._index_prefix + "{" + match + "}"
+        async with self._call("SCAN"):
+            if not self.is_cluster:
+                next_cursor, names = await self._redis.scan(cursor, match=pattern, count=count)
+                return int(next_cursor), [self.key_from_index(name) for name in names]
+            await self._redis.initialize()  # the slot map; a no-op once it is known
+            primaries = sorted(self._redis.get_primaries(), key=lambda node: node.name)
+            place, node_cursor = divmod(cursor, 1 << 64)
+            if place >= len(primaries):
+                raise MetadataError(f"SCAN cursor {cursor} names primary {place}; the cluster has {len(primaries)}")
+            node = primaries[place]
+            cursors, names = await self._redis.scan(node_cursor, match=pattern, count=count, target_nodes=node)
+            node_next = int(cursors[node.name])
+            if node_next == 0:
+                place, node_next = place + 1, 0
+                if place == len(primaries):
+                    return 0, [self.key_from_index(name) for name in names]
+            return (place << 64) + node_next, [self.key_from_index(name) for name in names]
+
     async def flush_namespace(self) -> int:
         """Delete every key of this namespace; returns how many were removed."""
         removed = 0
         tag = "{" + self.namespace + "}"
         with _redis_errors("flush"):
-            for pattern in (self._index_prefix + "*", f"kvp:{tag}:*"):
+            for pattern in (self._index_prefix + "*", self._shard_marker_prefix + "*", f"kvp:{tag}:*"):
                 batch: list[str] = []
                 async for key in self._redis.scan_iter(match=pattern, count=1000):
                     batch.append(key)
@@ -424,22 +519,22 @@ class MetadataStore:
 
     async def offer_rendezvous(self, session: str, value: str, ttl_ms: int) -> None:
         """Publish a channel rendezvous offer that expires after ``ttl_ms``."""
-        with _redis_errors("rendezvous offer"):
+        async with self._call("rendezvous offer"):
             await self._redis.set(self.rendezvous_key(session), value, px=ttl_ms)
 
     async def take_rendezvous(self, session: str) -> str | None:
         """Read and delete an offer (one peer joins it once); None if missing or expired."""
-        with _redis_errors("rendezvous take"):
+        async with self._call("rendezvous take"):
             value = await self._redis.getdel(self.rendezvous_key(session))
         return None if value is None else str(value)
 
     async def register_endpoint(self, endpoint_id: str, value: str, ttl_ms: int) -> None:
         """Announce a channel endpoint (a client or node that can join communicators) for ``ttl_ms``."""
-        with _redis_errors("endpoint register"):
+        async with self._call("endpoint register"):
             await self._redis.set(self._endpoint_prefix + endpoint_id, value, px=ttl_ms)
 
     async def endpoint(self, endpoint_id: str) -> str | None:
-        with _redis_errors("endpoint lookup"):
+        async with self._call("endpoint lookup"):
             value = await self._redis.get(self._endpoint_prefix + endpoint_id)
         return None if value is None else str(value)
 
