@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -152,3 +153,21 @@ def wait_until(predicate: object, timeout_s: float = 10.0, interval_s: float = 0
             return True
         time.sleep(interval_s)
     return False
+
+
+@pytest.fixture
+def stack_factory() -> Iterator[Any]:
+    """Build LMCache's storage stack for a pool URL (``make(url, **config_overrides)``); closed at teardown."""
+    from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config  # imports lmcache: only its users pay
+
+    made: list[LMCacheStack] = []
+
+    def make(url: str, **config: Any) -> LMCacheStack:
+        cfg = kvpool_lmcache_config(url)
+        cfg.update(config)
+        made.append(LMCacheStack(cfg))
+        return made[-1]
+
+    yield make
+    for stack in made:
+        stack.close()

@@ -14,8 +14,6 @@ import sys
 import threading
 import time
 
-import pytest
-
 from backend.embedded import EmbeddedRedis, free_port
 from backend.lmcache_connector import ALLOCATE_TIMEOUT_S
 from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
@@ -29,22 +27,6 @@ def _worker(role: str, url: str, count: int) -> dict:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture
-def stack_factory():
-    made: list[LMCacheStack] = []
-
-    def make(url: str, **config) -> LMCacheStack:
-        cfg = kvpool_lmcache_config(url)
-        cfg.update(config)
-        stack = LMCacheStack(cfg)
-        made.append(stack)
-        return stack
-
-    yield make
-    for stack in made:
-        stack.close()
 
 
 def test_engine_b_in_another_process_reads_what_engine_a_stored(node_factory, pool_url):

@@ -12,23 +12,9 @@ import logging
 
 import pytest
 
-from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config, same_bytes
+from bench.lmcache_stack import LMCacheStack, same_bytes
 
 CLUSTER = "rack-a"
-
-
-@pytest.fixture
-def stack_factory():
-    made: list[LMCacheStack] = []
-
-    def make(url: str) -> LMCacheStack:
-        stack = LMCacheStack(kvpool_lmcache_config(url))
-        made.append(stack)
-        return stack
-
-    yield make
-    for stack in made:
-        stack.close()
 
 
 def _store(stack: LMCacheStack, first: int, count: int) -> tuple[list, list]:

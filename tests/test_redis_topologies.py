@@ -227,29 +227,14 @@ async def test_metadata_calls_to_a_cluster_recover_from_scripts_lost_on_every_sh
         await meta.close()
 
 
-@pytest.fixture
-def lmcache_stack():
-    from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
-
-    made: list[LMCacheStack] = []
-
-    def make(url: str) -> LMCacheStack:
-        made.append(LMCacheStack(kvpool_lmcache_config(url)))
-        return made[-1]
-
-    yield make
-    for stack in made:
-        stack.close()
-
-
 def test_lmcache_misses_while_redis_restarts_empty_then_hits_the_same_bytes(node_factory, redis_factory,
-                                                                            lmcache_stack, namespace):  # fmt: skip
+                                                                            stack_factory, namespace):  # fmt: skip
     from bench.lmcache_stack import run_with_timeout, same_bytes
 
     redis = EmbeddedRedis().start()
     redis_factory.append(redis)
     node = node_factory(redis_url=redis.url)
-    stack = lmcache_stack(f"kvpool://127.0.0.1:{redis.port}/{namespace}?timeout_ms=500")
+    stack = stack_factory(f"kvpool://127.0.0.1:{redis.port}/{namespace}?timeout_ms=500")
     keys = [stack.key(400 + i) for i in range(4)]
     objs = [stack.make_object(i) for i in range(4)]
     stack.put(keys, objs)

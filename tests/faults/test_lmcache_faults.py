@@ -7,32 +7,16 @@ from the replica, or a miss) well before a generous bound, with the right bytes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import torch
 
 from backend.embedded import free_port
-from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config, run_with_timeout
+from bench.lmcache_stack import LMCacheStack, run_with_timeout
 from tests.conftest import wait_until
 from tests.faults.proxy import FaultProxy
 
 BOUND_S = 20.0  # "returned at all": timeout_ms is 500
-
-
-@pytest.fixture
-def stack_factory() -> Iterator[Any]:
-    made: list[LMCacheStack] = []
-
-    def make(url: str) -> LMCacheStack:
-        stack = LMCacheStack(kvpool_lmcache_config(url))
-        made.append(stack)
-        return stack
-
-    yield make
-    for stack in made:
-        stack.close()
 
 
 def _right_or_miss(stack: LMCacheStack, got: list[Any]) -> int:
