@@ -66,7 +66,7 @@ def _write_cert(path: Path, cert: x509.Certificate) -> Path:
 
 def _make_ca(directory: Path, label: str) -> tuple[Path, x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = _key()
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(_name(label))
@@ -100,7 +100,7 @@ def _make_leaf(
     directory: Path, label: str, names: list[x509.GeneralName], ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey
 ) -> tuple[Path, Path]:
     key = _key()
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(_name(label))
