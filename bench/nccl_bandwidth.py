@@ -1,11 +1,15 @@
-"""Bandwidth of the NCCL path against a plain device-to-device copy on one GPU.
+"""Bandwidth of the NCCL path against a plain device-to-device copy on one GPU, and of the staging copies.
 
     python -m bench.nccl_bandwidth [--sizes-mib 2,32,256] [--iters 20] [--json PATH]
 
 NCCL refuses two ranks on one GPU, so on one device the NCCL path is measured as a
 1-rank communicator sending to itself inside one group (what the channel issues,
-minus the network). ``torch`` D2D is ``dst.copy_(src)`` on the same device. Prints a
-table and, with ``--json``, writes the figures. Needs a CUDA GPU and libnccl.
+minus the network). ``torch`` D2D is ``dst.copy_(src)`` on the same device. Staging is
+what the channel adds around NCCL: a node copies each chunk from host memory into its
+GPU staging buffer (host to GPU), a client copies from its staging buffer into
+LMCache's host memory object (GPU to host); both are measured from ordinary (pageable)
+host memory, as the channel's buffers are. Prints a table and, with ``--json``, writes
+the figures. Needs a CUDA GPU and libnccl.
 """
 
 from __future__ import annotations
@@ -51,8 +55,15 @@ def measure(sizes_mib: list[int], iters: int, device: str = "cuda:0") -> dict[st
             nccl_s = _timed(lambda: comm.exchange([src], [dst], timeout_s=60.0, peer=0), iters)  # noqa: B023
             if not torch.equal(src, dst):
                 raise SystemExit(f"nccl_bandwidth: {size} MiB came back different")
+            host = torch.frombuffer(bytearray(size * MIB), dtype=torch.uint8)  # pageable, like the channel's buffers
+            h2d_s = _timed(lambda: dst.copy_(host), iters)  # noqa: B023
+            d2h_s = _timed(lambda: host.copy_(src), iters)  # noqa: B023
+            if not torch.equal(host, src.cpu()):
+                raise SystemExit(f"nccl_bandwidth: {size} MiB staged back to the host came back different")
             rows.append({"size_mib": size, "torch_d2d_gbps": size * MIB / copy_s / 1e9,
-                         "nccl_self_gbps": size * MIB / nccl_s / 1e9})  # fmt: skip
+                         "nccl_self_gbps": size * MIB / nccl_s / 1e9,
+                         "staging_h2d_gbps": size * MIB / h2d_s / 1e9, "staging_d2h_gbps": size * MIB / d2h_s / 1e9,
+                         "staging_round_trip_gbps": size * MIB / (h2d_s + d2h_s) / 1e9})  # fmt: skip
     finally:
         comm.close()
     return {"device": torch.cuda.get_device_name(device), "nccl_version": version_string(lib.version()),
@@ -67,9 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = measure([int(s) for s in args.sizes_mib.split(",")], args.iters)
     print(f"{result['device']}, NCCL {result['nccl_version']} ({result['library']})")
-    print(f"{'size':>8}  {'torch D2D GB/s':>15}  {'NCCL self GB/s':>15}")
+    print(f"{'size':>8}  {'torch D2D GB/s':>15}  {'NCCL self GB/s':>15}  {'host->GPU GB/s':>15}  "
+          f"{'GPU->host GB/s':>15}  {'round trip GB/s':>16}")  # fmt: skip
     for row in result["rows"]:
-        print(f"{row['size_mib']:>5} MiB  {row['torch_d2d_gbps']:>15.1f}  {row['nccl_self_gbps']:>15.1f}")
+        print(f"{row['size_mib']:>5} MiB  {row['torch_d2d_gbps']:>15.1f}  {row['nccl_self_gbps']:>15.1f}  "
+              f"{row['staging_h2d_gbps']:>15.1f}  {row['staging_d2h_gbps']:>15.1f}  "
+              f"{row['staging_round_trip_gbps']:>16.1f}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

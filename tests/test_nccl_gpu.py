@@ -53,7 +53,33 @@ def test_self_send_and_recv_inside_one_group_move_the_bytes(lib):
         comm.close()
 
 
+def test_staged_bytes_go_host_to_gpu_to_host_and_are_verified(lib):
+    """The channel's staging without LMCache (the GPU machine has none): a node's host bytes into GPU
+    staging, over NCCL, and out of the client's staging into host memory, checksum verified."""
+    import os
+
+    from backend.protocol import checksum
+    from nccl_channel.channel import _copy_and_verify
+    from nccl_channel.communicator import PairCommunicator
+
+    comm = PairCommunicator.create(lib, lib.unique_id(), 0, 1, "cuda:0", TIMEOUT_S)
+    try:
+        payload = os.urandom(3 << 20)
+        source = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to("cuda:0")  # host -> GPU staging
+        staging = torch.empty_like(source)
+        comm.exchange([source], [staging], TIMEOUT_S, peer=0)
+        target = bytearray(len(payload))
+        view = memoryview(target)
+        assert _copy_and_verify([(view, staging, checksum(payload))]) == [True]  # GPU -> host, verified
+        assert bytes(target) == payload
+        staging[12345] = staging[12345] ^ 0xFF  # one byte wrong on the device: never taken as good
+        assert _copy_and_verify([(view, staging, checksum(payload))]) == [False]
+    finally:
+        comm.close()
+
+
 def test_staging_is_copied_into_an_lmcache_memory_object_and_verified(lib):
+    pytest.importorskip("lmcache", reason="LMCache is not installed (the GPU machine has none)")
     from backend.protocol import checksum
     from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config, same_bytes
     from nccl_channel.channel import _copy_and_verify
@@ -81,10 +107,10 @@ def test_nccl_bandwidth_against_a_device_to_device_copy(lib):
 
     result = measure([2, 32], iters=5)
     for row in result["rows"]:
-        print(
-            f"{row['size_mib']} MiB: torch D2D {row['torch_d2d_gbps']:.1f} GB/s, NCCL {row['nccl_self_gbps']:.1f} GB/s"
-        )
+        print(f"{row['size_mib']} MiB: torch D2D {row['torch_d2d_gbps']:.1f} GB/s, NCCL {row['nccl_self_gbps']:.1f} GB/s, "
+              f"staging host->GPU {row['staging_h2d_gbps']:.1f} GB/s, GPU->host {row['staging_d2h_gbps']:.1f} GB/s")  # fmt: skip
         assert row["torch_d2d_gbps"] > 0 and row["nccl_self_gbps"] > 0
+        assert row["staging_h2d_gbps"] > 0 and row["staging_d2h_gbps"] > 0
 
 
 PAIR_WORKER = textwrap.dedent("""
