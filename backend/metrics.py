@@ -86,6 +86,8 @@ NODE_COUNTERS: dict[str, str] = {
     "leases_released": "Leases ended by their client.",
     "leases_expired": "Leases ended by their deadline (client gone or slow).",
     "leases_refused": "Leases refused because the node held its maximum.",
+    "leases_disconnected": "Leases ended because the connection that took them closed (client gone).",
+    "connections_accepted": "Client connections accepted.",
 }
 LATENCY_QUANTILES = (0.5, 0.9, 0.99)
 

@@ -11,6 +11,7 @@ import asyncio
 import gc
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -226,27 +227,37 @@ def test_a_locked_chunk_survives_eviction_pressure_and_an_unlocked_one_goes(node
         assert client.contains([locked.key]) == [False]  # unlocked: LRU may evict it now
 
 
-def test_a_lease_whose_client_died_ends_at_its_deadline(node_factory, pool_url):
+def test_a_lease_whose_client_hangs_with_its_connection_open_ends_at_its_deadline(node_factory, pool_url):
+    """A client that dies closes its connection, and the node ends its leases then
+    (tests/faults/test_client_faults.py). One that hangs, or whose host vanished without a
+    FIN, keeps the connection open: its leases end at their deadline."""
     node_factory(shm=True, dram="8MiB")
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
         (chunk,) = _chunks("orphan", 1, MiB, seed=3)
         client.put([chunk])
         code = (
-            "import os, sys\n"
+            "import sys, time\n"
             "from backend.client import SyncPoolClient\n"
             "from backend.config import PoolConfig\n"
             f"c = SyncPoolClient(PoolConfig.from_url({pool_url!r}))\n"
             f"assert c.lock([{chunk.key!r}], ttl_ms=1500)[0] is not None\n"
-            "sys.stdout.flush(); os._exit(0)  # dies without unlocking\n"
+            "print('locked', flush=True)\n"
+            "time.sleep(600)  # never unlocks\n"
         )
-        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert _stats(client)["leases"] == 1
-        wait_until(lambda: _stats(client)["leases"] == 0, timeout_s=10.0)
-        assert _stats(client)["counters"]["leases_expired"] == 1
-        for round_ in range(3):
-            client.put(_chunks(f"evict{round_}", 6, MiB, seed=40 + round_))
-        assert client.contains([chunk.key]) == [False]  # no longer pinned
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+            proc.send_signal(signal.SIGSTOP)  # hung: its sockets stay open
+            assert _stats(client)["leases"] == 1
+            assert wait_until(lambda: _stats(client)["leases"] == 0, timeout_s=10.0)
+            counters = _stats(client)["counters"]
+            assert counters["leases_expired"] == 1 and counters.get("leases_disconnected", 0) == 0
+            for round_ in range(3):
+                client.put(_chunks(f"evict{round_}", 6, MiB, seed=40 + round_))
+            assert client.contains([chunk.key]) == [False]  # no longer pinned
+        finally:
+            proc.kill()
+            proc.wait(10)
 
 
 def test_bad_lock_and_lease_requests_are_refused_with_the_reason(node_factory, pool_url):

@@ -4,9 +4,11 @@ A lease *pins* its keys (the tier manager neither demotes nor evicts a pinned ch
 see ``backend.node.tiers``) and, for a same-host read, holds the chunk objects
 themselves, so the shared-memory regions a client is copying from cannot be freed
 and reused even if the key is deleted or replaced meanwhile. Every lease ends: by
-RELEASE from the client, or at its deadline, so a client that dies holding leases
-costs at most ``ttl``. The table is bounded; a node refuses new leases past
-``max_leases`` rather than grow without limit.
+RELEASE from the client, when the connection that took it closes (its client
+crashed, or gave up on it: nobody is left to release it), or at its deadline. A
+client killed while holding leases therefore pins nothing once the node sees its
+connection close, however long its ttl was. The table is bounded; a node refuses
+new leases past ``max_leases`` rather than grow without limit.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import dataclasses
 import heapq
 import secrets
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter, defaultdict
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from backend.errors import CapacityError
 from backend.node.dram import StoredChunk
@@ -33,6 +35,7 @@ class Lease:
     keys: set[str]
     chunks: dict[str, StoredChunk]  # held for same-host reads: their regions stay allocated
     expires_at: float
+    owner: Hashable | None = None  # the connection that took it; its closing ends the lease
 
 
 class LeaseTable:
@@ -44,13 +47,19 @@ class LeaseTable:
         self.counters: Counter[str] = Counter()
         self._leases: dict[int, Lease] = {}
         self._deadlines: list[tuple[float, int]] = []
+        self._owned: defaultdict[Hashable, set[int]] = defaultdict(set)  # owner -> its lease ids
         self._on_unpinned = on_unpinned
 
     def __len__(self) -> int:
         return len(self._leases)
 
-    def grant(self, keys: Iterable[str], chunks: Sequence[StoredChunk], ttl_ms: int) -> int:
-        """A new lease over ``keys`` (and ``chunks``' buffers) for ``ttl_ms``; returns its id."""
+    def grant(
+        self, keys: Iterable[str], chunks: Sequence[StoredChunk], ttl_ms: int, owner: Hashable | None = None
+    ) -> int:
+        """A new lease over ``keys`` (and ``chunks``' buffers) for ``ttl_ms``; returns its id.
+
+        ``owner`` (the connection asking) ends the lease early by :meth:`release_owner`.
+        """
         if not 0 < ttl_ms <= MAX_LEASE_TTL_MS:
             raise ValueError(f"lease ttl_ms {ttl_ms} is outside 1..{MAX_LEASE_TTL_MS}")
         self.expire()
@@ -61,8 +70,10 @@ class LeaseTable:
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1
         lease = Lease(lease_id, set(keys), {c.meta.key: c for c in chunks},
-                      time.monotonic() + ttl_ms / 1000)  # fmt: skip
+                      time.monotonic() + ttl_ms / 1000, owner)  # fmt: skip
         self._leases[lease.lease_id] = lease
+        if owner is not None:
+            self._owned[owner].add(lease_id)
         self.pinned.update(lease.keys)
         heapq.heappush(self._deadlines, (lease.expires_at, lease.lease_id))
         self.counters["leases_granted"] += 1
@@ -77,8 +88,20 @@ class LeaseTable:
         self._unpin(lease, let_go)
         if not lease.keys:
             del self._leases[lease_id]
+            self._disown(lease)
             self.counters["leases_released"] += 1
         return len(let_go)
+
+    def release_owner(self, owner: Hashable) -> int:
+        """End every lease ``owner`` took (its connection closed); returns how many ended."""
+        ended = 0
+        for lease_id in self._owned.pop(owner, set()):
+            lease = self._leases.pop(lease_id, None)
+            if lease is not None:
+                self._unpin(lease, set(lease.keys))
+                ended += 1
+        self.counters["leases_disconnected"] += ended
+        return ended
 
     def expire(self, now: float | None = None) -> int:
         """End every lease past its deadline; returns how many ended."""
@@ -88,10 +111,18 @@ class LeaseTable:
             _, lease_id = heapq.heappop(self._deadlines)
             lease = self._leases.pop(lease_id, None)
             if lease is not None:
+                self._disown(lease)
                 self._unpin(lease, set(lease.keys))
                 ended += 1
         self.counters["leases_expired"] += ended
         return ended
+
+    def _disown(self, lease: Lease) -> None:
+        owned = self._owned.get(lease.owner) if lease.owner is not None else None
+        if owned is not None:
+            owned.discard(lease.lease_id)
+            if not owned:
+                del self._owned[lease.owner]
 
     def _unpin(self, lease: Lease, keys: set[str]) -> None:
         for key in keys:

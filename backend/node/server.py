@@ -405,6 +405,7 @@ class PoolNode:
                     logger.warning("node %s: accept failed: %s", self.node_id, exc)
                     await asyncio.sleep(ACCEPT_RETRY_S)
                     continue
+                self.counters["connections_accepted"] += 1
                 conn = FrameSocket(sock, loop, f"{address[0]}:{address[1]}")
                 self._spawn(self._serve_connection(conn))
         except asyncio.CancelledError:
@@ -461,7 +462,7 @@ class PoolNode:
                     self._spawn(self._finish(conn, header, in_flight, self._commit_put(received), started))
                     continue
                 await in_flight.acquire()
-                self._spawn(self._finish(conn, header, in_flight, self._handle(op, meta), started))
+                self._spawn(self._finish(conn, header, in_flight, self._handle(op, meta, conn), started))
         except asyncio.CancelledError:
             raise
         except NodeUnavailable:
@@ -484,6 +485,9 @@ class PoolNode:
         finally:
             conn.close()
             self._connections.discard(conn)
+            # Its client is gone (crashed, or gave up on the connection): nobody will release
+            # what it leased, and pinned DRAM would refuse puts until the ttl ran out.
+            self.tiers.leases.release_owner(conn)
 
     async def _start_tls(self, conn: FrameSocket, context: ssl.SSLContext) -> bool:
         """Complete a TLS handshake within the frame timeout; False (counted, logged) if it fails.
@@ -630,7 +634,7 @@ class PoolNode:
         self.counters["put_bytes"] += sum(loc.nbytes for _, loc in visible)
         return encode_flags(flags), []
 
-    async def _handle(self, op: int, meta: bytearray) -> tuple[bytes, list[Buffer]]:
+    async def _handle(self, op: int, meta: bytearray, conn: FrameSocket) -> tuple[bytes, list[Buffer]]:
         limits = self.config.limits
         if op == Op.GET_BATCH:
             found: list[ItemMeta | None] = []
@@ -672,7 +676,7 @@ class PoolNode:
             ttl_ms, lease_flags, keys = decode_lease_request(meta, limits)
             if ttl_ms > MAX_LEASE_TTL_MS:
                 raise ProtocolError(f"lease ttl_ms {ttl_ms} exceeds {MAX_LEASE_TTL_MS}")
-            return await self._lease(keys, ttl_ms, bool(lease_flags & LEASE_MAP)), []
+            return await self._lease(keys, ttl_ms, bool(lease_flags & LEASE_MAP), conn), []
         if op == Op.RELEASE:
             lease_id, keys = decode_release(meta, limits)
             return encode_json({"released": self.tiers.leases.release(lease_id, keys)}), []
@@ -684,8 +688,8 @@ class PoolNode:
             return encode_json({"node_id": self.node_id, "epoch": self.epoch}), []
         raise ProtocolError(f"op {op} is not a request")
 
-    async def _lease(self, keys: list[str], ttl_ms: int, want_map: bool) -> bytes:
-        """Pin the keys this node holds; with ``want_map``, also answer their arena offsets.
+    async def _lease(self, keys: list[str], ttl_ms: int, want_map: bool, conn: FrameSocket) -> bytes:
+        """Pin the keys this node holds for ``conn``; with ``want_map``, also answer their arena offsets.
 
         A mapped read is a GET whose bytes the client copies itself: the chunk is
         fetched (an NVMe hit is promoted into the arena) and the lease holds the
@@ -716,7 +720,10 @@ class PoolNode:
                 if item is None:
                     continue
             held.append(key)
-        lease_id = self.tiers.leases.grant(held, chunks, ttl_ms) if held else 0
+        leases = self.tiers.leases
+        lease_id = leases.grant(held, chunks, ttl_ms, owner=conn) if held else 0
+        if lease_id and conn.closed:
+            leases.release_owner(conn)  # it closed while we fetched: its teardown has already run
         return encode_lease_response(lease_id, found, self.config.limits)
 
     # -- channel (nccl_channel) --------------------------------------------------------
