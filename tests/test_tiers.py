@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -169,29 +170,85 @@ def tiny_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
 
 
-def test_full_disk_degrades_puts_to_other_nodes_and_loses_nothing_stored(node_factory, pool_url, tiny_disk, tmp_path):
-    full = node_factory("--nvme-dir", str(tiny_disk), "--nvme", "64MiB", "--node-id", "tiny", dram="1MiB")
-    chunks = _chunks("full", 40, 128 * KIB)  # 5 MiB: more than 1 MiB DRAM + 3 MiB disk
-    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
-        stored, refused = [], 0
-        for chunk in chunks:
-            try:
-                client.put([chunk])
-                stored.append(chunk)
-            except CapacityError:
-                refused += 1
-        assert refused > 0 and len(stored) >= 20
-        got = client.get([c.key for c in stored])
-        assert [bytes(g.data) for g in got] == [bytes(c.data) for c in stored]  # nothing stored was lost
-        stats = client.node_stats(client.nodes()[0])
-        assert stats["counters"]["disk_full"] >= 1 and stats["tiers"]["nvme"]["disk_full"] is True
-        # a second node joins: the chunks the full node refuses are placed there
-        node_factory(dram="64MiB")
-        client.nodes(refresh=True)
-        rest = [c for c in chunks if c not in stored]
-        client.put(rest)
-        assert all(g is not None for g in client.get([c.key for c in rest]))
-    assert full.alive()
+class _Writer(threading.Thread):
+    """Puts one new 128 KiB chunk every ``interval_s`` until stopped; keeps every chunk and every error."""
+
+    def __init__(self, pool_url: str, interval_s: float = 0.05) -> None:
+        super().__init__(daemon=True)
+        self.pool_url, self.interval_s = pool_url, interval_s
+        self.stored: list[Chunk] = []
+        self.errors: list[BaseException] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        with SyncPoolClient(PoolConfig.from_url(self.pool_url)) as client:
+            n = 0
+            while not self._halt.is_set():
+                chunk = _chunks(f"w{n}", 1, 128 * KIB, seed=n)[0]
+                n += 1
+                try:
+                    client.put([chunk])
+                    self.stored.append(chunk)
+                except Exception as exc:  # every failure is the finding
+                    self.errors.append(exc)
+                self._halt.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(30)
+
+
+def test_a_full_disk_keeps_dram_writable_and_pauses_demotion_until_a_chunk_and_a_margin_are_free(
+    node_factory, pool_url, tiny_disk
+):
+    """A 3 MiB tmpfs under a 64 MiB NVMe tier and a writer that never stops: every put succeeds (DRAM
+    evicts its oldest chunks while the disk is full), one episode is one counter step and one log line,
+    freeing less than a chunk plus the margin does not end it, freeing more does, and demotion resumes."""
+    from backend.node.tiers import DISK_RECHECK_S, DISK_RESUME_MARGIN_BYTES
+
+    node = node_factory("--nvme-dir", str(tiny_disk), "--nvme", "64MiB", "--node-id", "tiny", dram="1MiB")
+    writer = _Writer(pool_url)
+    writer.start()
+    try:
+        with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+            info = client.nodes()[0]
+
+            def counters() -> dict:
+                return client.node_stats(info)["counters"]
+
+            assert wait_until(lambda: counters().get("disk_full", 0) == 1, 60.0), counters()
+            stats = client.node_stats(info)
+            assert stats["tiers"]["nvme"]["disk_full"] is True
+            assert wait_until(lambda: counters().get("evictions", 0) >= 4, 30.0)  # puts keep landing meanwhile
+            assert node.log.count("disk full") == 1
+
+            # Free less than one chunk plus the margin: two files of the oldest chunks, which went to disk.
+            first = writer.stored[:16]
+            assert client.delete([c.key for c in first[:2]]) == 2
+            assert 2 * 128 * KIB < 128 * KIB + DISK_RESUME_MARGIN_BYTES
+            writes_before = counters().get("nvme_writes", 0)
+            time.sleep(3 * DISK_RECHECK_S)
+            assert client.node_stats(info)["tiers"]["nvme"]["disk_full"] is True, "the episode ended too early"
+            assert counters()["disk_full"] == 1 and counters().get("nvme_writes", 0) == writes_before
+            assert "free again" not in node.log
+
+            # Free well past it: demotion resumes, in one log line.
+            client.delete([c.key for c in first[2:]])
+            assert wait_until(lambda: "free again" in node.log, 10 * DISK_RECHECK_S)
+            assert wait_until(lambda: counters().get("nvme_writes", 0) > writes_before, 30.0)
+            assert node.log.count("free again") == 1
+            episodes = counters()["disk_full"]
+            assert node.log.count("disk full") == episodes  # a new episode, if the writer filled it again
+        writer.stop()
+        assert writer.errors == [], writer.errors[:3]
+        with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+            kept = writer.stored[16:]
+            got = client.get([c.key for c in kept])
+            assert all(g is None or bytes(g.data) == bytes(c.data) for g, c in zip(got, kept))  # never wrong bytes
+            assert all(g is not None for g in got[-4:])  # the newest are in DRAM
+    finally:
+        writer.stop()
+    assert node.alive()
 
 
 def test_nvme_file_loads_with_safetensors_and_equals_what_lmcache_stored(node_factory, pool_url, tmp_path):

@@ -1,11 +1,17 @@
 """Tier manager: DRAM (LRU) in front of an optional NVMe tier, and what moves between them.
 
 * A put reserves DRAM space. If DRAM is full, its least recently used chunks are
-  demoted to NVMe (or, with no NVMe tier, evicted) until the chunk fits. Only when
-  nothing can move -- the NVMe tier is absent and DRAM is all reserved, or the disk
-  refuses writes -- does the put get CapacityError.
+  demoted to NVMe (or, with no NVMe tier, evicted) until the chunk fits. A chunk the
+  disk will not take is evicted instead, so DRAM stays writable whatever the disk
+  does; only a DRAM tier that is all reserved or leased gives the put CapacityError.
 * A background task keeps DRAM between its watermarks (demote above ``high``
   down to ``low``) so puts rarely wait for the disk.
+* A full disk (ENOSPC/EDQUOT) starts an *episode*: one error line, the ``disk_full``
+  counter +1, demotion paused (puts evict instead). The disk is checked every
+  ``DISK_RECHECK_S``; the episode ends (one line) only once it has room for the
+  largest chunk that did not fit plus a margin of as much again (at least
+  ``DISK_RESUME_MARGIN_BYTES``), so a disk that frees one chunk's worth does not
+  flap between full and not.
 * NVMe evicts its least recently used files when a demotion needs room.
 * A hit on NVMe is read back in a worker thread, verified, and promoted to DRAM;
   the file stays, so a later demotion of the same chunk costs nothing.
@@ -30,6 +36,7 @@ import errno
 import logging
 import os
 import shutil
+import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,6 +60,8 @@ HEADER_ALLOWANCE_BYTES = 4096  # room reserved on disk for a file's header
 PREFAULT_BUDGET_BYTES = 256 * 1024 * 1024  # ready, pre-faulted buffers (see buffers.py)
 DEMOTER_IDLE_S = 0.5
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+DISK_RECHECK_S = 2.0  # how often a full disk is looked at again
+DISK_RESUME_MARGIN_BYTES = 1024 * 1024  # free space past one chunk before demotion resumes
 ARENA_SLACK = 0.25  # arena room beyond DRAM for regions still held by leases or replies in flight
 ARENA_MIN_SLACK_BYTES = 64 * 1024 * 1024
 
@@ -110,6 +119,9 @@ class TierManager:
         self.index_removed: set[str] = set()
         self.index_moved: dict[str, str] = {}
         self.disk_full = False
+        self._disk_resume_bytes = 0  # free bytes that end the current disk-full episode
+        self._disk_full_since = 0.0
+        self._disk_recheck: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # one demotion/eviction decision at a time
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvpool-nvme")
         self.leases = LeaseTable(on_unpinned=self._maybe_wake)
@@ -126,9 +138,10 @@ class TierManager:
             self._demoter = asyncio.get_running_loop().create_task(self._demote_loop())
 
     async def close(self) -> None:
-        if self._demoter is not None:
-            self._demoter.cancel()
-            await asyncio.gather(self._demoter, return_exceptions=True)
+        for task in (self._demoter, self._disk_recheck):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         self._io.shutdown(wait=True, cancel_futures=True)
         self.buffers.close()
         if self.arena is not None:
@@ -213,7 +226,7 @@ class TierManager:
                     victim = self.dram.oldest(skip=self.leases.pinned)
                     if victim is None:
                         raise CapacityError("DRAM tier is full of puts in flight and leased chunks")
-                    await self._demote(victim)
+                    await self._demote(victim, evict_on_failure=True)
         self.dram.reserve(nbytes)
         self._maybe_wake()
 
@@ -323,17 +336,25 @@ class TierManager:
         return found
 
     # -- movement ---------------------------------------------------------------------
-    async def _demote(self, chunk: StoredChunk) -> None:
-        """Move a DRAM chunk to NVMe (or evict it with no NVMe tier). Caller holds the lock."""
+    async def _demote(self, chunk: StoredChunk, *, evict_on_failure: bool = False) -> None:
+        """Move a DRAM chunk to NVMe (or evict it with no NVMe tier). Caller holds the lock.
+
+        With ``evict_on_failure`` (a put needs the room) a chunk the disk does not take
+        is evicted instead; otherwise the CapacityError is raised.
+        """
         key = chunk.meta.key
         if self.nvme is None:
-            self.dram.delete(key)
-            self.index_removed.add(key)
-            self.counters["evictions"] += 1
+            self._evict(chunk)
             return
         record = self.nvme.files.get(key)
         if record is None or record.meta.checksum != chunk.meta.checksum:
-            written = await self._write(chunk)
+            try:
+                written = await self._write(chunk)
+            except CapacityError:
+                if not evict_on_failure:
+                    raise
+                self._evict(chunk)
+                return
             if written is None:
                 return  # deleted or replaced while we wrote: nothing to move
             record = written
@@ -344,6 +365,13 @@ class TierManager:
         elif (current := self.dram.peek(key)) is not None and current.meta.checksum != chunk.meta.checksum:
             self._forget_file(record)  # replaced by other bytes while we wrote
 
+    def _evict(self, chunk: StoredChunk) -> None:
+        """Drop a DRAM chunk that has no other place (no NVMe tier, or the disk will not take it)."""
+        if self.dram.peek(chunk.meta.key) is chunk:
+            self.dram.delete(chunk.meta.key)
+            self.index_removed.add(chunk.meta.key)
+            self.counters["evictions"] += 1
+
     async def _write(self, chunk: StoredChunk) -> NvmeFile | None:
         """Write a DRAM chunk's file; None if the chunk was deleted or replaced meanwhile."""
         assert self.nvme is not None
@@ -351,7 +379,8 @@ class TierManager:
         if need > self.nvme.capacity_bytes:
             raise CapacityError(f"chunk of {chunk.meta.nbytes} bytes is larger than the NVMe tier")
         if self.disk_full:
-            raise CapacityError("NVMe tier: the disk refused the last write (full); not demoting")
+            self._disk_resume_bytes = max(self._disk_resume_bytes, _resume_bytes(need))
+            raise CapacityError("NVMe tier: the disk is full; demotion is paused")
         while self.nvme.used_bytes + need > self.nvme.capacity_bytes:
             pinned = self.leases.pinned
             oldest = next((r for k, r in self.nvme.files.items() if k not in pinned), None)
@@ -371,11 +400,11 @@ class TierManager:
             raise
         except OSError as exc:
             if exc.errno in _DISK_FULL:
-                self.disk_full = True
-                self.counters["disk_full"] += 1
-                logger.error("NVMe tier %s: disk full (%s); puts that need demotion now fail with "
-                             "CapacityError until space is freed", self.nvme.root, exc.strerror)  # fmt: skip
-                self._schedule_disk_recheck()
+                self._disk_full_begins(need, exc)
+            else:
+                self.counters["nvme_write_errors"] += 1
+                logger.warning("NVMe tier %s: writing a chunk failed (%s); it is evicted from DRAM instead",
+                               self.nvme.root, exc.strerror or exc)  # fmt: skip
             raise CapacityError(f"NVMe write failed: {exc.strerror}") from None
         current = self.dram.peek(chunk.meta.key)
         if current is None or current.meta.checksum != chunk.meta.checksum:
@@ -419,8 +448,8 @@ class TierManager:
             except TimeoutError:
                 pass
             self._wake.clear()
-            if self.dram.used_bytes <= high:
-                continue
+            if self.dram.used_bytes <= high or self.disk_full:
+                continue  # nothing to do, or paused until the disk has room
             async with self._lock:
                 while self.dram.used_bytes > low and (victim := self.dram.oldest(self.leases.pinned)) is not None:
                     try:
@@ -428,18 +457,43 @@ class TierManager:
                     except CapacityError:
                         break  # the disk refuses: puts will see CapacityError instead
 
-    def _schedule_disk_recheck(self) -> None:
-        async def recheck() -> None:
-            await asyncio.sleep(5.0)
-            assert self.nvme is not None
-            free = await self._run(lambda: shutil.disk_usage(self.nvme.root).free)  # type: ignore[union-attr]
-            if free > HEADER_ALLOWANCE_BYTES * 16:
-                self.disk_full = False
-                logger.warning("NVMe tier %s: disk has free space again", self.nvme.root)
-            else:
-                self._schedule_disk_recheck()
+    def _disk_full_begins(self, need: int, exc: OSError) -> None:
+        """Start a disk-full episode (once: writes already in flight may fail after it began)."""
+        assert self.nvme is not None
+        self._disk_resume_bytes = max(self._disk_resume_bytes, _resume_bytes(need))
+        if self.disk_full:
+            return
+        self.disk_full = True
+        self._disk_full_since = time.monotonic()
+        self.counters["disk_full"] += 1
+        logger.error("NVMe tier %s: disk full (%s); demotion paused, DRAM evicts its least recently used chunks "
+                     "instead until %d bytes are free", self.nvme.root, exc.strerror, self._disk_resume_bytes)  # fmt: skip
+        self._disk_recheck = asyncio.get_running_loop().create_task(self._wait_for_disk_room())
 
-        asyncio.get_running_loop().create_task(recheck())
+    async def _wait_for_disk_room(self) -> None:
+        """End the episode once the disk has ``_disk_resume_bytes`` free (checked every DISK_RECHECK_S)."""
+        assert self.nvme is not None
+        root = self.nvme.root
+        while True:
+            await asyncio.sleep(DISK_RECHECK_S)
+            try:
+                free = int(await self._run(lambda: shutil.disk_usage(root).free))
+            except OSError as exc:
+                logger.warning("NVMe tier %s: cannot read the free space (%s)", root, exc.strerror or exc)
+                continue
+            if free >= self._disk_resume_bytes:
+                break
+        self.disk_full = False
+        self._disk_resume_bytes = 0
+        self._disk_recheck = None
+        logger.warning("NVMe tier %s: %d bytes free again after %.0f s; demotion resumes", root, free,
+                       time.monotonic() - self._disk_full_since)  # fmt: skip
+        self._maybe_wake()
+
+
+def _resume_bytes(need: int) -> int:
+    """Free space that ends a disk-full episode: room for a chunk of ``need`` bytes, plus a margin."""
+    return need + max(need, DISK_RESUME_MARGIN_BYTES)
 
 
 def _open_arena(config: TierConfig) -> ShmArena | None:

@@ -11,6 +11,6 @@ from tests.faults.proxy import FULL
 
 if FULL:
     from tests.test_tiers import (  # noqa: F401  (pytest collects these names)
-        test_full_disk_degrades_puts_to_other_nodes_and_loses_nothing_stored,
+        test_a_full_disk_keeps_dram_writable_and_pauses_demotion_until_a_chunk_and_a_margin_are_free,
         tiny_disk,
     )
