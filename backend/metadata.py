@@ -255,7 +255,8 @@ class MetadataStore:
     # -- lifecycle --------------------------------------------------------------------
     async def close(self) -> None:
         with contextlib.suppress(Exception):
-            await self._redis.aclose()
+            async with asyncio.timeout(self.timeout_s):  # a hung Redis must not hold up a shutdown
+                await self._redis.aclose()
 
     async def ping(self) -> float:
         """Round-trip time to Redis in milliseconds."""
@@ -466,11 +467,18 @@ class MetadataStore:
             yield keys
 
     async def scan_keys(self, match: str = "*", count: int = 1000) -> AsyncIterator[str]:
-        """Stream pool keys (SCAN, never KEYS). ``match`` is a glob on the pool key."""
-        pattern = self._index_prefix + "{" + match + "}"
-        with _redis_errors("SCAN"):
-            async for index_key in self._redis.scan_iter(match=pattern, count=count):
-                yield self.key_from_index(index_key)
+        """Stream pool keys (SCAN, never KEYS). ``match`` is a glob on the pool key.
+
+        Each SCAN step has its own deadline (``timeout_s``), so a hung Redis ends the
+        stream with MetadataError while a long walk over a large index still finishes.
+        """
+        cursor = 0
+        while True:
+            cursor, keys = await self.scan_step(cursor, match, count)
+            for key in keys:
+                yield key
+            if cursor == 0:
+                return
 
     async def scan_step(self, cursor: int, match: str = "*", count: int = 1000) -> tuple[int, list[str]]:
         """One SCAN step over pool keys: ``(next cursor, keys)``; the cursor is 0 at the start and the end.
@@ -478,11 +486,15 @@ class MetadataStore:
         On a cluster the cursor also says which primary is being walked: the primary's
         place in name order times 2**64, plus that primary's own SCAN cursor.
         """
-        pattern = self._index_prefix + "{" + match + "}"
+        next_cursor, names = await self._scan_step(cursor, self._index_prefix + "{" + match + "}", count)
+        return next_cursor, [self.key_from_index(name) for name in names]
+
+    async def _scan_step(self, cursor: int, pattern: str, count: int) -> tuple[int, list[str]]:
+        """One bounded SCAN step over raw Redis key names matching ``pattern`` (see :meth:`scan_step`)."""
         async with self._call("SCAN"):
             if not self.is_cluster:
                 next_cursor, names = await self._redis.scan(cursor, match=pattern, count=count)
-                return int(next_cursor), [self.key_from_index(name) for name in names]
+                return int(next_cursor), list(names)
             await self._redis.initialize()  # the slot map; a no-op once it is known
             primaries = sorted(self._redis.get_primaries(), key=lambda node: node.name)
             place, node_cursor = divmod(cursor, 1 << 64)
@@ -494,23 +506,22 @@ class MetadataStore:
             if node_next == 0:
                 place, node_next = place + 1, 0
                 if place == len(primaries):
-                    return 0, [self.key_from_index(name) for name in names]
-            return (place << 64) + node_next, [self.key_from_index(name) for name in names]
+                    return 0, list(names)
+            return (place << 64) + node_next, list(names)
 
     async def flush_namespace(self) -> int:
-        """Delete every key of this namespace; returns how many were removed."""
+        """Delete every key of this namespace; returns how many were removed. Each step is bounded."""
         removed = 0
         tag = "{" + self.namespace + "}"
-        with _redis_errors("flush"):
-            for pattern in (self._index_prefix + "*", self._shard_marker_prefix + "*", f"kvp:{tag}:*"):
-                batch: list[str] = []
-                async for key in self._redis.scan_iter(match=pattern, count=1000):
-                    batch.append(key)
-                    if len(batch) >= LOOKUP_BATCH:
-                        removed += int(await self._redis.delete(*batch))
-                        batch = []
-                if batch:
-                    removed += int(await self._redis.delete(*batch))
+        for pattern in (self._index_prefix + "*", self._shard_marker_prefix + "*", f"kvp:{tag}:*"):
+            cursor = 0
+            while True:
+                cursor, names = await self._scan_step(cursor, pattern, LOOKUP_BATCH)
+                if names:
+                    async with self._call("flush"):
+                        removed += int(await self._redis.delete(*names))
+                if cursor == 0:
+                    break
         return removed
 
     # -- channel rendezvous -----------------------------------------------------------

@@ -382,3 +382,37 @@ def test_a_hung_redis_reads_as_misses_and_a_put_fails_without_hanging(node_facto
         finally:
             redis.process.send_signal(signal.SIGCONT)
         assert wait_until(lambda: client.contains(keys) == [True] * 5, 15.0)
+
+
+async def test_scans_of_a_hung_redis_fail_within_the_timeout_instead_of_retrying_past_it(redis_factory, namespace):
+    """SCAN paths (list_keys, ls, check, flush) promise the same bound as every other Redis call.
+
+    redis-py alone would wait one socket timeout, reconnect and wait another: twice the timeout.
+    """
+    import signal
+    import time
+
+    from backend.errors import MetadataError
+    from backend.metadata import Location
+
+    redis = EmbeddedRedis().start()
+    redis_factory.append(redis)
+    meta = MetadataStore(redis.url, namespace, timeout_s=1.0)
+    try:
+        await meta.commit([(f"scan@{i}", Location("n", 1, "dram", 1, i)) for i in range(50)])
+        assert len([key async for key in meta.scan_keys()]) == 50
+        assert redis.process is not None
+        redis.process.send_signal(signal.SIGSTOP)  # accepts connections, never answers
+        async def scan_all() -> list[str]:
+            return [key async for key in meta.scan_keys()]
+
+        try:
+            for name, call in (("scan_keys", scan_all), ("flush_namespace", meta.flush_namespace)):
+                started = time.monotonic()
+                with pytest.raises(MetadataError, match="no answer within 1000 ms"):
+                    await call()
+                assert time.monotonic() - started < 1.7, name
+        finally:
+            redis.process.send_signal(signal.SIGCONT)
+    finally:
+        await meta.close()
