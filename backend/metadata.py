@@ -43,7 +43,7 @@ from redis import exceptions as redis_exceptions
 from backend.errors import MetadataError
 from backend.redis_topology import CLUSTER, RedisTarget, connect
 
-__all__ = ["MetadataStore", "NodeInfo", "Location", "IndexEntry"]
+__all__ = ["MetadataStore", "NodeInfo", "Location", "IndexEntry", "Beat"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,15 @@ class Location:
 
 
 IndexEntry = list[Location]
+
+
+@dataclasses.dataclass(frozen=True)
+class Beat:
+    """What a heartbeat found: the namespace marker's generation (None if missing), and
+    whether the node's registry entry had to be created (a live node collected it as dead)."""
+
+    generation: str | None
+    registered_anew: bool
 
 
 @dataclasses.dataclass
@@ -313,8 +322,8 @@ class MetadataStore:
         async with self._call("INCR epoch"):
             return int(await self._redis.incr(self.epoch_key))
 
-    async def heartbeat(self, info: NodeInfo, ttl_ms: int) -> str | None:
-        """Publish ``info`` and refresh liveness. Returns the marker's generation (None if missing)."""
+    async def heartbeat(self, info: NodeInfo, ttl_ms: int) -> Beat:
+        """Publish ``info`` and refresh liveness; says whether the marker and the registry entry were there."""
         async with self._call("heartbeat"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hset(self.nodes_key, info.node_id, info.to_json())
@@ -324,7 +333,9 @@ class MetadataStore:
                     pipe.get(key)
                 results = await pipe.execute()
         generations = results[2:]
-        return None if None in generations else "/".join(str(value) for value in generations)
+        generation = None if None in generations else "/".join(str(value) for value in generations)
+        # HSET answers 1 for a field it created: the entry was missing (first beat, or collected as dead)
+        return Beat(generation, registered_anew=int(results[0]) == 1)
 
     async def deregister(self, node_id: str) -> None:
         async with self._call("deregister"):

@@ -38,6 +38,7 @@ from backend.errors import (
 )
 from backend.metadata import Location, MetadataStore, NodeInfo
 from backend.metrics import NodeMetricsServer
+from backend.node.collector import DEFAULT_GRACE_S, DeadNodeCollector
 from backend.node.dram import StoredChunk
 from backend.node.leases import MAX_LEASE_TTL_MS
 from backend.node.recovery import RecoveryReport, node_identity, scan
@@ -120,6 +121,8 @@ class NodeConfig:
     tls_key: Path | None = None  # its private key (PEM)
     redis_password: str = dataclasses.field(default="", repr=False)  # Redis ACL password, if not in redis_url
     redis_ca_file: str = ""  # CA bundle verifying a rediss:// Redis; empty: the system trust store
+    dead_node_grace_ms: int = int(DEFAULT_GRACE_S * 1000)  # a dead node's Redis entries go after this long
+    pair_timeout_ms: int = 60_000  # deadline of one channel pairing (a cold NCCL init takes seconds)
 
     def tier_config(self) -> TierConfig:
         return TierConfig(
@@ -159,6 +162,7 @@ class PoolNode:
         )
         self._stopping = asyncio.Event()
         self.channel: Any = None  # nccl_channel.channel.ChannelServer once started, if configured
+        self.collector: DeadNodeCollector | None = None  # made once the node id is known
 
     # -- lifecycle --------------------------------------------------------------------
     @property
@@ -196,6 +200,7 @@ class PoolNode:
                         report.quarantined, report.temp_removed)  # fmt: skip
         if not self.node_id:
             self.node_id = f"{socket.gethostname()}-{self.port}"
+        self.collector = DeadNodeCollector(self.meta, self.node_id, self.config.dead_node_grace_ms / 1000)
         # Bind the metrics port before registering: if it is taken, nothing is left in Redis.
         if self.config.metrics_port is not None:
             self.metrics = NodeMetricsServer(
@@ -285,9 +290,7 @@ class PoolNode:
             "node_id": self.node_id,
             "epoch": self.epoch,
             "uptime_s": round(time.monotonic() - self._started_monotonic, 3),
-            "counters": dict(
-                self.counters + self.tiers.counters + self.tiers.leases.counters + self._channel_counters()
-            ),
+            "counters": dict(self.counters + self.tiers.counters + self.tiers.leases.counters + self._other_counters()),
             "objects": len(self.tiers),
             "leases": len(self.tiers.leases),
             "arena": self.tiers.arena.stats() if self.tiers.arena is not None else None,
@@ -339,10 +342,14 @@ class PoolNode:
             self.tiers.leases.expire()
             self._snapshots.append(self._snapshot())
             try:
-                generation = await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
-                if generation != self._generation:
-                    await self._republish()
+                beat = await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
+                if beat.generation != self._generation:
+                    await self._republish("the namespace was missing in Redis")
+                elif beat.registered_anew:
+                    await self._republish("this node's registry entry was gone (collected as dead while away)")
                 await self._flush_index()
+                if self.collector is not None:
+                    await self.collector.step()
                 if not self._redis_ok:
                     logger.warning("node %s: Redis reachable again", self.node_id)
                     self._redis_ok = True
@@ -351,8 +358,8 @@ class PoolNode:
                     logger.warning("node %s: Redis unreachable, serving what is held: %s", self.node_id, exc)
                     self._redis_ok = False
 
-    async def _republish(self) -> None:
-        """Redis lost our namespace (restart or flush): publish everything we hold again.
+    async def _republish(self, why: str) -> None:
+        """Redis lost what we published (restart, flush, or we were collected as dead): publish it again.
 
         Every node does this once per new marker generation, whichever node
         recreated the marker first.
@@ -362,7 +369,7 @@ class PoolNode:
         await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
         count = await self._publish_inventory()
         self._generation = generation
-        logger.warning("node %s: namespace was missing in Redis; republished %d chunks", self.node_id, count)
+        logger.warning("node %s: %s; republished %d chunks", self.node_id, why, count)
 
     async def _publish_inventory(self) -> int:
         held = [(meta.key, self._location(meta, tier)) for meta, tier in self.tiers.inventory()]
@@ -748,8 +755,10 @@ class PoolNode:
         self.channel = ChannelServer(transport, Rendezvous(self.meta), self.node_id, self.config.cluster,
                                      self.config.redis_timeout_ms / 1000)  # fmt: skip
 
-    def _channel_counters(self) -> Counter[str]:
-        return Counter(self.channel.counters) if self.channel is not None else Counter()
+    def _other_counters(self) -> Counter[str]:
+        """The channel's and the dead-node collector's counters, where they run."""
+        counters: Counter[str] = Counter(self.channel.counters) if self.channel is not None else Counter()
+        return counters + (self.collector.counters if self.collector is not None else Counter())
 
     async def _channel_get(self, meta: bytearray) -> tuple[bytes, list[Buffer]]:
         """CHANNEL_GET: join the pair if new, answer which keys are held, send their bytes over the pair."""
