@@ -297,7 +297,8 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             return None
         endpoint = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         channel = NcclChannel(transport, Rendezvous(self.client.meta), endpoint, self.pool_config.cluster,
-                              self.client.channel_request, self.pool_config.timeout_s)  # fmt: skip
+                              self.client.channel_request, self.pool_config.timeout_s,
+                              pair_timeout_s=self.pool_config.pair_timeout_ms / 1000)  # fmt: skip
         record = json.dumps({"cluster": self.pool_config.cluster, "transport": transport.kind, "pid": os.getpid()})
         asyncio.run_coroutine_threadsafe(self._register_endpoint(endpoint, record), self.loop)
         logger.info("kvpool: channel endpoint %s (%s, cluster %s)", endpoint, transport.kind, self.pool_config.cluster)
@@ -328,26 +329,32 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         return results
 
     async def _fetch_channel(self, keys: list[str], results: list[Any]) -> list[int]:
-        """Fill ``results`` over the channel, one batch per node; returns the indices left for TCP."""
+        """Fill ``results`` over the channel, one batch per node; returns the indices left for TCP.
+
+        Any exception from the channel path (NcclError, the control path's KVPoolError,
+        a CUDA RuntimeError in a device copy, a bug) sends those keys to TCP: the channel
+        is an optimisation and must never cost a read. Only cancellation goes through.
+        """
         try:
-            plan = await self.client.channel_plan(keys, self.channel.serves)
-        except KVPoolError:
+            plan = await self.client.channel_plan(keys, self.channel.engaged)  # unpaired nodes: TCP, pairing
+        except Exception:
             return list(range(len(keys)))  # the TCP path meets the same lookup failure and reports it
         outcomes = await asyncio.gather(
             *(self.channel.get(node, [keys[i] for i in idx], self._sink) for node, idx in plan.values()),
             return_exceptions=True,
         )
         done: set[int] = set()
-        error: BaseException | None = None
+        cancelled: BaseException | None = None
         for (node, idx), outcome in zip(plan.values(), outcomes):
-            if isinstance(outcome, KVPoolError):  # NcclError, or the node's control path failed
+            if isinstance(outcome, Exception):
                 self.counters["channel_fallbacks"] += len(idx)
                 if "channel" not in self._logged:
                     self._logged.add("channel")
-                    logger.warning("kvpool: channel to node %s failed, reading over TCP: %s", node.node_id, outcome)
+                    logger.warning("kvpool: channel to node %s failed, reading over TCP: %s: %s", node.node_id,
+                                   type(outcome).__name__, outcome)  # fmt: skip
                 continue
             if isinstance(outcome, BaseException):
-                error = error or outcome
+                cancelled = cancelled or outcome
                 continue
             for index, obj in zip(idx, outcome):
                 if obj is None or isinstance(obj, BaseException):
@@ -355,8 +362,8 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
                 results[index] = obj
                 done.add(index)
                 self.counters["get_bytes_channel"] += len(obj.byte_array)
-        if error is not None:
-            raise error
+        if cancelled is not None:
+            raise cancelled
         if done:
             self._recovered("channel")
         return [i for i in range(len(keys)) if i not in done]

@@ -4,7 +4,12 @@ Client side (:class:`NcclChannel`), for chunks on a node of its own cluster:
 
 1. First use of a node: make the transport's unique id, publish it as a rendezvous
    offer in Redis (``nccl_channel.rendezvous``), start joining as rank 0, and send
-   ``CHANNEL_GET {session, keys: []}``; the node takes the offer and joins as rank 1.
+   ``CHANNEL_GET {session, keys: []}``; the node takes the offer, answers at once and
+   joins as rank 1 in the background. Both joins have the pairing deadline
+   (``pair_timeout_s``, 30 s and more: a cold NCCL init takes seconds), not the
+   request timeout, and no request waits on them, so a slow pairing never times out
+   (and closes) the TCP connection other requests share. :meth:`NcclChannel.engaged`
+   pairs in the background and reads that node over TCP until the pair is ready.
    The pair is cached per (node, epoch) and reused.
 2. ``CHANNEL_GET {session, keys}``: the node answers, over TCP, which keys it found
    with their sizes and checksums, and sends their bytes over the communicator in
@@ -75,6 +80,7 @@ MAX_PAIRS = 64  # communicators kept per endpoint; the least recently used is cl
 SECRET_BYTES = 16
 TEARDOWN_TIMEOUT_S = 10.0  # bound on an abort or a unique id, each run in a worker thread
 BACKOFF_S = 30.0  # after a channel failure, the client reads that node over TCP this long
+PAIR_TIMEOUT_S = 30.0  # deadline of one pairing (both joins); a cold NCCL init can take several seconds
 _BATCH_HEAD = struct.Struct("<QQ")  # CPU transport: item count, total bytes
 
 
@@ -497,17 +503,19 @@ class NcclChannel:
 
     def __init__(self, transport: Transport, rendezvous: Rendezvous, endpoint_id: str, cluster: str,
                  request: Request, timeout_s: float, max_pairs: int = MAX_PAIRS,
-                 backoff_s: float = BACKOFF_S) -> None:  # fmt: skip
+                 backoff_s: float = BACKOFF_S, pair_timeout_s: float = PAIR_TIMEOUT_S) -> None:  # fmt: skip
         self.transport = transport
         self.rendezvous = rendezvous
         self.endpoint_id = endpoint_id
         self.cluster = cluster
         self.timeout_s = timeout_s
         self.backoff_s = backoff_s
+        self.pair_timeout_s = pair_timeout_s
         self.counters: Counter[str] = Counter()
         self._request = request
         self._pairs = _PairCache(max_pairs)
         self._creating: dict[tuple[str, int], asyncio.Lock] = {}
+        self._pairing: dict[tuple[str, int], asyncio.Task[None]] = {}  # background pairings under way
         self._backoff_until: dict[str, float] = {}  # node id -> monotonic time the channel may try it again
         self._closed = False
 
@@ -523,6 +531,32 @@ class NcclChannel:
             and getattr(node, "channel", "") == self.kind
             and time.monotonic() >= self._backoff_until.get(node.node_id, 0.0)
         )
+
+    def engaged(self, node: Any) -> bool:
+        """Whether to read ``node`` over the channel now: it is served and its pair is ready.
+
+        A served node without a pair starts pairing in the background (bounded by
+        ``pair_timeout_s``) and answers False, so reads go over TCP until the pair is
+        ready instead of waiting for a cold NCCL init. Call it on the event loop.
+        """
+        if not self.serves(node):
+            return False
+        ident = (node.node_id, node.epoch)
+        if self._pairs.live(ident) is not None:
+            return True
+        if ident not in self._pairing and not self._closed:
+            task = asyncio.ensure_future(self._pair_in_background(node))
+            self._pairing[ident] = task
+            task.add_done_callback(lambda _: self._pairing.pop(ident, None))
+        return False
+
+    async def _pair_in_background(self, node: Peer) -> None:
+        try:
+            await self._pair(node)
+        except Exception as exc:  # NcclError, the control path's KVPoolError, or a transport's own bug
+            self.counters["pair_failures"] += 1
+            self._back_off(node)
+            logger.warning("channel: pairing with node %s failed; reading it over TCP: %s", node.node_id, exc)
 
     def pair_count(self) -> int:
         return len(self._pairs)
@@ -550,15 +584,21 @@ class NcclChannel:
         try:
             offer = Offer(session, self.transport.kind, unique_id, self.endpoint_id, node.node_id, self.cluster)
             await self.rendezvous.publish(offer)
-            joining = asyncio.ensure_future(asyncio.to_thread(self.transport.join, unique_id, 0, state, self.timeout_s))
+            joining = asyncio.ensure_future(
+                asyncio.to_thread(self.transport.join, unique_id, 0, state, self.pair_timeout_s)
+            )
             try:
+                # Answered as soon as the node took the offer; its join runs on in the background.
                 await self._request(node, encode_channel_request(session, []))
             except BaseException:
                 self.transport.discard(state)  # a CPU accept fails at once instead of at its deadline
-                with contextlib.suppress(Exception):
-                    await _in_thread((await joining).abort, "aborting a half-made pair")
+                joining.add_done_callback(_abort_joined)
                 raise
-            link = await joining
+            try:
+                link = await asyncio.shield(joining)  # bounded by the transport's own deadline: pair_timeout_s
+            except BaseException:
+                joining.add_done_callback(_abort_joined)  # cancelled: a link that still lands is aborted
+                raise
         finally:
             self.transport.discard(state)
         logger.info("channel: paired with node %s over %s (session %s)", node.node_id, self.kind, session)
@@ -644,7 +684,18 @@ class NcclChannel:
     async def close(self) -> None:
         """Abort every pair (never destroy: a gone peer would hang it); bounded."""
         self._closed = True
+        for task in list(self._pairing.values()):
+            task.cancel()
+        await asyncio.gather(*self._pairing.values(), return_exceptions=True)
         await self._pairs.close()
+
+
+def _abort_joined(joining: asyncio.Future[Link]) -> None:
+    """Abort a link whose join finished after its pairing was given up (never leave it open)."""
+    if joining.cancelled() or joining.exception() is not None:
+        return
+    link = joining.result()
+    asyncio.get_running_loop().run_in_executor(None, link.abort)
 
 
 def _copy_and_verify(work: Sequence[tuple[memoryview, torch.Tensor, int]]) -> list[bool]:
@@ -661,37 +712,70 @@ class ChannelServer:
     """The node end: joins offers meant for this node and sends chunks over the pairs."""
 
     def __init__(self, transport: Transport, rendezvous: Rendezvous, node_id: str, cluster: str, timeout_s: float,
-                 max_pairs: int = MAX_PAIRS) -> None:  # fmt: skip
+                 max_pairs: int = MAX_PAIRS, pair_timeout_s: float = PAIR_TIMEOUT_S) -> None:  # fmt: skip
         self.transport = transport
         self.rendezvous = rendezvous
         self.node_id = node_id
         self.cluster = cluster
         self.timeout_s = timeout_s
+        self.pair_timeout_s = pair_timeout_s
         self.counters: Counter[str] = Counter()
         self._pairs = _PairCache(max_pairs)
-        self._joining: dict[str, asyncio.Lock] = {}
+        self._joins: dict[str, asyncio.Task[None]] = {}  # session -> its join, while under way
 
     @property
     def kind(self) -> str:
         return self.transport.kind
 
+    async def start_join(self, session: str) -> None:
+        """Take the offer of ``session`` and join its pair in the background; NcclError if there is no offer.
+
+        Returns once the offer is taken, so the pairing request is answered at once: the
+        join itself (a cold NCCL init takes seconds) is bounded by ``pair_timeout_s``,
+        not by any request's timeout.
+        """
+        if self._pairs.live(session) is not None or session in self._joins:
+            return
+        offer = await self.rendezvous.take(session, target=self.node_id, cluster=self.cluster, transport=self.kind)
+        if session in self._joins:  # a concurrent request for the same session took it first
+            return
+        task = asyncio.ensure_future(self._join(session, offer))
+        self._joins[session] = task
+        task.add_done_callback(lambda done: self._joined(session, done))
+
+    def _joined(self, session: str, task: asyncio.Task[None]) -> None:
+        self._joins.pop(session, None)
+        if not task.cancelled():
+            task.exception()  # logged by _join; a request waiting on it gets it too
+
+    async def _join(self, session: str, offer: Offer) -> None:
+        joining = asyncio.ensure_future(
+            asyncio.to_thread(self.transport.join, offer.unique_id, 1, None, self.pair_timeout_s)
+        )
+        try:
+            link = await asyncio.shield(joining)
+        except asyncio.CancelledError:
+            joining.add_done_callback(_abort_joined)  # the node is stopping: a link that still lands is aborted
+            raise
+        except Exception as exc:
+            self.counters["channel_errors"] += 1
+            logger.warning("channel: node %s could not pair with %s: %s", self.node_id, offer.initiator, exc)
+            raise
+        self._pairs.add(session, _Pair(session, link))
+        self.counters["channel_pairs"] += 1
+        logger.info("channel: node %s paired with %s over %s", self.node_id, offer.initiator, self.kind)
+
     async def join(self, session: str) -> None:
-        """Make sure the pair of ``session`` exists, joining its offer if new. Bounded; NcclError on failure."""
+        """Make sure the pair of ``session`` exists: wait for its join, starting it if needed. NcclError on failure."""
         if self._pairs.live(session) is not None:
             return
-        lock = self._joining.setdefault(session, asyncio.Lock())
-        try:
-            async with lock:
-                if self._pairs.live(session) is not None:
-                    return
-                offer = await self.rendezvous.take(session, target=self.node_id, cluster=self.cluster,
-                                                   transport=self.kind)  # fmt: skip
-                link = await asyncio.to_thread(self.transport.join, offer.unique_id, 1, None, self.timeout_s)
-                self._pairs.add(session, _Pair(session, link))
-                self.counters["channel_pairs"] += 1
-                logger.info("channel: node %s paired with %s over %s", self.node_id, offer.initiator, self.kind)
-        finally:
-            self._joining.pop(session, None)
+        if session not in self._joins:
+            await self.start_join(session)
+        task = self._joins.get(session)
+        if task is not None:
+            await asyncio.shield(task)
+        if self._pairs.live(session) is None:
+            raise NcclError(f"session {session} has no pair on node {self.node_id} (its join failed)")
 
     async def send(self, session: str, buffers: Sequence[Buffer]) -> None:
         """Send ``buffers`` as one batch over the pair of ``session``; a failure drops the pair."""
@@ -721,4 +805,7 @@ class ChannelServer:
 
     async def close(self) -> None:
         """Abort every pair (never destroy: a gone peer would hang it); bounded."""
+        for task in list(self._joins.values()):
+            task.cancel()
+        await asyncio.gather(*self._joins.values(), return_exceptions=True)
         await self._pairs.close()

@@ -753,7 +753,8 @@ class PoolNode:
         from nccl_channel.rendezvous import Rendezvous
 
         self.channel = ChannelServer(transport, Rendezvous(self.meta), self.node_id, self.config.cluster,
-                                     self.config.redis_timeout_ms / 1000)  # fmt: skip
+                                     self.config.redis_timeout_ms / 1000,
+                                     pair_timeout_s=self.config.pair_timeout_ms / 1000)  # fmt: skip
 
     def _other_counters(self) -> Counter[str]:
         """The channel's and the dead-node collector's counters, where they run."""
@@ -765,6 +766,11 @@ class PoolNode:
         if self.channel is None:
             raise ProtocolError(f"node {self.node_id} serves no channel (start it with --channel)")
         session, keys = decode_channel_request(meta, self.config.limits)
+        if not keys:
+            # Pairing: answered once the offer is taken; the join runs on with its own deadline,
+            # so a slow NCCL init never holds this request (and the client's connection) open.
+            await self.channel.start_join(session)
+            return encode_channel_response([], self.config.limits), []
         await self.channel.join(session)  # NcclError: answered as an error; the client falls back to TCP
         found: list[ItemMeta | None] = []
         buffers: list[Buffer] = []
