@@ -8,7 +8,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
@@ -18,10 +17,11 @@ from typing import Any, TypeVar
 
 from backend import __version__, admin
 from backend.client import PoolClient
-from backend.config import DEFAULT_NAMESPACE, PoolConfig, format_size, parse_size
+from backend.config import DEFAULT_NAMESPACE, PoolConfig, format_size, parse_size, without_inline_secrets
 from backend.embedded import EmbeddedRedis
 from backend.errors import ConfigError, KVPoolError
 from backend.lmcache_config import (
+    SECRET_SOURCES,
     lmcache_config,
     lmcache_mp_adapter,
     lmcache_mp_server_args,
@@ -30,11 +30,19 @@ from backend.lmcache_config import (
     render_yaml,
 )
 from backend.node.server import NodeConfig, PoolNode
-from backend.redis_topology import SINGLE, RedisTarget, render_hosts
+from backend.redis_topology import SINGLE, RedisTarget, mask_url, render_hosts
 
 __all__ = ["main", "build_parser"]
 
 logger = logging.getLogger("kvpool")
+
+# Exit codes (docs/cli.md). A ConfigError is a usage error: the flags, URL, config file or
+# environment ask for something invalid, and it is raised before anything is changed.
+EXIT_OK = 0
+EXIT_ERROR = 1  # a kvpool error: Redis or a node unreachable, a failed operation
+EXIT_USAGE = 2
+EXIT_PROBLEMS = 3  # `kvpool check` found problems (fixed or not): a cron job can alert on it
+EXIT_BROKEN_PIPE = 141  # stdout closed early (`kvpool ls | head`): 128 + SIGPIPE, as cat or grep exit
 
 DEFAULT_UP_NVME_DIR = Path(".kvpool") / "nvme"
 DEFAULT_SHM_DIR = "/dev/shm"
@@ -189,14 +197,17 @@ def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
         raise ConfigError("--tls-cert", "TLS needs both --tls-cert and --tls-key")
     if args.tls_cert is not None and not redis_tls:
         # Clients reach a TLS node with tls=on, which also means rediss:// to the registry.
-        raise ConfigError("--tls-cert", f"a TLS node needs a TLS Redis (rediss://), not {_mask_redis_url(redis_url)}")
+        raise ConfigError("--tls-cert", f"a TLS node needs a TLS Redis (rediss://), not {mask_url(redis_url)}")
     if args.redis_ca is not None and not redis_tls:
         raise ConfigError(
-            "--redis-ca", f"a CA bundle only matters for a rediss:// Redis, not {_mask_redis_url(redis_url)}"
+            "--redis-ca", f"a CA bundle only matters for a rediss:// Redis, not {mask_url(redis_url)}"
         )
     PoolConfig(namespace=args.namespace, cluster=args.cluster)  # validates both
     if args.channel != "off" and not args.cluster:
         raise ConfigError("--channel", "the channel serves clients of the same cluster: give --cluster NAME too")
+    for flag, value in (("--pair-timeout-ms", args.pair_timeout_ms), ("--dead-node-grace-ms", args.dead_node_grace_ms)):
+        if value <= 0:
+            raise ConfigError(flag, f"{value} is not a positive number of milliseconds")
     dram_bytes = parse_size(args.dram, name="--dram")
     if dram_bytes <= 0:
         raise ConfigError("--dram", f"{args.dram!r} is not a positive size")
@@ -249,10 +260,18 @@ def _read_secret(path: Path, flag: str) -> str:
     return secret
 
 
-def _pool_url(node: PoolNode, redis_url: str, namespace: str) -> str:
+def _pool_url(args: argparse.Namespace, node: PoolNode, redis_url: str, namespace: str) -> tuple[str, list[str]]:
+    """The pool URL for engines, with no secret in it, and what they must be given apart from it.
+
+    A secret this node read from a file is named by that file (``token_file=``,
+    ``redis_password_file=``: an engine on this host can read it too); one from the
+    environment or the ``--redis`` URL is left to the engine's environment.
+    """
     from urllib.parse import unquote, urlsplit
 
     target = RedisTarget.parse(redis_url, key="--redis")
+    token_file = str(args.token_file.resolve()) if args.token_file and node.config.token else ""
+    password_file = str(args.redis_password_file.resolve()) if args.redis_password_file else ""
     if target.mode == SINGLE:
         parts = urlsplit(redis_url)
         config = PoolConfig(redis_host=parts.hostname or "127.0.0.1", redis_port=parts.port or 6379,
@@ -262,12 +281,14 @@ def _pool_url(node: PoolNode, redis_url: str, namespace: str) -> str:
         config = PoolConfig(redis_host=host, redis_port=port, redis_mode=target.mode if not target.master else SINGLE,
                             sentinel=target.master, redis_hosts=render_hosts(more),
                             tls=target.tls, redis_user=target.user)  # fmt: skip
-    url = dataclasses.replace(config, namespace=namespace).to_url()
-    return url.replace("kvpool://", "kvpool://:TOKEN@", 1) if node.config.token else url
-
-
-def _mask_redis_url(url: str) -> str:
-    return re.sub(r"//([^:@/]*):[^@/]*@", r"//\1:***@", url)
+    apart = []
+    if node.config.token and not token_file:
+        apart.append("KVPOOL_TOKEN (this node's token)")
+    inline_password = target.password or (urlsplit(redis_url).password if target.mode == SINGLE else "")
+    if (node.config.redis_password or inline_password) and not password_file:
+        apart.append("KVPOOL_REDIS_PASSWORD (the Redis password this node uses)")
+    config = dataclasses.replace(config, namespace=namespace, token_file=token_file, redis_password_file=password_file)
+    return config.to_url(), apart
 
 
 async def _serve(node: PoolNode) -> None:
@@ -308,11 +329,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         async def run() -> None:
             node = PoolNode(config)
             await node.start()
-            url = _pool_url(node, redis_url, config.namespace)
+            url, apart = _pool_url(args, node, redis_url, config.namespace)
             nvme = f"NVMe {format_size(config.nvme_bytes)} at {config.nvme_dir}" if config.nvme_dir else "no NVMe"
-            print(f"kvpool pool is up: redis {_mask_redis_url(redis_url)}, node {node.node_id} at {node.advertise_host}:{node.advertise_port}, "
+            print(f"kvpool pool is up: redis {mask_url(redis_url)}, node {node.node_id} at {node.advertise_host}:{node.advertise_port}, "
                   f"DRAM {format_size(config.dram_bytes)}, {nvme}")  # fmt: skip
-            print(f"\nPool URL:\n  {url}\n\nLMCache config (LMCACHE_CONFIG_FILE):\n")
+            print(f"\nPool URL:\n  {url}\n")
+            if apart:
+                print(f"Engines also need, in their environment: {', '.join(apart)}.\n")
+            print("LMCache config (LMCACHE_CONFIG_FILE):\n")
             print(render_yaml(lmcache_config(url)))
             print("Ctrl-C stops the pool.", flush=True)
             await _serve(node)
@@ -541,20 +565,25 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_lmcache_config(args: argparse.Namespace) -> int:
-    config = _config(args)  # validates the URL before printing it
+    config = _config(args)  # validates the URL (and reads any token_file) before printing it
     del config
     fmt = args.format or FORMATS[args.mode][0]
     if fmt not in FORMATS[args.mode]:
         raise ConfigError("--format", f"{fmt!r} is not a format of --mode {args.mode} "
                           f"(choose {' or '.join(FORMATS[args.mode])})")  # fmt: skip
+    # LMCache logs its whole config at INFO: a secret written into the URL stays out of it.
+    url, left_out = without_inline_secrets(args.url)
+    for name in left_out:
+        print(f"kvpool: the {name} was left out of the config (LMCache logs its config); give it as "
+              f"{SECRET_SOURCES[name]}", file=sys.stderr)  # fmt: skip
     if args.mode == "mp":
         if fmt == "json":
-            print(json.dumps(lmcache_mp_adapter(args.url)))
+            print(json.dumps(lmcache_mp_adapter(url)))
         else:
-            server_args = lmcache_mp_server_args(args.url, chunk_size=args.chunk_size, l1_size_gib=args.local_cpu_gib)
+            server_args = lmcache_mp_server_args(url, chunk_size=args.chunk_size, l1_size_gib=args.local_cpu_gib)
             print(render_mp_command(server_args), end="")
         return 0
-    data = lmcache_config(args.url, chunk_size=args.chunk_size, local_cpu_gib=args.local_cpu_gib)
+    data = lmcache_config(url, chunk_size=args.chunk_size, local_cpu_gib=args.local_cpu_gib)
     print(render_env(data) if fmt == "env" else render_yaml(data), end="")
     return 0
 

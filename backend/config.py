@@ -11,6 +11,12 @@ The URL points at the metadata Redis; nodes are discovered from its registry. Wi
 connections (verified against ``tls_ca`` or the system trust) and Redis (``rediss://``).
 Redis ACL credentials are the ``redis_user`` and ``redis_password`` options; the
 userinfo of the URL is the pool token, for nodes only.
+
+Secrets belong in files or the environment, not in the URL: LMCache logs its whole
+configuration, pool URL included, at INFO. ``token_file=PATH`` and
+``redis_password_file=PATH`` (or ``KVPOOL_TOKEN`` / ``KVPOOL_REDIS_PASSWORD``) keep them
+out of every URL and config that is shown; a file, when named, wins over the other
+sources. :func:`without_inline_secrets` strips secrets written into a URL.
 Options may also come from ``KVPOOL_<OPTION>`` environment variables (which win over
 the URL) and from a YAML file. Everything is validated once, here; an unknown or
 malformed option raises :class:`ConfigError` naming it.
@@ -23,12 +29,20 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, quote, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 
 from backend.errors import ConfigError
 from backend.redis_topology import CLUSTER, REDIS_MODES, SINGLE, RedisTarget, parse_hosts
 
-__all__ = ["PoolConfig", "parse_size", "format_size", "SCHEME", "DEFAULT_NAMESPACE"]
+__all__ = [
+    "PoolConfig",
+    "parse_size",
+    "format_size",
+    "SCHEME",
+    "DEFAULT_NAMESPACE",
+    "without_inline_secrets",
+    "SECRET_NAMES",
+]
 
 SCHEME = "kvpool"
 DEFAULT_NAMESPACE = "default"
@@ -115,6 +129,9 @@ class PoolConfig:
     redis_mode: str = SINGLE  # "cluster": REDIS_HOST:REDIS_PORT is one member of a Redis Cluster
     sentinel: str = ""  # the master's name: REDIS_HOST:REDIS_PORT is a Redis Sentinel
     redis_hosts: str = ""  # more cluster members or sentinels, "h1:p1,h2:p2"
+    token_file: str = ""  # the token is this file's content (whitespace stripped); a path, never the secret
+    redis_password_file: str = ""  # likewise for redis_password
+    pair_timeout_ms: int = 30_000  # deadline of one channel pairing (a cold NCCL init takes seconds)
 
     def __post_init__(self) -> None:
         if not _NAMESPACE_RE.match(self.namespace):
@@ -153,7 +170,8 @@ class PoolConfig:
             f"cluster={self.cluster!r}, tls={self.tls}, tls_ca={self.tls_ca!r}, "
             f"redis_user={self.redis_user!r}, redis_password={password}, shm={self.shm}, "
             f"channel_transport={self.channel_transport!r}, redis_mode={self.redis_mode!r}, "
-            f"sentinel={self.sentinel!r}, redis_hosts={self.redis_hosts!r})"
+            f"sentinel={self.sentinel!r}, redis_hosts={self.redis_hosts!r}, token_file={self.token_file!r}, "
+            f"redis_password_file={self.redis_password_file!r}, pair_timeout_ms={self.pair_timeout_ms})"
         )
 
     @property
@@ -177,15 +195,20 @@ class PoolConfig:
         return self.redis_target.render()
 
     def to_url(self, *, with_token: bool = True) -> str:
-        """The canonical ``kvpool://`` URL for this config; ``with_token=False`` masks every secret."""
-        auth = f":{quote(self.token, safe='')}@" if self.token and with_token else ""
-        if self.token and not with_token:
+        """The canonical ``kvpool://`` URL for this config; ``with_token=False`` masks every secret.
+
+        A secret read from a file is never written out: its ``*_file`` option stands for it.
+        """
+        token = "" if self.token_file else self.token
+        auth = f":{quote(token, safe='')}@" if token and with_token else ""
+        if token and not with_token:
             auth = ":***@"
         defaults = PoolConfig()
+        from_files = {"redis_password"} if self.redis_password_file else set()
         query = [
             f"{name}={'***' if name in _SECRET_OPTIONS and not with_token else quote(_render(getattr(self, name)))}"
             for name in _OPTION_PARSERS
-            if getattr(self, name) != getattr(defaults, name)
+            if getattr(self, name) != getattr(defaults, name) and name not in from_files
         ]
         tail = ("?" + "&".join(query)) if query else ""
         return f"{SCHEME}://{auth}{self._host_for_url}:{self.redis_port}/{self.namespace}{tail}"
@@ -226,7 +249,7 @@ class PoolConfig:
         }
         values.update(_parse_options(options, source="URL"))
         values.update(_env_options(environ or {}))
-        return cls(**values)
+        return cls(**_read_secret_files(values))
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> PoolConfig:
@@ -239,7 +262,7 @@ class PoolConfig:
         base = cls.from_url(str(data.get("url", "")))
         options = _parse_options({k: _render(v) for k, v in data.items() if k != "url"}, source="config")
         options.update(_env_options(environ or {}))
-        return dataclasses.replace(base, **options)
+        return dataclasses.replace(base, **_read_secret_files(options))
 
     @classmethod
     def from_yaml(cls, path: str | Path, environ: Mapping[str, str] | None = None) -> PoolConfig:
@@ -262,11 +285,58 @@ def _render(value: Any) -> str:
 
 
 def _mask(url: str) -> str:
-    url = re.sub(r"//:[^@]*@", "//:***@", url)
+    url = re.sub(r"//[^/@]*@", "//:***@", url)  # userinfo is the token (a user name is an error, masked too)
     return re.sub(r"([?&](?:" + "|".join(_SECRET_OPTIONS) + r")=)[^&#]*", r"\1***", url)
 
 
 _SECRET_OPTIONS = ("redis_password",)  # masked wherever a URL or config is shown
+SECRET_NAMES = ("token", *_SECRET_OPTIONS)  # what without_inline_secrets can find in a URL
+_SECRET_FILES = {"token_file": "token", "redis_password_file": "redis_password"}
+
+
+def without_inline_secrets(url: str) -> tuple[str, list[str]]:
+    """``url`` with the secrets written into it removed, and their names (of :data:`SECRET_NAMES`).
+
+    Everything else is kept as written. For configs that get logged: the secrets then
+    come from ``token_file=`` / ``redis_password_file=`` or ``KVPOOL_TOKEN`` / ``KVPOOL_REDIS_PASSWORD``.
+    """
+    parts = urlsplit(url.strip())
+    found: list[str] = []
+    netloc = parts.netloc
+    auth, at, hostport = netloc.rpartition("@")
+    if at:
+        if auth:
+            found.append("token")
+        netloc = hostport
+    kept = []
+    for pair in parts.query.split("&") if parts.query else []:
+        name, _, value = pair.partition("=")
+        if name in _SECRET_OPTIONS:
+            if value:
+                found.append(name)
+            continue
+        kept.append(pair)
+    return urlunsplit((parts.scheme, netloc, parts.path, "&".join(kept), parts.fragment)), found
+
+
+def _read_secret_files(values: dict[str, Any]) -> dict[str, Any]:
+    """Fill ``token`` / ``redis_password`` from the files ``token_file`` / ``redis_password_file`` name."""
+    for option, secret in _SECRET_FILES.items():
+        path = values.get(option)
+        if not path:
+            continue
+        try:
+            text = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(option, f"cannot read {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(option, f"{path} is not text") from None
+        if not text:
+            raise ConfigError(option, f"{path} is empty")
+        values[secret] = text
+    return values
+
+
 _OPTION_PARSERS: dict[str, Any] = {
     "replicas": lambda k, v: _parse_int(k, v, 1, MAX_REPLICAS),
     "timeout_ms": lambda k, v: _parse_int(k, v, 1, MAX_TIMEOUT_MS),
@@ -282,6 +352,9 @@ _OPTION_PARSERS: dict[str, Any] = {
     "redis_mode": lambda k, v: str(v).strip().lower(),
     "sentinel": lambda k, v: str(v).strip(),
     "redis_hosts": lambda k, v: str(v).replace(" ", ""),
+    "token_file": lambda k, v: str(v),
+    "redis_password_file": lambda k, v: str(v),
+    "pair_timeout_ms": lambda k, v: _parse_int(k, v, 1, MAX_TIMEOUT_MS),
 }
 
 

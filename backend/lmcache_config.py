@@ -2,15 +2,23 @@
 
 Kept apart from ``lmcache_connector`` so the CLI can print it without importing
 LMCache (which takes seconds).
+
+LMCache logs its whole configuration at INFO ("LMCache Configuration: {...}"), pool
+URL and adapter parameters included: a secret written into that URL ends up in every
+engine log. What ``kvpool`` prints carries none (see ``backend.cli``), and
+:func:`warn_if_secrets_inline` tells, once and masked, when a URL given to LMCache does.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shlex
 from typing import Any
 
 import yaml
+
+from backend.config import without_inline_secrets
 
 __all__ = [
     "PLUGIN_NAME",
@@ -26,7 +34,11 @@ __all__ = [
     "lmcache_mp_adapter",
     "lmcache_mp_server_args",
     "render_mp_command",
+    "warn_if_secrets_inline",
+    "SECRET_SOURCES",
 ]
+
+logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "kvpool"
 ADAPTER_MODULE = "backend.lmcache_connector"
@@ -36,6 +48,26 @@ L2_ADAPTER_CLASS = "KVPoolL2Adapter"
 L2_ADAPTER_CONFIG_CLASS = "KVPoolL2AdapterConfig"
 DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_LOCAL_CPU_GIB = 5.0
+# Where each secret should come from instead of the URL.
+SECRET_SOURCES = {
+    "token": "token_file=PATH in the URL or KVPOOL_TOKEN in the environment",
+    "redis_password": "redis_password_file=PATH in the URL or KVPOOL_REDIS_PASSWORD in the environment",
+}
+_warned: set[tuple[str, ...]] = set()
+
+
+def warn_if_secrets_inline(url: str, where: str) -> None:
+    """Warn once per process and place (masked) when ``url``, given to LMCache as ``where``, carries a secret."""
+    shareable, found = without_inline_secrets(url)
+    if not found or (where, *found) in _warned:
+        return
+    _warned.add((where, *found))
+    logger.warning(
+        "kvpool: the pool URL in %s (%s, secrets left out here) carries the %s inline; LMCache logs its whole "
+        "configuration at INFO, so it is in this process's log. Give %s instead (`kvpool lmcache-config` prints "
+        "such a config)",
+        where, shareable, " and the ".join(found), "; ".join(f"the {n} as {SECRET_SOURCES[n]}" for n in found),
+    )  # fmt: skip
 
 
 def url_config_key(plugin_name: str = PLUGIN_NAME) -> str:

@@ -38,7 +38,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from backend.client import Chunk, PoolClient
 from backend.config import PoolConfig
 from backend.errors import ConfigError, KVPoolError, NcclError
-from backend.lmcache_config import PLUGIN_NAME, url_config_key
+from backend.lmcache_config import PLUGIN_NAME, url_config_key, warn_if_secrets_inline
 from backend.metrics import register_connector_metrics, unregister_connector_metrics
 from backend.protocol import ItemMeta
 
@@ -442,6 +442,8 @@ class KVPoolConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
         url = extra.get(url_config_key(plugin_name))
         if not url and context.url.startswith(f"{PLUGIN_NAME}://"):
             url = context.url
+        if url:
+            warn_if_secrets_inline(str(url), f"extra_config['{url_config_key(plugin_name)}']")
         url = url or os.environ.get("KVPOOL_URL")
         if not url:
             raise ConfigError(url_config_key(plugin_name), "no pool URL given (nor KVPOOL_URL)")

@@ -50,6 +50,7 @@ from backend.admin import glob_escape
 from backend.client import MAX_LOCK_TTL_MS, Chunk, Lock, PoolClient
 from backend.config import PoolConfig
 from backend.errors import ConfigError, KVPoolError
+from backend.lmcache_config import warn_if_secrets_inline
 from backend.protocol import ItemMeta
 from backend.transport import Buffer
 
@@ -133,6 +134,8 @@ class KVPoolL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             raise ConfigError("adapter_params.url", "no pool URL given (nor KVPOOL_URL); e.g. kvpool://HOST:PORT/NS")
         if not isinstance(url, str):
             raise ConfigError("adapter_params.url", f"must be a string, got {type(url).__name__}")
+        if d.get("url"):
+            warn_if_secrets_inline(url, "adapter_params.url")
         pool = PoolConfig.from_url(url, os.environ)
         lock_ttl_ms = _positive_int(d, "lock_ttl_ms", DEFAULT_LOCK_TTL_MS)
         if lock_ttl_ms > MAX_LOCK_TTL_MS:

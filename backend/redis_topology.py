@@ -29,7 +29,9 @@ from redis.backoff import ExponentialWithJitterBackoff
 
 from backend.errors import ConfigError
 
-__all__ = ["RedisTarget", "SINGLE", "CLUSTER", "SENTINEL", "REDIS_MODES", "connect", "parse_hosts", "render_hosts"]
+__all__ = [
+    "RedisTarget", "SINGLE", "CLUSTER", "SENTINEL", "REDIS_MODES", "connect", "parse_hosts", "render_hosts", "mask_url",
+]  # fmt: skip
 
 SINGLE = "single"
 CLUSTER = "cluster"
@@ -49,6 +51,15 @@ _SCHEMES = {
 RETRIES = 1
 RETRY_BASE_S = 0.01
 RETRY_CAP_S = 0.05
+
+
+def mask_url(url: str) -> str:
+    """``url`` with the password of its userinfo shown as ``***`` (``USER:***@``), for errors and logs."""
+    scheme, sep, rest = url.partition("://")
+    auth, at, after = rest.rpartition("@")  # as parse() splits: a '/' or '@' in a password stays masked
+    if not sep or not at or ":" not in auth:
+        return url
+    return f"{scheme}://{auth.partition(':')[0]}:***@{after}"
 
 
 def parse_hosts(text: str, *, key: str) -> tuple[tuple[str, int], ...]:
@@ -82,28 +93,33 @@ class RedisTarget:
 
     @classmethod
     def parse(cls, url: str, *, key: str = "redis") -> RedisTarget:
-        """Parse one of the three forms; a malformed URL raises ConfigError naming ``key``."""
+        """Parse one of the three forms; a malformed URL raises ConfigError naming ``key`` (password masked)."""
+        shown = mask_url(url)
         scheme, sep, rest = url.partition("://")
         form = _SCHEMES.get(scheme.lower())
         if not sep or form is None:
             if scheme.lower() in {"redis", "rediss", "unix"} and sep:
                 return cls(SINGLE, url=url, tls=scheme.lower() == "rediss")
             raise ConfigError(
-                key, f"{url!r} is not redis://HOST:PORT, redis+cluster://HOST:PORT or redis+sentinel://HOST:PORT/MASTER"
+                key,
+                f"{shown!r} is not redis://HOST:PORT, redis+cluster://HOST:PORT or redis+sentinel://HOST:PORT/MASTER",
             )
         mode, tls = form
-        netloc, _, path = rest.partition("/")
-        auth, at, hosts_text = netloc.rpartition("@")
+        auth, at, after = rest.rpartition("@")  # the userinfo ends at the last '@', wherever a '/' is
+        hosts_text, _, path = after.partition("/")
         user_text, _, password_text = auth.partition(":")
         user, password = (unquote(user_text), unquote(password_text)) if at else ("", "")
         if "?" in path or "?" in hosts_text:
-            raise ConfigError(key, f"{scheme}:// URLs take no query options: {url!r}")
-        hosts = parse_hosts(hosts_text, key=key)
+            raise ConfigError(key, f"{scheme}:// URLs take no query options: {shown!r}")
+        try:
+            hosts = parse_hosts(hosts_text, key=key)
+        except ConfigError as exc:
+            raise ConfigError(key, f"{str(exc).removeprefix(key + ': ')} in {shown!r}") from None
         master = unquote(path.strip("/"))
         if mode == SENTINEL and not master:
-            raise ConfigError(key, f"name the master: redis+sentinel://HOST:PORT/MASTER, got {url!r}")
+            raise ConfigError(key, f"name the master: redis+sentinel://HOST:PORT/MASTER, got {shown!r}")
         if mode == CLUSTER and master:
-            raise ConfigError(key, f"Redis Cluster has no database or master name in the path: {url!r}")
+            raise ConfigError(key, f"Redis Cluster has no database or master name in the path: {shown!r}")
         return cls(mode, hosts=hosts, master=master, password=password, user=user, tls=tls)
 
     @classmethod
@@ -129,7 +145,7 @@ class RedisTarget:
     def render(self) -> str:
         """The URL form of this target, password masked."""
         if self.mode == SINGLE:
-            return self.url
+            return mask_url(self.url)
         who = quote(self.user, safe="") if self.user else ""
         auth = f"{who}:***@" if self.password else (f"{who}@" if who else "")
         hosts = render_hosts(self.hosts)
