@@ -158,6 +158,12 @@ def _node_options(
                         help="serve same-cluster clients over the channel: nccl (GPU), cpu (its socket twin, "
                         "for tests) or off (default); needs --cluster")  # fmt: skip
     parser.add_argument("--device", default="cuda:0", help="CUDA device of --channel nccl (default cuda:0)")
+    parser.add_argument("--pair-timeout-ms", type=int, default=NodeConfig.pair_timeout_ms, metavar="MS",
+                        help="deadline of one channel pairing; a cold NCCL init takes seconds "
+                        f"(default {NodeConfig.pair_timeout_ms})")  # fmt: skip
+    parser.add_argument("--dead-node-grace-ms", type=int, default=NodeConfig.dead_node_grace_ms, metavar="MS",
+                        help="a node dead this long loses its registry entry and index entries, collected by "
+                        f"a live node (default {NodeConfig.dead_node_grace_ms})")  # fmt: skip
     parser.add_argument("--token-file", type=Path, help="file holding the pool token (or set KVPOOL_TOKEN)")
     parser.add_argument("--tls-cert", type=Path, metavar="FILE",
                         help="serve the node protocol over TLS only, with this PEM certificate chain "
@@ -229,6 +235,7 @@ def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
         channel=args.channel, device=args.device,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         redis_password=redis_password, redis_ca_file=str(args.redis_ca or ""),
+        pair_timeout_ms=args.pair_timeout_ms, dead_node_grace_ms=args.dead_node_grace_ms,
     )  # fmt: skip
 
 
@@ -304,7 +311,7 @@ async def _serve(node: PoolNode) -> None:
 def cmd_node(args: argparse.Namespace) -> int:
     if not args.redis:  # a usage error: argparse cannot require it because --config may supply it
         print("kvpool: error: kvpool node needs --redis redis://HOST:PORT (or redis: in --config)", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     config = _node_config(args, args.redis)
 
     async def run() -> None:
@@ -503,11 +510,11 @@ def cmd_flush(args: argparse.Namespace) -> int:
     if not args.yes:
         if not sys.stdin.isatty():
             print(f"kvpool: refusing to flush namespace {args.namespace!r} without --yes", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
         answer = input(f"Type the namespace ({args.namespace}) to wipe every chunk in it: ")
         if answer.strip() != args.namespace:
             print("kvpool: not flushed", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
     args.url = _with_namespace(args.url, args.namespace)
     bar, update = _progress(f"flushing {args.namespace}", args.json)
     with bar:
@@ -528,9 +535,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     bar, update = _progress("checking", args.json)
     with bar:
         report = _run(args, lambda c: admin.check(c, fix=args.fix, deep=args.deep, progress=update))
+    code = EXIT_PROBLEMS if report["problems"] else EXIT_OK
     if args.json:
         _print_json(report)
-        return 0
+        return code
     print(f"checked {report['index_entries']} index entries, verified {report['verified']} checksums")
     for kind, label in (("orphan_entries", "index entries without bytes"), ("orphan_bytes", "bytes without index entries"),
                         ("corrupt", "corrupt copies"), ("dead_node_entries", "entries of dead nodes")):  # fmt: skip
@@ -546,7 +554,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print("run `kvpool check --fix` to repair")
     else:
         print("clean")
-    return 0
+    return code
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -637,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _apply_config_file(parser, argv)
     except ConfigError as exc:
         print(f"kvpool: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     debug = args.debug or os.environ.get("KVPOOL_DEBUG", "").lower() in {"1", "true", "on", "yes"}
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.INFO,
@@ -650,7 +658,14 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         print(f"kvpool: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_ERROR
+    except BrokenPipeError:
+        # The reader went away (`kvpool ls | head`): stop quietly. Point stdout at /dev/null
+        # so the interpreter's final flush does not report the same broken pipe again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         return 130
 

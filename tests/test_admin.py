@@ -28,9 +28,9 @@ def _data(prefix: str, count: int, size: int, seed: int = 0) -> list[Chunk]:
     return [Chunk(f"{prefix}@1@0@{i}@bfloat16", rng.randbytes(size)) for i in range(count)]
 
 
-def _json(*args: str) -> object:
+def _json(*args: str, code: int = 0) -> object:
     out = kvpool(*args, "--json")
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == code, out.stderr
     return json.loads(out.stdout)
 
 
@@ -161,7 +161,7 @@ def test_check_finds_each_injected_inconsistency_and_fix_repairs_it(node_factory
                 await meta.close()
 
         asyncio.run(inject())
-    report = _json("check", "--url", pool_url, "--deep")
+    report = _json("check", "--url", pool_url, "--deep", code=3)  # 3: problems found
     assert [r["key"] for r in report["corrupt"]] == [on_disk[0]]
     assert [r["key"] for r in report["orphan_bytes"]] == [on_mem[0]]
     assert [r["key"] for r in report["orphan_entries"]] == ["ghost@1@0@1@bfloat16"]
@@ -170,7 +170,7 @@ def test_check_finds_each_injected_inconsistency_and_fix_repairs_it(node_factory
     # The node quarantined the corrupt copy (and dropped its entry) the moment it verified it,
     # as on any read; --fix repairs the rest.
     assert not path.exists() and (nvme / "quarantine" / path.name).exists()
-    fixed = _json("check", "--url", pool_url, "--deep", "--fix")["fixed"]
+    fixed = _json("check", "--url", pool_url, "--deep", "--fix", code=3)["fixed"]  # found (and fixed) problems
     assert fixed == {"entries_removed": 2, "bytes_reindexed": 1, "dead_nodes_forgotten": 1}
     again = _json("check", "--url", pool_url, "--deep")
     assert again["problems"] == 0

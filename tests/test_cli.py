@@ -54,9 +54,9 @@ def test_lmcache_config_env_format_is_read_back_by_lmcache():
     assert seen["extra"]["remote_storage_plugin.kvpool.class_name"] == "KVPoolConnectorAdapter"
 
 
-def test_bad_url_is_one_line_naming_the_problem_and_exit_1():
+def test_bad_url_is_one_line_naming_the_problem_and_exit_2():
     out = kvpool("lmcache-config", "--url", "redis://127.0.0.1:6379/x")
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0
     assert "scheme" in out.stderr and "kvpool://" in out.stderr
 
@@ -65,7 +65,7 @@ def test_usage_errors_exit_2():
     assert kvpool("frobnicate").returncode == 2
     assert kvpool("node", "--dram", "1GiB").returncode == 2  # --redis is required
     bad_size = kvpool("node", "--redis", "redis://127.0.0.1:1", "--dram", "lots")
-    assert bad_size.returncode == 1 and "--dram" in bad_size.stderr
+    assert bad_size.returncode == 2 and "--dram" in bad_size.stderr
 
 
 def test_status_with_unreachable_redis_is_one_line_and_exit_1():
@@ -136,3 +136,75 @@ def test_public_api_is_what_the_readme_lists():
     assert set(backend.__all__) - errors == listed - {"backend", "__all__"}
     for name in backend.__all__:
         assert hasattr(backend, name)
+
+
+def test_check_exits_0_when_clean_3_when_it_finds_problems_and_1_when_redis_is_unreachable(
+    node_factory, pool_url, redis_server, namespace
+):
+    """A cron job runs `kvpool check` and alerts on its exit status (docs/cli.md)."""
+    import asyncio
+
+    from backend.metadata import Location, MetadataStore
+
+    node = node_factory(dram="16MiB")
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        client.put([Chunk(f"c@{i}", bytes(100)) for i in range(5)])
+    clean = kvpool("check", "--url", pool_url)
+    assert clean.returncode == 0 and "clean" in clean.stdout, clean.stdout + clean.stderr
+
+    async def orphan() -> None:  # an index entry pointing at a live node that never had the bytes
+        meta = MetadataStore(redis_server.url, namespace)
+        try:
+            await meta.commit([("ghost", Location(node.node_id, node.epoch, "dram", 10, 1))])
+        finally:
+            await meta.close()
+
+    asyncio.run(orphan())
+    found = kvpool("check", "--url", pool_url)
+    assert found.returncode == 3 and "run `kvpool check --fix`" in found.stdout
+    assert kvpool("check", "--url", pool_url, "--json").returncode == 3
+    fixed = kvpool("check", "--url", pool_url, "--fix")
+    assert fixed.returncode == 3 and "fixed: removed 1 index entries" in fixed.stdout  # it was found, then fixed
+    assert kvpool("check", "--url", pool_url).returncode == 0
+    unreachable = kvpool("check", "--url", f"kvpool://127.0.0.1:{free_port()}/x?timeout_ms=300")
+    assert unreachable.returncode == 1 and "Redis" in unreachable.stderr
+
+
+def test_usage_errors_found_inside_a_verb_exit_2_with_one_line_naming_the_flag():
+    env = {k: v for k, v in os.environ.items() if k != "KVPOOL_URL"}
+    url = "kvpool://127.0.0.1:1/x"
+    cases = [
+        (["ls", "--url", url, "--limit", "0"], "--limit"),
+        (["evict", "--url", url, "k", "--model", "m"], "evict"),
+        (["drain", "--url", url, "n", "--batch", "0"], "--batch"),
+        (["status"], "--url"),
+        (["lmcache-config", "--url", url, "--format", "args"], "--format"),
+        (["node", "--redis", "redis://127.0.0.1:1", "--pair-timeout-ms", "0"], "--pair-timeout-ms"),
+    ]
+    for args, flag in cases:
+        out = subprocess.run([sys.executable, "-m", "backend.cli", *args], capture_output=True, text=True, cwd=REPO,
+                             timeout=60, env=env)  # fmt: skip
+        assert out.returncode == 2, (args, out.returncode, out.stderr)
+        assert out.stderr.strip().count("\n") == 0 and flag in out.stderr, (args, out.stderr)
+
+
+def test_ls_into_a_pipe_closed_early_exits_quietly(node_factory, pool_url):
+    """`kvpool ls | head` must not end in a BrokenPipeError traceback."""
+    node_factory(dram="64MiB")
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        client.put([Chunk(f"pipe@{i:05d}", b"x") for i in range(3000)])  # far more than a pipe buffer of lines
+    script = f"set -o pipefail; {sys.executable} -m backend.cli ls --url {pool_url} | head -n 1; echo status=$?"
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.stdout.count("\n") == 2 and out.stdout.startswith("pipe@"), out.stdout
+    assert "status=141" in out.stdout  # 128 + SIGPIPE, as `cat` would exit
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr and "Exception" not in out.stderr, out.stderr
+
+
+def test_pyproject_asks_for_the_python_the_code_needs():
+    """asyncio.timeout (3.11) is used throughout; pip must not install kvpool on 3.10."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert project["project"]["requires-python"] == ">=3.11"
+    assert project["tool"]["ruff"]["target-version"] == "py311"
+    assert project["tool"]["mypy"]["python_version"] == "3.11"

@@ -18,8 +18,12 @@ Generated from `kvpool --help` and `kvpool VERB --help` by `make docs`;
 `tests/test_cli_docs.py` fails when this file and the CLI drift apart. For what each
 verb is for and how to run a pool, see [operations](operations.md).
 
-Exit codes: `0` success, `1` a kvpool error (one line on stderr; `--debug` shows the
-trace), `2` a usage error (nothing was changed). Every verb that reads the pool takes
+Exit codes: `0` success; `1` a kvpool error, such as Redis or a node unreachable (one line
+on stderr; `--debug` shows the trace); `2` a usage error: a bad flag, URL, option, config
+file or environment variable, named in one line (nothing was changed); `3` from
+`kvpool check` when it found problems, whether or not `--fix` repaired them (`0` when the
+pool is clean), so a cron job can alert on it; `141` when the reader of stdout went away
+(`kvpool ls | head`), quietly, as `cat` does. Every verb that reads the pool takes
 `--url kvpool://...` (default `$KVPOOL_URL`) and `--json`.
 """
 

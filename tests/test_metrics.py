@@ -214,7 +214,7 @@ def test_a_taken_metrics_port_stops_the_node_with_one_clear_line(redis_server, n
              "--dram", "16MiB", "--metrics-port", str(port)],
             capture_output=True, text=True, cwd=REPO, timeout=60,
         )  # fmt: skip
-    assert result.returncode == 1
+    assert result.returncode == 2  # a ConfigError naming the option: a usage error
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("kvpool: error: metrics_port: cannot listen on 127.0.0.1:") and str(port) in last
     assert "Traceback" not in result.stderr

@@ -333,7 +333,7 @@ def test_a_node_asked_for_the_nccl_channel_without_a_gpu_exits_naming_the_option
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
     out = subprocess.run([sys.executable, "-m", "backend.cli", "node", *args], capture_output=True, text=True,
                          timeout=60, env=env)  # fmt: skip
-    assert out.returncode == 1, out.stderr[-2000:]
+    assert out.returncode == 2, out.stderr[-2000:]  # a ConfigError: a usage error, nothing started
     assert "kvpool: error: --channel: the NCCL channel cannot run here" in out.stderr
 
 

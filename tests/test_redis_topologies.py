@@ -356,7 +356,7 @@ def test_wrong_redis_topology_options_are_config_errors_naming_the_option(query,
 )
 def test_node_refuses_a_malformed_redis_url_naming_the_flag(url):
     proc = _kvpool("node", "--redis", url, "--dram", "1MiB")
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert "--redis" in proc.stderr
 
 

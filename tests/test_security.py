@@ -387,5 +387,5 @@ def test_node_tls_flags_are_checked_before_anything_starts(capsys, pki, secure_r
          "--tls-cert: cannot load"),
     ]  # fmt: skip
     for args, message in cases:
-        assert main(["node", "--shm-dir", "off", *args]) == 1
+        assert main(["node", "--shm-dir", "off", *args]) == 2  # usage errors: nothing was started
         assert message in capsys.readouterr().err

@@ -96,7 +96,7 @@ def test_a_bad_advertise_address_is_refused_naming_the_flag(redis_server, value)
         [sys.executable, "-m", "backend.cli", "node", "--redis", redis_server.url, "--advertise", value],
         capture_output=True, text=True, timeout=60, cwd=REPO,
     )  # fmt: skip
-    assert proc.returncode == 1 and "--advertise" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "--advertise" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("fault", ["stall", "truncate", "reset"])
