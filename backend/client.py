@@ -43,7 +43,7 @@ from backend.errors import (
     ProtocolError,
 )
 from backend.metadata import Location, MetadataStore, NodeInfo
-from backend.placement import choose_nodes, rank_nodes
+from backend.placement import choose_nodes, next_fallback, rank_nodes
 from backend.protocol import (
     DEFAULT_LIMITS,
     LEASE_MAP,
@@ -555,6 +555,7 @@ class PoolClient:
         wanted = {item.key: choose_nodes(item.key, nodes, self.config.replicas) for item in items}
         stored: dict[str, set[str]] = defaultdict(set)  # key -> distinct nodes holding it
         tried: dict[str, set[str]] = defaultdict(set)
+        failed_on: dict[str, set[str]] = defaultdict(set)  # key -> nodes its copy failed on
         last_error: KVPoolError | None = None
         targets = {item.key: [n for n in wanted[item.key]] for item in items}
         by_key = {item.key: item for item in items}
@@ -578,10 +579,11 @@ class PoolClient:
                     if ok:
                         stored[item.key].add(nid)
                         continue
-                    remaining = [n for n in plans[item.key] if n.node_id not in tried[item.key]]
-                    if remaining:
-                        targets.setdefault(item.key, []).append(remaining[0])
-                        tried[item.key].add(remaining[0].node_id)  # never the same fallback twice
+                    failed_on[item.key].add(nid)
+                    fallback = next_fallback(plans[item.key], tried[item.key], failed_on[item.key])  # another host
+                    if fallback is not None:
+                        targets.setdefault(item.key, []).append(fallback)
+                        tried[item.key].add(fallback.node_id)  # never the same fallback twice
                 if isinstance(outcome, KVPoolError):
                     last_error = outcome
                     self._warn_once(f"put:{nid}", "kvpool: put to node %s failed: %s", nid, outcome)

@@ -9,13 +9,13 @@ that belong to it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import xxhash
 
 from backend.metadata import NodeInfo
 
-__all__ = ["rank_nodes", "choose_nodes"]
+__all__ = ["rank_nodes", "choose_nodes", "next_fallback"]
 
 _MIN_WEIGHT = 1.0  # a full node still ranks, last, so a write can fall back to it
 _SCALE = float(2**64)
@@ -54,3 +54,24 @@ def choose_nodes(key: str, nodes: Sequence[NodeInfo], replicas: int) -> list[Nod
         if node not in chosen:
             chosen.append(node)
     return chosen
+
+
+def next_fallback(ranked: Sequence[NodeInfo], tried: Collection[str], failed: Collection[str]) -> NodeInfo | None:
+    """The node to try next for a key whose copy failed, or None when every node was tried.
+
+    ``tried`` are the node ids tried for the key so far, ``failed`` those of them that
+    failed; the others hold a copy (or are storing one). Best-ranked first among the
+    untried nodes: on a host that holds no copy and saw no failure (a host can fail as
+    a whole), else on a host that holds no copy, else any, so replicas stay on distinct
+    hosts while there are hosts to spread them over.
+    """
+    untried = [node for node in ranked if node.node_id not in tried]
+    if not untried:
+        return None
+    holding = {n.hostname for n in ranked if n.node_id in tried and n.node_id not in failed and n.hostname}
+    failing = {n.hostname for n in ranked if n.node_id in failed and n.hostname}
+    for avoid in (holding | failing, holding):
+        fresh = [node for node in untried if node.hostname and node.hostname not in avoid]
+        if fresh:
+            return fresh[0]
+    return untried[0]

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FaultProxy", "FULL", "ROUNDS", "skewed_clock_env"]
+__all__ = ["FaultProxy", "FULL", "ROUNDS", "skewed_clock_env", "hostname_env"]
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: longer runs, more rounds
 ROUNDS = 5 if FULL else 1
@@ -184,3 +184,25 @@ def skewed_clock_env(directory: Path, skew_s: float) -> dict[str, str]:
     (directory / "sitecustomize.py").write_text(SITECUSTOMIZE)
     path = os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH", "")) if p)
     return {"PYTHONPATH": path, "KVPOOL_TEST_CLOCK_SKEW_S": str(skew_s)}
+
+
+HOSTNAME_SITECUSTOMIZE = '''\
+"""Test setting: this process says its host is KVPOOL_TEST_HOSTNAME (nodes register the host they run on)."""
+import os
+import socket
+
+_NAME = os.environ["KVPOOL_TEST_HOSTNAME"]
+socket.gethostname = lambda: _NAME
+'''
+
+
+def hostname_env(directory: Path, hostname: str) -> dict[str, str]:
+    """Environment for a child Python that reports ``hostname`` as its host name.
+
+    Placement keeps replicas on distinct hosts; one machine has one host name, so a
+    ``sitecustomize`` gives each node process the host it stands for.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text(HOSTNAME_SITECUSTOMIZE)
+    path = os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "KVPOOL_TEST_HOSTNAME": hostname}

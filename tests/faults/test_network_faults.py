@@ -18,7 +18,7 @@ from backend import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from backend.embedded import free_port
 from backend.metadata import NodeInfo
 from tests.conftest import REPO, NodeProcess, wait_until
-from tests.faults.proxy import ROUNDS, FaultProxy
+from tests.faults.proxy import ROUNDS, FaultProxy, hostname_env
 from tests.test_pool import _chunks
 
 CALL_BOUND_S = 30.0  # "returned at all": far above timeout_ms, far below pytest's timeout
@@ -142,3 +142,44 @@ def _fetch_ok(client: SyncPoolClient, info: NodeInfo, chunks: list[Chunk]) -> bo
         return False
     _no_wrong_bytes(chunks, got)
     return _identical(chunks, got)
+
+
+def test_a_copy_that_fails_is_retried_on_another_host_while_there_is_one(node_factory, pool_url, redis_server,
+                                                                         namespace, tmp_path):  # fmt: skip
+    """Hosts a (two nodes) and b (two nodes, one unreachable: its proxy resets every connection).
+    With replicas=2, every key whose first choice on host b fails gets its second copy on the other
+    node of host b, never a second copy on host a."""
+    def on(host: str, *extra: str) -> NodeProcess:
+        return node_factory(*extra, dram="64MiB", env=hostname_env(tmp_path / host, host))
+
+    a1, a2, b2 = on("host-a"), on("host-a"), on("host-b")
+    port = free_port()
+    with FaultProxy(port) as proxy:
+        b1 = on("host-b", "--port", str(port), "--advertise", f"127.0.0.1:{proxy.port}")
+        proxy.set("reset")
+        host_of = {a1.node_id: "host-a", a2.node_id: "host-a", b1.node_id: "host-b", b2.node_id: "host-b"}
+        with SyncPoolClient(PoolConfig.from_url(f"{pool_url}?replicas=2&timeout_ms=1000")) as client:
+            assert {n.hostname for n in client.nodes(refresh=True)} == {"host-a", "host-b"}
+            chunks = _chunks("hosts", 64, 1000)
+            client.put(chunks)
+        assert proxy.counters["reset"] > 0  # b1 was chosen first for some keys, and failed
+    holders = _holders(redis_server.url, namespace, [c.key for c in chunks])
+    for key, nodes in holders.items():
+        assert b1.node_id not in nodes
+        assert sorted(host_of[n] for n in nodes) == ["host-a", "host-b"], (key, nodes)
+
+
+def _holders(redis_url: str, namespace: str, keys: list[str]) -> dict[str, list[str]]:
+    """The node ids the index records for each key."""
+    import asyncio
+
+    from backend.metadata import MetadataStore
+
+    async def lookup() -> list[list[str]]:
+        meta = MetadataStore(redis_url, namespace)
+        try:
+            return [[loc.node_id for loc in entry] for entry in await meta.lookup(keys)]
+        finally:
+            await meta.close()
+
+    return dict(zip(keys, asyncio.run(lookup())))
