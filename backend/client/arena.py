@@ -34,6 +34,7 @@ _Job = tuple[int, ItemMeta, memoryview, int]  # (index in the outcomes, item, si
 class ArenaReader:
     """Reads from nodes whose arena this process can map (same host, same user); the rest is TCP's."""
 
+    speculative = True  # a LEASE carries no payload: worth sending before the lookup answers
     name = "arena"
 
     def __init__(self, ctx: ClientContext, connections: Connections) -> None:
@@ -110,7 +111,7 @@ class ArenaReader:
                     outcomes.append(DECLINED)
                     continue
                 handle, buffer = allocated
-                outcomes.append(Hit(handle))
+                outcomes.append(Hit(handle, item.checksum))
                 view = memoryview(buffer).cast("B")
                 if len(view) != item.nbytes:
                     raise ProtocolError(f"sink gave {len(view)} bytes for a {item.nbytes}-byte item")

@@ -30,6 +30,7 @@ class Channel(Protocol):
 class ChannelReader:
     """Reads over the channel; anything it fails to bring falls back to the node's next path."""
 
+    speculative = False
     name = "channel"
 
     def __init__(self, ctx: ClientContext, channel: Channel) -> None:

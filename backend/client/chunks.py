@@ -99,9 +99,10 @@ class Wanted:
 # -- a read's outcome, per key ------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Hit(Generic[T]):
-    """The chunk is in the sink's buffer ``handle``, verified against its checksum."""
+    """The chunk is in the sink's buffer ``handle``, verified against its ``checksum`` (0: not reported)."""
 
     handle: T
+    checksum: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

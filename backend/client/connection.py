@@ -219,7 +219,7 @@ class NodeConnection:
                     targets.append(item.nbytes)
                     continue
                 handle, buffer = allocated
-                outcomes.append(Hit(handle))
+                outcomes.append(Hit(handle, item.checksum))
                 view = memoryview(buffer).cast("B")
                 if len(view) != item.nbytes:
                     raise ProtocolError(f"sink gave {len(view)} bytes for a {item.nbytes}-byte item")

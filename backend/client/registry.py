@@ -63,6 +63,10 @@ class RegistryView:
         with contextlib.suppress(KVPoolError):
             await self.refresh()
 
+    def known(self) -> list[NodeInfo]:
+        """The live nodes of the last read, without reading again."""
+        return list(self._nodes.values())
+
     def node(self, node_id: str) -> NodeInfo | None:
         return self._nodes.get(node_id)
 

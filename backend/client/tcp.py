@@ -25,6 +25,7 @@ __all__ = ["TcpReader", "stripes"]
 class TcpReader:
     """Reads any node over its TCP protocol; the path of last resort, it never falls back."""
 
+    speculative = False  # a GET brings the payload: only once the lookup said where
     name = "tcp"
 
     def __init__(self, ctx: ClientContext, connections: Connections) -> None:
