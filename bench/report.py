@@ -140,7 +140,7 @@ def targets(results: dict[str, Any], ceilings: dict[str, Any]) -> list[dict[str,
                 None if p50 is None else f"put p50 {p50:.1f} ms")  # fmt: skip
     lookup = results.get("kvpool", {}).get("lookup") or {}
     lookup_rt = lookup.get("redis_round_trips") if lookup.get("keys") == TARGET_LOOKUP_KEYS else None
-    add("kvpool lookup of 1,000 keys: Redis round trips", None, lookup_rt, "==", 1, None, unit=" round trips")
+    add("kvpool lookup of 1,000 keys: Redis round trips", None, lookup_rt, "==", 1, None, unit=" round trip(s)")
     return out
 
 
