@@ -15,11 +15,15 @@ import struct
 
 import numpy as np
 
+from backend.protocol import checksum_stream
+
 __all__ = ["ARENA_MAGIC", "HEADER", "HEADER_BYTES", "ArenaView", "read_header"]
 
 ARENA_MAGIC = b"KVPOOLSHM1"
 HEADER_BYTES = 4096
 HEADER = struct.Struct("<10s32sQ")  # magic, token (hex), data size in bytes
+# A checked copy hashes each piece right after copying it, while it is still in the CPU's cache.
+COPY_PIECE_BYTES = 1024 * 1024
 
 
 class ArenaView:
@@ -45,10 +49,26 @@ class ArenaView:
 
     def copy_into(self, dest: memoryview, offset: int) -> None:
         """Copy ``len(dest)`` bytes at ``offset`` into ``dest``; ValueError if out of range."""
-        nbytes = len(dest)
+        np.copyto(np.frombuffer(dest, dtype=np.uint8), self._region(offset, len(dest)))
+
+    def copy_checked(self, dest: memoryview, offset: int) -> int:
+        """:meth:`copy_into`, returning the checksum of what was copied (computed piece by piece).
+
+        The copies release the GIL; run it on a worker thread and two chunks copy at once.
+        """
+        source = self._region(offset, len(dest))
+        target = np.frombuffer(dest, dtype=np.uint8)
+        digest = checksum_stream()
+        for start in range(0, len(target), COPY_PIECE_BYTES):
+            piece = target[start : start + COPY_PIECE_BYTES]
+            np.copyto(piece, source[start : start + COPY_PIECE_BYTES])
+            digest.update(piece)
+        return int(digest.intdigest())
+
+    def _region(self, offset: int, nbytes: int) -> np.ndarray:  # type: ignore[type-arg]
         if offset < HEADER_BYTES or offset + nbytes > self.size_bytes:
             raise ValueError(f"region {offset}+{nbytes} is outside the arena ({self.size_bytes} bytes)")
-        np.copyto(np.frombuffer(dest, dtype=np.uint8), self._array[offset : offset + nbytes])
+        return self._array[offset : offset + nbytes]
 
 
 def read_header(raw: bytes) -> tuple[bytes, str, int]:

@@ -251,15 +251,25 @@ def test_byte_check_catches_one_flipped_byte_and_a_chunk_read_under_another_key(
     assert not identical(chunk, base, 7)
 
 
-def test_get_profile_reads_through_the_arena_and_over_tcp_and_names_where_time_went():
+def test_get_budget_reads_through_the_arena_and_over_tcp_and_accounts_for_each_millisecond(tmp_path):
+    out = tmp_path / "budget.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.profile_get", "--chunk-mib", "1", "--batch", "2", "--rounds", "3"],
+        [sys.executable, "-m", "bench.profile_get", "--chunk-mib", "1", "--batch", "2", "--rounds", "3",
+         "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=HARNESS_TIMEOUT_S,
         env={**os.environ, "LMCACHE_TRACK_USAGE": "false"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "one-thread memmove" in proc.stdout
-    sections = proc.stdout.split("\n\n")
-    assert [s.split(":")[0] for s in sections[1:]] == ["same-host arena", "TCP"]
-    assert "copy_into" in sections[1]  # the arena path copies from the mapping (it raises if nothing did)
-    assert "recv_into" in sections[2]
+    assert "one thread copy" in proc.stdout and "tcp loopback batch" in proc.stdout
+    report = json.loads(out.read_text())
+    assert list(report["paths"]) == ["same-host arena", "TCP"]
+    for path, result in report["paths"].items():
+        rows = dict(result["budget_ms"])
+        assert rows["lookup (one Redis round trip)"] > 0, path
+        # the phases a get runs one after the other add up to its total
+        sequential = [ms for phase, ms in result["budget_ms"] if not phase.startswith(" ")]
+        assert sum(sequential[:-1]) == pytest.approx(sequential[-1]), path
+    arena = dict(report["paths"]["same-host arena"]["budget_ms"])
+    assert arena["LEASE round trip (the node answers offsets)"] > 0  # it copied out of the mapping (it raises if not)
+    tcp = dict(report["paths"]["TCP"]["budget_ms"])
+    assert tcp["  per stripe, summed: receive + checksum (wall)"] > 0

@@ -23,6 +23,7 @@ import socket
 import ssl
 import time
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,9 @@ VERIFY_STATUS = {"ok": 0, "missing": 1, "corrupt": 2}
 REPLY_TIMEOUT_S = 30.0  # a reply the client does not read in this time closes the connection
 ACCEPT_RETRY_S = 0.1
 SHUTDOWN_TIMEOUT_S = 5.0
+# Threads that move large replies and puts (``backend.transport``): with one per busy
+# connection, two clients' GETs are sent by both cores instead of the event loop's one.
+BULK_THREADS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +162,7 @@ class PoolNode:
             lambda: collections.deque(maxlen=LATENCY_SAMPLES)
         )
         self._stopping = asyncio.Event()
+        self._bulk = ThreadPoolExecutor(BULK_THREADS, thread_name_prefix="kvpool-node-bulk")
         self.channel: Any = None  # nccl_channel.channel.ChannelServer once started, if configured
 
     # -- lifecycle --------------------------------------------------------------------
@@ -257,6 +262,7 @@ class PoolNode:
             await self.channel.close()
         await self.tiers.close()
         await self.meta.close()
+        self._bulk.shutdown(wait=False)
         logger.info("node %s stopped", self.node_id)
 
     def info(self) -> NodeInfo:
@@ -405,7 +411,7 @@ class PoolNode:
                     logger.warning("node %s: accept failed: %s", self.node_id, exc)
                     await asyncio.sleep(ACCEPT_RETRY_S)
                     continue
-                conn = FrameSocket(sock, loop, f"{address[0]}:{address[1]}")
+                conn = FrameSocket(sock, loop, f"{address[0]}:{address[1]}", self._bulk)
                 self._spawn(self._serve_connection(conn))
         except asyncio.CancelledError:
             raise
@@ -582,11 +588,11 @@ class PoolNode:
                     continue
                 buffer = self.tiers.take_buffer(item.nbytes)
                 try:
-                    await conn.recv_into(buffer)
+                    [digest] = await conn.recv_many([buffer], checksum)
                 except BaseException:
                     self.tiers.release(item.nbytes)
                     raise
-                if checksum(buffer) != item.checksum:
+                if digest != item.checksum:
                     self.tiers.release(item.nbytes)
                     received.append((PUT_INTEGRITY, item, None))
                     continue
