@@ -1,8 +1,9 @@
 """The storage services the harness compares, each started here and reached through LMCache.
 
 A peer starts its server, gives the LMCache config that reaches it, names the Redis
-server (if any) that answers its lookups, empties itself between measurements (or, for kvpool, fills its DRAM so that
-every measured put evicts: ``bench.full_pool``), and stops. Every server is a child process on 127.0.0.1 and is stopped by its own pid.
+server (if any) that answers its lookups, empties itself between measurements (kvpool
+instead fills its DRAM, so that every measured put evicts: ``bench.full_pool``), and
+stops. Every server is a child process on 127.0.0.1 and is stopped by its own pid.
 
 | peer | server | LMCache reaches it with |
 |---|---|---|
