@@ -205,8 +205,12 @@ def _pool() -> Iterator[str]:
             node.wait(timeout=30)
 
 
-def measure(url: str, shm: bool, chunk_mib: int, batch: int, rounds: int) -> dict[str, Any]:
-    """Time ``rounds`` gets of one stored batch through LMCache; every byte is compared."""
+def measure(url: str, shm: bool, chunk_mib: int, batch: int, rounds: int, fresh: bool = False) -> dict[str, Any]:
+    """Time ``rounds`` gets of one stored batch through LMCache; every byte is compared.
+
+    ``fresh``: each get reads a batch put just before it (untimed), as the harness does,
+    so the chunks sit in memory this client has not read before.
+    """
     import torch
 
     layers = chunk_mib * MIB // (2 * TOKENS * 1024 * 2)  # [2, layers, 256, 1024] bf16
@@ -215,25 +219,33 @@ def measure(url: str, shm: bool, chunk_mib: int, batch: int, rounds: int) -> dic
     )
     stack = LMCacheStack(config, model="kvpool-profile/model", num_layers=layers, hidden=(8, 128))
     try:
-        keys = [stack.key(7000 + i) for i in range(batch)]
         objs = [stack.make_object(i) for i in range(batch)]
         expected = [o.tensor.clone() for o in objs]
-        stack.put(keys, objs)
-        stack.release(objs)
+
+        def store(round_no: int) -> list[Any]:
+            keys = [stack.key(7000 + 100 * round_no + i) for i in range(batch)]
+            stack.put(keys, objs)
+            return keys
+
+        keys = store(0)
         for _ in range(3):  # warm: connections, the arena mapping, LMCache's buffer
             stack.release(stack.get(keys))
         CLOCK.seconds.clear()
-        CLOCK.on = True
-        start = time.perf_counter()
-        for _ in range(rounds):
+        total_s = 0.0
+        for round_no in range(1, rounds + 1):
+            if fresh:
+                keys = store(round_no)
+            CLOCK.on = True
+            start = time.perf_counter()
             got = stack.get(keys)
+            total_s += time.perf_counter() - start
+            CLOCK.on = False
             try:
                 if any(g is None for g in got):
                     raise RuntimeError("a stored chunk missed")
             finally:
                 stack.release(got)
-        total_s = time.perf_counter() - start
-        CLOCK.on = False
+        stack.release(objs)
         got = stack.get(keys)  # untimed: the bytes are what was put
         same = all(torch.equal(g.tensor, e) for g, e in zip(got, expected))
         stack.release(got)
@@ -253,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-mib", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--fresh", action="store_true", help="each get reads a batch put just before (as the harness)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     _instrument()
@@ -263,10 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     with _pool() as url:
         for shm in (True, False):
             path = "same-host arena" if shm else "TCP"
-            result = measure(url, shm, args.chunk_mib, args.batch, args.rounds)
+            result = measure(url, shm, args.chunk_mib, args.batch, args.rounds, args.fresh)
             report["paths"][path] = result
             print(f"\n{path}: {result['gbps']:.2f} GB/s ({args.rounds} gets of {args.batch} x {args.chunk_mib} MiB "
-                  f"through LMCache); milliseconds per get:")  # fmt: skip
+                  f"through LMCache{', each of a batch just put' if args.fresh else ''}); milliseconds per get:")  # fmt: skip
             for phase, ms in result["budget_ms"]:
                 print(f"  {ms:8.3f}  {phase}")
     if args.json is not None:

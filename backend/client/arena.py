@@ -49,7 +49,8 @@ class ArenaReader:
         ident = (node.node_id, node.epoch)
         if ident not in self._views:
             try:
-                self._views[ident] = ArenaView(node.shm_path, node.shm_token)
+                view = self._views[ident] = ArenaView(node.shm_path, node.shm_token)
+                view.populate()
                 logger.info("kvpool: node %s is on this host; reading through %s", node.node_id, node.shm_path)
             except (OSError, ValueError):
                 self._views[ident] = None  # another host, another user, or a stale file: TCP
@@ -59,11 +60,18 @@ class ArenaReader:
         return self.view(node) is not None
 
     def prune(self, live: set[tuple[str, int]]) -> None:
+        """Let go of the arenas of nodes that left or restarted (their files are removed)."""
         for ident in [i for i in self._views if i not in live]:
-            del self._views[ident]
+            view = self._views.pop(ident)
+            if view is not None:
+                view.close()
 
     def forget(self) -> None:
+        """After a fork: the parent's threads are not in this process; map again when needed."""
         self._views = {}
+
+    def close(self) -> None:
+        self.prune(set())
 
     async def read(self, node: NodeInfo, wanted: Sequence[Wanted], sink: Sink[Any]) -> list[Outcome]:
         """LEASE the keys with offsets, copy each while the lease holds, release the lease.
@@ -116,6 +124,8 @@ class ArenaReader:
                 if len(view) != item.nbytes:
                     raise ProtocolError(f"sink gave {len(view)} bytes for a {item.nbytes}-byte item")
                 jobs.append((len(outcomes) - 1, item, view, offset))
+            if jobs:
+                arena.populate(max(offset + item.nbytes for _, item, _, offset in jobs))  # for the next reads
             digests = await self._copy(arena, jobs, trust_until)
         except BaseException:
             release_hits(sink, outcomes)

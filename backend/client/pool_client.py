@@ -185,6 +185,7 @@ class PoolClient:
         if self._ctx.closed:
             return
         self.connections.close()
+        self.arena.close()
         await self._ctx.close()
         with contextlib.suppress(Exception):
             async with asyncio.timeout(1.0):

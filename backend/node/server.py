@@ -39,6 +39,7 @@ from backend.errors import (
 )
 from backend.metadata import Location, MetadataStore, NodeInfo
 from backend.metrics import NodeMetricsServer
+from backend.node.buffers import ChunkBuffer
 from backend.node.dram import StoredChunk
 from backend.node.leases import MAX_LEASE_TTL_MS
 from backend.node.recovery import RecoveryReport, node_identity, scan
@@ -90,6 +91,7 @@ SHUTDOWN_TIMEOUT_S = 5.0
 # Threads that move large replies and puts (``backend.transport``): with one per busy
 # connection, two clients' GETs are sent by both cores instead of the event loop's one.
 BULK_THREADS = 4
+PUT_WINDOW_BYTES = 64 * 1024 * 1024  # a put's chunks are received this many bytes at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -571,38 +573,59 @@ class PoolNode:
     ) -> list[tuple[int, ItemMeta, StoredChunk | None]]:
         """Receive each chunk into reserved DRAM and verify it; returns a PUT outcome per item.
 
-        A verified chunk enters the tiers at once (so a batch larger than DRAM can
-        demote its own first chunks), but is not visible to readers before the index
-        commit. A chunk this node already holds with the same bytes is not stored
-        twice (and so cannot be lost if this put fails). An item with no room is read
-        off the socket and dropped.
+        Chunks are received in windows of up to ``PUT_WINDOW_BYTES``: space for each is
+        reserved first, then the window's bytes arrive in one transfer (on a worker
+        thread, checksums included). A verified chunk enters the tiers at once (so a
+        batch larger than DRAM can demote its own first chunks), but is not visible to
+        readers before the index commit. A chunk this node already holds with the
+        same bytes is not stored twice (and so cannot be lost if this put fails). An
+        item with no room is read off the socket and dropped.
         """
         received: list[tuple[int, ItemMeta, StoredChunk | None]] = []
+        window: list[tuple[ItemMeta, ChunkBuffer]] = []  # reserved, bytes still on the socket
+
+        async def receive_window() -> None:
+            try:
+                digests = await conn.recv_many([buffer for _, buffer in window], checksum)
+            except BaseException:
+                for item, _ in window:
+                    self.tiers.release(item.nbytes)
+                window.clear()
+                raise
+            for (item, buffer), digest in zip(window, digests):
+                if digest != item.checksum:
+                    self.tiers.release(item.nbytes)
+                    received.append((PUT_INTEGRITY, item, None))
+                elif self.tiers.holds(item.key, item.checksum):
+                    self.tiers.release(item.nbytes)
+                    received.append((PUT_STORED, item, None))
+                else:
+                    chunk = StoredChunk(item, buffer)
+                    self.tiers.insert(chunk)
+                    received.append((PUT_STORED, item, chunk))
+            window.clear()
+
         try:
             for item in items:
                 try:
                     await self.tiers.reserve(item.nbytes)
                 except CapacityError:
-                    await conn.discard(item.nbytes)
-                    received.append((PUT_NO_CAPACITY, item, None))
-                    continue
-                buffer = self.tiers.take_buffer(item.nbytes)
-                try:
-                    [digest] = await conn.recv_many([buffer], checksum)
-                except BaseException:
-                    self.tiers.release(item.nbytes)
-                    raise
-                if digest != item.checksum:
-                    self.tiers.release(item.nbytes)
-                    received.append((PUT_INTEGRITY, item, None))
-                    continue
-                if self.tiers.holds(item.key, item.checksum):
-                    self.tiers.release(item.nbytes)
-                    received.append((PUT_STORED, item, None))
-                    continue
-                chunk = StoredChunk(item, buffer)
-                self.tiers.insert(chunk)
-                received.append((PUT_STORED, item, chunk))
+                    if not window:
+                        await conn.discard(item.nbytes)
+                        received.append((PUT_NO_CAPACITY, item, None))
+                        continue
+                    await receive_window()  # the window's chunks become evictable for this one
+                    try:
+                        await self.tiers.reserve(item.nbytes)
+                    except CapacityError:
+                        await conn.discard(item.nbytes)
+                        received.append((PUT_NO_CAPACITY, item, None))
+                        continue
+                window.append((item, self.tiers.take_buffer(item.nbytes)))
+                if sum(i.nbytes for i, _ in window) >= PUT_WINDOW_BYTES:
+                    await receive_window()
+            if window:
+                await receive_window()
         except BaseException:
             # The frame never completed (peer gone, stalled): nothing of it stays.
             await self._discard_uncommitted([c for _, _, c in received if c is not None])
