@@ -7,7 +7,7 @@ stops. Every server is a child process on 127.0.0.1 and is stopped by its own pi
 
 | peer | server | LMCache reaches it with |
 |---|---|---|
-| kvpool | ``kvpool up --nvme 0 --shm-dir off`` (private Redis + one DRAM node) | the kvpool plugin, over TCP as from another host |
+| kvpool | ``kvpool up --nvme 0`` (private Redis + one DRAM node, as deployed) | the kvpool plugin with ``shm=off``: over TCP, as from another host |
 | kvpool-shm | ``kvpool up --nvme 0`` (DRAM in a /dev/shm arena) | the kvpool plugin, same-host fast path |
 | redis | ``redis-server`` | ``remote_url: redis://`` |
 | resp | the same ``redis-server`` | ``remote_url: resp://`` (no chunk meta, no unfull chunks) |
@@ -176,7 +176,8 @@ class KVPoolPeer(Peer):
     """kvpool's own pool, DRAM only: ``kvpool up --dram SIZE --nvme 0``.
 
     ``shm=False`` measures the TCP path, as a client on another host sees it (the
-    node keeps no arena); ``shm=True`` measures the same-host fast path. Its DRAM is
+    node is the same default node, DRAM in its arena; the client says ``shm=off``);
+    ``shm=True`` measures the same-host fast path. Its DRAM is
     filled before each chunk size (``fill``), so measured puts evict as in service.
     """
 
@@ -188,7 +189,7 @@ class KVPoolPeer(Peer):
         self.url = ""
         self.full: FullPool | None = None
         command = [sys.executable, "-m", "backend.cli", "up", "--dram", dram, "--nvme", "0"]
-        self.server = ServerProcess("kvpool up", command + ([] if shm else ["--shm-dir", "off"]), KVPOOL_URL_RE)
+        self.server = ServerProcess("kvpool up", command, KVPOOL_URL_RE)
 
     def start(self) -> None:
         self.url = self.server.start().wait_ready().group(1)
