@@ -35,6 +35,8 @@ class RegistryView:
         self.meta = meta
         self.on_change: list[Callable[[set[tuple[str, int]]], None]] = []  # told the live (id, epoch) set
         self._nodes: dict[str, NodeInfo] = {}
+        self._version = 0  # the registry version (and namespace marker) the view was read at
+        self._marker = ""
         self._read_at = 0.0
         self._refreshing: asyncio.Task[None] | None = None
         self._suspect_until: dict[str, float] = {}  # node id -> monotonic time it is read from last until
@@ -44,18 +46,30 @@ class RegistryView:
         return time.monotonic() - self._read_at
 
     async def nodes(self, refresh: bool = False) -> list[NodeInfo]:
-        """Live nodes (re-read in the background at most every ``REGISTRY_REFRESH_S``)."""
+        """Live nodes; ``refresh`` re-reads the whole registry now.
+
+        Otherwise the view is brought up to date in the background at most every
+        ``REGISTRY_REFRESH_S``, reading only the nodes that changed (one Redis command
+        when none did).
+        """
         if refresh or not self._read_at:
-            await self.refresh()
+            await self.refresh(full=True)
         elif self.age_s > REGISTRY_REFRESH_S and (self._refreshing is None or self._refreshing.done()):
             self._refreshing = self.ctx.spawn(self._refresh_quietly())
         return list(self._nodes.values())
 
-    async def refresh(self) -> None:
-        infos = await self.meta.nodes()
-        self._nodes = {n.node_id: n for n in infos if n.alive}
+    async def refresh(self, full: bool = False) -> None:
+        """Bring the view up to date: the nodes changed since it was read, or (``full``) all of them."""
+        version, marker, changed = await self.meta.registry_changes(0 if full else self._version, self._marker)
+        if changed is None:
+            nodes = {n.node_id: n for n in await self.meta.nodes() if n.alive}
+        else:  # a node the view lacks and that expired anyway needs no read
+            changed = [nid for nid in changed if nid in self._nodes or version != self._version]
+            nodes = {nid: n for nid, n in self._nodes.items() if nid not in changed}
+            nodes.update({n.node_id: n for n in await self.meta.nodes(only=changed) if n.alive})
+        self._nodes, self._version, self._marker = nodes, version, marker
         self._read_at = time.monotonic()
-        live = {(n.node_id, n.epoch) for n in self._nodes.values()}
+        live = {(n.node_id, n.epoch) for n in nodes.values()}
         for hook in self.on_change:
             hook(live)
 

@@ -156,6 +156,7 @@ class PoolNode:
         self._connections: set[FrameSocket] = set()
         self._redis_ok = True
         self._generation = ""  # the namespace marker this node last published under
+        self._published_view: tuple[Any, ...] = ()  # what clients keep of this node, as last published
         self.metrics: NodeMetricsServer | None = None
         self._snapshots: collections.deque[tuple[float, int, int, int]] = collections.deque(maxlen=RECENT_SNAPSHOTS)
         self._snapshots.append((time.monotonic(), 0, 0, 0))  # the window of a young node starts at zero
@@ -216,7 +217,7 @@ class PoolNode:
         self.epoch = await self.meta.new_epoch()
         if self.recovery is not None and self.recovery.files:
             await self._publish_inventory()  # the old epoch's entries are overwritten
-        await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
+        await self._heartbeat()
         self.tiers.start()
         self._spawn(self._accept_loop())
         self._spawn(self._heartbeat_loop())
@@ -347,7 +348,7 @@ class PoolNode:
             self.tiers.leases.expire()
             self._snapshots.append(self._snapshot())
             try:
-                generation = await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
+                generation = await self._heartbeat()
                 if generation != self._generation:
                     await self._republish()
                 await self._flush_index()
@@ -359,6 +360,14 @@ class PoolNode:
                     logger.warning("node %s: Redis unreachable, serving what is held: %s", self.node_id, exc)
                     self._redis_ok = False
 
+    async def _heartbeat(self) -> str | None:
+        """One heartbeat; clients are told (registry version) when what they keep of this node changed."""
+        info = self.info()
+        view = info.view()
+        generation = await self.meta.heartbeat(info, self.config.heartbeat_ttl_ms, changed=view != self._published_view)
+        self._published_view = view
+        return generation
+
     async def _republish(self) -> None:
         """Redis lost our namespace (restart or flush): publish everything we hold again.
 
@@ -367,7 +376,8 @@ class PoolNode:
         """
         generation = await self.meta.ensure_marker()
         await self.meta.ensure_epoch_at_least(self.epoch)
-        await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
+        self._published_view = ()  # Redis lost the registry: clients re-read it all anyway
+        await self._heartbeat()
         count = await self._publish_inventory()
         self._generation = generation
         logger.warning("node %s: namespace was missing in Redis; republished %d chunks", self.node_id, count)
