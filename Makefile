@@ -44,7 +44,7 @@ docs: setup
 demo: setup
 	$(PY) -m bench.demo
 
-# LMCache's backends side by side (docs/benchmarks.md); e.g. make bench BENCH_ARGS=--quick
+# LMCache's backends side by side (docs/benchmarks.md); the targets: make bench BENCH_ARGS=--targets
 BENCH_ARGS ?=
 bench: setup
 	$(PY) -m bench.harness $(BENCH_ARGS)

@@ -50,6 +50,9 @@ ALLOCATE_TIMEOUT_S = 1.0  # LMCache's allocator blocks while its buffer is full:
 ALLOCATE_RETRY_S = 0.002
 CLOSE_TIMEOUT_S = 1.0
 ENDPOINT_TTL_MS = 3_600_000  # a channel endpoint's registration; informational, rendezvous does not need it
+# The client's counters a connector reports as its own (the metrics and `kvpool doctor` show them).
+CLIENT_COUNTERS = ("integrity_failures", "stale_entries", "get_failovers", "shm_get_bytes", "get_bytes_tcp",
+                   "get_bytes_channel", "channel_fallbacks")  # fmt: skip
 FIX_HINT = (
     "start a pool with `kvpool up` (it prints the URL), or check "
     "extra_config['remote_storage_plugin.kvpool.url'] / KVPOOL_URL"
@@ -116,7 +119,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self.client = PoolClient(pool_config)
-        self.counters: Counter[str] = Counter()
+        self._own_counters: Counter[str] = Counter()
         self._logged: set[str] = set()
         self._sink = _LMCacheSink(self)
         self._closed = False
@@ -128,16 +131,20 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         # only ever show misses.
         asyncio.run_coroutine_threadsafe(self._startup_check(), loop)
 
+    @property
+    def counters(self) -> Counter[str]:
+        """The connector's counters plus the client's: integrity, stale entries, failovers, bytes per path."""
+        merged = Counter(self._own_counters)
+        for name in CLIENT_COUNTERS:
+            merged[name] = self.client.counters[name]
+        return merged
+
     def _metric_counters(self) -> dict[str, int]:
-        """The connector's counters plus the client's integrity, stale-entry and failover counts."""
-        return {**self.counters, "integrity_failures": self.client.counters["integrity_failures"],
-                "stale_entries": self.client.counters["stale_entries"],
-                "shm_get_bytes": self.client.counters["shm_get_bytes"],
-                "get_failovers": self.client.counters["get_failovers"]}  # fmt: skip
+        return dict(self.counters)
 
     # -- error boundary ---------------------------------------------------------------
     def _miss(self, cause: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
-        self.counters[f"miss_{cause}"] += 1
+        self._own_counters[f"miss_{cause}"] += 1
         if cause not in self._logged:
             self._logged.add(cause)
             logger.log(level, "kvpool: " + message, *args)
@@ -240,7 +247,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             self._miss("put", "put failed, those chunks stay uncached: %s", exc)
             return
         self._recovered("put")
-        self.counters["put_chunks"] += len(keys)
+        self._own_counters["put_chunks"] += len(keys)
 
     # -- get --------------------------------------------------------------------------
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
@@ -251,14 +258,14 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         try:
-            objs = await self._fetch([k.to_string() for k in keys])
+            objs = await self.client.get([k.to_string() for k in keys], self._sink)
         except KVPoolError as exc:
             self._miss("get", "get failed, reading as misses: %s", exc)
             return [None] * len(keys)
         self._recovered("get")
         hits = sum(1 for o in objs if o is not None)
-        self.counters["get_hits"] += hits
-        self.counters["get_misses"] += len(keys) - hits
+        self._own_counters["get_hits"] += hits
+        self._own_counters["get_misses"] += len(keys) - hits
         return list(objs)
 
     def support_batched_get_non_blocking(self) -> bool:
@@ -299,6 +306,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         channel = NcclChannel(transport, Rendezvous(self.client.meta), endpoint, self.pool_config.cluster,
                               self.client.channel_request, self.pool_config.timeout_s,
                               pair_timeout_s=self.pool_config.pair_timeout_ms / 1000)  # fmt: skip
+        self.client.use_channel(channel)
         record = json.dumps({"cluster": self.pool_config.cluster, "transport": transport.kind, "pid": os.getpid()})
         asyncio.run_coroutine_threadsafe(self._register_endpoint(endpoint, record), self.loop)
         logger.info("kvpool: channel endpoint %s (%s, cluster %s)", endpoint, transport.kind, self.pool_config.cluster)
@@ -309,64 +317,6 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             await self.client.meta.register_endpoint(endpoint, record, ENDPOINT_TTL_MS)
         except KVPoolError as exc:
             logger.info("kvpool: channel endpoint %s not registered: %s", endpoint, exc)
-
-    async def _fetch(self, keys: list[str]) -> list[MemoryObj | None]:
-        """Same-cluster hits over the channel when it is on; everything else, and any the channel failed, over TCP."""
-        results: list[Any] = [None] * len(keys)
-        try:
-            todo = await self._fetch_channel(keys, results) if self.channel is not None else list(range(len(keys)))
-            if todo:
-                got = await self.client.get([keys[i] for i in todo], self._sink)
-                for index, obj in zip(todo, got):
-                    results[index] = obj
-                    if obj is not None:
-                        self.counters["get_bytes_tcp"] += len(obj.byte_array)
-        except BaseException:
-            for obj in results:
-                if obj is not None:
-                    obj.ref_count_down()
-            raise
-        return results
-
-    async def _fetch_channel(self, keys: list[str], results: list[Any]) -> list[int]:
-        """Fill ``results`` over the channel, one batch per node; returns the indices left for TCP.
-
-        Any exception from the channel path (NcclError, the control path's KVPoolError,
-        a CUDA RuntimeError in a device copy, a bug) sends those keys to TCP: the channel
-        is an optimisation and must never cost a read. Only cancellation goes through.
-        """
-        try:
-            plan = await self.client.channel_plan(keys, self.channel.engaged)  # unpaired nodes: TCP, pairing
-        except Exception:
-            return list(range(len(keys)))  # the TCP path meets the same lookup failure and reports it
-        outcomes = await asyncio.gather(
-            *(self.channel.get(node, [keys[i] for i in idx], self._sink) for node, idx in plan.values()),
-            return_exceptions=True,
-        )
-        done: set[int] = set()
-        cancelled: BaseException | None = None
-        for (node, idx), outcome in zip(plan.values(), outcomes):
-            if isinstance(outcome, Exception):
-                self.counters["channel_fallbacks"] += len(idx)
-                if "channel" not in self._logged:
-                    self._logged.add("channel")
-                    logger.warning("kvpool: channel to node %s failed, reading over TCP: %s: %s", node.node_id,
-                                   type(outcome).__name__, outcome)  # fmt: skip
-                continue
-            if isinstance(outcome, BaseException):
-                cancelled = cancelled or outcome
-                continue
-            for index, obj in zip(idx, outcome):
-                if obj is None or isinstance(obj, BaseException):
-                    continue  # a miss or a bad copy there: TCP tries every copy
-                results[index] = obj
-                done.add(index)
-                self.counters["get_bytes_channel"] += len(obj.byte_array)
-        if cancelled is not None:
-            raise cancelled
-        if done:
-            self._recovered("channel")
-        return [i for i in range(len(keys)) if i not in done]
 
     # -- admin ------------------------------------------------------------------------
     async def list(self) -> list[str]:

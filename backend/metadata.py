@@ -12,12 +12,22 @@ Key schema (``NS`` is the namespace)::
     kvp:{NS}:nodes           hash node_id -> NodeInfo JSON (the registry)
     kvp:{NS}:hb:<node_id>    liveness; value = epoch, expires after the heartbeat TTL
     kvp:{NS}:draining        set of node ids placement skips (kvpool drain)
+    kvp:{NS}:beats           sorted set node_id -> when its heartbeat expires (Redis server time, ms)
+    kvp:{NS}:regv            registry version: bumped whenever what clients keep of a node changes
+    kvp:{NS}:regchanges      list, newest first, of "version|node_id" per bump (the last REGISTRY_LOG_MAX)
     kvp:NS:k:{<key>}         index entry: hash node_id -> "epoch|tier|nbytes|checksum|written_at"
     kvp:{NS}:rdv:<session>   channel rendezvous offer (JSON), read once by the peer; expires (TTL)
     kvp:{NS}:ep:<endpoint>   channel endpoint (JSON: cluster, transport); informational, set once, expires after its TTL
 
 Registry keys share the hash tag ``{NS}`` (one Redis Cluster slot, small); index keys
 are tagged by their own key so the index spreads over every shard.
+
+A client's registry refresh costs one command while nothing changed: it compares its
+version with ``regv`` and reads only the nodes the change log names since then (the
+whole registry only when it is new, fell behind the log, or Redis lost the log). The
+version is bumped when a node joins, restarts (new epoch), comes back, leaves, dies
+(the first heartbeat of any node after its beat expired notices), starts or stops
+draining, or reports a change clients rely on (address, arena, load by tenths).
 
 The same code runs on one Redis, a Redis Cluster and a Sentinel-managed master
 (``backend.redis_topology`` builds the client). On a cluster a pipeline is split by
@@ -48,6 +58,8 @@ __all__ = ["MetadataStore", "NodeInfo", "Location", "IndexEntry", "Beat"]
 logger = logging.getLogger(__name__)
 
 LOOKUP_BATCH = 1000  # keys per pipeline flush on republish/removal
+REGISTRY_LOG_MAX = 1000  # registry changes a client may be behind and still read only what changed
+DEAD_PER_BEAT = 100  # expired beats one heartbeat collects (the next ones take the rest)
 MARKER_TAG_SEARCH = 100_000  # hash tags tried to find one per cluster primary (16384 slots)
 
 # Atomic commit of one location. A replica elsewhere whose checksum differs holds
@@ -96,6 +108,61 @@ if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
   return redis.call('HDEL', KEYS[1], ARGV[1])
 end
 return 0
+"""
+
+
+# A heartbeat's liveness part, atomic: refresh this node's beat (expiry by Redis's clock,
+# so node clocks may differ), collect beats that expired, and log a registry change for
+# this node (new, back, or ARGV[3] == '1') and for each dead one.
+_BEAT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local changed = {}
+if redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) == 1 or ARGV[3] == '1' then
+  changed[1] = ARGV[1]
+end
+for _, dead in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now, 'LIMIT', 0, tonumber(ARGV[5]))) do
+  redis.call('ZREM', KEYS[1], dead)
+  changed[#changed + 1] = dead
+end
+for _, node in ipairs(changed) do
+  redis.call('LPUSH', KEYS[3], redis.call('INCR', KEYS[2]) .. '|' .. node)
+end
+if #changed > 0 then redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) - 1) end
+return #changed
+"""
+
+# A registry change not seen by a heartbeat (deregister, forget, drain): log it for ARGV[1].
+_CHANGE_LUA = """
+redis.call('LPUSH', KEYS[2], redis.call('INCR', KEYS[1]) .. '|' .. ARGV[1])
+redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[2]) - 1)
+return 1
+"""
+
+# What changed since version ARGV[1] under namespace marker ARGV[3]: {version, marker, node ids...};
+# {version, marker, '*'} when the log cannot say (the caller is new or behind the log, or Redis
+# lost the namespace since: a new marker, and versions count again from 1): read everything.
+# Nodes whose beat expired count as changed even before a heartbeat collects them: a pool
+# whose last node froze is seen as empty, not waited on.
+_CHANGES_LUA = """
+local v = tonumber(redis.call('GET', KEYS[1]) or '0')
+local marker = redis.call('GET', KEYS[3]) or ''
+local mine = tonumber(ARGV[1])
+if mine <= 0 or marker ~= ARGV[3] or v < mine or v - mine > tonumber(ARGV[2]) then return {v, marker, '*'} end
+local out = {v, marker}
+if v > mine then
+  local items = redis.call('LRANGE', KEYS[2], 0, v - mine - 1)
+  if #items ~= v - mine or tonumber(string.match(items[#items], '^(%d+)|')) ~= mine + 1 then
+    return {v, marker, '*'}
+  end
+  for _, item in ipairs(items) do out[#out + 1] = string.match(item, '^%d+|(.*)$') end
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for _, dead in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', '(' .. now, 'LIMIT', 0, tonumber(ARGV[4]))) do
+  out[#out + 1] = dead
+end
+return out
 """
 
 
@@ -161,6 +228,16 @@ class NodeInfo:
     @property
     def free_bytes(self) -> int:
         return max(0, self.capacity_bytes - self.used_bytes)
+
+    def view(self) -> tuple[Any, ...]:
+        """What clients keep of this node; when it changes, the registry version is bumped.
+
+        Load counts in tenths of capacity: clients weigh placement and pick replicas by
+        it, and it moves on every put, far more often than it matters.
+        """
+        tenth = self.used_bytes * 10 // self.capacity_bytes if self.capacity_bytes else 0
+        return (self.epoch, self.host, self.port, self.cluster, self.channel, self.tls, self.shm_path,
+                self.shm_token, self.capacity_bytes, tenth)  # fmt: skip
 
     @property
     def address(self) -> str:
@@ -232,17 +309,24 @@ class MetadataStore:
         self._remove_exact = self._redis.register_script(_REMOVE_EXACT_LUA)
         self._move = self._redis.register_script(_MOVE_LUA)
         self._epoch_floor = self._redis.register_script(_EPOCH_FLOOR_LUA)
+        self._beat = self._redis.register_script(_BEAT_LUA)
+        self._change = self._redis.register_script(_CHANGE_LUA)
+        self._changes = self._redis.register_script(_CHANGES_LUA)
         tag = "{" + namespace + "}"
         self.marker_key = f"kvp:{tag}:marker"
         self.epoch_key = f"kvp:{tag}:epoch"
         self.nodes_key = f"kvp:{tag}:nodes"
         self.draining_key = f"kvp:{tag}:draining"
+        self.beats_key = f"kvp:{tag}:beats"
+        self.version_key = f"kvp:{tag}:regv"
+        self.changes_key = f"kvp:{tag}:regchanges"
         self._hb_prefix = f"kvp:{tag}:hb:"
         self._rendezvous_prefix = f"kvp:{tag}:rdv:"
         self._endpoint_prefix = f"kvp:{tag}:ep:"
         self._index_prefix = f"kvp:{namespace}:k:"
         self._shard_marker_prefix = f"kvp:{namespace}:m:"
-        self._scripts = (self._commit, self._remove, self._remove_exact, self._move, self._epoch_floor)
+        self._scripts = (self._commit, self._remove, self._remove_exact, self._move, self._epoch_floor, self._beat,
+                         self._change, self._changes)  # fmt: skip
 
     @property
     def is_cluster(self) -> bool:
@@ -322,27 +406,55 @@ class MetadataStore:
         async with self._call("INCR epoch"):
             return int(await self._redis.incr(self.epoch_key))
 
-    async def heartbeat(self, info: NodeInfo, ttl_ms: int) -> Beat:
-        """Publish ``info`` and refresh liveness; says whether the marker and the registry entry were there."""
+    async def heartbeat(self, info: NodeInfo, ttl_ms: int, changed: bool = False) -> Beat:
+        """Publish ``info`` and refresh liveness; says whether the marker and the registry entry were there.
+
+        ``changed``: what clients keep of this node changed (``NodeInfo.view``); they are
+        told through the registry version, as they are of nodes that join, come back or die.
+        """
         async with self._call("heartbeat"):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.hset(self.nodes_key, info.node_id, info.to_json())
-                pipe.set(self.heartbeat_key(info.node_id), str(info.epoch), px=ttl_ms)
-                markers = await self.marker_keys()
-                for key in markers:
-                    pipe.get(key)
-                results = await pipe.execute()
-        generations = results[2:]
+            markers = await self.marker_keys()
+            try:
+                results = await self._beat_pipeline(info, ttl_ms, changed, markers)
+            except redis_exceptions.NoScriptError:
+                await self._load_scripts()  # a cluster pipeline does not load scripts
+                results = await self._beat_pipeline(info, ttl_ms, changed, markers)
+        generations = results[3:]
         generation = None if None in generations else "/".join(str(value) for value in generations)
         # HSET answers 1 for a field it created: the entry was missing (first beat, or collected as dead)
         return Beat(generation, registered_anew=int(results[0]) == 1)
+
+    async def _beat_pipeline(self, info: NodeInfo, ttl_ms: int, changed: bool, markers: list[str]) -> list[Any]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hset(self.nodes_key, info.node_id, info.to_json())
+            pipe.set(self.heartbeat_key(info.node_id), str(info.epoch), px=ttl_ms)
+            await self._beat(keys=[self.beats_key, self.version_key, self.changes_key],
+                             args=[info.node_id, ttl_ms, int(changed), REGISTRY_LOG_MAX, DEAD_PER_BEAT],
+                             client=pipe)  # fmt: skip
+            for key in markers:
+                pipe.get(key)
+            return list(await pipe.execute())
+
+    async def _log_change(self, node_id: str) -> None:
+        await self._change(keys=[self.version_key, self.changes_key], args=[node_id, REGISTRY_LOG_MAX])
+
+    async def registry_changes(self, since: int, marker: str) -> tuple[int, str, list[str] | None]:
+        """The registry version and namespace marker now, and the nodes changed since version ``since``
+        under ``marker`` (None: the change log cannot tell, read the whole registry)."""
+        async with self._call("registry version"):
+            answer = await self._changes(keys=[self.version_key, self.changes_key, self.marker_key, self.beats_key],
+                                         args=[since, REGISTRY_LOG_MAX, marker, DEAD_PER_BEAT])  # fmt: skip
+        version, now_marker, changed = int(answer[0]), str(answer[1]), [str(node) for node in answer[2:]]
+        return version, now_marker, None if changed == ["*"] else list(dict.fromkeys(changed))
 
     async def deregister(self, node_id: str) -> None:
         async with self._call("deregister"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hdel(self.nodes_key, node_id)
                 pipe.delete(self.heartbeat_key(node_id))
+                pipe.zrem(self.beats_key, node_id)
                 await pipe.execute()
+            await self._log_change(node_id)
 
     async def set_draining(self, node_id: str, draining: bool) -> None:
         """Mark a node draining (placement skips it) or not; kept apart from its heartbeats."""
@@ -355,6 +467,7 @@ class MetadataStore:
                 await self._redis.sadd(self.draining_key, node_id)
             else:
                 await self._redis.srem(self.draining_key, node_id)
+            await self._log_change(node_id)
 
     async def forget_node(self, node_id: str) -> None:
         """Remove a dead node from the registry (``kvpool check --fix``)."""
@@ -363,12 +476,21 @@ class MetadataStore:
                 pipe.hdel(self.nodes_key, node_id)
                 pipe.delete(self.heartbeat_key(node_id))
                 pipe.srem(self.draining_key, node_id)
+                pipe.zrem(self.beats_key, node_id)
                 await pipe.execute()
+            await self._log_change(node_id)
 
-    async def nodes(self) -> list[NodeInfo]:
-        """Every registered node, with ``alive`` set from its heartbeat key (one round trip each)."""
-        async with self._call("HGETALL nodes"):
-            raw = await self._redis.hgetall(self.nodes_key)
+    async def nodes(self, only: Sequence[str] | None = None) -> list[NodeInfo]:
+        """Every registered node (or those of ``only``), with ``alive`` set from its heartbeat key."""
+        if only is not None:
+            if not only:
+                return []
+            async with self._call("HMGET nodes"):
+                texts = await self._redis.hmget(self.nodes_key, list(only))
+            raw = {node_id: text for node_id, text in zip(only, texts) if text is not None}
+        else:
+            async with self._call("HGETALL nodes"):
+                raw = await self._redis.hgetall(self.nodes_key)
         infos = [NodeInfo.from_json(text) for text in raw.values()]
         if not infos:
             return []

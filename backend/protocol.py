@@ -181,6 +181,11 @@ def checksum(data: Any) -> int:
     return int(xxhash.xxh3_64_intdigest(data))
 
 
+def checksum_stream() -> Any:
+    """A running :func:`checksum`: ``update()`` it piece by piece, then ``intdigest()``."""
+    return xxhash.xxh3_64()
+
+
 def encode_header(
     op: int,
     request_id: int,

@@ -5,21 +5,48 @@ first 4 KiB are a header: magic, a random token the node also publishes in the
 registry, and the size of the data part. A client that can open the file named in
 the registry, and finds the same token in it, is on the node's host and may copy
 chunks straight out of the mapping (after a LEASE that keeps them in place).
+
+A copy out of pages this process never touched pays a page fault per 4 KiB (about
+half the speed of a copy out of mapped pages here). The node takes the file's pages
+in steps from the start, so a view keeps its mapping populated up to the file's
+allocated size, on a background thread at the lowest CPU priority, one
+``MADV_POPULATE_READ`` per step: reads then find the pages mapped. It never touches
+pages past the allocated size (that would allocate them in ``/dev/shm``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import mmap
 import os
 import struct
+import threading
 
 import numpy as np
 
-__all__ = ["ARENA_MAGIC", "HEADER", "HEADER_BYTES", "ArenaView", "read_header"]
+from backend.protocol import checksum_stream
+
+__all__ = ["ARENA_MAGIC", "HEADER", "HEADER_BYTES", "ArenaView", "read_header", "madvise", "MADV_POPULATE_WRITE"]
 
 ARENA_MAGIC = b"KVPOOLSHM1"
 HEADER_BYTES = 4096
 HEADER = struct.Struct("<10s32sQ")  # magic, token (hex), data size in bytes
+# A checked copy hashes each piece right after copying it, while it is still in the CPU's cache.
+COPY_PIECE_BYTES = 1024 * 1024
+MADV_POPULATE_READ = 22  # Linux >= 5.14: map the pages now, not one fault at a time
+MADV_POPULATE_WRITE = 23
+POPULATE_STEP_BYTES = 64 * 1024 * 1024
+POPULATE_NICE = 19  # the populating thread runs when the engine leaves a core idle
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def madvise(address: int, length: int, advice: int) -> None:
+    """madvise(2) through ctypes, which drops the GIL (``mmap.madvise`` holds it); errors are ignored."""
+    _libc.madvise(address, length, advice)
 
 
 class ArenaView:
@@ -42,13 +69,65 @@ class ArenaView:
         self.path = path
         self.size_bytes = size
         self._array = np.frombuffer(self._map, dtype=np.uint8)
+        self._address = int(self._array.ctypes.data)
+        self.mapped_bytes = 0  # pages below this offset are mapped in this process
+        self._wanted = threading.Event()
+        self._populator: threading.Thread | None = None
+        self._closed = False
+
+    def close(self) -> None:
+        """Stop the background thread; the mapping goes with the last reference to this view."""
+        self._closed = True
+        self._wanted.set()
+
+    def populate(self, end: int = 0) -> None:
+        """Have the background thread map every page the node has allocated, if ``end`` is past what is mapped."""
+        if end and end <= self.mapped_bytes:
+            return
+        if self._populator is None:
+            self._populator = threading.Thread(target=self._populate, name="kvpool-arena-map", daemon=True)
+            self._populator.start()
+        self._wanted.set()
+
+    def _populate(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):  # Linux: this thread only, lowest priority
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), POPULATE_NICE)
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            if self._closed:
+                return
+            try:
+                allocated = min(os.stat(self.path).st_blocks * 512, self.size_bytes)
+            except OSError:
+                return  # the node is gone with its file: reads go elsewhere
+            while self.mapped_bytes + mmap.PAGESIZE <= allocated and not self._closed:
+                step = min(POPULATE_STEP_BYTES, allocated - self.mapped_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+                madvise(self._address + self.mapped_bytes, step, MADV_POPULATE_READ)
+                self.mapped_bytes += step
 
     def copy_into(self, dest: memoryview, offset: int) -> None:
         """Copy ``len(dest)`` bytes at ``offset`` into ``dest``; ValueError if out of range."""
-        nbytes = len(dest)
+        np.copyto(np.frombuffer(dest, dtype=np.uint8), self._region(offset, len(dest)))
+
+    def copy_checked(self, dest: memoryview, offset: int) -> int:
+        """:meth:`copy_into`, returning the checksum of what was copied (computed piece by piece).
+
+        The copies release the GIL; run it on a worker thread and two chunks copy at once.
+        """
+        source = self._region(offset, len(dest))
+        target = np.frombuffer(dest, dtype=np.uint8)
+        digest = checksum_stream()
+        for start in range(0, len(target), COPY_PIECE_BYTES):
+            piece = target[start : start + COPY_PIECE_BYTES]
+            np.copyto(piece, source[start : start + COPY_PIECE_BYTES])
+            digest.update(piece)
+        return int(digest.intdigest())
+
+    def _region(self, offset: int, nbytes: int) -> np.ndarray:  # type: ignore[type-arg]
         if offset < HEADER_BYTES or offset + nbytes > self.size_bytes:
             raise ValueError(f"region {offset}+{nbytes} is outside the arena ({self.size_bytes} bytes)")
-        np.copyto(np.frombuffer(dest, dtype=np.uint8), self._array[offset : offset + nbytes])
+        return self._array[offset : offset + nbytes]
 
 
 def read_header(raw: bytes) -> tuple[bytes, str, int]:

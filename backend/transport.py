@@ -5,18 +5,28 @@ Bytes are received with ``recv_into`` straight into the caller's buffer and sent
 is available the loops run without yielding to the event loop, which is what makes
 a single connection approach the loopback ceiling.
 
+Bulk transfers can leave the event loop: a socket given an executor moves any
+transfer of ``BULK_BYTES`` or more on a worker thread (``recv_into``/``sendmsg``
+release the GIL, so the kernel's copies run on the other core while the loop keeps
+serving). Such a thread polls the socket itself; closing the socket while a thread
+is in a transfer shuts it down at once, which wakes the thread, and the descriptor
+is closed only when the thread has returned, so its number is never reused under it.
+
 With TLS the same socket is wrapped by :mod:`ssl` (non-blocking, handshake driven
 by the event loop); ``recv_into`` still lands in the caller's buffer, and sends go
-one buffer at a time since an SSL socket has no ``sendmsg``.
+one buffer at a time since an SSL socket has no ``sendmsg``. TLS transfers stay on
+the loop: one SSL object must not be read and written from two threads at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import ssl
-from collections.abc import Sequence
-from typing import Union
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any, TypeVar, Union
 
 from backend.errors import ConfigError, NodeUnavailable
 from backend.protocol import DEFAULT_LIMITS, HEADER, Header, Limits, decode_header, verify_meta
@@ -24,6 +34,7 @@ from backend.protocol import DEFAULT_LIMITS, HEADER, Header, Limits, decode_head
 __all__ = ["FrameSocket", "Buffer", "tune_socket", "client_tls_context", "server_tls_context"]
 
 Buffer = Union[bytes, bytearray, memoryview]
+T = TypeVar("T")
 
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 # A meta section up to this size is received into one buffer allocated up front;
@@ -37,6 +48,10 @@ _MAX_IOV = 512
 # One SSL_write at most; a write that would block is retried with the same slice, as OpenSSL requires.
 _TLS_WRITE_BYTES = 1024 * 1024
 _TLS_SMALL_BYTES = 16 * 1024  # buffers below this are copied together before a TLS send
+# A transfer at least this large goes through the socket's executor, when it has one:
+# below it, the hop to a thread costs more than the copy it moves off the loop.
+BULK_BYTES = 1024 * 1024
+_POLL_SLICE_MS = 200  # a worker thread waiting on the socket checks this often whether it was closed
 
 
 def client_tls_context(ca_file: str = "") -> ssl.SSLContext:
@@ -76,22 +91,32 @@ def tune_socket(sock: socket.socket) -> None:
 class FrameSocket:
     """One TCP connection speaking kvpool frames; owned by a single event loop."""
 
-    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, peer: str) -> None:
+    def __init__(
+        self, sock: socket.socket, loop: asyncio.AbstractEventLoop, peer: str, bulk: Executor | None = None
+    ) -> None:
         tune_socket(sock)
         self.sock = sock
         self.loop = loop
         self.peer = peer
+        self.bulk = bulk  # where transfers of BULK_BYTES or more run; None: on the loop
         self.closed = False
         self.send_lock = asyncio.Lock()
         self._waiters: dict[bool, asyncio.Future[None]] = {}  # writable? -> waiting future
         self._header_buf = bytearray(HEADER.size)
+        self._fd = sock.fileno()
+        self._in_threads = 0  # worker threads in a transfer on this socket; the fd outlives them
 
     @property
     def tls(self) -> bool:
         return isinstance(self.sock, ssl.SSLSocket)
 
+    def _threaded(self, nbytes: int) -> bool:
+        return self.bulk is not None and nbytes >= BULK_BYTES and not self.tls
+
     @classmethod
-    async def connect(cls, host: str, port: int, timeout_s: float, tls: ssl.SSLContext | None = None) -> FrameSocket:
+    async def connect(
+        cls, host: str, port: int, timeout_s: float, tls: ssl.SSLContext | None = None, bulk: Executor | None = None
+    ) -> FrameSocket:
         """Connect, and with ``tls`` complete the handshake (verifying ``host``), all within ``timeout_s``."""
         loop = asyncio.get_running_loop()
         try:
@@ -107,7 +132,7 @@ class FrameSocket:
                     raise
         except (OSError, TimeoutError) as exc:
             raise NodeUnavailable(f"cannot connect to {host}:{port}: {exc or 'timed out'}") from None
-        conn = cls(sock, loop, f"{host}:{port}")
+        conn = cls(sock, loop, f"{host}:{port}", bulk)
         if tls is None:
             return conn
         try:
@@ -182,10 +207,102 @@ class FrameSocket:
                 if not waiter.done():
                     waiter.set_exception(NodeUnavailable(f"connection to {self.peer} closed"))
             self._waiters.clear()
+        if self._in_threads:
+            # A worker thread is in a transfer: wake it now, close the fd once it has returned.
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
         try:
             self.sock.close()
         except OSError:
             pass
+
+    # -- transfers on a worker thread -------------------------------------------------
+    async def _in_thread(self, fn: Callable[..., T], *args: Any, stop: int = socket.SHUT_RDWR) -> T:
+        """Run a blocking transfer on the executor; the loop stays free meanwhile.
+
+        Cancelled mid-transfer, the stream is unusable: ``shutdown(stop)`` wakes the
+        thread, and this waits for it, so that the caller never hands back a buffer the
+        thread is still filling. The caller then closes the connection.
+        """
+        if self.closed:
+            raise NodeUnavailable(f"connection to {self.peer} is closed")
+        assert self.bulk is not None
+        future = self.loop.run_in_executor(self.bulk, fn, *args)
+        self._in_threads += 1
+        future.add_done_callback(self._thread_returned)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            try:
+                self.sock.shutdown(stop)
+            except OSError:
+                pass
+            await asyncio.wait([future])
+            raise
+
+    def _thread_returned(self, future: asyncio.Future[Any]) -> None:
+        self._in_threads -= 1
+        if not future.cancelled():
+            future.exception()  # the caller saw it, or was cancelled and closed the stream
+        if self.closed and not self._in_threads:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+    def _wait_blocking(self, events: int) -> None:
+        """In a worker thread: wait until the socket is ready; NodeUnavailable once it was closed."""
+        poller = select.poll()
+        poller.register(self._fd, events)
+        while not poller.poll(_POLL_SLICE_MS):
+            if self.closed:
+                raise NodeUnavailable(f"connection to {self.peer} closed")
+
+    def _recv_blocking(self, view: memoryview) -> None:
+        while view:
+            try:
+                n = self.sock.recv_into(view)
+            except BlockingIOError:
+                self._wait_blocking(select.POLLIN)
+                continue
+            except OSError as exc:
+                raise NodeUnavailable(f"receive from {self.peer} failed: {exc}") from None
+            if n == 0:
+                raise NodeUnavailable(f"{self.peer} closed the connection")
+            view = view[n:]
+
+    def _recv_many_blocking(
+        self, targets: Sequence[memoryview | int], digest: Callable[[Any], int] | None
+    ) -> list[int]:
+        out = []
+        scratch: memoryview | None = None
+        for target in targets:
+            if isinstance(target, int):
+                scratch = scratch or memoryview(bytearray(DISCARD_PIECE_BYTES))
+                left = target
+                while left:
+                    piece = scratch[: min(left, len(scratch))]
+                    self._recv_blocking(piece)
+                    left -= len(piece)
+                out.append(0)
+                continue
+            self._recv_blocking(target)
+            out.append(digest(target) if digest is not None else 0)
+        return out
+
+    def _send_blocking(self, pending: list[memoryview]) -> None:
+        while pending:
+            try:
+                sent = self.sock.sendmsg(pending[:_MAX_IOV])
+            except BlockingIOError:
+                self._wait_blocking(select.POLLOUT)
+                continue
+            except OSError as exc:
+                raise NodeUnavailable(f"send to {self.peer} failed: {exc}") from None
+            _advance(pending, sent)
 
     async def _wait(self, writable: bool) -> None:
         if self.closed:
@@ -231,6 +348,27 @@ class FrameSocket:
                 raise NodeUnavailable(f"{self.peer} closed the connection")
             view = view[n:]
 
+    async def recv_many(self, targets: Sequence[Buffer | int], digest: Callable[[Any], int] | None = None) -> list[int]:
+        """Receive the next bytes into each buffer in turn (an int: drop that many bytes).
+
+        Returns ``digest(buffer)`` per buffer (0 for drops and without ``digest``),
+        computed where the bytes were received: on a worker thread for a bulk
+        transfer, while they are still in the CPU's cache.
+        """
+        views: list[memoryview | int] = [t if isinstance(t, int) else memoryview(t).cast("B") for t in targets]
+        total = sum(t if isinstance(t, int) else len(t) for t in views)
+        if self._threaded(total):
+            return await self._in_thread(self._recv_many_blocking, views, digest, stop=socket.SHUT_RD)
+        out = []
+        for target in views:
+            if isinstance(target, int):
+                await self.discard(target)
+                out.append(0)
+            else:
+                await self.recv_into(target)
+                out.append(digest(target) if digest is not None else 0)
+        return out
+
     async def discard(self, nbytes: int) -> None:
         """Read and drop ``nbytes`` (a payload nobody wants) in bounded pieces."""
         scratch = bytearray(min(nbytes, DISCARD_PIECE_BYTES))
@@ -272,6 +410,13 @@ class FrameSocket:
         """Send all buffers in order as one uninterrupted byte stream."""
         async with self.send_lock:
             pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+            if self._threaded(sum(len(b) for b in pending)):
+                try:
+                    await self._in_thread(self._send_blocking, pending)
+                except BaseException:
+                    self.close()  # a frame cut short leaves the stream unusable
+                    raise
+                return
             if self.tls:
                 pending = _coalesce_small(pending)
             while pending:
@@ -293,14 +438,19 @@ class FrameSocket:
                 except OSError as exc:
                     self.close()
                     raise NodeUnavailable(f"send to {self.peer} failed: {exc}") from None
-                while sent:
-                    head = pending[0]
-                    if sent >= len(head):
-                        sent -= len(head)
-                        pending.pop(0)
-                    else:
-                        pending[0] = head[sent:]
-                        sent = 0
+                _advance(pending, sent)
+
+
+def _advance(pending: list[memoryview], sent: int) -> None:
+    """Drop ``sent`` bytes from the front of ``pending``."""
+    while sent:
+        head = pending[0]
+        if sent >= len(head):
+            sent -= len(head)
+            pending.pop(0)
+        else:
+            pending[0] = head[sent:]
+            sent = 0
 
 
 def _coalesce_small(buffers: list[memoryview]) -> list[memoryview]:

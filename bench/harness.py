@@ -1,29 +1,40 @@
 """LMCache's storage backends side by side, each driven by LMCache's own code.
 
-    python -m bench.harness                      # full sweep (minutes)
-    python -m bench.harness --quick              # 4 MiB chunks, batch 1 and 8, one client: under 2 minutes
-    python -m bench.harness --smoke              # tiny chunks, few rounds (the tests run --quick --smoke)
-    python -m bench.harness --backends kvpool,redis
+    python -m bench.harness --targets            # the project's targets: 4 and 32 MiB, batch 8, one client, 3 rounds
+    python -m bench.harness                      # full sweep, 3 rounds (long)
+    python -m bench.harness --quick              # 4 MiB chunks, batch 1 and 8, one client, 3 rounds
+    python -m bench.harness --smoke              # tiny chunks, one round (the tests run --quick --smoke --rounds 2)
+    python -m bench.harness --backends kvpool,resp --chunks 4MiB --batches 8 --clients 1 --rounds 5
 
 For each backend (kvpool, LMCache's redis://, resp://, lm://, fs://, and Mooncake when
 it is installed) the harness starts its server, builds LMCache's storage with
 ``CreateStorageBackends`` (``bench.lmcache_stack``: a LocalCPUBackend and a
 RemoteBackend) and moves KV-shaped bf16 memory objects from LMCache's allocator:
 
-* put and get GB/s and p50/p99 latency per operation, for every chunk size x batch x
+* put and get GB/s and p50/p99 latency per call, for every chunk size x batch x
   client count; every chunk read back is compared byte for byte with what was
   written (a miss or a difference fails the run);
 * ``batched_async_contains`` latency for 1,000 stored keys, and for Redis-backed
   stores the Redis commands (``INFO commandstats`` deltas) and round trips
-  (``bench.resp_proxy``) that one lookup costs;
-* in the same run, the machine's ceilings (``bench.ceilings``): memcpy and one TCP
+  (``bench.resp_proxy``) that one lookup costs (round 1 only);
+* in every round, the machine's ceilings (``bench.ceilings``): memcpy and one TCP
   stream over loopback.
 
+Every server is started once, before round 1, and stopped after the last round, but
+for two that cannot delete (``bench.peers``): ``lm://`` restarts empty when the next
+chunk size's cells would take it past 4 GiB, Mooncake before every chunk size.
+Each round runs every backend's cells in turn; a cell's reported figures are the
+medians over the rounds, and each round's own figures stay in the JSON
+(``bench.rounds``). kvpool's DRAM is twice the largest cell and is filled to capacity
+before each chunk size (``bench.full_pool``), so every measured put evicts, as in a
+pool in service; the nodes' eviction counters prove it for every cell.
+
 Concurrent clients are separate LMCache stacks (own connector, connections and event
-loop) in this process, one driver thread each; every round starts on a barrier and
-its time is the first start to the last finish, so byte checks are never timed.
-Results go to ``bench/results/harness-<timestamp>.json`` (and ``.png`` when
-matplotlib is installed); ``bench.report`` prints the table.
+loop) in this process, one driver thread each. Before its cells, each stack makes one
+untimed put and get of a full batch (connections open, buffers touched); then every
+call starts on a barrier and its time is the first start to the last finish, so byte
+checks are never timed. Results go to ``bench/results/harness-<timestamp>.json`` (and
+``.png`` when matplotlib is installed); ``bench.report`` prints the table.
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +68,7 @@ from bench.ceilings import memcpy_gbps, tcp_loopback_gbps
 from bench.lmcache_stack import LMCacheStack
 from bench.peers import PEER_NAMES, Peer, make_peers
 from bench.resp_proxy import CountingProxy
+from bench.rounds import combine_ceilings, combine_cells
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -75,6 +87,10 @@ LOOKUP_SHAPE = (1, 1, 16)  # 16 KiB chunks: a lookup only sees keys
 LOOKUP_PUT_BATCH = 50
 STAMP_BYTES = 16
 STAMP_MAGIC = b"kvpbench"
+REAL_ROUNDS = 3  # medians of three interleaved rounds, as the targets are defined
+SMOKE_ROUNDS = 1
+DRAM_PER_CELL = 2  # kvpool's DRAM, in multiples of the largest cell: the cell fits, the fill still evicts
+WARM_UP_CELL = 0  # cell number of the untimed warm-up keys (measured cells count from 1)
 
 PUT_TIMEOUT_S = 120.0
 BARRIER_TIMEOUT_S = 300.0
@@ -90,38 +106,79 @@ class Plan:
     shapes: dict[str, tuple[int, int, int]]
     batches: tuple[int, ...]
     clients: tuple[int, ...]
-    cell_bytes: int  # bytes each cell moves per direction; rounds are sized from it
-    min_rounds: int
-    max_rounds: int
+    rounds: int  # interleaved rounds; a cell's reported figures are medians over them
+    cell_bytes: int  # bytes each cell moves per direction and round; its calls are sized from it
+    min_calls: int
+    max_calls: int
     lookup_keys: int
     lookup_repeats: int
     memcpy_bytes: int
     tcp_bytes: int
 
-    def rounds(self, chunk_bytes: int, batch: int, clients: int) -> int:
+    def calls(self, chunk_bytes: int, batch: int, clients: int) -> int:
+        """Batched calls per client in one round of a cell."""
         wanted = math.ceil(self.cell_bytes / (chunk_bytes * batch * clients))
-        return max(self.min_rounds, min(self.max_rounds, wanted))
+        return max(self.min_calls, min(self.max_calls, wanted))
 
     def largest_cell_bytes(self) -> int:
         return max(
-            chunk_bytes(shape) * batch * clients * self.rounds(chunk_bytes(shape), batch, clients)
+            chunk_bytes(shape) * batch * clients * self.calls(chunk_bytes(shape), batch, clients)
             for shape in self.shapes.values() for batch in self.batches for clients in self.clients
         )  # fmt: skip
 
+    def stored_bytes(self, shape: tuple[int, int, int]) -> int:
+        """What one round of a chunk size's cells stores, its warm-up included."""
+        size = chunk_bytes(shape)
+        cells = sum(size * b * c * self.calls(size, b, c) for b in self.batches for c in self.clients)
+        return cells + size * max(self.batches) * max(self.clients)
 
-def make_plan(quick: bool, smoke: bool) -> Plan:
+    def kvpool_dram_bytes(self) -> int:
+        """kvpool's DRAM: twice what one cell (or the lookup) stores, so its chunks fit in a full pool."""
+        lookup_bytes = chunk_bytes(LOOKUP_SHAPE) * self.lookup_keys
+        return DRAM_PER_CELL * math.ceil(max(self.largest_cell_bytes(), lookup_bytes) / MIB) * MIB
+
+
+def make_plan(
+    *,
+    quick: bool = False,
+    smoke: bool = False,
+    targets: bool = False,
+    chunks: Sequence[str] | None = None,
+    batches: Sequence[int] | None = None,
+    clients: Sequence[int] | None = None,
+    rounds: int | None = None,
+) -> Plan:
+    """The mode's plan, with any of its chunk sizes, batches, clients and rounds replaced."""
     if smoke:
         shapes = {"16KiB": SMOKE_SHAPES["16KiB"]} if quick else SMOKE_SHAPES
-        return Plan("quick" if quick else "full", shapes, (1, 8), (1,) if quick else (1, 4),
-                    cell_bytes=MIB, min_rounds=2, max_rounds=8, lookup_keys=100, lookup_repeats=2,
+        plan = Plan("quick" if quick else "full", shapes, (1, 8), (1,) if quick else (1, 4), SMOKE_ROUNDS,
+                    cell_bytes=MIB, min_calls=2, max_calls=4, lookup_keys=100, lookup_repeats=2,
                     memcpy_bytes=16 * MIB, tcp_bytes=64 * MIB)  # fmt: skip
-    if quick:
-        return Plan("quick", {"4MiB": CHUNK_SHAPES["4MiB"]}, (1, 8), (1,), cell_bytes=512 * MIB,
-                    min_rounds=5, max_rounds=100, lookup_keys=1000, lookup_repeats=5,
+    elif targets:  # the cells the targets are defined on (bench.report); 32 MiB still has 6 calls behind a p99
+        plan = Plan("targets", {n: CHUNK_SHAPES[n] for n in report.TARGET_CHUNKS}, (report.TARGET_BATCH,),
+                    (report.TARGET_CLIENTS,), REAL_ROUNDS, cell_bytes=GIB, min_calls=6, max_calls=100,
+                    lookup_keys=1000, lookup_repeats=5, memcpy_bytes=256 * MIB, tcp_bytes=GIB)  # fmt: skip
+    elif quick:
+        plan = Plan("quick", {"4MiB": CHUNK_SHAPES["4MiB"]}, (1, 8), (1,), REAL_ROUNDS, cell_bytes=512 * MIB,
+                    min_calls=5, max_calls=100, lookup_keys=1000, lookup_repeats=5,
                     memcpy_bytes=256 * MIB, tcp_bytes=GIB)  # fmt: skip
-    return Plan("full", dict(CHUNK_SHAPES), (1, 8), (1, 4), cell_bytes=512 * MIB, min_rounds=2,
-                max_rounds=100, lookup_keys=1000, lookup_repeats=5, memcpy_bytes=256 * MIB,
-                tcp_bytes=GIB)  # fmt: skip
+    else:
+        plan = Plan("full", dict(CHUNK_SHAPES), (1, 8), (1, 4), REAL_ROUNDS, cell_bytes=512 * MIB, min_calls=2,
+                    max_calls=100, lookup_keys=1000, lookup_repeats=5, memcpy_bytes=256 * MIB,
+                    tcp_bytes=GIB)  # fmt: skip
+    known = SMOKE_SHAPES if smoke else CHUNK_SHAPES
+    if chunks is not None:
+        unknown = [c for c in chunks if c not in known]
+        if unknown or not chunks:
+            raise ValueError(f"--chunks: unknown size(s) {unknown}; choose from {','.join(known)}")
+        plan = replace(plan, shapes={c: known[c] for c in chunks})
+    if batches is not None:
+        plan = replace(plan, batches=tuple(batches))
+    if clients is not None:
+        plan = replace(plan, clients=tuple(clients))
+    if rounds is not None:
+        plan = replace(plan, rounds=rounds)
+    return plan
 
 
 def chunk_bytes(shape: tuple[int, int, int]) -> int:
@@ -235,24 +292,34 @@ def base_bytes(shape: tuple[int, int, int]) -> torch.Tensor:
 
 
 # -- one cell: chunk size x batch x clients ----------------------------------------------
-def key_hash(cell: int, client: int, round_no: int, slot: int) -> int:
-    return (cell << 40) | (client << 32) | (round_no << 8) | slot
+# A chunk's key hash holds (round, cell, client, call, slot): every key of a run is new,
+# so no store can answer a put with "already there".
+KEY_FIELDS_BITS = (("round", 8), ("cell", 16), ("client", 8), ("call", 12), ("slot", 12))
 
 
-class _Rounds:
-    """Per-round start/end times of every client, and what the byte checks found."""
+def key_hash(round_no: int, cell: int, client: int, call: int, slot: int) -> int:
+    value = 0
+    for (name, bits), field in zip(KEY_FIELDS_BITS, (round_no, cell, client, call, slot), strict=True):
+        if not 0 <= field < 1 << bits:
+            raise ValueError(f"key field {name}={field} does not fit in {bits} bits")
+        value = (value << bits) | field
+    return value
 
-    def __init__(self, clients: int, rounds: int) -> None:
-        self.put = [[(0.0, 0.0)] * rounds for _ in range(clients)]
-        self.get = [[(0.0, 0.0)] * rounds for _ in range(clients)]
+
+class _Calls:
+    """Per-call start/end times of every client, and what the byte checks found."""
+
+    def __init__(self, clients: int, calls: int) -> None:
+        self.put = [[(0.0, 0.0)] * calls for _ in range(clients)]
+        self.get = [[(0.0, 0.0)] * calls for _ in range(clients)]
         self.misses = [0] * clients
         self.mismatches = [0] * clients
         self.errors: list[str] = []
 
     @staticmethod
     def wall_s(times: list[list[tuple[float, float]]]) -> float:
-        """Sum over rounds of first start to last finish."""
-        return sum(max(c[r][1] for c in times) - min(c[r][0] for c in times) for r in range(len(times[0])))
+        """Sum over calls of first start to last finish."""
+        return sum(max(c[i][1] for c in times) - min(c[i][0] for c in times) for i in range(len(times[0])))
 
     @staticmethod
     def op_s(times: list[list[tuple[float, float]]]) -> list[float]:
@@ -260,13 +327,20 @@ class _Rounds:
 
 
 def run_cell(
-    stacks: Sequence[LMCacheStack], base: torch.Tensor, cell: int, batch: int, clients: int, rounds: int
+    stacks: Sequence[LMCacheStack],
+    base: torch.Tensor,
+    round_no: int,
+    cell: int,
+    batch: int,
+    clients: int,
+    calls: int,
 ) -> tuple[dict[str, Any], list[Any]]:
-    """Every client puts ``rounds`` batches, then reads them back; returns the figures and the keys used."""
-    record = _Rounds(clients, rounds)
+    """Every client puts ``calls`` batches, then reads them back; returns the figures and the keys used."""
+    record = _Calls(clients, calls)
     barrier = threading.Barrier(clients, timeout=BARRIER_TIMEOUT_S)
-    keys = [[[stacks[c].key(key_hash(cell, c, r, s)) for s in range(batch)] for r in range(rounds)]
-            for c in range(clients)]  # fmt: skip
+    hashes = [[[key_hash(round_no, cell, c, i, s) for s in range(batch)] for i in range(calls)]
+              for c in range(clients)]  # fmt: skip
+    keys = [[[stacks[c].key(h) for h in per_call] for per_call in hashes[c]] for c in range(clients)]
 
     def client(c: int) -> None:
         stack = stacks[c]
@@ -275,23 +349,23 @@ def run_cell(
             for _ in range(batch):
                 objs.append(allocate(stack))
                 byte_view(objs[-1]).copy_(base)
-            for r in range(rounds):
-                for s, obj in enumerate(objs):
-                    stamp(obj, key_hash(cell, c, r, s))
+            for i in range(calls):
+                for obj, h in zip(objs, hashes[c][i], strict=True):
+                    stamp(obj, h)
                 barrier.wait()
                 start = time.perf_counter()
-                stack.put(keys[c][r], objs, timeout_s=PUT_TIMEOUT_S)
-                record.put[c][r] = (start, time.perf_counter())
-            for r in range(rounds):
+                stack.put(keys[c][i], objs, timeout_s=PUT_TIMEOUT_S)
+                record.put[c][i] = (start, time.perf_counter())
+            for i in range(calls):
                 barrier.wait()
                 start = time.perf_counter()
-                got = stack.get(keys[c][r])
-                record.get[c][r] = (start, time.perf_counter())
+                got = stack.get(keys[c][i])
+                record.get[c][i] = (start, time.perf_counter())
                 try:
-                    for s, obj in enumerate(got):
+                    for obj, h in zip(got, hashes[c][i], strict=True):
                         if obj is None:
                             record.misses[c] += 1
-                        elif not identical(obj, base, key_hash(cell, c, r, s)):
+                        elif not identical(obj, base, h):
                             record.mismatches[c] += 1
                 finally:
                     stack.release(got)
@@ -305,17 +379,17 @@ def run_cell(
                for c in range(clients)]  # fmt: skip
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + BARRIER_TIMEOUT_S * (2 * rounds + 1)
+    deadline = time.monotonic() + BARRIER_TIMEOUT_S * (2 * calls + 1)
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
             record.errors.append(f"{thread.name} did not finish")
-    moved = stacks[0].chunk_bytes * batch * clients * rounds
+    moved = stacks[0].chunk_bytes * batch * clients * calls
     result: dict[str, Any] = {
         "batch": batch,
         "clients": clients,
-        "rounds": rounds,
-        "chunks_read": batch * clients * rounds,
+        "calls": calls,
+        "chunks_read": batch * clients * calls,
         "misses": sum(record.misses),
         "mismatches": sum(record.mismatches),
         "errors": record.errors,
@@ -391,48 +465,148 @@ def count_round_trips(peer: Peer, keys: Sequence[Any]) -> dict[str, Any]:
     }
 
 
-# -- one backend ------------------------------------------------------------------------
-def run_backend(peer: Peer, plan: Plan, bases: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Every cell of the plan, then the lookup; an exception ends this backend, not the run."""
-    out: dict[str, Any] = {"status": "ok", "ceiling": peer.ceiling, "cells": [], "errors": []}
+# -- the rounds -------------------------------------------------------------------------
+def run_rounds(
+    peers: Sequence[Peer], plan: Plan, bases: dict[str, torch.Tensor]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Start every peer, run each backend's cells in every round, stop every peer.
+
+    Returns the backends' results, their cells combined over the rounds, and the
+    ceilings measured at the start of each round. A backend that fails is left out of
+    the later rounds; the others go on.
+    """
+    results: dict[str, Any] = {}
+    ceilings: list[dict[str, float]] = []
+    running = [peer for peer in peers if not peer.skip_reason]
+    try:
+        for peer in peers:
+            results[peer.name] = start_peer(peer)
+        for round_no in range(1, plan.rounds + 1):
+            ceilings.append(measure_ceilings(plan))
+            print(f"[harness] round {round_no}/{plan.rounds}: ceilings memcpy {ceilings[-1]['memcpy_gbps']:.2f} GB/s, "
+                  f"one TCP stream over loopback {ceilings[-1]['tcp_loopback_gbps']:.2f} GB/s", flush=True)  # fmt: skip
+            for peer in running:
+                if results[peer.name]["status"] == "ok":
+                    run_round(peer, plan, bases, round_no, results[peer.name])
+    finally:
+        for peer in running:
+            stop_peer(peer)
+    for backend in results.values():
+        if "round_cells" in backend:
+            backend["cells"] = combine_cells(backend.pop("round_cells"))
+    return results, combine_ceilings(ceilings)
+
+
+def measure_ceilings(plan: Plan) -> dict[str, float]:
+    return {"memcpy_gbps": memcpy_gbps(plan.memcpy_bytes), "tcp_loopback_gbps": tcp_loopback_gbps(plan.tcp_bytes)}
+
+
+def start_peer(peer: Peer) -> dict[str, Any]:
+    """Start one peer; its result record (skipped, failed, or ready for the rounds)."""
+    if peer.skip_reason:
+        print(f"[harness] {peer.name}: skipped ({peer.skip_reason}); not installed here, and the harness "
+              "does not install it", flush=True)  # fmt: skip
+        return {"status": "skipped", "reason": peer.skip_reason}
+    out: dict[str, Any] = {"status": "ok", "ceiling": peer.ceiling, "round_cells": [], "fills": [], "errors": []}
+    print(f"[harness] {peer.name}: starting", flush=True)
     started = time.monotonic()
     try:
         peer.start()
-        _run_cells(peer, plan, bases, out["cells"])
-        out["lookup"] = measure_lookup(peer, plan)
-        print(report.lookup_line(peer.name, out["lookup"]), flush=True)
     except Exception as exc:
         traceback.print_exc()
         out["status"] = "failed"
-        out["errors"].append(repr(exc))
-    finally:
-        peer.stop()
+        out["errors"].append(f"start: {exc!r}")
     out["seconds"] = round(time.monotonic() - started, 1)
     return out
 
 
-def _run_cells(peer: Peer, plan: Plan, bases: dict[str, torch.Tensor], cells: list[dict[str, Any]]) -> None:
+def stop_peer(peer: Peer) -> None:
+    try:
+        peer.stop()
+    except Exception as exc:  # one peer that stops badly must not leave the others running
+        print(f"[harness] {peer.name}: stopping failed: {exc!r}", flush=True)
+
+
+def run_round(peer: Peer, plan: Plan, bases: dict[str, torch.Tensor], round_no: int, out: dict[str, Any]) -> None:
+    """One round of a backend: every cell, and in round 1 the lookup; an exception ends this backend, not the run."""
+    started = time.monotonic()
+    try:
+        _run_cells(peer, plan, bases, round_no, out)
+        if round_no == 1:
+            out["lookup"] = measure_lookup(peer, plan)
+            print(report.lookup_line(peer.name, out["lookup"]), flush=True)
+    except Exception as exc:
+        traceback.print_exc()
+        out["status"] = "failed"
+        out["errors"].append(f"round {round_no}: {exc!r}")
+    out["seconds"] = round(out["seconds"] + time.monotonic() - started, 1)
+
+
+def _run_cells(peer: Peer, plan: Plan, bases: dict[str, torch.Tensor], round_no: int, out: dict[str, Any]) -> None:
     cell_no = 0
     for size, shape in plan.shapes.items():
-        peer.new_chunk_size()
+        peer.new_chunk_size(plan.stored_bytes(shape))
+        fill = peer.fill(chunk_bytes(shape))
+        if fill is not None:
+            out["fills"].append({"round": round_no, "chunk": size, **fill})
+            print(report.fill_line(peer.name, out["fills"][-1]), flush=True)
         gib = local_cpu_gib(chunk_bytes(shape), max(plan.batches))
         stacks: list[LMCacheStack] = []
         try:
             for _ in range(max(plan.clients)):
                 stacks.append(build_stack(peer, shape, gib))
+            peer.clear(stacks[0], warm_up(stacks, round_no, max(plan.batches)))
             for batch in plan.batches:
                 for clients in plan.clients:
                     cell_no += 1
-                    rounds = plan.rounds(chunk_bytes(shape), batch, clients)
-                    cell, keys = run_cell(stacks[:clients], bases[size], cell_no, batch, clients, rounds)
-                    cell = {"chunk": size, "chunk_bytes": chunk_bytes(shape),
+                    calls = plan.calls(chunk_bytes(shape), batch, clients)
+                    evicted_before = peer.evictions()
+                    cell, keys = run_cell(stacks[:clients], bases[size], round_no, cell_no, batch, clients, calls)
+                    cell = {"round": round_no, "chunk": size, "chunk_bytes": chunk_bytes(shape),
                             "shape": [2, shape[0], TOKENS, shape[1] * shape[2]], **cell}  # fmt: skip
-                    cells.append(cell)
+                    record_evictions(cell, evicted_before, peer.evictions())
+                    out["round_cells"].append(cell)
                     print(report.cell_line(peer.name, cell), flush=True)
                     peer.clear(stacks[0], keys)
         finally:
             for stack in stacks:
                 close_stack(stack)
+
+
+def warm_up(stacks: Sequence[LMCacheStack], round_no: int, batch: int) -> list[Any]:
+    """One untimed put and get of a full batch per stack; returns the keys it stored.
+
+    A fresh stack's first call opens connections and maps or touches buffers, which a
+    serving engine pays once, not per batch; the measured calls come after it.
+    """
+    keys: list[Any] = []
+    for c, stack in enumerate(stacks):
+        batch_keys = [stack.key(key_hash(round_no, WARM_UP_CELL, c, 0, s)) for s in range(batch)]
+        objs: list[Any] = []
+        try:
+            for _ in batch_keys:
+                objs.append(allocate(stack))
+            stack.put(batch_keys, objs, timeout_s=PUT_TIMEOUT_S)
+        finally:
+            stack.release(objs)
+        stack.release(stack.get(batch_keys))
+        keys += batch_keys
+    return keys
+
+
+def record_evictions(cell: dict[str, Any], before: int | None, after: int | None) -> None:
+    """Note the evictions during a cell's puts (its gets evict nothing); fewer than its puts fail the run.
+
+    ``None``: the store does not count evictions (every peer but kvpool), nothing to note.
+    """
+    if before is None or after is None:
+        return
+    evictions = after - before
+    cell["evictions"] = evictions
+    cell["chunks_put"] = cell["batch"] * cell["clients"] * cell["calls"]
+    if evictions < cell["chunks_put"]:
+        cell["errors"].append(f"the pool evicted {evictions} chunks during {cell['chunks_put']} measured puts: "
+                              "it was not full, so some puts did not pay for an eviction")  # fmt: skip
 
 
 def failures(results: dict[str, Any], plan: Plan) -> list[str]:
@@ -489,53 +663,94 @@ def parse_backends(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_names(text: str) -> list[str]:
+    """Comma-separated names, in order, without repeats (chunk sizes are checked against the mode's)."""
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if not names:
+        raise argparse.ArgumentTypeError("expected a comma-separated list, e.g. 4MiB,32MiB")
+    return names
+
+
+def parse_counts(text: str) -> list[int]:
+    """Comma-separated positive integers, in order, without repeats."""
+    try:
+        counts = list(dict.fromkeys(int(n) for n in text.split(",") if n.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1,8") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers, e.g. 1,8")
+    return counts
+
+
+def parse_rounds(text: str) -> int:
+    rounds = parse_counts(text)
+    most = (1 << dict(KEY_FIELDS_BITS)["round"]) - 1
+    if len(rounds) != 1 or rounds[0] > most:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one number of rounds, at most {most}")
+    return rounds[0]
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", action="store_true",
+                        help=f"the measurement the targets are defined on: chunks {','.join(report.TARGET_CHUNKS)}, "
+                             f"batch {report.TARGET_BATCH}, {report.TARGET_CLIENTS} client, {REAL_ROUNDS} rounds")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="4 MiB chunks, batch 1 and 8, one client")
-    parser.add_argument("--smoke", action="store_true", help="tiny chunks and few rounds (for tests)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"tiny chunks ({','.join(SMOKE_SHAPES)}), {SMOKE_ROUNDS} round (for tests)")  # fmt: skip
+    parser.add_argument("--chunks", type=parse_names,
+                        help=f"chunk sizes, a subset of {','.join(CHUNK_SHAPES)} (with --smoke: of "
+                             f"{','.join(SMOKE_SHAPES)})")  # fmt: skip
+    parser.add_argument("--batches", type=parse_counts, help="chunks per call, e.g. 1,8")
+    parser.add_argument("--clients", type=parse_counts, help="concurrent clients, e.g. 1,4")
+    parser.add_argument("--rounds", type=parse_rounds,
+                        help=f"interleaved rounds; figures are medians over them (default {REAL_ROUNDS}, "
+                             f"{SMOKE_ROUNDS} with --smoke)")  # fmt: skip
     parser.add_argument("--backends", type=parse_backends, default=list(PEER_NAMES),
                         help=f"comma-separated subset of {','.join(PEER_NAMES)} (default: all)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"results directory (default {RESULTS})")
     parser.add_argument("--fs-dir", default=None, help="parent directory of the fs:// store (default: the temp dir)")
     args = parser.parse_args(argv)
+    if args.targets:
+        fixed = [f"--{n}" for n in ("quick", "smoke", "chunks", "batches", "clients") if getattr(args, n)]
+        if fixed:
+            parser.error(f"--targets fixes chunks, batch and clients; drop {' '.join(fixed)}")
+        if args.rounds is not None and args.rounds < REAL_ROUNDS:
+            parser.error(f"--targets needs at least {REAL_ROUNDS} rounds (the targets are medians of {REAL_ROUNDS})")
+    try:
+        plan = make_plan(quick=args.quick, smoke=args.smoke, targets=args.targets, chunks=args.chunks,
+                         batches=args.batches, clients=args.clients, rounds=args.rounds)  # fmt: skip
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args, plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, plan = parse_args(argv)
     # Before LMCache is imported: its per-stack deprecation warnings would drown the table.
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
     # kvpool's connector reports failed puts and gets as warnings; show them with their source.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    plan = make_plan(args.quick, args.smoke)
     stamp = dt.datetime.now().strftime("%Y-%m-%dT%H%M%S")
     command = "python -m bench.harness" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    largest = plan.largest_cell_bytes()
-    kvpool_dram_gib = max(2, math.ceil(1.5 * largest / GIB))
-    peers = make_peers(args.backends, kvpool_dram=f"{kvpool_dram_gib}GiB", fs_parent=args.fs_dir,
-                       mooncake_bytes=kvpool_dram_gib * GIB)  # fmt: skip
+    dram_bytes = plan.kvpool_dram_bytes()
+    peers = make_peers(args.backends, kvpool_dram=f"{dram_bytes // MIB}MiB", fs_parent=args.fs_dir,
+                       mooncake_bytes=dram_bytes)  # fmt: skip
     print(f"[harness] {plan.mode}{' smoke' if args.smoke else ''}: chunks {', '.join(plan.shapes)}; batch "
-          f"{', '.join(map(str, plan.batches))}; clients {', '.join(map(str, plan.clients))}; "
-          f"backends {', '.join(args.backends)}", flush=True)  # fmt: skip
-
-    ceilings = {"memcpy_gbps": memcpy_gbps(plan.memcpy_bytes), "tcp_loopback_gbps": tcp_loopback_gbps(plan.tcp_bytes)}
-    print(f"[harness] ceilings: memcpy {ceilings['memcpy_gbps']:.2f} GB/s, "
-          f"one TCP stream over loopback {ceilings['tcp_loopback_gbps']:.2f} GB/s", flush=True)  # fmt: skip
+          f"{', '.join(map(str, plan.batches))}; clients {', '.join(map(str, plan.clients))}; {plan.rounds} "
+          f"round(s); backends {', '.join(args.backends)}; kvpool DRAM {dram_bytes // MIB} MiB, filled before "
+          "each chunk size", flush=True)  # fmt: skip
     bases = {size: base_bytes(shape) for size, shape in plan.shapes.items()}
 
-    results: dict[str, Any] = {}
-    for peer in peers:
-        if peer.skip_reason:
-            results[peer.name] = {"status": "skipped", "reason": peer.skip_reason}
-            print(f"[harness] {peer.name}: skipped ({peer.skip_reason}); not installed here, and the harness "
-                  "does not install it", flush=True)  # fmt: skip
-            continue
-        print(f"[harness] {peer.name}: starting", flush=True)
-        results[peer.name] = run_backend(peer, plan, bases)
-
+    results, ceilings = run_rounds(peers, plan, bases)
     report.add_ratios(results, ceilings)
     problems = failures(results, plan)
     run = {
         "harness": "bench.harness",
         "started": stamp,
         "command": command,
-        "plan": {**asdict(plan), "smoke": args.smoke},
+        "plan": {**asdict(plan), "smoke": args.smoke, "kvpool_dram_bytes": dram_bytes},
         "machine": machine(),
         "revision": revision(),
         "ceilings": ceilings,

@@ -1,12 +1,13 @@
 """The storage services the harness compares, each started here and reached through LMCache.
 
 A peer starts its server, gives the LMCache config that reaches it, names the Redis
-server (if any) that answers its lookups, empties itself between measurements, and
+server (if any) that answers its lookups, empties itself between measurements (kvpool
+instead fills its DRAM, so that every measured put evicts: ``bench.full_pool``), and
 stops. Every server is a child process on 127.0.0.1 and is stopped by its own pid.
 
 | peer | server | LMCache reaches it with |
 |---|---|---|
-| kvpool | ``kvpool up --nvme 0 --shm-dir off`` (private Redis + one DRAM node) | the kvpool plugin, over TCP as from another host |
+| kvpool | ``kvpool up --nvme 0`` (private Redis + one DRAM node, as deployed) | the kvpool plugin with ``shm=off``: over TCP, as from another host |
 | kvpool-shm | ``kvpool up --nvme 0`` (DRAM in a /dev/shm arena) | the kvpool plugin, same-host fast path |
 | redis | ``redis-server`` | ``remote_url: redis://`` |
 | resp | the same ``redis-server`` | ``remote_url: resp://`` (no chunk meta, no unfull chunks) |
@@ -35,6 +36,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from backend.embedded import EmbeddedRedis, free_port
+from bench.full_pool import FullPool
 from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
 
 __all__ = ["Peer", "KVPoolPeer", "RedisPeer", "LMServerPeer", "FSPeer", "MooncakePeer", "PEER_NAMES", "make_peers"]
@@ -45,6 +47,7 @@ START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 STORE_SETTLE_S = 10.0
 LMCACHE_BLOCKING_TIMEOUT_S = 60  # LMCache's default (10 s) is short for 8 x 32 MiB over redis:// on 2 cores
+LM_SERVER_MAX_BYTES = 4 << 30  # what lm:// (no delete, no eviction) may hold before it is restarted empty
 KVPOOL_URL_RE = re.compile(r"^\s*(kvpool://\S+)\s*$")
 
 
@@ -154,8 +157,16 @@ class Peer:
     def clear(self, stack: LMCacheStack, keys: Sequence[Any]) -> None:
         """Forget ``keys`` so that the next measurement starts from an empty store."""
 
-    def new_chunk_size(self) -> None:
-        """Called before each chunk size."""
+    def new_chunk_size(self, store_bytes: int) -> None:
+        """Called before each chunk size's cells (in every round), with the bytes they will store."""
+
+    def fill(self, chunk_bytes: int) -> dict[str, Any] | None:
+        """Bring the store to its steady state (full) before a chunk size's cells; what was done, or None."""
+        return None
+
+    def evictions(self) -> int | None:
+        """How many chunks the store has evicted so far, or None when it does not evict or count."""
+        return None
 
     def stop(self) -> None:
         raise NotImplementedError
@@ -165,7 +176,9 @@ class KVPoolPeer(Peer):
     """kvpool's own pool, DRAM only: ``kvpool up --dram SIZE --nvme 0``.
 
     ``shm=False`` measures the TCP path, as a client on another host sees it (the
-    node keeps no arena); ``shm=True`` measures the same-host fast path.
+    node is the same default node, DRAM in its arena; the client says ``shm=off``);
+    ``shm=True`` measures the same-host fast path. Its DRAM is
+    filled before each chunk size (``fill``), so measured puts evict as in service.
     """
 
     def __init__(self, dram: str, *, shm: bool = False) -> None:
@@ -174,11 +187,13 @@ class KVPoolPeer(Peer):
         self.name = "kvpool-shm" if shm else "kvpool"
         self.ceiling = "memcpy" if shm else "tcp_loopback"
         self.url = ""
+        self.full: FullPool | None = None
         command = [sys.executable, "-m", "backend.cli", "up", "--dram", dram, "--nvme", "0"]
-        self.server = ServerProcess("kvpool up", command + ([] if shm else ["--shm-dir", "off"]), KVPOOL_URL_RE)
+        self.server = ServerProcess("kvpool up", command, KVPOOL_URL_RE)
 
     def start(self) -> None:
         self.url = self.server.start().wait_ready().group(1)
+        self.full = FullPool(self.url)
 
     @property
     def redis_port(self) -> int | None:
@@ -196,10 +211,20 @@ class KVPoolPeer(Peer):
         return config
 
     def clear(self, stack: LMCacheStack, keys: Sequence[Any]) -> None:
-        for key in keys:  # LMCache removes one key at a time, through the connector's remove_sync
-            stack.remote.remove(key)
+        """Nothing: removing keys would leave room that the next puts fill without evicting; LRU evicts them."""
+
+    def fill(self, chunk_bytes: int) -> dict[str, Any] | None:
+        assert self.full is not None, "fill before start"
+        return self.full.fill(chunk_bytes)
+
+    def evictions(self) -> int | None:
+        assert self.full is not None, "evictions before start"
+        return self.full.evictions()
 
     def stop(self) -> None:
+        if self.full is not None:
+            self.full.close()
+            self.full = None
         self.server.stop(signal.SIGINT)  # Ctrl-C, as a user stops it
 
 
@@ -261,7 +286,8 @@ class RedisPeer(Peer):
 class LMServerPeer(Peer):
     """LMCache's own server: ``python -m lmcache.v1.server 127.0.0.1 PORT cpu``.
 
-    It has no delete and no eviction, so it is restarted before each chunk size.
+    It has no delete and no eviction, so it is restarted empty before a chunk size
+    whose cells would take what it holds past ``LM_SERVER_MAX_BYTES``.
     """
 
     name = "lm"
@@ -269,9 +295,10 @@ class LMServerPeer(Peer):
     def __init__(self) -> None:
         self.port = 0
         self.server: ServerProcess | None = None
-        self.sizes_served = 0
+        self.stored_bytes = 0
 
     def start(self) -> None:
+        self.stored_bytes = 0
         self.port = free_port()
         self.server = ServerProcess(
             "lmcache.v1.server", [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(self.port), "cpu"]
@@ -281,11 +308,11 @@ class LMServerPeer(Peer):
     def lmcache_config(self, local_cpu_gib: float, *, redis_port: int | None = None) -> dict[str, Any]:
         return {**base_config(local_cpu_gib), "remote_url": f"lm://127.0.0.1:{self.port}"}
 
-    def new_chunk_size(self) -> None:
-        if self.sizes_served:
+    def new_chunk_size(self, store_bytes: int) -> None:
+        if self.stored_bytes and self.stored_bytes + store_bytes > LM_SERVER_MAX_BYTES:
             self.stop()
             self.start()
-        self.sizes_served += 1
+        self.stored_bytes += store_bytes
 
     def stop(self) -> None:
         if self.server is not None:
@@ -391,7 +418,7 @@ class MooncakePeer(Peer):
             },
         }
 
-    def new_chunk_size(self) -> None:
+    def new_chunk_size(self, store_bytes: int) -> None:
         if self.sizes_served:  # LMCache's Mooncake connector has no remove: start empty instead
             self.stop()
             self.start()

@@ -1,61 +1,163 @@
-"""Where a kvpool get spends its time: the client's profile over TCP and over the same-host path.
+"""Where a kvpool get spends its time: a budget per read path, beside this machine's ceilings.
 
-    python -m bench.profile_get                 # 8 x 4 MiB per get, 40 timed gets per path
-    python -m bench.profile_get --chunk-mib 32 --batch 8 --rounds 10
+    python -m bench.profile_get                  # 8 x 4 MiB per get, 40 timed gets per path
+    python -m bench.profile_get --chunk-mib 32 --rounds 10 --json budget.json
 
-Starts its own redis-server and one node (DRAM tier in a shared-memory arena), stores
-one batch, then times ``PoolClient.get`` of that batch into preallocated buffers, first
-through the arena (``shm=on``) and then over TCP (``shm=off``), each under cProfile.
-No LMCache here: this is kvpool's own share of a get. In the same run it measures what
-the copy alone can do on this machine: ``torch`` copy with all its threads (the
-harness's memcpy ceiling), one thread copying (``ctypes.memmove``, what the client
-does), and xxh3-64 over the chunk (the checksum every get verifies).
+Starts its own redis-server and one node (DRAM tier in a shared-memory arena), builds
+LMCache's storage with the kvpool plugin (``bench.lmcache_stack``), stores one batch,
+then times ``RemoteBackend.batched_get_blocking`` of that batch through the same-host
+arena (``shm=on``) and over TCP (``shm=off``). Each phase of a get is timed by wrapping
+the function that does it (bench-only wrappers; nothing in kvpool is instrumented):
+
+* LMCache: the caller's hop onto LMCache's event loop and back (total minus the connector);
+* lookup: the Redis index round trip (``Locator.lookup``);
+* LEASE (arena) / node answer (TCP): the node's reply to the request, before any payload;
+* allocation: LMCache's allocator handing out the memory objects (``_LMCacheSink.allocate``);
+* copy + checksum: the bulk copies on the worker threads (arena: out of the mapping;
+  TCP: the socket receive), wall time, and the threads' busy time inside it;
+* other: what is left (framing, event-loop wake-ups, task scheduling).
+
+In the same run it measures the ceilings: ``torch`` copy with all threads (the
+harness's memcpy ceiling), one thread copying, xxh3-64, and one TCP stream over
+loopback, both from one hot buffer (the harness's ceiling) and through a batch-sized
+working set of distinct buffers (what a real batch moves).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
-import cProfile
 import ctypes
+import functools
+import json
 import os
-import pstats
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # before LMCache is imported: its INFO lines drown the table
 
 import numpy as np
 import xxhash
 
-from backend.client import Chunk, PoolClient
-from backend.config import PoolConfig
+from backend.client.context import ClientContext
+from backend.client.registry import Locator
+from backend.client.tcp import TcpReader
 from backend.embedded import EmbeddedRedis
-from backend.protocol import ItemMeta
-from bench.ceilings import memcpy_gbps
+from backend.lmcache_connector import KVPoolConnector, _LMCacheSink
+from backend.protocol import Op
+from backend.shm import ArenaView
+from backend.transport import FrameSocket
+from bench.ceilings import memcpy_gbps, tcp_loopback_gbps
+from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
-TOP_FUNCTIONS = 8
+TOKENS = 256
 
 
-class _ReuseSink:
-    """Hands out the same preallocated buffers every get, as LMCache's allocator does once warm."""
+class Clock:
+    """Seconds spent per phase, summed over the timed gets (phases may run on any thread)."""
 
-    def __init__(self, buffers: list[bytearray]) -> None:
-        self.buffers = buffers
-        self.next = 0
+    def __init__(self) -> None:
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.on = False
+        self._lock = threading.Lock()
 
-    async def allocate(self, meta: ItemMeta) -> tuple[int, bytearray]:
-        index = self.next % len(self.buffers)
-        self.next += 1
-        return index, self.buffers[index]
+    def add(self, phase: str, seconds: float) -> None:
+        if self.on:
+            with self._lock:
+                self.seconds[phase] += seconds
 
-    def release(self, handle: int) -> None:
-        pass
+    def wrap(self, owner: Any, name: str, phase: str | Callable[..., str | None]) -> None:
+        """Time ``owner.name`` (a function or coroutine function) as ``phase`` (or ``phase(*args)``)."""
+        original = getattr(owner, name)
+        label = phase if callable(phase) else (lambda *a, **k: phase)
+        clock = self
+        if asyncio.iscoroutinefunction(original):
+
+            @functools.wraps(original)
+            async def timed_async(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return await original(*args, **kwargs)
+                finally:
+                    if (which := label(*args, **kwargs)) is not None:
+                        clock.add(which, time.perf_counter() - start)
+
+            setattr(owner, name, timed_async)
+        else:
+
+            @functools.wraps(original)
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    if (which := label(*args, **kwargs)) is not None:
+                        clock.add(which, time.perf_counter() - start)
+
+            setattr(owner, name, timed)
+
+
+CLOCK = Clock()
+
+
+def _instrument() -> None:
+    from backend.client.connection import NodePool
+
+    CLOCK.wrap(KVPoolConnector, "batched_get", "connector")
+    CLOCK.wrap(Locator, "lookup", "lookup")
+    CLOCK.wrap(NodePool, "request", lambda self, op, meta, **k: {Op.LEASE: "lease", Op.GET_BATCH: "request"}.get(op))
+    CLOCK.wrap(_LMCacheSink, "allocate", "allocation")
+    CLOCK.wrap(ClientContext, "map_in_threads", "copy (wall)")
+    CLOCK.wrap(FrameSocket, "recv_many", "receive (wall)")
+    CLOCK.wrap(ArenaView, "copy_checked", "thread busy")
+    CLOCK.wrap(FrameSocket, "_recv_many_blocking", "thread busy")
+    CLOCK.wrap(FrameSocket, "_wait_blocking", "thread waiting for data")
+    CLOCK.wrap(TcpReader, "read", "tcp read")
+
+
+def budget(seconds: dict[str, float], total_s: float, gets: int, shm: bool) -> list[tuple[str, float]]:
+    """Milliseconds per get by phase: the phases a get runs one after the other (they sum to the
+    total), then what ran inside the read, summed over its stripes and threads (those overlap)."""
+    per = {k: v / gets * 1000 for k, v in seconds.items()}
+    total = total_s / gets * 1000
+    rows = [("LMCache hop (caller -> LMCache's loop -> caller)", total - per.get("connector", 0.0)),
+            ("lookup (one Redis round trip)", per.get("lookup", 0.0))]  # fmt: skip
+    if shm:
+        rows += [("LEASE round trip (the node answers offsets)", per.get("lease", 0.0)),
+                 ("allocation (LMCache's allocator)", per.get("allocation", 0.0)),
+                 ("copy + checksum out of the arena, two threads (wall)", per.get("copy (wall)", 0.0))]  # fmt: skip
+    else:
+        rows += [("TCP read: stripes requested, allocated, received, checked (wall)", per.get("tcp read", 0.0))]
+    rows.append(("other (framing, wake-ups, scheduling)", per.get("connector", 0.0) - sum(v for _, v in rows[1:])))
+    rows.append(("= total per get", total))
+    if shm:
+        rows.append(("  worker threads copying + hashing (busy, both threads)", per.get("thread busy", 0.0)))
+        return rows
+    receive = per.get("receive (wall)", 0.0)
+    rows += [("  per stripe, summed: node answers (request -> first frame)",
+              per.get("request", 0.0) - receive - per.get("allocation", 0.0)),
+             ("  per stripe, summed: allocation (LMCache's allocator)", per.get("allocation", 0.0)),
+             ("  per stripe, summed: receive + checksum (wall)", receive),
+             ("  worker threads receiving + hashing (busy, both threads)", per.get("thread busy", 0.0)),
+             ("  ... of which waiting for the node's bytes", per.get("thread waiting for data", 0.0))]  # fmt: skip
+    return rows
+
+
+# -- ceilings ------------------------------------------------------------------------------
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def _single_thread_copy_gbps(nbytes: int, repeats: int = 5) -> float:
@@ -71,18 +173,24 @@ def _xxh3_gbps(nbytes: int, repeats: int = 5) -> float:
     return nbytes / best / 1e9
 
 
-def _timed(fn: Any) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def ceilings(chunk_bytes: int, batch: int) -> dict[str, float]:
+    batch_bytes = chunk_bytes * batch
+    return {
+        "memcpy_gbps": memcpy_gbps(batch_bytes),
+        "one_thread_copy_gbps": _single_thread_copy_gbps(batch_bytes),
+        "xxh3_gbps": _xxh3_gbps(chunk_bytes),
+        "tcp_loopback_gbps": tcp_loopback_gbps(1 << 30),
+        "tcp_loopback_batch_gbps": tcp_loopback_gbps(1 << 30, buffer_bytes=batch_bytes),
+    }
 
 
+# -- the pool and the measurement ----------------------------------------------------------
 @contextlib.contextmanager
 def _pool() -> Iterator[str]:
     """A redis-server and one node with an arena in /dev/shm; yields the pool URL."""
     with EmbeddedRedis() as redis:
         args = [sys.executable, "-m", "backend.cli", "node", "--redis", redis.url, "--namespace", "profile",
-                "--dram", "1GiB", "--port", "0"]  # fmt: skip
+                "--dram", "2GiB", "--port", "0"]  # fmt: skip
         node = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             assert node.stdout is not None
@@ -97,35 +205,59 @@ def _pool() -> Iterator[str]:
             node.wait(timeout=30)
 
 
-async def _profile(url: str, shm: bool, chunk_bytes: int, batch: int, rounds: int) -> tuple[float, pstats.Stats]:
-    config = PoolConfig.from_url(url + ("" if shm else "?shm=off"))
-    async with PoolClient(config) as client:
-        chunks = [Chunk(f"profile@{i}", os.urandom(chunk_bytes)) for i in range(batch)]
-        await client.put(chunks)
-        keys = [chunk.key for chunk in chunks]
-        sink = _ReuseSink([bytearray(chunk_bytes) for _ in range(batch)])
-        for _ in range(3):  # warm: connections, the arena mapping, page tables
-            await client.get(keys, sink)
-        profiler = cProfile.Profile()
-        start = time.perf_counter()
-        profiler.enable()
-        for _ in range(rounds):
-            got = await client.get(keys, sink)
-            if any(handle is None for handle in got):
-                raise RuntimeError("a stored chunk missed")
-        profiler.disable()
-        elapsed = time.perf_counter() - start
-        if shm and client.counters["shm_get_bytes"] == 0:
+def measure(url: str, shm: bool, chunk_mib: int, batch: int, rounds: int, fresh: bool = False) -> dict[str, Any]:
+    """Time ``rounds`` gets of one stored batch through LMCache; every byte is compared.
+
+    ``fresh``: each get reads a batch put just before it (untimed), as the harness does,
+    so the chunks sit in memory this client has not read before.
+    """
+    import torch
+
+    layers = chunk_mib * MIB // (2 * TOKENS * 1024 * 2)  # [2, layers, 256, 1024] bf16
+    config = kvpool_lmcache_config(
+        url + ("" if shm else "?shm=off"), local_cpu_gib=(3 * batch * chunk_mib) / 1024 + 0.1
+    )
+    stack = LMCacheStack(config, model="kvpool-profile/model", num_layers=layers, hidden=(8, 128))
+    try:
+        objs = [stack.make_object(i) for i in range(batch)]
+        expected = [o.tensor.clone() for o in objs]
+
+        def store(round_no: int) -> list[Any]:
+            keys = [stack.key(7000 + 100 * round_no + i) for i in range(batch)]
+            stack.put(keys, objs)
+            return keys
+
+        keys = store(0)
+        for _ in range(3):  # warm: connections, the arena mapping, LMCache's buffer
+            stack.release(stack.get(keys))
+        CLOCK.seconds.clear()
+        total_s = 0.0
+        for round_no in range(1, rounds + 1):
+            if fresh:
+                keys = store(round_no)
+            CLOCK.on = True
+            start = time.perf_counter()
+            got = stack.get(keys)
+            total_s += time.perf_counter() - start
+            CLOCK.on = False
+            try:
+                if any(g is None for g in got):
+                    raise RuntimeError("a stored chunk missed")
+            finally:
+                stack.release(got)
+        stack.release(objs)
+        got = stack.get(keys)  # untimed: the bytes are what was put
+        same = all(torch.equal(g.tensor, e) for g, e in zip(got, expected))
+        stack.release(got)
+        if not same:
+            raise RuntimeError("a chunk came back different")
+        connector = stack.connector()
+        if shm and connector.counters["shm_get_bytes"] == 0:
             raise RuntimeError("shm=on but nothing was read through the arena")
-    return rounds * batch * chunk_bytes / elapsed / 1e9, pstats.Stats(profiler)
-
-
-def _top(stats: pstats.Stats) -> list[tuple[float, str]]:
-    """The functions with the most own time, as (share of all own time, name)."""
-    table: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
-    total = sum(row[2] for row in table.values()) or 1.0
-    rows = sorted(table.items(), key=lambda item: item[1][2], reverse=True)[:TOP_FUNCTIONS]
-    return [(row[2] / total, pstats.func_std_string(func)) for func, row in rows]
+        gbps = rounds * batch * stack.chunk_bytes / total_s / 1e9
+        return {"gbps": gbps, "budget_ms": budget(dict(CLOCK.seconds), total_s, rounds, shm)}
+    finally:
+        stack.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,19 +265,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-mib", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--fresh", action="store_true", help="each get reads a batch put just before (as the harness)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
-    chunk_bytes = args.chunk_mib * MIB
-    print(f"ceilings, this run: torch copy (all threads) {memcpy_gbps(batch_bytes := chunk_bytes * args.batch):.2f} "
-          f"GB/s, one-thread memmove {_single_thread_copy_gbps(batch_bytes):.2f} GB/s, "
-          f"xxh3-64 {_xxh3_gbps(chunk_bytes):.2f} GB/s")  # fmt: skip
+    _instrument()
+    limits = ceilings(args.chunk_mib * MIB, args.batch)
+    print("ceilings, this run: " + ", ".join(f"{k.removesuffix('_gbps').replace('_', ' ')} {v:.2f} GB/s"
+                                             for k, v in limits.items()))  # fmt: skip
+    report: dict[str, Any] = {"ceilings": limits, "chunk_mib": args.chunk_mib, "batch": args.batch, "paths": {}}
     with _pool() as url:
         for shm in (True, False):
-            gbps, stats = asyncio.run(_profile(url, shm, chunk_bytes, args.batch, args.rounds))
             path = "same-host arena" if shm else "TCP"
-            print(f"\n{path}: {gbps:.2f} GB/s ({args.rounds} gets of {args.batch} x {args.chunk_mib} MiB); "
-                  f"client's own time by function:")  # fmt: skip
-            for share, name in _top(stats):
-                print(f"  {share:6.1%}  {name}")
+            result = measure(url, shm, args.chunk_mib, args.batch, args.rounds, args.fresh)
+            report["paths"][path] = result
+            print(f"\n{path}: {result['gbps']:.2f} GB/s ({args.rounds} gets of {args.batch} x {args.chunk_mib} MiB "
+                  f"through LMCache{', each of a batch just put' if args.fresh else ''}); milliseconds per get:")  # fmt: skip
+            for phase, ms in result["budget_ms"]:
+                print(f"  {ms:8.3f}  {phase}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 

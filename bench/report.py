@@ -1,22 +1,46 @@
 """Ratios, project targets, the printed table and the plot of a ``bench.harness`` run.
 
 Every GB/s figure is given as a ratio to its ceiling (one TCP stream over loopback for
-network stores, memcpy for ``fs://``) and to LMCache's ``redis://`` in the same cell;
-latencies and lookups as a ratio to ``redis://`` (below 1 is faster).
+network stores, memcpy for ``fs://`` and kvpool's same-host path) and to LMCache's
+``redis://`` in the same cell; latencies and lookups as a ratio to ``redis://`` (below
+1 is faster). Cells hold medians over the run's rounds, ceilings their best round
+(``bench.rounds``), and the targets are computed from those.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_ratios", "targets", "render", "plot", "cell_line", "lookup_line"]
+__all__ = ["add_ratios", "targets", "render", "plot", "cell_line", "fill_line", "lookup_line"]
+
+MIB = 1 << 20
 
 REFERENCE = "redis"
 CEILING_FIELDS = {"tcp_loopback": "tcp_loopback_gbps", "memcpy": "memcpy_gbps"}
-TARGET_CHUNK = "4MiB"
+CEILING_NAMES = {"tcp_loopback": "TCP loopback", "memcpy": "memcpy"}
+KVPOOL_BACKENDS = ("kvpool", "kvpool-shm")
+
+# The targets (issue "Hit path"): batch 8, one client, at 4 MiB and 32 MiB chunks.
+TARGET_CHUNKS = ("4MiB", "32MiB")
 TARGET_BATCH = 8
+TARGET_CLIENTS = 1
 TARGET_LOOKUP_KEYS = 1000
+GET_PEERS = ("lm", "resp")  # the fastest network gets LMCache has
+NETWORK_PEERS = ("redis", "resp", "lm", "mooncake")  # what a client on another host could use instead of kvpool
+ALL_PEERS = (*NETWORK_PEERS, "fs")  # on the same host, fs:// in the page cache is a choice too
+TCP_GET_VS_PEERS = 1.2
+TCP_GET_VS_CEILING = 0.8
+SHM_GET_VS_FS = 1.2
+SHM_GET_VS_MEMCPY = 0.6
+PUT_VS_PEERS = 1.3
+PUT_P99_VS_P50 = 2.0
+COMPARE: dict[str, Callable[[float, float], bool]] = {
+    ">=": lambda value, goal: value >= goal,
+    "<=": lambda value, goal: value <= goal,
+    "==": lambda value, goal: value == goal,
+}
 
 
 def _ratio(value: float | None, reference: float | None) -> float | None:
@@ -59,37 +83,64 @@ def add_ratios(results: dict[str, Any], ceilings: dict[str, float]) -> None:
             lookup["ms_vs_redis"] = _ratio(lookup["ms"]["p50"], ref_lookup["ms"]["p50"])
 
 
-def targets(results: dict[str, Any], ceilings: dict[str, float]) -> list[dict[str, Any]]:
-    """The project's targets (4 MiB chunks, batch 8, one client), each with its measured ratio."""
-    kv = _find(results, "kvpool", TARGET_CHUNK, TARGET_BATCH, 1)
-    ref = _find(results, REFERENCE, TARGET_CHUNK, TARGET_BATCH, 1)
-    peers = [c for c in (_find(results, n, TARGET_CHUNK, TARGET_BATCH, 1) for n in ("lm", "resp")) if c]
-    single = _find(results, "kvpool", TARGET_CHUNK, 1, 1)
-    single_ref = _find(results, REFERENCE, TARGET_CHUNK, 1, 1)
-    lookup = results.get("kvpool", {}).get("lookup") or {}
-    lookup_rt = lookup.get("redis_round_trips") if lookup.get("keys") == TARGET_LOOKUP_KEYS else None
+def _gbps(cell: dict[str, Any] | None, op: str) -> float | None:
+    return cell[f"{op}_gbps"] if cell else None
+
+
+def _label(what: str, gbps: float | None) -> str | None:
+    return None if gbps is None else f"{what} {gbps:.2f} GB/s"
+
+
+def _best(results: dict[str, Any], names: Sequence[str], chunk: str, op: str) -> tuple[float | None, str | None]:
+    """The highest ``op`` GB/s among ``names`` in the target cell, and a label naming it."""
+    found = [(cell[f"{op}_gbps"], name) for name in names
+             if (cell := _find(results, name, chunk, TARGET_BATCH, TARGET_CLIENTS)) is not None]  # fmt: skip
+    if not found:
+        return None, None
+    gbps, name = max(found)
+    return gbps, _label(f"{name}://", gbps)
+
+
+def targets(results: dict[str, Any], ceilings: dict[str, Any]) -> list[dict[str, Any]]:
+    """The project's targets at each target chunk size (batch 8, one client), from the cells' medians.
+
+    Each row: the target, its chunk size, the measured value, how it must compare with
+    the goal (``>=``, ``<=`` or ``==``), what it was measured against, and ``met``
+    (None when the run did not measure both sides).
+    """
     out: list[dict[str, Any]] = []
 
-    def add(name: str, value: float | None, goal: float, higher_is_better: bool = True, unit: str = "x") -> None:
-        met = None if value is None else (value >= goal if higher_is_better else value <= goal)
-        out.append({"target": name, "value": value, "goal": goal, "unit": unit, "met": met})
+    def add(name: str, chunk: str | None, value: float | None, compare: str, goal: float, against: str | None,
+            unit: str = "x") -> None:  # fmt: skip
+        met = None if value is None else COMPARE[compare](value, goal)
+        out.append({"target": name, "chunk": chunk, "value": value, "compare": compare, "goal": goal, "unit": unit,
+                    "against": against, "met": met})  # fmt: skip
 
-    def best_peer(op: str) -> float | None:
-        return max(c[f"{op}_gbps"] for c in peers) if peers else None
-
-    tcp = ceilings.get("tcp_loopback_gbps")
-    for op in ("get", "put"):
-        add(f"kvpool {op} >= 3x redis://", _ratio(kv and kv[f"{op}_gbps"], ref and ref[f"{op}_gbps"]), 3.0)
-        add(f"kvpool {op} >= best of lm:// / resp://", _ratio(kv and kv[f"{op}_gbps"], best_peer(op)), 1.0)
-        if op == "get":
-            add("kvpool get >= 0.7x TCP loopback", _ratio(kv and kv["get_gbps"], tcp), 0.7)
-    shm = _find(results, "kvpool-shm", TARGET_CHUNK, TARGET_BATCH, 1)
-    fs = _find(results, "fs", TARGET_CHUNK, TARGET_BATCH, 1)
-    add("same-host get >= fs:// get", _ratio(shm and shm["get_gbps"], fs and fs["get_gbps"]), 1.0)
-    add("same-host get >= 0.5x memcpy", _ratio(shm and shm["get_gbps"], ceilings.get("memcpy_gbps")), 0.5)
-    add("lookup of 1,000 keys = 1 Redis round trip", lookup_rt, 1, False, " round trips")
-    add("p99 of a single 4 MiB get <= 0.5x redis:// p99",
-        _ratio(single and single["get_ms"]["p99"], single_ref and single_ref["get_ms"]["p99"]), 0.5, False)  # fmt: skip
+    tcp, memcpy = ceilings.get("tcp_loopback_gbps"), ceilings.get("memcpy_gbps")
+    for chunk in TARGET_CHUNKS:
+        kv, shm, fs = (
+            _find(results, name, chunk, TARGET_BATCH, TARGET_CLIENTS) for name in ("kvpool", "kvpool-shm", "fs")
+        )
+        best_get, best_get_label = _best(results, GET_PEERS, chunk, "get")
+        add("kvpool get vs best of lm:// and resp://", chunk, _ratio(_gbps(kv, "get"), best_get), ">=",
+            TCP_GET_VS_PEERS, best_get_label)  # fmt: skip
+        add("kvpool get vs TCP loopback ceiling", chunk, _ratio(_gbps(kv, "get"), tcp), ">=", TCP_GET_VS_CEILING,
+            _label("TCP loopback", tcp))  # fmt: skip
+        add("kvpool-shm get vs fs://", chunk, _ratio(_gbps(shm, "get"), _gbps(fs, "get")), ">=", SHM_GET_VS_FS,
+            _label("fs://", _gbps(fs, "get")))  # fmt: skip
+        add("kvpool-shm get vs memcpy ceiling", chunk, _ratio(_gbps(shm, "get"), memcpy), ">=", SHM_GET_VS_MEMCPY,
+            _label("memcpy", memcpy))  # fmt: skip
+        for name, own, peers, which in (("kvpool", kv, NETWORK_PEERS, "best network peer"),
+                                        ("kvpool-shm", shm, ALL_PEERS, "best peer, fs:// included")):  # fmt: skip
+            best_put, best_put_label = _best(results, peers, chunk, "put")
+            add(f"{name} put (full pool) vs {which}", chunk, _ratio(_gbps(own, "put"), best_put), ">=", PUT_VS_PEERS,
+                best_put_label)  # fmt: skip
+            p50, p99 = (own["put_ms"][q] if own else None for q in ("p50", "p99"))
+            add(f"{name} put p99 vs its p50 (full pool)", chunk, _ratio(p99, p50), "<=", PUT_P99_VS_P50,
+                None if p50 is None else f"put p50 {p50:.1f} ms")  # fmt: skip
+    lookup = results.get("kvpool", {}).get("lookup") or {}
+    lookup_rt = lookup.get("redis_round_trips") if lookup.get("keys") == TARGET_LOOKUP_KEYS else None
+    add("kvpool lookup of 1,000 keys: Redis round trips", None, lookup_rt, "==", 1, None, unit=" round trip(s)")
     return out
 
 
@@ -99,13 +150,23 @@ def _f(value: float | None, digits: int = 2) -> str:
 
 
 def cell_line(backend: str, cell: dict[str, Any]) -> str:
-    where = f"[harness] {backend} {cell['chunk']} batch {cell['batch']} x{cell['clients']} client(s), {cell['rounds']} rounds"
+    """One round of one cell, as the harness prints it when measured."""
+    where = (f"[harness] round {cell['round']} {backend} {cell['chunk']} batch {cell['batch']} x{cell['clients']} "
+             f"client(s), {cell['calls']} calls")  # fmt: skip
+    evicted = f", {cell['evictions']} evictions during {cell['chunks_put']} puts" if "evictions" in cell else ""
     if "get_gbps" not in cell:
         return f"{where}: FAILED {'; '.join(cell['errors'])}"
     good = cell["chunks_read"] - cell["misses"] - cell["mismatches"]
-    return (f"{where}: put {cell['put_gbps']:.2f} GB/s (p99 {cell['put_ms']['p99']:.1f} ms), "
+    text = (f"{where}: put {cell['put_gbps']:.2f} GB/s (p99 {cell['put_ms']['p99']:.1f} ms), "
             f"get {cell['get_gbps']:.2f} GB/s (p99 {cell['get_ms']['p99']:.1f} ms), "
-            f"{good}/{cell['chunks_read']} identical")  # fmt: skip
+            f"{good}/{cell['chunks_read']} identical{evicted}")  # fmt: skip
+    return text + "".join(f"; ERROR {e}" for e in cell["errors"])
+
+
+def fill_line(backend: str, fill: dict[str, Any]) -> str:
+    return (f"[harness] round {fill['round']} {backend} {fill['chunk']}: DRAM filled with {fill['filler_chunks']} "
+            f"filler chunks, {fill['dram_used_bytes'] / MIB:.0f} of {fill['dram_capacity_bytes'] / MIB:.0f} MiB "
+            f"used, {fill['evictions']} evicted")  # fmt: skip
 
 
 def lookup_line(backend: str, lookup: dict[str, Any]) -> str:
@@ -123,10 +184,12 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def render(run: dict[str, Any]) -> str:
-    """The run as Markdown tables: throughput and latency, lookups, targets."""
+    """The run as Markdown tables: throughput and latency, kvpool beside its ceilings, lookups, targets."""
     c = run["ceilings"]
-    parts = [f"Ceilings: memcpy {c['memcpy_gbps']:.2f} GB/s; one TCP stream over loopback "
-             f"{c['tcp_loopback_gbps']:.2f} GB/s (x ceil: fs:// vs memcpy, the rest vs TCP)."]  # fmt: skip
+    rounds = run["plan"]["rounds"]
+    parts = [f"Medians of {rounds} interleaved round(s); every round's figures are in the JSON (per_round).\n"
+             f"Ceilings (best round): memcpy {c['memcpy_gbps']:.2f} GB/s; one TCP stream over loopback "
+             f"{c['tcp_loopback_gbps']:.2f} GB/s (x ceil: fs:// and kvpool-shm vs memcpy, the rest vs TCP)."]  # fmt: skip
     rows = []
     for name, backend in run["backends"].items():
         if backend["status"] == "skipped":
@@ -148,6 +211,11 @@ def render(run: dict[str, Any]) -> str:
                          "x ceil", "x redis", "put p50/p99 ms", "p99 x redis", "get p50/p99 ms", "p99 x redis",
                          "identical"],
                         rows))  # fmt: skip
+    ceiling_rows = _ceiling_rows(run)
+    if ceiling_rows:
+        parts.append(_table(["kvpool cell (full pool)", "chunk", "batch", "clients", "put GB/s", "get GB/s",
+                             "ceiling", "ceiling GB/s", "put x ceil", "get x ceil", "evictions / puts"],
+                            ceiling_rows))  # fmt: skip
     rows = []
     for name, backend in run["backends"].items():
         lookup = backend.get("lookup")
@@ -168,13 +236,35 @@ def render(run: dict[str, Any]) -> str:
         parts.append("\n".join(skipped + failed))
     rows = []
     for t in run["targets"]:
-        if t["value"] is None:
-            value = "-"
-        else:
-            value = f"{t['value']:.2f}x" if t["unit"] == "x" else f"{t['value']}{t['unit']}"
-        rows.append([t["target"], value, {True: "met", False: "MISSED", None: "not measured"}[t["met"]]])
-    parts.append(_table(["target (4 MiB chunks, batch 8, one client)", "measured", "result"], rows))
+        rows.append([t["target"], t["chunk"] or "-", _target_value(t["value"], t["unit"]),
+                     f"{t['compare']} {_target_value(t['goal'], t['unit'])}", t["against"] or "-",
+                     {True: "met", False: "MISSED", None: "not measured"}[t["met"]]])  # fmt: skip
+    parts.append(_table([f"target (batch {TARGET_BATCH}, {TARGET_CLIENTS} client, medians)", "chunk", "measured",
+                         "goal", "against", "result"], rows))  # fmt: skip
     return "\n\n".join(parts)
+
+
+def _target_value(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}x" if unit == "x" else f"{value:g}{unit}"
+
+
+def _ceiling_rows(run: dict[str, Any]) -> list[list[str]]:
+    """kvpool's cells beside the ceiling of their path: TCP loopback (kvpool), memcpy (kvpool-shm)."""
+    rows = []
+    for name in KVPOOL_BACKENDS:
+        backend = run["backends"].get(name, {})
+        ceiling = backend.get("ceiling", "")
+        ceiling_gbps = run["ceilings"].get(CEILING_FIELDS.get(ceiling, ""))
+        for cell in backend.get("cells", []):
+            if "get_gbps" not in cell:
+                continue
+            evicted = f"{cell['evictions']} / {cell['chunks_put']}" if "evictions" in cell else "-"
+            rows.append([name, cell["chunk"], str(cell["batch"]), str(cell["clients"]), _f(cell["put_gbps"]),
+                         _f(cell["get_gbps"]), CEILING_NAMES.get(ceiling, ceiling), _f(ceiling_gbps),
+                         _f(cell["put_vs_ceiling"]), _f(cell["get_vs_ceiling"]), evicted])  # fmt: skip
+    return rows
 
 
 # -- plot -------------------------------------------------------------------------------

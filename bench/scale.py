@@ -21,6 +21,15 @@ On the largest pool it then measures membership changes:
 * drain: ``kvpool drain`` of another node, then its stop: hits of the working set
   before and after.
 
+and what the registry costs Redis as the fleet grows: per client and second while
+membership is unchanged (the client asks for nodes as a serving engine does; its
+commands counted by ``bench.resp_proxy``), per client and membership change, a full
+read of the registry, and per node and second (heartbeats, ``INFO commandstats``
+with no client); then the Redis commands per second those rates mean for 10,000
+engines and 1,000 nodes at the default intervals (``--fleet-engines``,
+``--fleet-nodes``, ``--changes-per-node-day``). ``--registry-only`` measures just
+that, on a pool of the largest size.
+
 Finally ``redis-benchmark`` (pipelined) gives this machine's Redis ops/s for the two
 commands that dominate: HGETALL of an index entry (a lookup) and the commit Lua
 script (a put). Results go to ``bench/results/scale-<timestamp>.json``.
@@ -53,8 +62,9 @@ from backend.admin import drain
 from backend.config import format_size, parse_size
 from backend.embedded import EmbeddedRedis
 from backend.errors import KVPoolError
-from backend.metadata import _COMMIT_LUA
+from backend.metadata import _COMMIT_LUA, MetadataStore
 from bench.peers import ServerProcess
+from bench.resp_proxy import CountingProxy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 READY_RE = re.compile(r"kvpool node (\S+) ready at (\S+):(\d+) \(epoch (\d+)\)")
@@ -63,6 +73,8 @@ JOIN_KEYS = 4000  # small writes after a join: enough that the joiner's share is
 JOIN_VALUE_BYTES = 1024
 REPLICATED_SHARE = 8  # the replicas=2 set of the kill experiment: 1/8 of the working set's keys
 REDIS_BENCH_REQUESTS = 200_000
+REGISTRY_IDLE_S = 5.0  # how long the registry's idle cost is counted
+ENGINE_ASKS_S = 0.01  # a serving engine asks for the nodes this often (every lookup and get does)
 ENTRY = "1|dram|262144|123|1700000000"  # an index entry as a node writes it (epoch|tier|nbytes|checksum|time)
 
 
@@ -237,6 +249,75 @@ async def measure_size(n: int, args: argparse.Namespace, chunks: Sequence[Chunk]
     return row, pool
 
 
+async def registry_cost(pool: Pool) -> dict[str, Any]:
+    """Redis commands the registry costs: per client idle second, per change, per full read, per node second."""
+    result: dict[str, Any] = {"nodes": len(pool.nodes)}
+    with CountingProxy(pool.redis.port) as proxy:
+        url = f"kvpool://127.0.0.1:{proxy.port}/{pool.namespace}?shm=off"
+        async with PoolClient(PoolConfig.from_url(url)) as client:
+
+            def sent() -> int:
+                return int(proxy.counts()["requests"])
+
+            await client.nodes(refresh=True)
+            before, start = sent(), time.monotonic()
+            while time.monotonic() - start < REGISTRY_IDLE_S:
+                await client.nodes()  # refreshed in the background at most every second
+                await asyncio.sleep(ENGINE_ASKS_S)
+            result["client_idle_cmds_per_s"] = (sent() - before) / (time.monotonic() - start)
+            before = sent()
+            await client.nodes(refresh=True)
+            result["full_read_cmds"] = sent() - before
+            meta = MetadataStore(pool.redis.url, pool.namespace)
+            try:
+                node_id = next(iter(pool.nodes))
+                await client.registry.refresh()
+                await meta.set_draining(node_id, True)  # one membership change
+                before = sent()
+                await client.registry.refresh()
+                result["change_cmds"] = sent() - before
+                await meta.set_draining(node_id, False)
+            finally:
+                await meta.close()
+    stats_before, start = pool.commandstats(), time.monotonic()
+    await asyncio.sleep(REGISTRY_IDLE_S)  # the nodes alone: their heartbeats
+    beats = pool.commandstats() - stats_before
+    result["node_cmds_per_s"] = sum(beats.values()) / (time.monotonic() - start) / len(pool.nodes)
+    result["node_commands"] = dict(beats)
+    result["registry_entry_bytes"] = pool.registry_entry_bytes()
+    return result
+
+
+def fleet(cost: dict[str, Any], engines: int, nodes: int, changes_per_node_day: float) -> dict[str, float]:
+    """Redis commands per second for ``engines`` clients and ``nodes`` nodes, from the measured rates.
+
+    A full read costs 2 + (nodes) commands (the registry hash, the draining set, one
+    heartbeat key per node): what every client paid every second before the version key.
+    """
+    changes_per_s = nodes * changes_per_node_day / 86_400
+    full_read = 2 + nodes
+    return {
+        "engines_idle_cmds_per_s": engines * cost["client_idle_cmds_per_s"],
+        "nodes_cmds_per_s": nodes * cost["node_cmds_per_s"],
+        "changes_per_s": changes_per_s,
+        "engines_change_cmds_per_s": engines * changes_per_s * cost["change_cmds"],
+        "before_version_key_cmds_per_s": engines * full_read,
+        "before_version_key_bytes_per_s": engines * nodes * cost["registry_entry_bytes"],
+    }
+
+
+def _print_fleet(cost: dict[str, Any], scaled: dict[str, float], engines: int, nodes: int) -> None:
+    total = scaled["engines_idle_cmds_per_s"] + scaled["nodes_cmds_per_s"] + scaled["engines_change_cmds_per_s"]
+    print(f"registry, measured on {cost['nodes']} nodes: a client {cost['client_idle_cmds_per_s']:.2f} commands/s "
+          f"while nothing changes, {cost['change_cmds']} per membership change, {cost['full_read_cmds']} per full "
+          f"read; a node {cost['node_cmds_per_s']:.2f} commands/s (heartbeats)")  # fmt: skip
+    print(f"registry at {engines:,} engines and {nodes:,} nodes: {scaled['engines_idle_cmds_per_s']:,.0f} (engines) + "
+          f"{scaled['nodes_cmds_per_s']:,.0f} (nodes) + {scaled['engines_change_cmds_per_s']:,.0f} (changes, "
+          f"{scaled['changes_per_s']:.3f}/s) = {total:,.0f} commands/s; before the version key every engine read "
+          f"the whole registry each second: {scaled['before_version_key_cmds_per_s']:,.0f} commands/s and "
+          f"{scaled['before_version_key_bytes_per_s'] / 1e9:.1f} GB/s of registry entries")  # fmt: skip
+
+
 async def membership(pool: Pool, args: argparse.Namespace, chunks: Sequence[Chunk]) -> dict[str, Any]:
     """Join, kill and drain on a running pool whose working set was put with replicas=1."""
     keys = [c.key for c in chunks]
@@ -355,6 +436,11 @@ def main() -> int:
     )
     parser.add_argument("--results", type=Path, default=RESULTS, help="directory for the JSON (default bench/results)")
     parser.add_argument("--no-redis-benchmark", action="store_true", help="skip the redis-benchmark figures")
+    parser.add_argument("--registry-only", action="store_true", help="only the registry's cost, on the largest pool")
+    parser.add_argument("--fleet-engines", type=int, default=10_000, help="engines to extrapolate to (10,000)")
+    parser.add_argument("--fleet-nodes", type=int, default=1_000, help="nodes to extrapolate to (1,000)")
+    parser.add_argument("--changes-per-node-day", type=float, default=24.0,
+                        help="membership changes per node and day to extrapolate with (default 24)")  # fmt: skip
     args = parser.parse_args()
     args.chunk_bytes = parse_size(args.chunk)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -364,20 +450,37 @@ def main() -> int:
 
     rows: list[dict[str, Any]] = []
     events: dict[str, Any] = {}
+    registry: dict[str, Any] = {}
+    if args.registry_only:
+        sizes, args.no_redis_benchmark = [max(sizes)], True
     for n in sizes:
+        if args.registry_only:
+            pool = Pool()
+            pool.start_nodes(args.node_dram, [f"n{i}" for i in range(n)])
+            try:
+                registry = asyncio.run(registry_cost(pool))
+            finally:
+                pool.close()
+            continue
         row, pool = asyncio.run(measure_size(n, args, chunks))
         rows.append(row)
         print(f"  {n} node(s): put {row['put_gbps']:.3f} GB/s, get {row['get_gbps']:.3f} GB/s, "
               f"hit rate {row['hit_rate']:.3f}", flush=True)  # fmt: skip
         try:
+            if n == max(sizes):
+                registry = asyncio.run(registry_cost(pool))
             if n == max(sizes) and n >= 3:
                 events = asyncio.run(membership(pool, args, chunks))
         finally:
             pool.close()
     bench = None if args.no_redis_benchmark else redis_benchmark()
 
+    scaled = fleet(registry, args.fleet_engines, args.fleet_nodes, args.changes_per_node_day) if registry else {}
     print()
-    _print_table(rows)
+    if rows:
+        _print_table(rows)
+    if registry:
+        _print_fleet(registry, scaled, args.fleet_engines, args.fleet_nodes)
     if events:
         join, drained, killed = events["join"], events["drain"], events["kill"]
         print(f"join: the new node took {join['joiner_write_share']:.3f} of the next {args.join_keys} writes "
@@ -402,6 +505,8 @@ def main() -> int:
         "args": vars(args) | {"results": str(args.results)},
         "rows": rows,
         "membership": events,
+        "registry": registry,
+        "fleet": scaled,
         "redis_benchmark": bench,
     }
     path = args.results / f"scale-{stamp}.json"

@@ -1,14 +1,17 @@
-"""The benchmark harness: a real ``--quick --smoke`` run, and its round-trip counter.
+"""The benchmark harness: a real ``--quick --smoke --rounds 2`` run, its round-trip counter, its tables.
 
 No timing is asserted: these prove that every backend the harness drove gave back
-exactly the bytes it stored, that the results file has what the docs describe, and
-that the Redis round-trip counter counts round trips, not commands.
+exactly the bytes it stored in every round, that the results file has what the docs
+describe (medians beside each round's figures, and kvpool's puts evicting from a full
+pool), that the targets are computed as the docs define them, and that the Redis
+round-trip counter counts round trips, not commands.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -18,23 +21,28 @@ import redis
 import torch
 
 from backend.embedded import EmbeddedRedis
-from bench.harness import SMOKE_SHAPES, base_bytes, byte_view, identical, stamp
+from bench import report
+from bench.harness import SMOKE_SHAPES, base_bytes, byte_view, identical, parse_args, stamp
 from bench.peers import PEER_NAMES
 from bench.resp_proxy import CountingProxy, RespCounter
+from bench.rounds import combine_cells
 from tests.conftest import REPO
 
 HARNESS_TIMEOUT_S = 150
-CELL_FIELDS = {"chunk", "chunk_bytes", "shape", "batch", "clients", "rounds", "chunks_read", "misses", "mismatches",
-               "errors", "put_gbps", "get_gbps", "put_ms", "get_ms", "put_vs_ceiling", "get_vs_ceiling",
-               "put_vs_redis", "get_vs_redis", "get_p99_vs_redis"}  # fmt: skip
+SMOKE_ROUNDS = 2
+CELL_FIELDS = {"chunk", "chunk_bytes", "shape", "batch", "clients", "rounds", "calls", "chunks_read", "misses",
+               "mismatches", "errors", "put_gbps", "get_gbps", "put_ms", "get_ms", "put_vs_ceiling", "get_vs_ceiling",
+               "put_vs_redis", "get_vs_redis", "get_p99_vs_redis", "per_round"}  # fmt: skip
+ROUND_FIELDS = {"round", "chunks_read", "misses", "mismatches", "errors", "put_gbps", "get_gbps", "put_ms", "get_ms"}
 REDIS_BACKED = ("kvpool", "kvpool-shm", "redis", "resp")
+KVPOOL = ("kvpool", "kvpool-shm")
 
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict]:
     out = tmp_path_factory.mktemp("bench-results")
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.harness", "--quick", "--smoke", "--out", str(out)],
+        [sys.executable, "-m", "bench.harness", "--quick", "--smoke", "--rounds", str(SMOKE_ROUNDS), "--out", str(out)],
         capture_output=True, text=True, cwd=REPO, timeout=HARNESS_TIMEOUT_S,
         env={**os.environ, "LMCACHE_TRACK_USAGE": "false"},
     )  # fmt: skip
@@ -56,8 +64,50 @@ def test_quick_smoke_run_reads_back_every_chunk_byte_identical(smoke_run):
         assert backend["cells"], name
         for cell in backend["cells"]:
             assert cell["errors"] == [], (name, cell)
-            assert cell["chunks_read"] == cell["batch"] * cell["clients"] * cell["rounds"] > 0
+            assert cell["rounds"] == cell["rounds_measured"] == SMOKE_ROUNDS
+            assert cell["chunks_read"] == cell["batch"] * cell["clients"] * cell["calls"] * SMOKE_ROUNDS > 0
             assert cell["misses"] == 0 and cell["mismatches"] == 0, (name, cell)
+            for r in cell["per_round"]:  # the byte checks ran in every round, not only in one
+                assert r["chunks_read"] == cell["batch"] * cell["clients"] * cell["calls"]
+                assert r["misses"] == 0 and r["mismatches"] == 0, (name, r)
+
+
+@pytest.mark.slow
+def test_quick_smoke_cells_report_the_median_of_each_rounds_figures(smoke_run):
+    _, run = smoke_run
+    assert run["plan"]["rounds"] == SMOKE_ROUNDS
+    for name, backend in run["backends"].items():
+        for cell in backend.get("cells", []):
+            assert [r["round"] for r in cell["per_round"]] == list(range(1, SMOKE_ROUNDS + 1)), name
+            for r in cell["per_round"]:
+                assert ROUND_FIELDS <= set(r), (name, ROUND_FIELDS - set(r))
+            for rate in ("put_gbps", "get_gbps"):
+                assert cell[rate] == pytest.approx(statistics.median(r[rate] for r in cell["per_round"]))
+            for op in ("put_ms", "get_ms"):
+                for q in ("p50", "p99"):
+                    assert cell[op][q] == pytest.approx(statistics.median(r[op][q] for r in cell["per_round"]))
+    per_round = run["ceilings"]["per_round"]
+    assert len(per_round) == SMOKE_ROUNDS
+    assert run["ceilings"]["tcp_loopback_gbps"] == max(r["tcp_loopback_gbps"] for r in per_round)
+
+
+@pytest.mark.slow
+def test_quick_smoke_kvpool_puts_evict_from_a_pool_filled_before_each_round(smoke_run):
+    _, run = smoke_run
+    dram_bytes = run["plan"]["kvpool_dram_bytes"]
+    for name in KVPOOL:
+        backend = run["backends"][name]
+        assert [f["round"] for f in backend["fills"]] == list(range(1, SMOKE_ROUNDS + 1))  # one chunk size
+        for fill in backend["fills"]:
+            assert fill["dram_capacity_bytes"] == dram_bytes
+            assert fill["dram_capacity_bytes"] - fill["dram_used_bytes"] < fill["chunk_bytes"]
+            assert fill["filler_chunks"] * fill["chunk_bytes"] > dram_bytes  # fillers alone overflow DRAM
+        for cell in backend["cells"]:
+            for r in cell["per_round"]:
+                assert r["chunks_put"] == cell["batch"] * cell["clients"] * cell["calls"]
+                assert r["evictions"] >= r["chunks_put"] > 0, (name, r)  # every measured put evicted
+            # the cell's own chunks were not among the evicted: every get hit, byte for byte
+            assert cell["misses"] == 0 and cell["mismatches"] == 0
 
 
 @pytest.mark.slow
@@ -78,7 +128,7 @@ def test_quick_smoke_results_file_has_every_documented_field(smoke_run):
             assert CELL_FIELDS <= set(cell), (name, CELL_FIELDS - set(cell))
             assert cell["shape"][0] == 2 and cell["shape"][2] == 256
             assert cell["chunk_bytes"] == 2 * cell["shape"][1] * 256 * cell["shape"][3] * 2  # bf16
-            assert {"p50", "p99", "n"} <= set(cell["get_ms"]) and cell["get_ms"]["n"] == cell["rounds"]
+            assert {"p50", "p99", "n"} <= set(cell["get_ms"]) and cell["get_ms"]["n"] == cell["calls"] * cell["clients"]
         lookup = backend["lookup"]
         assert lookup["hit_prefix"] == lookup["keys"] == run["plan"]["lookup_keys"]
         assert {"p50", "p99", "n"} <= set(lookup["ms"])
@@ -88,6 +138,73 @@ def test_quick_smoke_results_file_has_every_documented_field(smoke_run):
     redis_cells = run["backends"]["redis"]["cells"]
     assert all(cell["get_vs_redis"] == pytest.approx(1.0) for cell in redis_cells)
     assert {t["target"] for t in run["targets"]} and all("met" in t for t in run["targets"])
+    for name in KVPOOL:
+        assert run["backends"][name]["ceiling"] == {"kvpool": "tcp_loopback", "kvpool-shm": "memcpy"}[name]
+
+
+def _cell(chunk: str, put: float, get: float, put_p50: float = 10.0, put_p99: float = 15.0) -> dict:
+    return {"chunk": chunk, "batch": 8, "clients": 1, "put_gbps": put, "get_gbps": get,
+            "put_ms": {"p50": put_p50, "p99": put_p99}}  # fmt: skip
+
+
+def test_targets_compare_kvpool_with_the_best_peer_and_the_ceiling_of_its_path():
+    results = {
+        "kvpool": {"cells": [_cell("4MiB", put=2.0, get=3.0)], "lookup": {"keys": 1000, "redis_round_trips": 1}},
+        "kvpool-shm": {"cells": [_cell("4MiB", put=2.6, get=6.0, put_p50=10.0, put_p99=25.0)]},
+        "redis": {"cells": [_cell("4MiB", put=1.0, get=0.5)]},
+        "resp": {"cells": [_cell("4MiB", put=1.4, get=2.2)]},
+        "lm": {"cells": [_cell("4MiB", put=1.2, get=2.5)]},
+        "fs": {"cells": [_cell("4MiB", put=2.0, get=4.0)]},
+        "mooncake": {"status": "skipped"},
+    }
+    rows = report.targets(results, {"tcp_loopback_gbps": 4.0, "memcpy_gbps": 10.0})
+    at_4mib = {t["target"]: t for t in rows if t["chunk"] == "4MiB"}
+    expected = {  # target: (measured ratio, met)
+        "kvpool get vs best of lm:// and resp://": (3.0 / 2.5, True),
+        "kvpool get vs TCP loopback ceiling": (3.0 / 4.0, False),
+        "kvpool-shm get vs fs://": (6.0 / 4.0, True),
+        "kvpool-shm get vs memcpy ceiling": (6.0 / 10.0, True),
+        "kvpool put (full pool) vs best network peer": (2.0 / 1.4, True),  # fs:// is not a network peer
+        "kvpool put p99 vs its p50 (full pool)": (1.5, True),
+        "kvpool-shm put (full pool) vs best peer, fs:// included": (2.6 / 2.0, True),
+        "kvpool-shm put p99 vs its p50 (full pool)": (2.5, False),
+    }
+    assert set(at_4mib) == set(expected)
+    for name, (ratio, met) in expected.items():
+        assert at_4mib[name]["value"] == pytest.approx(ratio), name
+        assert at_4mib[name]["met"] is met, name
+    assert at_4mib["kvpool get vs best of lm:// and resp://"]["against"] == "lm:// 2.50 GB/s"
+    assert {t["met"] for t in rows if t["chunk"] == "32MiB"} == {None}  # not measured: not met, not missed
+    (lookup,) = [t for t in rows if t["chunk"] is None]
+    assert lookup["value"] == 1 and lookup["met"] is True
+    results["kvpool"]["lookup"]["redis_round_trips"] = 0  # exactly one: fewer means nothing was looked up
+    assert [t["met"] for t in report.targets(results, {}) if t["chunk"] is None] == [False]
+
+
+def test_rounds_combine_into_medians_and_any_rounds_miss_fails_the_cell():
+    def one_round(round_no: int, put: float, misses: int = 0) -> dict:
+        return {"round": round_no, "chunk": "4MiB", "chunk_bytes": 4 << 20, "shape": [2, 4, 256, 1024],
+                "batch": 8, "clients": 1, "calls": 4, "chunks_read": 32, "misses": misses, "mismatches": 0,
+                "errors": [], "put_gbps": put, "get_gbps": 2 * put, "put_ms": {"p50": put, "p99": 3 * put, "n": 4},
+                "get_ms": {"p50": put, "p99": put, "n": 4}, "evictions": 32, "chunks_put": 32}  # fmt: skip
+
+    (cell,) = combine_cells([one_round(1, 5.0), one_round(2, 1.0, misses=1), one_round(3, 2.0)])
+    assert cell["rounds"] == 3 and [r["round"] for r in cell["per_round"]] == [1, 2, 3]
+    assert cell["put_gbps"] == 2.0 and cell["get_gbps"] == 4.0 and cell["put_ms"]["p99"] == 6.0
+    assert cell["misses"] == 1 and cell["chunks_read"] == 96 and cell["evictions"] == 96
+    assert "chunk" not in cell["per_round"][0] and cell["per_round"][1]["put_gbps"] == 1.0
+
+
+def test_targets_mode_is_the_targets_measurement_and_refuses_to_be_narrowed():
+    _, plan = parse_args(["--targets"])
+    assert (list(plan.shapes), plan.batches, plan.clients, plan.rounds) == (["4MiB", "32MiB"], (8,), (1,), 3)
+    assert plan.kvpool_dram_bytes() >= 2 * plan.largest_cell_bytes()
+    _, plan = parse_args(["--chunks", "4MiB", "--batches", "8", "--clients", "1", "--rounds", "2"])
+    assert (list(plan.shapes), plan.batches, plan.clients, plan.rounds) == (["4MiB"], (8,), (1,), 2)
+    for argv in (["--targets", "--chunks", "4MiB"], ["--targets", "--rounds", "2"], ["--chunks", "1GiB"],
+                 ["--smoke", "--chunks", "4MiB"], ["--batches", "0"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(argv)
 
 
 def test_resp_counter_counts_values_split_at_every_byte():
@@ -134,15 +251,25 @@ def test_byte_check_catches_one_flipped_byte_and_a_chunk_read_under_another_key(
     assert not identical(chunk, base, 7)
 
 
-def test_get_profile_reads_through_the_arena_and_over_tcp_and_names_where_time_went():
+def test_get_budget_reads_through_the_arena_and_over_tcp_and_accounts_for_each_millisecond(tmp_path):
+    out = tmp_path / "budget.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.profile_get", "--chunk-mib", "1", "--batch", "2", "--rounds", "3"],
+        [sys.executable, "-m", "bench.profile_get", "--chunk-mib", "1", "--batch", "2", "--rounds", "3",
+         "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=HARNESS_TIMEOUT_S,
         env={**os.environ, "LMCACHE_TRACK_USAGE": "false"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "one-thread memmove" in proc.stdout
-    sections = proc.stdout.split("\n\n")
-    assert [s.split(":")[0] for s in sections[1:]] == ["same-host arena", "TCP"]
-    assert "copy_into" in sections[1]  # the arena path copies from the mapping (it raises if nothing did)
-    assert "recv_into" in sections[2]
+    assert "one thread copy" in proc.stdout and "tcp loopback batch" in proc.stdout
+    report = json.loads(out.read_text())
+    assert list(report["paths"]) == ["same-host arena", "TCP"]
+    for path, result in report["paths"].items():
+        rows = dict(result["budget_ms"])
+        assert rows["lookup (one Redis round trip)"] > 0, path
+        # the phases a get runs one after the other add up to its total
+        sequential = [ms for phase, ms in result["budget_ms"] if not phase.startswith(" ")]
+        assert sum(sequential[:-1]) == pytest.approx(sequential[-1]), path
+    arena = dict(report["paths"]["same-host arena"]["budget_ms"])
+    assert arena["LEASE round trip (the node answers offsets)"] > 0  # it copied out of the mapping (it raises if not)
+    tcp = dict(report["paths"]["TCP"]["budget_ms"])
+    assert tcp["  per stripe, summed: receive + checksum (wall)"] > 0

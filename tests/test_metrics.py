@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backend import Chunk, PoolConfig, SyncPoolClient, metrics
 from backend.embedded import EmbeddedRedis
+from backend.lmcache_connector import CLIENT_COUNTERS
 from backend.metrics import NodeMetricsServer, register_connector_metrics, unregister_connector_metrics
 from tests.conftest import REPO, wait_until
 
@@ -327,6 +328,7 @@ def _source_counters() -> tuple[set[str], set[str]]:
             node |= set(literal.findall(index))
     source = (REPO / "backend" / "lmcache_connector.py").read_text()
     connector = {name for index in re.findall(r"counters\[([^\]]+)\]", source) for name in literal.findall(index)}
+    connector |= set(CLIENT_COUNTERS)  # the client's counters the connector reports as its own
     connector |= {f"miss_{cause}" for cause in re.findall(r'_miss\(\s*"([a-z_]+)"', source)}
     return node, connector
 

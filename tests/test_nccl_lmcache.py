@@ -14,6 +14,7 @@ import logging
 import os
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -52,13 +53,12 @@ def test_same_cluster_hits_travel_over_the_channel_when_it_is_on(node_factory, p
     stack = stack_factory(f"{pool_url}?nccl=on&cluster={CLUSTER}&channel_transport=cpu")
     keys, objs = _store(stack, 100, 6)
     _paired(stack, keys, objs)
-    counters = stack.connector().counters
-    tcp_before = counters["get_bytes_tcp"]
+    tcp_before = stack.connector().counters["get_bytes_tcp"]
     got = stack.get(keys)
     try:
         assert _identical(stack, got, objs)
-        assert counters["get_bytes_channel"] == 6 * stack.chunk_bytes
-        assert counters["get_bytes_tcp"] == tcp_before and counters["channel_fallbacks"] == 0
+        assert stack.connector().counters["get_bytes_channel"] == 6 * stack.chunk_bytes
+        assert stack.connector().counters["get_bytes_tcp"] == tcp_before and stack.connector().counters["channel_fallbacks"] == 0
         assert stack.connector().channel.counters["pairs_created"] == 1
     finally:
         stack.release(objs + got)
@@ -70,11 +70,10 @@ def test_the_first_read_of_a_node_goes_over_tcp_while_its_pair_is_made(node_fact
     stack = stack_factory(f"{pool_url}?nccl=on&cluster={CLUSTER}&channel_transport=cpu")
     keys, objs = _store(stack, 150, 4)
     got = stack.get(keys)
-    counters = stack.connector().counters
     try:
         assert _identical(stack, got, objs)
-        assert counters["get_bytes_tcp"] == 4 * stack.chunk_bytes and counters["get_bytes_channel"] == 0
-        assert counters["channel_fallbacks"] == 0  # not a failure: the pair was not there yet
+        assert stack.connector().counters["get_bytes_tcp"] == 4 * stack.chunk_bytes and stack.connector().counters["get_bytes_channel"] == 0
+        assert stack.connector().counters["channel_fallbacks"] == 0  # not a failure: the pair was not there yet
         assert wait_until(lambda: stack.connector().channel.pair_count() == 1, PAIR_WAIT_S)
     finally:
         stack.release(objs + got)
@@ -85,11 +84,10 @@ def test_the_same_hits_travel_over_tcp_when_the_channel_is_off(node_factory, poo
     stack = stack_factory(f"{pool_url}?cluster={CLUSTER}")
     keys, objs = _store(stack, 200, 6)
     got = stack.get(keys)
-    counters = stack.connector().counters
     try:
         assert stack.connector().channel is None
         assert _identical(stack, got, objs)
-        assert counters["get_bytes_tcp"] == 6 * stack.chunk_bytes and counters["get_bytes_channel"] == 0
+        assert stack.connector().counters["get_bytes_tcp"] == 6 * stack.chunk_bytes and stack.connector().counters["get_bytes_channel"] == 0
     finally:
         stack.release(objs + got)
 
@@ -99,10 +97,9 @@ def test_a_copy_in_another_cluster_is_read_over_tcp_even_with_the_channel_on(nod
     stack = stack_factory(f"{pool_url}?nccl=on&cluster={CLUSTER}&channel_transport=cpu")
     keys, objs = _store(stack, 300, 3)
     got = stack.get(keys)
-    counters = stack.connector().counters
     try:
         assert _identical(stack, got, objs)
-        assert counters["get_bytes_tcp"] == 3 * stack.chunk_bytes and counters["get_bytes_channel"] == 0
+        assert stack.connector().counters["get_bytes_tcp"] == 3 * stack.chunk_bytes and stack.connector().counters["get_bytes_channel"] == 0
         assert stack.connector().channel.pair_count() == 0  # nothing to pair with
     finally:
         stack.release(objs + got)
@@ -168,7 +165,7 @@ def test_any_exception_in_the_channel_path_falls_back_to_tcp(node_factory, pool_
         assert connector.counters["get_bytes_tcp"] - tcp_before == 5 * stack.chunk_bytes
         assert connector.counters["get_bytes_channel"] == 0
         assert connector.counters["miss_get"] == 0  # LMCache never saw the error
-        assert any("RuntimeError: CUDA error" in r.message for r in caplog.records)
+        assert any("CUDA error" in r.getMessage() for r in caplog.records)
     finally:
         stack.release(objs + got)
 
@@ -211,14 +208,13 @@ def test_a_pairing_slower_than_the_request_timeout_engages_without_closing_the_s
                           "&connections_per_node=1")  # fmt: skip
     keys, objs = _store(stack, 500, 4)
     connector = stack.connector()
-    reads = 0
-    while connector.channel.pair_count() == 0 and reads < 200:  # TCP serves every read while the pair is made
+    deadline = time.monotonic() + PAIR_WAIT_S
+    while connector.channel.pair_count() == 0 and time.monotonic() < deadline:  # TCP serves every read meanwhile
         got = stack.get(keys)
         try:
             assert _identical(stack, got, objs)
         finally:
             stack.release(got)
-        reads += 1
     assert connector.channel.pair_count() == 1 and connector.channel.counters["pair_failures"] == 0
     got = stack.get(keys)
     try:

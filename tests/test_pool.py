@@ -295,7 +295,7 @@ def test_hello_carrying_data_is_refused(node_factory):
 
 
 def test_get_larger_than_one_frame_is_split_and_read_whole(node_factory, pool_url, monkeypatch):
-    import backend.client as client_module
+    import backend.client.connection as client_module
     from backend.protocol import Limits
 
     # This client accepts responses of at most 300 KiB; the node would happily send more.
@@ -321,7 +321,7 @@ async def test_cancelling_one_request_does_not_break_the_others_on_its_connectio
         conn = None
         while conn is None:  # cancel once the GET is on the wire, before its answer is back
             await asyncio.sleep(0)
-            pools = list(client._pools.values())
+            pools = client.connections.pools()
             conns = [c for p in pools for c in p.connections if any(x.op == Op.GET_BATCH for x in c._pending.values())]
             conn = conns[0] if conns else None
         slow.cancel()

@@ -20,14 +20,22 @@ from pathlib import Path
 
 import pytest
 
-import backend.client as client_module
+import backend.client.arena as client_module
 from backend.client import BytesSink, Chunk, Fetched, PoolClient, SyncPoolClient
 from backend.config import PoolConfig
 from backend.errors import ConfigError, KVPoolError, ProtocolError
 from backend.metadata import NodeInfo
 from backend.node.arena import GROW_AHEAD_BYTES, ShmArena, remove_stale_arenas
 from backend.node.leases import MAX_LEASES
-from backend.protocol import LEASE_MAP, ItemMeta, Op, decode_lease_response, encode_lease_request, encode_release
+from backend.protocol import (
+    LEASE_MAP,
+    ItemMeta,
+    Op,
+    checksum,
+    decode_lease_response,
+    encode_lease_request,
+    encode_release,
+)
 from backend.shm import ArenaView
 from tests.conftest import REPO, wait_until
 
@@ -137,7 +145,7 @@ def test_client_maps_only_the_arena_whose_token_the_node_published():
             arena.close()
     client = PoolClient(PoolConfig())
     elsewhere = NodeInfo("n", "10.0.0.9", 1, 1, shm_path="/dev/shm/kvpool-1-none.arena", shm_token="x")
-    assert client._arena(elsewhere) is None  # another host's file does not exist here: TCP
+    assert client.arena.view(elsewhere) is None  # another host's file does not exist here: TCP
 
 
 def test_arenas_of_dead_node_processes_are_removed():
@@ -307,10 +315,11 @@ def test_a_read_held_up_past_the_trusted_share_of_its_lease_goes_over_tcp(node_f
 def test_a_mapped_copy_failing_its_checksum_is_reread_over_tcp_and_the_copy_kept(node_factory, pool_url, monkeypatch):
     node_factory(shm=True)
 
-    def torn_copy(self: ArenaView, out: memoryview, offset: int) -> None:  # a region reused mid-copy
+    def torn_copy(self: ArenaView, out: memoryview, offset: int) -> int:  # a region reused mid-copy
         out[:] = bytes(len(out))
+        return checksum(out)
 
-    monkeypatch.setattr(ArenaView, "copy_into", torn_copy)
+    monkeypatch.setattr(ArenaView, "copy_checked", torn_copy)
     chunks = _chunks("torn", 2, 128 * 1024, seed=6)
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
         client.put(chunks)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
-import ctypes
 import errno
 import logging
 import mmap
@@ -46,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.shm import ARENA_MAGIC, HEADER, HEADER_BYTES
+from backend.shm import ARENA_MAGIC, HEADER, HEADER_BYTES, MADV_POPULATE_WRITE, madvise
 
 __all__ = ["ShmArena", "remove_stale_arenas"]
 
@@ -59,17 +58,6 @@ GROWER_NICE = 19  # the grower runs when the node's loop and its clients leave a
 GROW_RETRY_S = 5.0  # after /dev/shm refused pages, do not ask again for this long
 FILE_PREFIX = "kvpool-"
 FILE_SUFFIX = ".arena"
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: map the pages now, not one fault at a time
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
-
-
-def _madvise(address: int, length: int, advice: int) -> None:
-    """madvise(2) through ctypes, which drops the GIL (``mmap.madvise`` holds it); errors are ignored."""
-    _libc.madvise(address, length, advice)
 
 
 def _align(nbytes: int) -> int:
@@ -228,7 +216,7 @@ class ShmArena:
                            exc.strerror)  # fmt: skip
             return False
         # Map the pages now rather than one fault at a time on first write (Linux >= 5.14).
-        _madvise(self._base_address + start, step, _MADV_POPULATE_WRITE)
+        madvise(self._base_address + start, step, MADV_POPULATE_WRITE)
         return True
 
     def _grow_ahead(self) -> None:

@@ -23,6 +23,7 @@ import socket
 import ssl
 import time
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,9 @@ from backend.errors import (
     NodeUnavailable,
     ProtocolError,
 )
-from backend.metadata import Location, MetadataStore, NodeInfo
+from backend.metadata import Beat, Location, MetadataStore, NodeInfo
 from backend.metrics import NodeMetricsServer
+from backend.node.buffers import ChunkBuffer
 from backend.node.collector import DEFAULT_GRACE_S, DeadNodeCollector
 from backend.node.dram import StoredChunk
 from backend.node.leases import MAX_LEASE_TTL_MS
@@ -87,6 +89,10 @@ VERIFY_STATUS = {"ok": 0, "missing": 1, "corrupt": 2}
 REPLY_TIMEOUT_S = 30.0  # a reply the client does not read in this time closes the connection
 ACCEPT_RETRY_S = 0.1
 SHUTDOWN_TIMEOUT_S = 5.0
+# Threads that move large replies and puts (``backend.transport``): with one per busy
+# connection, two clients' GETs are sent by both cores instead of the event loop's one.
+BULK_THREADS = 4
+PUT_WINDOW_BYTES = 64 * 1024 * 1024  # a put's chunks are received this many bytes at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +159,7 @@ class PoolNode:
         self._connections: set[FrameSocket] = set()
         self._redis_ok = True
         self._generation = ""  # the namespace marker this node last published under
+        self._published_view: tuple[Any, ...] = ()  # what clients keep of this node, as last published
         self.metrics: NodeMetricsServer | None = None
         self._snapshots: collections.deque[tuple[float, int, int, int]] = collections.deque(maxlen=RECENT_SNAPSHOTS)
         self._snapshots.append((time.monotonic(), 0, 0, 0))  # the window of a young node starts at zero
@@ -161,6 +168,7 @@ class PoolNode:
             lambda: collections.deque(maxlen=LATENCY_SAMPLES)
         )
         self._stopping = asyncio.Event()
+        self._bulk = ThreadPoolExecutor(BULK_THREADS, thread_name_prefix="kvpool-node-bulk")
         self.channel: Any = None  # nccl_channel.channel.ChannelServer once started, if configured
         self.collector: DeadNodeCollector | None = None  # made once the node id is known
 
@@ -214,7 +222,7 @@ class PoolNode:
         self.epoch = await self.meta.new_epoch()
         if self.recovery is not None and self.recovery.files:
             await self._publish_inventory()  # the old epoch's entries are overwritten
-        await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
+        await self._heartbeat()
         self.tiers.start()
         self._spawn(self._accept_loop())
         self._spawn(self._heartbeat_loop())
@@ -262,6 +270,7 @@ class PoolNode:
             await self.channel.close()
         await self.tiers.close()
         await self.meta.close()
+        self._bulk.shutdown(wait=False)
         logger.info("node %s stopped", self.node_id)
 
     def info(self) -> NodeInfo:
@@ -342,7 +351,7 @@ class PoolNode:
             self.tiers.leases.expire()
             self._snapshots.append(self._snapshot())
             try:
-                beat = await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
+                beat = await self._heartbeat()
                 if beat.generation != self._generation:
                     await self._republish("the namespace was missing in Redis")
                 elif beat.registered_anew:
@@ -358,6 +367,14 @@ class PoolNode:
                     logger.warning("node %s: Redis unreachable, serving what is held: %s", self.node_id, exc)
                     self._redis_ok = False
 
+    async def _heartbeat(self) -> Beat:
+        """One heartbeat; clients are told (registry version) when what they keep of this node changed."""
+        info = self.info()
+        view = info.view()
+        beat = await self.meta.heartbeat(info, self.config.heartbeat_ttl_ms, changed=view != self._published_view)
+        self._published_view = view
+        return beat
+
     async def _republish(self, why: str) -> None:
         """Redis lost what we published (restart, flush, or we were collected as dead): publish it again.
 
@@ -366,7 +383,8 @@ class PoolNode:
         """
         generation = await self.meta.ensure_marker()
         await self.meta.ensure_epoch_at_least(self.epoch)
-        await self.meta.heartbeat(self.info(), self.config.heartbeat_ttl_ms)
+        self._published_view = ()  # Redis lost the registry: clients re-read it all anyway
+        await self._heartbeat()
         count = await self._publish_inventory()
         self._generation = generation
         logger.warning("node %s: %s; republished %d chunks", self.node_id, why, count)
@@ -413,7 +431,7 @@ class PoolNode:
                     await asyncio.sleep(ACCEPT_RETRY_S)
                     continue
                 self.counters["connections_accepted"] += 1
-                conn = FrameSocket(sock, loop, f"{address[0]}:{address[1]}")
+                conn = FrameSocket(sock, loop, f"{address[0]}:{address[1]}", self._bulk)
                 self._spawn(self._serve_connection(conn))
         except asyncio.CancelledError:
             raise
@@ -576,38 +594,59 @@ class PoolNode:
     ) -> list[tuple[int, ItemMeta, StoredChunk | None]]:
         """Receive each chunk into reserved DRAM and verify it; returns a PUT outcome per item.
 
-        A verified chunk enters the tiers at once (so a batch larger than DRAM can
-        demote its own first chunks), but is not visible to readers before the index
-        commit. A chunk this node already holds with the same bytes is not stored
-        twice (and so cannot be lost if this put fails). An item with no room is read
-        off the socket and dropped.
+        Chunks are received in windows of up to ``PUT_WINDOW_BYTES``: space for each is
+        reserved first, then the window's bytes arrive in one transfer (on a worker
+        thread, checksums included). A verified chunk enters the tiers at once (so a
+        batch larger than DRAM can demote its own first chunks), but is not visible to
+        readers before the index commit. A chunk this node already holds with the
+        same bytes is not stored twice (and so cannot be lost if this put fails). An
+        item with no room is read off the socket and dropped.
         """
         received: list[tuple[int, ItemMeta, StoredChunk | None]] = []
+        window: list[tuple[ItemMeta, ChunkBuffer]] = []  # reserved, bytes still on the socket
+
+        async def receive_window() -> None:
+            try:
+                digests = await conn.recv_many([buffer for _, buffer in window], checksum)
+            except BaseException:
+                for item, _ in window:
+                    self.tiers.release(item.nbytes)
+                window.clear()
+                raise
+            for (item, buffer), digest in zip(window, digests):
+                if digest != item.checksum:
+                    self.tiers.release(item.nbytes)
+                    received.append((PUT_INTEGRITY, item, None))
+                elif self.tiers.holds(item.key, item.checksum):
+                    self.tiers.release(item.nbytes)
+                    received.append((PUT_STORED, item, None))
+                else:
+                    chunk = StoredChunk(item, buffer)
+                    self.tiers.insert(chunk)
+                    received.append((PUT_STORED, item, chunk))
+            window.clear()
+
         try:
             for item in items:
                 try:
                     await self.tiers.reserve(item.nbytes)
                 except CapacityError:
-                    await conn.discard(item.nbytes)
-                    received.append((PUT_NO_CAPACITY, item, None))
-                    continue
-                buffer = self.tiers.take_buffer(item.nbytes)
-                try:
-                    await conn.recv_into(buffer)
-                except BaseException:
-                    self.tiers.release(item.nbytes)
-                    raise
-                if checksum(buffer) != item.checksum:
-                    self.tiers.release(item.nbytes)
-                    received.append((PUT_INTEGRITY, item, None))
-                    continue
-                if self.tiers.holds(item.key, item.checksum):
-                    self.tiers.release(item.nbytes)
-                    received.append((PUT_STORED, item, None))
-                    continue
-                chunk = StoredChunk(item, buffer)
-                self.tiers.insert(chunk)
-                received.append((PUT_STORED, item, chunk))
+                    if not window:
+                        await conn.discard(item.nbytes)
+                        received.append((PUT_NO_CAPACITY, item, None))
+                        continue
+                    await receive_window()  # the window's chunks become evictable for this one
+                    try:
+                        await self.tiers.reserve(item.nbytes)
+                    except CapacityError:
+                        await conn.discard(item.nbytes)
+                        received.append((PUT_NO_CAPACITY, item, None))
+                        continue
+                window.append((item, self.tiers.take_buffer(item.nbytes)))
+                if sum(i.nbytes for i, _ in window) >= PUT_WINDOW_BYTES:
+                    await receive_window()
+            if window:
+                await receive_window()
         except BaseException:
             # The frame never completed (peer gone, stalled): nothing of it stays.
             await self._discard_uncommitted([c for _, _, c in received if c is not None])

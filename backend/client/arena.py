@@ -1,0 +1,166 @@
+"""The same-host read path: chunks copied straight out of a node's shared-memory arena.
+
+A node on this host publishes its DRAM tier as a file in ``/dev/shm`` (``backend.shm``).
+Instead of the bytes the client asks for a LEASE with offsets, copies each chunk from
+its read-only mapping into the sink's buffer, verifies the checksum, and releases the
+lease in the background. The copies run on the bulk threads, two chunks at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from backend.client.chunks import DECLINED, MISS, Fallback, Hit, Outcome, Sink, Wanted, release_hits
+from backend.client.connection import MAX_FRAME_ITEMS, Connections, NodePool
+from backend.client.context import ClientContext, logger
+from backend.errors import CapacityError, KVPoolError, ProtocolError
+from backend.metadata import NodeInfo
+from backend.protocol import LEASE_MAP, ItemMeta, Op, decode_lease_response, encode_lease_request, encode_release
+from backend.shm import ArenaView
+from backend.transport import BULK_BYTES
+
+__all__ = ["ArenaReader", "SHM_LEASE_MS"]
+
+# A same-host read holds its lease from the LEASE answer until the copy is done; the
+# longest wait in between is the caller's allocator (the LMCache connector bounds it at 1 s).
+SHM_LEASE_MS = 10_000
+SHM_LEASE_TRUST = 0.5  # copy from the arena only within this share of the lease (clocks, queueing)
+
+_Job = tuple[int, ItemMeta, memoryview, int]  # (index in the outcomes, item, sink buffer, arena offset)
+
+
+class ArenaReader:
+    """Reads from nodes whose arena this process can map (same host, same user); the rest is TCP's."""
+
+    speculative = True  # a LEASE carries no payload: worth sending before the lookup answers
+    name = "arena"
+
+    def __init__(self, ctx: ClientContext, connections: Connections) -> None:
+        self.ctx = ctx
+        self.connections = connections
+        self._views: dict[tuple[str, int], ArenaView | None] = {}  # None: not on this host
+
+    def view(self, node: NodeInfo) -> ArenaView | None:
+        """The node's arena if this process can map it; tried once per node epoch."""
+        if not self.ctx.config.shm or not node.shm_path:
+            return None
+        ident = (node.node_id, node.epoch)
+        if ident not in self._views:
+            try:
+                view = self._views[ident] = ArenaView(node.shm_path, node.shm_token)
+                view.populate()
+                logger.info("kvpool: node %s is on this host; reading through %s", node.node_id, node.shm_path)
+            except (OSError, ValueError):
+                self._views[ident] = None  # another host, another user, or a stale file: TCP
+        return self._views[ident]
+
+    def serves(self, node: NodeInfo) -> bool:
+        return self.view(node) is not None
+
+    def prune(self, live: set[tuple[str, int]]) -> None:
+        """Let go of the arenas of nodes that left or restarted (their files are removed)."""
+        for ident in [i for i in self._views if i not in live]:
+            view = self._views.pop(ident)
+            if view is not None:
+                view.close()
+
+    def forget(self) -> None:
+        """After a fork: the parent's threads are not in this process; map again when needed."""
+        self._views = {}
+
+    def close(self) -> None:
+        self.prune(set())
+
+    async def read(self, node: NodeInfo, wanted: Sequence[Wanted], sink: Sink[Any]) -> list[Outcome]:
+        """LEASE the keys with offsets, copy each while the lease holds, release the lease.
+
+        A key falls back to TCP when the node gives it no region (it could not
+        promote it into the arena), when the node refuses the lease (its lease table
+        is full), when the sink kept us waiting so long that the lease may be ending,
+        or when the mapped copy fails its checksum: the TCP read then decides whether
+        the chunk itself is bad, so a mapped read never drops a copy on its own.
+        """
+        arena = self.view(node)
+        assert arena is not None
+        pool = self.connections.pool(node)
+        outcomes: list[Outcome] = []
+        try:
+            for start in range(0, len(wanted), MAX_FRAME_ITEMS):
+                outcomes += await self._read_leased(pool, arena, wanted[start : start + MAX_FRAME_ITEMS], sink)
+        except BaseException:
+            release_hits(sink, outcomes)
+            raise
+        return outcomes
+
+    async def _read_leased(self, pool: NodePool, arena: ArenaView, part: Sequence[Wanted],
+                           sink: Sink[Any]) -> list[Outcome]:  # fmt: skip
+        keys = [w.key for w in part]
+        trust_until = time.monotonic() + SHM_LEASE_MS / 1000 * SHM_LEASE_TRUST
+        try:
+            reply = await pool.request(Op.LEASE, encode_lease_request(keys, SHM_LEASE_MS, LEASE_MAP))
+        except CapacityError:
+            return [Fallback("the node's lease table is full")] * len(keys)
+        lease_id, found = decode_lease_response(reply, keys)
+        outcomes: list[Outcome] = []
+        jobs: list[_Job] = []
+        try:
+            for entry in found:
+                if entry is None:
+                    outcomes.append(MISS)
+                    continue
+                item, offset = entry
+                if offset is None:
+                    outcomes.append(Fallback("not in the arena"))
+                    continue
+                allocated = await sink.allocate(item)
+                if allocated is None:
+                    outcomes.append(DECLINED)
+                    continue
+                handle, buffer = allocated
+                outcomes.append(Hit(handle, item.checksum))
+                view = memoryview(buffer).cast("B")
+                if len(view) != item.nbytes:
+                    raise ProtocolError(f"sink gave {len(view)} bytes for a {item.nbytes}-byte item")
+                jobs.append((len(outcomes) - 1, item, view, offset))
+            if jobs:
+                arena.populate(max(offset + item.nbytes for _, item, _, offset in jobs))  # for the next reads
+            digests = await self._copy(arena, jobs, trust_until)
+        except BaseException:
+            release_hits(sink, outcomes)
+            raise
+        finally:
+            if lease_id:
+                self.ctx.spawn(_release_quietly(pool, lease_id))
+        for (index, item, _, _), digest in zip(jobs, digests):
+            if digest == item.checksum and time.monotonic() < trust_until:
+                self.ctx.counters["shm_get_bytes"] += item.nbytes
+                continue
+            logger.debug("kvpool: mapped copy of %r not trusted; reading it over TCP", item.key)
+            release_hits(sink, [outcomes[index]])
+            outcomes[index] = Fallback("mapped copy not trusted")
+        return outcomes
+
+    async def _copy(self, arena: ArenaView, jobs: list[_Job], trust_until: float) -> list[int | None]:
+        """Copy and checksum every job (None: not copied, the lease may be ending)."""
+        if not jobs or time.monotonic() >= trust_until:
+            return [None] * len(jobs)
+
+        def copy(job: _Job) -> int:
+            _, item, view, offset = job
+            try:
+                return arena.copy_checked(view, offset)
+            except ValueError as exc:
+                raise ProtocolError(f"node answered a bad arena offset for {item.key!r}: {exc}") from None
+
+        if sum(job[1].nbytes for job in jobs) < BULK_BYTES:
+            return [copy(job) for job in jobs]  # a thread hop would cost more than these copies
+        return list(await self.ctx.map_in_threads(copy, jobs))
+
+
+async def _release_quietly(pool: NodePool, lease_id: int) -> None:
+    try:
+        await pool.request(Op.RELEASE, encode_release(lease_id, ()))
+    except KVPoolError as exc:  # the lease ends at its deadline instead
+        logger.debug("kvpool: releasing lease on node %s failed: %s", pool.node.node_id, exc)

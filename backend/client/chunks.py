@@ -1,0 +1,141 @@
+"""What a client stores and hands back: chunks, sinks, locks, and a read's typed outcome.
+
+A get puts bytes into buffers that a *sink* hands out, so the LMCache connector
+receives straight into LMCache's own memory. Every reader answers each key with one
+:data:`Outcome`, never with ``None``, a sentinel or an exception object in a list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Generic, Protocol, TypeVar, Union
+
+from backend.errors import KVPoolError
+from backend.protocol import ItemMeta, check_item, checksum
+from backend.transport import Buffer
+
+__all__ = [
+    "Chunk", "Fetched", "Lock", "Sink", "BytesSink", "Wanted",
+    "Hit", "Miss", "Declined", "Fallback", "Failed", "Outcome", "MISS", "DECLINED", "release_hits",
+]  # fmt: skip
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One value to store: bytes plus the tensor layout they will be rebuilt with."""
+
+    key: str
+    data: Buffer
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = ()
+    fmt: int = 0
+
+    def item_meta(self) -> ItemMeta:
+        view = memoryview(self.data).cast("B")
+        shape = self.shape or (len(view),)
+        return ItemMeta(self.key, len(view), checksum(view), self.dtype, shape, self.fmt)
+
+    def checked_item_meta(self) -> ItemMeta:
+        """:meth:`item_meta`, after checking the key, size and layout against the protocol's limits.
+
+        The size is checked before the payload is hashed, so an oversized value is
+        refused at once.
+        """
+        nbytes = memoryview(self.data).nbytes
+        check_item(ItemMeta(self.key, nbytes, 0, self.dtype, self.shape or (nbytes,), self.fmt))
+        return self.item_meta()
+
+
+@dataclasses.dataclass(frozen=True)
+class Lock:
+    """A key pinned on one node by :meth:`PoolClient.lock` until unlocked or its ttl ends."""
+
+    key: str
+    node_id: str
+    lease_id: int
+    epoch: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetched:
+    """A chunk read back with :class:`BytesSink`."""
+
+    meta: ItemMeta
+    data: bytearray
+
+
+class Sink(Protocol[T]):  # type: ignore[misc]
+    """Where a get puts bytes: hands out a buffer per item, takes it back on failure.
+
+    ``allocate`` runs on the client's event loop; None means no room this time.
+    """
+
+    async def allocate(self, meta: ItemMeta) -> tuple[T, Buffer] | None: ...
+
+    def release(self, handle: T) -> None: ...
+
+
+class BytesSink:
+    """The default sink: a fresh bytearray per item."""
+
+    async def allocate(self, meta: ItemMeta) -> tuple[Fetched, Buffer] | None:
+        data = bytearray(meta.nbytes)
+        return Fetched(meta, data), data
+
+    def release(self, handle: Fetched) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Wanted:
+    """A key to read from one node, with the size its index entry recorded."""
+
+    key: str
+    nbytes: int
+
+
+# -- a read's outcome, per key ------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Hit(Generic[T]):
+    """The chunk is in the sink's buffer ``handle``, verified against its ``checksum`` (0: not reported)."""
+
+    handle: T
+    checksum: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Miss:
+    """The node does not hold the key: its index entry is stale."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Declined:
+    """The sink had no room: a miss for this call only; the copy itself is fine."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """This path cannot serve the key now; the node's next path (in the end TCP) should."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """The read failed: an ``IntegrityError`` means that copy is bad, anything else the node failed."""
+
+    error: KVPoolError
+
+
+MISS = Miss()
+DECLINED = Declined()
+Outcome = Union[Hit[Any], Miss, Declined, Fallback, Failed]
+
+
+def release_hits(sink: Sink[Any], outcomes: list[Outcome]) -> None:
+    """Give back every buffer held by a hit (the read was abandoned or failed)."""
+    for outcome in outcomes:
+        if isinstance(outcome, Hit):
+            sink.release(outcome.handle)

@@ -1,0 +1,337 @@
+"""Connections to one node: multiplexed request/response over the kvpool protocol.
+
+Many requests are in flight on each connection; a reader task matches responses to
+request ids. A GET's payload is received straight into the sink's buffers, on a
+worker thread when it is large (``backend.transport``), and each chunk is verified
+against its checksum there. A connection whose stream state is in doubt (a request
+timed out mid-frame, a frame cut short) is closed, never reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import ssl
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+from backend.client.chunks import DECLINED, MISS, Failed, Hit, Outcome, Sink, release_hits
+from backend.config import PoolConfig
+from backend.errors import AuthError, IntegrityError, KVPoolError, NodeUnavailable, ProtocolError
+from backend.metadata import NodeInfo
+from backend.protocol import (
+    DEFAULT_LIMITS,
+    ItemMeta,
+    Op,
+    Status,
+    auth_mac,
+    checksum,
+    decode_get_response,
+    decode_json,
+    encode_header,
+    encode_json,
+    error_for_status,
+)
+from backend.transport import Buffer, FrameSocket
+
+__all__ = [
+    "Connections",
+    "NodeConnection",
+    "NodePool",
+    "check_tls_agrees",
+    "frames",
+    "frame_data_budget",
+    "MAX_FRAME_ITEMS",
+]
+
+T = TypeVar("T")
+
+MAX_FRAME_DATA_BYTES = 256 * 1024 * 1024  # split larger batches into several frames
+MAX_FRAME_ITEMS = 1024  # keeps a frame's meta far below the 4 MiB limit even with 1 KiB keys
+MIN_TRANSFER_BYTES_PER_S = 50 * 1024 * 1024  # a request's timeout grows by 20 ms per MiB it moves
+
+
+@dataclasses.dataclass
+class _Pending:
+    op: int
+    future: asyncio.Future[Any]
+    keys: Sequence[str] = ()
+    sink: Sink[Any] | None = None
+
+
+def _drop(pending: _Pending, result: Any) -> None:
+    """A GET answer nobody waits for any more: give its buffers back."""
+    if pending.op == Op.GET_BATCH and pending.sink is not None:
+        release_hits(pending.sink, result)
+
+
+class NodeConnection:
+    """One multiplexed connection: a reader task matches responses to request ids."""
+
+    def __init__(
+        self, node: NodeInfo, config: PoolConfig, tls: ssl.SSLContext | None = None, bulk: Executor | None = None
+    ) -> None:
+        self.node = node
+        self.config = config
+        self.tls = tls
+        self.bulk = bulk
+        self.sock: FrameSocket | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._abandoned: set[int] = set()  # cancelled requests whose responses are still due
+        self._reader: asyncio.Task[None] | None = None
+        self._connect_lock = asyncio.Lock()
+        self._ready = False  # set once HELLO/AUTH succeeded; nothing else is sent before
+        self.broken = False
+
+    @property
+    def load(self) -> int:
+        return len(self._pending)
+
+    async def ensure_open(self) -> None:
+        if self._ready:
+            return
+        async with self._connect_lock:
+            if self._ready:
+                return
+            if self.broken:
+                raise NodeUnavailable(f"connection to {self.node.node_id} is closed")
+            check_tls_agrees(self.node, self.tls is not None)
+            sock = await FrameSocket.connect(self.node.host, self.node.port, self.config.timeout_s, self.tls, self.bulk)
+            self.sock = sock
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop(sock))
+            try:
+                hello = decode_json(await self.request(Op.HELLO, encode_json({"client": "kvpool"})))
+                if hello.get("auth_required"):
+                    if not self.config.token:
+                        raise AuthError(f"node {self.node.node_id} requires a token; add it as kvpool://:TOKEN@...")
+                    mac = auth_mac(self.config.token, bytes.fromhex(str(hello.get("nonce", ""))))
+                    await self.request(Op.AUTH, encode_json({"mac": mac}))
+                if hello.get("epoch") != self.node.epoch:
+                    raise NodeUnavailable(f"node {self.node.node_id} restarted (epoch {hello.get('epoch')})")
+                self._ready = True
+            except BaseException:
+                self.close(NodeUnavailable("handshake failed"))
+                raise
+
+    def close(self, reason: BaseException | None = None) -> None:
+        self.broken = True
+        if self.sock is not None:
+            self.sock.close()
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            self._reader.cancel()
+        error = reason or NodeUnavailable(f"connection to {self.node.node_id} closed")
+        for pending in self._pending.values():
+            if not pending.future.done():
+                pending.future.set_exception(error)
+        self._pending.clear()
+
+    async def request(self, op: int, meta: bytes, data: Sequence[Buffer] = (), keys: Sequence[str] = (),
+                      sink: Sink[Any] | None = None, expect_bytes: int = 0) -> Any:  # fmt: skip
+        """Send one request and wait for its response (a GET's: one :data:`Outcome` per key).
+
+        Bounded by the pool's ``timeout_ms`` plus the time the request's bytes (sent
+        and expected back) take at ``MIN_TRANSFER_BYTES_PER_S``: a 256 MiB frame is
+        not a slow node.
+        """
+        assert self.sock is not None
+        request_id = next(self._ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        pending = self._pending[request_id] = _Pending(op, future, keys, sink)
+        data_len = sum(len(memoryview(b).cast("B")) for b in data)
+        sent = False
+        timeout_s = self.config.timeout_s + (data_len + expect_bytes) / MIN_TRANSFER_BYTES_PER_S
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.sock.send([encode_header(op, request_id, meta, data_len), meta, *data])
+                sent = True
+                return await future
+        except BaseException as exc:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                _drop(pending, future.result())  # answered too late
+            if not isinstance(exc, TimeoutError):
+                raise
+            # The stream's state is unknown (maybe mid-frame): never reuse it.
+            self.close(NodeUnavailable(f"node {self.node.node_id} timed out after {timeout_s * 1000:.0f} ms"))
+            raise NodeUnavailable(
+                f"node {self.node.node_id} ({self.node.address}) timed out after {timeout_s * 1000:.0f} ms"
+            ) from None
+        finally:
+            answered = future.done() and not future.cancelled()
+            if self._pending.pop(request_id, None) is not None and sent and not answered and not self.broken:
+                self._abandoned.add(request_id)  # cancelled by the caller: skip its response
+            if future.done() and not future.cancelled():
+                future.exception()  # mark retrieved
+
+    async def _read_loop(self, sock: FrameSocket) -> None:
+        try:
+            while True:
+                header, meta = await sock.recv_frame_head(DEFAULT_LIMITS)
+                if header.request_id in self._abandoned:
+                    self._abandoned.discard(header.request_id)
+                    await sock.discard(header.data_len)
+                    continue
+                pending = self._pending.get(header.request_id)
+                if pending is None or not header.is_response or header.base_op != pending.op:
+                    raise ProtocolError(f"unexpected response (op {header.op}, id {header.request_id})")
+                if header.status != Status.OK:
+                    await sock.discard(header.data_len)
+                    message = bytes(meta).decode("utf-8", "replace")
+                    if not pending.future.done():
+                        pending.future.set_exception(error_for_status(header.status, message))
+                    continue
+                if pending.op == Op.GET_BATCH:
+                    result: Any = await self._receive_get(sock, header.data_len, meta, pending)
+                else:
+                    await sock.discard(header.data_len)
+                    result = meta
+                self._abandoned.discard(header.request_id)  # it may have been cancelled mid-receive
+                if pending.future.done():
+                    _drop(pending, result)
+                else:
+                    pending.future.set_result(result)
+        except asyncio.CancelledError:
+            pass
+        except (KVPoolError, OSError) as exc:
+            self.close(exc if isinstance(exc, KVPoolError) else NodeUnavailable(str(exc)))
+        except BaseException as exc:  # a sink bug must not leave waiters hanging
+            self.close(NodeUnavailable(f"reader failed: {exc!r}"))
+            raise
+
+    async def _receive_get(self, sock: FrameSocket, data_len: int, meta: bytearray, pending: _Pending) -> list[Outcome]:
+        """Take a buffer per found chunk from the sink, then receive and verify them all in one transfer."""
+        found = decode_get_response(meta, pending.keys, data_len)
+        sink = pending.sink
+        assert sink is not None
+        outcomes: list[Outcome] = []
+        targets: list[Buffer | int] = []  # per found chunk: its buffer, or its size when it is dropped
+        received: list[tuple[int, ItemMeta]] = []  # (index in outcomes, item) per buffer received
+        try:
+            for item in found:
+                if item is None:
+                    outcomes.append(MISS)
+                    continue
+                allocated = await sink.allocate(item)
+                if allocated is None:
+                    outcomes.append(DECLINED)
+                    targets.append(item.nbytes)
+                    continue
+                handle, buffer = allocated
+                outcomes.append(Hit(handle, item.checksum))
+                view = memoryview(buffer).cast("B")
+                if len(view) != item.nbytes:
+                    raise ProtocolError(f"sink gave {len(view)} bytes for a {item.nbytes}-byte item")
+                targets.append(view)
+                received.append((len(outcomes) - 1, item))
+            digests = await sock.recv_many(targets, checksum)
+        except BaseException:
+            release_hits(sink, outcomes)
+            raise
+        digests = [d for t, d in zip(targets, digests) if not isinstance(t, int)]
+        for (index, item), digest in zip(received, digests):
+            if digest != item.checksum:
+                release_hits(sink, [outcomes[index]])
+                outcomes[index] = Failed(IntegrityError(f"checksum mismatch for {item.key!r}"))
+        return outcomes
+
+
+def check_tls_agrees(node: NodeInfo, tls: bool) -> None:
+    """Refuse before connecting when the client and the node's registry entry disagree about TLS."""
+    if node.tls and not tls:
+        raise NodeUnavailable(
+            f"node {node.node_id} ({node.address}) serves TLS only; add tls=on (and tls_ca=PATH for a private CA) "
+            "to the pool URL"
+        )
+    if tls and not node.tls:
+        raise NodeUnavailable(
+            f"node {node.node_id} ({node.address}) does not serve TLS but the pool URL says tls=on; "
+            "start the node with --tls-cert and --tls-key"
+        )
+
+
+class NodePool:
+    """Up to ``connections_per_node`` connections to one node, least-loaded first."""
+
+    def __init__(
+        self, node: NodeInfo, config: PoolConfig, tls: ssl.SSLContext | None = None, bulk: Executor | None = None
+    ) -> None:
+        self.node = node
+        self.config = config
+        self.tls = tls
+        self.bulk = bulk
+        self.connections: list[NodeConnection] = []
+
+    async def request(self, op: int, meta: bytes, **kwargs: Any) -> Any:
+        self.connections = [c for c in self.connections if not c.broken]
+        if len(self.connections) < self.config.connections_per_node:
+            conn = NodeConnection(self.node, self.config, self.tls, self.bulk)
+            self.connections.append(conn)
+        else:
+            conn = min(self.connections, key=lambda c: c.load)
+        try:
+            await conn.ensure_open()
+        except BaseException:
+            if conn in self.connections:
+                self.connections.remove(conn)
+            raise
+        return await conn.request(op, meta, **kwargs)
+
+    def close(self) -> None:
+        for conn in self.connections:
+            conn.close()
+        self.connections = []
+
+
+def frame_data_budget() -> int:
+    # Never ask a node for a response larger than this side accepts.
+    return min(MAX_FRAME_DATA_BYTES, DEFAULT_LIMITS.max_data_bytes)
+
+
+def frames(items: Sequence[T]) -> list[list[T]]:
+    """Split items (ItemMeta or Wanted) into frames within the size and count limits."""
+    out: list[list[T]] = [[]]
+    size = 0
+    for item in items:
+        nbytes = item.nbytes  # type: ignore[attr-defined]
+        if out[-1] and (size + nbytes > frame_data_budget() or len(out[-1]) >= MAX_FRAME_ITEMS):
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += nbytes
+    return out
+
+
+class Connections:
+    """One :class:`NodePool` per live node (by id and epoch), closed when the node leaves the registry."""
+
+    def __init__(self, config: PoolConfig, tls: ssl.SSLContext | None, bulk: Callable[[], Executor]) -> None:
+        self.config = config
+        self.tls = tls
+        self._bulk = bulk
+        self._pools: dict[tuple[str, int], NodePool] = {}
+
+    def pool(self, node: NodeInfo) -> NodePool:
+        ident = (node.node_id, node.epoch)
+        pool = self._pools.get(ident)
+        if pool is None:
+            pool = self._pools[ident] = NodePool(node, self.config, self.tls, self._bulk())
+        return pool
+
+    def pools(self) -> list[NodePool]:
+        return list(self._pools.values())
+
+    def prune(self, live: set[tuple[str, int]]) -> None:
+        """Close the pools of nodes that left or restarted."""
+        for ident in [i for i in self._pools if i not in live]:
+            self._pools.pop(ident).close()
+
+    def forget(self) -> None:
+        """After a fork: the sockets belong to the parent, never use (or close) them here."""
+        self._pools = {}
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools = {}

@@ -1,0 +1,108 @@
+"""What every part of one client shares: its config, counters, warnings, background tasks and worker threads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from backend.config import PoolConfig
+from backend.errors import KVPoolError
+
+__all__ = ["ClientContext", "BULK_THREADS"]
+
+J = TypeVar("J")
+R = TypeVar("R")
+
+logger = logging.getLogger("backend.client")
+
+# Worker threads for bulk copies (socket receives and sends, arena copies, checksums).
+# Two keep both cores of a small host busy with one batch; more only queue.
+BULK_THREADS = 2
+
+
+class ClientContext:
+    """Shared by the registry view, the readers, the put planner and the facade of one client."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.counters: defaultdict[str, int] = defaultdict(int)
+        self._warned: set[str] = set()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._bulk: ThreadPoolExecutor | None = None
+        self.pid = os.getpid()
+        self.closed = False
+
+    @property
+    def bulk(self) -> ThreadPoolExecutor:
+        """The worker threads for bulk copies, started on first use."""
+        if self._bulk is None:
+            self._bulk = ThreadPoolExecutor(BULK_THREADS, thread_name_prefix="kvpool-bulk")
+        return self._bulk
+
+    def check_open(self) -> bool:
+        """Raise if closed; True when this process forked since the last call (its sockets are the parent's)."""
+        if self.closed:
+            raise KVPoolError("PoolClient is closed")
+        if os.getpid() == self.pid:
+            return False
+        self.pid = os.getpid()
+        self._bulk = None  # threads do not survive a fork
+        return True
+
+    def warn_once(self, cause: str, message: str, *args: Any) -> None:
+        """Log ``message`` once until :meth:`recovered` clears ``cause``."""
+        if cause not in self._warned:
+            self._warned.add(cause)
+            logger.warning(message, *args)
+
+    def recovered(self, cause: str) -> None:
+        self._warned.discard(cause)
+
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` in the background; :meth:`close` cancels what is still running."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def map_in_threads(self, fn: Callable[[J], R], jobs: Sequence[J]) -> list[R]:
+        """``[fn(job) for job in jobs]``, spread over the bulk threads; results in order.
+
+        Returns (or raises the first job's error) only once every thread is done, also
+        when the caller is cancelled: the jobs may be writing into the caller's buffers,
+        which it must not hand back before then.
+        """
+        loop = asyncio.get_running_loop()
+        groups = [jobs[i::BULK_THREADS] for i in range(min(BULK_THREADS, len(jobs)))]
+        futures = [loop.run_in_executor(self.bulk, _map, fn, group) for group in groups]
+        finished = asyncio.ensure_future(asyncio.wait(futures))
+        try:
+            await asyncio.shield(finished)
+        except asyncio.CancelledError:
+            await finished
+            raise
+        out: list[Any] = [None] * len(jobs)
+        for start, future in enumerate(futures):
+            out[start::BULK_THREADS] = future.result()
+        return out
+
+    async def close(self) -> None:
+        """Cancel background work (bounded) and let the worker threads go."""
+        self.closed = True
+        for task in list(self._background):
+            task.cancel()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                await asyncio.gather(*self._background, return_exceptions=True)
+        if self._bulk is not None:
+            self._bulk.shutdown(wait=False)
+
+
+def _map(fn: Callable[[J], R], jobs: Sequence[J]) -> list[R]:
+    return [fn(job) for job in jobs]

@@ -1,0 +1,97 @@
+"""Locks: keys pinned on the node that serves them (LMCache's multiprocess lookup-and-lock)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Sequence
+
+from backend.client.chunks import Lock
+from backend.client.connection import MAX_FRAME_ITEMS, Connections
+from backend.client.context import ClientContext
+from backend.client.registry import Locator, RegistryView
+from backend.errors import ConfigError, KVPoolError
+from backend.metadata import NodeInfo
+from backend.protocol import Op, decode_lease_response, encode_lease_request, encode_release
+
+__all__ = ["Locker", "MAX_LOCK_TTL_MS"]
+
+MAX_LOCK_TTL_MS = 600_000  # the node's bound (backend.node.leases.MAX_LEASE_TTL_MS)
+
+
+class Locker:
+    """Takes and ends node leases that keep keys from being demoted or evicted."""
+
+    def __init__(self, ctx: ClientContext, registry: RegistryView, locator: Locator, connections: Connections) -> None:
+        self.ctx = ctx
+        self.registry = registry
+        self.locator = locator
+        self.connections = connections
+
+    async def lock(self, keys: Sequence[str], ttl_ms: int) -> list[Lock | None]:
+        """Pin each key on the node that serves it for ``ttl_ms``; None where the pool lacks it.
+
+        One Redis round trip for the locations, then one LEASE per node. A node that
+        fails costs only its keys (None), like a miss.
+        """
+        if not 0 < ttl_ms <= MAX_LOCK_TTL_MS:
+            raise ConfigError("ttl_ms", f"{ttl_ms} is outside 1..{MAX_LOCK_TTL_MS}")
+        results: list[Lock | None] = [None] * len(keys)
+        if not keys:
+            return results
+        groups: dict[str, list[int]] = defaultdict(list)
+        for index, entry in enumerate(await self.locator.lookup(keys)):
+            ordered = self.registry.ordered(entry)
+            if ordered:
+                groups[ordered[0].node_id].append(index)
+
+        async def on_node(node: NodeInfo, indexes: list[int]) -> None:
+            for start in range(0, len(indexes), MAX_FRAME_ITEMS):
+                part = indexes[start : start + MAX_FRAME_ITEMS]
+                names = [keys[i] for i in part]
+                reply = await self.connections.pool(node).request(Op.LEASE, encode_lease_request(names, ttl_ms, 0))
+                lease_id, found = decode_lease_response(reply, names)
+                for index, entry in zip(part, found):
+                    if entry is not None:
+                        results[index] = Lock(keys[index], node.node_id, lease_id, node.epoch)
+
+        nodes = {nid: self.registry.node(nid) for nid in groups}
+        outcomes = await asyncio.gather(
+            *(on_node(node, groups[nid]) for nid, node in nodes.items() if node is not None), return_exceptions=True
+        )
+        for nid, outcome in zip([nid for nid, node in nodes.items() if node is not None], outcomes):
+            if isinstance(outcome, KVPoolError):
+                self.ctx.warn_once(f"lock:{nid}", "kvpool: lock on node %s failed, reading as misses: %s", nid, outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+        return results
+
+    async def unlock(self, locks: Sequence[Lock | None]) -> None:
+        """End locks taken by :meth:`lock`; idempotent, so a failed call may simply be repeated.
+
+        Locks on nodes gone from the registry or restarted are ignored (their leases
+        died with them). Every node is tried; then the first failure (a node that did
+        not answer) is raised, and its locks end at their ttl unless a retry succeeds.
+        """
+        by_lease: dict[tuple[str, int, int], list[str]] = defaultdict(list)
+        for held in locks:
+            if held is not None:
+                by_lease[(held.node_id, held.epoch, held.lease_id)].append(held.key)
+        if not by_lease:
+            return
+        await self.registry.nodes()
+        releases = []
+        for (nid, epoch, lease_id), names in by_lease.items():
+            node = self.registry.node(nid)
+            if node is None or node.epoch != epoch:
+                continue  # the node restarted: its leases died with it
+            pool = self.connections.pool(node)
+            releases += [pool.request(Op.RELEASE, encode_release(lease_id, names[i : i + MAX_FRAME_ITEMS]))
+                         for i in range(0, len(names), MAX_FRAME_ITEMS)]  # fmt: skip
+        outcomes = await asyncio.gather(*releases, return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, KVPoolError):
+                raise outcome
+        failed = [outcome for outcome in outcomes if isinstance(outcome, KVPoolError)]
+        if failed:
+            raise failed[0]

@@ -1,0 +1,204 @@
+"""PoolClient: the facade both LMCache layers, the CLI and the bench use.
+
+It wires the parts together and delegates: the registry view and the index lookup
+(``registry``), one reader per path (``channel``, ``arena``, ``tcp``) behind the get
+failover (``failover``), the put planner (``putter``), locks (``locks``), and the
+connections (``connection``).
+
+Errors: a node that is down, slow or answers a miss costs only the keys it held
+(they come back as misses, with one warning per outage). Redis being unreachable
+makes ``contains``/``get`` read as misses too (one warning per outage); ``put``,
+``delete`` and the listing verbs raise :class:`MetadataError`. Nothing here ever
+waits longer than ``timeout_ms`` for Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from backend.client.arena import ArenaReader
+from backend.client.channel import Channel, ChannelReader
+from backend.client.chunks import BytesSink, Chunk, Fetched, Hit, Lock, Sink, Wanted
+from backend.client.connection import Connections
+from backend.client.context import ClientContext
+from backend.client.failover import Getter, Reader
+from backend.client.locks import Locker
+from backend.client.putter import PutPlanner
+from backend.client.registry import Locator, RegistryView
+from backend.client.tcp import TcpReader
+from backend.config import PoolConfig
+from backend.errors import KVPoolError, NodeUnavailable
+from backend.metadata import MetadataStore, NodeInfo
+from backend.protocol import Op, check_key, decode_json, encode_keys
+from backend.transport import client_tls_context
+
+__all__ = ["PoolClient"]
+
+logger = logging.getLogger("backend.client")
+
+T = TypeVar("T")
+
+
+class PoolClient:
+    """Async client of one pool namespace. Use on one event loop; ``close()`` when done."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        # Made once: loading the CA bundle is file I/O, and a bad path fails here, before any connection.
+        tls = client_tls_context(config.tls_ca) if config.tls else None
+        self.meta = MetadataStore(
+            config.redis_url, config.namespace, config.timeout_s, password=config.redis_password, ca_file=config.tls_ca
+        )
+        self._ctx = ClientContext(config)
+        self.counters: defaultdict[str, int] = self._ctx.counters
+        self.registry = RegistryView(self._ctx, self.meta)
+        self.connections = Connections(config, tls, lambda: self._ctx.bulk)
+        self.arena = ArenaReader(self._ctx, self.connections)
+        self.registry.on_change += [self.connections.prune, self.arena.prune]
+        self._locator = Locator(self._ctx, self.meta, self.registry)
+        self._tcp = TcpReader(self._ctx, self.connections)
+        self._getter = Getter(self._ctx, self.registry, self._locator, [self.arena, self._tcp])
+        self._putter = PutPlanner(self._ctx, self.registry, self.connections)
+        self._locker = Locker(self._ctx, self.registry, self._locator, self.connections)
+        self._channel: Channel | None = None
+
+    def _check_open(self) -> None:
+        if self._ctx.check_open():  # forked: the parent's sockets and mappings are not ours
+            self.connections.forget()
+            self.arena.forget()
+
+    def use_channel(self, channel: Channel) -> None:
+        """Read same-cluster hits over ``channel`` first (``nccl_channel.channel.NcclChannel``)."""
+        self._channel = channel
+        readers: list[Reader] = [ChannelReader(self._ctx, channel), self.arena, self._tcp]
+        self._getter.readers = readers
+
+    # -- the data path ----------------------------------------------------------------
+    async def nodes(self, refresh: bool = False) -> list[NodeInfo]:
+        """Live nodes (refreshed in the background at most every second)."""
+        self._check_open()
+        return await self.registry.nodes(refresh)
+
+    async def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is held by a live node (one Redis round trip)."""
+        self._check_open()
+        _check_keys(keys)
+        entries = await self._locator.lookup(keys)
+        return [any(self.registry.alive(loc) for loc in entry) for entry in entries]
+
+    async def hit_prefix(self, keys: Sequence[str]) -> int:
+        """How many keys from the start are all present."""
+        hits = await self.contains(keys)
+        return hits.index(False) if False in hits else len(hits)
+
+    async def put(self, chunks: Sequence[Chunk], *, only: Sequence[str] | None = None) -> None:
+        """Store every chunk on ``replicas`` nodes; raises if any chunk could not be stored.
+
+        Returns only when the nodes have acknowledged (bytes complete and indexed)
+        or failed, so the caller may reuse its buffers as soon as this returns.
+        ``only`` restricts placement to these node ids (``kvpool drain --to``).
+        """
+        self._check_open()
+        await self._putter.put(chunks, only)
+
+    async def get(self, keys: Sequence[str], sink: Sink[T] | None = None) -> list[T | None]:
+        """Fetch keys into buffers from ``sink`` (default: new bytearrays); misses are None.
+
+        Every chunk is checked against its checksum before it is returned; a
+        mismatch is a miss, and that copy is dropped from the index.
+        """
+        self._check_open()
+        _check_keys(keys)
+        return await self._getter.get(keys, sink if sink is not None else BytesSink())  # type: ignore[arg-type]
+
+    async def lock(self, keys: Sequence[str], ttl_ms: int) -> list[Lock | None]:
+        """Pin each key on the node that serves it for ``ttl_ms`` (see ``backend.client.locks``)."""
+        self._check_open()
+        _check_keys(keys)
+        return await self._locker.lock(keys, ttl_ms)
+
+    async def unlock(self, locks: Sequence[Lock | None]) -> None:
+        """End locks taken by :meth:`lock`; idempotent."""
+        self._check_open()
+        await self._locker.unlock(locks)
+
+    async def channel_request(self, node: NodeInfo, meta: bytes) -> bytes:
+        """One CHANNEL_GET to ``node`` over its TCP protocol; returns the response meta."""
+        return bytes(await self.connections.pool(node).request(Op.CHANNEL_GET, meta))
+
+    # -- delete, admin, stats ---------------------------------------------------------
+    async def delete(self, keys: Sequence[str]) -> int:
+        """Remove keys everywhere: index first (so nobody reads them), then the bytes."""
+        _check_keys(keys)
+        entries = await self.meta.lookup(keys)
+        existed = await self.meta.delete(keys)
+        holders: dict[str, list[str]] = defaultdict(list)
+        for key, entry in zip(keys, entries):
+            for loc in entry:
+                holders[loc.node_id].append(key)
+        await self.registry.nodes(refresh=True)
+        for nid, node_keys in holders.items():
+            node = self.registry.node(nid)
+            if node is None:
+                continue
+            try:
+                await self.connections.pool(node).request(Op.DELETE_BATCH, encode_keys(node_keys))
+            except KVPoolError as exc:
+                logger.warning("kvpool: delete on node %s failed (its copies age out): %s", nid, exc)
+        return existed
+
+    async def node(self, node_id: str) -> NodeInfo:
+        """A live node by id (NodeUnavailable if it is not alive)."""
+        nodes = {n.node_id: n for n in await self.nodes(refresh=True)}
+        if node_id not in nodes:
+            raise NodeUnavailable(f"node {node_id!r} is not alive in namespace {self.config.namespace!r}")
+        return nodes[node_id]
+
+    async def fetch_from(self, node: NodeInfo, wanted: Sequence[tuple[str, int]]) -> list[Fetched | None]:
+        """Read ``(key, nbytes)`` from one given node (not any replica); verified like ``get``."""
+        sink = BytesSink()
+        outcomes = await self._getter.read_node(node, [Wanted(key, nbytes) for key, nbytes in wanted], sink)
+        self.registry.trust(node.node_id)  # it answers reads again: no longer tried last
+        return [o.handle if isinstance(o, Hit) else None for o in outcomes]
+
+    async def node_request(self, node: NodeInfo, op: Op, meta: bytes) -> bytes:
+        """One admin request to one node; returns the response meta."""
+        return bytes(await self.connections.pool(node).request(op, meta))
+
+    async def list_keys(self, match: str = "*") -> list[str]:
+        return [key async for key in self.meta.scan_keys(match)]
+
+    async def node_stats(self, node: NodeInfo) -> dict[str, Any]:
+        return decode_json(await self.connections.pool(node).request(Op.STAT, b""))
+
+    async def ping(self) -> float:
+        """Redis round trip in ms; raises MetadataError if Redis is unreachable."""
+        return await self.meta.ping()
+
+    async def close(self) -> None:
+        """Close every connection; returns promptly even with nodes or Redis down."""
+        if self._ctx.closed:
+            return
+        self.connections.close()
+        self.arena.close()
+        await self._ctx.close()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                await self.meta.close()
+
+    async def __aenter__(self) -> PoolClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _check_keys(keys: Sequence[str]) -> None:
+    """Refuse a call with a key no node could store (empty, too long, not UTF-8) before any I/O."""
+    for key in keys:
+        check_key(key)

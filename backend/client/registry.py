@@ -1,0 +1,159 @@
+"""The client's view of the node registry, and the index lookups that are read against it.
+
+The view is refreshed in the background at most every ``REGISTRY_REFRESH_S``; a
+lookup that finds a copy on a node the view does not know re-reads it first if it is
+older than ``FRESH_VIEW_S``, so a node that just (re)started is not taken for dead.
+Copies are read in order: nodes that just failed a read last, then the client's own
+cluster, then the least loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+
+from backend.client.context import ClientContext
+from backend.errors import KVPoolError, MetadataError
+from backend.metadata import IndexEntry, Location, MetadataStore, NodeInfo
+
+__all__ = ["RegistryView", "Locator", "REGISTRY_REFRESH_S", "SUSPECT_S"]
+
+REGISTRY_REFRESH_S = 1.0
+FRESH_VIEW_S = 0.1  # a registry view younger than this is trusted to call a node dead
+# A node that failed a read (down, stalled, reset) is tried after its replicas for this long,
+# or until it answers a read: about one heartbeat TTL, by when the registry has declared it dead.
+SUSPECT_S = 5.0
+
+
+class RegistryView:
+    """Live nodes as last read from Redis, and which of a key's copies to read first."""
+
+    def __init__(self, ctx: ClientContext, meta: MetadataStore) -> None:
+        self.ctx = ctx
+        self.meta = meta
+        self.on_change: list[Callable[[set[tuple[str, int]]], None]] = []  # told the live (id, epoch) set
+        self._nodes: dict[str, NodeInfo] = {}
+        self._version = 0  # the registry version (and namespace marker) the view was read at
+        self._marker = ""
+        self._read_at = 0.0
+        self._refreshing: asyncio.Task[None] | None = None
+        self._suspect_until: dict[str, float] = {}  # node id -> monotonic time it is read from last until
+
+    @property
+    def age_s(self) -> float:
+        return time.monotonic() - self._read_at
+
+    async def nodes(self, refresh: bool = False) -> list[NodeInfo]:
+        """Live nodes; ``refresh`` re-reads the whole registry now.
+
+        Otherwise the view is brought up to date in the background at most every
+        ``REGISTRY_REFRESH_S``, reading only the nodes that changed (one Redis command
+        when none did).
+        """
+        if refresh or not self._read_at:
+            await self.refresh(full=True)
+        elif self.age_s > REGISTRY_REFRESH_S and (self._refreshing is None or self._refreshing.done()):
+            self._refreshing = self.ctx.spawn(self._refresh_quietly())
+        return list(self._nodes.values())
+
+    async def refresh(self, full: bool = False) -> None:
+        """Bring the view up to date: the nodes changed since it was read, or (``full``) all of them."""
+        version, marker, changed = await self.meta.registry_changes(0 if full else self._version, self._marker)
+        if changed is None:
+            nodes = {n.node_id: n for n in await self.meta.nodes() if n.alive}
+        else:  # a node the view lacks and that expired anyway needs no read
+            changed = [nid for nid in changed if nid in self._nodes or version != self._version]
+            nodes = {nid: n for nid, n in self._nodes.items() if nid not in changed}
+            nodes.update({n.node_id: n for n in await self.meta.nodes(only=changed) if n.alive})
+        self._nodes, self._version, self._marker = nodes, version, marker
+        self._read_at = time.monotonic()
+        live = {(n.node_id, n.epoch) for n in nodes.values()}
+        for hook in self.on_change:
+            hook(live)
+
+    async def _refresh_quietly(self) -> None:
+        with contextlib.suppress(KVPoolError):
+            await self.refresh()
+
+    def known(self) -> list[NodeInfo]:
+        """The live nodes of the last read, without reading again."""
+        return list(self._nodes.values())
+
+    def node(self, node_id: str) -> NodeInfo | None:
+        return self._nodes.get(node_id)
+
+    def alive(self, loc: Location) -> bool:
+        node = self._nodes.get(loc.node_id)
+        return node is not None and node.epoch == loc.epoch
+
+    def ordered(self, entry: Sequence[Location]) -> list[Location]:
+        """Live copies: nodes that just failed a read last, then same cluster first, then least loaded."""
+        now = time.monotonic()
+        cluster = self.ctx.config.cluster
+
+        def rank(loc: Location) -> tuple[bool, int, float]:
+            node = self._nodes[loc.node_id]
+            suspect = self._suspect_until.get(loc.node_id, 0.0) > now
+            same = int(bool(cluster) and node.cluster == cluster)
+            load = node.used_bytes / node.capacity_bytes if node.capacity_bytes else 1.0
+            return (suspect, -same, load)
+
+        return sorted((loc for loc in entry if self.alive(loc)), key=rank)
+
+    def suspect(self, node_id: str) -> None:
+        """``node_id`` failed a read: read its copies last for ``SUSPECT_S``."""
+        self._suspect_until[node_id] = time.monotonic() + SUSPECT_S
+
+    def trust(self, node_id: str) -> None:
+        """``node_id`` answered a read: no longer read last."""
+        self._suspect_until.pop(node_id, None)
+
+
+class Locator:
+    """Where each key's copies are: one pipelined Redis round trip; stale entries cleaned in the background."""
+
+    def __init__(self, ctx: ClientContext, meta: MetadataStore, registry: RegistryView) -> None:
+        self.ctx = ctx
+        self.meta = meta
+        self.registry = registry
+
+    async def lookup(self, keys: Sequence[str]) -> list[IndexEntry]:
+        """Index entries for ``keys``; locations on dead nodes are queued for cleanup.
+
+        Redis unreachable (down, restarting, failing over) reads as every key missing:
+        a lookup is a hint, and a miss costs a recompute, never a failed request.
+        """
+        registry = self.registry
+        try:
+            entries = await self.meta.lookup(keys)
+            await registry.nodes()
+            if any(not registry.alive(loc) for entry in entries for loc in entry) and registry.age_s > FRESH_VIEW_S:
+                await registry.refresh()  # the view may predate a node's (re)start
+        except MetadataError as exc:
+            self.ctx.warn_once("redis", "kvpool: Redis lookup failed, reading as misses until it is back: %s", exc)
+            self.ctx.counters["lookup_failures"] += 1
+            return [[] for _ in keys]
+        self.ctx.recovered("redis")
+        stale = [(k, loc) for k, entry in zip(keys, entries) for loc in entry if not registry.alive(loc)]
+        if stale:
+            self.clean_later(stale, confirmed=False)
+        return entries
+
+    def clean_later(self, stale: Sequence[tuple[str, Location]], *, confirmed: bool) -> None:
+        """Drop stale locations in the background.
+
+        ``confirmed``: the node itself said so (miss, bad checksum). Otherwise the
+        location only looked dead from this client's view, which is re-read first so
+        that a view older than a node's restart never deletes a live entry.
+        """
+        self.ctx.spawn(self._clean_quietly(list(stale), confirmed))
+
+    async def _clean_quietly(self, stale: list[tuple[str, Location]], confirmed: bool) -> None:
+        with contextlib.suppress(KVPoolError):
+            if not confirmed:
+                await self.registry.refresh()
+                stale = [(key, loc) for key, loc in stale if not self.registry.alive(loc)]
+            self.ctx.counters["stale_entries"] += len(stale)
+            await self.meta.remove_stale(stale)

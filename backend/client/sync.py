@@ -1,0 +1,90 @@
+"""SyncPoolClient: the blocking twin of PoolClient, the same code on a private event-loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from backend.client.chunks import Chunk, Fetched, Lock
+from backend.client.pool_client import PoolClient
+from backend.config import PoolConfig
+from backend.metadata import NodeInfo
+
+__all__ = ["SyncPoolClient"]
+
+T = TypeVar("T")
+
+
+class SyncPoolClient:
+    """Blocking twin of :class:`PoolClient`: the same code on a private event-loop thread."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvpool-client", daemon=True)
+        self._thread.start()
+        self._client = self._call(self._make(config))
+        self.config = config
+
+    @staticmethod
+    async def _make(config: PoolConfig) -> PoolClient:
+        return PoolClient(config)
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return future.result(timeout_s)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return dict(self._client.counters)
+
+    def put(self, chunks: Sequence[Chunk]) -> None:
+        self._call(self._client.put(chunks))
+
+    def get(self, keys: Sequence[str]) -> list[Fetched | None]:
+        return self._call(self._client.get(keys))
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        return self._call(self._client.contains(keys))
+
+    def hit_prefix(self, keys: Sequence[str]) -> int:
+        return self._call(self._client.hit_prefix(keys))
+
+    def delete(self, keys: Sequence[str]) -> int:
+        return self._call(self._client.delete(keys))
+
+    def lock(self, keys: Sequence[str], ttl_ms: int) -> list[Lock | None]:
+        return self._call(self._client.lock(keys, ttl_ms))
+
+    def unlock(self, locks: Sequence[Lock | None]) -> None:
+        self._call(self._client.unlock(locks))
+
+    def nodes(self, refresh: bool = True) -> list[NodeInfo]:
+        return self._call(self._client.nodes(refresh=refresh))
+
+    def list_keys(self, match: str = "*") -> list[str]:
+        return self._call(self._client.list_keys(match))
+
+    def node_stats(self, node: NodeInfo) -> dict[str, Any]:
+        return self._call(self._client.node_stats(node))
+
+    def ping(self) -> float:
+        return self._call(self._client.ping())
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            self._call(self._client.close(), timeout_s=5.0)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> SyncPoolClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
