@@ -57,9 +57,22 @@ def test_same_cluster_hits_travel_over_the_channel_when_it_is_on(node_factory, p
     got = stack.get(keys)
     try:
         assert _identical(stack, got, objs)
-        assert stack.connector().counters["get_bytes_channel"] == 6 * stack.chunk_bytes
-        assert stack.connector().counters["get_bytes_tcp"] == tcp_before and stack.connector().counters["channel_fallbacks"] == 0
+        counters = stack.connector().counters  # a snapshot: read after the get
+        assert counters["get_bytes_channel"] == 6 * stack.chunk_bytes
+        assert counters["get_bytes_tcp"] == tcp_before and counters["channel_fallbacks"] == 0
         assert stack.connector().channel.counters["pairs_created"] == 1
+    finally:
+        stack.release(objs + got)
+
+
+def _read_over_tcp_only(stack: LMCacheStack, first: int, count: int) -> None:
+    """Store ``count`` chunks and read them once: byte-identical, and every byte over TCP."""
+    keys, objs = _store(stack, first, count)
+    got = stack.get(keys)
+    try:
+        assert _identical(stack, got, objs)
+        counters = stack.connector().counters
+        assert counters["get_bytes_tcp"] == count * stack.chunk_bytes and counters["get_bytes_channel"] == 0
     finally:
         stack.release(objs + got)
 
@@ -68,41 +81,32 @@ def test_the_first_read_of_a_node_goes_over_tcp_while_its_pair_is_made(node_fact
     """No get waits for a pairing (a cold NCCL init takes seconds): TCP serves it, the pair comes after."""
     node_factory("--cluster", CLUSTER, "--channel", "cpu")
     stack = stack_factory(f"{pool_url}?nccl=on&cluster={CLUSTER}&channel_transport=cpu")
-    keys, objs = _store(stack, 150, 4)
-    got = stack.get(keys)
-    try:
-        assert _identical(stack, got, objs)
-        assert stack.connector().counters["get_bytes_tcp"] == 4 * stack.chunk_bytes and stack.connector().counters["get_bytes_channel"] == 0
-        assert stack.connector().counters["channel_fallbacks"] == 0  # not a failure: the pair was not there yet
-        assert wait_until(lambda: stack.connector().channel.pair_count() == 1, PAIR_WAIT_S)
-    finally:
-        stack.release(objs + got)
+    _read_over_tcp_only(stack, 150, 4)
+    assert stack.connector().counters["channel_fallbacks"] == 0  # not a failure: the pair was not there yet
+    assert wait_until(lambda: stack.connector().channel.pair_count() == 1, PAIR_WAIT_S)
 
 
 def test_the_same_hits_travel_over_tcp_when_the_channel_is_off(node_factory, pool_url, stack_factory):
     node_factory("--cluster", CLUSTER, "--channel", "cpu")
     stack = stack_factory(f"{pool_url}?cluster={CLUSTER}")
-    keys, objs = _store(stack, 200, 6)
-    got = stack.get(keys)
-    try:
-        assert stack.connector().channel is None
-        assert _identical(stack, got, objs)
-        assert stack.connector().counters["get_bytes_tcp"] == 6 * stack.chunk_bytes and stack.connector().counters["get_bytes_channel"] == 0
-    finally:
-        stack.release(objs + got)
+    _read_over_tcp_only(stack, 200, 6)
+    assert stack.connector().channel is None
 
 
 def test_a_copy_in_another_cluster_is_read_over_tcp_even_with_the_channel_on(node_factory, pool_url, stack_factory):
     node_factory("--cluster", "rack-b", "--channel", "cpu")
     stack = stack_factory(f"{pool_url}?nccl=on&cluster={CLUSTER}&channel_transport=cpu")
-    keys, objs = _store(stack, 300, 3)
-    got = stack.get(keys)
-    try:
-        assert _identical(stack, got, objs)
-        assert stack.connector().counters["get_bytes_tcp"] == 3 * stack.chunk_bytes and stack.connector().counters["get_bytes_channel"] == 0
-        assert stack.connector().channel.pair_count() == 0  # nothing to pair with
-    finally:
-        stack.release(objs + got)
+    _read_over_tcp_only(stack, 300, 3)
+    assert stack.connector().channel.pair_count() == 0  # nothing to pair with
+
+
+def _assert_all_fell_back_to_tcp(stack: LMCacheStack, got: list, objs: list, tcp_before: int) -> None:
+    """Every chunk read is right, and every one came over TCP because the channel failed to bring it."""
+    assert _identical(stack, got, objs)
+    counters = stack.connector().counters
+    assert counters["channel_fallbacks"] == len(objs)
+    assert counters["get_bytes_tcp"] - tcp_before == len(objs) * stack.chunk_bytes
+    assert counters["get_bytes_channel"] == 0
 
 
 @pytest.mark.parametrize("fault", ["kill", "stall"])
@@ -124,10 +128,7 @@ def test_peer_death_mid_transfer_falls_back_to_tcp_with_correct_bytes(fault, nod
     try:
         got = stack.get(keys)
         try:
-            assert _identical(stack, got, objs)
-            assert connector.counters["channel_fallbacks"] == 16
-            assert connector.counters["get_bytes_tcp"] - tcp_before == 16 * stack.chunk_bytes
-            assert connector.counters["get_bytes_channel"] == 0
+            _assert_all_fell_back_to_tcp(stack, got, objs, tcp_before)
             assert connector.channel.pair_count() == 0  # the broken pair was aborted and dropped
             assert any("reading over TCP" in r.message for r in caplog.records)
         finally:
@@ -160,10 +161,7 @@ def test_any_exception_in_the_channel_path_falls_back_to_tcp(node_factory, pool_
     monkeypatch.setattr(channel_module, "_copy_and_verify", faulted_copy)
     got = stack.get(keys)
     try:
-        assert _identical(stack, got, objs)
-        assert connector.counters["channel_fallbacks"] == 5
-        assert connector.counters["get_bytes_tcp"] - tcp_before == 5 * stack.chunk_bytes
-        assert connector.counters["get_bytes_channel"] == 0
+        _assert_all_fell_back_to_tcp(stack, got, objs, tcp_before)
         assert connector.counters["miss_get"] == 0  # LMCache never saw the error
         assert any("CUDA error" in r.getMessage() for r in caplog.records)
     finally:
