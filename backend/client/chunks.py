@@ -33,19 +33,15 @@ class Chunk:
     fmt: int = 0
 
     def item_meta(self) -> ItemMeta:
-        view = memoryview(self.data).cast("B")
-        shape = self.shape or (len(view),)
-        return ItemMeta(self.key, len(view), checksum(view), self.dtype, shape, self.fmt)
+        return dataclasses.replace(self.layout(), checksum=checksum(memoryview(self.data).cast("B")))
 
-    def checked_item_meta(self) -> ItemMeta:
-        """:meth:`item_meta`, after checking the key, size and layout against the protocol's limits.
-
-        The size is checked before the payload is hashed, so an oversized value is
-        refused at once.
-        """
+    def layout(self) -> ItemMeta:
+        """The chunk's meta without its checksum (0), after checking the key, size and layout
+        against the protocol's limits: a value no node would take is refused before it is hashed."""
         nbytes = memoryview(self.data).nbytes
-        check_item(ItemMeta(self.key, nbytes, 0, self.dtype, self.shape or (nbytes,), self.fmt))
-        return self.item_meta()
+        item = ItemMeta(self.key, nbytes, 0, self.dtype, self.shape or (nbytes,), self.fmt)
+        check_item(item)
+        return item
 
 
 @dataclasses.dataclass(frozen=True)

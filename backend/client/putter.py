@@ -9,24 +9,26 @@ is sent from a worker thread (``backend.transport``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
 
 from backend.client.chunks import Chunk
 from backend.client.connection import Connections, frames
 from backend.client.context import ClientContext
 from backend.client.registry import RegistryView
+from backend.client.tcp import stripes
 from backend.errors import CapacityError, KVPoolError
 from backend.metadata import NodeInfo
 from backend.placement import choose_nodes, next_fallback, rank_nodes
-from backend.protocol import PUT_INTEGRITY, PUT_STORED, ItemMeta, Op, decode_flags, encode_items
-from backend.transport import Buffer
+from backend.protocol import PUT_INTEGRITY, PUT_STORED, ItemMeta, Op, checksum, decode_flags, encode_items
+from backend.transport import BULK_BYTES, Buffer
 
 __all__ = ["PutPlanner"]
 
 PUT_ATTEMPTS = 3  # first choice, then the next-ranked nodes
 # Why a put failed when every node answered but none stored the chunk (PUT_NO_CAPACITY or PUT_INTEGRITY).
+PUT_FAILED = -1  # a chunk whose stripe failed on the way (the node's error says why), as a PUT flag
 NO_ROOM = ": no node took them (no room: larger than a node's DRAM tier or DRAM full of puts in flight; or corrupt on arrival)"
 
 
@@ -45,9 +47,10 @@ class PutPlanner:
         """
         if not chunks:
             return
-        # A chunk that breaks a limit refuses the whole call before anything is sent.
-        items = [c.checked_item_meta() for c in chunks]
+        # A chunk that breaks a limit refuses the whole call before anything is hashed or sent.
+        layouts = [c.layout() for c in chunks]
         data = {c.key: c.data for c in chunks}
+        items = await self._checksummed(layouts, data)
         nodes = await self.registry.nodes()
         if only is not None:
             nodes = [n for n in nodes if n.node_id in set(only)]
@@ -72,13 +75,12 @@ class PutPlanner:
             if not groups:
                 break
             outcomes = await asyncio.gather(
-                *(self._put_on_node(node_of[nid], group, data) for nid, group in groups.items()),
-                return_exceptions=True,
+                *(self._put_on_node(node_of[nid], group, data) for nid, group in groups.items())
             )
             targets = {}
-            for (nid, group), outcome in zip(groups.items(), outcomes):
-                for item, ok in zip(group, _put_flags(outcome, len(group))):
-                    if ok:
+            for (nid, group), (flags, error) in zip(groups.items(), outcomes):
+                for item, flag in zip(group, flags):
+                    if flag == PUT_STORED:
                         stored[item.key].add(nid)
                         continue
                     failed_on[item.key].add(nid)
@@ -86,11 +88,9 @@ class PutPlanner:
                     if fallback is not None:
                         targets.setdefault(item.key, []).append(fallback)
                         tried[item.key].add(fallback.node_id)  # never the same fallback twice
-                if isinstance(outcome, KVPoolError):
-                    last_error = outcome
-                    self.ctx.warn_once(f"put:{nid}", "kvpool: put to node %s failed: %s", nid, outcome)
-                elif isinstance(outcome, BaseException):
-                    raise outcome
+                if error is not None:
+                    last_error = error
+                    self.ctx.warn_once(f"put:{nid}", "kvpool: put to node %s failed: %s", nid, error)
         eligible = sum(1 for n in nodes if not n.draining)
         failed = {item.key for item in items if len(stored[item.key]) < min(replicas, max(eligible, 1))}
         self.ctx.counters["put_chunks"] += len(items) - len(failed)
@@ -101,17 +101,41 @@ class PutPlanner:
             error_type = type(last_error) if last_error is not None else CapacityError
             raise error_type(f"{len(failed)} of {len(items)} chunks were not stored{cause}")
 
-    async def _put_on_node(self, node: NodeInfo, group: list[ItemMeta], data: dict[str, Buffer]) -> list[int]:
+    async def _checksummed(self, layouts: list[ItemMeta], data: dict[str, Buffer]) -> list[ItemMeta]:
+        """Each chunk's meta with its checksum, hashed on the bulk threads (off the caller's loop)."""
+
+        def hashed(item: ItemMeta) -> ItemMeta:
+            return dataclasses.replace(item, checksum=checksum(memoryview(data[item.key]).cast("B")))
+
+        if sum(item.nbytes for item in layouts) < BULK_BYTES:
+            return [hashed(item) for item in layouts]
+        return await self.ctx.map_in_threads(hashed, layouts)
+
+    async def _put_on_node(
+        self, node: NodeInfo, group: list[ItemMeta], data: dict[str, Buffer]
+    ) -> tuple[list[int], KVPoolError | None]:
+        """One node's chunks, striped over its connections (the node receives each stripe on its
+        own thread). Returns a PUT flag per chunk (``PUT_FAILED`` where its stripe failed) and
+        the node's error, if a stripe failed."""
         pool = self.connections.pool(node)
+
+        async def stripe(part: Sequence[ItemMeta]) -> list[int]:
+            flags: list[int] = []
+            for frame in frames(part):
+                reply = await pool.request(Op.PUT_BATCH, encode_items(frame), data=[data[i.key] for i in frame])
+                flags.extend(decode_flags(reply, len(frame)))
+            return flags
+
+        parts = stripes(group, self.ctx.config.connections_per_node)
+        outcomes = await asyncio.gather(*(stripe(part) for part in parts), return_exceptions=True)
         flags: list[int] = []
-        for frame in frames(group):
-            reply = await pool.request(Op.PUT_BATCH, encode_items(frame), data=[data[i.key] for i in frame])
-            flags.extend(decode_flags(reply, len(frame)))
+        error: KVPoolError | None = None
+        for part, outcome in zip(parts, outcomes):
+            if isinstance(outcome, KVPoolError):
+                error = outcome
+                outcome = [PUT_FAILED] * len(part)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            flags.extend(outcome)
         self.ctx.counters["integrity_failures"] += flags.count(PUT_INTEGRITY)
-        return flags
-
-
-def _put_flags(outcome: Any, n: int) -> list[bool]:
-    if isinstance(outcome, BaseException):
-        return [False] * n
-    return [flag == PUT_STORED for flag in outcome]
+        return flags, error

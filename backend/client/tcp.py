@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from backend.client.chunks import Hit, Outcome, Sink, Wanted, release_hits
 from backend.client.connection import Connections, NodePool, frames
@@ -20,6 +20,8 @@ from backend.protocol import Op, encode_keys
 from backend.transport import BULK_BYTES
 
 __all__ = ["TcpReader", "stripes"]
+
+T = TypeVar("T")
 
 
 class TcpReader:
@@ -79,16 +81,17 @@ async def _read_stripe(pool: NodePool, wanted: Sequence[Wanted], sink: Sink[Any]
     return out
 
 
-def stripes(wanted: Sequence[Wanted], most: int) -> list[Sequence[Wanted]]:
-    """Split ``wanted`` into at most ``most`` contiguous parts of about equal bytes, each worth a stream."""
-    total = sum(w.nbytes for w in wanted)
+def stripes(wanted: Sequence[T], most: int) -> list[Sequence[T]]:
+    """Split ``wanted`` (Wanted or ItemMeta) into at most ``most`` contiguous parts of about equal
+    bytes, each worth a stream (at least ``BULK_BYTES``)."""
+    total = sum(w.nbytes for w in wanted)  # type: ignore[attr-defined]
     count = max(1, min(most, len(wanted), total // BULK_BYTES))
     if count == 1:
         return [wanted]
-    parts: list[Sequence[Wanted]] = []
+    parts: list[Sequence[T]] = []
     start, filled = 0, 0
     for index, item in enumerate(wanted):
-        filled += item.nbytes
+        filled += item.nbytes  # type: ignore[attr-defined]
         if filled >= total * (len(parts) + 1) / count and len(parts) < count - 1:
             parts.append(wanted[start : index + 1])
             start = index + 1
