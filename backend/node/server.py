@@ -44,7 +44,7 @@ from backend.node.collector import DEFAULT_GRACE_S, DeadNodeCollector
 from backend.node.dram import StoredChunk
 from backend.node.leases import MAX_LEASE_TTL_MS
 from backend.node.recovery import RecoveryReport, node_identity, scan
-from backend.node.tiers import DRAM, TierConfig, TierManager
+from backend.node.tiers import DRAM, PUT_RESERVE_WAIT_S, TierConfig, TierManager
 from backend.protocol import (
     DEFAULT_LIMITS,
     LEASE_MAP,
@@ -629,7 +629,9 @@ class PoolNode:
         try:
             for item in items:
                 try:
-                    await self.tiers.reserve(item.nbytes)
+                    # Another connection's stripe of the same put may fill DRAM with its window: wait for it.
+                    held = sum(i.nbytes for i, _ in window)
+                    await self.tiers.reserve(item.nbytes, held=held, wait_s=PUT_RESERVE_WAIT_S)
                 except CapacityError:
                     if not window:
                         await conn.discard(item.nbytes)

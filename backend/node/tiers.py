@@ -62,6 +62,7 @@ DEMOTER_IDLE_S = 0.5
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 DISK_RECHECK_S = 2.0  # how often a full disk is looked at again
 DISK_RESUME_MARGIN_BYTES = 1024 * 1024  # free space past one chunk before demotion resumes
+PUT_RESERVE_WAIT_S = 5.0  # a put waits this long at most for other puts in flight to land in a full DRAM
 ARENA_SLACK = 0.25  # arena room beyond DRAM for regions still held by leases or replies in flight
 ARENA_MIN_SLACK_BYTES = 64 * 1024 * 1024
 
@@ -130,6 +131,7 @@ class TierManager:
         prefault = 0 if self.arena is not None else min(PREFAULT_BUDGET_BYTES, config.dram_bytes // 4)
         self.buffers = BufferFactory(prefault)
         self._wake = asyncio.Event()
+        self._landed = asyncio.Event()  # set when reserved DRAM became a chunk, or was given back
         self._demoter: asyncio.Task[None] | None = None
 
     # -- lifecycle --------------------------------------------------------------------
@@ -214,28 +216,52 @@ class TierManager:
                 return buffer
         return self.buffers.take(nbytes)
 
-    async def reserve(self, nbytes: int) -> None:
-        """Reserve DRAM for an incoming chunk, demoting or evicting older ones as needed."""
+    async def reserve(self, nbytes: int, *, held: int = 0, wait_s: float = 0.0) -> None:
+        """Reserve DRAM for an incoming chunk, demoting or evicting older ones as needed.
+
+        When nothing can move because other puts' reservations fill DRAM (a put striped
+        over several connections receives on each at once), wait up to ``wait_s`` for them
+        to land, since landed chunks can be demoted. ``held``: bytes the caller itself has
+        reserved and not yet filled, which cannot land while it waits.
+        """
         if nbytes > self.dram.capacity_bytes:
             raise CapacityError(
                 f"chunk of {nbytes} bytes is larger than the DRAM tier ({self.dram.capacity_bytes} bytes)"
             )
         if not self.dram.fits(nbytes):
+            deadline = asyncio.get_running_loop().time() + wait_s
             async with self._lock:
                 while not self.dram.fits(nbytes):
                     victim = self.dram.oldest(skip=self.leases.pinned)
                     if victim is None:
-                        raise CapacityError("DRAM tier is full of puts in flight and leased chunks")
+                        others = self.dram.used_bytes - self.dram.stored_bytes - held
+                        if others <= 0 or not await self._wait_landed(deadline):
+                            raise CapacityError("DRAM tier is full of puts in flight and leased chunks")
+                        continue
                     await self._demote(victim, evict_on_failure=True)
         self.dram.reserve(nbytes)
         self._maybe_wake()
 
     def release(self, nbytes: int) -> None:
         self.dram.release(nbytes)
+        self._landed.set()
+
+    async def _wait_landed(self, deadline: float) -> bool:
+        """Wait until some reservation lands or is given back; False once ``deadline`` passed."""
+        self._landed.clear()
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            return False
+        try:
+            await asyncio.wait_for(self._landed.wait(), remaining)
+        except TimeoutError:
+            return False
+        return True
 
     def insert(self, chunk: StoredChunk) -> None:
         """Store a verified chunk in reserved DRAM; an NVMe copy with other bytes is dropped."""
         self.dram.insert(chunk)
+        self._landed.set()
         if self.nvme is not None:
             old = self.nvme.files.get(chunk.meta.key)
             if old is not None and old.meta.checksum != chunk.meta.checksum:
