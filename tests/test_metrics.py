@@ -120,7 +120,8 @@ def test_nvme_tier_metrics_follow_demotion_and_promotion(node_factory, pool_url,
     port = _metrics_port(node)
     n = node.node_id
     chunks = _chunks("spill", 8, MIB)  # twice the DRAM tier
-    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+    # One connection: the chunks arrive in order, so the first is the least recently used.
+    with SyncPoolClient(PoolConfig.from_url(f"{pool_url}?connections_per_node=1")) as client:
         client.put(chunks)
         mid = _scrape(port)
         demoted = _value(mid, "kvpool_node_demotions_total", node=n)

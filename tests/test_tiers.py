@@ -374,7 +374,8 @@ def test_buffer_factory_hands_out_prefaulted_buffers_of_recent_sizes_within_budg
 def test_a_batch_larger_than_dram_never_acknowledges_what_it_evicted(node_factory, pool_url):
     node_factory(dram="1MiB")  # no NVMe tier: the batch's first chunks are evicted by its last
     chunks = _chunks("self-evict", 8, 256 * KIB)
-    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+    # One connection: the batch reaches the node as one stream, so its last chunks evict its first.
+    with SyncPoolClient(PoolConfig.from_url(f"{pool_url}?connections_per_node=1")) as client:
         with pytest.raises(CapacityError, match="not stored"):
             client.put(chunks)
         present = client.contains([c.key for c in chunks])
@@ -436,3 +437,16 @@ async def test_a_delete_during_a_demotion_leaves_no_file_behind(tmp_path, monkey
         assert not list((tmp_path / "chunks").rglob("*.safetensors"))
     finally:
         await tiers.close()
+
+
+def test_a_put_striped_over_two_connections_fills_a_small_dram_without_refusals(node_factory, pool_url, tmp_path):
+    """The node receives both stripes of a put at once; their windows' reservations can fill a small
+    DRAM, and a chunk that finds nothing evictable waits for the other window to land (and become
+    demotable) instead of being refused."""
+    _nvme_node(node_factory, tmp_path, dram="4MiB")
+    chunks = _chunks("striped", 8, 1024 * KIB)  # twice the DRAM, in one call
+    with SyncPoolClient(PoolConfig.from_url(f"{pool_url}?connections_per_node=2")) as client:
+        for _ in range(3):
+            client.put(chunks)  # raised CapacityError for the chunks of one stripe
+        got = client.get([c.key for c in chunks])
+        assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]

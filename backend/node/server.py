@@ -629,9 +629,9 @@ class PoolNode:
         try:
             for item in items:
                 try:
-                    # Another connection's stripe of the same put may fill DRAM with its window: wait for it.
-                    held = sum(i.nbytes for i, _ in window)
-                    await self.tiers.reserve(item.nbytes, held=held, wait_s=PUT_RESERVE_WAIT_S)
+                    # Another stripe of the put may fill DRAM with its window: with no window of its
+                    # own (nothing another waiter could wait for), this chunk may wait for that one.
+                    await self.tiers.reserve(item.nbytes, wait_s=0.0 if window else PUT_RESERVE_WAIT_S)
                 except CapacityError:
                     if not window:
                         await conn.discard(item.nbytes)
@@ -639,7 +639,7 @@ class PoolNode:
                         continue
                     await receive_window()  # the window's chunks become evictable for this one
                     try:
-                        await self.tiers.reserve(item.nbytes)
+                        await self.tiers.reserve(item.nbytes, wait_s=PUT_RESERVE_WAIT_S)
                     except CapacityError:
                         await conn.discard(item.nbytes)
                         received.append((PUT_NO_CAPACITY, item, None))

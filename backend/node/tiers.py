@@ -216,29 +216,32 @@ class TierManager:
                 return buffer
         return self.buffers.take(nbytes)
 
-    async def reserve(self, nbytes: int, *, held: int = 0, wait_s: float = 0.0) -> None:
+    async def reserve(self, nbytes: int, *, wait_s: float = 0.0) -> None:
         """Reserve DRAM for an incoming chunk, demoting or evicting older ones as needed.
 
         When nothing can move because other puts' reservations fill DRAM (a put striped
         over several connections receives on each at once), wait up to ``wait_s`` for them
-        to land, since landed chunks can be demoted. ``held``: bytes the caller itself has
-        reserved and not yet filled, which cannot land while it waits.
+        to land, since landed chunks can be demoted. Only a caller that holds no
+        reservation of its own may wait (else two could wait for each other); the wait
+        is outside the lock, so the others can demote meanwhile.
         """
         if nbytes > self.dram.capacity_bytes:
             raise CapacityError(
                 f"chunk of {nbytes} bytes is larger than the DRAM tier ({self.dram.capacity_bytes} bytes)"
             )
-        if not self.dram.fits(nbytes):
-            deadline = asyncio.get_running_loop().time() + wait_s
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while not self.dram.fits(nbytes):
             async with self._lock:
                 while not self.dram.fits(nbytes):
                     victim = self.dram.oldest(skip=self.leases.pinned)
                     if victim is None:
-                        others = self.dram.used_bytes - self.dram.stored_bytes - held
-                        if others <= 0 or not await self._wait_landed(deadline):
-                            raise CapacityError("DRAM tier is full of puts in flight and leased chunks")
-                        continue
+                        break
                     await self._demote(victim, evict_on_failure=True)
+            if self.dram.fits(nbytes):
+                break
+            in_flight = self.dram.used_bytes - self.dram.stored_bytes
+            if in_flight <= 0 or not await self._wait_landed(deadline):
+                raise CapacityError("DRAM tier is full of puts in flight and leased chunks")
         self.dram.reserve(nbytes)
         self._maybe_wake()
 
