@@ -21,6 +21,8 @@ from backend.config import DEFAULT_NAMESPACE, PoolConfig, format_size, parse_siz
 from backend.embedded import EmbeddedRedis
 from backend.errors import ConfigError, KVPoolError
 from backend.lmcache_config import (
+    PLUGIN_FORM,
+    REMOTE_URL_FORM,
     SECRET_SOURCES,
     lmcache_config,
     lmcache_mp_adapter,
@@ -106,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--fix", action="store_true", help="repair what was found and say what changed")
     check.add_argument("--deep", action="store_true", help="verify the checksum of every chunk (default: a sample)")
 
-    doctor = verbs.add_parser("doctor", help="check an LMCache config end to end: plugin, Redis, nodes, round trip")
+    doctor = verbs.add_parser("doctor", help="check an LMCache config end to end: plugin or remote_url, Redis, "
+                              "nodes, round trip")  # fmt: skip
     doctor.add_argument("--lmcache-config", required=True, type=Path, metavar="FILE", help="LMCache YAML file")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -118,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("--format", choices=FORMATS["inproc"] + FORMATS["mp"], default=None,
                      help="inproc: yaml (default) or env (LMCACHE_* variables); "
                           "mp: args (`lmcache server` command, default) or json (the --l2-adapter value)")  # fmt: skip
+    cfg.add_argument("--form", choices=(PLUGIN_FORM, REMOTE_URL_FORM), default=None,
+                     help="inproc: how LMCache finds kvpool: plugin (remote_storage_plugins + extra_config, "
+                          "default) or remote_url (one external:// URL, also as LMCACHE_REMOTE_URL); never both")  # fmt: skip
     cfg.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk size in tokens (default 256)")
     cfg.add_argument("--local-cpu-gib", type=float, default=5.0,
                      help="LMCache local CPU buffer; in mp mode the server's L1 size (default 5.0)")  # fmt: skip
@@ -558,7 +564,11 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from backend.lmcache_connector import diagnose
+    try:
+        from backend.lmcache_connector import diagnose
+    except ImportError as exc:  # a pool node's install: no LMCache, no torch
+        raise KVPoolError(f"doctor runs LMCache's own loader, which is not installed here ({exc}); "
+                          "install kvpool[lmcache] (pip install 'kvpool[lmcache]')") from None  # fmt: skip
 
     findings = diagnose(args.lmcache_config)
     if args.json:
@@ -579,6 +589,8 @@ def cmd_lmcache_config(args: argparse.Namespace) -> int:
     if fmt not in FORMATS[args.mode]:
         raise ConfigError("--format", f"{fmt!r} is not a format of --mode {args.mode} "
                           f"(choose {' or '.join(FORMATS[args.mode])})")  # fmt: skip
+    if args.form is not None and args.mode != "inproc":
+        raise ConfigError("--form", "is for --mode inproc; --mode mp has one form, the L2 adapter")
     # LMCache logs its whole config at INFO: a secret written into the URL stays out of it.
     url, left_out = without_inline_secrets(args.url)
     for name in left_out:
@@ -591,7 +603,8 @@ def cmd_lmcache_config(args: argparse.Namespace) -> int:
             server_args = lmcache_mp_server_args(url, chunk_size=args.chunk_size, l1_size_gib=args.local_cpu_gib)
             print(render_mp_command(server_args), end="")
         return 0
-    data = lmcache_config(url, chunk_size=args.chunk_size, local_cpu_gib=args.local_cpu_gib)
+    data = lmcache_config(url, form=args.form or PLUGIN_FORM, chunk_size=args.chunk_size,
+                          local_cpu_gib=args.local_cpu_gib)  # fmt: skip
     print(render_env(data) if fmt == "env" else render_yaml(data), end="")
     return 0
 

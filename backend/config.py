@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_NAMESPACE",
     "without_inline_secrets",
     "SECRET_NAMES",
+    "OPTION_NAMES",
 ]
 
 SCHEME = "kvpool"
@@ -356,6 +357,7 @@ _OPTION_PARSERS: dict[str, Any] = {
     "redis_password_file": lambda k, v: str(v),
     "pair_timeout_ms": lambda k, v: _parse_int(k, v, 1, MAX_TIMEOUT_MS),
 }
+OPTION_NAMES = tuple(_OPTION_PARSERS)  # what a URL query, YAML or KVPOOL_* may set, in canonical order
 
 
 def _parse_options(options: Mapping[str, str], *, source: str) -> dict[str, Any]:

@@ -1,7 +1,17 @@
 """The LMCache configuration that enables kvpool, as data, YAML and environment.
 
 Kept apart from ``lmcache_connector`` so the CLI can print it without importing
-LMCache (which takes seconds).
+LMCache (which takes seconds, and which a pool node's install does not have).
+
+LMCache reaches kvpool in one of two forms, never both (LMCache would then build two
+remote backends and write every chunk twice):
+
+- the plugin form: ``remote_storage_plugins: ["kvpool"]`` plus the adapter's module,
+  class and pool URL in ``extra_config`` (LMCache's recommended way);
+- the ``remote_url`` form: one string, ``external://HOST:PORT/MODULE/?connector_name=CLASS&namespace=NS&...``,
+  which LMCache's ``ExternalConnectorAdapter`` turns into exactly one RemoteBackend.
+  :func:`lmcache_remote_url` writes it for a pool URL and :func:`remote_url_pool_config`
+  reads it back.
 
 LMCache logs its whole configuration at INFO ("LMCache Configuration: {...}"), pool
 URL and adapter parameters included: a secret written into that URL ends up in every
@@ -14,17 +24,26 @@ from __future__ import annotations
 import json
 import logging
 import shlex
+from collections.abc import Mapping, Sequence
 from typing import Any
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import yaml
 
-from backend.config import without_inline_secrets
+from backend.config import DEFAULT_NAMESPACE, OPTION_NAMES, SCHEME, PoolConfig, without_inline_secrets
+from backend.errors import ConfigError
 
 __all__ = [
     "PLUGIN_NAME",
     "ADAPTER_MODULE",
     "ADAPTER_CLASS",
     "url_config_key",
+    "PLUGIN_FORM",
+    "REMOTE_URL_FORM",
+    "FORMS",
+    "REMOTE_URL_CLASS",
+    "lmcache_remote_url",
+    "remote_url_pool_config",
     "lmcache_config",
     "render_yaml",
     "render_env",
@@ -46,6 +65,16 @@ ADAPTER_CLASS = "KVPoolConnectorAdapter"
 L2_ADAPTER_MODULE = "backend.lmcache_l2_adapter"
 L2_ADAPTER_CLASS = "KVPoolL2Adapter"
 L2_ADAPTER_CONFIG_CLASS = "KVPoolL2AdapterConfig"
+PLUGIN_FORM = "plugin"
+REMOTE_URL_FORM = "remote_url"
+FORMS = (PLUGIN_FORM, REMOTE_URL_FORM)
+REMOTE_URL_SCHEME = "external"  # LMCache's ExternalConnectorAdapter
+REMOTE_URL_CLASS = "KVPoolRemoteURLConnector"
+CONNECTOR_NAME_KEY = "connector_name"  # LMCache's query key naming the class
+NAMESPACE_KEY = "namespace"
+# LMCache reads one host per comma in a remote_url and refuses more: a comma in a value
+# (redis_hosts=h1:p1,h2:p2) is written as %2C. ':' and '/' stay readable (host lists, paths).
+_QUERY_SAFE = "/:"
 DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_LOCAL_CPU_GIB = 5.0
 # Where each secret should come from instead of the URL.
@@ -75,26 +104,112 @@ def url_config_key(plugin_name: str = PLUGIN_NAME) -> str:
     return f"remote_storage_plugin.{plugin_name}.url"
 
 
-def lmcache_config(
-    url: str, *, chunk_size: int = DEFAULT_CHUNK_TOKENS, local_cpu_gib: float = DEFAULT_LOCAL_CPU_GIB
-) -> dict[str, Any]:
-    """LMCache engine config that stores through the kvpool plugin at ``url``.
+def lmcache_remote_url(url: str) -> str:
+    """The LMCache ``remote_url`` that reaches the pool at ``url`` (a ``kvpool://`` URL).
 
-    The plugin list is the only way LMCache 0.5 reaches a third-party connector;
-    ``remote_url`` is deliberately absent (setting both builds two remote backends).
+    ``external://HOST:PORT/backend.lmcache_connector/?connector_name=KVPoolRemoteURLConnector&namespace=NS&OPTIONS``:
+    the Redis host and port stay in the authority, the namespace and the URL's options
+    move into the query, written as given (secrets are the caller's to leave out).
     """
-    return {
+    parts = urlsplit(url.strip())
+    if parts.scheme != SCHEME:
+        raise ConfigError("url", f"scheme {parts.scheme or '(none)'!r} is not {SCHEME}://")
+    namespace = unquote(parts.path.lstrip("/")) or DEFAULT_NAMESPACE
+    query = [(CONNECTOR_NAME_KEY, REMOTE_URL_CLASS), (NAMESPACE_KEY, namespace),
+             *parse_qsl(parts.query, keep_blank_values=True)]  # fmt: skip
+    return urlunsplit((REMOTE_URL_SCHEME, parts.netloc, f"/{ADAPTER_MODULE}/", _encode_query(query), ""))
+
+
+def remote_url_pool_config(remote_url: str, environ: Mapping[str, str] | None = None) -> PoolConfig:
+    """The pool an LMCache ``remote_url`` names, read as :func:`lmcache_remote_url` writes it.
+
+    ``KVPOOL_*`` variables in ``environ`` override its options, as for a pool URL. A
+    mistake raises :class:`ConfigError` naming the part (``remote_url``, ``namespace``
+    or the option) and showing the URL without its secrets.
+    """
+    text = (remote_url or "").strip()
+    if not text:
+        raise ConfigError("remote_url", "is empty; expected external://HOST:PORT/MODULE/?connector_name=CLASS&...")
+    shown, _ = without_inline_secrets(text)
+
+    def bad(key: str, message: str) -> ConfigError:
+        return ConfigError(key, f"{message}, in remote_url {shown}")
+
+    parts = urlsplit(text)
+    if parts.scheme != REMOTE_URL_SCHEME:
+        raise bad("remote_url", f"scheme {parts.scheme or '(none)'!r} is not {REMOTE_URL_SCHEME}://")
+    if "," in text:
+        raise bad("remote_url", "a comma makes LMCache read several hosts, which it refuses; write a comma "
+                  "inside a value as %2C")  # fmt: skip
+    if parts.username:
+        raise bad("remote_url", "a user name is not supported; give the token as token_file=PATH or KVPOOL_TOKEN")
+    try:
+        port = parts.port
+    except ValueError:
+        raise bad("remote_url", "the port is not a number in 0-65535") from None
+    if not parts.hostname:
+        raise bad("remote_url", "missing Redis host (external://HOST:PORT/...)")
+    if port is None:
+        raise bad("remote_url", "missing Redis port (external://HOST:PORT/..., e.g. :6379)")
+    namespace = DEFAULT_NAMESPACE
+    options: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        if key in seen:
+            raise bad(key, "given twice")
+        seen.add(key)
+        if key == CONNECTOR_NAME_KEY:
+            continue
+        if key == NAMESPACE_KEY:
+            if not value:
+                raise bad(key, f"is empty (leave it out for {DEFAULT_NAMESPACE!r})")
+            namespace = value
+        elif key in OPTION_NAMES:
+            options.append((key, value))
+        else:
+            raise bad(key, f"unknown option; known: {CONNECTOR_NAME_KEY}, {NAMESPACE_KEY}, {', '.join(OPTION_NAMES)}")
+    pool_url = urlunsplit((SCHEME, parts.netloc, "/" + quote(namespace, safe=""), _encode_query(options),
+                           parts.fragment))  # fmt: skip
+    try:
+        return PoolConfig.from_url(pool_url, environ)
+    except ConfigError as exc:
+        raise bad(exc.key, str(exc).removeprefix(f"{exc.key}: ")) from None
+
+
+def _encode_query(pairs: Sequence[tuple[str, str]]) -> str:
+    return urlencode(pairs, quote_via=quote, safe=_QUERY_SAFE)
+
+
+def lmcache_config(
+    url: str,
+    *,
+    form: str = PLUGIN_FORM,
+    chunk_size: int = DEFAULT_CHUNK_TOKENS,
+    local_cpu_gib: float = DEFAULT_LOCAL_CPU_GIB,
+) -> dict[str, Any]:
+    """LMCache engine config that stores in the kvpool pool at ``url``, in one of :data:`FORMS`.
+
+    The plugin form lists the plugin and leaves ``remote_url`` out; the ``remote_url``
+    form is that one key. Never both: LMCache would build two remote backends.
+    """
+    config: dict[str, Any] = {
         "chunk_size": chunk_size,
         "local_cpu": True,
         "max_local_cpu_size": local_cpu_gib,
         "remote_serde": "naive",
-        "remote_storage_plugins": [PLUGIN_NAME],
-        "extra_config": {
+    }
+    if form == REMOTE_URL_FORM:
+        config["remote_url"] = lmcache_remote_url(url)
+    elif form == PLUGIN_FORM:
+        config["remote_storage_plugins"] = [PLUGIN_NAME]
+        config["extra_config"] = {
             f"remote_storage_plugin.{PLUGIN_NAME}.module_path": ADAPTER_MODULE,
             f"remote_storage_plugin.{PLUGIN_NAME}.class_name": ADAPTER_CLASS,
             url_config_key(): url,
-        },
-    }
+        }
+    else:
+        raise ConfigError("form", f"{form!r} is not one of {', '.join(FORMS)}")
+    return config
 
 
 def render_yaml(config: dict[str, Any]) -> str:

@@ -8,7 +8,12 @@ Enable it in the LMCache config (``kvpool lmcache-config`` prints this)::
       remote_storage_plugin.kvpool.class_name: KVPoolConnectorAdapter
       remote_storage_plugin.kvpool.url: kvpool://127.0.0.1:6379/default
 
-This is the only module that imports LMCache. Every method runs on LMCache's
+or, as one line (``kvpool lmcache-config --form remote_url``; also ``LMCACHE_REMOTE_URL``)::
+
+    remote_url: external://127.0.0.1:6379/backend.lmcache_connector/?connector_name=KVPoolRemoteURLConnector&namespace=default
+
+Never both: LMCache would build two remote backends and write every chunk twice.
+This is the only module that imports LMCache (with the L2 adapter). Every method runs on LMCache's
 event-loop thread and never blocks it; the ``*_sync`` methods are called from
 LMCache's worker threads and wait on that loop with a bound. Library errors stop
 here: they become misses, logged once per cause and counted.
@@ -28,6 +33,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 import torch
 from lmcache.utils import CacheEngineKey
@@ -36,13 +42,22 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from backend.client import Chunk, PoolClient
-from backend.config import PoolConfig
+from backend.config import PoolConfig, without_inline_secrets
 from backend.errors import ConfigError, KVPoolError, NcclError
-from backend.lmcache_config import PLUGIN_NAME, url_config_key, warn_if_secrets_inline
+from backend.lmcache_config import (
+    ADAPTER_CLASS,
+    ADAPTER_MODULE,
+    PLUGIN_NAME,
+    REMOTE_URL_CLASS,
+    REMOTE_URL_FORM,
+    remote_url_pool_config,
+    url_config_key,
+    warn_if_secrets_inline,
+)
 from backend.metrics import register_connector_metrics, unregister_connector_metrics
 from backend.protocol import ItemMeta
 
-__all__ = ["KVPoolConnector", "KVPoolConnectorAdapter", "diagnose"]
+__all__ = ["KVPoolConnector", "KVPoolConnectorAdapter", "KVPoolRemoteURLConnector", "diagnose"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +72,11 @@ FIX_HINT = (
     "start a pool with `kvpool up` (it prints the URL), or check "
     "extra_config['remote_storage_plugin.kvpool.url'] / KVPOOL_URL"
 )
+REMOTE_URL_FIX_HINT = (
+    "`kvpool lmcache-config --form remote_url --url kvpool://HOST:PORT/NAMESPACE` prints a valid remote_url "
+    "(set it as remote_url or LMCACHE_REMOTE_URL, not both)"
+)
+_reported_remote_url_errors: set[str] = set()  # LMCache retries a failed connection: say each cause once
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -400,6 +420,35 @@ class KVPoolConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
         return PoolConfig.from_url(str(url), os.environ)
 
 
+class KVPoolRemoteURLConnector(KVPoolConnector):
+    """What LMCache builds from ``remote_url: external://HOST:PORT/backend.lmcache_connector/?connector_name=...``.
+
+    LMCache's ``ExternalConnectorAdapter`` calls ``CLASS(loop=, local_cpu_backend=, config=)``:
+    the pool comes from ``config.remote_url`` (see ``lmcache_config.remote_url_pool_config``),
+    the engine metadata, which LMCache does not pass, from the local CPU backend. The rest
+    is :class:`KVPoolConnector`.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any, config: Any) -> None:
+        remote_url = str(getattr(config, "remote_url", None) or "")
+        warn_if_secrets_inline(remote_url, REMOTE_URL_FORM)
+        try:
+            pool_config = remote_url_pool_config(remote_url, os.environ)
+            metadata = getattr(local_cpu_backend, "metadata", None)
+            if metadata is None:
+                raise ConfigError("remote_url", "LMCache passed a local CPU backend without engine metadata, "
+                                  "which the connector needs")  # fmt: skip
+        except ConfigError as exc:
+            # LMCache only logs a failed connector at WARNING and runs on without it (and retries,
+            # which would repeat this): one ERROR per cause.
+            if str(exc) not in _reported_remote_url_errors:
+                _reported_remote_url_errors.add(str(exc))
+                logger.error("kvpool: remote_url is misconfigured, LMCache will run without kvpool: %s. Fix: %s",
+                             exc, REMOTE_URL_FIX_HINT)  # fmt: skip
+            raise
+        super().__init__(pool_config, loop, local_cpu_backend, config, metadata)
+
+
 DOCTOR_MODEL = "kvpool-doctor/probe"
 DOCTOR_TIMEOUT_S = 30.0
 
@@ -407,10 +456,11 @@ DOCTOR_TIMEOUT_S = 30.0
 def diagnose(config_path: Path) -> list[dict[str, Any]]:
     """Check an LMCache config end to end, the way LMCache itself would use it.
 
-    Loads the file with LMCache's loader, builds LMCache's storage backends from it
-    (so a plugin that fails to load shows here, not as silent misses), checks Redis
-    and the nodes, and makes one put/get round trip through LMCache's RemoteBackend.
-    Returns findings: ``{"ok", "check", "detail", "fix"}``.
+    Loads the file with LMCache's loader (``LMCACHE_*`` variables included, as an engine
+    would), checks whichever form enables kvpool (the plugin entry or ``remote_url``),
+    builds LMCache's storage backends from it (so a connector that fails to load shows
+    here, not as silent misses), checks Redis and the nodes, and makes one put/get round
+    trip through LMCache's RemoteBackend. Returns findings: ``{"ok", "check", "detail", "fix"}``.
     """
     from lmcache.v1.config import load_engine_config_with_overrides
 
@@ -428,24 +478,20 @@ def diagnose(config_path: Path) -> list[dict[str, Any]]:
     add(True, "LMCache config", f"{config_path} loads")
     plugins = [str(p) for p in (config.remote_storage_plugins or [])]
     names = [p for p in plugins if p.split(".", 1)[0] == PLUGIN_NAME]
-    if not add(bool(names), "plugin listed", f"remote_storage_plugins = {plugins}",
-               f'set remote_storage_plugins: ["{PLUGIN_NAME}"]'):  # fmt: skip
+    remote_url = str(config.remote_url or "")
+    if names:
+        pool_config = _check_plugin_form(config, names[0], add)
+        backend_name, label = f"RemoteBackend-{names[0]}", "plugin loaded"
+    elif remote_url:
+        pool_config = _check_remote_url_form(remote_url, add)
+        backend_name, label = "RemoteBackend", "connector loaded"
+    else:
+        add(False, "kvpool enabled", f"remote_storage_plugins = {plugins} and remote_url is unset",
+            f'set remote_storage_plugins: ["{PLUGIN_NAME}"] (`kvpool lmcache-config` prints the config), or '
+            "remote_url (`kvpool lmcache-config --form remote_url`)")  # fmt: skip
         return findings
-    plugin = names[0]
-    extra = config.extra_config or {}
-    for suffix, expected in (("module_path", "backend.lmcache_connector"), ("class_name", "KVPoolConnectorAdapter")):
-        key = f"remote_storage_plugin.{plugin}.{suffix}"
-        add(extra.get(key) == expected, key, f"is {extra.get(key)!r}", f"set extra_config['{key}'] = {expected!r}")
-    if config.remote_url:
-        add(False, "remote_url", f"is also set ({config.remote_url}): LMCache builds a second remote backend "
-            "and writes every chunk twice", "remove remote_url; the plugin entry is enough")  # fmt: skip
-    try:
-        pool_config = PoolConfig.from_url(str(extra.get(url_config_key(plugin)) or os.environ.get("KVPOOL_URL", "")),
-                                          os.environ)  # fmt: skip
-    except ConfigError as exc:
-        add(False, "pool URL", str(exc), f"set extra_config['{url_config_key(plugin)}'] = kvpool://HOST:PORT/NAMESPACE")
+    if pool_config is None:
         return findings
-    add(True, "pool URL", pool_config.to_url(with_token=False))
 
     async def probe_pool() -> tuple[float, int]:
         async with PoolClient(pool_config) as client:
@@ -460,12 +506,55 @@ def diagnose(config_path: Path) -> list[dict[str, Any]]:
     if not add(live > 0, "nodes", f"{live} live", f"start one: kvpool node --redis {pool_config.redis_url} "
                f"--namespace {pool_config.namespace}"):  # fmt: skip
         return findings
-    _round_trip(config, plugin, add)
+    _round_trip(config, backend_name, label, add)
     return findings
 
 
-def _round_trip(config: Any, plugin: str, add: Any) -> None:
-    """Build LMCache's storage from ``config`` and move one chunk through RemoteBackend."""
+def _check_plugin_form(config: Any, plugin: str, add: Any) -> PoolConfig | None:
+    """The plugin entry's module, class and pool URL; None when the URL is unusable."""
+    extra = config.extra_config or {}
+    for suffix, expected in (("module_path", ADAPTER_MODULE), ("class_name", ADAPTER_CLASS)):
+        key = f"remote_storage_plugin.{plugin}.{suffix}"
+        add(extra.get(key) == expected, key, f"is {extra.get(key)!r}", f"set extra_config['{key}'] = {expected!r}")
+    if config.remote_url:
+        add(False, "remote_url", f"is also set ({_shown(str(config.remote_url))}): LMCache builds a second remote "
+            "backend and writes every chunk twice", "remove remote_url (and LMCACHE_REMOTE_URL); the plugin entry "
+            "is enough")  # fmt: skip
+    try:
+        pool_config = PoolConfig.from_url(str(extra.get(url_config_key(plugin)) or os.environ.get("KVPOOL_URL", "")),
+                                          os.environ)  # fmt: skip
+    except ConfigError as exc:
+        add(False, "pool URL", str(exc), f"set extra_config['{url_config_key(plugin)}'] = kvpool://HOST:PORT/NAMESPACE")
+        return None
+    add(True, "pool URL", pool_config.to_url(with_token=False))
+    return pool_config
+
+
+def _check_remote_url_form(remote_url: str, add: Any) -> PoolConfig | None:
+    """``remote_url`` names kvpool's connector and a usable pool; None when it does not."""
+    source = "LMCACHE_REMOTE_URL" if os.environ.get("LMCACHE_REMOTE_URL") else "remote_url"
+    parts = urlsplit(remote_url.strip())
+    module = parts.path.strip("/")
+    connector = dict(parse_qsl(parts.query)).get("connector_name", "")
+    named = module == ADAPTER_MODULE and connector == REMOTE_URL_CLASS
+    add(named, "remote_url connector", f"{source} is {_shown(remote_url)}",
+        f"external://HOST:PORT/{ADAPTER_MODULE}/?connector_name={REMOTE_URL_CLASS}&namespace=NS "
+        "(`kvpool lmcache-config --form remote_url` prints it)")  # fmt: skip
+    try:
+        pool_config = remote_url_pool_config(remote_url, os.environ)
+    except ConfigError as exc:
+        add(False, "pool URL", str(exc), REMOTE_URL_FIX_HINT)
+        return None
+    add(True, "pool URL", f"{pool_config.to_url(with_token=False)} (from {source})")
+    return pool_config if named else None
+
+
+def _shown(url: str) -> str:
+    return without_inline_secrets(url)[0]
+
+
+def _round_trip(config: Any, backend_name: str, label: str, add: Any) -> None:
+    """Build LMCache's storage from ``config`` and move one chunk through its ``backend_name``."""
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.storage_backend import CreateStorageBackends
@@ -479,11 +568,11 @@ def _round_trip(config: Any, plugin: str, add: Any) -> None:
     backends: dict[str, Any] = {}
     try:
         backends = CreateStorageBackends(config, metadata, loop)
-        remote: Any = backends.get(f"RemoteBackend-{plugin}")
-        if not add(remote is not None and remote.connection is not None, "plugin loaded",
-                   "LMCache built RemoteBackend-" + plugin if remote is not None and remote.connection is not None
+        remote: Any = backends.get(backend_name)
+        if not add(remote is not None and remote.connection is not None, label,
+                   f"LMCache built {backend_name}" if remote is not None and remote.connection is not None
                    else "LMCache has no working kvpool backend (LMCache hides why: see its log above)",
-                   "check that kvpool is installed in this Python environment (pip install kvpool)"):  # fmt: skip
+                   "check that kvpool is installed in this Python environment (pip install 'kvpool[lmcache]')"):  # fmt: skip
             return
         local = backends["LocalCPUBackend"]
         shape = torch.Size([2, 2, chunk, 64])

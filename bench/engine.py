@@ -3,6 +3,8 @@
     python -m bench.engine put URL --chunks N   # engine A: store N chunks
     python -m bench.engine get URL --chunks N   # engine B: find them, read them, verify every byte
 
+``--form remote_url`` configures LMCache with ``remote_url`` instead of the plugin entry.
+
 LMCache's side is built by LMCache's own code (``bench.lmcache_stack``). Prints one
 JSON line with what it saw; exits 1 if any byte read back differs.
 """
@@ -16,15 +18,20 @@ import time
 
 import torch
 
+from backend.lmcache_config import FORMS, PLUGIN_FORM
 from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
 
 FIRST_HASH = 0x5EED
 
 
-def run(role: str, url: str, chunks: int, layers: int, heads: int, head_size: int, local_cpu_gib: float) -> dict:
+def run(
+    role: str, url: str, chunks: int, layers: int, heads: int, head_size: int, local_cpu_gib: float,
+    form: str = PLUGIN_FORM,
+) -> dict:  # fmt: skip
     stack = LMCacheStack(
-        kvpool_lmcache_config(url, local_cpu_gib=local_cpu_gib), num_layers=layers, hidden=(heads, head_size)
-    )
+        kvpool_lmcache_config(url, form=form, local_cpu_gib=local_cpu_gib), num_layers=layers,
+        hidden=(heads, head_size),
+    )  # fmt: skip
     keys = [stack.key(FIRST_HASH + i) for i in range(chunks)]
     total_bytes = stack.chunk_bytes * chunks
     report: dict[str, object] = {"role": role, "chunks": chunks, "chunk_bytes": stack.chunk_bytes,
@@ -71,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--local-cpu-gib", type=float, default=1.0)
+    parser.add_argument("--form", choices=FORMS, default=PLUGIN_FORM, help="how LMCache is told about kvpool")
     args = parser.parse_args(argv)
-    report = run(args.role, args.url, args.chunks, args.layers, args.heads, args.head_size, args.local_cpu_gib)
+    report = run(args.role, args.url, args.chunks, args.layers, args.heads, args.head_size, args.local_cpu_gib,
+                 args.form)  # fmt: skip
     print(json.dumps(report), flush=True)
     if args.role == "get" and report["identical"] != report["hits"]:
         return 1

@@ -20,7 +20,7 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 import torch
 import yaml
 
-from backend.lmcache_config import lmcache_config
+from backend.lmcache_config import PLUGIN_FORM, lmcache_config
 
 MODEL = "kvpool-demo/tiny-model"
 NUM_LAYERS = 4
@@ -29,9 +29,11 @@ HEAD_SIZE = 64
 CHUNK_TOKENS = 256
 
 
-def kvpool_lmcache_config(url: str, *, chunk_size: int = CHUNK_TOKENS, local_cpu_gib: float = 1.0) -> dict[str, Any]:
-    """The LMCache config that enables kvpool (what ``kvpool lmcache-config`` prints)."""
-    return lmcache_config(url, chunk_size=chunk_size, local_cpu_gib=local_cpu_gib)
+def kvpool_lmcache_config(
+    url: str, *, form: str = PLUGIN_FORM, chunk_size: int = CHUNK_TOKENS, local_cpu_gib: float = 1.0
+) -> dict[str, Any]:
+    """The LMCache config that enables kvpool in ``form`` (what ``kvpool lmcache-config --form`` prints)."""
+    return lmcache_config(url, form=form, chunk_size=chunk_size, local_cpu_gib=local_cpu_gib)
 
 
 class LMCacheStack:

@@ -157,13 +157,13 @@ def wait_until(predicate: object, timeout_s: float = 10.0, interval_s: float = 0
 
 @pytest.fixture
 def stack_factory() -> Iterator[Any]:
-    """Build LMCache's storage stack for a pool URL (``make(url, **config_overrides)``); closed at teardown."""
+    """Build LMCache's storage stack for a pool URL (``make(url, form=..., **config_overrides)``); closed at teardown."""
     from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config  # imports lmcache: only its users pay
 
     made: list[LMCacheStack] = []
 
-    def make(url: str, **config: Any) -> LMCacheStack:
-        cfg = kvpool_lmcache_config(url)
+    def make(url: str, form: str = "plugin", **config: Any) -> LMCacheStack:
+        cfg = kvpool_lmcache_config(url, form=form)
         cfg.update(config)
         made.append(LMCacheStack(cfg))
         return made[-1]

@@ -236,6 +236,31 @@ def test_doctor_passes_on_a_good_config_and_names_the_fix_for_bad_ones(pool, tmp
     assert out.returncode == 1 and "[FAIL] Redis" in out.stdout and "kvpool up" in out.stdout
 
 
+def test_doctor_checks_the_remote_url_form_end_to_end_and_fails_it_beside_the_plugin(pool, tmp_path):
+    url, _, _ = pool
+    alone = tmp_path / "remote_url.yaml"
+    alone.write_text(kvpool("lmcache-config", "--url", url, "--form", "remote_url").stdout)
+    ok = kvpool("doctor", "--lmcache-config", str(alone), "--json", timeout=180)
+    findings = json.loads(ok.stdout)
+    assert ok.returncode == 0, findings
+    assert {f["check"] for f in findings} >= {"remote_url connector", "connector loaded", "round trip", "nodes"}
+
+    plugin = tmp_path / "plugin.yaml"
+    plugin.write_text(kvpool("lmcache-config", "--url", url).stdout)
+    remote_url = yaml.safe_load(alone.read_text())["remote_url"]
+    both = kvpool("doctor", "--lmcache-config", str(plugin), timeout=180, env={"LMCACHE_REMOTE_URL": remote_url})
+    assert both.returncode == 1 and "[FAIL] remote_url" in both.stdout and "every chunk twice" in both.stdout
+
+    config = yaml.safe_load(alone.read_text())
+    config["remote_url"] = config["remote_url"].replace("KVPoolRemoteURLConnector", "KVPoolConnector") + "&replica=2"
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(yaml.safe_dump(config))
+    out = kvpool("doctor", "--lmcache-config", str(wrong), timeout=180)
+    assert out.returncode == 1 and "[FAIL] remote_url connector" in out.stdout
+    assert "connector_name=KVPoolRemoteURLConnector" in out.stdout  # the fix names the right class
+    assert "[FAIL] pool URL: replica: unknown option" in out.stdout
+
+
 def test_node_reads_its_options_from_a_config_file(redis_server, namespace, tmp_path):
     cfg = tmp_path / "node.yaml"
     cfg.write_text(yaml.safe_dump({"redis": redis_server.url, "namespace": namespace, "dram": "8MiB",

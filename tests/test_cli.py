@@ -11,8 +11,11 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from backend import Chunk, PoolConfig, SyncPoolClient
 from backend.embedded import free_port
+from backend.lmcache_config import remote_url_pool_config
 from tests.conftest import REPO
 
 
@@ -23,20 +26,21 @@ def kvpool(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -
     )  # fmt: skip
 
 
-def test_lmcache_config_prints_exactly_what_the_quickstart_shows():
+@pytest.mark.parametrize("form", [[], ["--form", "remote_url"]], ids=["plugin", "remote_url"])
+def test_lmcache_config_prints_exactly_what_the_quickstart_shows(form):
     doc = (REPO / "docs" / "quickstart.md").read_text()
-    block = re.search(r"prints exactly this:\n\n```yaml\n(.*?)```", doc, re.S)
-    assert block is not None
-    out = kvpool("lmcache-config", "--url", "kvpool://127.0.0.1:6379/default")
+    command = " ".join(["kvpool lmcache-config", *form, "--url kvpool://127.0.0.1:6379/default"])
+    block = re.search(re.escape(f"`{command}` prints exactly this:") + r"\n\n```yaml\n(.*?)```", doc, re.S)
+    assert block is not None, command
+    out = kvpool("lmcache-config", *form, "--url", "kvpool://127.0.0.1:6379/default")
     assert out.returncode == 0
     assert out.stdout == block.group(1)
 
 
-def test_lmcache_config_env_format_is_read_back_by_lmcache():
-    out = kvpool("lmcache-config", "--url", "kvpool://10.1.2.3:6380/prod", "--format", "env")
-    assert out.returncode == 0
+def _as_lmcache_reads_it(env_lines: str) -> dict:
+    """Export ``env_lines`` (``export LMCACHE_...=...``) into a fresh process and load LMCache's config there."""
     env = {}
-    for line in out.stdout.splitlines():
+    for line in env_lines.splitlines():
         name, _, value = line.removeprefix("export ").partition("=")
         env[name] = subprocess.run(["sh", "-c", f"printf %s {value}"], capture_output=True, text=True).stdout
     code = (
@@ -47,11 +51,34 @@ def test_lmcache_config_env_format_is_read_back_by_lmcache():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
                           env={**os.environ, **env})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_lmcache_config_env_format_is_read_back_by_lmcache():
+    out = kvpool("lmcache-config", "--url", "kvpool://10.1.2.3:6380/prod", "--format", "env")
+    assert out.returncode == 0
+    seen = _as_lmcache_reads_it(out.stdout)
     assert seen["plugins"] == ["kvpool"]
     assert seen["remote_url"] is None
     assert seen["extra"]["remote_storage_plugin.kvpool.url"] == "kvpool://10.1.2.3:6380/prod"
     assert seen["extra"]["remote_storage_plugin.kvpool.class_name"] == "KVPoolConnectorAdapter"
+
+
+def test_lmcache_config_remote_url_env_is_one_lmcache_remote_url_naming_the_same_pool():
+    url = "kvpool://10.1.2.3:6380/prod?redis_mode=cluster&redis_hosts=10.1.2.4:6380,10.1.2.5:6380&replicas=2"
+    out = kvpool("lmcache-config", "--url", url, "--form", "remote_url", "--format", "env")
+    assert out.returncode == 0
+    assert "export LMCACHE_REMOTE_URL='external://10.1.2.3:6380/backend.lmcache_connector/" in out.stdout
+    seen = _as_lmcache_reads_it(out.stdout)
+    assert not seen["plugins"] and not (seen["extra"] or {})  # never both forms
+    assert remote_url_pool_config(seen["remote_url"]) == PoolConfig.from_url(url)
+
+
+def test_lmcache_config_remote_url_form_leaves_inline_secrets_out_and_refuses_mp_mode():
+    out = kvpool("lmcache-config", "--url", "kvpool://:tok3n@h:6379/ns", "--form", "remote_url")
+    assert out.returncode == 0 and "tok3n" not in out.stdout and "KVPOOL_TOKEN" in out.stderr
+    mp = kvpool("lmcache-config", "--url", "kvpool://h:6379/ns", "--mode", "mp", "--form", "remote_url")
+    assert mp.returncode == 2 and "--form" in mp.stderr and mp.stderr.strip().count("\n") == 0
 
 
 def test_bad_url_is_one_line_naming_the_problem_and_exit_2():

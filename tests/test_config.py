@@ -1,14 +1,16 @@
-"""PoolConfig: the kvpool:// URL, KVPOOL_* overrides, the YAML form, sizes, masking."""
+"""PoolConfig: the kvpool:// URL, KVPOOL_* overrides, the YAML form, sizes, masking, LMCache's remote_url form."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
-from backend.config import DEFAULT_NAMESPACE, PoolConfig, format_size, parse_size
+from backend.config import DEFAULT_NAMESPACE, PoolConfig, format_size, parse_size, without_inline_secrets
 from backend.errors import ConfigError, KVPoolError
+from backend.lmcache_config import lmcache_remote_url, remote_url_pool_config
 
 GiB = 1024**3
 MiB = 1024**2
@@ -466,3 +468,76 @@ def test_ipv6_host_round_trips() -> None:
 
     assert PoolConfig.from_url(config.to_url()) == config
     assert config.redis_url == "redis://[::1]:6379/0"
+
+
+# -- the LMCache remote_url form --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "kvpool://127.0.0.1:6379/default",
+        "kvpool://127.0.0.1:6379",
+        "kvpool://redis.example:6380/team.a-1?replicas=2&timeout_ms=500&shm=off",
+        "kvpool://10.0.0.5:7000/prod?redis_mode=cluster&redis_hosts=10.0.0.6:7000,10.0.0.7:7000",
+        "kvpool://[::1]:26379/ns?sentinel=kvmaster&redis_hosts=[::2]:26379",
+        "kvpool://h:1/ns?tls=on&tls_ca=/etc/kvpool/ca%20bundle.pem&cluster=east&nccl=on",
+    ],
+)
+def test_remote_url_names_the_same_pool_as_the_pool_url(url: str) -> None:
+    remote_url = lmcache_remote_url(url)
+
+    assert remote_url.startswith(f"external://{urlsplit(url).netloc}/backend.lmcache_connector/?")
+    assert "connector_name=KVPoolRemoteURLConnector" in remote_url
+    assert "," not in remote_url  # LMCache reads one host per comma and refuses several
+    assert remote_url_pool_config(remote_url) == PoolConfig.from_url(url)
+
+
+def test_remote_url_reads_secrets_from_files_and_kvpool_env_like_a_pool_url(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    remote_url = lmcache_remote_url(f"kvpool://h:6379/ns?token_file={token}")
+
+    config = remote_url_pool_config(remote_url, {"KVPOOL_REPLICAS": "3", "KVPOOL_REDIS_PASSWORD": "pw"})
+
+    assert (config.token, config.replicas, config.redis_password) == ("s3cret", 3, "pw")
+    assert "s3cret" not in remote_url
+
+
+REMOTE = "external://h:6379/backend.lmcache_connector/?connector_name=KVPoolRemoteURLConnector&namespace=ns"
+
+
+@pytest.mark.parametrize(
+    ("remote_url", "key", "fragment"),
+    [
+        ("", "remote_url", "is empty"),
+        ("kvpool://h:6379/ns", "remote_url", "scheme 'kvpool' is not external://"),
+        (REMOTE.replace("h:6379", "h"), "remote_url", "missing Redis port"),
+        (REMOTE.replace("h:6379", ":6379"), "remote_url", "missing Redis host"),
+        (REMOTE.replace("h:6379", "h:port"), "remote_url", "port is not a number"),
+        (REMOTE.replace("//h", "//user:pw@h"), "remote_url", "a user name is not supported"),
+        (REMOTE + "&redis_mode=cluster&redis_hosts=a:1,b:2", "remote_url", "write a comma inside a value as %2C"),
+        (REMOTE + "&namespace=other", "namespace", "given twice"),
+        (REMOTE.replace("namespace=ns", "namespace="), "namespace", "is empty"),
+        (REMOTE.replace("namespace=ns", "namespace=bad%20ns"), "namespace", "must be 1-64 characters"),
+        (REMOTE + "&namespce=x", "namespce", "unknown option; known: connector_name, namespace, replicas"),
+        (REMOTE + "&replicas=lots", "replicas", "'lots' is not an integer"),
+        (REMOTE + "&token_file=/nonexistent/token", "token_file", "cannot read /nonexistent/token"),
+    ],
+)
+def test_bad_remote_url_raises_naming_the_bad_part_and_shows_the_url(remote_url: str, key: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        remote_url_pool_config(remote_url)
+
+    assert caught.value.key == key
+    assert str(caught.value).startswith(f"{key}: ") and fragment in str(caught.value)
+    if remote_url:  # the URL as given, secrets left out
+        assert str(caught.value).endswith(f", in remote_url {without_inline_secrets(remote_url)[0]}")
+
+
+def test_remote_url_errors_never_echo_a_secret() -> None:
+    with pytest.raises(ConfigError) as caught:
+        remote_url_pool_config(REMOTE.replace("//h", "//:tok3n@h") + "&redis_password=pw5ecret&replicas=0")
+
+    assert caught.value.key == "replicas"
+    assert "tok3n" not in str(caught.value) and "pw5ecret" not in str(caught.value)

@@ -1,7 +1,8 @@
 """kvpool as LMCache sees it: built by LMCache's own CreateStorageBackends from a config.
 
 LMCache hides plugin failures as silent misses, so these tests prove real hits
-through LMCache's RemoteBackend, and that every failure stays a bounded miss.
+through LMCache's RemoteBackend, and that every failure stays a bounded miss. Both
+forms that enable kvpool are covered: the plugin entry and ``remote_url``.
 """
 
 from __future__ import annotations
@@ -14,15 +15,19 @@ import sys
 import threading
 import time
 
+import torch
+
 from backend.embedded import EmbeddedRedis, free_port
+from backend.lmcache_config import REMOTE_URL_FORM, lmcache_remote_url
 from backend.lmcache_connector import ALLOCATE_TIMEOUT_S
+from bench.engine import FIRST_HASH
 from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
 from tests.conftest import REPO, wait_until
 
 
-def _worker(role: str, url: str, count: int) -> dict:
+def _worker(role: str, url: str, count: int, *extra: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.engine", role, url, "--chunks", str(count)],
+        [sys.executable, "-m", "bench.engine", role, url, "--chunks", str(count), *extra],
         capture_output=True, text=True, timeout=180, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -216,3 +221,62 @@ def test_connector_counters_reach_prometheus_in_process(node_factory, pool_url, 
     hits = REGISTRY.get_sample_value("kvpool_connector_get_hits_total", {"plugin": "kvpool"})
     misses = REGISTRY.get_sample_value("kvpool_connector_get_misses_total", {"plugin": "kvpool"})
     assert hits is not None and hits >= 3 and misses is not None and misses >= 1
+
+
+# -- the remote_url form ----------------------------------------------------------------
+
+
+def _remote_backends(backends: list[str]) -> list[str]:
+    return [name for name in backends if name.startswith("RemoteBackend")]
+
+
+def test_remote_url_alone_builds_one_remote_backend_and_engine_b_reads_what_engine_a_stored(node_factory, pool_url):
+    node_factory()
+    stored = _worker("put", pool_url, 6, "--form", REMOTE_URL_FORM)
+    assert _remote_backends(stored["backends"]) == ["RemoteBackend"]
+    assert stored["hit_prefix"] == 6
+    read = _worker("get", pool_url, 6, "--form", REMOTE_URL_FORM)
+    assert _remote_backends(read["backends"]) == ["RemoteBackend"]
+    assert read["hit_prefix"] == 6 and read["hits"] == 6 and read["identical"] == 6
+    assert read["shape"] == [2, 4, 256, 512] and read["fmt"] == "KV_2LTD"
+
+
+def test_lmcache_remote_url_in_the_environment_alone_reads_what_a_plugin_engine_stored(node_factory, pool_url,
+                                                                                        monkeypatch):  # fmt: skip
+    node_factory()
+    _worker("put", pool_url, 4)  # the plugin form, in another process: same keys, same pool
+    config = kvpool_lmcache_config(pool_url, form=REMOTE_URL_FORM)
+    del config["remote_url"]  # the file says nothing about kvpool: the environment does, as Helm charts set it
+    monkeypatch.setenv("LMCACHE_REMOTE_URL", lmcache_remote_url(pool_url))
+    stack = LMCacheStack(config)
+    try:
+        assert _remote_backends(list(stack.backends)) == ["RemoteBackend"]
+        assert stack.config.remote_url == lmcache_remote_url(pool_url)
+        keys = [stack.key(FIRST_HASH + i) for i in range(4)]
+        assert stack.contains_prefix(keys) == 4
+        got = stack.get(keys)
+        assert all(
+            g is not None and torch.equal(g.tensor.view(torch.uint8), stack.expected_tensor(i).view(torch.uint8))
+            for i, g in enumerate(got)
+        )
+        stack.release(got)
+    finally:
+        stack.close()
+
+
+def test_a_malformed_remote_url_is_refused_at_error_once_naming_the_bad_part(caplog):
+    caplog.set_level(logging.WARNING)
+    remote_url = lmcache_remote_url(f"kvpool://127.0.0.1:{free_port()}/ns") + "&replicas=lots"
+    stack = LMCacheStack({**kvpool_lmcache_config("kvpool://unused:1", form=REMOTE_URL_FORM), "remote_url": remote_url})
+    try:
+        assert stack.remote.connection is None  # LMCache itself only logs and runs without it
+        stack.remote.failure_time = -1e9  # LMCache's health check retries the connection: no second ERROR
+        stack.remote.init_connection()
+        assert stack.remote.connection is None
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR and r.name.startswith("backend")]
+        assert len(errors) == 1
+        message = errors[0].getMessage()
+        assert "replicas: 'lots' is not an integer" in message and "remote_url" in message
+        assert "Fix:" in message and "--form remote_url" in message
+    finally:
+        stack.close()
