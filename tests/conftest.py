@@ -34,6 +34,8 @@ class NodeProcess:
     args: list[str]
     env: dict[str, str]
     max_open_files: int = 0
+    command: list[str] = field(default_factory=lambda: [sys.executable, "-m", "backend.cli"])  # the `kvpool` to run
+    cwd: Path = REPO
     process: subprocess.Popen[str] | None = None
     node_id: str = ""
     host: str = ""
@@ -43,8 +45,8 @@ class NodeProcess:
 
     def start(self) -> NodeProcess:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "backend.cli", "node", *self.args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=self.env,
+            [*self.command, "node", *self.args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self.cwd, env=self.env,
             preexec_fn=self._limit_files if self.max_open_files else None,
         )  # fmt: skip
         ready = threading.Event()

@@ -779,7 +779,11 @@ class PoolNode:
         """The transport of ``config.channel`` (None when off); ConfigError if it cannot run here."""
         if self.config.channel == "off":
             return None
-        from nccl_channel.channel import make_transport
+        try:
+            from nccl_channel.channel import make_transport
+        except ImportError as exc:  # the core install has no torch
+            raise ConfigError("--channel", f"the channel moves torch tensors, and this install cannot import them "
+                              f"({exc}); install kvpool[nccl]") from None  # fmt: skip
 
         try:
             return make_transport(self.config.channel, self.config.device)
