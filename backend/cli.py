@@ -211,9 +211,7 @@ def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
         # Clients reach a TLS node with tls=on, which also means rediss:// to the registry.
         raise ConfigError("--tls-cert", f"a TLS node needs a TLS Redis (rediss://), not {mask_url(redis_url)}")
     if args.redis_ca is not None and not redis_tls:
-        raise ConfigError(
-            "--redis-ca", f"a CA bundle only matters for a rediss:// Redis, not {mask_url(redis_url)}"
-        )
+        raise ConfigError("--redis-ca", f"a CA bundle only matters for a rediss:// Redis, not {mask_url(redis_url)}")
     PoolConfig(namespace=args.namespace, cluster=args.cluster)  # validates both
     if args.channel != "off" and not args.cluster:
         raise ConfigError("--channel", "the channel serves clients of the same cluster: give --cluster NAME too")

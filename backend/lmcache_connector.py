@@ -67,7 +67,7 @@ CLOSE_TIMEOUT_S = 1.0
 ENDPOINT_TTL_MS = 3_600_000  # a channel endpoint's registration; informational, rendezvous does not need it
 # The client's counters a connector reports as its own (the metrics and `kvpool doctor` show them).
 CLIENT_COUNTERS = ("integrity_failures", "stale_entries", "get_failovers", "shm_get_bytes", "get_bytes_tcp",
-                   "get_bytes_channel", "channel_fallbacks")  # fmt: skip
+                   "get_bytes_channel", "channel_fallbacks", "staged_put_bytes")  # fmt: skip
 FIX_HINT = (
     "start a pool with `kvpool up` (it prints the URL), or check "
     "extra_config['remote_storage_plugin.kvpool.url'] / KVPOOL_URL"

@@ -82,6 +82,7 @@ NODE_COUNTERS: dict[str, str] = {
     "accept_errors": "Failed accepts (EMFILE and the like).",
     "requests": "Requests answered successfully (HELLO and AUTH not counted).",
     "shm_get_bytes": "Payload bytes same-host clients copied from the shared-memory arena (not sent).",
+    "staged_put_bytes": "Payload bytes of staged puts: copied in from same-host clients' stages (not received).",
     "leases_granted": "Leases granted (same-host reads and locks).",
     "leases_released": "Leases ended by their client.",
     "leases_expired": "Leases ended by their deadline (client gone or slow).",
@@ -381,6 +382,7 @@ CONNECTOR_COUNTERS: dict[str, str] = {
     "get_misses": "Chunks LMCache asked the pool for and did not receive.",
     "shm_get_bytes": "Bytes read through a same-host node's shared-memory arena instead of TCP.",
     "get_bytes_tcp": "Payload bytes of hits received over the nodes' TCP protocol.",
+    "staged_put_bytes": "Payload bytes put through this client's stage to a node on its host, instead of TCP.",
     "get_bytes_channel": "Payload bytes of hits received over the channel (nccl=on, same cluster).",
     "channel_fallbacks": "Chunks the channel failed to bring (NcclError, node or pair failure), then read over TCP.",
 }

@@ -46,6 +46,8 @@ __all__ = [
     "checksum",
     "check_key",
     "check_item",
+    "encode_put_staged",
+    "decode_put_staged",
     "auth_mac",
     "verify_meta",
     "encode_header",
@@ -103,6 +105,7 @@ class Op(enum.IntEnum):
     LEASE = 11  # pin keys for a while; with LEASE_MAP, answer same-host arena offsets
     RELEASE = 12  # end a lease (or its hold on some keys)
     CHANNEL_GET = 13  # ask for chunks whose bytes travel over the channel (nccl_channel), not this socket
+    PUT_STAGED = 14  # a put whose bytes wait in the client's shared-memory stage on the node's host
 
 
 class Status(enum.IntEnum):
@@ -440,6 +443,40 @@ def decode_get_response(
     if total != data_len:
         raise ProtocolError(f"GET response declares {total} bytes but carries {data_len}")
     return found
+
+
+MAX_STAGE_NAME_BYTES = 64
+STAGE_TOKEN_BYTES = 32
+
+
+def encode_put_staged(
+    stage: str, token: str, items: Sequence[ItemMeta], offsets: Sequence[int], limits: Limits = DEFAULT_LIMITS
+) -> bytes:
+    """Meta of a PUT_STAGED request: the stage's file name and token, the items as in PUT_BATCH,
+    then each item's offset in the stage."""
+    name, secret = stage.encode("ascii"), token.encode("ascii")
+    if not 0 < len(name) <= MAX_STAGE_NAME_BYTES or len(secret) != STAGE_TOKEN_BYTES or len(offsets) != len(items):
+        raise ProtocolError("PUT_STAGED needs a stage name, its 32-character token and an offset per item")
+    out = bytearray(_U8.pack(len(name)) + name + secret)
+    out += encode_items(items, limits)
+    out += b"".join(_U64.pack(offset) for offset in offsets)
+    return _bounded(out, limits)
+
+
+def decode_put_staged(
+    meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> tuple[str, str, list[ItemMeta], list[int]]:
+    """``(stage name, token, items, offsets)`` of a PUT_STAGED request (the name is not yet checked)."""
+    reader = _Reader(meta)
+    (name_len,) = reader.unpack(_U8, "stage name length")
+    if not 0 < name_len <= MAX_STAGE_NAME_BYTES:
+        raise ProtocolError(f"stage name length {name_len} outside 1..{MAX_STAGE_NAME_BYTES}")
+    name = reader.text(name_len, "stage name")
+    token = reader.text(STAGE_TOKEN_BYTES, "stage token")
+    items = [_decode_item(reader, limits) for _ in range(reader.count(limits))]
+    offsets = [int(reader.unpack(_U64, "stage offset")[0]) for _ in items]
+    reader.done()
+    return name, token, items, offsets
 
 
 def encode_lease_request(keys: Sequence[str], ttl_ms: int, flags: int, limits: Limits = DEFAULT_LIMITS) -> bytes:

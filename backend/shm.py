@@ -1,4 +1,4 @@
-"""The same-host fast path's file format, and the client's read-only view of a node's arena.
+"""The same-host fast path's file format: a node's arena, and a client's put stage.
 
 A node keeps its DRAM tier in one shared-memory file (``backend.node.arena``). Its
 first 4 KiB are a header: magic, a random token the node also publishes in the
@@ -12,6 +12,15 @@ in steps from the start, so a view keeps its mapping populated up to the file's
 allocated size, on a background thread at the lowest CPU priority, one
 ``MADV_POPULATE_READ`` per step: reads then find the pages mapped. It never touches
 pages past the allocated size (that would allocate them in ``/dev/shm``).
+
+The put path is the mirror image. A client on a node's host writes the chunks of a
+put into its own *stage*, a file of the same format in the arena's directory
+(``kvpool-<pid>-<token>.stage``, mode 0600, pages allocated when it is made, so a
+write never finds a hole), and sends PUT_STAGED with their offsets instead of the
+bytes. The node maps the stage read-only (:class:`ArenaView` with ``owned=True``:
+only a regular file of its own user, so no other user can hand it a file to read, or
+shrink one under its mapping), copies each chunk into its DRAM tier and verifies its
+checksum, as it does for bytes from a socket.
 """
 
 from __future__ import annotations
@@ -20,6 +29,9 @@ import contextlib
 import ctypes
 import mmap
 import os
+import re
+import secrets
+import stat
 import struct
 import threading
 
@@ -27,11 +39,18 @@ import numpy as np
 
 from backend.protocol import checksum_stream
 
-__all__ = ["ARENA_MAGIC", "HEADER", "HEADER_BYTES", "ArenaView", "read_header", "madvise", "MADV_POPULATE_WRITE"]
+__all__ = [
+    "ARENA_MAGIC", "HEADER", "HEADER_BYTES", "ArenaView", "PutStage", "read_header", "madvise", "MADV_POPULATE_WRITE",
+    "FILE_PREFIX", "ARENA_SUFFIX", "STAGE_SUFFIX", "STAGE_NAME_RE",
+]  # fmt: skip
 
 ARENA_MAGIC = b"KVPOOLSHM1"
 HEADER_BYTES = 4096
 HEADER = struct.Struct("<10s32sQ")  # magic, token (hex), data size in bytes
+FILE_PREFIX = "kvpool-"  # then the owner's pid, a dash, 8 hex digits of its token
+ARENA_SUFFIX = ".arena"
+STAGE_SUFFIX = ".stage"
+STAGE_NAME_RE = re.compile(r"^kvpool-\d{1,10}-[0-9a-f]{8}\.stage$")
 # A checked copy hashes each piece right after copying it, while it is still in the CPU's cache.
 COPY_PIECE_BYTES = 1024 * 1024
 MADV_POPULATE_READ = 22  # Linux >= 5.14: map the pages now, not one fault at a time
@@ -50,13 +69,18 @@ def madvise(address: int, length: int, advice: int) -> None:
 
 
 class ArenaView:
-    """The client side: a read-only mapping of a node's arena on this host."""
+    """A read-only mapping of a kvpool shared-memory file: a node's arena (client side), or a
+    client's put stage (node side)."""
 
-    def __init__(self, path: str, token: str) -> None:
-        """Map ``path`` read-only; OSError if it cannot be opened, ValueError if it is not that node's."""
-        fd = os.open(path, os.O_RDONLY)
+    def __init__(self, path: str, token: str, *, owned: bool = False) -> None:
+        """Map ``path`` read-only; OSError if it cannot be opened, ValueError if it is not the
+        file ``token`` names (or, with ``owned``, not a regular file of this process's user)."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            size = info.st_size
+            if owned and (not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid()):
+                raise ValueError(f"{path} is not a regular file of this user")
             if size < HEADER_BYTES:
                 raise ValueError(f"{path} is too small to be a kvpool arena")
             self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
@@ -115,19 +139,64 @@ class ArenaView:
 
         The copies release the GIL; run it on a worker thread and two chunks copy at once.
         """
-        source = self._region(offset, len(dest))
-        target = np.frombuffer(dest, dtype=np.uint8)
-        digest = checksum_stream()
-        for start in range(0, len(target), COPY_PIECE_BYTES):
-            piece = target[start : start + COPY_PIECE_BYTES]
-            np.copyto(piece, source[start : start + COPY_PIECE_BYTES])
-            digest.update(piece)
-        return int(digest.intdigest())
+        return copy_checked(np.frombuffer(dest, dtype=np.uint8), self._region(offset, len(dest)))
 
     def _region(self, offset: int, nbytes: int) -> np.ndarray:  # type: ignore[type-arg]
         if offset < HEADER_BYTES or offset + nbytes > self.size_bytes:
             raise ValueError(f"region {offset}+{nbytes} is outside the arena ({self.size_bytes} bytes)")
         return self._array[offset : offset + nbytes]
+
+
+class PutStage:
+    """A client's put stage: a shared-memory file it writes chunks into for a node on its host.
+
+    Made in the node's arena directory; its pages are allocated (``posix_fallocate``) and
+    mapped before any write, so a full ``/dev/shm`` is an error here, never a SIGBUS on a
+    write. Removed by :meth:`close`; a stage left by a killed client is removed by the next
+    node that starts in that directory (``backend.node.arena.remove_stale_files``).
+    """
+
+    def __init__(self, directory: str, size_bytes: int) -> None:
+        """Create and map the stage; OSError if ``directory`` has no room or cannot be written."""
+        self.token = secrets.token_hex(16)
+        self.name = f"{FILE_PREFIX}{os.getpid()}-{self.token[:8]}{STAGE_SUFFIX}"
+        self.path = os.path.join(directory, self.name)
+        self.size_bytes = HEADER_BYTES + size_bytes
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, self.size_bytes)
+            os.posix_fallocate(fd, 0, self.size_bytes)
+            self._map = mmap.mmap(fd, self.size_bytes, flags=mmap.MAP_SHARED)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self._map[: HEADER.size] = HEADER.pack(ARENA_MAGIC, self.token.encode(), size_bytes)
+        self._array = np.frombuffer(self._map, dtype=np.uint8)
+        madvise(int(self._array.ctypes.data), self.size_bytes, MADV_POPULATE_WRITE)
+
+    def write_checked(self, offset: int, data: memoryview) -> int:
+        """Copy ``data`` to ``offset`` and return its checksum (computed as it is copied)."""
+        if offset < HEADER_BYTES or offset + len(data) > self.size_bytes:
+            raise ValueError(f"region {offset}+{len(data)} is outside the stage ({self.size_bytes} bytes)")
+        return copy_checked(self._array[offset : offset + len(data)], np.frombuffer(data, dtype=np.uint8))
+
+    def close(self) -> None:
+        """Remove the file; nodes that mapped it keep their mapping until they drop it."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+def copy_checked(target: np.ndarray, source: np.ndarray) -> int:  # type: ignore[type-arg]
+    """Copy ``source`` into ``target`` piece by piece, hashing each piece while it is in cache."""
+    digest = checksum_stream()
+    for start in range(0, len(target), COPY_PIECE_BYTES):
+        piece = target[start : start + COPY_PIECE_BYTES]
+        np.copyto(piece, source[start : start + COPY_PIECE_BYTES])
+        digest.update(piece)
+    return int(digest.intdigest())
 
 
 def read_header(raw: bytes) -> tuple[bytes, str, int]:

@@ -112,7 +112,7 @@ def test_op_and_status_codes_have_their_wire_values() -> None:
     assert {op.name: int(op) for op in Op} == {
         "HELLO": 1, "AUTH": 2, "PUT_BATCH": 3, "GET_BATCH": 4,
         "EXISTS_BATCH": 5, "DELETE_BATCH": 6, "STAT": 7, "PING": 8, "INVENTORY": 9, "VERIFY_BATCH": 10,
-        "LEASE": 11, "RELEASE": 12, "CHANNEL_GET": 13,
+        "LEASE": 11, "RELEASE": 12, "CHANNEL_GET": 13, "PUT_STAGED": 14,
     }  # fmt: skip
     assert {s.name: int(s) for s in Status} == {
         "OK": 0, "PROTOCOL": 1, "AUTH": 2, "CAPACITY": 3, "INTEGRITY": 4, "METADATA": 5, "INTERNAL": 6,

@@ -148,15 +148,15 @@ def test_client_maps_only_the_arena_whose_token_the_node_published():
     assert client.arena.view(elsewhere) is None  # another host's file does not exist here: TCP
 
 
-def test_arenas_of_dead_node_processes_are_removed():
+def test_arenas_and_stages_of_dead_processes_are_removed():
     with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
         dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-        stale = Path(directory) / f"kvpool-{int(dead.stdout)}-deadbeef.arena"
-        stale.write_bytes(b"x")
-        live = Path(directory) / f"kvpool-{os.getpid()}-cafecafe.arena"
-        live.write_bytes(b"x")
-        assert remove_stale_arenas(Path(directory)) == 1
-        assert not stale.exists() and live.exists()
+        stale = [Path(directory) / f"kvpool-{int(dead.stdout)}-deadbeef{suffix}" for suffix in (".arena", ".stage")]
+        live = [Path(directory) / f"kvpool-{os.getpid()}-cafecafe{suffix}" for suffix in (".arena", ".stage")]
+        for path in stale + live:
+            path.write_bytes(b"x")
+        assert remove_stale_arenas(Path(directory)) == 2
+        assert not any(p.exists() for p in stale) and all(p.exists() for p in live)
 
 
 # -- through a node ------------------------------------------------------------------------

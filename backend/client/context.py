@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from backend.config import PoolConfig
 from backend.errors import KVPoolError
+from backend.threads import map_in_threads
 
 __all__ = ["ClientContext", "BULK_THREADS"]
 
@@ -72,25 +73,8 @@ class ClientContext:
         return task
 
     async def map_in_threads(self, fn: Callable[[J], R], jobs: Sequence[J]) -> list[R]:
-        """``[fn(job) for job in jobs]``, spread over the bulk threads; results in order.
-
-        Returns (or raises the first job's error) only once every thread is done, also
-        when the caller is cancelled: the jobs may be writing into the caller's buffers,
-        which it must not hand back before then.
-        """
-        loop = asyncio.get_running_loop()
-        groups = [jobs[i::BULK_THREADS] for i in range(min(BULK_THREADS, len(jobs)))]
-        futures = [loop.run_in_executor(self.bulk, _map, fn, group) for group in groups]
-        finished = asyncio.ensure_future(asyncio.wait(futures))
-        try:
-            await asyncio.shield(finished)
-        except asyncio.CancelledError:
-            await finished
-            raise
-        out: list[Any] = [None] * len(jobs)
-        for start, future in enumerate(futures):
-            out[start::BULK_THREADS] = future.result()
-        return out
+        """``[fn(job) for job in jobs]`` on the bulk threads (``backend.threads.map_in_threads``)."""
+        return await map_in_threads(self.bulk, BULK_THREADS, fn, jobs)
 
     async def close(self) -> None:
         """Cancel background work (bounded) and let the worker threads go."""
@@ -102,7 +86,3 @@ class ClientContext:
                 await asyncio.gather(*self._background, return_exceptions=True)
         if self._bulk is not None:
             self._bulk.shutdown(wait=False)
-
-
-def _map(fn: Callable[[J], R], jobs: Sequence[J]) -> list[R]:
-    return [fn(job) for job in jobs]

@@ -30,6 +30,7 @@ from backend.client.failover import Getter, Reader
 from backend.client.locks import Locker
 from backend.client.putter import PutPlanner
 from backend.client.registry import Locator, RegistryView
+from backend.client.stage import StagedWriter
 from backend.client.tcp import TcpReader
 from backend.config import PoolConfig
 from backend.errors import KVPoolError, NodeUnavailable
@@ -63,7 +64,8 @@ class PoolClient:
         self._locator = Locator(self._ctx, self.meta, self.registry)
         self._tcp = TcpReader(self._ctx, self.connections)
         self._getter = Getter(self._ctx, self.registry, self._locator, [self.arena, self._tcp])
-        self._putter = PutPlanner(self._ctx, self.registry, self.connections)
+        self._staged = StagedWriter(self._ctx, self.connections, self.arena)
+        self._putter = PutPlanner(self._ctx, self.registry, self.connections, self._staged)
         self._locker = Locker(self._ctx, self.registry, self._locator, self.connections)
         self._channel: Channel | None = None
 
@@ -71,6 +73,7 @@ class PoolClient:
         if self._ctx.check_open():  # forked: the parent's sockets and mappings are not ours
             self.connections.forget()
             self.arena.forget()
+            self._staged.forget()
 
     def use_channel(self, channel: Channel) -> None:
         """Read same-cluster hits over ``channel`` first (``nccl_channel.channel.NcclChannel``)."""
@@ -186,6 +189,7 @@ class PoolClient:
             return
         self.connections.close()
         self.arena.close()
+        self._staged.close()
         await self._ctx.close()
         with contextlib.suppress(Exception):
             async with asyncio.timeout(1.0):

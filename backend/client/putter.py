@@ -17,6 +17,7 @@ from backend.client.chunks import Chunk
 from backend.client.connection import Connections, frames
 from backend.client.context import ClientContext
 from backend.client.registry import RegistryView
+from backend.client.stage import PUT_FAILED, StagedWriter
 from backend.client.tcp import stripes
 from backend.errors import CapacityError, KVPoolError
 from backend.metadata import NodeInfo
@@ -28,17 +29,19 @@ __all__ = ["PutPlanner"]
 
 PUT_ATTEMPTS = 3  # first choice, then the next-ranked nodes
 # Why a put failed when every node answered but none stored the chunk (PUT_NO_CAPACITY or PUT_INTEGRITY).
-PUT_FAILED = -1  # a chunk whose stripe failed on the way (the node's error says why), as a PUT flag
 NO_ROOM = ": no node took them (no room: larger than a node's DRAM tier or DRAM full of puts in flight; or corrupt on arrival)"
 
 
 class PutPlanner:
     """Chooses nodes for each chunk, sends one batch per node, retries refused chunks elsewhere."""
 
-    def __init__(self, ctx: ClientContext, registry: RegistryView, connections: Connections) -> None:
+    def __init__(
+        self, ctx: ClientContext, registry: RegistryView, connections: Connections, staged: StagedWriter
+    ) -> None:
         self.ctx = ctx
         self.registry = registry
         self.connections = connections
+        self.staged = staged
 
     async def put(self, chunks: Sequence[Chunk], only: Sequence[str] | None = None) -> None:
         """Store every chunk on ``replicas`` nodes; raises if any chunk could not be stored.
@@ -48,9 +51,9 @@ class PutPlanner:
         if not chunks:
             return
         # A chunk that breaks a limit refuses the whole call before anything is hashed or sent.
-        layouts = [c.layout() for c in chunks]
+        items = [c.layout() for c in chunks]  # checksums: 0 until computed, on the way to a node
         data = {c.key: c.data for c in chunks}
-        items = await self._checksummed(layouts, data)
+        sums: dict[str, int] = {}
         nodes = await self.registry.nodes()
         if only is not None:
             nodes = [n for n in nodes if n.node_id in set(only)]
@@ -75,7 +78,7 @@ class PutPlanner:
             if not groups:
                 break
             outcomes = await asyncio.gather(
-                *(self._put_on_node(node_of[nid], group, data) for nid, group in groups.items())
+                *(self._put_on_node(node_of[nid], group, data, sums) for nid, group in groups.items())
             )
             targets = {}
             for (nid, group), (flags, error) in zip(groups.items(), outcomes):
@@ -101,22 +104,32 @@ class PutPlanner:
             error_type = type(last_error) if last_error is not None else CapacityError
             raise error_type(f"{len(failed)} of {len(items)} chunks were not stored{cause}")
 
-    async def _checksummed(self, layouts: list[ItemMeta], data: dict[str, Buffer]) -> list[ItemMeta]:
-        """Each chunk's meta with its checksum, hashed on the bulk threads (off the caller's loop)."""
+    async def _checksummed(self, layouts: list[ItemMeta], data: dict[str, Buffer], sums: dict[str, int]) -> None:
+        """Put each chunk's checksum in ``sums``, hashed on the bulk threads (off the caller's loop)."""
+        todo = [item for item in layouts if item.key not in sums]
 
-        def hashed(item: ItemMeta) -> ItemMeta:
-            return dataclasses.replace(item, checksum=checksum(memoryview(data[item.key]).cast("B")))
+        def hashed(item: ItemMeta) -> int:
+            return checksum(memoryview(data[item.key]).cast("B"))
 
-        if sum(item.nbytes for item in layouts) < BULK_BYTES:
-            return [hashed(item) for item in layouts]
-        return await self.ctx.map_in_threads(hashed, layouts)
+        if sum(item.nbytes for item in todo) < BULK_BYTES:
+            digests = [hashed(item) for item in todo]
+        else:
+            digests = await self.ctx.map_in_threads(hashed, todo)
+        sums.update({item.key: digest for item, digest in zip(todo, digests)})
 
     async def _put_on_node(
-        self, node: NodeInfo, group: list[ItemMeta], data: dict[str, Buffer]
+        self, node: NodeInfo, group: list[ItemMeta], data: dict[str, Buffer], sums: dict[str, int]
     ) -> tuple[list[int], KVPoolError | None]:
-        """One node's chunks, striped over its connections (the node receives each stripe on its
-        own thread). Returns a PUT flag per chunk (``PUT_FAILED`` where its stripe failed) and
-        the node's error, if a stripe failed."""
+        """One node's chunks: through the stage for a node on this host, else striped over its
+        connections (the node receives each stripe on its own thread). Returns a PUT flag per
+        chunk (``PUT_FAILED`` where its stripe failed) and the node's error, if a stripe failed."""
+        if self.staged.serves(node):
+            staged = await self.staged.put(node, group, data, sums)
+            if staged is not None:
+                self.ctx.counters["integrity_failures"] += staged[0].count(PUT_INTEGRITY)
+                return staged
+        await self._checksummed(group, data, sums)
+        group = [dataclasses.replace(item, checksum=sums[item.key]) for item in group]
         pool = self.connections.pool(node)
 
         async def stripe(part: Sequence[ItemMeta]) -> list[int]:

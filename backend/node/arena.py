@@ -45,7 +45,16 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.shm import ARENA_MAGIC, HEADER, HEADER_BYTES, MADV_POPULATE_WRITE, madvise
+from backend.shm import (
+    ARENA_MAGIC,
+    ARENA_SUFFIX,
+    FILE_PREFIX,
+    HEADER,
+    HEADER_BYTES,
+    MADV_POPULATE_WRITE,
+    STAGE_SUFFIX,
+    madvise,
+)
 
 __all__ = ["ShmArena", "remove_stale_arenas"]
 
@@ -56,8 +65,6 @@ GROW_STEP_BYTES = 64 * 1024 * 1024
 GROW_AHEAD_BYTES = 256 * 1024 * 1024  # free room kept ready at the grown end, once the arena is in use
 GROWER_NICE = 19  # the grower runs when the node's loop and its clients leave a core idle
 GROW_RETRY_S = 5.0  # after /dev/shm refused pages, do not ask again for this long
-FILE_PREFIX = "kvpool-"
-FILE_SUFFIX = ".arena"
 
 
 def _align(nbytes: int) -> int:
@@ -72,7 +79,7 @@ class ShmArena:
             raise ValueError("arena size must be positive")
         self.size_bytes = _align(size_bytes)
         self.token = secrets.token_hex(16)
-        self.path = Path(directory) / f"{FILE_PREFIX}{os.getpid()}-{self.token[:8]}{FILE_SUFFIX}"
+        self.path = Path(directory) / f"{FILE_PREFIX}{os.getpid()}-{self.token[:8]}{ARENA_SUFFIX}"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, HEADER_BYTES + self.size_bytes)
@@ -273,12 +280,13 @@ class ShmArena:
 
 
 def remove_stale_arenas(directory: Path) -> int:
-    """Delete arena files of node processes that no longer exist (killed without cleanup)."""
+    """Delete the arenas of nodes and the put stages of clients whose processes no longer exist
+    (killed without cleanup)."""
     removed = 0
     with contextlib.suppress(OSError):
         for entry in os.scandir(directory):
             name = entry.name
-            if not (name.startswith(FILE_PREFIX) and name.endswith(FILE_SUFFIX)):
+            if not (name.startswith(FILE_PREFIX) and name.endswith((ARENA_SUFFIX, STAGE_SUFFIX))):
                 continue
             pid_text = name[len(FILE_PREFIX) :].split("-", 1)[0]
             if not pid_text.isdigit() or _pid_alive(int(pid_text)):

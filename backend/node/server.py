@@ -23,6 +23,7 @@ import socket
 import ssl
 import time
 from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,7 @@ from backend.protocol import (
     decode_json,
     decode_keys,
     decode_lease_request,
+    decode_put_staged,
     decode_release,
     encode_channel_response,
     encode_flags,
@@ -74,7 +76,9 @@ from backend.protocol import (
     encode_lease_response,
     status_for_error,
 )
-from backend.transport import Buffer, FrameSocket, server_tls_context
+from backend.shm import STAGE_NAME_RE, ArenaView
+from backend.threads import map_in_threads
+from backend.transport import BULK_BYTES, Buffer, FrameSocket, server_tls_context
 
 __all__ = ["NodeConfig", "PoolNode", "run_node"]
 
@@ -92,6 +96,7 @@ SHUTDOWN_TIMEOUT_S = 5.0
 # Threads that move large replies and puts (``backend.transport``): with one per busy
 # connection, two clients' GETs are sent by both cores instead of the event loop's one.
 BULK_THREADS = 4
+BULK_COPY_THREADS = 2  # threads one staged put copies on (two cores' worth)
 PUT_WINDOW_BYTES = 64 * 1024 * 1024  # a put's chunks are received this many bytes at a time
 
 
@@ -169,6 +174,7 @@ class PoolNode:
         )
         self._stopping = asyncio.Event()
         self._bulk = ThreadPoolExecutor(BULK_THREADS, thread_name_prefix="kvpool-node-bulk")
+        self._stages: dict[FrameSocket, dict[tuple[str, str], ArenaView]] = {}  # per connection: its client's stages
         self.channel: Any = None  # nccl_channel.channel.ChannelServer once started, if configured
         self.collector: DeadNodeCollector | None = None  # made once the node id is known
 
@@ -513,6 +519,7 @@ class PoolNode:
             # Its client is gone (crashed, or gave up on the connection): nobody will release
             # what it leased, and pinned DRAM would refuse puts until the ttl ran out.
             self.tiers.leases.release_owner(conn)
+            self._stages.pop(conn, None)  # its client's stages: mapped for this connection only
 
     async def _start_tls(self, conn: FrameSocket, context: ssl.SSLContext) -> bool:
         """Complete a TLS handshake within the frame timeout; False (counted, logged) if it fails.
@@ -592,22 +599,83 @@ class PoolNode:
     async def _receive_put(
         self, conn: FrameSocket, items: list[ItemMeta]
     ) -> list[tuple[int, ItemMeta, StoredChunk | None]]:
-        """Receive each chunk into reserved DRAM and verify it; returns a PUT outcome per item.
+        """Receive a PUT_BATCH's chunks off the socket (see :meth:`_take_chunks`)."""
 
-        Chunks are received in windows of up to ``PUT_WINDOW_BYTES``: space for each is
-        reserved first, then the window's bytes arrive in one transfer (on a worker
-        thread, checksums included). A verified chunk enters the tiers at once (so a
-        batch larger than DRAM can demote its own first chunks), but is not visible to
-        readers before the index commit. A chunk this node already holds with the
-        same bytes is not stored twice (and so cannot be lost if this put fails). An
-        item with no room is read off the socket and dropped.
+        async def fill(window: list[tuple[ItemMeta, ChunkBuffer]]) -> list[int]:
+            return await conn.recv_many([buffer for _, buffer in window], checksum)
+
+        return await self._take_chunks(items, fill, conn.discard)
+
+    async def _receive_staged(
+        self, meta: bytearray, conn: FrameSocket
+    ) -> list[tuple[int, ItemMeta, StoredChunk | None]]:
+        """Copy a PUT_STAGED's chunks out of the client's stage (see :meth:`_take_chunks`)."""
+        name, token, items, offsets = decode_put_staged(meta, self.config.limits)
+        stage = self._stage(conn, name, token)
+        offset_of = {id(item): offset for item, offset in zip(items, offsets)}
+
+        def copy(job: tuple[ItemMeta, ChunkBuffer]) -> int:
+            item, buffer = job
+            try:
+                return stage.copy_checked(buffer, offset_of[id(item)])
+            except ValueError as exc:
+                raise ProtocolError(f"PUT_STAGED offset of {item.key!r}: {exc}") from None
+
+        async def fill(window: list[tuple[ItemMeta, ChunkBuffer]]) -> list[int]:
+            if sum(item.nbytes for item, _ in window) < BULK_BYTES:
+                return [copy(job) for job in window]
+            return await map_in_threads(self._bulk, BULK_COPY_THREADS, copy, window)
+
+        async def drop(nbytes: int) -> None:
+            pass  # nothing to read off a socket
+
+        self.counters["staged_put_bytes"] += sum(item.nbytes for item in items)
+        return await self._take_chunks(items, fill, drop)
+
+    def _stage(self, conn: FrameSocket, name: str, token: str) -> ArenaView:
+        """The client's stage named in a PUT_STAGED, mapped read-only once per connection.
+
+        Only a file in this node's arena directory, with a stage's name, of this node's
+        user, whose header carries ``token``: no client can make the node read any other file.
+        """
+        if self.tiers.arena is None:
+            raise ProtocolError(f"node {self.node_id} has no shared-memory arena: put over TCP")
+        if not STAGE_NAME_RE.match(name):
+            raise ProtocolError(f"{name!r} is not a kvpool stage name")
+        stages = self._stages.setdefault(conn, {})
+        view = stages.get((name, token))
+        if view is None:
+            path = self.tiers.arena.path.parent / name
+            try:
+                view = ArenaView(str(path), token, owned=True)
+            except (OSError, ValueError) as exc:
+                raise ProtocolError(f"stage {name} cannot be used: {exc}") from None
+            stages[(name, token)] = view
+        return view
+
+    async def _take_chunks(
+        self,
+        items: list[ItemMeta],
+        fill: Callable[[list[tuple[ItemMeta, ChunkBuffer]]], Awaitable[list[int]]],
+        drop: Callable[[int], Awaitable[None]],
+    ) -> list[tuple[int, ItemMeta, StoredChunk | None]]:
+        """Bring each chunk into reserved DRAM and verify it; returns a PUT outcome per item.
+
+        Chunks come in windows of up to ``PUT_WINDOW_BYTES``: space for each is reserved
+        first, then ``fill`` brings the window's bytes (from the socket in one transfer,
+        or from a stage; on worker threads, checksums included) and answers each chunk's
+        checksum. A verified chunk enters the tiers at once (so a batch larger than DRAM
+        can demote its own first chunks), but is not visible to readers before the index
+        commit. A chunk this node already holds with the same bytes is not stored twice
+        (and so cannot be lost if this put fails). An item with no room is dropped
+        (``drop`` reads its bytes off the socket).
         """
         received: list[tuple[int, ItemMeta, StoredChunk | None]] = []
-        window: list[tuple[ItemMeta, ChunkBuffer]] = []  # reserved, bytes still on the socket
+        window: list[tuple[ItemMeta, ChunkBuffer]] = []  # reserved, bytes not brought yet
 
         async def receive_window() -> None:
             try:
-                digests = await conn.recv_many([buffer for _, buffer in window], checksum)
+                digests = await fill(window)
             except BaseException:
                 for item, _ in window:
                     self.tiers.release(item.nbytes)
@@ -634,14 +702,14 @@ class PoolNode:
                     await self.tiers.reserve(item.nbytes, wait_s=0.0 if window else PUT_RESERVE_WAIT_S)
                 except CapacityError:
                     if not window:
-                        await conn.discard(item.nbytes)
+                        await drop(item.nbytes)
                         received.append((PUT_NO_CAPACITY, item, None))
                         continue
                     await receive_window()  # the window's chunks become evictable for this one
                     try:
                         await self.tiers.reserve(item.nbytes, wait_s=PUT_RESERVE_WAIT_S)
                     except CapacityError:
-                        await conn.discard(item.nbytes)
+                        await drop(item.nbytes)
                         received.append((PUT_NO_CAPACITY, item, None))
                         continue
                 window.append((item, self.tiers.take_buffer(item.nbytes)))
@@ -728,6 +796,8 @@ class PoolNode:
         if op == Op.RELEASE:
             lease_id, keys = decode_release(meta, limits)
             return encode_json({"released": self.tiers.leases.release(lease_id, keys)}), []
+        if op == Op.PUT_STAGED:
+            return await self._commit_put(await self._receive_staged(meta, conn))
         if op == Op.CHANNEL_GET:
             return await self._channel_get(meta)
         if op == Op.STAT:
