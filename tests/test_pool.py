@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 import time
+from typing import Any
 
 import pytest
 
@@ -332,3 +333,32 @@ async def test_cancelling_one_request_does_not_break_the_others_on_its_connectio
         again = await client.get([c.key for c in big])
         assert all(g is not None for g in again)
         assert client.counters.get("stale_entries", 0) == 0
+
+
+class _ShortSink:
+    """Hands out buffers one byte short, and counts what it handed out and got back."""
+
+    def __init__(self) -> None:
+        self.given: list[int] = []
+        self.returned: list[int] = []
+
+    async def allocate(self, meta: Any) -> tuple[int, bytearray]:
+        self.given.append(len(self.given))
+        return self.given[-1], bytearray(meta.nbytes - 1)
+
+    def release(self, handle: int) -> None:
+        self.returned.append(handle)
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_a_sink_that_gives_the_wrong_size_gets_its_buffers_back_and_the_keys_miss(node_factory, pool_url, shm):
+    node_factory(shm=shm)
+    with SyncPoolClient(PoolConfig.from_url(pool_url + ("" if shm else "?shm=off"))) as client:
+        chunks = _chunks("short", 3, 64 * 1024)
+        client.put(chunks)
+        sink = _ShortSink()
+        got = client._call(client._client.get([c.key for c in chunks], sink))
+        assert got == [None, None, None]
+        assert sink.given and sorted(sink.returned) == sink.given  # every buffer taken was handed back
+        again = client.get([c.key for c in chunks])  # the copies themselves are fine
+        assert [bytes(g.data) for g in again] == [c.data for c in chunks]

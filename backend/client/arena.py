@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from backend.client.chunks import DECLINED, MISS, Fallback, Hit, Outcome, Sink, Wanted, release_hits
+from backend.client.chunks import DECLINED, MISS, Fallback, Hit, Outcome, Sink, Wanted, allocate_view, release_hits
 from backend.client.connection import MAX_FRAME_ITEMS, Connections, NodePool
 from backend.client.context import ClientContext, logger
 from backend.errors import CapacityError, KVPoolError, ProtocolError
@@ -114,15 +114,12 @@ class ArenaReader:
                 if offset is None:
                     outcomes.append(Fallback("not in the arena"))
                     continue
-                allocated = await sink.allocate(item)
+                allocated = await allocate_view(sink, item)
                 if allocated is None:
                     outcomes.append(DECLINED)
                     continue
-                handle, buffer = allocated
+                handle, view = allocated
                 outcomes.append(Hit(handle, item.checksum))
-                view = memoryview(buffer).cast("B")
-                if len(view) != item.nbytes:
-                    raise ProtocolError(f"sink gave {len(view)} bytes for a {item.nbytes}-byte item")
                 jobs.append((len(outcomes) - 1, item, view, offset))
             if jobs:
                 arena.populate(max(offset + item.nbytes for _, item, _, offset in jobs))  # for the next reads

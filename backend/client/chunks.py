@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Generic, Protocol, TypeVar, Union
 
-from backend.errors import KVPoolError
+from backend.errors import KVPoolError, ProtocolError
 from backend.protocol import ItemMeta, check_item, checksum
 from backend.transport import Buffer
 
 __all__ = [
     "Chunk", "Fetched", "Lock", "Sink", "BytesSink", "Wanted",
-    "Hit", "Miss", "Declined", "Fallback", "Failed", "Outcome", "MISS", "DECLINED", "release_hits",
+    "Hit", "Miss", "Declined", "Fallback", "Failed", "Outcome", "MISS", "DECLINED", "allocate_view", "release_hits",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -128,6 +128,22 @@ class Failed:
 MISS = Miss()
 DECLINED = Declined()
 Outcome = Union[Hit[Any], Miss, Declined, Fallback, Failed]
+
+
+async def allocate_view(sink: Sink[T], item: ItemMeta) -> tuple[T, memoryview] | None:
+    """A buffer of exactly ``item.nbytes`` from ``sink`` as a byte view; None when it has no room.
+
+    ProtocolError (the buffer handed back) if the sink gave another size.
+    """
+    allocated = await sink.allocate(item)
+    if allocated is None:
+        return None
+    handle, buffer = allocated
+    view = memoryview(buffer).cast("B")
+    if len(view) != item.nbytes:
+        sink.release(handle)
+        raise ProtocolError(f"sink gave {len(view)} bytes for a {item.nbytes}-byte item")
+    return handle, view
 
 
 def release_hits(sink: Sink[Any], outcomes: list[Outcome]) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
-from backend.client.chunks import DECLINED, MISS, Failed, Hit, Outcome, Sink, release_hits
+from backend.client.chunks import DECLINED, MISS, Failed, Hit, Outcome, Sink, allocate_view, release_hits
 from backend.config import PoolConfig
 from backend.errors import AuthError, IntegrityError, KVPoolError, NodeUnavailable, ProtocolError
 from backend.metadata import NodeInfo
@@ -213,16 +213,13 @@ class NodeConnection:
                 if item is None:
                     outcomes.append(MISS)
                     continue
-                allocated = await sink.allocate(item)
+                allocated = await allocate_view(sink, item)
                 if allocated is None:
                     outcomes.append(DECLINED)
                     targets.append(item.nbytes)
                     continue
-                handle, buffer = allocated
+                handle, view = allocated
                 outcomes.append(Hit(handle, item.checksum))
-                view = memoryview(buffer).cast("B")
-                if len(view) != item.nbytes:
-                    raise ProtocolError(f"sink gave {len(view)} bytes for a {item.nbytes}-byte item")
                 targets.append(view)
                 received.append((len(outcomes) - 1, item))
             digests = await sock.recv_many(targets, checksum)
