@@ -98,20 +98,18 @@ class FrameSocket:
         self.sock = sock
         self.loop = loop
         self.peer = peer
-        self.bulk = bulk  # where transfers of BULK_BYTES or more run; None: on the loop
         self.closed = False
         self.send_lock = asyncio.Lock()
         self._waiters: dict[bool, asyncio.Future[None]] = {}  # writable? -> waiting future
         self._header_buf = bytearray(HEADER.size)
-        self._fd = sock.fileno()
-        self._in_threads = 0  # worker threads in a transfer on this socket; the fd outlives them
+        self._threads = _ThreadedTransfers(self, bulk) if bulk is not None else None  # bulk transfers
 
     @property
     def tls(self) -> bool:
         return isinstance(self.sock, ssl.SSLSocket)
 
     def _threaded(self, nbytes: int) -> bool:
-        return self.bulk is not None and nbytes >= BULK_BYTES and not self.tls
+        return self._threads is not None and nbytes >= BULK_BYTES and not self.tls
 
     @classmethod
     async def connect(
@@ -207,102 +205,20 @@ class FrameSocket:
                 if not waiter.done():
                     waiter.set_exception(NodeUnavailable(f"connection to {self.peer} closed"))
             self._waiters.clear()
-        if self._in_threads:
+        if self._threads is not None and self._threads.busy:
             # A worker thread is in a transfer: wake it now, close the fd once it has returned.
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             return
+        self._close_fd()
+
+    def _close_fd(self) -> None:
         try:
             self.sock.close()
         except OSError:
             pass
-
-    # -- transfers on a worker thread -------------------------------------------------
-    async def _in_thread(self, fn: Callable[..., T], *args: Any, stop: int = socket.SHUT_RDWR) -> T:
-        """Run a blocking transfer on the executor; the loop stays free meanwhile.
-
-        Cancelled mid-transfer, the stream is unusable: ``shutdown(stop)`` wakes the
-        thread, and this waits for it, so that the caller never hands back a buffer the
-        thread is still filling. The caller then closes the connection.
-        """
-        if self.closed:
-            raise NodeUnavailable(f"connection to {self.peer} is closed")
-        assert self.bulk is not None
-        future = self.loop.run_in_executor(self.bulk, fn, *args)
-        self._in_threads += 1
-        future.add_done_callback(self._thread_returned)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            try:
-                self.sock.shutdown(stop)
-            except OSError:
-                pass
-            await asyncio.wait([future])
-            raise
-
-    def _thread_returned(self, future: asyncio.Future[Any]) -> None:
-        self._in_threads -= 1
-        if not future.cancelled():
-            future.exception()  # the caller saw it, or was cancelled and closed the stream
-        if self.closed and not self._in_threads:
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-
-    def _wait_blocking(self, events: int) -> None:
-        """In a worker thread: wait until the socket is ready; NodeUnavailable once it was closed."""
-        poller = select.poll()
-        poller.register(self._fd, events)
-        while not poller.poll(_POLL_SLICE_MS):
-            if self.closed:
-                raise NodeUnavailable(f"connection to {self.peer} closed")
-
-    def _recv_blocking(self, view: memoryview) -> None:
-        while view:
-            try:
-                n = self.sock.recv_into(view)
-            except BlockingIOError:
-                self._wait_blocking(select.POLLIN)
-                continue
-            except OSError as exc:
-                raise NodeUnavailable(f"receive from {self.peer} failed: {exc}") from None
-            if n == 0:
-                raise NodeUnavailable(f"{self.peer} closed the connection")
-            view = view[n:]
-
-    def _recv_many_blocking(
-        self, targets: Sequence[memoryview | int], digest: Callable[[Any], int] | None
-    ) -> list[int]:
-        out = []
-        scratch: memoryview | None = None
-        for target in targets:
-            if isinstance(target, int):
-                scratch = scratch or memoryview(bytearray(DISCARD_PIECE_BYTES))
-                left = target
-                while left:
-                    piece = scratch[: min(left, len(scratch))]
-                    self._recv_blocking(piece)
-                    left -= len(piece)
-                out.append(0)
-                continue
-            self._recv_blocking(target)
-            out.append(digest(target) if digest is not None else 0)
-        return out
-
-    def _send_blocking(self, pending: list[memoryview]) -> None:
-        while pending:
-            try:
-                sent = self.sock.sendmsg(pending[:_MAX_IOV])
-            except BlockingIOError:
-                self._wait_blocking(select.POLLOUT)
-                continue
-            except OSError as exc:
-                raise NodeUnavailable(f"send to {self.peer} failed: {exc}") from None
-            _advance(pending, sent)
 
     async def _wait(self, writable: bool) -> None:
         if self.closed:
@@ -358,7 +274,8 @@ class FrameSocket:
         views: list[memoryview | int] = [t if isinstance(t, int) else memoryview(t).cast("B") for t in targets]
         total = sum(t if isinstance(t, int) else len(t) for t in views)
         if self._threaded(total):
-            return await self._in_thread(self._recv_many_blocking, views, digest, stop=socket.SHUT_RD)
+            assert self._threads is not None
+            return await self._threads.run(self._threads.recv_many, views, digest, stop=socket.SHUT_RD)
         out = []
         for target in views:
             if isinstance(target, int):
@@ -411,8 +328,9 @@ class FrameSocket:
         async with self.send_lock:
             pending = [memoryview(b).cast("B") for b in buffers if len(b)]
             if self._threaded(sum(len(b) for b in pending)):
+                assert self._threads is not None
                 try:
-                    await self._in_thread(self._send_blocking, pending)
+                    await self._threads.run(self._threads.send, pending)
                 except BaseException:
                     self.close()  # a frame cut short leaves the stream unusable
                     raise
@@ -439,6 +357,106 @@ class FrameSocket:
                     self.close()
                     raise NodeUnavailable(f"send to {self.peer} failed: {exc}") from None
                 _advance(pending, sent)
+
+
+class _ThreadedTransfers:
+    """The transfers of one :class:`FrameSocket` that run on worker threads.
+
+    A thread polls the socket itself (the event loop is not watching it for that
+    direction meanwhile). While any thread is in a transfer the socket's descriptor
+    stays open: ``FrameSocket.close`` only shuts it down, which wakes the thread, and
+    the descriptor is closed when the last thread has returned, so its number is never
+    reused under a thread.
+    """
+
+    def __init__(self, owner: FrameSocket, executor: Executor) -> None:
+        self.owner = owner
+        self.executor = executor
+        self.busy = 0  # threads in a transfer on this socket
+        self._fd = owner.sock.fileno()
+
+    async def run(self, fn: Callable[..., T], *args: Any, stop: int = socket.SHUT_RDWR) -> T:
+        """Run a blocking transfer on the executor; the loop stays free meanwhile.
+
+        Cancelled mid-transfer, the stream is unusable: ``shutdown(stop)`` wakes the
+        thread, and this waits for it, so that the caller never hands back a buffer the
+        thread is still filling. The caller then closes the connection.
+        """
+        owner = self.owner
+        if owner.closed:
+            raise NodeUnavailable(f"connection to {owner.peer} is closed")
+        future = owner.loop.run_in_executor(self.executor, fn, *args)
+        self.busy += 1
+        future.add_done_callback(self._returned)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            try:
+                owner.sock.shutdown(stop)
+            except OSError:
+                pass
+            await asyncio.wait([future])
+            raise
+
+    def _returned(self, future: asyncio.Future[Any]) -> None:
+        self.busy -= 1
+        if not future.cancelled():
+            future.exception()  # the caller saw it, or was cancelled and closed the stream
+        if self.owner.closed and not self.busy:
+            self.owner._close_fd()
+
+    def _wait(self, events: int) -> None:
+        """In a worker thread: wait until the socket is ready; NodeUnavailable once it was closed."""
+        poller = select.poll()
+        poller.register(self._fd, events)
+        while not poller.poll(_POLL_SLICE_MS):
+            if self.owner.closed:
+                raise NodeUnavailable(f"connection to {self.owner.peer} closed")
+
+    def _recv(self, view: memoryview) -> None:
+        sock, peer = self.owner.sock, self.owner.peer
+        while view:
+            try:
+                n = sock.recv_into(view)
+            except BlockingIOError:
+                self._wait(select.POLLIN)
+                continue
+            except OSError as exc:
+                raise NodeUnavailable(f"receive from {peer} failed: {exc}") from None
+            if n == 0:
+                raise NodeUnavailable(f"{peer} closed the connection")
+            view = view[n:]
+
+    def recv_many(self, targets: Sequence[memoryview | int], digest: Callable[[Any], int] | None) -> list[int]:
+        """In a worker thread: ``FrameSocket.recv_many``."""
+        out = []
+        scratch: memoryview | None = None
+        for target in targets:
+            if isinstance(target, int):
+                scratch = scratch or memoryview(bytearray(DISCARD_PIECE_BYTES))
+                left = target
+                while left:
+                    piece = scratch[: min(left, len(scratch))]
+                    self._recv(piece)
+                    left -= len(piece)
+                out.append(0)
+                continue
+            self._recv(target)
+            out.append(digest(target) if digest is not None else 0)
+        return out
+
+    def send(self, pending: list[memoryview]) -> None:
+        """In a worker thread: send every buffer, in order."""
+        sock, peer = self.owner.sock, self.owner.peer
+        while pending:
+            try:
+                sent = sock.sendmsg(pending[:_MAX_IOV])
+            except BlockingIOError:
+                self._wait(select.POLLOUT)
+                continue
+            except OSError as exc:
+                raise NodeUnavailable(f"send to {peer} failed: {exc}") from None
+            _advance(pending, sent)
 
 
 def _advance(pending: list[memoryview], sent: int) -> None:

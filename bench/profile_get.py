@@ -54,7 +54,7 @@ from backend.embedded import EmbeddedRedis
 from backend.lmcache_connector import KVPoolConnector, _LMCacheSink
 from backend.protocol import Op
 from backend.shm import ArenaView
-from backend.transport import FrameSocket
+from backend.transport import FrameSocket, _ThreadedTransfers
 from bench.ceilings import memcpy_gbps, tcp_loopback_gbps
 from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
 
@@ -120,8 +120,8 @@ def _instrument() -> None:
     CLOCK.wrap(ClientContext, "map_in_threads", "copy (wall)")
     CLOCK.wrap(FrameSocket, "recv_many", "receive (wall)")
     CLOCK.wrap(ArenaView, "copy_checked", "thread busy")
-    CLOCK.wrap(FrameSocket, "_recv_many_blocking", "thread busy")
-    CLOCK.wrap(FrameSocket, "_wait_blocking", "thread waiting for data")
+    CLOCK.wrap(_ThreadedTransfers, "recv_many", "thread busy")
+    CLOCK.wrap(_ThreadedTransfers, "_wait", "thread waiting for data")
     CLOCK.wrap(TcpReader, "read", "tcp read")
 
 
