@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from backend.client import Chunk, PoolClient
+from backend.client.index import glob_escape
 from backend.errors import ConfigError, KVPoolError
 from backend.metadata import Location, NodeInfo
 from backend.protocol import Op, decode_flags, decode_json, encode_json, encode_keys
@@ -26,7 +27,6 @@ __all__ = [
     "drain",
     "flush",
     "check",
-    "glob_escape",
 ]
 
 DRAIN_BATCH_ITEMS = 64
@@ -35,11 +35,6 @@ INVENTORY_PAGE = 1000
 CHECK_SAMPLE = 100  # chunks whose checksum `check` re-verifies without --deep
 
 Progress = Callable[[int, int], None]  # (done, total)
-
-
-def glob_escape(text: str) -> str:
-    """Escape Redis glob characters so user text matches literally."""
-    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
 
 
 def _match(model: str | None, prefix: str | None) -> str:
@@ -65,8 +60,8 @@ async def _stats_of(client: PoolClient, nodes: Sequence[NodeInfo]) -> dict[str, 
 
 async def pool_status(client: PoolClient) -> dict[str, Any]:
     """Redis, nodes, capacity, objects and hit rate: what ``kvpool status`` shows."""
-    rtt_ms = await client.meta.ping()
-    nodes = await client.meta.nodes()
+    rtt_ms = await client.index.ping()
+    nodes = await client.index.nodes()
     stats = await _stats_of(client, nodes)
     alive = [n for n in nodes if n.alive]
     for node in alive:
@@ -122,7 +117,7 @@ async def pool_status(client: PoolClient) -> dict[str, Any]:
 
 async def node_rows(client: PoolClient) -> list[dict[str, Any]]:
     """One row per registered node: what ``kvpool nodes`` shows."""
-    nodes = await client.meta.nodes()
+    nodes = await client.index.nodes()
     stats = await _stats_of(client, nodes)
     now = time.time()
     rows = []
@@ -145,7 +140,7 @@ async def iter_keys(
     """Stream index entries (SCAN, never KEYS): key, node, tier, size, age."""
     now = int(time.time())
     count = 0
-    async for batch in client.meta.scan_entries(_match(model, prefix)):
+    async for batch in client.index.scan_entries(_match(model, prefix)):
         for key, entry in batch:
             for loc in entry:
                 yield {"key": key, "node_id": loc.node_id, "tier": loc.tier, "nbytes": loc.nbytes,
@@ -162,7 +157,7 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
 
 async def pool_stats(client: PoolClient) -> dict[str, Any]:
     """Counters summed over live nodes, and p50/p99 service time per op."""
-    nodes = await client.meta.nodes()
+    nodes = await client.index.nodes()
     stats = await _stats_of(client, nodes)
     totals: dict[str, int] = defaultdict(int)
     samples: dict[str, list[float]] = defaultdict(list)
@@ -190,7 +185,7 @@ async def evict(client: PoolClient, keys: Sequence[str] = (), *, model: str | No
     if not model and not prefix:
         raise ConfigError("evict", "name keys, or --model / --prefix")
     removed = 0
-    async for batch in client.meta.scan_key_batches(_match(model, prefix), INVENTORY_PAGE):
+    async for batch in client.index.scan_key_batches(_match(model, prefix), INVENTORY_PAGE):
         removed += await client.delete(batch)
     return removed
 
@@ -228,13 +223,13 @@ async def drain(
         target = await client.node(to)
         if target.node_id == node_id:
             raise ConfigError("--to", "the target is the node being drained")
-    await client.meta.set_draining(node_id, True)
+    await client.index.set_draining(node_id, True)
     await client.nodes(refresh=True)
     total = int((await client.node_stats(source))["objects"])
     moved = already = lost = 0
     async for page in _inventory(client, source):
         for group in _groups(page, batch):
-            entries = await client.meta.lookup([row[0] for row in group])
+            entries = await client.index.lookup([row[0] for row in group])
             live = {n.node_id: n for n in await client.nodes(refresh=True)}
             claimed: dict[str, list[str]] = defaultdict(list)  # node id -> keys the index says it holds
             for row, entry in zip(group, entries):
@@ -309,8 +304,8 @@ async def flush(client: PoolClient, progress: Progress | None = None) -> dict[st
             if progress is not None:
                 progress(deleted, max(total, deleted))
     removed = 0
-    async for batch in client.meta.scan_key_batches(batch=INVENTORY_PAGE):
-        removed += await client.meta.delete(batch)
+    async for batch in client.index.scan_key_batches(batch=INVENTORY_PAGE):
+        removed += await client.index.delete(batch)
     return {"chunks_deleted": deleted, "index_entries_removed": removed}
 
 
@@ -321,7 +316,7 @@ async def check(client: PoolClient, *, fix: bool = False, deep: bool = False,
     Finds index entries whose bytes are gone, bytes no entry points at, copies whose
     checksum fails (a sample, or all with ``deep``), and entries of dead nodes.
     """
-    nodes = await client.meta.nodes()
+    nodes = await client.index.nodes()
     alive = {n.node_id: n for n in nodes if n.alive}
     dead = [n.node_id for n in nodes if not n.alive]
     orphan_entries: list[tuple[str, Location]] = []
@@ -329,7 +324,7 @@ async def check(client: PoolClient, *, fix: bool = False, deep: bool = False,
     corrupt: list[tuple[str, Location]] = []
     verified = 0
     scanned = 0
-    async for batch in client.meta.scan_entries():
+    async for batch in client.index.scan_entries():
         by_node: dict[str, list[tuple[str, Location]]] = defaultdict(list)
         for key, entry in batch:
             for loc in entry:
@@ -357,7 +352,7 @@ async def check(client: PoolClient, *, fix: bool = False, deep: bool = False,
     orphan_bytes: list[tuple[str, Location]] = []
     for node in alive.values():
         async for page in _inventory(client, node):
-            entries = await client.meta.lookup([row[0] for row in page])
+            entries = await client.index.lookup([row[0] for row in page])
             for (key, tier, nbytes, item_sum), entry in zip(page, entries):
                 if not any(loc.node_id == node.node_id and loc.epoch == node.epoch for loc in entry):
                     orphan_bytes.append((key, Location(node.node_id, node.epoch, tier, int(nbytes), int(item_sum))))
@@ -376,7 +371,7 @@ async def check(client: PoolClient, *, fix: bool = False, deep: bool = False,
     )
     if fix and report["problems"]:
         # Repair against a fresh view: a node may have come back or restarted meanwhile.
-        fresh = {n.node_id: n for n in await client.meta.nodes() if n.alive}
+        fresh = {n.node_id: n for n in await client.index.nodes() if n.alive}
 
         def still_dead(loc: Location) -> bool:
             node = fresh.get(loc.node_id)
@@ -386,10 +381,10 @@ async def check(client: PoolClient, *, fix: bool = False, deep: bool = False,
         dead = [node_id for node_id in dead if node_id not in fresh]
         reindex = await _still_orphaned(client, orphan_bytes, fresh)
         # Corrupt copies were already dropped by their node on VERIFY; remove their entries now.
-        await client.meta.remove_stale(orphan_entries + dead_entries + corrupt)
-        await client.meta.commit(reindex)  # valid bytes nobody could find: index them
+        await client.index.remove_stale(orphan_entries + dead_entries + corrupt)
+        await client.index.commit(reindex)  # valid bytes nobody could find: index them
         for node_id in dead:
-            await client.meta.forget_node(node_id)
+            await client.index.forget_node(node_id)
         report["fixed"] = {"entries_removed": len(orphan_entries) + len(dead_entries) + len(corrupt),
                            "bytes_reindexed": len(reindex), "dead_nodes_forgotten": len(dead)}  # fmt: skip
     return report
@@ -401,7 +396,7 @@ async def _still_orphaned(
     """Orphan copies that are still unindexed, still held, and conflict with no indexed copy."""
     if not orphans:
         return []
-    entries = await client.meta.lookup([k for k, _ in orphans])
+    entries = await client.index.lookup([k for k, _ in orphans])
     keep: list[tuple[str, Location]] = []
     for (key, loc), entry in zip(orphans, entries):
         node = fresh.get(loc.node_id)

@@ -22,7 +22,6 @@ here: they become misses, logged once per cause and counted.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -64,7 +63,6 @@ logger = logging.getLogger(__name__)
 ALLOCATE_TIMEOUT_S = 1.0  # LMCache's allocator blocks while its buffer is full: bound it
 ALLOCATE_RETRY_S = 0.002
 CLOSE_TIMEOUT_S = 1.0
-ENDPOINT_TTL_MS = 3_600_000  # a channel endpoint's registration; informational, rendezvous does not need it
 # The client's counters a connector reports as its own (the metrics and `kvpool doctor` show them).
 CLIENT_COUNTERS = ("integrity_failures", "stale_entries", "get_failovers", "shm_get_bytes", "get_bytes_tcp",
                    "get_bytes_channel", "channel_fallbacks", "staged_put_bytes")  # fmt: skip
@@ -323,20 +321,12 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             logger.warning("kvpool: nccl=on, but %s; chunks move over TCP", exc)
             return None
         endpoint = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        channel = NcclChannel(transport, Rendezvous(self.client.meta), endpoint, self.pool_config.cluster,
+        channel = NcclChannel(transport, Rendezvous(self.client.index), endpoint, self.pool_config.cluster,
                               self.client.channel_request, self.pool_config.timeout_s,
                               pair_timeout_s=self.pool_config.pair_timeout_ms / 1000)  # fmt: skip
         self.client.use_channel(channel)
-        record = json.dumps({"cluster": self.pool_config.cluster, "transport": transport.kind, "pid": os.getpid()})
-        asyncio.run_coroutine_threadsafe(self._register_endpoint(endpoint, record), self.loop)
         logger.info("kvpool: channel endpoint %s (%s, cluster %s)", endpoint, transport.kind, self.pool_config.cluster)
         return channel
-
-    async def _register_endpoint(self, endpoint: str, record: str) -> None:
-        try:
-            await self.client.meta.register_endpoint(endpoint, record, ENDPOINT_TTL_MS)
-        except KVPoolError as exc:
-            logger.info("kvpool: channel endpoint %s not registered: %s", endpoint, exc)
 
     # -- admin ------------------------------------------------------------------------
     async def list(self) -> list[str]:

@@ -46,8 +46,8 @@ from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInter
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from backend.admin import glob_escape
 from backend.client import MAX_LOCK_TTL_MS, Chunk, Lock, PoolClient
+from backend.client.index import glob_escape
 from backend.config import PoolConfig
 from backend.errors import ConfigError, KVPoolError
 from backend.lmcache_config import warn_if_secrets_inline
@@ -461,7 +461,7 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     async def _delete(self, keys: list[ObjectKey]) -> tuple[list[ObjectKey], list[int]]:
         names = [pool_key(k) for k in keys]
-        entries = await self.client.meta.lookup(names)
+        entries = await self.client.index.lookup(names)
         await self.client.delete(names)
         present = [(k, e[0].nbytes) for k, e in zip(keys, entries) if e]
         return [k for k, _ in present], [n for _, n in present]
@@ -480,7 +480,7 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         names: list[str] = []
         token: str | None = None
         while True:
-            next_cursor, found = await self.client.meta.scan_step(scan_cursor, pattern, count=max(page_size, 100))
+            next_cursor, found = await self.client.index.scan_step(scan_cursor, pattern, count=max(page_size, 100))
             batch = found[skip:]
             room = page_size - len(names)
             names.extend(batch[:room])
@@ -493,7 +493,7 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             if len(names) >= page_size:
                 token = f"{scan_cursor}:0"
                 break
-        entries = await self.client.meta.lookup(names) if names else []
+        entries = await self.client.index.lookup(names) if names else []
         out: list[KeyEntry] = []
         for name, entry in zip(names, entries):
             key = object_key_from_pool_key(name)
@@ -527,7 +527,7 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     async def usage_by_salt(self) -> dict[str, int]:
         """Bytes per cache_salt of every multiprocess-mode key in the pool (SCAN + lookups)."""
         totals: dict[str, int] = defaultdict(int)
-        async for batch in self.client.meta.scan_entries(glob_escape(MP_KEY_PREFIX) + "*"):
+        async for batch in self.client.index.scan_entries(glob_escape(MP_KEY_PREFIX) + "*"):
             for name, entry in batch:
                 key = object_key_from_pool_key(name)
                 if key is not None and entry:

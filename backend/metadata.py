@@ -17,7 +17,6 @@ Key schema (``NS`` is the namespace)::
     kvp:{NS}:regchanges      list, newest first, of "version|node_id" per bump (the last REGISTRY_LOG_MAX)
     kvp:NS:k:{<key>}         index entry: hash node_id -> "epoch|tier|nbytes|checksum|written_at"
     kvp:{NS}:rdv:<session>   channel rendezvous offer (JSON), read once by the peer; expires (TTL)
-    kvp:{NS}:ep:<endpoint>   channel endpoint (JSON: cluster, transport); informational, set once, expires after its TTL
 
 Registry keys share the hash tag ``{NS}`` (one Redis Cluster slot, small); index keys
 are tagged by their own key so the index spreads over every shard.
@@ -322,7 +321,6 @@ class MetadataStore:
         self.changes_key = f"kvp:{tag}:regchanges"
         self._hb_prefix = f"kvp:{tag}:hb:"
         self._rendezvous_prefix = f"kvp:{tag}:rdv:"
-        self._endpoint_prefix = f"kvp:{tag}:ep:"
         self._index_prefix = f"kvp:{namespace}:k:"
         self._shard_marker_prefix = f"kvp:{namespace}:m:"
         self._scripts = (self._commit, self._remove, self._remove_exact, self._move, self._epoch_floor, self._beat,
@@ -670,16 +668,6 @@ class MetadataStore:
         """Read and delete an offer (one peer joins it once); None if missing or expired."""
         async with self._call("rendezvous take"):
             value = await self._redis.getdel(self.rendezvous_key(session))
-        return None if value is None else str(value)
-
-    async def register_endpoint(self, endpoint_id: str, value: str, ttl_ms: int) -> None:
-        """Announce a channel endpoint (a client or node that can join communicators) for ``ttl_ms``."""
-        async with self._call("endpoint register"):
-            await self._redis.set(self._endpoint_prefix + endpoint_id, value, px=ttl_ms)
-
-    async def endpoint(self, endpoint_id: str) -> str | None:
-        async with self._call("endpoint lookup"):
-            value = await self._redis.get(self._endpoint_prefix + endpoint_id)
         return None if value is None else str(value)
 
     async def raw(self) -> Any:

@@ -153,10 +153,6 @@ class RedisTarget:
         tail = f"/{quote(self.master, safe='')}" if self.mode == SENTINEL else ""
         return f"{scheme}://{auth}{hosts}{tail}"
 
-    @property
-    def first_host(self) -> tuple[str, int]:
-        return self.hosts[0] if self.hosts else ("", 0)
-
 
 def connect(target: RedisTarget, timeout_s: float, *, password: str = "", ca_file: str = "") -> Any:
     """A redis-py asyncio client for ``target`` (``Redis`` or ``RedisCluster``), decoding replies.

@@ -181,7 +181,7 @@ def _hits(chunks: Sequence[Chunk], got: Sequence[Any]) -> int:
 
 
 async def _holders(client: PoolClient, keys: Sequence[str]) -> list[set[str]]:
-    return [{loc.node_id for loc in entry} for entry in await client.meta.lookup(keys)]
+    return [{loc.node_id for loc in entry} for entry in await client.index.lookup(keys)]
 
 
 async def _evictions(client: PoolClient) -> int:

@@ -37,7 +37,7 @@ async def client(pool_url) -> AsyncIterator[PoolClient]:
 
 
 def _channel(client: PoolClient, transport: CpuTransport | None = None) -> NcclChannel:
-    return NcclChannel(transport or CpuTransport(), Rendezvous(client.meta), "test-endpoint", CLUSTER,
+    return NcclChannel(transport or CpuTransport(), Rendezvous(client.index), "test-endpoint", CLUSTER,
                        client.channel_request, client.config.timeout_s)  # fmt: skip
 
 
@@ -306,7 +306,7 @@ async def test_after_a_channel_failure_the_node_is_read_over_tcp_for_the_backoff
     await client.put(chunks)
     info = await _node_info(client, node.node_id)
     transport = CpuTransport(progress=lambda index: node.pause() if index == 0 else None)
-    channel = NcclChannel(transport, Rendezvous(client.meta), "test-endpoint", CLUSTER, client.channel_request,
+    channel = NcclChannel(transport, Rendezvous(client.index), "test-endpoint", CLUSTER, client.channel_request,
                           client.config.timeout_s, backoff_s=3.0)  # fmt: skip
     try:
         assert channel.serves(info)

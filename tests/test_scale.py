@@ -56,7 +56,7 @@ async def _put(client: PoolClient, chunks: Sequence[Chunk]) -> None:
 
 async def _holders(client: PoolClient, keys: Sequence[str]) -> list[set[str]]:
     """The node ids the index records for each key."""
-    return [{loc.node_id for loc in entry} for entry in await client.meta.lookup(keys)]
+    return [{loc.node_id for loc in entry} for entry in await client.index.lookup(keys)]
 
 
 def _shares(holders: Sequence[set[str]]) -> dict[str, float]:

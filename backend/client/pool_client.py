@@ -3,7 +3,8 @@
 It wires the parts together and delegates: the registry view and the index lookup
 (``registry``), one reader per path (``channel``, ``arena``, ``tcp``) behind the get
 failover (``failover``), the put planner (``putter``), locks (``locks``), and the
-connections (``connection``).
+connections (``connection``). ``index`` (``backend.client.index.PoolIndex``) is the
+only way its users reach the metadata; the ``MetadataStore`` itself stays private.
 
 Errors: a node that is down, slow or answers a miss costs only the keys it held
 (they come back as misses, with one warning per outage). Redis being unreachable
@@ -27,6 +28,7 @@ from backend.client.chunks import BytesSink, Chunk, Fetched, Hit, Lock, Sink, Wa
 from backend.client.connection import Connections
 from backend.client.context import ClientContext
 from backend.client.failover import Getter, Reader
+from backend.client.index import PoolIndex
 from backend.client.locks import Locker
 from backend.client.putter import PutPlanner
 from backend.client.registry import Locator, RegistryView
@@ -52,16 +54,17 @@ class PoolClient:
         self.config = config
         # Made once: loading the CA bundle is file I/O, and a bad path fails here, before any connection.
         tls = client_tls_context(config.tls_ca) if config.tls else None
-        self.meta = MetadataStore(
+        self._meta = MetadataStore(
             config.redis_url, config.namespace, config.timeout_s, password=config.redis_password, ca_file=config.tls_ca
         )
+        self.index = PoolIndex(self._meta)
         self._ctx = ClientContext(config)
         self.counters: defaultdict[str, int] = self._ctx.counters
-        self.registry = RegistryView(self._ctx, self.meta)
+        self.registry = RegistryView(self._ctx, self._meta)
         self.connections = Connections(config, tls, lambda: self._ctx.bulk)
         self.arena = ArenaReader(self._ctx, self.connections)
         self.registry.on_change += [self.connections.prune, self.arena.prune]
-        self._locator = Locator(self._ctx, self.meta, self.registry)
+        self._locator = Locator(self._ctx, self._meta, self.registry)
         self._tcp = TcpReader(self._ctx, self.connections)
         self._getter = Getter(self._ctx, self.registry, self._locator, [self.arena, self._tcp])
         self._staged = StagedWriter(self._ctx, self.connections, self.arena)
@@ -138,8 +141,8 @@ class PoolClient:
     async def delete(self, keys: Sequence[str]) -> int:
         """Remove keys everywhere: index first (so nobody reads them), then the bytes."""
         _check_keys(keys)
-        entries = await self.meta.lookup(keys)
-        existed = await self.meta.delete(keys)
+        entries = await self._meta.lookup(keys)
+        existed = await self._meta.delete(keys)
         holders: dict[str, list[str]] = defaultdict(list)
         for key, entry in zip(keys, entries):
             for loc in entry:
@@ -174,14 +177,14 @@ class PoolClient:
         return bytes(await self.connections.pool(node).request(op, meta))
 
     async def list_keys(self, match: str = "*") -> list[str]:
-        return [key async for key in self.meta.scan_keys(match)]
+        return [key async for key in self._meta.scan_keys(match)]
 
     async def node_stats(self, node: NodeInfo) -> dict[str, Any]:
         return decode_json(await self.connections.pool(node).request(Op.STAT, b""))
 
     async def ping(self) -> float:
         """Redis round trip in ms; raises MetadataError if Redis is unreachable."""
-        return await self.meta.ping()
+        return await self._meta.ping()
 
     async def close(self) -> None:
         """Close every connection; returns promptly even with nodes or Redis down."""
@@ -193,7 +196,7 @@ class PoolClient:
         await self._ctx.close()
         with contextlib.suppress(Exception):
             async with asyncio.timeout(1.0):
-                await self.meta.close()
+                await self._meta.close()
 
     async def __aenter__(self) -> PoolClient:
         return self

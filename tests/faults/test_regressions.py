@@ -56,7 +56,7 @@ async def test_cancelled_get_gives_back_every_buffer_it_took(node_factory, pool_
     async with PoolClient(PoolConfig.from_url(pool_url + "?timeout_ms=5000")) as client:
         chunks = _chunks("can", 24, 64 * 1024)
         await client.put(chunks)
-        holders = {loc[0].node_id for loc in await client.meta.lookup([c.key for c in chunks])}
+        holders = {loc[0].node_id for loc in await client.index.lookup([c.key for c in chunks])}
         assert holders == {fast.node_id, slow.node_id}  # the keys span both nodes
         slow.pause()
         sink = CountingSink()

@@ -1,0 +1,93 @@
+"""PoolIndex: what a client's users may ask of the pool's metadata, and nothing more.
+
+``PoolClient.index`` is the one door from the LMCache layers, the admin verbs, the
+channel and the bench to the Redis metadata: where keys live, which nodes exist,
+index walks and the repairs ``kvpool check``/``drain``/``flush`` make. It forwards to
+:class:`backend.metadata.MetadataStore`, which stays private to the client, so the
+node-side operations (heartbeats, epochs, commits of a node's own puts) and the raw
+Redis client are out of reach from here.
+
+Every call is bounded by the pool's ``timeout_s`` and raises
+:class:`backend.errors.MetadataError` when Redis does not answer in time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+from backend.metadata import LOOKUP_BATCH, IndexEntry, Location, MetadataStore, NodeInfo
+
+__all__ = ["PoolIndex", "glob_escape"]
+
+
+def glob_escape(text: str) -> str:
+    """Escape Redis glob characters so user text matches literally in a ``match`` pattern."""
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
+
+
+class PoolIndex:
+    """The pool's index and node registry, as seen by a client (see the module docstring)."""
+
+    def __init__(self, meta: MetadataStore) -> None:
+        self._meta = meta
+
+    @property
+    def namespace(self) -> str:
+        return self._meta.namespace
+
+    # -- reads ------------------------------------------------------------------------
+    async def ping(self) -> float:
+        """Redis round trip in ms."""
+        return await self._meta.ping()
+
+    async def nodes(self) -> list[NodeInfo]:
+        """Every registered node, alive or not (``NodeInfo.alive`` says which)."""
+        return await self._meta.nodes()
+
+    async def lookup(self, keys: Sequence[str]) -> list[IndexEntry]:
+        """Every recorded location of every key, in one pipelined round trip."""
+        return await self._meta.lookup(keys)
+
+    def scan_entries(self, match: str = "*", batch: int = LOOKUP_BATCH) -> AsyncIterator[list[tuple[str, IndexEntry]]]:
+        """``(key, locations)`` in batches of at most ``batch``; ``match`` is a glob on the pool key."""
+        return self._meta.scan_entries(match, batch)
+
+    def scan_key_batches(self, match: str = "*", batch: int = LOOKUP_BATCH) -> AsyncIterator[list[str]]:
+        """Pool keys in lists of at most ``batch``."""
+        return self._meta.scan_key_batches(match, batch)
+
+    def scan_keys(self, match: str = "*", count: int = 1000) -> AsyncIterator[str]:
+        """Pool keys one by one (SCAN, never KEYS); each step has its own deadline."""
+        return self._meta.scan_keys(match, count)
+
+    async def scan_step(self, cursor: int, match: str = "*", count: int = 1000) -> tuple[int, list[str]]:
+        """One SCAN step: ``(next cursor, keys)``; the cursor is 0 at the start and at the end."""
+        return await self._meta.scan_step(cursor, match, count)
+
+    # -- repairs (kvpool drain / check / flush / evict) ----------------------------------
+    async def delete(self, keys: Sequence[str]) -> int:
+        """Remove index entries outright; returns how many existed. Bytes stay until evicted."""
+        return await self._meta.delete(keys)
+
+    async def commit(self, locations: Sequence[tuple[str, Location]]) -> None:
+        """Record locations (``kvpool check --fix`` indexes valid bytes nobody could find)."""
+        await self._meta.commit(locations)
+
+    async def remove_stale(self, stale: Sequence[tuple[str, Location]]) -> None:
+        """Drop exactly these locations, unless they changed since they were read."""
+        await self._meta.remove_stale(stale)
+
+    async def set_draining(self, node_id: str, draining: bool) -> None:
+        """Mark a node as draining (placement skips it) or not."""
+        await self._meta.set_draining(node_id, draining)
+
+    async def forget_node(self, node_id: str) -> None:
+        """Drop a dead node's registry record."""
+        await self._meta.forget_node(node_id)
+
+    # -- channel rendezvous (nccl_channel.rendezvous.RendezvousStore) -------------------
+    async def offer_rendezvous(self, session: str, value: str, ttl_ms: int) -> None:
+        await self._meta.offer_rendezvous(session, value, ttl_ms)
+
+    async def take_rendezvous(self, session: str) -> str | None:
+        return await self._meta.take_rendezvous(session)
