@@ -62,7 +62,7 @@ from backend.admin import drain
 from backend.config import format_size, parse_size
 from backend.embedded import EmbeddedRedis
 from backend.errors import KVPoolError
-from backend.metadata import _COMMIT_LUA, MetadataStore
+from backend.metadata import COMMIT_LUA, MetadataStore
 from bench.peers import ServerProcess
 from bench.resp_proxy import CountingProxy
 
@@ -392,7 +392,7 @@ def redis_benchmark() -> dict[str, float] | None:
     server = EmbeddedRedis().start()
     try:
         with redis.Redis(port=server.port) as r:
-            sha = r.script_load(_COMMIT_LUA)
+            sha = r.script_load(COMMIT_LUA)
             r.hset("kvp:b:k:{one}", "n0", ENTRY)
         base = [binary, "-p", str(server.port), "-q", "-n", str(REDIS_BENCH_REQUESTS), "-P", "16", "-c", "8"]
         out: dict[str, float] = {}

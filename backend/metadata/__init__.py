@@ -1,0 +1,42 @@
+"""The Redis metadata layer: key schema, node registry, index, Lua scripts.
+
+Redis holds metadata only -- which key lives on which node and tier, node liveness,
+epochs. Bytes never pass through it, and it can be rebuilt: a node that finds the
+namespace marker missing republishes what it holds.
+
+Key schema (``NS`` is the namespace)::
+
+    kvp:{NS}:marker          namespace generation; missing or changed means Redis lost our state
+    kvp:NS:m:{NS.<n>}        Redis Cluster only: the same, on each other primary (see marker_keys)
+    kvp:{NS}:epoch           counter; every node start takes a new epoch from it
+    kvp:{NS}:nodes           hash node_id -> NodeInfo JSON (the registry)
+    kvp:{NS}:hb:<node_id>    liveness; value = epoch, expires after the heartbeat TTL
+    kvp:{NS}:draining        set of node ids placement skips (kvpool drain)
+    kvp:{NS}:beats           sorted set node_id -> when its heartbeat expires (Redis server time, ms)
+    kvp:{NS}:regv            registry version: bumped whenever what clients keep of a node changes
+    kvp:{NS}:regchanges      list, newest first, of "version|node_id" per bump (the last REGISTRY_LOG_MAX)
+    kvp:NS:k:{<key>}         index entry: hash node_id -> "epoch|tier|nbytes|checksum|written_at"
+    kvp:{NS}:rdv:<session>   channel rendezvous offer (JSON), read once by the peer; expires (TTL)
+
+Registry keys share the hash tag ``{NS}`` (one Redis Cluster slot, small); index keys
+are tagged by their own key so the index spreads over every shard.
+
+A client's registry refresh costs one command while nothing changed: it compares its
+version with ``regv`` and reads only the nodes the change log names since then (the
+whole registry only when it is new, fell behind the log, or Redis lost the log). The
+version is bumped when a node joins, restarts (new epoch), comes back, leaves, dies
+(the first heartbeat of any node after its beat expired notices), starts or stops
+draining, or reports a change clients rely on (address, arena, load by tenths).
+
+The same code runs on one Redis, a Redis Cluster and a Sentinel-managed master
+(``backend.redis_topology`` builds the client). On a cluster a pipeline is split by
+redis-py into one pipeline per shard, sent in parallel; multi-key DEL is split by
+slot, SCAN walks every primary. Every call is bounded by ``timeout_s``: a Redis that
+is down, paused or failing over costs at most that long, then raises MetadataError.
+"""
+
+from backend.metadata.records import Beat, IndexEntry, Location, NodeInfo
+from backend.metadata.scripts import COMMIT_LUA, LOOKUP_BATCH
+from backend.metadata.store import MetadataStore
+
+__all__ = ["Beat", "COMMIT_LUA", "IndexEntry", "LOOKUP_BATCH", "Location", "MetadataStore", "NodeInfo"]

@@ -1,0 +1,135 @@
+"""RedisConnection: one namespace's Redis client, its key names, scripts and deadlines.
+
+The registry (``registry.py``) and the index (``index.py``) build on it; every call
+goes through ``_call``, which turns Redis errors into MetadataError and bounds the
+call by ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from redis import exceptions as redis_exceptions
+
+from backend.errors import MetadataError
+from backend.metadata.scripts import (
+    BEAT_LUA,
+    CHANGE_LUA,
+    CHANGES_LUA,
+    COMMIT_LUA,
+    EPOCH_FLOOR_LUA,
+    MOVE_LUA,
+    REMOVE_EXACT_LUA,
+    REMOVE_LUA,
+)
+from backend.redis_topology import CLUSTER, RedisTarget, connect
+
+__all__ = ["RedisConnection"]
+
+
+@contextlib.contextmanager
+def _redis_errors(action: str) -> Iterator[None]:
+    try:
+        yield
+    except (redis_exceptions.AuthenticationError, redis_exceptions.NoPermissionError) as exc:
+        raise MetadataError(
+            f"Redis {action} failed: Redis authentication refused ({exc}); check the ACL user and password "
+            "(redis_user / redis_password in the pool URL, or the node's --redis URL and --redis-password-file)"
+        ) from None
+    except redis_exceptions.RedisError as exc:
+        raise MetadataError(f"Redis {action} failed: {exc}") from None
+    except OSError as exc:
+        raise MetadataError(f"Redis {action} failed: {exc}") from None
+
+
+@contextlib.asynccontextmanager
+async def _bounded(action: str, timeout_s: float) -> AsyncIterator[None]:
+    """Redis errors as MetadataError, and the whole call within ``timeout_s``.
+
+    redis-py retries and, on a cluster, re-reads the topology; this deadline is what
+    keeps a Redis that is down or failing over from costing a caller more than its
+    timeout. redis-py drops a connection whose command was cancelled mid-reply.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            with _redis_errors(action):
+                yield
+    except TimeoutError:
+        raise MetadataError(f"Redis {action} failed: no answer within {timeout_s * 1000:.0f} ms") from None
+
+
+class RedisConnection:
+    """One namespace's Redis client (redis-py + hiredis): key names, scripts, bounded calls."""
+
+    def __init__(
+        self, redis_url: str, namespace: str, timeout_s: float = 2.0, *, password: str = "", ca_file: str = ""
+    ) -> None:
+        """``redis_url`` is ``redis://`` or ``rediss://`` (TLS, verified against ``ca_file`` or the system
+        trust), optionally with an ACL user; ``password`` is used when the URL carries none."""
+        self.namespace = namespace
+        self.redis_url = redis_url
+        self.target = RedisTarget.parse(redis_url)
+        self.timeout_s = timeout_s
+        # redis.asyncio Redis or RedisCluster
+        self._redis: Any = connect(self.target, timeout_s, password=password, ca_file=ca_file)
+        self._commit = self._redis.register_script(COMMIT_LUA)
+        self._remove = self._redis.register_script(REMOVE_LUA)
+        self._remove_exact = self._redis.register_script(REMOVE_EXACT_LUA)
+        self._move = self._redis.register_script(MOVE_LUA)
+        self._epoch_floor = self._redis.register_script(EPOCH_FLOOR_LUA)
+        self._beat = self._redis.register_script(BEAT_LUA)
+        self._change = self._redis.register_script(CHANGE_LUA)
+        self._changes = self._redis.register_script(CHANGES_LUA)
+        tag = "{" + namespace + "}"
+        self.marker_key = f"kvp:{tag}:marker"
+        self.epoch_key = f"kvp:{tag}:epoch"
+        self.nodes_key = f"kvp:{tag}:nodes"
+        self.draining_key = f"kvp:{tag}:draining"
+        self.beats_key = f"kvp:{tag}:beats"
+        self.version_key = f"kvp:{tag}:regv"
+        self.changes_key = f"kvp:{tag}:regchanges"
+        self._hb_prefix = f"kvp:{tag}:hb:"
+        self._rendezvous_prefix = f"kvp:{tag}:rdv:"
+        self._index_prefix = f"kvp:{namespace}:k:"
+        self._shard_marker_prefix = f"kvp:{namespace}:m:"
+        self._scripts = (self._commit, self._remove, self._remove_exact, self._move, self._epoch_floor, self._beat,
+                         self._change, self._changes)  # fmt: skip
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.target.mode == CLUSTER
+
+    def _call(self, action: str) -> contextlib.AbstractAsyncContextManager[None]:
+        return _bounded(action, self.timeout_s)
+
+    # -- keys -------------------------------------------------------------------------
+    def index_key(self, key: str) -> str:
+        return self._index_prefix + "{" + key + "}"
+
+    def key_from_index(self, index_key: str) -> str:
+        return index_key[len(self._index_prefix) + 1 : -1]
+
+    def heartbeat_key(self, node_id: str) -> str:
+        return self._hb_prefix + node_id
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.timeout_s):  # a hung Redis must not hold up a shutdown
+                await self._redis.aclose()
+
+    async def ping(self) -> float:
+        """Round-trip time to Redis in milliseconds."""
+        start = time.perf_counter()
+        async with self._call("PING"):
+            await self._redis.ping()
+        return (time.perf_counter() - start) * 1000
+
+    async def _load_scripts(self) -> None:
+        """SCRIPT LOAD every script (on a cluster redis-py sends it to every primary)."""
+        for script in self._scripts:
+            await self._redis.script_load(script.script)

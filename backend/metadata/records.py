@@ -1,0 +1,105 @@
+"""What the metadata layer stores: a key's locations, a node's registry record, a heartbeat's answer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+from backend.errors import MetadataError
+
+__all__ = ["Beat", "IndexEntry", "Location", "NodeInfo"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """One copy of a key: which node and epoch wrote it, on which tier, how big, when."""
+
+    node_id: str
+    epoch: int
+    tier: str
+    nbytes: int
+    checksum: int
+    written_at: int = dataclasses.field(default_factory=lambda: int(time.time()), compare=False)
+
+    def encode(self) -> str:
+        return f"{self.epoch}|{self.tier}|{self.nbytes}|{self.checksum}|{self.written_at}"
+
+    @classmethod
+    def decode(cls, node_id: str, value: str) -> Location:
+        try:
+            epoch, tier, nbytes, item_sum, written_at = value.split("|")
+            return cls(node_id, int(epoch), tier, int(nbytes), int(item_sum), int(written_at))
+        except ValueError:
+            raise MetadataError(f"index entry for node {node_id!r} is malformed: {value!r}") from None
+
+
+IndexEntry = list[Location]
+
+
+@dataclasses.dataclass(frozen=True)
+class Beat:
+    """What a heartbeat found: the namespace marker's generation (None if missing), and
+    whether the node's registry entry had to be created (a live node collected it as dead)."""
+
+    generation: str | None
+    registered_anew: bool
+
+
+@dataclasses.dataclass
+class NodeInfo:
+    """A pool node as the registry knows it."""
+
+    node_id: str
+    host: str
+    port: int
+    epoch: int
+    cluster: str = ""
+    hostname: str = ""
+    pid: int = 0
+    started_at: float = 0.0
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    object_count: int = 0
+    tiers: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    heartbeat_at: float = 0.0
+    shm_path: str = ""  # the node's shared-memory arena, readable by same-host clients
+    shm_token: str = ""  # written in the arena's header: proves a client opened this node's file
+    channel: str = ""  # channel transport this node serves ("nccl", "cpu"), empty if none
+    tls: bool = False  # the node protocol is served over TLS only
+    draining: bool = False  # filled by MetadataStore.nodes() from the draining set
+    alive: bool = False  # filled by MetadataStore.nodes(), never stored
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.capacity_bytes - self.used_bytes)
+
+    def view(self) -> tuple[Any, ...]:
+        """What clients keep of this node; when it changes, the registry version is bumped.
+
+        Load counts in tenths of capacity: clients weigh placement and pick replicas by
+        it, and it moves on every put, far more often than it matters.
+        """
+        tenth = self.used_bytes * 10 // self.capacity_bytes if self.capacity_bytes else 0
+        return (self.epoch, self.host, self.port, self.cluster, self.channel, self.tls, self.shm_path,
+                self.shm_token, self.capacity_bytes, tenth)  # fmt: skip
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data.pop("alive")
+        data.pop("draining")  # kept in the draining set, so heartbeats cannot undo a drain
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> NodeInfo:
+        try:
+            data = json.loads(text)
+            known = {f.name for f in dataclasses.fields(cls)}
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except (ValueError, TypeError) as exc:
+            raise MetadataError(f"registry entry is malformed: {exc}") from None

@@ -1,0 +1,167 @@
+"""NodeRegistry: the namespace marker, epochs, heartbeats and the registry's change log."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from redis import exceptions as redis_exceptions
+
+from backend.errors import MetadataError
+from backend.metadata.connection import RedisConnection
+from backend.metadata.records import Beat, NodeInfo
+from backend.metadata.scripts import DEAD_PER_BEAT, MARKER_TAG_SEARCH, REGISTRY_LOG_MAX
+
+__all__ = ["NodeRegistry"]
+
+
+class NodeRegistry(RedisConnection):
+    """Which nodes exist, which are alive, and what changed since a client last looked."""
+
+    async def ensure_marker(self) -> str:
+        """The namespace marker's generation, creating it if missing.
+
+        A node publishes its inventory under a generation; a different or missing
+        one later means Redis lost (or was flushed of) what it had published. On a
+        cluster there is one marker per primary (see :meth:`marker_keys`), so a shard
+        that restarts empty changes the generation even though the others kept theirs.
+        """
+        async with self._call("SET marker"):
+            keys = await self.marker_keys()
+            fresh = f"{time.time():.3f}-{uuid.uuid4().hex[:12]}"
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.set(key, fresh, nx=True)
+                for key in keys:
+                    pipe.get(key)
+                results = await pipe.execute()
+        return "/".join(str(value) for value in results[len(keys) :])
+
+    async def marker_keys(self) -> list[str]:
+        """The keys whose loss means the index was lost: one per shard.
+
+        One Redis: the namespace marker. A cluster: the marker, and for every other
+        primary a key whose hash tag falls in a slot that primary serves (the first
+        ``NS.N`` that does, so every node of the pool picks the same keys).
+        """
+        if not self.is_cluster:
+            return [self.marker_key]
+        await self._redis.initialize()  # the slot map; a no-op once it is known
+        keys = {self._redis.get_node_from_key(self.marker_key).name: self.marker_key}
+        primaries = {node.name for node in self._redis.get_primaries()}
+        for n in range(MARKER_TAG_SEARCH):
+            if primaries <= keys.keys():
+                break
+            key = f"{self._shard_marker_prefix}{{{self.namespace}.{n}}}"
+            keys.setdefault(self._redis.get_node_from_key(key).name, key)
+        return sorted(keys.values())
+
+    async def ensure_epoch_at_least(self, epoch: int) -> None:
+        """Raise the epoch counter to ``epoch`` (after Redis lost it, epochs must keep growing)."""
+        async with self._call("epoch floor"):
+            await self._epoch_floor(keys=[self.epoch_key], args=[str(epoch)])
+
+    async def new_epoch(self) -> int:
+        async with self._call("INCR epoch"):
+            return int(await self._redis.incr(self.epoch_key))
+
+    async def heartbeat(self, info: NodeInfo, ttl_ms: int, changed: bool = False) -> Beat:
+        """Publish ``info`` and refresh liveness; says whether the marker and the registry entry were there.
+
+        ``changed``: what clients keep of this node changed (``NodeInfo.view``); they are
+        told through the registry version, as they are of nodes that join, come back or die.
+        """
+        async with self._call("heartbeat"):
+            markers = await self.marker_keys()
+            try:
+                results = await self._beat_pipeline(info, ttl_ms, changed, markers)
+            except redis_exceptions.NoScriptError:
+                await self._load_scripts()  # a cluster pipeline does not load scripts
+                results = await self._beat_pipeline(info, ttl_ms, changed, markers)
+        generations = results[3:]
+        generation = None if None in generations else "/".join(str(value) for value in generations)
+        # HSET answers 1 for a field it created: the entry was missing (first beat, or collected as dead)
+        return Beat(generation, registered_anew=int(results[0]) == 1)
+
+    async def _beat_pipeline(self, info: NodeInfo, ttl_ms: int, changed: bool, markers: list[str]) -> list[Any]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hset(self.nodes_key, info.node_id, info.to_json())
+            pipe.set(self.heartbeat_key(info.node_id), str(info.epoch), px=ttl_ms)
+            await self._beat(keys=[self.beats_key, self.version_key, self.changes_key],
+                             args=[info.node_id, ttl_ms, int(changed), REGISTRY_LOG_MAX, DEAD_PER_BEAT],
+                             client=pipe)  # fmt: skip
+            for key in markers:
+                pipe.get(key)
+            return list(await pipe.execute())
+
+    async def _log_change(self, node_id: str) -> None:
+        await self._change(keys=[self.version_key, self.changes_key], args=[node_id, REGISTRY_LOG_MAX])
+
+    async def registry_changes(self, since: int, marker: str) -> tuple[int, str, list[str] | None]:
+        """The registry version and namespace marker now, and the nodes changed since version ``since``
+        under ``marker`` (None: the change log cannot tell, read the whole registry)."""
+        async with self._call("registry version"):
+            answer = await self._changes(keys=[self.version_key, self.changes_key, self.marker_key, self.beats_key],
+                                         args=[since, REGISTRY_LOG_MAX, marker, DEAD_PER_BEAT])  # fmt: skip
+        version, now_marker, changed = int(answer[0]), str(answer[1]), [str(node) for node in answer[2:]]
+        return version, now_marker, None if changed == ["*"] else list(dict.fromkeys(changed))
+
+    async def deregister(self, node_id: str) -> None:
+        async with self._call("deregister"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hdel(self.nodes_key, node_id)
+                pipe.delete(self.heartbeat_key(node_id))
+                pipe.zrem(self.beats_key, node_id)
+                await pipe.execute()
+            await self._log_change(node_id)
+
+    async def set_draining(self, node_id: str, draining: bool) -> None:
+        """Mark a node draining (placement skips it) or not; kept apart from its heartbeats."""
+        async with self._call("HEXISTS node"):
+            known = await self._redis.hexists(self.nodes_key, node_id)
+        if not known:
+            raise MetadataError(f"node {node_id!r} is not registered in namespace {self.namespace!r}")
+        async with self._call("draining set"):
+            if draining:
+                await self._redis.sadd(self.draining_key, node_id)
+            else:
+                await self._redis.srem(self.draining_key, node_id)
+            await self._log_change(node_id)
+
+    async def forget_node(self, node_id: str) -> None:
+        """Remove a dead node from the registry (``kvpool check --fix``)."""
+        async with self._call("forget node"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hdel(self.nodes_key, node_id)
+                pipe.delete(self.heartbeat_key(node_id))
+                pipe.srem(self.draining_key, node_id)
+                pipe.zrem(self.beats_key, node_id)
+                await pipe.execute()
+            await self._log_change(node_id)
+
+    async def nodes(self, only: Sequence[str] | None = None) -> list[NodeInfo]:
+        """Every registered node (or those of ``only``), with ``alive`` set from its heartbeat key."""
+        if only is not None:
+            if not only:
+                return []
+            async with self._call("HMGET nodes"):
+                texts = await self._redis.hmget(self.nodes_key, list(only))
+            raw = {node_id: text for node_id, text in zip(only, texts) if text is not None}
+        else:
+            async with self._call("HGETALL nodes"):
+                raw = await self._redis.hgetall(self.nodes_key)
+        infos = [NodeInfo.from_json(text) for text in raw.values()]
+        if not infos:
+            return []
+        async with self._call("MGET heartbeats"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.smembers(self.draining_key)
+                for info in infos:
+                    pipe.get(self.heartbeat_key(info.node_id))
+                draining, *beats = await pipe.execute()
+        for info, beat in zip(infos, beats):
+            info.alive = beat is not None and beat == str(info.epoch)
+            info.draining = info.node_id in draining
+        return sorted(infos, key=lambda i: i.node_id)

@@ -1,0 +1,113 @@
+"""The Lua scripts that keep the index and the registry consistent, and their limits.
+
+Each runs atomically in Redis; each touches the keys of one hash tag (one Redis
+Cluster slot), so it runs the same on one Redis and on a cluster.
+"""
+
+LOOKUP_BATCH = 1000  # keys per pipeline flush on republish/removal
+REGISTRY_LOG_MAX = 1000  # registry changes a client may be behind and still read only what changed
+DEAD_PER_BEAT = 100  # expired beats one heartbeat collects (the next ones take the rest)
+MARKER_TAG_SEARCH = 100_000  # hash tags tried to find one per cluster primary (16384 slots)
+
+# Atomic commit of one location. A replica elsewhere whose checksum differs holds
+# other bytes under the same key: drop it so readers never mix two versions.
+COMMIT_LUA = """
+local fields = redis.call('HGETALL', KEYS[1])
+for i = 1, #fields, 2 do
+  if fields[i] ~= ARGV[1] then
+    local sum = string.match(fields[i + 1], '^[^|]*|[^|]*|[^|]*|([^|]*)')
+    if sum ~= ARGV[3] then redis.call('HDEL', KEYS[1], fields[i]) end
+  end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+# Remove a location only if it is still the one this node epoch wrote.
+REMOVE_LUA = """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if v and string.sub(v, 1, #ARGV[2] + 1) == ARGV[2] .. '|' then
+  return redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+# Change a location's tier, only if this node epoch still holds the key (never resurrects).
+MOVE_LUA = """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if v and string.sub(v, 1, #ARGV[2] + 1) == ARGV[2] .. '|' then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+  return 1
+end
+return 0
+"""
+
+EPOCH_FLOOR_LUA = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+return 1
+"""
+
+# Remove a location whatever epoch wrote it, if it still says what the caller saw.
+REMOVE_EXACT_LUA = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  return redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+
+# A heartbeat's liveness part, atomic: refresh this node's beat (expiry by Redis's clock,
+# so node clocks may differ), collect beats that expired, and log a registry change for
+# this node (new, back, or ARGV[3] == '1') and for each dead one.
+BEAT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local changed = {}
+if redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) == 1 or ARGV[3] == '1' then
+  changed[1] = ARGV[1]
+end
+for _, dead in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now, 'LIMIT', 0, tonumber(ARGV[5]))) do
+  redis.call('ZREM', KEYS[1], dead)
+  changed[#changed + 1] = dead
+end
+for _, node in ipairs(changed) do
+  redis.call('LPUSH', KEYS[3], redis.call('INCR', KEYS[2]) .. '|' .. node)
+end
+if #changed > 0 then redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) - 1) end
+return #changed
+"""
+
+# A registry change not seen by a heartbeat (deregister, forget, drain): log it for ARGV[1].
+CHANGE_LUA = """
+redis.call('LPUSH', KEYS[2], redis.call('INCR', KEYS[1]) .. '|' .. ARGV[1])
+redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[2]) - 1)
+return 1
+"""
+
+# What changed since version ARGV[1] under namespace marker ARGV[3]: {version, marker, node ids...};
+# {version, marker, '*'} when the log cannot say (the caller is new or behind the log, or Redis
+# lost the namespace since: a new marker, and versions count again from 1): read everything.
+# Nodes whose beat expired count as changed even before a heartbeat collects them: a pool
+# whose last node froze is seen as empty, not waited on.
+CHANGES_LUA = """
+local v = tonumber(redis.call('GET', KEYS[1]) or '0')
+local marker = redis.call('GET', KEYS[3]) or ''
+local mine = tonumber(ARGV[1])
+if mine <= 0 or marker ~= ARGV[3] or v < mine or v - mine > tonumber(ARGV[2]) then return {v, marker, '*'} end
+local out = {v, marker}
+if v > mine then
+  local items = redis.call('LRANGE', KEYS[2], 0, v - mine - 1)
+  if #items ~= v - mine or tonumber(string.match(items[#items], '^(%d+)|')) ~= mine + 1 then
+    return {v, marker, '*'}
+  end
+  for _, item in ipairs(items) do out[#out + 1] = string.match(item, '^%d+|(.*)$') end
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for _, dead in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', '(' .. now, 'LIMIT', 0, tonumber(ARGV[4]))) do
+  out[#out + 1] = dead
+end
+return out
+"""
