@@ -1,0 +1,105 @@
+"""The house is layered: each room of backend/ imports only rooms below it.
+
+The table is the layout of docs/design.md as a rule. A new module must be placed in
+it (the test names the one that is not); a room that imports one at its own level
+or above is a cycle in the making, or a door through a wall (the admin verbs
+speaking to Redis behind the client's back, the client reaching into the node).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.test_class_sizes import REPO
+
+# room -> level; a room imports only rooms of a lower level (its own modules excepted)
+LEVELS = {
+    "backend.errors": 0,
+    "backend.protocol": 1, "backend.redis_topology": 1, "backend.threads": 1, "backend.embedded": 1,
+    "backend.transport": 2, "backend.shm": 2, "backend.config": 2, "backend.metrics": 2,
+    "backend.metadata": 3,
+    "backend.placement": 4,
+    "backend.node": 5, "backend.client": 5,
+    "backend.admin": 6, "backend.lmcache_config": 6, "backend.lmcache_connector": 7, "backend.lmcache_l2_adapter": 7,
+    "backend": 8,  # the package's own __init__: the public names
+    "backend.cli": 9,
+}  # fmt: skip
+# Where MetadataStore may be named: the metadata layer itself and its two users.
+# Everyone else goes through PoolClient.index (backend/client/index.py).
+METADATA_STORE_USERS = ("backend.metadata", "backend.client", "backend.node")
+ENGINE_ONLY = ("torch", "lmcache")  # a pool node's install has neither (docs/dependencies.md)
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _room(module: str) -> str:
+    """``backend.client.tcp`` -> ``backend.client``; ``backend`` stays ``backend``."""
+    return ".".join(module.split(".")[:2])
+
+
+def _imports(path: Path) -> Iterator[tuple[str, list[str], int]]:
+    """(imported module, names taken from it, line) for every import in ``path``."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module, [a.name for a in node.names], node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, [], node.lineno
+
+
+def _backend_files() -> list[Path]:
+    return sorted((REPO / "backend").rglob("*.py"))
+
+
+def test_every_room_of_backend_is_placed_in_the_layer_table() -> None:
+    rooms = {_room(_module(path)) for path in _backend_files()}
+    assert rooms, "no module found: the scan is looking in the wrong place"
+    assert sorted(rooms - LEVELS.keys()) == [], "place the new room in LEVELS (and in docs/design.md)"
+
+
+def test_each_room_imports_only_rooms_below_it() -> None:
+    upward = []
+    for path in _backend_files():
+        room = _room(_module(path))
+        for imported, _, line in _imports(path):
+            target = _room(imported)
+            if imported.split(".")[0] != "backend" or target == room or room not in LEVELS or target not in LEVELS:
+                continue
+            if LEVELS[target] >= LEVELS[room]:
+                upward.append(f"{path.relative_to(REPO)}:{line} imports {imported}")
+    assert upward == []
+
+
+def test_only_the_metadata_layer_the_client_and_the_node_name_the_metadata_store() -> None:
+    reach = []
+    for path in _backend_files():
+        module = _module(path)
+        if _room(module) in METADATA_STORE_USERS:
+            continue
+        for imported, names, line in _imports(path):
+            if imported.startswith("backend.metadata") and "MetadataStore" in names:
+                reach.append(f"{path.relative_to(REPO)}:{line}")
+    assert reach == [], "reach the metadata through PoolClient.index"
+
+
+def test_only_the_lmcache_layer_imports_torch_or_lmcache() -> None:
+    found = []
+    for path in _backend_files():
+        if _room(_module(path)).startswith("backend.lmcache") and _module(path) != "backend.lmcache_config":
+            continue
+        for imported, _, line in _imports(path):
+            if imported.split(".")[0] in ENGINE_ONLY:
+                found.append(f"{path.relative_to(REPO)}:{line} imports {imported}")
+    assert found == []
+
+
+def test_the_rules_catch_a_breach(tmp_path: Path) -> None:
+    """The scan sees imports where they are written, at any depth (a function body too)."""
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f():\n    from backend.metadata import MetadataStore\n    import torch.cuda\n")
+    assert [(m, n) for m, n, _ in _imports(sample)] == [("backend.metadata", ["MetadataStore"]), ("torch.cuda", [])]
