@@ -18,7 +18,6 @@ import hmac
 import logging
 import os
 import secrets
-import signal
 import socket
 import ssl
 import time
@@ -80,7 +79,7 @@ from backend.shm import STAGE_NAME_RE, ArenaView
 from backend.threads import map_in_threads
 from backend.transport import BULK_BYTES, Buffer, FrameSocket, server_tls_context
 
-__all__ = ["NodeConfig", "PoolNode", "run_node"]
+__all__ = ["NodeConfig", "PoolNode"]
 
 logger = logging.getLogger(__name__)
 
@@ -919,17 +918,3 @@ def _inventory_page(tiers: TierManager, after: str, limit: int) -> tuple[list[li
             page.append([key, tier, meta.nbytes, meta.checksum])
     return page, len(keys) > limit
 
-
-async def run_node(config: NodeConfig, ready: Any = None) -> None:
-    """Run a node until SIGTERM/SIGINT, then withdraw it from the pool cleanly."""
-    node = PoolNode(config)
-    await node.start()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, node.request_stop)
-    if ready is not None:
-        ready(node)
-    try:
-        await node.wait_stopped()
-    finally:
-        await node.stop()
