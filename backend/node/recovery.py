@@ -29,7 +29,7 @@ from backend.node.nvme import (
     chunk_name,
     read_header_and_mtime,
 )
-from backend.node.tiers import quarantine_file
+from backend.node.nvme_tier import quarantine_file
 
 __all__ = ["RecoveryReport", "scan", "node_identity"]
 
