@@ -41,9 +41,6 @@ __all__ = ["OpHandlers", "INVENTORY_PAGE_MAX"]
 
 INVENTORY_PAGE_MAX = 10_000
 VERIFY_STATUS = {"ok": 0, "missing": 1, "corrupt": 2}
-# Counter names of one read path: requested keys, hits, misses.
-GET_COUNTERS = ("gets", "hits", "misses")
-CHANNEL_COUNTERS = ("channel_gets", "channel_hits", "channel_misses")
 
 Reply = tuple[bytes, list[Buffer]]
 Handler = Callable[[bytearray, "Session"], Awaitable[Reply]]
@@ -74,28 +71,28 @@ class OpHandlers:
             raise ProtocolError(f"op {op} is not a request")
         return await handler(meta, session)
 
-    async def _fetch(self, keys: list[str], names: tuple[str, str, str]) -> tuple[list[ItemMeta | None], list[Buffer]]:
+    async def _fetch(self, keys: list[str], *, channel: bool) -> tuple[list[ItemMeta | None], list[Buffer]]:
         """Each key's chunk (an NVMe hit is promoted), within one reply's data limit; keys past it are misses.
 
         A reply never exceeds what a client accepts (``limits.max_data_bytes``); the
         client reads the keys answered as misses again (over TCP, or in its next GET).
+        Counted as the channel's gets, hits and misses with ``channel``.
         """
         tiers, counters = self.node.tiers, self.node.counters
-        requested, hits, misses = names
         found: list[ItemMeta | None] = []
         data: list[Buffer] = []
         budget = self.node.config.limits.max_data_bytes
         for key in keys:
             chunk = await tiers.get(key)
-            counters[requested] += 1
+            counters["channel_gets" if channel else "gets"] += 1
             if chunk is not None and chunk.meta.nbytes > budget:
                 counters["get_over_frame_limit"] += 1
                 chunk = None
             if chunk is None:
-                counters[misses] += 1
+                counters["channel_misses" if channel else "misses"] += 1
                 found.append(None)
             else:
-                counters[hits] += 1
+                counters["channel_hits" if channel else "hits"] += 1
                 found.append(chunk.meta)
                 data.append(chunk.buffer)
                 budget -= chunk.meta.nbytes
@@ -103,7 +100,7 @@ class OpHandlers:
 
     async def get_batch(self, meta: bytearray, session: Session) -> Reply:
         limits = self.node.config.limits
-        found, data = await self._fetch(decode_keys(meta, limits), GET_COUNTERS)
+        found, data = await self._fetch(decode_keys(meta, limits), channel=False)
         self.node.counters["get_bytes"] += sum(item.nbytes for item in found if item is not None)
         return encode_get_response(found, limits), data
 
@@ -201,7 +198,7 @@ class OpHandlers:
             await channel.start_join(pair)
             return encode_channel_response([], node.config.limits), []
         await channel.join(pair)  # NcclError: answered as an error; the client falls back to TCP
-        found, buffers = await self._fetch(keys, CHANNEL_COUNTERS)  # keys past the limit are read over TCP
+        found, buffers = await self._fetch(keys, channel=True)  # keys past the limit are read over TCP
         if buffers:
             # The client receives after reading the answer; the pair's lock keeps batches in order.
             node.spawn(channel.send(pair, buffers))

@@ -13,7 +13,6 @@ The parts, one module each:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import socket
@@ -21,13 +20,13 @@ import ssl
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
+from backend.config import NodeConfig
 from backend.errors import ConfigError, KVPoolError, NcclError
 from backend.metadata import MetadataStore, NodeInfo
 from backend.metrics import NodeMetricsServer
-from backend.node.collector import DEFAULT_GRACE_S, DeadNodeCollector
+from backend.node.collector import DeadNodeCollector
 from backend.node.ops import OpHandlers
 from backend.node.publisher import IndexPublisher
 from backend.node.puts import PutReceiver
@@ -35,10 +34,9 @@ from backend.node.recovery import RecoveryReport, node_identity, scan
 from backend.node.session import accept_loop
 from backend.node.stats import NodeStats
 from backend.node.tiers import TierConfig, TierManager
-from backend.protocol import DEFAULT_LIMITS, Limits
 from backend.transport import FrameSocket, server_tls_context
 
-__all__ = ["NodeConfig", "PoolNode"]
+__all__ = ["NodeConfig", "PoolNode"]  # NodeConfig lives in backend.config; importable here as before
 
 logger = logging.getLogger(__name__)
 
@@ -48,46 +46,12 @@ SHUTDOWN_TIMEOUT_S = 5.0
 BULK_THREADS = 4
 
 
-@dataclasses.dataclass(frozen=True)
-class NodeConfig:
-    """Everything a node needs to run; built by the CLI or by tests."""
-
-    redis_url: str
-    namespace: str
-    dram_bytes: int
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise_host: str = ""
-    advertise_port: int = 0  # 0: the port listened on; else a forwarder's (NAT, container, proxy)
-    node_id: str = ""
-    token: str = dataclasses.field(default="", repr=False)
-    cluster: str = ""
-    heartbeat_interval_ms: int = 1000
-    heartbeat_ttl_ms: int = 5000
-    redis_timeout_ms: int = 2000
-    limits: Limits = DEFAULT_LIMITS
-    nvme_dir: Path | None = None
-    nvme_bytes: int = 0
-    high_watermark: float = 0.90
-    low_watermark: float = 0.80
-    frame_timeout_s: float = 30.0  # once a header arrived, the rest of its frame must follow
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
-    shm_dir: Path | None = None  # shared-memory arena for same-host clients; None: off
-    channel: str = "off"  # serve CHANNEL_GET over this transport: "off", "cpu" or "nccl" (nccl_channel)
-    device: str = "cuda:0"  # the CUDA device of the NCCL channel
-    tls_cert: Path | None = None  # PEM certificate chain: serve the node protocol over TLS only
-    tls_key: Path | None = None  # its private key (PEM)
-    redis_password: str = dataclasses.field(default="", repr=False)  # Redis ACL password, if not in redis_url
-    redis_ca_file: str = ""  # CA bundle verifying a rediss:// Redis; empty: the system trust store
-    dead_node_grace_ms: int = int(DEFAULT_GRACE_S * 1000)  # a dead node's Redis entries go after this long
-    pair_timeout_ms: int = 60_000  # deadline of one channel pairing (a cold NCCL init takes seconds)
-
-    def tier_config(self) -> TierConfig:
-        return TierConfig(
-            dram_bytes=self.dram_bytes, nvme_dir=self.nvme_dir, nvme_bytes=self.nvme_bytes,
-            high_watermark=self.high_watermark, low_watermark=self.low_watermark, shm_dir=self.shm_dir,
-        )  # fmt: skip
+def tier_config(config: NodeConfig) -> TierConfig:
+    """The tier manager's part of a node's settings."""
+    return TierConfig(
+        dram_bytes=config.dram_bytes, nvme_dir=config.nvme_dir, nvme_bytes=config.nvme_bytes,
+        high_watermark=config.high_watermark, low_watermark=config.low_watermark, shm_dir=config.shm_dir,
+    )  # fmt: skip
 
 
 class PoolNode:
@@ -95,7 +59,7 @@ class PoolNode:
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.tiers = TierManager(config.tier_config())
+        self.tiers = TierManager(tier_config(config))
         self.recovery: RecoveryReport | None = None
         self.meta = MetadataStore(
             config.redis_url, config.namespace, config.redis_timeout_ms / 1000,
