@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
 
-__all__ = ["HeldKeys", "IndexChanges", "IN_DRAM", "ON_NVME"]
+__all__ = ["HeldKeys", "IndexChanges", "DRAM", "NVME", "IN_DRAM", "ON_NVME"]
 
+DRAM = "dram"  # tier names, as the index records them
+NVME = "nvme"
 IN_DRAM = 1
 ON_NVME = 2
 BUCKET_KEYS = 512  # a bucket splits past twice this

@@ -17,16 +17,14 @@ import asyncio
 from collections import Counter
 
 from backend.errors import CapacityError
-from backend.node.bookkeeping import IndexChanges
+from backend.node.bookkeeping import NVME, IndexChanges
 from backend.node.dram import DramTier, StoredChunk
 from backend.node.leases import LeaseTable
 from backend.node.nvme import NvmeFile
 from backend.node.nvme_tier import NvmeTier
 
-__all__ = ["Demoter", "DRAM", "NVME"]
+__all__ = ["Demoter"]
 
-DRAM = "dram"
-NVME = "nvme"
 DEMOTER_IDLE_S = 0.5
 
 

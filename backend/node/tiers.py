@@ -32,9 +32,9 @@ from typing import Any
 
 from backend.errors import CapacityError, IntegrityError
 from backend.node.arena import ShmArena, remove_stale_arenas
-from backend.node.bookkeeping import HeldKeys, IndexChanges
+from backend.node.bookkeeping import DRAM, NVME, HeldKeys, IndexChanges
 from backend.node.buffers import BufferFactory, ChunkBuffer
-from backend.node.demotion import DRAM, NVME, Demoter
+from backend.node.demotion import Demoter
 from backend.node.dram import DramTier, StoredChunk
 from backend.node.leases import LeaseTable
 from backend.node.nvme import NvmeFile
