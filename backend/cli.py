@@ -17,7 +17,19 @@ from typing import Any, TypeVar
 
 from backend import __version__, admin
 from backend.client import PoolClient
-from backend.config import DEFAULT_NAMESPACE, PoolConfig, format_size, parse_size, without_inline_secrets
+from backend.config import (
+    ENV_DEBUG,
+    ENV_URL,
+    NODE_OPTIONS,
+    NODE_VERB_DEFAULTS,
+    REDIS_HELP,
+    NodeConfig,
+    PoolConfig,
+    env_flag,
+    format_size,
+    node_options,
+    without_inline_secrets,
+)
 from backend.embedded import EmbeddedRedis
 from backend.errors import ConfigError, KVPoolError
 from backend.lmcache_config import (
@@ -31,7 +43,7 @@ from backend.lmcache_config import (
     render_mp_command,
     render_yaml,
 )
-from backend.node.server import NodeConfig, PoolNode
+from backend.node.server import PoolNode
 from backend.redis_topology import SINGLE, RedisTarget, mask_url, render_hosts
 
 __all__ = ["main", "build_parser"]
@@ -46,8 +58,6 @@ EXIT_USAGE = 2
 EXIT_PROBLEMS = 3  # `kvpool check` found problems (fixed or not): a cron job can alert on it
 EXIT_BROKEN_PIPE = 141  # stdout closed early (`kvpool ls | head`): 128 + SIGPIPE, as cat or grep exit
 
-DEFAULT_UP_NVME_DIR = Path(".kvpool") / "nvme"
-DEFAULT_SHM_DIR = "/dev/shm"
 T = TypeVar("T")
 
 
@@ -62,13 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = verbs.add_parser("up", help="run a pool in the foreground: a private redis-server plus one node")
     up.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a private one")
-    _node_options(up, dram_default="1GiB", nvme_dir_default=DEFAULT_UP_NVME_DIR, nvme_default="8GiB")
+    _node_options(up, "up")
 
     node = verbs.add_parser("node", help="run a node that joins an existing pool")
-    node.add_argument("--redis", metavar="URL", help="the pool's metadata Redis (required): redis://HOST:PORT, "
-                      "redis+cluster://HOST:PORT[,HOST:PORT] or redis+sentinel://HOST:PORT[,HOST:PORT]/MASTER; "
-                      "TLS: rediss://, rediss+cluster://, rediss+sentinel://; an ACL user as USER@HOST:PORT")  # fmt: skip
-    _node_options(node, dram_default="4GiB", nvme_dir_default=None, nvme_default="100GiB")
+    node.add_argument("--redis", metavar="URL", help=REDIS_HELP)
+    _node_options(node, "node")
 
     status = verbs.add_parser("status", help="one screen: Redis, nodes, capacity, objects, hit rate")
     _admin_options(status)
@@ -136,142 +144,34 @@ def _admin_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _url_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--url", default=os.environ.get("KVPOOL_URL"), metavar="kvpool://...",
-        help="pool URL (default: $KVPOOL_URL)",
-    )  # fmt: skip
+    parser.add_argument("--url", metavar="kvpool://...", help="pool URL (default: $KVPOOL_URL)")
 
 
-def _node_options(
-    parser: argparse.ArgumentParser, dram_default: str, nvme_dir_default: Path | None, nvme_default: str
-) -> None:
+def _node_options(parser: argparse.ArgumentParser, verb: str) -> None:
+    """The flags of NodeConfig's options (backend.config.NODE_OPTIONS), for ``kvpool up`` or ``kvpool node``.
+
+    Every flag defaults to None (not given): the value is chosen, parsed and checked by
+    ``node_options``, so a flag, its YAML key and its variable cannot disagree.
+    """
     parser.add_argument("--config", type=Path, metavar="FILE", help="YAML file of these options (flags win)")
-    parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help=f"pool namespace (default {DEFAULT_NAMESPACE})")
-    parser.add_argument("--dram", default=dram_default, help=f"DRAM tier size (default {dram_default})")
-    where = f"default {nvme_dir_default}" if nvme_dir_default else "default: no NVMe tier"
-    parser.add_argument("--nvme-dir", type=Path, default=nvme_dir_default, help=f"NVMe tier directory ({where})")
-    parser.add_argument("--nvme", default=nvme_default, help=f"NVMe tier size; 0 turns it off (default {nvme_default})")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
-    parser.add_argument("--advertise", default="", metavar="HOST[:PORT]",
-                        help="address clients should use, published in the registry (default: --host, or the "
-                        "hostname for 0.0.0.0; the port defaults to the one listened on)")  # fmt: skip
-    parser.add_argument(
-        "--node-id", default="", help="stable node id (default: kept in the NVMe dir, else HOSTNAME-PORT)"
-    )
-    parser.add_argument("--cluster", default="", help="cluster label for same-cluster reads")
-    parser.add_argument("--channel", choices=("off", "nccl", "cpu"), default="off",
-                        help="serve same-cluster clients over the channel: nccl (GPU), cpu (its socket twin, "
-                        "for tests) or off (default); needs --cluster")  # fmt: skip
-    parser.add_argument("--device", default="cuda:0", help="CUDA device of --channel nccl (default cuda:0)")
-    parser.add_argument("--pair-timeout-ms", type=int, default=NodeConfig.pair_timeout_ms, metavar="MS",
-                        help="deadline of one channel pairing; a cold NCCL init takes seconds "
-                        f"(default {NodeConfig.pair_timeout_ms})")  # fmt: skip
-    parser.add_argument("--dead-node-grace-ms", type=int, default=NodeConfig.dead_node_grace_ms, metavar="MS",
-                        help="a node dead this long loses its registry entry and index entries, collected by "
-                        f"a live node (default {NodeConfig.dead_node_grace_ms})")  # fmt: skip
-    parser.add_argument("--token-file", type=Path, help="file holding the pool token (or set KVPOOL_TOKEN)")
-    parser.add_argument("--tls-cert", type=Path, metavar="FILE",
-                        help="serve the node protocol over TLS only, with this PEM certificate chain "
-                        "(it must name the address clients use: --advertise or --host); needs --tls-key")  # fmt: skip
-    parser.add_argument("--tls-key", type=Path, metavar="FILE", help="the PEM private key of --tls-cert")
-    parser.add_argument(
-        "--redis-ca",
-        type=Path,
-        metavar="FILE",
-        help="CA bundle that verifies a rediss:// Redis (default: the system trust store)",
-    )
-    parser.add_argument("--redis-password-file", type=Path, metavar="FILE",
-                        help="file holding the Redis ACL password (or set KVPOOL_REDIS_PASSWORD); the user "
-                        "goes in the --redis URL: rediss://USER@HOST:PORT")  # fmt: skip
-    parser.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /health on this port "
-                        "(0: any free port; default: off)")  # fmt: skip
-    parser.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
-    parser.add_argument("--shm-dir", default=DEFAULT_SHM_DIR, metavar="DIR|off",
-                        help=f"keep DRAM in a shared-memory arena here so same-host clients read without TCP "
-                        f"(default {DEFAULT_SHM_DIR}; off: private memory)")  # fmt: skip
+    shown = NODE_VERB_DEFAULTS[verb]
+    for option in NODE_OPTIONS:
+        if not option.flag or option.name == "redis":  # --redis: added per verb, its help differs
+            continue
+        default = shown.get(option.name)
+        if option.name == "nvme_dir":
+            default = f"default {default}" if default else "default: no NVMe tier"
+        parser.add_argument(option.flag_name, metavar=option.metavar, choices=option.choices,
+                            help=option.help.format(default=default))  # fmt: skip
 
 
-def _node_config(args: argparse.Namespace, redis_url: str) -> NodeConfig:
-    redis_tls = RedisTarget.parse(redis_url, key="--redis").tls
-    token = os.environ.get("KVPOOL_TOKEN", "")
-    if args.token_file is not None:
-        try:
-            token = args.token_file.read_text().strip()
-        except OSError as exc:
-            raise ConfigError("--token-file", f"cannot read {args.token_file}: {exc.strerror}") from None
-        if not token:
-            raise ConfigError("--token-file", f"{args.token_file} is empty; a node without a token accepts anyone")
-    redis_password = os.environ.get("KVPOOL_REDIS_PASSWORD", "")
-    if args.redis_password_file is not None:
-        redis_password = _read_secret(args.redis_password_file, "--redis-password-file")
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise ConfigError("--tls-cert", "TLS needs both --tls-cert and --tls-key")
-    if args.tls_cert is not None and not redis_tls:
-        # Clients reach a TLS node with tls=on, which also means rediss:// to the registry.
-        raise ConfigError("--tls-cert", f"a TLS node needs a TLS Redis (rediss://), not {mask_url(redis_url)}")
-    if args.redis_ca is not None and not redis_tls:
-        raise ConfigError("--redis-ca", f"a CA bundle only matters for a rediss:// Redis, not {mask_url(redis_url)}")
-    PoolConfig(namespace=args.namespace, cluster=args.cluster)  # validates both
-    if args.channel != "off" and not args.cluster:
-        raise ConfigError("--channel", "the channel serves clients of the same cluster: give --cluster NAME too")
-    for flag, value in (("--pair-timeout-ms", args.pair_timeout_ms), ("--dead-node-grace-ms", args.dead_node_grace_ms)):
-        if value <= 0:
-            raise ConfigError(flag, f"{value} is not a positive number of milliseconds")
-    dram_bytes = parse_size(args.dram, name="--dram")
-    if dram_bytes <= 0:
-        raise ConfigError("--dram", f"{args.dram!r} is not a positive size")
-    nvme_bytes = parse_size(args.nvme, name="--nvme") if args.nvme_dir is not None else 0
-    # YAML reads a bare `off` as False
-    shm_dir = None if args.shm_dir is False or str(args.shm_dir).lower() == "off" else Path(args.shm_dir)
-    if shm_dir is not None and not shm_dir.is_dir():
-        if args.shm_dir != DEFAULT_SHM_DIR:
-            raise ConfigError("--shm-dir", f"{args.shm_dir} is not a directory (use 'off' for no arena)")
-        shm_dir = None  # a system without /dev/shm: private memory, TCP for everyone
-    advertise_host, advertise_port = _advertised(str(args.advertise or ""))
-    return NodeConfig(
-        redis_url=redis_url, namespace=args.namespace, dram_bytes=dram_bytes,
-        nvme_dir=args.nvme_dir if nvme_bytes else None, nvme_bytes=nvme_bytes,
-        host=args.host, port=args.port, advertise_host=advertise_host, advertise_port=advertise_port,
-        node_id=args.node_id,
-        token=token, cluster=args.cluster, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-        shm_dir=shm_dir,
-        channel=args.channel, device=args.device,
-        tls_cert=args.tls_cert, tls_key=args.tls_key,
-        redis_password=redis_password, redis_ca_file=str(args.redis_ca or ""),
-        pair_timeout_ms=args.pair_timeout_ms, dead_node_grace_ms=args.dead_node_grace_ms,
-    )  # fmt: skip
+def _node_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The node options of ``kvpool up``/``kvpool node``: flags, else environment, else --config, else defaults."""
+    flags = {option.name: getattr(args, option.name, None) for option in NODE_OPTIONS if option.flag}
+    return node_options(flags, config_file=args.config, environ=args.environ, defaults=NODE_VERB_DEFAULTS[args.verb])
 
 
-def _advertised(value: str) -> tuple[str, int]:
-    """``HOST``, ``HOST:PORT``, ``:PORT``, ``[V6]:PORT`` or a bare IPv6 address -> (host or "", port or 0)."""
-    if value.startswith("["):
-        host, bracket, rest = value[1:].partition("]")
-        if not bracket or not host or (rest and not rest.startswith(":")):
-            raise ConfigError("--advertise", f"{value!r} is not HOST, HOST:PORT or [IPV6]:PORT")
-        port_text = rest[1:] if rest else ""
-    elif value.count(":") == 1:
-        host, _, port_text = value.partition(":")
-    else:
-        host, port_text = value, ""  # a name, or an IPv6 address without a port
-    if not port_text:
-        return host, 0
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ConfigError("--advertise", f"{value!r}: the port must be a number in 1..65535")
-    return host, int(port_text)
-
-
-def _read_secret(path: Path, flag: str) -> str:
-    try:
-        secret = path.read_text().strip()
-    except OSError as exc:
-        raise ConfigError(flag, f"cannot read {path}: {exc.strerror}") from None
-    if not secret:
-        raise ConfigError(flag, f"{path} is empty")
-    return secret
-
-
-def _pool_url(args: argparse.Namespace, node: PoolNode, redis_url: str, namespace: str) -> tuple[str, list[str]]:
+def _pool_url(node: PoolNode, redis_url: str, namespace: str) -> tuple[str, list[str]]:
     """The pool URL for engines, with no secret in it, and what they must be given apart from it.
 
     A secret this node read from a file is named by that file (``token_file=``,
@@ -281,8 +181,8 @@ def _pool_url(args: argparse.Namespace, node: PoolNode, redis_url: str, namespac
     from urllib.parse import unquote, urlsplit
 
     target = RedisTarget.parse(redis_url, key="--redis")
-    token_file = str(args.token_file.resolve()) if args.token_file and node.config.token else ""
-    password_file = str(args.redis_password_file.resolve()) if args.redis_password_file else ""
+    token_file = node.config.token_file if node.config.token else ""
+    password_file = node.config.redis_password_file
     if target.mode == SINGLE:
         parts = urlsplit(redis_url)
         config = PoolConfig(redis_host=parts.hostname or "127.0.0.1", redis_port=parts.port or 6379,
@@ -313,10 +213,7 @@ async def _serve(node: PoolNode) -> None:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    if not args.redis:  # a usage error: argparse cannot require it because --config may supply it
-        print("kvpool: error: kvpool node needs --redis redis://HOST:PORT (or redis: in --config)", file=sys.stderr)
-        return EXIT_USAGE
-    config = _node_config(args, args.redis)
+    config = NodeConfig.from_options(_node_settings(args))  # --redis is required there: --config may supply it
 
     async def run() -> None:
         node = PoolNode(config)
@@ -332,15 +229,16 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    redis = None if args.redis else EmbeddedRedis().start()
-    redis_url = args.redis or (redis.url if redis else "")
+    settings = _node_settings(args)
+    redis = None if settings["redis"] else EmbeddedRedis().start()
+    redis_url = settings["redis"] or (redis.url if redis else "")
     try:
-        config = _node_config(args, redis_url)
+        config = NodeConfig.from_options({**settings, "redis": redis_url})
 
         async def run() -> None:
             node = PoolNode(config)
             await node.start()
-            url, apart = _pool_url(args, node, redis_url, config.namespace)
+            url, apart = _pool_url(node, redis_url, config.namespace)
             nvme = f"NVMe {format_size(config.nvme_bytes)} at {config.nvme_dir}" if config.nvme_dir else "no NVMe"
             print(f"kvpool pool is up: redis {mask_url(redis_url)}, node {node.node_id} at {node.advertise_host}:{node.advertise_port}, "
                   f"DRAM {format_size(config.dram_bytes)}, {nvme}")  # fmt: skip
@@ -363,7 +261,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace) -> PoolConfig:
     if not args.url:
         raise ConfigError("--url", "no pool URL: pass --url kvpool://HOST:PORT/NS or set KVPOOL_URL")
-    return PoolConfig.from_url(args.url, os.environ)
+    return PoolConfig.from_url(args.url, args.environ)
 
 
 def _run(args: argparse.Namespace, work: Callable[[PoolClient], Awaitable[T]]) -> T:
@@ -519,7 +417,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
         if answer.strip() != args.namespace:
             print("kvpool: not flushed", file=sys.stderr)
             return EXIT_USAGE
-    args.url = _with_namespace(args.url, args.namespace)
+    args.url = _with_namespace(args, args.namespace)
     bar, update = _progress(f"flushing {args.namespace}", args.json)
     with bar:
         result = _run(args, lambda c: admin.flush(c, progress=update))
@@ -530,9 +428,8 @@ def cmd_flush(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_namespace(url: str | None, namespace: str) -> str:
-    config = _config(argparse.Namespace(url=url))
-    return dataclasses.replace(config, namespace=namespace).to_url()
+def _with_namespace(args: argparse.Namespace, namespace: str) -> str:
+    return dataclasses.replace(_config(args), namespace=namespace).to_url()
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -614,50 +511,13 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }  # fmt: skip
 
 
-def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """Parse ``argv``; for ``up``/``node`` with ``--config FILE``, the file's options become defaults."""
-    args = parser.parse_args(argv)
-    if getattr(args, "config", None) is None:
-        return args
-    import yaml
-
-    try:
-        data = yaml.safe_load(args.config.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError("--config", f"cannot read {args.config}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError("--config", f"{args.config} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError("--config", f"{args.config} must hold a mapping of options")
-    sub = _subparser(parser, args.verb)
-    known = {a.dest for a in sub._actions if a.dest not in ("help", "config")}
-    defaults = {}
-    for key, value in data.items():
-        dest = str(key).replace("-", "_")
-        if dest not in known:
-            raise ConfigError(str(key), f"unknown option in {args.config}; known: {', '.join(sorted(known))}")
-        action = next(a for a in sub._actions if a.dest == dest)
-        convert = action.type
-        defaults[dest] = convert(value) if callable(convert) and value is not None else value
-    sub.set_defaults(**defaults)
-    return parser.parse_args(argv)
-
-
-def _subparser(parser: argparse.ArgumentParser, verb: str) -> argparse.ArgumentParser:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action.choices[verb]  # type: ignore[no-any-return]
-    raise KeyError(verb)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args = _apply_config_file(parser, argv)
-    except ConfigError as exc:
-        print(f"kvpool: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    debug = args.debug or os.environ.get("KVPOOL_DEBUG", "").lower() in {"1", "true", "on", "yes"}
+    args = build_parser().parse_args(argv)
+    # The one place the CLI reads the environment: the configs take it from here.
+    args.environ = dict(os.environ)
+    if getattr(args, "url", "") is None:
+        args.url = args.environ.get(ENV_URL)
+    debug = args.debug or env_flag(args.environ, ENV_DEBUG)
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -233,14 +234,17 @@ def test_env_variables_that_are_not_options_are_ignored() -> None:
     assert config == PoolConfig.from_url("kvpool://h:1/ns")
 
 
-def test_unknown_kvpool_env_variable_raises_naming_the_variable() -> None:
-    with pytest.raises(ConfigError) as caught:
+def test_unknown_kvpool_env_variable_warns_once_naming_it_and_the_known_ones(caplog: pytest.LogCaptureFixture) -> None:
+    """A typo'd variable must not raise: inside LMCache a raise while the connector is made turns the cache off."""
+    with caplog.at_level(logging.WARNING, logger="backend.config"):
+        config = PoolConfig.from_url("kvpool://h:1/ns", {"KVPOOL_REPLICA": "2"})
         PoolConfig.from_url("kvpool://h:1/ns", {"KVPOOL_REPLICA": "2"})
 
-    assert caught.value.key == "KVPOOL_REPLICA"
-    assert "unknown kvpool environment variable" in str(caught.value)
-    assert "KVPOOL_TOKEN" in str(caught.value)
-    assert "KVPOOL_REPLICAS" in str(caught.value)
+    assert config.replicas == 1  # ignored
+    warnings = [r.getMessage() for r in caplog.records if "KVPOOL_REPLICA:" in r.getMessage()]
+    assert len(warnings) == 1  # once per process, however often a config is made
+    assert "unknown kvpool environment variable" in warnings[0]
+    assert "KVPOOL_TOKEN" in warnings[0] and "KVPOOL_REPLICAS" in warnings[0] and "KVPOOL_URL" in warnings[0]
 
 
 def test_bad_env_value_raises_naming_the_option() -> None:
@@ -541,3 +545,75 @@ def test_remote_url_errors_never_echo_a_secret() -> None:
 
     assert caught.value.key == "replicas"
     assert "tok3n" not in str(caught.value) and "pw5ecret" not in str(caught.value)
+
+
+# -- NodeConfig: flags, environment and YAML through one table --------------------------
+
+
+def test_node_options_take_a_flag_over_the_environment_over_yaml_over_the_default(tmp_path: Path) -> None:
+    from backend.config import NodeConfig
+
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\n")
+    yaml_file = tmp_path / "node.yaml"
+    yaml_file.write_text("redis: redis://r:1\ndram: 8MiB\nnode-id: from-yaml\nshm_dir: off\nport: 7001\n")
+    config = NodeConfig.from_sources({"dram": "16MiB"}, config_file=yaml_file, environ={"KVPOOL_TOKEN": "env"})
+    assert (config.redis_url, config.dram_bytes, config.node_id) == ("redis://r:1", 16 << 20, "from-yaml")
+    assert (config.port, config.shm_dir, config.token, config.token_file) == (7001, None, "env", "")
+    assert config.nvme_dir is None and config.pair_timeout_ms == 60_000  # the table's defaults
+
+    yaml_file.write_text(f"redis: redis://r:1\ntoken_file: {token_file}\n")
+    config = NodeConfig.from_sources({}, config_file=yaml_file, environ={"KVPOOL_TOKEN": "env"})
+    assert (config.token, config.token_file) == ("from-file", str(token_file.resolve()))  # a file wins
+    assert "from-file" not in repr(config)
+
+
+@pytest.mark.parametrize(
+    ("flags", "yaml_text", "environ", "key"),
+    [
+        ({"dram": "lots"}, "", {}, "--dram"),
+        ({}, "dram: 0", {}, "dram (in "),
+        ({}, "dramm: 8MiB", {}, "dramm"),
+        ({}, "token: secret", {}, "token"),
+        ({"port": "99999"}, "", {}, "--port"),
+        ({"advertise": "host:port"}, "", {}, "--advertise"),
+        ({"channel": "cpu"}, "", {}, "--channel"),  # needs --cluster
+        ({"namespace": "a/b"}, "", {}, "--namespace"),
+        ({"token_file": "/nonexistent/token"}, "", {}, "--token-file"),
+        ({"redis": "http://r:1"}, "", {}, "--redis"),
+        ({"redis": None}, "", {}, "--redis"),  # required
+        ({"pair_timeout_ms": "0"}, "", {}, "--pair-timeout-ms"),
+        ({}, "shm-dir: /nonexistent/shm", {}, "shm_dir (in "),
+    ],
+)
+def test_a_bad_node_option_is_refused_naming_it_as_its_source_spells_it(tmp_path, flags, yaml_text, environ, key):
+    from backend.config import NodeConfig
+
+    yaml_file = tmp_path / "node.yaml"
+    yaml_file.write_text(yaml_text or "{}")
+    with pytest.raises(ConfigError) as caught:
+        NodeConfig.from_sources({"redis": "redis://r:1", **flags}, config_file=yaml_file, environ=environ)
+    assert str(caught.value).startswith(key), str(caught.value)
+
+
+def test_node_flags_are_the_option_table(tmp_path: Path) -> None:
+    """Every flag of `kvpool node` and `kvpool up` is a NODE_OPTIONS entry (plus --config), and every
+    settable entry is a flag: the CLI, the YAML keys and the variables cannot drift apart."""
+    from backend.cli import build_parser
+    from backend.config import NODE_OPTIONS
+
+    parser = build_parser()
+    for verb in ("node", "up"):
+        sub = parser._subparsers._group_actions[0].choices[verb]  # type: ignore[union-attr]
+        flags = {a.option_strings[0] for a in sub._actions if a.option_strings and a.dest != "help"}
+        assert flags == {"--config"} | {o.flag_name for o in NODE_OPTIONS if o.flag}
+    assert {o.env for o in NODE_OPTIONS if o.env} == {"KVPOOL_TOKEN", "KVPOOL_REDIS_PASSWORD"}
+
+
+def test_an_unknown_kvpool_variable_warns_a_node_and_does_not_stop_it(caplog: pytest.LogCaptureFixture) -> None:
+    from backend.config import NodeConfig
+
+    with caplog.at_level(logging.WARNING, logger="backend.config"):
+        config = NodeConfig.from_sources({"redis": "redis://r:1"}, environ={"KVPOOL_DRAMM": "8MiB"})
+    assert config.dram_bytes == 4 << 30
+    assert any("KVPOOL_DRAMM: unknown kvpool environment variable" in r.getMessage() for r in caplog.records)

@@ -204,7 +204,7 @@ def test_a_full_disk_keeps_dram_writable_and_pauses_demotion_until_a_chunk_and_a
     """A 3 MiB tmpfs under a 64 MiB NVMe tier and a writer that never stops: every put succeeds (DRAM
     evicts its oldest chunks while the disk is full), one episode is one counter step and one log line,
     freeing less than a chunk plus the margin does not end it, freeing more does, and demotion resumes."""
-    from backend.node.tiers import DISK_RECHECK_S, DISK_RESUME_MARGIN_BYTES
+    from backend.node.nvme_tier import DISK_RECHECK_S, DISK_RESUME_MARGIN_BYTES
 
     node = node_factory("--nvme-dir", str(tiny_disk), "--nvme", "64MiB", "--node-id", "tiny", dram="1MiB")
     writer = _Writer(pool_url)
@@ -290,12 +290,17 @@ async def test_lru_demotes_the_least_recently_used_and_promotes_an_nvme_hit(tmp_
         await tiers.reserve(64 * KIB)
         tiers.insert(_stored("E", 64 * KIB, seed=5))
         assert [tiers.tier_of(k) for k in "ABCDE"] == [DRAM, NVME, DRAM, DRAM, DRAM]
-        assert tiers.index_moved == {"B": NVME}
+        assert tiers.changes.moved == {"B": NVME}
         chunk = await tiers.get("B")  # an NVMe hit: verified and promoted, C (now LRU) demoted
         assert chunk is not None and bytes(chunk.buffer) == bytes(_stored("B", 64 * KIB, seed=1).buffer)
         assert [tiers.tier_of(k) for k in "ABCDE"] == [DRAM, DRAM, NVME, DRAM, DRAM]
         assert tiers.counters["promotions"] == 1 and tiers.counters["demotions"] == 2
         assert tiers.nvme is not None and "B" in tiers.nvme.files  # the file stays: re-demotion is free
+        assert len(tiers) == 5  # B is in DRAM and on disk: one key
+        page, more = tiers.page("", 3)
+        assert [(item.key, tier) for item, tier in page] == [("A", DRAM), ("B", DRAM), ("C", NVME)] and more
+        page, more = tiers.page("C", 3)
+        assert [item.key for item, _ in page] == ["D", "E"] and not more
     finally:
         await tiers.close()
 
@@ -308,7 +313,7 @@ async def test_nvme_evicts_its_oldest_file_when_full_and_reports_it(tmp_path):
             tiers.insert(_stored(f"k{i}", 64 * KIB, seed=i))
         # k0..k3 went to disk in turn; disk holds 3, so k0 was evicted
         assert tiers.tier_of("k0") is None and tiers.counters["nvme_evictions"] == 1
-        assert "k0" in tiers.index_removed
+        assert "k0" in tiers.changes.removed
         assert [tiers.tier_of(f"k{i}") for i in range(1, 5)] == [NVME, NVME, NVME, DRAM]
         assert await tiers.get("k0") is None
     finally:
@@ -386,7 +391,7 @@ def test_a_batch_larger_than_dram_never_acknowledges_what_it_evicted(node_factor
 
 
 async def test_a_delete_during_an_nvme_read_is_not_undone_by_promotion(tmp_path, monkeypatch):
-    import backend.node.tiers as tiers_module
+    import backend.node.nvme_tier as tiers_module
 
     tiers = TierManager(TierConfig(dram_bytes=64 * KIB, nvme_dir=tmp_path, nvme_bytes=1 << 20))
     try:
@@ -413,7 +418,7 @@ async def test_a_delete_during_an_nvme_read_is_not_undone_by_promotion(tmp_path,
 
 
 async def test_a_delete_during_a_demotion_leaves_no_file_behind(tmp_path, monkeypatch):
-    import backend.node.tiers as tiers_module
+    import backend.node.nvme_tier as tiers_module
 
     tiers = TierManager(TierConfig(dram_bytes=64 * KIB, nvme_dir=tmp_path, nvme_bytes=1 << 20))
     try:
@@ -450,3 +455,39 @@ def test_a_put_striped_over_two_connections_fills_a_small_dram_without_refusals(
             client.put(chunks)  # raised CapacityError for the chunks of one stripe
         got = client.get([c.key for c in chunks])
         assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
+
+
+def test_held_keys_count_in_o1_and_page_in_key_order_through_adds_and_removes():
+    """A reference set of the same operations, sorted from scratch, gives every page: the incremental
+    order never drifts, even across bucket splits and emptied buckets, and a key in two tiers counts once."""
+    import random
+
+    from backend.node import bookkeeping
+    from backend.node.bookkeeping import IN_DRAM, ON_NVME, HeldKeys
+
+    rng = random.Random(7)
+    held, where = HeldKeys(), {}
+    for _ in range(20 * bookkeeping.BUCKET_KEYS):
+        key = f"k{rng.randrange(4 * bookkeeping.BUCKET_KEYS):05d}"
+        tier = rng.choice((IN_DRAM, ON_NVME))
+        if rng.random() < 0.6:
+            held.add(key, tier)
+            where[key] = where.get(key, 0) | tier
+        else:
+            held.remove(key, tier)
+            if where.get(key, 0) & ~tier:
+                where[key] &= ~tier
+            else:
+                where.pop(key, None)
+    assert len(held) == len(where)
+    expected = sorted(where)
+    cursor, seen = "", []
+    while True:
+        page, more = held.page(cursor, 97)
+        seen += page
+        if not more:
+            break
+        cursor = page[-1]
+    assert seen == expected
+    assert held.page(expected[len(expected) // 2], 3)[0] == expected[len(expected) // 2 + 1 : len(expected) // 2 + 4]
+    assert held.page(expected[-1], 10) == ([], False)

@@ -7,6 +7,7 @@ from collections import OrderedDict
 from collections.abc import Container, Iterator
 
 from backend.errors import CapacityError
+from backend.node.bookkeeping import IN_DRAM, HeldKeys
 from backend.node.buffers import ChunkBuffer
 from backend.protocol import ItemMeta
 
@@ -34,10 +35,11 @@ class DramTier:
 
     name = TIER_NAME
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, held: HeldKeys | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError("DRAM capacity must be positive")
         self.capacity_bytes = capacity_bytes
+        self._held = held if held is not None else HeldKeys()  # told of every key entering or leaving
         self._chunks: OrderedDict[str, StoredChunk] = OrderedDict()
         self._stored_bytes = 0
         self._reserved_bytes = 0
@@ -91,6 +93,8 @@ class DramTier:
         old = self._chunks.pop(chunk.meta.key, None)
         if old is not None:
             self._stored_bytes -= old.meta.nbytes
+        else:
+            self._held.add(chunk.meta.key, IN_DRAM)
         self._chunks[chunk.meta.key] = chunk
         self._stored_bytes += chunk.meta.nbytes
 
@@ -105,4 +109,5 @@ class DramTier:
         chunk = self._chunks.pop(key, None)
         if chunk is not None:
             self._stored_bytes -= chunk.meta.nbytes
+            self._held.remove(key, IN_DRAM)
         return chunk

@@ -133,6 +133,3 @@ class LeaseTable:
                 del self.pinned[key]
         if keys and self._on_unpinned is not None:
             self._on_unpinned()  # pinned chunks may have held up a demotion
-
-    def is_pinned(self, key: str) -> bool:
-        return key in self.pinned

@@ -1,7 +1,7 @@
 """Start-up recovery of the NVMe tier: rebuild its index from file headers.
 
 Only headers are read (a few hundred bytes per file), never payloads, so recovery
-of 100,000 chunks takes seconds (``bench/recovery.py`` measures it). Payloads are
+of 100,000 chunks takes seconds (``python -m bench.nvme_bench`` measures it). Payloads are
 verified when they are read back. ``.tmp`` files are debris from a crash mid-write
 and are deleted; files whose header is unreadable, or that sit under a name that
 is not their key's, are moved to ``quarantine/`` and never served.
@@ -29,7 +29,7 @@ from backend.node.nvme import (
     chunk_name,
     read_header_and_mtime,
 )
-from backend.node.tiers import quarantine_file
+from backend.node.nvme_tier import quarantine_file
 
 __all__ = ["RecoveryReport", "scan", "node_identity"]
 

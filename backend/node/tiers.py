@@ -1,18 +1,10 @@
-"""Tier manager: DRAM (LRU) in front of an optional NVMe tier, and what moves between them.
+"""Tier manager: DRAM (LRU) in front of an optional NVMe tier; what a put, a get and a delete do to them.
 
 * A put reserves DRAM space. If DRAM is full, its least recently used chunks are
-  demoted to NVMe (or, with no NVMe tier, evicted) until the chunk fits. A chunk the
-  disk will not take is evicted instead, so DRAM stays writable whatever the disk
-  does; only a DRAM tier that is all reserved or leased gives the put CapacityError.
-* A background task keeps DRAM between its watermarks (demote above ``high``
-  down to ``low``) so puts rarely wait for the disk.
-* A full disk (ENOSPC/EDQUOT) starts an *episode*: one error line, the ``disk_full``
-  counter +1, demotion paused (puts evict instead). The disk is checked every
-  ``DISK_RECHECK_S``; the episode ends (one line) only once it has room for the
-  largest chunk that did not fit plus a margin of as much again (at least
-  ``DISK_RESUME_MARGIN_BYTES``), so a disk that frees one chunk's worth does not
-  flap between full and not.
-* NVMe evicts its least recently used files when a demotion needs room.
+  demoted to NVMe (or, with no NVMe tier, evicted) until the chunk fits
+  (``demotion.py``, which also keeps DRAM between its watermarks in the background).
+  Only a DRAM tier that is all reserved or leased gives the put CapacityError.
+* The NVMe tier's files, its disk I/O and its disk-full episodes are ``nvme_tier.py``.
 * A hit on NVMe is read back in a worker thread, verified, and promoted to DRAM;
   the file stays, so a later demotion of the same chunk costs nothing.
 * A file whose checksum fails is moved to ``quarantine/`` and reads as a miss.
@@ -22,46 +14,38 @@
   this host can copy them without a socket; when the arena has no room, a chunk
   lives in private memory and is served over TCP.
 
-The manager never talks to Redis. It records which keys this node stopped holding
-(``index_removed``) and which moved tier (``index_moved``); the server publishes them
-in batches. All disk I/O runs on worker threads; the event loop never waits on a disk.
+The manager never talks to Redis. Both tiers tell ``held`` (``bookkeeping.py``) which
+keys they hold, so the node counts its keys in O(1) and pages through them in key
+order; ``changes`` records which keys this node stopped holding and which moved
+tier, and the node's publisher sends them in batches. All disk I/O runs on worker
+threads; the event loop never waits on a disk.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import errno
 import logging
-import os
-import shutil
-import time
-from collections import Counter, OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from backend.errors import CapacityError, IntegrityError
 from backend.node.arena import ShmArena, remove_stale_arenas
+from backend.node.bookkeeping import DRAM, NVME, HeldKeys, IndexChanges
 from backend.node.buffers import BufferFactory, ChunkBuffer
+from backend.node.demotion import Demoter
 from backend.node.dram import DramTier, StoredChunk
 from backend.node.leases import LeaseTable
-from backend.node.nvme import NvmeFile, read_payload, write_chunk
+from backend.node.nvme import NvmeFile
+from backend.node.nvme_tier import NvmeTier
 from backend.protocol import ItemMeta, checksum
 
 __all__ = ["TierConfig", "TierManager", "DRAM", "NVME"]
 
 logger = logging.getLogger(__name__)
 
-DRAM = "dram"
-NVME = "nvme"
-HEADER_ALLOWANCE_BYTES = 4096  # room reserved on disk for a file's header
 PREFAULT_BUDGET_BYTES = 256 * 1024 * 1024  # ready, pre-faulted buffers (see buffers.py)
-DEMOTER_IDLE_S = 0.5
-_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
-DISK_RECHECK_S = 2.0  # how often a full disk is looked at again
-DISK_RESUME_MARGIN_BYTES = 1024 * 1024  # free space past one chunk before demotion resumes
 PUT_RESERVE_WAIT_S = 5.0  # a put waits this long at most for other puts in flight to land in a full DRAM
 ARENA_SLACK = 0.25  # arena room beyond DRAM for regions still held by leases or replies in flight
 ARENA_MIN_SLACK_BYTES = 64 * 1024 * 1024
@@ -82,69 +66,37 @@ class TierConfig:
             raise ValueError("watermarks must satisfy 0 < low < high <= 1")
 
 
-class NvmeIndex:
-    """Which chunks are on disk, least recently used first, and the bytes they take."""
-
-    def __init__(self, root: Path, capacity_bytes: int) -> None:
-        self.root = root
-        self.capacity_bytes = capacity_bytes
-        self.files: OrderedDict[str, NvmeFile] = OrderedDict()
-        self.used_bytes = 0
-
-    def add(self, record: NvmeFile) -> None:
-        self.remove(record.meta.key)
-        self.files[record.meta.key] = record
-        self.used_bytes += record.file_bytes
-
-    def remove(self, key: str) -> NvmeFile | None:
-        record = self.files.pop(key, None)
-        if record is not None:
-            self.used_bytes -= record.file_bytes
-        return record
-
-    def touch(self, key: str) -> NvmeFile | None:
-        record = self.files.get(key)
-        if record is not None:
-            self.files.move_to_end(key)
-        return record
-
-
 class TierManager:
     """DRAM + NVMe for one node. Use from the node's event loop only."""
 
     def __init__(self, config: TierConfig) -> None:
         self.config = config
-        self.dram = DramTier(config.dram_bytes)
-        self.nvme = NvmeIndex(config.nvme_dir, config.nvme_bytes) if config.nvme_dir and config.nvme_bytes else None
         self.counters: Counter[str] = Counter()
-        self.index_removed: set[str] = set()
-        self.index_moved: dict[str, str] = {}
-        self.disk_full = False
-        self._disk_resume_bytes = 0  # free bytes that end the current disk-full episode
-        self._disk_full_since = 0.0
-        self._disk_recheck: asyncio.Task[None] | None = None
-        self._lock = asyncio.Lock()  # one demotion/eviction decision at a time
-        self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvpool-nvme")
-        self.leases = LeaseTable(on_unpinned=self._maybe_wake)
+        self.held = HeldKeys()
+        self.changes = IndexChanges()
+        self.dram = DramTier(config.dram_bytes, self.held)
+        self.nvme: NvmeTier | None = None
+        if config.nvme_dir and config.nvme_bytes:
+            self.nvme = NvmeTier(config.nvme_dir, config.nvme_bytes, io_threads=config.io_threads,
+                                 counters=self.counters, held=self.held, on_gone=self._gone_from_nvme,
+                                 on_room=self._wake_demoter)  # fmt: skip
+        self.leases = LeaseTable(on_unpinned=self._wake_demoter)
+        self.demoter = Demoter(self.dram, self.nvme, self.leases, self.changes, self.counters,
+                               high_watermark=config.high_watermark, low_watermark=config.low_watermark)  # fmt: skip
         self.arena = _open_arena(config)
         # Pre-faulted private buffers: for every chunk when there is no arena, else for the overflow.
         prefault = 0 if self.arena is not None else min(PREFAULT_BUDGET_BYTES, config.dram_bytes // 4)
         self.buffers = BufferFactory(prefault)
-        self._wake = asyncio.Event()
         self._landed = asyncio.Event()  # set when reserved DRAM became a chunk, or was given back
-        self._demoter: asyncio.Task[None] | None = None
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
-        if self.nvme is not None and self._demoter is None:
-            self._demoter = asyncio.get_running_loop().create_task(self._demote_loop())
+        self.demoter.start()
 
     async def close(self) -> None:
-        for task in (self._demoter, self._disk_recheck):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        self._io.shutdown(wait=True, cancel_futures=True)
+        await self.demoter.close()
+        if self.nvme is not None:
+            await self.nvme.close()
         self.buffers.close()
         if self.arena is not None:
             self.arena.close()
@@ -155,8 +107,12 @@ class TierManager:
         for record in records:
             self.nvme.add(record)
 
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+    def _wake_demoter(self) -> None:
+        self.demoter.wake()
+
+    def _gone_from_nvme(self, key: str) -> None:
+        if key not in self.dram:
+            self.changes.removed.add(key)  # the node no longer holds it anywhere
 
     # -- accounting -------------------------------------------------------------------
     @property
@@ -167,11 +123,16 @@ class TierManager:
     def used_bytes(self) -> int:
         return self.dram.used_bytes + (self.nvme.used_bytes if self.nvme else 0)
 
+    @property
+    def disk_full(self) -> bool:
+        return self.nvme is not None and self.nvme.disk_full
+
     def __len__(self) -> int:
-        return len(self.keys())
+        """Keys held in any tier (O(1): the heartbeat asks every second)."""
+        return len(self.held)
 
     def contains(self, key: str) -> bool:
-        return key in self.dram or (self.nvme is not None and key in self.nvme.files)
+        return key in self.held
 
     def tier_of(self, key: str) -> str | None:
         if key in self.dram:
@@ -187,9 +148,6 @@ class TierManager:
         record = self.nvme.files.get(key) if self.nvme is not None else None
         return record.meta if record is not None else None
 
-    def keys(self) -> set[str]:
-        return set(self.dram.keys()) | (set(self.nvme.files) if self.nvme else set())
-
     def inventory(self) -> list[tuple[ItemMeta, str]]:
         """Every chunk held and the tier serving it (for republishing the index)."""
         held = [(chunk.meta, DRAM) for _, chunk in self.dram.items()]
@@ -197,14 +155,19 @@ class TierManager:
             held += [(r.meta, NVME) for k, r in self.nvme.files.items() if k not in self.dram]
         return held
 
+    def page(self, after: str, limit: int) -> tuple[list[tuple[ItemMeta, str]], bool]:
+        """Up to ``limit`` chunks with keys after ``after``, in key order, and whether more follow."""
+        keys, more = self.held.page(after, limit)
+        found = [(self.meta_of(key), self.tier_of(key)) for key in keys]
+        return [(meta, tier) for meta, tier in found if meta is not None and tier is not None], more
+
     def stats(self) -> dict[str, dict[str, Any]]:
         tiers: dict[str, dict[str, Any]] = {
             DRAM: {"capacity_bytes": self.dram.capacity_bytes, "used_bytes": self.dram.used_bytes,
                    "objects": len(self.dram)},
         }  # fmt: skip
         if self.nvme is not None:
-            tiers[NVME] = {"capacity_bytes": self.nvme.capacity_bytes, "used_bytes": self.nvme.used_bytes,
-                           "objects": len(self.nvme.files), "disk_full": self.disk_full}  # fmt: skip
+            tiers[NVME] = self.nvme.stats()
         return tiers
 
     # -- put path ---------------------------------------------------------------------
@@ -223,7 +186,7 @@ class TierManager:
         over several connections receives on each at once), wait up to ``wait_s`` for them
         to land, since landed chunks can be demoted. Only a caller that holds no
         reservation of its own may wait (else two could wait for each other); the wait
-        is outside the lock, so the others can demote meanwhile.
+        is outside the demoter's lock, so the others can demote meanwhile.
         """
         if nbytes > self.dram.capacity_bytes:
             raise CapacityError(
@@ -231,19 +194,14 @@ class TierManager:
             )
         deadline = asyncio.get_running_loop().time() + wait_s
         while not self.dram.fits(nbytes):
-            async with self._lock:
-                while not self.dram.fits(nbytes):
-                    victim = self.dram.oldest(skip=self.leases.pinned)
-                    if victim is None:
-                        break
-                    await self._demote(victim, evict_on_failure=True)
+            await self.demoter.make_room(nbytes)
             if self.dram.fits(nbytes):
                 break
             in_flight = self.dram.used_bytes - self.dram.stored_bytes
             if in_flight <= 0 or not await self._wait_landed(deadline):
                 raise CapacityError("DRAM tier is full of puts in flight and leased chunks")
         self.dram.reserve(nbytes)
-        self._maybe_wake()
+        self.demoter.wake()
 
     def release(self, nbytes: int) -> None:
         self.dram.release(nbytes)
@@ -268,7 +226,7 @@ class TierManager:
         if self.nvme is not None:
             old = self.nvme.files.get(chunk.meta.key)
             if old is not None and old.meta.checksum != chunk.meta.checksum:
-                self._forget_file(old)
+                self.nvme.forget(old)
 
     def holds(self, key: str, item_checksum: int) -> bool:
         """Whether this node holds ``key`` with exactly these bytes (DRAM or NVMe)."""
@@ -289,9 +247,9 @@ class TierManager:
         if record is not None and record.meta.checksum == chunk.meta.checksum:
             assert self.nvme is not None
             self.nvme.remove(key)
-            await self._run(_unlink, record.path)
+            await self.nvme.unlink(record.path)
         if not self.contains(key):
-            self.index_removed.add(key)  # an older committed copy may have been displaced
+            self.changes.removed.add(key)  # an older committed copy may have been displaced
 
     # -- get path ---------------------------------------------------------------------
     async def get(self, key: str) -> StoredChunk | None:
@@ -310,12 +268,12 @@ class TierManager:
             promote = False  # serve from disk without keeping a DRAM copy
         buffer = self.take_buffer(nbytes) if promote else self.buffers.take(nbytes)
         try:
-            await self._run(read_payload, record, buffer)
+            await self.nvme.read(record, buffer)
         except (IntegrityError, OSError) as exc:
             if promote:
                 self.release(nbytes)
             if self.nvme.files.get(key) is record:  # not if a newer file replaced it meanwhile
-                await self._quarantine(record, exc)
+                await self.nvme.quarantine(record, exc)
             return None
         if self.nvme.files.get(key) is not record:
             # Deleted, or replaced by other bytes, while we read: what we hold is history.
@@ -327,7 +285,7 @@ class TierManager:
             current = self.dram.peek(key)
             if current is None:
                 self.dram.insert(chunk)
-                self.index_moved[key] = DRAM
+                self.changes.moved[key] = DRAM
                 self.counters["promotions"] += 1
             else:  # a put of the same key landed while we read
                 self.release(nbytes)
@@ -344,14 +302,15 @@ class TierManager:
             self.dram.delete(key)  # memory went bad: never serve it
             self.counters["integrity_failures"] += 1
             if self.nvme is None or key not in self.nvme.files:
-                self.index_removed.add(key)
+                self.changes.removed.add(key)
         record = self.nvme.touch(key) if self.nvme is not None else None
         if record is None:
             return "corrupt" if chunk is not None else "missing"
+        assert self.nvme is not None
         try:
-            await self._run(read_payload, record, self.buffers.take(record.meta.nbytes))
+            await self.nvme.read(record, self.buffers.take(record.meta.nbytes))
         except (IntegrityError, OSError) as exc:
-            await self._quarantine(record, exc)
+            await self.nvme.quarantine(record, exc)
             return "corrupt"
         return "ok"
 
@@ -361,168 +320,8 @@ class TierManager:
             record = self.nvme.remove(key)
             if record is not None:
                 found = True
-                await self._run(_unlink, record.path)
+                await self.nvme.unlink(record.path)
         return found
-
-    # -- movement ---------------------------------------------------------------------
-    async def _demote(self, chunk: StoredChunk, *, evict_on_failure: bool = False) -> None:
-        """Move a DRAM chunk to NVMe (or evict it with no NVMe tier). Caller holds the lock.
-
-        With ``evict_on_failure`` (a put needs the room) a chunk the disk does not take
-        is evicted instead; otherwise the CapacityError is raised.
-        """
-        key = chunk.meta.key
-        if self.nvme is None:
-            self._evict(chunk)
-            return
-        record = self.nvme.files.get(key)
-        if record is None or record.meta.checksum != chunk.meta.checksum:
-            try:
-                written = await self._write(chunk)
-            except CapacityError:
-                if not evict_on_failure:
-                    raise
-                self._evict(chunk)
-                return
-            if written is None:
-                return  # deleted or replaced while we wrote: nothing to move
-            record = written
-        if self.dram.peek(key) is chunk:
-            self.dram.delete(key)
-            self.index_moved[key] = NVME
-            self.counters["demotions"] += 1
-        elif (current := self.dram.peek(key)) is not None and current.meta.checksum != chunk.meta.checksum:
-            self._forget_file(record)  # replaced by other bytes while we wrote
-
-    def _evict(self, chunk: StoredChunk) -> None:
-        """Drop a DRAM chunk that has no other place (no NVMe tier, or the disk will not take it)."""
-        if self.dram.peek(chunk.meta.key) is chunk:
-            self.dram.delete(chunk.meta.key)
-            self.index_removed.add(chunk.meta.key)
-            self.counters["evictions"] += 1
-
-    async def _write(self, chunk: StoredChunk) -> NvmeFile | None:
-        """Write a DRAM chunk's file; None if the chunk was deleted or replaced meanwhile."""
-        assert self.nvme is not None
-        need = chunk.meta.nbytes + HEADER_ALLOWANCE_BYTES
-        if need > self.nvme.capacity_bytes:
-            raise CapacityError(f"chunk of {chunk.meta.nbytes} bytes is larger than the NVMe tier")
-        if self.disk_full:
-            self._disk_resume_bytes = max(self._disk_resume_bytes, _resume_bytes(need))
-            raise CapacityError("NVMe tier: the disk is full; demotion is paused")
-        while self.nvme.used_bytes + need > self.nvme.capacity_bytes:
-            pinned = self.leases.pinned
-            oldest = next((r for k, r in self.nvme.files.items() if k not in pinned), None)
-            if oldest is None:
-                raise CapacityError("NVMe tier is full of leased chunks")
-            self._forget_file(oldest)
-            self.counters["nvme_evictions"] += 1
-        job = asyncio.get_running_loop().run_in_executor(
-            self._io, write_chunk, self.nvme.root, chunk.meta, chunk.buffer
-        )
-        try:
-            record: NvmeFile = await asyncio.shield(job)
-        except asyncio.CancelledError:
-            # The put that needed this demotion gave up; the thread still finishes the
-            # file, which nothing would index: remove it when it lands.
-            job.add_done_callback(_unlink_written)
-            raise
-        except OSError as exc:
-            if exc.errno in _DISK_FULL:
-                self._disk_full_begins(need, exc)
-            else:
-                self.counters["nvme_write_errors"] += 1
-                logger.warning("NVMe tier %s: writing a chunk failed (%s); it is evicted from DRAM instead",
-                               self.nvme.root, exc.strerror or exc)  # fmt: skip
-            raise CapacityError(f"NVMe write failed: {exc.strerror}") from None
-        current = self.dram.peek(chunk.meta.key)
-        if current is None or current.meta.checksum != chunk.meta.checksum:
-            await self._run(_unlink, record.path)  # the bytes we wrote are no longer wanted
-            return None
-        self.nvme.add(record)
-        self.counters["nvme_writes"] += 1
-        return record
-
-    def _forget_file(self, record: NvmeFile) -> None:
-        """Drop a file from the index now and from the disk in the background."""
-        assert self.nvme is not None
-        if self.nvme.files.get(record.meta.key) is record:
-            self.nvme.remove(record.meta.key)
-        if record.meta.key not in self.dram:
-            self.index_removed.add(record.meta.key)
-        asyncio.get_running_loop().run_in_executor(self._io, _unlink, record.path)
-
-    async def _quarantine(self, record: NvmeFile, exc: BaseException) -> None:
-        assert self.nvme is not None
-        self.counters["integrity_failures"] += 1
-        self.counters["quarantined"] += 1
-        logger.error("NVMe tier: %s; quarantining %s", exc, os.path.basename(record.path))
-        if self.nvme.files.get(record.meta.key) is record:
-            self.nvme.remove(record.meta.key)
-        if record.meta.key not in self.dram:
-            self.index_removed.add(record.meta.key)
-        await self._run(quarantine_file, self.nvme.root, record.path)
-
-    def _maybe_wake(self) -> None:
-        if self.nvme is not None and self.dram.used_bytes > self.config.high_watermark * self.dram.capacity_bytes:
-            self._wake.set()
-
-    async def _demote_loop(self) -> None:
-        """Keep DRAM below the high watermark, demoting down to the low one."""
-        low = self.config.low_watermark * self.dram.capacity_bytes
-        high = self.config.high_watermark * self.dram.capacity_bytes
-        while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), DEMOTER_IDLE_S)
-            except TimeoutError:
-                pass
-            self._wake.clear()
-            if self.dram.used_bytes <= high or self.disk_full:
-                continue  # nothing to do, or paused until the disk has room
-            async with self._lock:
-                while self.dram.used_bytes > low and (victim := self.dram.oldest(self.leases.pinned)) is not None:
-                    try:
-                        await self._demote(victim)
-                    except CapacityError:
-                        break  # the disk refuses: puts will see CapacityError instead
-
-    def _disk_full_begins(self, need: int, exc: OSError) -> None:
-        """Start a disk-full episode (once: writes already in flight may fail after it began)."""
-        assert self.nvme is not None
-        self._disk_resume_bytes = max(self._disk_resume_bytes, _resume_bytes(need))
-        if self.disk_full:
-            return
-        self.disk_full = True
-        self._disk_full_since = time.monotonic()
-        self.counters["disk_full"] += 1
-        logger.error("NVMe tier %s: disk full (%s); demotion paused, DRAM evicts its least recently used chunks "
-                     "instead until %d bytes are free", self.nvme.root, exc.strerror, self._disk_resume_bytes)  # fmt: skip
-        self._disk_recheck = asyncio.get_running_loop().create_task(self._wait_for_disk_room())
-
-    async def _wait_for_disk_room(self) -> None:
-        """End the episode once the disk has ``_disk_resume_bytes`` free (checked every DISK_RECHECK_S)."""
-        assert self.nvme is not None
-        root = self.nvme.root
-        while True:
-            await asyncio.sleep(DISK_RECHECK_S)
-            try:
-                free = int(await self._run(lambda: shutil.disk_usage(root).free))
-            except OSError as exc:
-                logger.warning("NVMe tier %s: cannot read the free space (%s)", root, exc.strerror or exc)
-                continue
-            if free >= self._disk_resume_bytes:
-                break
-        self.disk_full = False
-        self._disk_resume_bytes = 0
-        self._disk_recheck = None
-        logger.warning("NVMe tier %s: %d bytes free again after %.0f s; demotion resumes", root, free,
-                       time.monotonic() - self._disk_full_since)  # fmt: skip
-        self._maybe_wake()
-
-
-def _resume_bytes(need: int) -> int:
-    """Free space that ends a disk-full episode: room for a chunk of ``need`` bytes, plus a margin."""
-    return need + max(need, DISK_RESUME_MARGIN_BYTES)
 
 
 def _open_arena(config: TierConfig) -> ShmArena | None:
@@ -539,26 +338,3 @@ def _open_arena(config: TierConfig) -> ShmArena | None:
         logger.warning("no shared-memory arena in %s (%s): same-host clients read over TCP",
                        config.shm_dir, exc.strerror or exc)  # fmt: skip
         return None
-
-
-def _unlink_written(job: Any) -> None:
-    if not job.cancelled() and job.exception() is None:
-        _unlink(job.result().path)
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-QUARANTINE_DIR = "quarantine"
-
-
-def quarantine_file(root: Path, path: str) -> Path:
-    """Move a bad file out of the chunk tree (kept for inspection, never served)."""
-    target_dir = root / QUARANTINE_DIR
-    target_dir.mkdir(parents=True, exist_ok=True)
-    target = target_dir / os.path.basename(path)
-    with contextlib.suppress(FileNotFoundError):
-        os.replace(path, target)
-    return target

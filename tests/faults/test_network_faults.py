@@ -85,9 +85,9 @@ def test_a_node_advertised_behind_a_forwarder_is_reached_through_it(proxied, poo
      ("[fd00::1]:7000", ("fd00::1", 7000)), ("[fd00::1]", ("fd00::1", 0)), ("fd00::1", ("fd00::1", 0))],
 )  # fmt: skip
 def test_advertise_takes_a_host_a_port_or_both(value, expected):
-    from backend.cli import _advertised
+    from backend.config import parse_advertise
 
-    assert _advertised(value) == expected
+    assert parse_advertise("--advertise", value) == expected
 
 
 @pytest.mark.parametrize("value", ["host:0", "host:99999", "host:port", "[::1", "[::1]x"])

@@ -1,0 +1,211 @@
+"""What the node answers to each request op: one handler per op, looked up in a table.
+
+A handler takes the request's meta section and the session it came on, and returns
+the reply's meta and data buffers. HELLO, AUTH and PUT_BATCH are not here: the
+session answers the first two itself (they decide whether the connection may ask
+anything else) and receives PUT_BATCH's bytes in stream order before committing it
+with :class:`~backend.node.puts.PutReceiver`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from backend.errors import ProtocolError
+from backend.node.dram import StoredChunk
+from backend.node.leases import MAX_LEASE_TTL_MS
+from backend.protocol import (
+    LEASE_MAP,
+    NO_OFFSET,
+    ItemMeta,
+    Op,
+    decode_channel_request,
+    decode_json,
+    decode_keys,
+    decode_lease_request,
+    decode_release,
+    encode_channel_response,
+    encode_flags,
+    encode_get_response,
+    encode_json,
+    encode_lease_response,
+)
+from backend.transport import Buffer
+
+if TYPE_CHECKING:
+    from backend.node.server import PoolNode
+    from backend.node.session import Session
+
+__all__ = ["OpHandlers", "INVENTORY_PAGE_MAX"]
+
+INVENTORY_PAGE_MAX = 10_000
+VERIFY_STATUS = {"ok": 0, "missing": 1, "corrupt": 2}
+
+Reply = tuple[bytes, list[Buffer]]
+Handler = Callable[[bytearray, "Session"], Awaitable[Reply]]
+
+
+class OpHandlers:
+    """The node's request handlers, by op."""
+
+    def __init__(self, node: PoolNode) -> None:
+        self.node = node
+        self.table: dict[int, Handler] = {
+            Op.GET_BATCH: self.get_batch,
+            Op.EXISTS_BATCH: self.exists_batch,
+            Op.DELETE_BATCH: self.delete_batch,
+            Op.INVENTORY: self.inventory,
+            Op.VERIFY_BATCH: self.verify_batch,
+            Op.LEASE: self.lease,
+            Op.RELEASE: self.release,
+            Op.PUT_STAGED: self.put_staged,
+            Op.CHANNEL_GET: self.channel_get,
+            Op.STAT: self.stat,
+            Op.PING: self.ping,
+        }
+
+    async def handle(self, op: int, meta: bytearray, session: Session) -> Reply:
+        handler = self.table.get(op)
+        if handler is None:
+            raise ProtocolError(f"op {op} is not a request")
+        return await handler(meta, session)
+
+    async def _fetch(self, keys: list[str], *, channel: bool) -> tuple[list[ItemMeta | None], list[Buffer]]:
+        """Each key's chunk (an NVMe hit is promoted), within one reply's data limit; keys past it are misses.
+
+        A reply never exceeds what a client accepts (``limits.max_data_bytes``); the
+        client reads the keys answered as misses again (over TCP, or in its next GET).
+        Counted as the channel's gets, hits and misses with ``channel``.
+        """
+        tiers, counters = self.node.tiers, self.node.counters
+        found: list[ItemMeta | None] = []
+        data: list[Buffer] = []
+        budget = self.node.config.limits.max_data_bytes
+        for key in keys:
+            chunk = await tiers.get(key)
+            counters["channel_gets" if channel else "gets"] += 1
+            if chunk is not None and chunk.meta.nbytes > budget:
+                counters["get_over_frame_limit"] += 1
+                chunk = None
+            if chunk is None:
+                counters["channel_misses" if channel else "misses"] += 1
+                found.append(None)
+            else:
+                counters["channel_hits" if channel else "hits"] += 1
+                found.append(chunk.meta)
+                data.append(chunk.buffer)
+                budget -= chunk.meta.nbytes
+        return found, data
+
+    async def get_batch(self, meta: bytearray, session: Session) -> Reply:
+        limits = self.node.config.limits
+        found, data = await self._fetch(decode_keys(meta, limits), channel=False)
+        self.node.counters["get_bytes"] += sum(item.nbytes for item in found if item is not None)
+        return encode_get_response(found, limits), data
+
+    async def exists_batch(self, meta: bytearray, session: Session) -> Reply:
+        tiers = self.node.tiers
+        return encode_flags([int(tiers.contains(key)) for key in decode_keys(meta, self.node.config.limits)]), []
+
+    async def delete_batch(self, meta: bytearray, session: Session) -> Reply:
+        node = self.node
+        keys = decode_keys(meta, node.config.limits)
+        deleted = [key for key in keys if await node.tiers.delete(key)]
+        await node.meta.remove(node.node_id, node.epoch, deleted)
+        node.counters["deletes"] += len(deleted)
+        gone = set(deleted)
+        return encode_flags([int(key in gone) for key in keys]), []
+
+    async def inventory(self, meta: bytearray, session: Session) -> Reply:
+        """One page of ``[key, tier, nbytes, checksum]`` after ``request["after"]``, in key order."""
+        request = decode_json(meta)
+        after, limit = request.get("after", ""), request.get("limit", 1000)
+        if not isinstance(after, str) or not isinstance(limit, int) or not 0 < limit <= INVENTORY_PAGE_MAX:
+            raise ProtocolError(f"INVENTORY wants {{after: str, limit: 1..{INVENTORY_PAGE_MAX}}}")
+        page, more = self.node.tiers.page(after, limit)
+        items = [[item.key, tier, item.nbytes, item.checksum] for item, tier in page]
+        return encode_json({"items": items, "more": more}), []
+
+    async def verify_batch(self, meta: bytearray, session: Session) -> Reply:
+        tiers = self.node.tiers
+        flags = [VERIFY_STATUS[await tiers.verify(k)] for k in decode_keys(meta, self.node.config.limits)]
+        if any(flags):
+            await self.node.publisher.flush_index()  # a dropped corrupt copy leaves the index now, not at the beat
+        return encode_flags(flags), []
+
+    async def lease(self, meta: bytearray, session: Session) -> Reply:
+        """Pin the keys this node holds for the session; with LEASE_MAP, also answer their arena offsets.
+
+        A mapped read is a GET whose bytes the client copies itself: the chunk is
+        fetched (an NVMe hit is promoted into the arena) and the lease holds the
+        chunk object, so its region outlives a concurrent delete or eviction.
+        Without LEASE_MAP this is a lock only: nothing moves, so it never waits.
+        """
+        node, tiers, counters = self.node, self.node.tiers, self.node.counters
+        ttl_ms, lease_flags, keys = decode_lease_request(meta, node.config.limits)
+        if ttl_ms > MAX_LEASE_TTL_MS:
+            raise ProtocolError(f"lease ttl_ms {ttl_ms} exceeds {MAX_LEASE_TTL_MS}")
+        want_map = bool(lease_flags & LEASE_MAP)
+        found: list[tuple[ItemMeta, int] | None] = []
+        held: list[str] = []
+        chunks: list[StoredChunk] = []
+        arena = tiers.arena
+        for key in keys:
+            if want_map:
+                chunk = await tiers.get(key)
+                counters["gets"] += 1
+                if chunk is None:
+                    counters["misses"] += 1
+                    found.append(None)
+                    continue
+                offset = arena.offset_of(chunk.buffer) if arena is not None else None
+                counters["hits"] += 1
+                if offset is not None:
+                    counters["shm_get_bytes"] += chunk.meta.nbytes
+                found.append((chunk.meta, NO_OFFSET if offset is None else offset))
+                chunks.append(chunk)
+            else:
+                item = tiers.meta_of(key)
+                found.append(None if item is None else (item, NO_OFFSET))
+                if item is None:
+                    continue
+            held.append(key)
+        conn = session.conn
+        lease_id = tiers.leases.grant(held, chunks, ttl_ms, owner=conn) if held else 0
+        if lease_id and conn.closed:
+            tiers.leases.release_owner(conn)  # it closed while we fetched: its teardown has already run
+        return encode_lease_response(lease_id, found, node.config.limits), []
+
+    async def release(self, meta: bytearray, session: Session) -> Reply:
+        lease_id, keys = decode_release(meta, self.node.config.limits)
+        return encode_json({"released": self.node.tiers.leases.release(lease_id, keys)}), []
+
+    async def put_staged(self, meta: bytearray, session: Session) -> Reply:
+        puts = self.node.puts
+        return await puts.commit(await puts.receive_staged(meta, session))
+
+    async def channel_get(self, meta: bytearray, session: Session) -> Reply:
+        """CHANNEL_GET: join the pair if new, answer which keys are held, send their bytes over the pair."""
+        node = self.node
+        channel = node.channel
+        if channel is None:
+            raise ProtocolError(f"node {node.node_id} serves no channel (start it with --channel)")
+        pair, keys = decode_channel_request(meta, node.config.limits)
+        if not keys:
+            # Pairing: answered once the offer is taken; the join runs on with its own deadline,
+            # so a slow NCCL init never holds this request (and the client's connection) open.
+            await channel.start_join(pair)
+            return encode_channel_response([], node.config.limits), []
+        await channel.join(pair)  # NcclError: answered as an error; the client falls back to TCP
+        found, buffers = await self._fetch(keys, channel=True)  # keys past the limit are read over TCP
+        if buffers:
+            # The client receives after reading the answer; the pair's lock keeps batches in order.
+            node.spawn(channel.send(pair, buffers))
+        return encode_channel_response(found, node.config.limits), []
+
+    async def stat(self, meta: bytearray, session: Session) -> Reply:
+        return encode_json(self.node.stats()), []
+
+    async def ping(self, meta: bytearray, session: Session) -> Reply:
+        return encode_json({"node_id": self.node.node_id, "epoch": self.node.epoch}), []

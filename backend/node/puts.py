@@ -1,0 +1,185 @@
+"""A put on the node: bytes into reserved DRAM, verified, then the index commit, then the ack.
+
+Crash ordering: receive every byte into space reserved in the tier -> verify each
+chunk's checksum -> insert into the tier -> commit the index entries to Redis in one
+pipeline -> ack. A key becomes visible only at the commit, after its bytes are
+complete; a put that fails anywhere before the commit leaves nothing behind. If the
+commit itself fails the chunks are dropped again and the client is told, so nothing
+is acknowledged that readers cannot find.
+
+Bytes come off the socket (PUT_BATCH) or out of the client's shared-memory stage
+(PUT_STAGED); both go through :meth:`PutReceiver.take_chunks`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from backend.errors import CapacityError, MetadataError, ProtocolError
+from backend.metadata import Location
+from backend.node.buffers import ChunkBuffer
+from backend.node.dram import StoredChunk
+from backend.node.tiers import DRAM, PUT_RESERVE_WAIT_S
+from backend.protocol import (
+    PUT_INTEGRITY,
+    PUT_NO_CAPACITY,
+    PUT_STORED,
+    ItemMeta,
+    checksum,
+    decode_put_staged,
+    encode_flags,
+)
+from backend.threads import map_in_threads
+from backend.transport import BULK_BYTES, Buffer, FrameSocket
+
+if TYPE_CHECKING:
+    from backend.node.server import PoolNode
+    from backend.node.session import Session
+
+__all__ = ["PutReceiver", "Received"]
+
+BULK_COPY_THREADS = 2  # threads one staged put copies on (two cores' worth)
+PUT_WINDOW_BYTES = 64 * 1024 * 1024  # a put's chunks are received this many bytes at a time
+
+Received = list[tuple[int, ItemMeta, StoredChunk | None]]  # per item: PUT outcome, item, chunk inserted
+
+
+class PutReceiver:
+    """Receives puts into the node's tiers and commits them to the index."""
+
+    def __init__(self, node: PoolNode) -> None:
+        self.node = node
+
+    async def receive(self, conn: FrameSocket, items: list[ItemMeta]) -> Received:
+        """Receive a PUT_BATCH's chunks off the socket (see :meth:`take_chunks`)."""
+
+        async def fill(window: list[tuple[ItemMeta, ChunkBuffer]]) -> list[int]:
+            return await conn.recv_many([buffer for _, buffer in window], checksum)
+
+        return await self.take_chunks(items, fill, conn.discard)
+
+    async def receive_staged(self, meta: bytearray, session: Session) -> Received:
+        """Copy a PUT_STAGED's chunks out of the client's stage (see :meth:`take_chunks`)."""
+        name, token, items, offsets = decode_put_staged(meta, self.node.config.limits)
+        stage = session.stage(name, token)
+        offset_of = {id(item): offset for item, offset in zip(items, offsets)}
+
+        def copy(job: tuple[ItemMeta, ChunkBuffer]) -> int:
+            item, buffer = job
+            try:
+                return stage.copy_checked(buffer, offset_of[id(item)])
+            except ValueError as exc:
+                raise ProtocolError(f"PUT_STAGED offset of {item.key!r}: {exc}") from None
+
+        async def fill(window: list[tuple[ItemMeta, ChunkBuffer]]) -> list[int]:
+            if sum(item.nbytes for item, _ in window) < BULK_BYTES:
+                return [copy(job) for job in window]
+            return await map_in_threads(self.node.bulk, BULK_COPY_THREADS, copy, window)
+
+        async def drop(nbytes: int) -> None:
+            pass  # nothing to read off a socket
+
+        self.node.counters["staged_put_bytes"] += sum(item.nbytes for item in items)
+        return await self.take_chunks(items, fill, drop)
+
+    async def take_chunks(
+        self,
+        items: list[ItemMeta],
+        fill: Callable[[list[tuple[ItemMeta, ChunkBuffer]]], Awaitable[list[int]]],
+        drop: Callable[[int], Awaitable[None]],
+    ) -> Received:
+        """Bring each chunk into reserved DRAM and verify it; returns a PUT outcome per item.
+
+        Chunks come in windows of up to ``PUT_WINDOW_BYTES``: space for each is reserved
+        first, then ``fill`` brings the window's bytes (from the socket in one transfer,
+        or from a stage; on worker threads, checksums included) and answers each chunk's
+        checksum. A verified chunk enters the tiers at once (so a batch larger than DRAM
+        can demote its own first chunks), but is not visible to readers before the index
+        commit. A chunk this node already holds with the same bytes is not stored twice
+        (and so cannot be lost if this put fails). An item with no room is dropped
+        (``drop`` reads its bytes off the socket).
+        """
+        tiers = self.node.tiers
+        received: Received = []
+        window: list[tuple[ItemMeta, ChunkBuffer]] = []  # reserved, bytes not brought yet
+
+        async def receive_window() -> None:
+            try:
+                digests = await fill(window)
+            except BaseException:
+                for item, _ in window:
+                    tiers.release(item.nbytes)
+                window.clear()
+                raise
+            for (item, buffer), digest in zip(window, digests):
+                if digest != item.checksum:
+                    tiers.release(item.nbytes)
+                    received.append((PUT_INTEGRITY, item, None))
+                elif tiers.holds(item.key, item.checksum):
+                    tiers.release(item.nbytes)
+                    received.append((PUT_STORED, item, None))
+                else:
+                    chunk = StoredChunk(item, buffer)
+                    tiers.insert(chunk)
+                    received.append((PUT_STORED, item, chunk))
+            window.clear()
+
+        try:
+            for item in items:
+                try:
+                    # Another stripe of the put may fill DRAM with its window: with no window of its
+                    # own (nothing another waiter could wait for), this chunk may wait for that one.
+                    await tiers.reserve(item.nbytes, wait_s=0.0 if window else PUT_RESERVE_WAIT_S)
+                except CapacityError:
+                    if not window:
+                        await drop(item.nbytes)
+                        received.append((PUT_NO_CAPACITY, item, None))
+                        continue
+                    await receive_window()  # the window's chunks become evictable for this one
+                    try:
+                        await tiers.reserve(item.nbytes, wait_s=PUT_RESERVE_WAIT_S)
+                    except CapacityError:
+                        await drop(item.nbytes)
+                        received.append((PUT_NO_CAPACITY, item, None))
+                        continue
+                window.append((item, tiers.take_buffer(item.nbytes)))
+                if sum(i.nbytes for i, _ in window) >= PUT_WINDOW_BYTES:
+                    await receive_window()
+            if window:
+                await receive_window()
+        except BaseException:
+            # The frame never completed (peer gone, stalled): nothing of it stays.
+            await self._discard_uncommitted([c for _, _, c in received if c is not None])
+            raise
+        return received
+
+    async def _discard_uncommitted(self, chunks: list[StoredChunk]) -> None:
+        for chunk in chunks:
+            await self.node.tiers.discard(chunk)
+
+    async def commit(self, received: Received) -> tuple[bytes, list[Buffer]]:
+        """Make the stored chunks visible in the index, then answer each item's outcome."""
+        node, tiers, counters = self.node, self.node.tiers, self.node.counters
+        flags: list[int] = []
+        visible: list[tuple[str, Location]] = []
+        for flag, item, _ in received:
+            if flag == PUT_STORED and not tiers.holds(item.key, item.checksum):
+                flag = PUT_NO_CAPACITY  # evicted by a later chunk of its own batch: never acknowledge it
+            if flag == PUT_STORED:
+                visible.append((item.key, node.publisher.location(item, tiers.tier_of(item.key) or DRAM)))
+            flags.append(flag)
+        counters["put_rejected_capacity"] += flags.count(PUT_NO_CAPACITY)
+        counters["integrity_failures"] += flags.count(PUT_INTEGRITY)
+        try:
+            await node.meta.commit(visible)
+        except MetadataError:
+            # Not visible, so not kept: a put is acknowledged only once readers can find it.
+            await self._discard_uncommitted([c for _, _, c in received if c is not None])
+            raise
+        with contextlib.suppress(MetadataError):
+            await node.publisher.flush_index()  # what the batch evicted; kept for the heartbeat if this fails
+        counters["puts"] += len(visible)
+        counters["put_bytes"] += sum(loc.nbytes for _, loc in visible)
+        return encode_flags(flags), []

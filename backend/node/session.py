@@ -1,0 +1,258 @@
+"""Client connections to a node: the accept loop, and one session per connection.
+
+A session sniffs TLS (a node with a certificate serves TLS only, and tells a
+plaintext kvpool client so in a plaintext error frame), authenticates (HELLO gives
+a nonce, AUTH answers its HMAC with the pool token), then runs the frame loop:
+requests are received in stream order, and each is answered by its handler
+(``ops.py``) while the next one is received, up to 32 in flight. Once a header has
+arrived the rest of its frame must follow within ``frame_timeout_s``; a reply the
+client does not read within ``REPLY_TIMEOUT_S`` closes the connection. A malformed
+frame is answered with an error frame and closes this connection only.
+
+What a connection holds ends with it: its leases (nobody is left to release them),
+and the client stages it mapped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import ssl
+import time
+from typing import TYPE_CHECKING, Any
+
+from backend.errors import AuthError, KVPoolError, NodeUnavailable, ProtocolError
+from backend.protocol import (
+    MAGIC,
+    RESPONSE_BIT,
+    Header,
+    Op,
+    auth_mac,
+    decode_items,
+    decode_json,
+    encode_header,
+    encode_json,
+    status_for_error,
+)
+from backend.shm import STAGE_NAME_RE, ArenaView
+from backend.transport import Buffer, FrameSocket
+
+if TYPE_CHECKING:
+    from backend.node.server import PoolNode
+
+__all__ = ["Session", "accept_loop"]
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUESTS_IN_FLIGHT_PER_CONNECTION = 32
+REPLY_TIMEOUT_S = 30.0  # a reply the client does not read in this time closes the connection
+ACCEPT_RETRY_S = 0.1
+
+
+async def accept_loop(node: PoolNode) -> None:
+    """Accept connections until cancelled; a session task per connection."""
+    assert node.listener is not None
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            try:
+                sock, address = await loop.sock_accept(node.listener)
+            except OSError as exc:  # EMFILE, ECONNABORTED, ...: keep accepting
+                node.counters["accept_errors"] += 1
+                logger.warning("node %s: accept failed: %s", node.node_id, exc)
+                await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
+            node.counters["connections_accepted"] += 1
+            conn = FrameSocket(sock, loop, f"{address[0]}:{address[1]}", node.bulk)
+            node.spawn(Session(node, conn).serve())
+    except asyncio.CancelledError:
+        raise
+    except BaseException:
+        # A node that cannot accept must not stay registered as alive.
+        logger.exception("node %s: accept loop failed; stopping", node.node_id)
+        node.request_stop()
+        raise
+
+
+class Session:
+    """One client connection: TLS, authentication, the frame loop, and what the connection holds."""
+
+    def __init__(self, node: PoolNode, conn: FrameSocket) -> None:
+        self.node = node
+        self.conn = conn
+        self.stages: dict[tuple[str, str], ArenaView] = {}  # its client's stages: mapped for this connection only
+        self._authed = not node.config.token
+        self._nonce = b""
+        self._in_flight = asyncio.Semaphore(MAX_REQUESTS_IN_FLIGHT_PER_CONNECTION)
+
+    async def serve(self) -> None:
+        node, conn, config = self.node, self.conn, self.node.config
+        node.connections.add(conn)
+        header: Header | None = None
+        try:
+            if node.tls is not None and not await self._start_tls(node.tls):
+                return
+            while True:
+                header = None  # an error before the header parses answers request id 0
+                header = await conn.recv_header(config.limits)
+                started = time.perf_counter()
+                async with asyncio.timeout(config.frame_timeout_s):
+                    meta = await conn.recv_meta(header)
+                if header.is_response:
+                    raise ProtocolError(f"client sent a response frame (op {header.op})")
+                op = header.base_op
+                if op != Op.PUT_BATCH and header.data_len:
+                    raise ProtocolError(f"op {op} carries no data, got {header.data_len} bytes")
+                if op in (Op.HELLO, Op.AUTH):
+                    await self._reply(header, self._handshake(op, meta))
+                    continue
+                if not self._authed:
+                    node.counters["auth_failures"] += 1
+                    raise AuthError("this node requires a token: send HELLO and AUTH first")
+                if op == Op.PUT_BATCH:
+                    # Bytes must leave the socket in order, so the receive happens here;
+                    # verification, commit and reply overlap with the next request.
+                    items = decode_items(meta, header.data_len, config.limits)
+                    async with asyncio.timeout(config.frame_timeout_s):
+                        received = await node.puts.receive(conn, items)
+                    await self._in_flight.acquire()
+                    node.spawn(self._finish(header, node.puts.commit(received), started))
+                    continue
+                await self._in_flight.acquire()
+                node.spawn(self._finish(header, node.ops.handle(op, meta, self), started))
+        except asyncio.CancelledError:
+            raise
+        except NodeUnavailable:
+            pass  # the client went away
+        except TimeoutError:
+            node.counters["stalled_connections"] += 1
+            logger.warning("node %s: %s stalled mid-frame for %.0f s; closing", node.node_id, conn.peer,
+                           config.frame_timeout_s)  # fmt: skip
+        except KVPoolError as exc:
+            if isinstance(exc, ProtocolError):
+                node.counters["protocol_errors"] += 1
+            elif not isinstance(exc, AuthError):  # refused tokens are counted once, as auth_failures
+                node.counters["connection_errors"] += 1
+            logger.warning("node %s: closing connection from %s: %s", node.node_id, conn.peer, exc)
+            with contextlib.suppress(KVPoolError, OSError):
+                async with asyncio.timeout(1.0):
+                    await self._reply_error(header, exc)
+        except OSError as exc:
+            logger.info("node %s: connection from %s failed: %s", node.node_id, conn.peer, exc)
+        finally:
+            conn.close()
+            node.connections.discard(conn)
+            # Its client is gone (crashed, or gave up on the connection): nobody will release
+            # what it leased, and pinned DRAM would refuse puts until the ttl ran out.
+            node.tiers.leases.release_owner(conn)
+            self.stages.clear()
+
+    def _handshake(self, op: int, meta: bytearray) -> bytes:
+        """HELLO: this node and a fresh nonce. AUTH: the nonce's HMAC with the token, or AuthError."""
+        node = self.node
+        if op == Op.HELLO:
+            self._nonce = secrets.token_bytes(32)
+            return encode_json({"node_id": node.node_id, "epoch": node.epoch, "auth_required": bool(node.config.token),
+                                "nonce": self._nonce.hex()})  # fmt: skip
+        self._authed = self._check_auth(decode_json(meta))
+        if not self._authed:
+            node.counters["auth_failures"] += 1
+            raise AuthError("wrong or missing token")
+        return encode_json({"ok": True})
+
+    async def _start_tls(self, context: ssl.SSLContext) -> bool:
+        """Complete a TLS handshake within the frame timeout; False (counted, logged) if it fails.
+
+        A plaintext kvpool client is told, in a plaintext error frame, that this node serves TLS only.
+        """
+        node, conn = self.node, self.conn
+        header: Header | None = None
+        try:
+            async with asyncio.timeout(node.config.frame_timeout_s):
+                if await conn.peek_byte() != MAGIC[0]:
+                    await conn.start_tls(context)
+                    return True
+                header = await conn.recv_header(node.config.limits)
+            raise ProtocolError("this node serves TLS only: add tls=on (and tls_ca=PATH) to the pool URL")
+        except (KVPoolError, TimeoutError) as exc:
+            node.counters["tls_failures"] += 1
+            logger.warning("node %s: TLS from %s failed: %s", node.node_id, conn.peer, exc or "timed out")
+            if header is not None:
+                with contextlib.suppress(KVPoolError, OSError):
+                    async with asyncio.timeout(1.0):
+                        await self._reply_error(header, exc)
+            return False
+
+    def _check_auth(self, body: dict[str, Any]) -> bool:
+        token = self.node.config.token
+        if not token:
+            return True
+        mac = body.get("mac")
+        if not self._nonce or not isinstance(mac, str):
+            return False
+        # As bytes: compare_digest refuses str with non-ASCII characters (a TypeError, not a refusal).
+        given = mac.encode("utf-8", "surrogatepass")
+        return hmac.compare_digest(given, auth_mac(token, self._nonce).encode("ascii"))
+
+    def stage(self, name: str, token: str) -> ArenaView:
+        """The client's stage named in a PUT_STAGED, mapped read-only once per connection.
+
+        Only a file in this node's arena directory, with a stage's name, of this node's
+        user, whose header carries ``token``: no client can make the node read any other file.
+        """
+        arena = self.node.tiers.arena
+        if arena is None:
+            raise ProtocolError(f"node {self.node.node_id} has no shared-memory arena: put over TCP")
+        if not STAGE_NAME_RE.match(name):
+            raise ProtocolError(f"{name!r} is not a kvpool stage name")
+        view = self.stages.get((name, token))
+        if view is None:
+            try:
+                view = ArenaView(str(arena.path.parent / name), token, owned=True)
+            except (OSError, ValueError) as exc:
+                raise ProtocolError(f"stage {name} cannot be used: {exc}") from None
+            self.stages[(name, token)] = view
+        return view
+
+    async def _finish(self, header: Header, work: Any, started: float) -> None:
+        node, conn = self.node, self.conn
+        try:
+            try:
+                meta, data = await work
+            except Exception as exc:
+                node.counters["request_errors"] += 1
+                if not isinstance(exc, KVPoolError):
+                    logger.exception("node %s: internal error serving op %d", node.node_id, header.base_op)
+                await self._reply_error(header, exc)
+                if isinstance(exc, ProtocolError):
+                    # A malformed request: this peer's stream can't be trusted any more.
+                    node.counters["protocol_errors"] += 1
+                    logger.warning("node %s: closing connection from %s: %s", node.node_id, conn.peer, exc)
+                    conn.close()
+                return
+            await self._reply(header, meta, data)
+            node.statistics.served(Op(header.base_op).name.lower(), started)
+        except (NodeUnavailable, OSError):
+            conn.close()
+        finally:
+            self._in_flight.release()
+
+    async def _reply(self, header: Header, meta: bytes, data: list[Buffer] | None = None) -> None:
+        data = data or []
+        data_len = sum(len(b) for b in data)
+        head = encode_header(header.base_op | RESPONSE_BIT, header.request_id, meta, data_len)
+        try:
+            async with asyncio.timeout(REPLY_TIMEOUT_S):
+                await self.conn.send([head, meta, *data])
+        except TimeoutError:
+            self.conn.close()  # the client stopped reading: do not pin buffers for it
+            raise NodeUnavailable(f"{self.conn.peer} did not read its reply in {REPLY_TIMEOUT_S:.0f} s") from None
+
+    async def _reply_error(self, header: Header | None, exc: BaseException) -> None:
+        message = str(exc).encode("utf-8", "replace")[:4096]
+        op = (header.base_op if header is not None else Op.PING) | RESPONSE_BIT
+        request_id = header.request_id if header is not None else 0
+        await self.conn.send([encode_header(op, request_id, message, 0, status_for_error(exc)), message])

@@ -1,0 +1,70 @@
+"""What a node counts about itself: counters, recent rates and service times, and the STAT report."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from backend.node.server import PoolNode
+
+__all__ = ["NodeStats"]
+
+LATENCY_SAMPLES = 1024
+RECENT_WINDOW_S = 300  # "recent" rates in STAT cover the last five minutes
+RECENT_SNAPSHOTS = 400
+
+
+class NodeStats:
+    """The node's counters, a snapshot of them per heartbeat, and the last service times per op."""
+
+    def __init__(self) -> None:
+        self.counters: Counter[str] = Counter()
+        self._started_monotonic = time.monotonic()
+        self._snapshots: collections.deque[tuple[float, int, int, int]] = collections.deque(maxlen=RECENT_SNAPSHOTS)
+        self._snapshots.append((time.monotonic(), 0, 0, 0))  # the window of a young node starts at zero
+        # the last LATENCY_SAMPLES service times per op, for p50/p99 in STAT
+        self.latency: dict[str, collections.deque[float]] = defaultdict(
+            lambda: collections.deque(maxlen=LATENCY_SAMPLES)
+        )
+
+    def served(self, op_name: str, started: float) -> None:
+        """One request answered: counted, and its service time kept."""
+        self.counters["requests"] += 1
+        self.latency[op_name].append((time.perf_counter() - started) * 1000)
+
+    def tick(self) -> None:
+        """Keep a snapshot for the recent rates (once per heartbeat)."""
+        self._snapshots.append(self._snapshot())
+
+    def report(self, node: PoolNode) -> dict[str, Any]:
+        """STAT's answer (and what /metrics exports)."""
+        tiers = node.tiers
+        return {
+            "node_id": node.node_id,
+            "epoch": node.epoch,
+            "uptime_s": round(time.monotonic() - self._started_monotonic, 3),
+            "counters": dict(self.counters + tiers.counters + tiers.leases.counters + node.other_counters()),
+            "objects": len(tiers),
+            "leases": len(tiers.leases),
+            "arena": tiers.arena.stats() if tiers.arena is not None else None,
+            "tiers": tiers.stats(),
+            "recovery": dataclasses.asdict(node.recovery) if node.recovery else None,
+            "latency_ms": {op: sorted(samples) for op, samples in self.latency.items() if samples},
+            "recent": self._recent(),
+        }
+
+    def _snapshot(self) -> tuple[float, int, int, int]:
+        c = self.counters
+        return (time.monotonic(), c["requests"], c["gets"], c["hits"])
+
+    def _recent(self) -> dict[str, Any]:
+        """Requests, gets and hits over the last ``RECENT_WINDOW_S`` (or since start)."""
+        now = self._snapshot()
+        old = next((s for s in self._snapshots if now[0] - s[0] <= RECENT_WINDOW_S), self._snapshots[-1])
+        window = max(now[0] - old[0], 1e-3)
+        return {"window_s": round(window, 1), "requests_per_s": round((now[1] - old[1]) / window, 3),
+                "gets": now[2] - old[2], "hits": now[3] - old[3]}  # fmt: skip
