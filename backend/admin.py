@@ -15,8 +15,9 @@ from typing import Any
 from backend.client import Chunk, PoolClient
 from backend.client.index import glob_escape
 from backend.errors import ConfigError, KVPoolError
+from backend.latency import Histogram, LatencyHistograms
 from backend.metadata import Location, NodeInfo
-from backend.protocol import Op, decode_flags, decode_json, encode_json, encode_keys
+from backend.protocol import InventoryRow, Verified
 
 __all__ = [
     "pool_status",
@@ -31,7 +32,7 @@ __all__ = [
 
 DRAIN_BATCH_ITEMS = 64
 DRAIN_BATCH_BYTES = 256 * 1024 * 1024  # memory a drain holds at once
-INVENTORY_PAGE = 1000
+SCAN_BATCH = 1000  # index keys per batch when evicting or flushing by pattern
 CHECK_SAMPLE = 100  # chunks whose checksum `check` re-verifies without --deep
 
 Progress = Callable[[int, int], None]  # (done, total)
@@ -52,7 +53,7 @@ async def _stats_of(client: PoolClient, nodes: Sequence[NodeInfo]) -> dict[str, 
     for node in nodes:
         if node.alive:
             try:
-                out[node.node_id] = await client.node_stats(node)
+                out[node.node_id] = await client.node_admin.stats(node)
             except KVPoolError:
                 pass  # the registry's figures (up to a heartbeat old) stand
     return out
@@ -150,29 +151,30 @@ async def iter_keys(
                 return
 
 
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return float(sorted_values[index])
-
-
 async def pool_stats(client: PoolClient) -> dict[str, Any]:
-    """Counters summed over live nodes, and p50/p99 service time per op."""
+    """Counters summed over live nodes, and per op the requests served and p50/p99 service time.
+
+    The quantiles are estimated from the nodes' latency histograms added together
+    (``backend.latency``), so they cover every request since each node started.
+    """
     nodes = await client.index.nodes()
     stats = await _stats_of(client, nodes)
     totals: dict[str, int] = defaultdict(int)
-    samples: dict[str, list[float]] = defaultdict(list)
+    summed: dict[str, Histogram] = {}
     for s in stats.values():
         for name, value in s["counters"].items():
             totals[name] += int(value)
-        for op, values in s.get("latency_ms", {}).items():
-            samples[op].extend(values)
+        if "latency" not in s:
+            continue  # a node of a version before the histograms
+        for op, histogram in LatencyHistograms.from_json(s["latency"]).ops.items():
+            if op not in summed:
+                summed[op] = Histogram(histogram.bounds)
+            if histogram.bounds == summed[op].bounds:  # nodes of one version share their buckets
+                summed[op].add(histogram)
     latency = {
-        op: {
-            "count": len(v),
-            "p50_ms": round(_percentile(sorted(v), 0.5), 3),
-            "p99_ms": round(_percentile(sorted(v), 0.99), 3),
-        }
-        for op, v in sorted(samples.items())
+        op: {"count": h.count, "p50_ms": round(h.quantile(0.5) * 1000, 3), "p99_ms": round(h.quantile(0.99) * 1000, 3)}
+        for op, h in sorted(summed.items())
+        if h.count
     }
     return {"nodes": len(stats), "counters": dict(sorted(totals.items())), "latency": latency}
 
@@ -185,23 +187,9 @@ async def evict(client: PoolClient, keys: Sequence[str] = (), *, model: str | No
     if not model and not prefix:
         raise ConfigError("evict", "name keys, or --model / --prefix")
     removed = 0
-    async for batch in client.index.scan_key_batches(_match(model, prefix), INVENTORY_PAGE):
+    async for batch in client.index.scan_key_batches(_match(model, prefix), SCAN_BATCH):
         removed += await client.delete(batch)
     return removed
-
-
-async def _inventory(client: PoolClient, node: NodeInfo) -> AsyncIterator[list[list[Any]]]:
-    after = ""
-    while True:
-        page = decode_json(
-            await client.node_request(node, Op.INVENTORY, encode_json({"after": after, "limit": INVENTORY_PAGE}))
-        )
-        items = page.get("items", [])
-        if items:
-            yield items
-            after = items[-1][0]
-        if not page.get("more") or not items:
-            return
 
 
 async def drain(
@@ -225,19 +213,19 @@ async def drain(
             raise ConfigError("--to", "the target is the node being drained")
     await client.index.set_draining(node_id, True)
     await client.nodes(refresh=True)
-    total = int((await client.node_stats(source))["objects"])
+    total = int((await client.node_admin.stats(source))["objects"])
     moved = already = lost = 0
-    async for page in _inventory(client, source):
+    async for page in client.node_admin.inventory_pages(source):
         for group in _groups(page, batch):
-            entries = await client.index.lookup([row[0] for row in group])
+            entries = await client.index.lookup([row.key for row in group])
             live = {n.node_id: n for n in await client.nodes(refresh=True)}
             claimed: dict[str, list[str]] = defaultdict(list)  # node id -> keys the index says it holds
             for row, entry in zip(group, entries):
                 for loc in entry:
                     if _safe_copy(loc, row, node_id, live):
-                        claimed[loc.node_id].append(row[0])
+                        claimed[loc.node_id].append(row.key)
             elsewhere = await _confirmed(client, live, claimed)
-            copy = [(row[0], int(row[2])) for row in group if row[0] not in elsewhere]
+            copy = [(row.key, row.nbytes) for row in group if row.key not in elsewhere]
             fetched = await client.fetch_from(source, copy) if copy else []
             chunks = [
                 Chunk(f.meta.key, f.data, f.meta.dtype, f.meta.shape, f.meta.fmt) for f in fetched if f is not None
@@ -247,7 +235,7 @@ async def drain(
                 await client.put(chunks, only=[to] if to else None)
             done = [c.key for c in chunks] + sorted(elsewhere)
             if done:
-                await client.node_request(source, Op.DELETE_BATCH, encode_keys(done))
+                await client.node_admin.delete_on(source, done)
             moved += len(chunks)
             already += len(elsewhere)
             if progress is not None:
@@ -255,10 +243,10 @@ async def drain(
     return {"node_id": node_id, "moved": moved, "already_elsewhere": already, "unreadable": lost, "draining": True}
 
 
-def _safe_copy(loc: Location, row: list[Any], draining: str, live: dict[str, NodeInfo]) -> bool:
+def _safe_copy(loc: Location, row: InventoryRow, draining: str, live: dict[str, NodeInfo]) -> bool:
     """Whether ``loc`` is another good copy of inventory ``row``: live node, same epoch, same bytes."""
     node = live.get(loc.node_id)
-    return loc.node_id != draining and node is not None and node.epoch == loc.epoch and loc.checksum == int(row[3])
+    return loc.node_id != draining and node is not None and node.epoch == loc.epoch and loc.checksum == row.checksum
 
 
 async def _confirmed(client: PoolClient, live: dict[str, NodeInfo], claimed: dict[str, list[str]]) -> set[str]:
@@ -271,23 +259,23 @@ async def _confirmed(client: PoolClient, live: dict[str, NodeInfo], claimed: dic
     held: set[str] = set()
     for nid, keys in claimed.items():
         try:
-            reply = await client.node_request(live[nid], Op.EXISTS_BATCH, encode_keys(keys))
+            present = await client.node_admin.exists(live[nid], keys)
         except KVPoolError:
             continue
-        held.update(key for key, here in zip(keys, decode_flags(reply, len(keys))) if here)
+        held.update(key for key, here in zip(keys, present) if here)
     return held
 
 
-def _groups(page: list[list[Any]], batch: int) -> list[list[list[Any]]]:
+def _groups(page: list[InventoryRow], batch: int) -> list[list[InventoryRow]]:
     """Split inventory rows into groups of at most ``batch`` chunks and ``DRAIN_BATCH_BYTES``."""
-    groups: list[list[list[Any]]] = [[]]
+    groups: list[list[InventoryRow]] = [[]]
     size = 0
     for row in page:
-        if groups[-1] and (len(groups[-1]) >= batch or size + int(row[2]) > DRAIN_BATCH_BYTES):
+        if groups[-1] and (len(groups[-1]) >= batch or size + row.nbytes > DRAIN_BATCH_BYTES):
             groups.append([])
             size = 0
         groups[-1].append(row)
-        size += int(row[2])
+        size += row.nbytes
     return [g for g in groups if g]
 
 
@@ -295,16 +283,14 @@ async def flush(client: PoolClient, progress: Progress | None = None) -> dict[st
     """Wipe the namespace's data: every node's chunks and every index entry (nodes stay)."""
     deleted = 0
     nodes = await client.nodes(refresh=True)
-    total = sum([int((await client.node_stats(n))["objects"]) for n in nodes])
+    total = sum([int((await client.node_admin.stats(n))["objects"]) for n in nodes])
     for node in nodes:
-        async for page in _inventory(client, node):
-            flags = decode_flags(await client.node_request(node, Op.DELETE_BATCH, encode_keys([r[0] for r in page])),
-                                 len(page))  # fmt: skip
-            deleted += sum(flags)
+        async for page in client.node_admin.inventory_pages(node):
+            deleted += sum(await client.node_admin.delete_on(node, [row.key for row in page]))
             if progress is not None:
                 progress(deleted, max(total, deleted))
     removed = 0
-    async for batch in client.index.scan_key_batches(batch=INVENTORY_PAGE):
+    async for batch in client.index.scan_key_batches(batch=SCAN_BATCH):
         removed += await client.index.delete(batch)
     return {"chunks_deleted": deleted, "index_entries_removed": removed}
 
@@ -335,27 +321,26 @@ async def check(client: PoolClient, *, fix: bool = False, deep: bool = False,
                     by_node[loc.node_id].append((key, loc))
         for nid, pairs in by_node.items():
             keys = [k for k, _ in pairs]
-            present = decode_flags(await client.node_request(alive[nid], Op.EXISTS_BATCH, encode_keys(keys)), len(keys))
+            present = await client.node_admin.exists(alive[nid], keys)
             held = [(k, loc) for (k, loc), here in zip(pairs, present) if here]
             orphan_entries += [(k, loc) for (k, loc), here in zip(pairs, present) if not here]
             to_verify = held if deep else held[: max(0, CHECK_SAMPLE - verified)]
             if to_verify:
-                vkeys = [k for k, _ in to_verify]
-                status = decode_flags(
-                    await client.node_request(alive[nid], Op.VERIFY_BATCH, encode_keys(vkeys)), len(vkeys)
-                )
-                corrupt += [(k, loc) for (k, loc), st in zip(to_verify, status) if st != 0]
+                status = await client.node_admin.verify(alive[nid], [k for k, _ in to_verify])
+                corrupt += [(k, loc) for (k, loc), st in zip(to_verify, status) if st != Verified.OK]
                 verified += len(to_verify)
         scanned += len(batch)
         if progress is not None:
             progress(scanned, scanned)
     orphan_bytes: list[tuple[str, Location]] = []
     for node in alive.values():
-        async for page in _inventory(client, node):
-            entries = await client.index.lookup([row[0] for row in page])
-            for (key, tier, nbytes, item_sum), entry in zip(page, entries):
+        async for page in client.node_admin.inventory_pages(node):
+            entries = await client.index.lookup([row.key for row in page])
+            for row, entry in zip(page, entries):
                 if not any(loc.node_id == node.node_id and loc.epoch == node.epoch for loc in entry):
-                    orphan_bytes.append((key, Location(node.node_id, node.epoch, tier, int(nbytes), int(item_sum))))
+                    orphan_bytes.append(
+                        (row.key, Location(node.node_id, node.epoch, row.tier, row.nbytes, row.checksum))
+                    )
     report: dict[str, Any] = {
         "index_entries": scanned,
         "verified": verified,
@@ -411,8 +396,8 @@ async def _still_orphaned(
     held: list[tuple[str, Location]] = []
     for node_id, pairs in by_node.items():
         keys = [k for k, _ in pairs]
-        status = decode_flags(await client.node_request(fresh[node_id], Op.VERIFY_BATCH, encode_keys(keys)), len(keys))
-        held += [pair for pair, st in zip(pairs, status) if st == 0]
+        status = await client.node_admin.verify(fresh[node_id], keys)
+        held += [pair for pair, st in zip(pairs, status) if st == Verified.OK]
     return held
 
 

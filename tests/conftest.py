@@ -19,7 +19,9 @@ import pytest
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
+from backend.client import PoolClient
 from backend.embedded import EmbeddedRedis
+from backend.metadata import NodeInfo
 from backend.node.arena import remove_stale_arenas
 
 REPO = Path(__file__).resolve().parent.parent
@@ -173,3 +175,12 @@ def stack_factory() -> Iterator[Any]:
     yield make
     for stack in made:
         stack.close()
+
+
+async def raw_request(client: PoolClient, node: NodeInfo, op: int, meta: bytes) -> bytes:
+    """One request of any op to ``node`` over ``client``'s connections; the answer's meta.
+
+    For tests that send what no client method sends (a lease by hand, a bad flag):
+    the client's own requests go through its typed methods.
+    """
+    return bytes(await client.connections.pool(node).request(op, meta))

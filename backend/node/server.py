@@ -22,7 +22,7 @@ import signal
 import socket
 import ssl
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,6 +38,7 @@ from backend.errors import (
     NodeUnavailable,
     ProtocolError,
 )
+from backend.latency import LatencyHistograms
 from backend.metadata import Beat, Location, MetadataStore, NodeInfo
 from backend.metrics import NodeMetricsServer
 from backend.node.buffers import ChunkBuffer
@@ -85,7 +86,6 @@ __all__ = ["NodeConfig", "PoolNode", "run_node"]
 logger = logging.getLogger(__name__)
 
 MAX_REQUESTS_IN_FLIGHT_PER_CONNECTION = 32
-LATENCY_SAMPLES = 1024
 RECENT_WINDOW_S = 300  # "recent" rates in STAT cover the last five minutes
 RECENT_SNAPSHOTS = 400
 INVENTORY_PAGE_MAX = 10_000
@@ -168,10 +168,7 @@ class PoolNode:
         self.metrics: NodeMetricsServer | None = None
         self._snapshots: collections.deque[tuple[float, int, int, int]] = collections.deque(maxlen=RECENT_SNAPSHOTS)
         self._snapshots.append((time.monotonic(), 0, 0, 0))  # the window of a young node starts at zero
-        # the last LATENCY_SAMPLES service times per op, for p50/p99 in STAT
-        self.latency: dict[str, collections.deque[float]] = defaultdict(
-            lambda: collections.deque(maxlen=LATENCY_SAMPLES)
-        )
+        self.latency = LatencyHistograms()  # service time per op, for STAT and /metrics
         self._stopping = asyncio.Event()
         self._bulk = ThreadPoolExecutor(BULK_THREADS, thread_name_prefix="kvpool-node-bulk")
         self._stages: dict[FrameSocket, dict[tuple[str, str], ArenaView]] = {}  # per connection: its client's stages
@@ -311,7 +308,7 @@ class PoolNode:
             "arena": self.tiers.arena.stats() if self.tiers.arena is not None else None,
             "tiers": self.tiers.stats(),
             "recovery": dataclasses.asdict(self.recovery) if self.recovery else None,
-            "latency_ms": {op: sorted(samples) for op, samples in self.latency.items() if samples},
+            "latency": self.latency.to_json(),
             "recent": self._recent(),
         }
 
@@ -572,7 +569,7 @@ class PoolNode:
                 return
             await self._reply(conn, header, meta, data)
             self.counters["requests"] += 1
-            self.latency[Op(header.base_op).name.lower()].append((time.perf_counter() - started) * 1000)
+            self.latency.observe(Op(header.base_op).name.lower(), time.perf_counter() - started)
         except (NodeUnavailable, OSError):
             conn.close()
         finally:
