@@ -1,15 +1,19 @@
 """Admin operations behind the CLI: inspect, move and repair a pool.
 
-Each function takes a :class:`PoolClient` and returns plain data; the CLI only
-parses arguments and prints. Nothing here holds more than one batch of chunk
-bytes at a time.
+Each function takes a :class:`PoolClient`; the CLI only parses arguments and
+prints. The listings (status, nodes, ls, stats) return plain JSON-ready data; the
+operations that move or repair (drain, flush, check) return a report dataclass
+whose ``to_json()`` is what ``--json`` prints. Nothing here holds more than one
+batch of chunk bytes at a time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from backend.client import Chunk, PoolClient
@@ -28,6 +32,11 @@ __all__ = [
     "drain",
     "flush",
     "check",
+    "DrainReport",
+    "FlushReport",
+    "CheckReport",
+    "CheckFixes",
+    "Copy",
 ]
 
 DRAIN_BATCH_ITEMS = 64
@@ -36,6 +45,79 @@ SCAN_BATCH = 1000  # index keys per batch when evicting or flushing by pattern
 CHECK_SAMPLE = 100  # chunks whose checksum `check` re-verifies without --deep
 
 Progress = Callable[[int, int], None]  # (done, total)
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """What ``drain`` did: chunks copied elsewhere, already safe elsewhere, or unreadable on the node."""
+
+    node_id: str
+    moved: int
+    already_elsewhere: int
+    unreadable: int
+    draining: bool = True  # the node stays marked draining: placement sends it nothing new
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class FlushReport:
+    chunks_deleted: int
+    index_entries_removed: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One copy of a chunk that ``check`` reports: the key and where its bytes are (or were)."""
+
+    key: str
+    node_id: str
+    epoch: int
+    tier: str
+    nbytes: int
+
+    @classmethod
+    def of(cls, key: str, loc: Location) -> Copy:
+        return cls(key, loc.node_id, loc.epoch, loc.tier, loc.nbytes)
+
+
+@dataclass(frozen=True)
+class CheckFixes:
+    """What ``check --fix`` repaired."""
+
+    entries_removed: int
+    bytes_reindexed: int
+    dead_nodes_forgotten: int
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """What ``check`` found (and, with ``fix``, repaired)."""
+
+    index_entries: int  # index entries walked
+    verified: int  # copies whose checksum their node re-checked
+    orphan_entries: list[Copy]  # index entries whose node does not hold the bytes
+    orphan_bytes: list[Copy]  # bytes on a node that no index entry points at
+    corrupt: list[Copy]  # copies whose checksum failed (their node dropped them)
+    dead_node_entries: list[Copy]  # index entries of dead nodes, or of a node's ended run
+    dead_nodes: list[str]  # registered nodes that are not alive
+    fixed: CheckFixes | None = None
+
+    @property
+    def problems(self) -> int:
+        return (len(self.orphan_entries) + len(self.orphan_bytes) + len(self.corrupt)
+                + len(self.dead_node_entries) + len(self.dead_nodes))  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as ``kvpool check --json`` prints it (``fixed`` is ``{}`` when nothing was repaired)."""
+        out = dataclasses.asdict(self)
+        out["fixed"] = out["fixed"] or {}
+        out["problems"] = self.problems
+        return out
 
 
 def _match(model: str | None, prefix: str | None) -> str:
@@ -199,7 +281,7 @@ async def drain(
     to: str | None = None,
     batch: int = DRAIN_BATCH_ITEMS,
     progress: Progress | None = None,
-) -> dict[str, Any]:
+) -> DrainReport:
     """Move every chunk off ``node_id`` (bytes verified on the way), leaving it draining.
 
     The node is marked draining first, so placement sends no new writes there.
@@ -240,7 +322,7 @@ async def drain(
             already += len(elsewhere)
             if progress is not None:
                 progress(moved + already + lost, max(total, moved + already + lost))
-    return {"node_id": node_id, "moved": moved, "already_elsewhere": already, "unreadable": lost, "draining": True}
+    return DrainReport(node_id, moved, already, lost)
 
 
 def _safe_copy(loc: Location, row: InventoryRow, draining: str, live: dict[str, NodeInfo]) -> bool:
@@ -279,7 +361,7 @@ def _groups(page: list[InventoryRow], batch: int) -> list[list[InventoryRow]]:
     return [g for g in groups if g]
 
 
-async def flush(client: PoolClient, progress: Progress | None = None) -> dict[str, int]:
+async def flush(client: PoolClient, progress: Progress | None = None) -> FlushReport:
     """Wipe the namespace's data: every node's chunks and every index entry (nodes stay)."""
     deleted = 0
     nodes = await client.nodes(refresh=True)
@@ -292,11 +374,11 @@ async def flush(client: PoolClient, progress: Progress | None = None) -> dict[st
     removed = 0
     async for batch in client.index.scan_key_batches(batch=SCAN_BATCH):
         removed += await client.index.delete(batch)
-    return {"chunks_deleted": deleted, "index_entries_removed": removed}
+    return FlushReport(deleted, removed)
 
 
 async def check(client: PoolClient, *, fix: bool = False, deep: bool = False,
-                progress: Progress | None = None) -> dict[str, Any]:  # fmt: skip
+                progress: Progress | None = None) -> CheckReport:  # fmt: skip
     """fsck for the pool: index vs bytes on nodes, checksums, dead nodes; ``fix`` repairs.
 
     Finds index entries whose bytes are gone, bytes no entry points at, copies whose
@@ -341,20 +423,16 @@ async def check(client: PoolClient, *, fix: bool = False, deep: bool = False,
                     orphan_bytes.append(
                         (row.key, Location(node.node_id, node.epoch, row.tier, row.nbytes, row.checksum))
                     )
-    report: dict[str, Any] = {
-        "index_entries": scanned,
-        "verified": verified,
-        "orphan_entries": [_row(k, loc) for k, loc in orphan_entries],
-        "orphan_bytes": [_row(k, loc) for k, loc in orphan_bytes],
-        "corrupt": [_row(k, loc) for k, loc in corrupt],
-        "dead_node_entries": [_row(k, loc) for k, loc in dead_entries],
-        "dead_nodes": dead,
-        "fixed": {},
-    }
-    report["problems"] = sum(
-        len(report[k]) for k in ("orphan_entries", "orphan_bytes", "corrupt", "dead_node_entries", "dead_nodes")
+    report = CheckReport(
+        index_entries=scanned,
+        verified=verified,
+        orphan_entries=[Copy.of(k, loc) for k, loc in orphan_entries],
+        orphan_bytes=[Copy.of(k, loc) for k, loc in orphan_bytes],
+        corrupt=[Copy.of(k, loc) for k, loc in corrupt],
+        dead_node_entries=[Copy.of(k, loc) for k, loc in dead_entries],
+        dead_nodes=dead,
     )
-    if fix and report["problems"]:
+    if fix and report.problems:
         # Repair against a fresh view: a node may have come back or restarted meanwhile.
         fresh = {n.node_id: n for n in await client.index.nodes() if n.alive}
 
@@ -370,8 +448,8 @@ async def check(client: PoolClient, *, fix: bool = False, deep: bool = False,
         await client.index.commit(reindex)  # valid bytes nobody could find: index them
         for node_id in dead:
             await client.index.forget_node(node_id)
-        report["fixed"] = {"entries_removed": len(orphan_entries) + len(dead_entries) + len(corrupt),
-                           "bytes_reindexed": len(reindex), "dead_nodes_forgotten": len(dead)}  # fmt: skip
+        fixes = CheckFixes(len(orphan_entries) + len(dead_entries) + len(corrupt), len(reindex), len(dead))
+        report = dataclasses.replace(report, fixed=fixes)
     return report
 
 
@@ -400,6 +478,3 @@ async def _still_orphaned(
         held += [pair for pair, st in zip(pairs, status) if st == Verified.OK]
     return held
 
-
-def _row(key: str, loc: Location) -> dict[str, Any]:
-    return {"key": key, "node_id": loc.node_id, "epoch": loc.epoch, "tier": loc.tier, "nbytes": loc.nbytes}

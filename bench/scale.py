@@ -367,9 +367,9 @@ async def membership(pool: Pool, args: argparse.Namespace, chunks: Sequence[Chun
         out["drain"] = {
             "node": "n1",
             "working_set_keys_only_there": only_there,
-            "moved": report["moved"],
-            "already_elsewhere": report["already_elsewhere"],
-            "unreadable": report["unreadable"],
+            "moved": report.moved,
+            "already_elsewhere": report.already_elsewhere,
+            "unreadable": report.unreadable,
             "evictions_during_drain": evicted,
             "hits_before": hits_before,
             "hits_after": hits_after,
