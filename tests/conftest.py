@@ -7,17 +7,19 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
-from backend.client import PoolClient
 from backend.embedded import EmbeddedRedis
-from backend.metadata import NodeInfo
 from backend.node.arena import remove_stale_arenas
 from bench.nodes import NodeProcess
+
+if TYPE_CHECKING:
+    from backend.client import PoolClient
+    from backend.metadata import NodeInfo
 
 __all__ = ["REPO", "NodeProcess", "raw_request", "wait_until"]
 
