@@ -1,22 +1,27 @@
 """Admin operations behind the CLI: inspect, move and repair a pool.
 
-Each function takes a :class:`PoolClient` and returns plain data; the CLI only
-parses arguments and prints. Nothing here holds more than one batch of chunk
-bytes at a time.
+Each function takes a :class:`PoolClient`; the CLI only parses arguments and
+prints. The listings (status, nodes, ls, stats) return plain JSON-ready data; the
+operations that move or repair (drain, flush, check) return a report dataclass
+whose ``to_json()`` is what ``--json`` prints. Nothing here holds more than one
+batch of chunk bytes at a time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from backend.client import Chunk, PoolClient
 from backend.client.index import glob_escape
 from backend.errors import ConfigError, KVPoolError
+from backend.latency import Histogram, LatencyHistograms
 from backend.metadata import Location, NodeInfo
-from backend.protocol import Op, decode_flags, decode_json, encode_json, encode_keys
+from backend.protocol import InventoryRow, Verified
 
 __all__ = [
     "pool_status",
@@ -27,14 +32,92 @@ __all__ = [
     "drain",
     "flush",
     "check",
+    "DrainReport",
+    "FlushReport",
+    "CheckReport",
+    "CheckFixes",
+    "Copy",
 ]
 
 DRAIN_BATCH_ITEMS = 64
 DRAIN_BATCH_BYTES = 256 * 1024 * 1024  # memory a drain holds at once
-INVENTORY_PAGE = 1000
+SCAN_BATCH = 1000  # index keys per batch when evicting or flushing by pattern
 CHECK_SAMPLE = 100  # chunks whose checksum `check` re-verifies without --deep
 
 Progress = Callable[[int, int], None]  # (done, total)
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """What ``drain`` did: chunks copied elsewhere, already safe elsewhere, or unreadable on the node."""
+
+    node_id: str
+    moved: int
+    already_elsewhere: int
+    unreadable: int
+    draining: bool = True  # the node stays marked draining: placement sends it nothing new
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class FlushReport:
+    chunks_deleted: int
+    index_entries_removed: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One copy of a chunk that ``check`` reports: the key and where its bytes are (or were)."""
+
+    key: str
+    node_id: str
+    epoch: int
+    tier: str
+    nbytes: int
+
+    @classmethod
+    def of(cls, key: str, loc: Location) -> Copy:
+        return cls(key, loc.node_id, loc.epoch, loc.tier, loc.nbytes)
+
+
+@dataclass(frozen=True)
+class CheckFixes:
+    """What ``check --fix`` repaired."""
+
+    entries_removed: int
+    bytes_reindexed: int
+    dead_nodes_forgotten: int
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """What ``check`` found (and, with ``fix``, repaired)."""
+
+    index_entries: int  # index entries walked
+    verified: int  # copies whose checksum their node re-checked
+    orphan_entries: list[Copy]  # index entries whose node does not hold the bytes
+    orphan_bytes: list[Copy]  # bytes on a node that no index entry points at
+    corrupt: list[Copy]  # copies whose checksum failed (their node dropped them)
+    dead_node_entries: list[Copy]  # index entries of dead nodes, or of a node's ended run
+    dead_nodes: list[str]  # registered nodes that are not alive
+    fixed: CheckFixes | None = None
+
+    @property
+    def problems(self) -> int:
+        return (len(self.orphan_entries) + len(self.orphan_bytes) + len(self.corrupt)
+                + len(self.dead_node_entries) + len(self.dead_nodes))  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as ``kvpool check --json`` prints it (``fixed`` is ``{}`` when nothing was repaired)."""
+        out = dataclasses.asdict(self)
+        out["fixed"] = out["fixed"] or {}
+        out["problems"] = self.problems
+        return out
 
 
 def _match(model: str | None, prefix: str | None) -> str:
@@ -52,7 +135,7 @@ async def _stats_of(client: PoolClient, nodes: Sequence[NodeInfo]) -> dict[str, 
     for node in nodes:
         if node.alive:
             try:
-                out[node.node_id] = await client.node_stats(node)
+                out[node.node_id] = await client.node_admin.stats(node)
             except KVPoolError:
                 pass  # the registry's figures (up to a heartbeat old) stand
     return out
@@ -150,29 +233,30 @@ async def iter_keys(
                 return
 
 
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return float(sorted_values[index])
-
-
 async def pool_stats(client: PoolClient) -> dict[str, Any]:
-    """Counters summed over live nodes, and p50/p99 service time per op."""
+    """Counters summed over live nodes, and per op the requests served and p50/p99 service time.
+
+    The quantiles are estimated from the nodes' latency histograms added together
+    (``backend.latency``), so they cover every request since each node started.
+    """
     nodes = await client.index.nodes()
     stats = await _stats_of(client, nodes)
     totals: dict[str, int] = defaultdict(int)
-    samples: dict[str, list[float]] = defaultdict(list)
+    summed: dict[str, Histogram] = {}
     for s in stats.values():
         for name, value in s["counters"].items():
             totals[name] += int(value)
-        for op, values in s.get("latency_ms", {}).items():
-            samples[op].extend(values)
+        if "latency" not in s:
+            continue  # a node of a version before the histograms
+        for op, histogram in LatencyHistograms.from_json(s["latency"]).ops.items():
+            if op not in summed:
+                summed[op] = Histogram(histogram.bounds)
+            if histogram.bounds == summed[op].bounds:  # nodes of one version share their buckets
+                summed[op].add(histogram)
     latency = {
-        op: {
-            "count": len(v),
-            "p50_ms": round(_percentile(sorted(v), 0.5), 3),
-            "p99_ms": round(_percentile(sorted(v), 0.99), 3),
-        }
-        for op, v in sorted(samples.items())
+        op: {"count": h.count, "p50_ms": round(h.quantile(0.5) * 1000, 3), "p99_ms": round(h.quantile(0.99) * 1000, 3)}
+        for op, h in sorted(summed.items())
+        if h.count
     }
     return {"nodes": len(stats), "counters": dict(sorted(totals.items())), "latency": latency}
 
@@ -185,23 +269,9 @@ async def evict(client: PoolClient, keys: Sequence[str] = (), *, model: str | No
     if not model and not prefix:
         raise ConfigError("evict", "name keys, or --model / --prefix")
     removed = 0
-    async for batch in client.index.scan_key_batches(_match(model, prefix), INVENTORY_PAGE):
+    async for batch in client.index.scan_key_batches(_match(model, prefix), SCAN_BATCH):
         removed += await client.delete(batch)
     return removed
-
-
-async def _inventory(client: PoolClient, node: NodeInfo) -> AsyncIterator[list[list[Any]]]:
-    after = ""
-    while True:
-        page = decode_json(
-            await client.node_request(node, Op.INVENTORY, encode_json({"after": after, "limit": INVENTORY_PAGE}))
-        )
-        items = page.get("items", [])
-        if items:
-            yield items
-            after = items[-1][0]
-        if not page.get("more") or not items:
-            return
 
 
 async def drain(
@@ -211,7 +281,7 @@ async def drain(
     to: str | None = None,
     batch: int = DRAIN_BATCH_ITEMS,
     progress: Progress | None = None,
-) -> dict[str, Any]:
+) -> DrainReport:
     """Move every chunk off ``node_id`` (bytes verified on the way), leaving it draining.
 
     The node is marked draining first, so placement sends no new writes there.
@@ -225,19 +295,19 @@ async def drain(
             raise ConfigError("--to", "the target is the node being drained")
     await client.index.set_draining(node_id, True)
     await client.nodes(refresh=True)
-    total = int((await client.node_stats(source))["objects"])
+    total = int((await client.node_admin.stats(source))["objects"])
     moved = already = lost = 0
-    async for page in _inventory(client, source):
+    async for page in client.node_admin.inventory_pages(source):
         for group in _groups(page, batch):
-            entries = await client.index.lookup([row[0] for row in group])
+            entries = await client.index.lookup([row.key for row in group])
             live = {n.node_id: n for n in await client.nodes(refresh=True)}
             claimed: dict[str, list[str]] = defaultdict(list)  # node id -> keys the index says it holds
             for row, entry in zip(group, entries):
                 for loc in entry:
                     if _safe_copy(loc, row, node_id, live):
-                        claimed[loc.node_id].append(row[0])
+                        claimed[loc.node_id].append(row.key)
             elsewhere = await _confirmed(client, live, claimed)
-            copy = [(row[0], int(row[2])) for row in group if row[0] not in elsewhere]
+            copy = [(row.key, row.nbytes) for row in group if row.key not in elsewhere]
             fetched = await client.fetch_from(source, copy) if copy else []
             chunks = [
                 Chunk(f.meta.key, f.data, f.meta.dtype, f.meta.shape, f.meta.fmt) for f in fetched if f is not None
@@ -247,18 +317,18 @@ async def drain(
                 await client.put(chunks, only=[to] if to else None)
             done = [c.key for c in chunks] + sorted(elsewhere)
             if done:
-                await client.node_request(source, Op.DELETE_BATCH, encode_keys(done))
+                await client.node_admin.delete_on(source, done)
             moved += len(chunks)
             already += len(elsewhere)
             if progress is not None:
                 progress(moved + already + lost, max(total, moved + already + lost))
-    return {"node_id": node_id, "moved": moved, "already_elsewhere": already, "unreadable": lost, "draining": True}
+    return DrainReport(node_id, moved, already, lost)
 
 
-def _safe_copy(loc: Location, row: list[Any], draining: str, live: dict[str, NodeInfo]) -> bool:
+def _safe_copy(loc: Location, row: InventoryRow, draining: str, live: dict[str, NodeInfo]) -> bool:
     """Whether ``loc`` is another good copy of inventory ``row``: live node, same epoch, same bytes."""
     node = live.get(loc.node_id)
-    return loc.node_id != draining and node is not None and node.epoch == loc.epoch and loc.checksum == int(row[3])
+    return loc.node_id != draining and node is not None and node.epoch == loc.epoch and loc.checksum == row.checksum
 
 
 async def _confirmed(client: PoolClient, live: dict[str, NodeInfo], claimed: dict[str, list[str]]) -> set[str]:
@@ -271,46 +341,44 @@ async def _confirmed(client: PoolClient, live: dict[str, NodeInfo], claimed: dic
     held: set[str] = set()
     for nid, keys in claimed.items():
         try:
-            reply = await client.node_request(live[nid], Op.EXISTS_BATCH, encode_keys(keys))
+            present = await client.node_admin.exists(live[nid], keys)
         except KVPoolError:
             continue
-        held.update(key for key, here in zip(keys, decode_flags(reply, len(keys))) if here)
+        held.update(key for key, here in zip(keys, present) if here)
     return held
 
 
-def _groups(page: list[list[Any]], batch: int) -> list[list[list[Any]]]:
+def _groups(page: list[InventoryRow], batch: int) -> list[list[InventoryRow]]:
     """Split inventory rows into groups of at most ``batch`` chunks and ``DRAIN_BATCH_BYTES``."""
-    groups: list[list[list[Any]]] = [[]]
+    groups: list[list[InventoryRow]] = [[]]
     size = 0
     for row in page:
-        if groups[-1] and (len(groups[-1]) >= batch or size + int(row[2]) > DRAIN_BATCH_BYTES):
+        if groups[-1] and (len(groups[-1]) >= batch or size + row.nbytes > DRAIN_BATCH_BYTES):
             groups.append([])
             size = 0
         groups[-1].append(row)
-        size += int(row[2])
+        size += row.nbytes
     return [g for g in groups if g]
 
 
-async def flush(client: PoolClient, progress: Progress | None = None) -> dict[str, int]:
+async def flush(client: PoolClient, progress: Progress | None = None) -> FlushReport:
     """Wipe the namespace's data: every node's chunks and every index entry (nodes stay)."""
     deleted = 0
     nodes = await client.nodes(refresh=True)
-    total = sum([int((await client.node_stats(n))["objects"]) for n in nodes])
+    total = sum([int((await client.node_admin.stats(n))["objects"]) for n in nodes])
     for node in nodes:
-        async for page in _inventory(client, node):
-            flags = decode_flags(await client.node_request(node, Op.DELETE_BATCH, encode_keys([r[0] for r in page])),
-                                 len(page))  # fmt: skip
-            deleted += sum(flags)
+        async for page in client.node_admin.inventory_pages(node):
+            deleted += sum(await client.node_admin.delete_on(node, [row.key for row in page]))
             if progress is not None:
                 progress(deleted, max(total, deleted))
     removed = 0
-    async for batch in client.index.scan_key_batches(batch=INVENTORY_PAGE):
+    async for batch in client.index.scan_key_batches(batch=SCAN_BATCH):
         removed += await client.index.delete(batch)
-    return {"chunks_deleted": deleted, "index_entries_removed": removed}
+    return FlushReport(deleted, removed)
 
 
 async def check(client: PoolClient, *, fix: bool = False, deep: bool = False,
-                progress: Progress | None = None) -> dict[str, Any]:  # fmt: skip
+                progress: Progress | None = None) -> CheckReport:  # fmt: skip
     """fsck for the pool: index vs bytes on nodes, checksums, dead nodes; ``fix`` repairs.
 
     Finds index entries whose bytes are gone, bytes no entry points at, copies whose
@@ -335,41 +403,36 @@ async def check(client: PoolClient, *, fix: bool = False, deep: bool = False,
                     by_node[loc.node_id].append((key, loc))
         for nid, pairs in by_node.items():
             keys = [k for k, _ in pairs]
-            present = decode_flags(await client.node_request(alive[nid], Op.EXISTS_BATCH, encode_keys(keys)), len(keys))
+            present = await client.node_admin.exists(alive[nid], keys)
             held = [(k, loc) for (k, loc), here in zip(pairs, present) if here]
             orphan_entries += [(k, loc) for (k, loc), here in zip(pairs, present) if not here]
             to_verify = held if deep else held[: max(0, CHECK_SAMPLE - verified)]
             if to_verify:
-                vkeys = [k for k, _ in to_verify]
-                status = decode_flags(
-                    await client.node_request(alive[nid], Op.VERIFY_BATCH, encode_keys(vkeys)), len(vkeys)
-                )
-                corrupt += [(k, loc) for (k, loc), st in zip(to_verify, status) if st != 0]
+                status = await client.node_admin.verify(alive[nid], [k for k, _ in to_verify])
+                corrupt += [(k, loc) for (k, loc), st in zip(to_verify, status) if st != Verified.OK]
                 verified += len(to_verify)
         scanned += len(batch)
         if progress is not None:
             progress(scanned, scanned)
     orphan_bytes: list[tuple[str, Location]] = []
     for node in alive.values():
-        async for page in _inventory(client, node):
-            entries = await client.index.lookup([row[0] for row in page])
-            for (key, tier, nbytes, item_sum), entry in zip(page, entries):
+        async for page in client.node_admin.inventory_pages(node):
+            entries = await client.index.lookup([row.key for row in page])
+            for row, entry in zip(page, entries):
                 if not any(loc.node_id == node.node_id and loc.epoch == node.epoch for loc in entry):
-                    orphan_bytes.append((key, Location(node.node_id, node.epoch, tier, int(nbytes), int(item_sum))))
-    report: dict[str, Any] = {
-        "index_entries": scanned,
-        "verified": verified,
-        "orphan_entries": [_row(k, loc) for k, loc in orphan_entries],
-        "orphan_bytes": [_row(k, loc) for k, loc in orphan_bytes],
-        "corrupt": [_row(k, loc) for k, loc in corrupt],
-        "dead_node_entries": [_row(k, loc) for k, loc in dead_entries],
-        "dead_nodes": dead,
-        "fixed": {},
-    }
-    report["problems"] = sum(
-        len(report[k]) for k in ("orphan_entries", "orphan_bytes", "corrupt", "dead_node_entries", "dead_nodes")
+                    orphan_bytes.append(
+                        (row.key, Location(node.node_id, node.epoch, row.tier, row.nbytes, row.checksum))
+                    )
+    report = CheckReport(
+        index_entries=scanned,
+        verified=verified,
+        orphan_entries=[Copy.of(k, loc) for k, loc in orphan_entries],
+        orphan_bytes=[Copy.of(k, loc) for k, loc in orphan_bytes],
+        corrupt=[Copy.of(k, loc) for k, loc in corrupt],
+        dead_node_entries=[Copy.of(k, loc) for k, loc in dead_entries],
+        dead_nodes=dead,
     )
-    if fix and report["problems"]:
+    if fix and report.problems:
         # Repair against a fresh view: a node may have come back or restarted meanwhile.
         fresh = {n.node_id: n for n in await client.index.nodes() if n.alive}
 
@@ -385,8 +448,8 @@ async def check(client: PoolClient, *, fix: bool = False, deep: bool = False,
         await client.index.commit(reindex)  # valid bytes nobody could find: index them
         for node_id in dead:
             await client.index.forget_node(node_id)
-        report["fixed"] = {"entries_removed": len(orphan_entries) + len(dead_entries) + len(corrupt),
-                           "bytes_reindexed": len(reindex), "dead_nodes_forgotten": len(dead)}  # fmt: skip
+        fixes = CheckFixes(len(orphan_entries) + len(dead_entries) + len(corrupt), len(reindex), len(dead))
+        report = dataclasses.replace(report, fixed=fixes)
     return report
 
 
@@ -411,10 +474,7 @@ async def _still_orphaned(
     held: list[tuple[str, Location]] = []
     for node_id, pairs in by_node.items():
         keys = [k for k, _ in pairs]
-        status = decode_flags(await client.node_request(fresh[node_id], Op.VERIFY_BATCH, encode_keys(keys)), len(keys))
-        held += [pair for pair, st in zip(pairs, status) if st == 0]
+        status = await client.node_admin.verify(fresh[node_id], keys)
+        held += [pair for pair, st in zip(pairs, status) if st == Verified.OK]
     return held
 
-
-def _row(key: str, loc: Location) -> dict[str, Any]:
-    return {"key": key, "node_id": loc.node_id, "epoch": loc.epoch, "tier": loc.tier, "nbytes": loc.nbytes}

@@ -401,10 +401,10 @@ def cmd_drain(args: argparse.Namespace) -> int:
     with bar:
         result = _run(args, lambda c: admin.drain(c, args.node_id, to=args.to, batch=args.batch, progress=update))
     if args.json:
-        _print_json(result)
+        _print_json(result.to_json())
     else:
-        print(f"drained {args.node_id}: {result['moved']} chunks moved, {result['already_elsewhere']} were already "
-              f"elsewhere, {result['unreadable']} unreadable; the node is marked draining")  # fmt: skip
+        print(f"drained {args.node_id}: {result.moved} chunks moved, {result.already_elsewhere} were already "
+              f"elsewhere, {result.unreadable} unreadable; the node is marked draining")  # fmt: skip
     return 0
 
 
@@ -421,9 +421,9 @@ def cmd_flush(args: argparse.Namespace) -> int:
     bar, update = _progress(f"flushing {args.namespace}", args.json)
     with bar:
         result = _run(args, lambda c: admin.flush(c, progress=update))
-    _print_json(result) if args.json else print(
-        f"flushed {args.namespace}: {result['chunks_deleted']} chunks deleted, "
-        f"{result['index_entries_removed']} index entries removed"
+    _print_json(result.to_json()) if args.json else print(
+        f"flushed {args.namespace}: {result.chunks_deleted} chunks deleted, "
+        f"{result.index_entries_removed} index entries removed"
     )
     return 0
 
@@ -436,22 +436,23 @@ def cmd_check(args: argparse.Namespace) -> int:
     bar, update = _progress("checking", args.json)
     with bar:
         report = _run(args, lambda c: admin.check(c, fix=args.fix, deep=args.deep, progress=update))
-    code = EXIT_PROBLEMS if report["problems"] else EXIT_OK
+    code = EXIT_PROBLEMS if report.problems else EXIT_OK
     if args.json:
-        _print_json(report)
+        _print_json(report.to_json())
         return code
-    print(f"checked {report['index_entries']} index entries, verified {report['verified']} checksums")
-    for kind, label in (("orphan_entries", "index entries without bytes"), ("orphan_bytes", "bytes without index entries"),
-                        ("corrupt", "corrupt copies"), ("dead_node_entries", "entries of dead nodes")):  # fmt: skip
-        print(f"  {label:<30} {len(report[kind])}")
-        for row in report[kind][:10]:
-            print(f"    {row['key']} on {row['node_id']} ({row['tier']})")
-    print(f"  {'dead nodes':<30} {len(report['dead_nodes'])} {' '.join(report['dead_nodes'])}")
-    if report["fixed"]:
-        f = report["fixed"]
-        print(f"fixed: removed {f['entries_removed']} index entries, re-indexed {f['bytes_reindexed']} chunks, "
-              f"forgot {f['dead_nodes_forgotten']} dead nodes")  # fmt: skip
-    elif report["problems"]:
+    print(f"checked {report.index_entries} index entries, verified {report.verified} checksums")
+    for copies, label in ((report.orphan_entries, "index entries without bytes"),
+                          (report.orphan_bytes, "bytes without index entries"), (report.corrupt, "corrupt copies"),
+                          (report.dead_node_entries, "entries of dead nodes")):  # fmt: skip
+        print(f"  {label:<30} {len(copies)}")
+        for copy in copies[:10]:
+            print(f"    {copy.key} on {copy.node_id} ({copy.tier})")
+    print(f"  {'dead nodes':<30} {len(report.dead_nodes)} {' '.join(report.dead_nodes)}")
+    if report.fixed is not None:
+        f = report.fixed
+        print(f"fixed: removed {f.entries_removed} index entries, re-indexed {f.bytes_reindexed} chunks, "
+              f"forgot {f.dead_nodes_forgotten} dead nodes")  # fmt: skip
+    elif report.problems:
         print("run `kvpool check --fix` to repair")
     else:
         print("clean")

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import re
 import socket
 import threading
@@ -31,9 +32,10 @@ from urllib.parse import urlsplit
 
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from backend.errors import ConfigError
+from backend.latency import LatencyHistograms
 
 __all__ = ["NodeMetricsServer", "register_connector_metrics", "unregister_connector_metrics"]
 
@@ -90,7 +92,6 @@ NODE_COUNTERS: dict[str, str] = {
     "leases_disconnected": "Leases ended because the connection that took them closed (client gone).",
     "connections_accepted": "Client connections accepted.",
 }
-LATENCY_QUANTILES = (0.5, 0.9, 0.99)
 
 
 class NodeCollector:
@@ -120,9 +121,10 @@ class NodeCollector:
         recovery = stats.get("recovery")
         if recovery:
             yield from _recovery_gauges(node, recovery)
-        latency = stats.get("latency_ms")
-        if latency:
-            yield _latency_gauge(node, latency)
+        latency = stats.get("latency")
+        histograms = _latency_histogram(node, latency) if latency else None
+        if histograms is not None:
+            yield histograms
 
 
 def _gauge(name: str, documentation: str, node: str, value: float) -> GaugeMetricFamily:
@@ -176,19 +178,15 @@ def _recovery_gauges(node: str, recovery: Mapping[str, Any]) -> Iterator[Metric]
             yield _gauge("recovery_" + field, documentation, node, float(recovery[field]))
 
 
-def _latency_gauge(node: str, latency_ms: Mapping[str, list[float]]) -> Metric:
-    """Quantiles of the node's recent request latencies (it keeps the last samples of each op)."""
-    family = GaugeMetricFamily(NODE_PREFIX + "request_latency_seconds",
-                               "Latency of recent successful requests, from header received to reply sent.",
-                               labels=["node", "op", "quantile"])  # fmt: skip
-    for op, unsorted in sorted(latency_ms.items()):
-        samples = sorted(unsorted)
-        if not samples:
-            continue
-        for q in LATENCY_QUANTILES:
-            rank = min(len(samples) - 1, max(0, round(q * len(samples)) - 1))  # nearest rank
-            family.add_metric([node, op, str(q)], float(samples[rank]) / 1000)
-    return family
+def _latency_histogram(node: str, latency: Mapping[str, Any]) -> Metric | None:
+    """The node's service time per op since it started, in its fixed buckets (``backend.latency``)."""
+    family = HistogramMetricFamily(NODE_PREFIX + "request_latency_seconds",
+                                   "Service time of successful requests, from header received to reply sent.",
+                                   labels=["node", "op"])  # fmt: skip
+    for op, histogram in sorted(LatencyHistograms.from_json(latency).ops.items()):
+        buckets = [("+Inf" if math.isinf(bound) else repr(bound), count) for bound, count in histogram.cumulative()]
+        family.add_metric([node, op], buckets, histogram.sum_s)
+    return family if family.samples else None
 
 
 class NodeMetricsServer:

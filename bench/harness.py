@@ -63,6 +63,7 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 import redis
 import torch
 
+from backend.latency import quantile
 from bench import report
 from bench.ceilings import memcpy_gbps, tcp_loopback_gbps
 from bench.lmcache_stack import LMCacheStack
@@ -186,18 +187,9 @@ def chunk_bytes(shape: tuple[int, int, int]) -> int:
     return 2 * layers * TOKENS * heads * head_size * torch.bfloat16.itemsize
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (q in 0..100) of a non-empty sequence."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
 def latency_ms(samples_s: Sequence[float]) -> dict[str, float]:
-    ms = [s * 1000 for s in samples_s]
-    return {"p50": percentile(ms, 50), "p99": percentile(ms, 99), "n": len(ms)}
+    ms = sorted(s * 1000 for s in samples_s)
+    return {"p50": quantile(ms, 0.5), "p99": quantile(ms, 0.99), "n": len(ms)}
 
 
 # -- LMCache stacks ---------------------------------------------------------------------

@@ -33,7 +33,6 @@ import ctypes
 import functools
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -57,8 +56,8 @@ from backend.shm import ArenaView
 from backend.transport import FrameSocket, _ThreadedTransfers
 from bench.ceilings import memcpy_gbps, tcp_loopback_gbps
 from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
+from bench.nodes import NodeProcess
 
-REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 TOKENS = 256
 
@@ -198,20 +197,11 @@ def ceilings(chunk_bytes: int, batch: int) -> dict[str, float]:
 def _pool() -> Iterator[str]:
     """A redis-server and one node with an arena in /dev/shm; yields the pool URL."""
     with EmbeddedRedis() as redis:
-        args = [sys.executable, "-m", "backend.cli", "node", "--redis", redis.url, "--namespace", "profile",
-                "--dram", "2GiB", "--port", "0"]  # fmt: skip
-        node = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        node = NodeProcess(["--redis", redis.url, "--namespace", "profile", "--dram", "2GiB", "--port", "0"]).start()
         try:
-            assert node.stdout is not None
-            for line in node.stdout:
-                if "ready at" in line:
-                    break
-            else:
-                raise RuntimeError("the node exited before it was ready")
             yield f"kvpool://127.0.0.1:{redis.port}/profile"
         finally:
-            node.terminate()
-            node.wait(timeout=30)
+            node.stop(timeout_s=30)
 
 
 def measure(url: str, shm: bool, chunk_mib: int, batch: int, rounds: int, fresh: bool = False) -> dict[str, Any]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-import statistics
 import tempfile
 import time
 from collections import Counter
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from backend import PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis
+from backend.latency import quantile
 from backend.metadata import Location, MetadataStore
 from bench.redis_servers import RedisProcesses, cli
 
@@ -65,8 +65,8 @@ async def _measure(url: str, ports: list[int], keys: int, rounds: int) -> dict[s
     return {
         "commit": dict(commit),
         "lookup": dict(lookup),
-        "p50_ms": statistics.median(times_ms),
-        "p99_ms": times_ms[min(len(times_ms) - 1, int(len(times_ms) * 0.99))],
+        "p50_ms": quantile(times_ms, 0.5),
+        "p99_ms": quantile(times_ms, 0.99),
         "keys_per_server": per_server,
     }
 

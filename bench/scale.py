@@ -48,7 +48,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -63,11 +62,10 @@ from backend.config import format_size, parse_size
 from backend.embedded import EmbeddedRedis
 from backend.errors import KVPoolError
 from backend.metadata import COMMIT_LUA, MetadataStore
-from bench.peers import ServerProcess
+from bench.nodes import NodeProcess
 from bench.resp_proxy import CountingProxy
 
 RESULTS = Path(__file__).resolve().parent / "results"
-READY_RE = re.compile(r"kvpool node (\S+) ready at (\S+):(\d+) \(epoch (\d+)\)")
 NODE_START_TIMEOUT_S = 60.0
 JOIN_KEYS = 4000  # small writes after a join: enough that the joiner's share is read to +-4%
 JOIN_VALUE_BYTES = 1024
@@ -84,7 +82,7 @@ class Pool:
     def __init__(self, namespace: str = "scale") -> None:
         self.namespace = namespace
         self.redis = EmbeddedRedis().start()
-        self.nodes: dict[str, ServerProcess] = {}
+        self.nodes: dict[str, NodeProcess] = {}
 
     @property
     def url(self) -> str:
@@ -94,10 +92,9 @@ class Pool:
         """Start the nodes together, then wait for each to say it is ready."""
         started = []
         for node_id in node_ids:
-            argv = [sys.executable, "-m", "backend.cli", "node", "--redis", self.redis.url,
-                    "--namespace", self.namespace, "--dram", dram, "--nvme", "0", "--shm-dir", "off",
-                    "--node-id", node_id]  # fmt: skip
-            started.append(ServerProcess(f"node {node_id}", argv, READY_RE).start())
+            args = ["--redis", self.redis.url, "--namespace", self.namespace, "--dram", dram, "--nvme", "0",
+                    "--shm-dir", "off", "--node-id", node_id]  # fmt: skip
+            started.append(NodeProcess(args).spawn())
         for node_id, process in zip(node_ids, started):
             process.wait_ready(NODE_START_TIMEOUT_S)
             self.nodes[node_id] = process
@@ -105,9 +102,7 @@ class Pool:
     def stop_node(self, node_id: str, sig: int = signal.SIGTERM) -> None:
         process = self.nodes.pop(node_id)
         if sig == signal.SIGKILL:
-            assert process.process is not None
-            process.process.kill()
-            process.process.wait(10)
+            process.kill()
         else:
             process.stop(sig)
 
@@ -121,9 +116,7 @@ class Pool:
         """Mean resident memory of the node processes (MiB), from /proc."""
         sizes = []
         for process in self.nodes.values():
-            assert process.process is not None
-            status = Path(f"/proc/{process.process.pid}/status").read_text()
-            sizes.append(int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024)  # type: ignore[union-attr]
+            sizes.append(process.memory()["VmRSS"] / (1024 * 1024))
         return sum(sizes) / len(sizes)
 
     def registry_entry_bytes(self) -> float:
@@ -374,9 +367,9 @@ async def membership(pool: Pool, args: argparse.Namespace, chunks: Sequence[Chun
         out["drain"] = {
             "node": "n1",
             "working_set_keys_only_there": only_there,
-            "moved": report["moved"],
-            "already_elsewhere": report["already_elsewhere"],
-            "unreadable": report["unreadable"],
+            "moved": report.moved,
+            "already_elsewhere": report.already_elsewhere,
+            "unreadable": report.unreadable,
             "evictions_during_drain": evicted,
             "hits_before": hits_before,
             "hits_after": hits_after,

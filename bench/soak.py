@@ -20,19 +20,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import re
-import signal
 import struct
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from backend.client import Chunk, PoolClient
@@ -40,11 +34,9 @@ from backend.config import PoolConfig, parse_size
 from backend.embedded import EmbeddedRedis
 from backend.errors import KVPoolError
 from backend.node.tiers import PREFAULT_BUDGET_BYTES
+from bench.nodes import NodeProcess
 
-REPO = Path(__file__).resolve().parent.parent
-READY_RE = re.compile(r"kvpool node (\S+) ready at (\S+):(\d+) \(epoch (\d+)\)")
 START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 10.0
 MIB = 1024 * 1024
 # What a node may hold beyond its DRAM tier and pre-fault pool: the interpreter,
 # its modules, connection and request state, allocator slack. A node that kept a
@@ -52,70 +44,6 @@ MIB = 1024 * 1024
 FIXED_OVERHEAD_BYTES = 128 * MIB
 PATTERN_BYTES = 8 * MIB  # values are slices of this random pattern
 VALUE_HEAD = struct.Struct("<QQ")  # key id, version: a value names what it should be
-
-
-@dataclass
-class NodeRun:
-    """One ``kvpool node`` child process; its output is kept for the report."""
-
-    args: list[str]
-    process: subprocess.Popen[str] | None = None
-    node_id: str = ""
-    lines: list[str] = field(default_factory=list)
-
-    def start(self) -> NodeRun:
-        env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "backend.cli", "node", *self.args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
-        )  # fmt: skip
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self.process is not None and self.process.stdout is not None
-            for line in self.process.stdout:
-                self.lines.append(line)
-                match = READY_RE.search(line)
-                if match and not ready.is_set():
-                    self.node_id = match.group(1)
-                    ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(START_TIMEOUT_S):
-            self.stop()
-            raise RuntimeError("node did not start:\n" + "".join(self.lines[-20:]))
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def memory(self) -> dict[str, int]:
-        """VmRSS and VmHWM (peak resident set) in bytes; empty if the process is gone."""
-        fields: dict[str, int] = {}
-        try:
-            with open(f"/proc/{self.pid}/status") as status:
-                for line in status:
-                    name, _, value = line.partition(":")
-                    if name in ("VmRSS", "VmHWM"):
-                        fields[name] = int(value.split()[0]) * 1024
-        except OSError:
-            pass
-        return fields
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(STOP_TIMEOUT_S)
 
 
 class Values:
@@ -222,13 +150,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     keys_total = max(int(args.working_set * args.nodes * dram_bytes / args.value_bytes), args.batch * 2)
     bound = dram_bytes + min(PREFAULT_BUDGET_BYTES, dram_bytes // 4) + FIXED_OVERHEAD_BYTES
     namespace = "soak" + uuid.uuid4().hex[:8]
-    nodes: list[NodeRun] = []
+    nodes: list[NodeProcess] = []
     with EmbeddedRedis() as redis_server:
         try:
             for _ in range(args.nodes):
                 node_args = ["--redis", redis_server.url, "--namespace", namespace, "--dram", args.dram,
                              "--shm-dir", args.shm_dir]  # fmt: skip
-                nodes.append(NodeRun(node_args).start())
+                nodes.append(NodeProcess(node_args).start(START_TIMEOUT_S))
             url = f"kvpool://127.0.0.1:{redis_server.port}/{namespace}?timeout_ms={args.timeout_ms}"
             before = {n.node_id: n.memory() for n in nodes}
             print(f"[soak] {args.clients} clients for {args.duration:.0f} s on {args.nodes} nodes of {args.dram} DRAM; "

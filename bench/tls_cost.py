@@ -15,20 +15,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import statistics
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from backend import Chunk, PoolClient, PoolConfig
 from backend.embedded import EmbeddedRedis
-
-READY_RE = re.compile(r"kvpool node \S+ ready at \S+:(\d+)")
-START_TIMEOUT_S = 30.0
+from bench.nodes import NodeProcess
 
 
 def self_signed(directory: Path) -> tuple[Path, Path]:
@@ -42,23 +37,9 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-def start_node(redis_url: str, extra: list[str]) -> subprocess.Popen[str]:
-    node = subprocess.Popen(
-        [sys.executable, "-m", "backend.cli", "node", "--redis", redis_url, "--host", "localhost",
-         "--dram", "2GiB", "--shm-dir", "off", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + START_TIMEOUT_S
-    assert node.stdout is not None
-    for line in node.stdout:
-        if READY_RE.search(line):
-            # keep reading its output so the node never blocks on a full pipe
-            threading.Thread(target=lambda: node.stdout and node.stdout.read(), daemon=True).start()
-            return node
-        if time.monotonic() > deadline:
-            break
-    node.kill()
-    raise RuntimeError(f"node did not start with {redis_url}")
+def start_node(redis_url: str, extra: list[str]) -> NodeProcess:
+    args = ["--redis", redis_url, "--host", "localhost", "--dram", "2GiB", "--shm-dir", "off", *extra]
+    return NodeProcess(args).start()
 
 
 async def measure(url: str, chunks: int, chunk_bytes: int, rounds: int) -> tuple[float, float]:
@@ -108,8 +89,7 @@ def main() -> None:
                 print(f"{name:10s} put {put:6.2f} GB/s   get {get:6.2f} GB/s")
         finally:
             for node in nodes:
-                node.terminate()
-                node.wait(10)
+                node.stop()
             plain_redis.cleanup()
             tls_redis.cleanup()
 

@@ -1,19 +1,13 @@
-"""Shared fixtures: a real redis-server and real pool-node processes."""
+"""Shared fixtures: a real redis-server and real pool-node processes (``bench.nodes``)."""
 
 from __future__ import annotations
 
 import os
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -21,81 +15,15 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
 from backend.embedded import EmbeddedRedis
 from backend.node.arena import remove_stale_arenas
+from bench.nodes import NodeProcess
+
+if TYPE_CHECKING:
+    from backend.client import PoolClient
+    from backend.metadata import NodeInfo
+
+__all__ = ["REPO", "NodeProcess", "raw_request", "wait_until"]
 
 REPO = Path(__file__).resolve().parent.parent
-READY_RE = re.compile(r"kvpool node (\S+) ready at (\S+):(\d+) \(epoch (\d+)\)")
-NODE_START_TIMEOUT_S = 30.0
-
-
-@dataclass
-class NodeProcess:
-    """A ``kvpool node`` child process; its output is kept for assertions."""
-
-    args: list[str]
-    env: dict[str, str]
-    max_open_files: int = 0
-    command: list[str] = field(default_factory=lambda: [sys.executable, "-m", "backend.cli"])  # the `kvpool` to run
-    cwd: Path = REPO
-    process: subprocess.Popen[str] | None = None
-    node_id: str = ""
-    host: str = ""
-    port: int = 0
-    epoch: int = 0
-    output: list[str] = field(default_factory=list)
-
-    def start(self) -> NodeProcess:
-        self.process = subprocess.Popen(
-            [*self.command, "node", *self.args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self.cwd, env=self.env,
-            preexec_fn=self._limit_files if self.max_open_files else None,
-        )  # fmt: skip
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self.process is not None and self.process.stdout is not None
-            for line in self.process.stdout:
-                self.output.append(line)
-                match = READY_RE.search(line)
-                if match and not ready.is_set():
-                    self.node_id, self.host = match.group(1), match.group(2)
-                    self.port, self.epoch = int(match.group(3)), int(match.group(4))
-                    ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(NODE_START_TIMEOUT_S):
-            self.kill()
-            raise RuntimeError("node did not start:\n" + "".join(self.output[-30:]))
-        return self
-
-    def _limit_files(self) -> None:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_NOFILE, (self.max_open_files, self.max_open_files))
-
-    def pause(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGCONT)
-
-    @property
-    def log(self) -> str:
-        return "".join(self.output)
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def terminate(self, timeout_s: float = 10.0) -> int:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout_s)
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
 
 
 @pytest.fixture(scope="session")
@@ -173,3 +101,12 @@ def stack_factory() -> Iterator[Any]:
     yield make
     for stack in made:
         stack.close()
+
+
+async def raw_request(client: PoolClient, node: NodeInfo, op: int, meta: bytes) -> bytes:
+    """One request of any op to ``node`` over ``client``'s connections; the answer's meta.
+
+    For tests that send what no client method sends (a lease by hand, a bad flag):
+    the client's own requests go through its typed methods.
+    """
+    return bytes(await client.connections.pool(node).request(op, meta))

@@ -15,8 +15,10 @@ import yaml
 
 from backend import Chunk, PoolConfig, SyncPoolClient
 from backend.embedded import free_port
+from backend.errors import ProtocolError
 from backend.metadata import Location, MetadataStore, NodeInfo
 from backend.node.nvme import chunk_path, read_header
+from backend.protocol import InventoryRow, Verified
 from tests.conftest import REPO, NodeProcess, wait_until
 from tests.test_cli import kvpool
 
@@ -70,7 +72,39 @@ def test_status_nodes_ls_and_stats_report_the_real_numbers(pool):
     assert stats["counters"]["puts"] == 14
     assert stats["counters"]["hits"] == 6
     assert stats["counters"]["put_bytes"] == 10 * 10 * KIB + 4 * 2 * KIB
-    assert stats["latency"]["get_batch"]["count"] >= 1 and stats["latency"]["get_batch"]["p99_ms"] > 0
+    latency = stats["latency"]["get_batch"]
+    assert latency["count"] >= 1 and 0 < latency["p50_ms"] <= latency["p99_ms"] < 30_000
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        per_node = [client.node_stats(n)["latency"]["ops"].get("get_batch") for n in client.nodes()]
+    # the pool's count is the nodes' histograms added up
+    assert latency["count"] == sum(sum(h["counts"]) for h in per_node if h is not None)
+
+
+def test_node_admin_requests_answer_typed_values_for_one_node(node_factory, pool_url):
+    node = node_factory()
+    chunks = _data("typed", 5, 3 * KIB)
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as sync:
+        sync.put(chunks)
+        client, info = sync._client, sync.nodes()[0]
+        admin = client.node_admin
+        first = sync._call(admin.inventory(info, limit=2))
+        assert [r.key for r in first.rows] == sorted(c.key for c in chunks)[:2] and first.more
+        assert first.rows[0] == InventoryRow(first.rows[0].key, "dram", 3 * KIB, first.rows[0].checksum)
+        rest = sync._call(admin.inventory(info, after=first.rows[-1].key, limit=10))
+        assert len(rest.rows) == 3 and not rest.more
+
+        async def pages() -> list[list[InventoryRow]]:
+            return [page async for page in admin.inventory_pages(info, limit=2)]
+
+        assert [len(p) for p in sync._call(pages())] == [2, 2, 1]
+        keys = [chunks[0].key, "typed@absent"]
+        assert sync._call(admin.exists(info, keys)) == [True, False]
+        assert sync._call(admin.verify(info, keys)) == [Verified.OK, Verified.MISSING]
+        assert sync._call(admin.delete_on(info, keys)) == [True, False]
+        assert sync._call(admin.exists(info, keys[:1])) == [False]
+        assert sync._call(admin.stats(info))["node_id"] == node.node_id
+        with pytest.raises(ProtocolError, match="limit"):
+            sync._call(admin.inventory(info, limit=0))  # refused before anything is sent
 
 
 def test_evict_by_key_model_and_prefix(pool):

@@ -67,8 +67,9 @@ def _samples(text: str) -> Samples:
     }
 
 
-def _value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[(name, tuple(sorted(labels.items())))]
+def _value(samples: Samples, name: str, default: float | None = None, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return samples[key] if default is None else samples.get(key, default)
 
 
 def _chunks(prefix: str, count: int, size: int) -> list[Chunk]:
@@ -110,9 +111,18 @@ def test_counters_and_tier_gauges_move_by_what_the_node_served(node_factory, poo
     assert delta("kvpool_node_tier_used_bytes", tier="dram") == 5 * 4096
     assert _value(after, "kvpool_node_uptime_seconds", node=n) >= _value(before, "kvpool_node_uptime_seconds", node=n)
     assert delta("kvpool_node_requests_total") >= 3  # at least one put, one get and one delete request
-    p50 = _value(after, "kvpool_node_request_latency_seconds", node=n, op="get_batch", quantile="0.5")
-    p99 = _value(after, "kvpool_node_request_latency_seconds", node=n, op="get_batch", quantile="0.99")
-    assert 0 < p50 <= p99 < 10
+    # One GET request (8 keys, one frame): one more in the histogram, in a bucket below 10 s.
+    gets = _value(after, "kvpool_node_request_latency_seconds_count", node=n, op="get_batch")
+    assert gets - _value(before, "kvpool_node_request_latency_seconds_count", node=n, op="get_batch", default=0) >= 1
+    assert _value(after, "kvpool_node_request_latency_seconds_bucket", node=n, op="get_batch", le="+Inf") == gets
+    assert _value(after, "kvpool_node_request_latency_seconds_bucket", node=n, op="get_batch", le="10.0") == gets
+    assert 0 < _value(after, "kvpool_node_request_latency_seconds_sum", node=n, op="get_batch") < 10 * gets
+    buckets = sorted(
+        (float(dict(labels)["le"]), value)
+        for (name, labels), value in after.items()
+        if name == "kvpool_node_request_latency_seconds_bucket" and ("op", "put_batch") in labels
+    )
+    assert [value for _, value in buckets] == sorted(value for _, value in buckets)  # cumulative, as Prometheus wants
 
 
 def test_nvme_tier_metrics_follow_demotion_and_promotion(node_factory, pool_url, tmp_path):
@@ -352,7 +362,9 @@ def test_every_metric_a_node_emits_is_documented(node_factory, pool_url, tmp_pat
     assert {
         "kvpool_node_recovery_files",
         "kvpool_node_tier_disk_full",
-        "kvpool_node_request_latency_seconds",
+        "kvpool_node_request_latency_seconds_bucket",
+        "kvpool_node_request_latency_seconds_sum",
+        "kvpool_node_request_latency_seconds_count",
     } <= emitted
     assert _missing_from_docs(emitted) == []
 

@@ -36,6 +36,8 @@ from backend.protocol import (
     RESPONSE_BIT,
     VERSION,
     Header,
+    InventoryPage,
+    InventoryRow,
     ItemMeta,
     Limits,
     Op,
@@ -45,12 +47,14 @@ from backend.protocol import (
     decode_flags,
     decode_get_response,
     decode_header,
+    decode_inventory_response,
     decode_items,
     decode_json,
     decode_keys,
     encode_flags,
     encode_get_response,
     encode_header,
+    encode_inventory_request,
     encode_items,
     encode_json,
     encode_keys,
@@ -641,3 +645,36 @@ def test_any_valid_items_round_trip(items: list[ItemMeta]) -> None:
     expected_len = sum(i.nbytes for i in found if i is not None)
     keys = [i.key for i in items]
     assert decode_get_response(encode_get_response(found), keys, expected_len) == found
+
+
+# -- INVENTORY (admin) --------------------------------------------------------------------
+def test_an_inventory_answer_decodes_into_typed_rows() -> None:
+    assert decode_json(encode_inventory_request("k@3", 500)) == {"after": "k@3", "limit": 500}
+    meta = encode_json({"items": [["k@4", "dram", 16, 7], ["k@5", "nvme", 0, 2**64 - 1]], "more": True})
+    assert decode_inventory_response(meta) == InventoryPage(
+        (InventoryRow("k@4", "dram", 16, 7), InventoryRow("k@5", "nvme", 0, 2**64 - 1)), True
+    )
+    assert decode_inventory_response(encode_json({"items": [], "more": False})) == InventoryPage((), False)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"items": [["k", "dram", 16]], "more": False},  # a row short of its checksum
+        {"items": [["", "dram", 16, 1]], "more": False},  # an empty key
+        {"items": [["k", "dram", -1, 1]], "more": False},
+        {"items": [["k", "dram", 16, 2**64]], "more": False},
+        {"items": [[1, "dram", 16, 1]], "more": False},
+        {"items": "k", "more": False},
+        {"items": []},  # no "more"
+    ],
+)
+def test_a_malformed_inventory_answer_is_a_protocol_error(body: dict[str, object]) -> None:
+    with pytest.raises(ProtocolError, match="INVENTORY"):
+        decode_inventory_response(encode_json(body))
+
+
+@pytest.mark.parametrize("limit", [0, -1, 10_001])
+def test_an_inventory_request_outside_the_page_limit_is_refused(limit: int) -> None:
+    with pytest.raises(ProtocolError, match=r"1\.\.10000"):
+        encode_inventory_request("", limit)

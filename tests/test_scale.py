@@ -205,7 +205,7 @@ def test_a_drain_right_after_another_node_died_still_costs_no_hits(node_factory,
             assert any(held == {"n0", "n1"} for held in holders)
             b.kill()
             report = await drain(admin, "n0")
-            assert report["unreadable"] == 0
+            assert report.unreadable == 0
         assert a.terminate() == 0
         async with PoolClient(PoolConfig.from_url(pool_url)) as client:
             got = await client.get([c.key for c in chunks])

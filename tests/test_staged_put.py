@@ -16,6 +16,7 @@ from backend.errors import KVPoolError, ProtocolError
 from backend.metadata import NodeInfo
 from backend.protocol import ItemMeta, Op, checksum, decode_flags, encode_put_staged
 from backend.shm import PutStage
+from tests.conftest import raw_request
 
 MiB = 1024 * 1024
 
@@ -111,7 +112,7 @@ def test_the_node_maps_only_a_stage_of_its_own_with_the_right_token(node_factory
 
             def put_staged(name: str, token: str, offset: int = 4096) -> bytes:
                 meta = encode_put_staged(name, token, [item], [offset])
-                return client._call(client._client.node_request(node, Op.PUT_STAGED, meta))
+                return client._call(raw_request(client._client, node, Op.PUT_STAGED, meta))
 
             assert decode_flags(put_staged(stage.name, stage.token), 1) == [0]  # stored (the stage holds zeros)
             assert client.contains(["k"]) == [True]

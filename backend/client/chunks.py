@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, Generic, Protocol, TypeVar, Union
 
 from backend.errors import KVPoolError, ProtocolError
-from backend.protocol import ItemMeta, check_item, checksum
+from backend.protocol import ItemMeta, check_item
 from backend.transport import Buffer
 
 __all__ = [
@@ -31,9 +31,6 @@ class Chunk:
     dtype: str = "uint8"
     shape: tuple[int, ...] = ()
     fmt: int = 0
-
-    def item_meta(self) -> ItemMeta:
-        return dataclasses.replace(self.layout(), checksum=checksum(memoryview(self.data).cast("B")))
 
     def layout(self) -> ItemMeta:
         """The chunk's meta without its checksum (0), after checking the key, size and layout

@@ -31,10 +31,6 @@ class PoolIndex:
     def __init__(self, meta: MetadataStore) -> None:
         self._meta = meta
 
-    @property
-    def namespace(self) -> str:
-        return self._meta.namespace
-
     # -- reads ------------------------------------------------------------------------
     async def ping(self) -> float:
         """Redis round trip in ms."""
@@ -55,10 +51,6 @@ class PoolIndex:
     def scan_key_batches(self, match: str = "*", batch: int = LOOKUP_BATCH) -> AsyncIterator[list[str]]:
         """Pool keys in lists of at most ``batch``."""
         return self._meta.scan_key_batches(match, batch)
-
-    def scan_keys(self, match: str = "*", count: int = 1000) -> AsyncIterator[str]:
-        """Pool keys one by one (SCAN, never KEYS); each step has its own deadline."""
-        return self._meta.scan_keys(match, count)
 
     async def scan_step(self, cursor: int, match: str = "*", count: int = 1000) -> tuple[int, list[str]]:
         """One SCAN step: ``(next cursor, keys)``; the cursor is 0 at the start and at the end."""

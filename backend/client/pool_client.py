@@ -3,8 +3,10 @@
 It wires the parts together and delegates: the registry view and the index lookup
 (``registry``), one reader per path (``channel``, ``arena``, ``tcp``) behind the get
 failover (``failover``), the put planner (``putter``), locks (``locks``), and the
-connections (``connection``). ``index`` (``backend.client.index.PoolIndex``) is the
-only way its users reach the metadata; the ``MetadataStore`` itself stays private.
+connections (``connection``). ``node_admin`` (``backend.client.node_admin.NodeAdmin``)
+holds the typed requests the admin verbs address to one node. ``index``
+(``backend.client.index.PoolIndex``) is the only way its users reach the metadata;
+the ``MetadataStore`` itself stays private.
 
 Errors: a node that is down, slow or answers a miss costs only the keys it held
 (they come back as misses, with one warning per outage). Redis being unreachable
@@ -30,6 +32,7 @@ from backend.client.context import ClientContext
 from backend.client.failover import Getter, Reader
 from backend.client.index import PoolIndex
 from backend.client.locks import Locker
+from backend.client.node_admin import NodeAdmin
 from backend.client.putter import PutPlanner
 from backend.client.registry import Locator, RegistryView
 from backend.client.stage import StagedWriter
@@ -37,7 +40,7 @@ from backend.client.tcp import TcpReader
 from backend.config import PoolConfig
 from backend.errors import KVPoolError, NodeUnavailable
 from backend.metadata import MetadataStore, NodeInfo
-from backend.protocol import Op, check_key, decode_json, encode_keys
+from backend.protocol import Op, check_key
 from backend.transport import client_tls_context
 
 __all__ = ["PoolClient"]
@@ -62,6 +65,7 @@ class PoolClient:
         self.counters: defaultdict[str, int] = self._ctx.counters
         self.registry = RegistryView(self._ctx, self._meta)
         self.connections = Connections(config, tls, lambda: self._ctx.bulk)
+        self.node_admin = NodeAdmin(self.connections)
         self.arena = ArenaReader(self._ctx, self.connections)
         self.registry.on_change += [self.connections.prune, self.arena.prune]
         self._locator = Locator(self._ctx, self._meta, self.registry)
@@ -153,7 +157,7 @@ class PoolClient:
             if node is None:
                 continue
             try:
-                await self.connections.pool(node).request(Op.DELETE_BATCH, encode_keys(node_keys))
+                await self.node_admin.delete_on(node, node_keys)
             except KVPoolError as exc:
                 logger.warning("kvpool: delete on node %s failed (its copies age out): %s", nid, exc)
         return existed
@@ -172,15 +176,12 @@ class PoolClient:
         self.registry.trust(node.node_id)  # it answers reads again: no longer tried last
         return [o.handle if isinstance(o, Hit) else None for o in outcomes]
 
-    async def node_request(self, node: NodeInfo, op: Op, meta: bytes) -> bytes:
-        """One admin request to one node; returns the response meta."""
-        return bytes(await self.connections.pool(node).request(op, meta))
-
     async def list_keys(self, match: str = "*") -> list[str]:
         return [key async for key in self._meta.scan_keys(match)]
 
     async def node_stats(self, node: NodeInfo) -> dict[str, Any]:
-        return decode_json(await self.connections.pool(node).request(Op.STAT, b""))
+        """One node's STAT answer (``node_admin.stats``)."""
+        return await self.node_admin.stats(node)
 
     async def ping(self) -> float:
         """Redis round trip in ms; raises MetadataError if Redis is unreachable."""

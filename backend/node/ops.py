@@ -17,9 +17,11 @@ from backend.node.dram import StoredChunk
 from backend.node.leases import MAX_LEASE_TTL_MS
 from backend.protocol import (
     LEASE_MAP,
+    MAX_INVENTORY_PAGE,
     NO_OFFSET,
     ItemMeta,
     Op,
+    Verified,
     decode_channel_request,
     decode_json,
     decode_keys,
@@ -37,10 +39,7 @@ if TYPE_CHECKING:
     from backend.node.server import PoolNode
     from backend.node.session import Session
 
-__all__ = ["OpHandlers", "INVENTORY_PAGE_MAX"]
-
-INVENTORY_PAGE_MAX = 10_000
-VERIFY_STATUS = {"ok": 0, "missing": 1, "corrupt": 2}
+__all__ = ["OpHandlers"]
 
 Reply = tuple[bytes, list[Buffer]]
 Handler = Callable[[bytearray, "Session"], Awaitable[Reply]]
@@ -121,15 +120,15 @@ class OpHandlers:
         """One page of ``[key, tier, nbytes, checksum]`` after ``request["after"]``, in key order."""
         request = decode_json(meta)
         after, limit = request.get("after", ""), request.get("limit", 1000)
-        if not isinstance(after, str) or not isinstance(limit, int) or not 0 < limit <= INVENTORY_PAGE_MAX:
-            raise ProtocolError(f"INVENTORY wants {{after: str, limit: 1..{INVENTORY_PAGE_MAX}}}")
+        if not isinstance(after, str) or not isinstance(limit, int) or not 0 < limit <= MAX_INVENTORY_PAGE:
+            raise ProtocolError(f"INVENTORY wants {{after: str, limit: 1..{MAX_INVENTORY_PAGE}}}")
         page, more = self.node.tiers.page(after, limit)
         items = [[item.key, tier, item.nbytes, item.checksum] for item, tier in page]
         return encode_json({"items": items, "more": more}), []
 
     async def verify_batch(self, meta: bytearray, session: Session) -> Reply:
         tiers = self.node.tiers
-        flags = [VERIFY_STATUS[await tiers.verify(k)] for k in decode_keys(meta, self.node.config.limits)]
+        flags = [Verified[(await tiers.verify(k)).upper()] for k in decode_keys(meta, self.node.config.limits)]
         if any(flags):
             await self.node.publisher.flush_index()  # a dropped corrupt copy leaves the index now, not at the beat
         return encode_flags(flags), []

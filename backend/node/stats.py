@@ -5,36 +5,34 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from typing import TYPE_CHECKING, Any
+
+from backend.latency import LatencyHistograms
 
 if TYPE_CHECKING:
     from backend.node.server import PoolNode
 
 __all__ = ["NodeStats"]
 
-LATENCY_SAMPLES = 1024
 RECENT_WINDOW_S = 300  # "recent" rates in STAT cover the last five minutes
 RECENT_SNAPSHOTS = 400
 
 
 class NodeStats:
-    """The node's counters, a snapshot of them per heartbeat, and the last service times per op."""
+    """The node's counters, a snapshot of them per heartbeat, and a service-time histogram per op."""
 
     def __init__(self) -> None:
         self.counters: Counter[str] = Counter()
         self._started_monotonic = time.monotonic()
         self._snapshots: collections.deque[tuple[float, int, int, int]] = collections.deque(maxlen=RECENT_SNAPSHOTS)
         self._snapshots.append((time.monotonic(), 0, 0, 0))  # the window of a young node starts at zero
-        # the last LATENCY_SAMPLES service times per op, for p50/p99 in STAT
-        self.latency: dict[str, collections.deque[float]] = defaultdict(
-            lambda: collections.deque(maxlen=LATENCY_SAMPLES)
-        )
+        self.latency = LatencyHistograms()  # service time per op, for STAT and /metrics
 
     def served(self, op_name: str, started: float) -> None:
-        """One request answered: counted, and its service time kept."""
+        """One request answered: counted, and its service time recorded."""
         self.counters["requests"] += 1
-        self.latency[op_name].append((time.perf_counter() - started) * 1000)
+        self.latency.observe(op_name, time.perf_counter() - started)
 
     def tick(self) -> None:
         """Keep a snapshot for the recent rates (once per heartbeat)."""
@@ -53,7 +51,7 @@ class NodeStats:
             "arena": tiers.arena.stats() if tiers.arena is not None else None,
             "tiers": tiers.stats(),
             "recovery": dataclasses.asdict(node.recovery) if node.recovery else None,
-            "latency_ms": {op: sorted(samples) for op, samples in self.latency.items() if samples},
+            "latency": self.latency.to_json(),
             "recent": self._recent(),
         }
 
