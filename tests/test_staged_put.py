@@ -32,7 +32,8 @@ def _node(client: SyncPoolClient) -> NodeInfo:
 
 
 def _stages() -> set[str]:
-    return set(glob.glob("/dev/shm/kvpool-*.stage"))
+    """This process's stages (the name carries the pid): other processes' come and go meanwhile."""
+    return set(glob.glob(f"/dev/shm/kvpool-{os.getpid()}-*.stage"))
 
 
 def test_a_same_host_put_goes_through_the_stage_and_reads_back_identical_everywhere(node_factory, pool_url):
