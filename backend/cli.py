@@ -20,7 +20,7 @@ from backend.client import PoolClient
 from backend.config import DEFAULT_NAMESPACE, PoolConfig, format_size, parse_size, without_inline_secrets
 from backend.embedded import EmbeddedRedis
 from backend.errors import ConfigError, KVPoolError
-from backend.lmcache_config import (
+from backend.lmcache.config import (
     PLUGIN_FORM,
     REMOTE_URL_FORM,
     SECRET_SOURCES,
@@ -563,7 +563,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     try:
-        from backend.lmcache_connector import diagnose
+        from backend.lmcache.doctor import diagnose
     except ImportError as exc:  # a pool node's install: no LMCache, no torch
         raise KVPoolError(f"doctor runs LMCache's own loader, which is not installed here ({exc}); "
                           "install kvpool[lmcache] (pip install 'kvpool[lmcache]')") from None  # fmt: skip
