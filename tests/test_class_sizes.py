@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_CLASS_LINES = 300
-CHECKED = ("backend/client",)  # the rooms split by responsibility so far
+CHECKED = ("backend/client", "backend/lmcache")  # the rooms split by responsibility so far
 
 
 def class_sizes(*roots: str) -> list[tuple[int, str]]:
