@@ -74,6 +74,21 @@ def test_only_the_lmcache_layer_imports_lmcache_or_torch():
     assert "backend/lmcache/connector.py" in layer and "backend/lmcache/l2/adapter.py" in layer  # the scan sees imports
 
 
+def test_the_lmcache_layer_reaches_the_metadata_only_through_the_client_index():
+    """``PoolClient.index`` is its one door to Redis: no MetadataStore, no reach-through ``client._meta``."""
+    offenders = []
+    for path in sorted((REPO / "backend" / "lmcache").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "backend.metadata":
+                offenders.append(f"{path.name} imports backend.metadata")
+            elif isinstance(node, ast.Import) and any(a.name == "backend.metadata" for a in node.names):
+                offenders.append(f"{path.name} imports backend.metadata")
+            elif isinstance(node, ast.Attribute) and node.attr in ("_meta", "meta") and \
+                    isinstance(node.value, ast.Attribute) and node.value.attr == "client":  # fmt: skip
+                offenders.append(f"{path.name}:{node.lineno} reaches client.{node.attr}")
+    assert offenders == []
+
+
 def test_without_torch_and_lmcache_a_node_serves_and_the_cli_works_but_doctor_names_the_extra(
     redis_server, namespace, pool_url, tmp_path
 ):
