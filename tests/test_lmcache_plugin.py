@@ -344,7 +344,7 @@ class HybridEngine:
 
 def test_an_object_of_two_shape_groups_is_stored_and_read_back_whole_by_another_engine(node_factory, pool_url,
                                                                                         tmp_path):  # fmt: skip
-    from backend import PoolConfig, SyncPoolClient
+    from backend import Chunk, PoolConfig, SyncPoolClient
 
     node_factory()
     config = kvpool_lmcache_config(pool_url)
@@ -362,6 +362,9 @@ def test_an_object_of_two_shape_groups_is_stored_and_read_back_whole_by_another_
             assert [(s.meta.dtype, s.meta.shape, s.meta.fmt) for s in stored] == [
                 ("uint8", (len(e),), int(full.get_memory_format().value)) for e in expected
             ]
+            pool.put([Chunk(writer.key(3).to_string(), bytes(10240 * 7 + 1), fmt=stored[0].meta.fmt)])
+        # Bytes that are no whole number of this engine's tokens (10240 bytes each) are a miss, not a wrong object.
+        assert reader.remote.batched_get_blocking([writer.key(3)]) == [None]
         got = reader.remote.batched_get_blocking(keys)
         assert [g is not None for g in got] == [True, True]
         for obj, tokens, data in zip(got, (256, 100), expected):
