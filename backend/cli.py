@@ -32,7 +32,7 @@ from backend.config import (
 )
 from backend.embedded import EmbeddedRedis
 from backend.errors import ConfigError, KVPoolError
-from backend.lmcache_config import (
+from backend.lmcache.config import (
     PLUGIN_FORM,
     REMOTE_URL_FORM,
     SECRET_SOURCES,
@@ -461,7 +461,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     try:
-        from backend.lmcache_connector import diagnose
+        from backend.lmcache.doctor import diagnose
     except ImportError as exc:  # a pool node's install: no LMCache, no torch
         raise KVPoolError(f"doctor runs LMCache's own loader, which is not installed here ({exc}); "
                           "install kvpool[lmcache] (pip install 'kvpool[lmcache]')") from None  # fmt: skip

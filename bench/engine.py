@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from backend.lmcache_config import FORMS, PLUGIN_FORM
+from backend.lmcache.config import FORMS, PLUGIN_FORM
 from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
 
 FIRST_HASH = 0x5EED

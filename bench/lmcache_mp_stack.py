@@ -27,7 +27,7 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
 import torch
 
-from backend.lmcache_config import lmcache_mp_server_args
+from backend.lmcache.config import lmcache_mp_server_args
 
 MODEL = "kvpool-demo/tiny-model"
 CHUNK_TOKENS = 16

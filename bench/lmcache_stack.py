@@ -20,7 +20,8 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 import torch
 import yaml
 
-from backend.lmcache_config import PLUGIN_FORM, lmcache_config
+from backend.lmcache.config import PLUGIN_FORM, lmcache_config
+from backend.threads import LoopThread
 
 MODEL = "kvpool-demo/tiny-model"
 NUM_LAYERS = 4
@@ -64,9 +65,8 @@ class LMCacheStack:
             model_name=model, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
             kv_dtype=dtype, kv_shape=(num_layers, 2, chunk, hidden[0], hidden[1]),
         )  # fmt: skip
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="lmcache-loop", daemon=True)
-        self._thread.start()
+        self._loop_thread = LoopThread("lmcache-loop")
+        self.loop = self._loop_thread.loop
         self.backends = CreateStorageBackends(self.config, self.metadata, self.loop)
         self.local = self.backends["LocalCPUBackend"]
         remotes = [name for name in self.backends if name.startswith("RemoteBackend")]
@@ -136,8 +136,7 @@ class LMCacheStack:
         closer = threading.Thread(target=self._close_backends, daemon=True)
         closer.start()
         closer.join(timeout_s)  # LMCache's redis:// connector deadlocks in close(): bound it
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout_s)
+        self._loop_thread.stop(timeout_s, close=False)  # LMCache's threads may still hold the loop
         self._tmp.cleanup()
 
     def _close_backends(self) -> None:

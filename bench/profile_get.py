@@ -12,7 +12,7 @@ the function that does it (bench-only wrappers; nothing in kvpool is instrumente
 * LMCache: the caller's hop onto LMCache's event loop and back (total minus the connector);
 * lookup: the Redis index round trip (``Locator.lookup``);
 * LEASE (arena) / node answer (TCP): the node's reply to the request, before any payload;
-* allocation: LMCache's allocator handing out the memory objects (``_LMCacheSink.allocate``);
+* allocation: LMCache's allocator handing out the memory objects (``LMCacheSink.allocate``);
 * copy + checksum: the bulk copies on the worker threads (arena: out of the mapping;
   TCP: the socket receive), wall time, and the threads' busy time inside it;
 * other: what is left (framing, event-loop wake-ups, task scheduling).
@@ -50,7 +50,8 @@ from backend.client.context import ClientContext
 from backend.client.registry import Locator
 from backend.client.tcp import TcpReader
 from backend.embedded import EmbeddedRedis
-from backend.lmcache_connector import KVPoolConnector, _LMCacheSink
+from backend.lmcache.chunks import LMCacheSink
+from backend.lmcache.connector import KVPoolConnector
 from backend.protocol import Op
 from backend.shm import ArenaView
 from backend.transport import FrameSocket, _ThreadedTransfers
@@ -115,7 +116,7 @@ def _instrument() -> None:
     CLOCK.wrap(KVPoolConnector, "batched_get", "connector")
     CLOCK.wrap(Locator, "lookup", "lookup")
     CLOCK.wrap(NodePool, "request", lambda self, op, meta, **k: {Op.LEASE: "lease", Op.GET_BATCH: "request"}.get(op))
-    CLOCK.wrap(_LMCacheSink, "allocate", "allocation")
+    CLOCK.wrap(LMCacheSink, "allocate", "allocation")
     CLOCK.wrap(ClientContext, "map_in_threads", "copy (wall)")
     CLOCK.wrap(FrameSocket, "recv_many", "receive (wall)")
     CLOCK.wrap(ArenaView, "copy_checked", "thread busy")

@@ -7,6 +7,7 @@ checkout; the slow one installs the core into a fresh venv, as an operator would
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -32,7 +33,7 @@ def _run(command: list[str], cwd: Path = REPO, env: dict[str, str] | None = None
 
 def test_node_cli_and_client_modules_import_neither_torch_nor_lmcache():
     modules = ["backend", "backend.cli", "backend.client", "backend.node.server", "backend.admin", "backend.metrics",
-               "backend.lmcache_config", "nccl_channel"]  # fmt: skip
+               "backend.lmcache", "backend.lmcache.config", "backend.lmcache_config", "nccl_channel"]  # fmt: skip
     # Installed here, so an import guarded by try/except would show in sys.modules too.
     code = "import importlib, json, sys\nfor m in " + repr(modules) + ":\n    importlib.import_module(m)\n"
     code += "from backend import PoolClient, SyncPoolClient, PoolConfig\nprint(json.dumps(sorted(sys.modules)))"
@@ -41,6 +42,51 @@ def test_node_cli_and_client_modules_import_neither_torch_nor_lmcache():
     loaded = set(json.loads(proc.stdout))
     assert "backend.node.server" in loaded
     assert not {m for m in loaded if m.split(".")[0] in ENGINE_ONLY}
+
+
+# The only modules of backend/ that may import LMCache or torch: the LMCache layer, and the
+# modules LMCache configs name (re-exports of it). Its config module stays light.
+LMCACHE_LAYER = "backend/lmcache/"
+KEPT_FOR_CONFIGS = ("backend/lmcache_connector.py", "backend/lmcache_l2_adapter.py")
+LIGHT_IN_LAYER = ("backend/lmcache/__init__.py", "backend/lmcache/config.py")
+
+
+def _imported_roots(path: Path) -> set[str]:
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_only_the_lmcache_layer_imports_lmcache_or_torch():
+    offenders, layer = [], []
+    for path in sorted((REPO / "backend").rglob("*.py")):
+        name = str(path.relative_to(REPO))
+        engine_only = _imported_roots(path) & set(ENGINE_ONLY)
+        if name.startswith(LMCACHE_LAYER) and name not in LIGHT_IN_LAYER:
+            layer += [name] if engine_only else []
+        elif engine_only and name not in KEPT_FOR_CONFIGS:
+            offenders.append(f"{name} imports {', '.join(sorted(engine_only))}")
+    assert offenders == []
+    assert "backend/lmcache/connector.py" in layer and "backend/lmcache/l2/adapter.py" in layer  # the scan sees imports
+
+
+def test_the_lmcache_layer_reaches_the_metadata_only_through_the_client_index():
+    """``PoolClient.index`` is its one door to Redis: no MetadataStore, no reach-through ``client._meta``."""
+    offenders = []
+    for path in sorted((REPO / "backend" / "lmcache").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "backend.metadata":
+                offenders.append(f"{path.name} imports backend.metadata")
+            elif isinstance(node, ast.Import) and any(a.name == "backend.metadata" for a in node.names):
+                offenders.append(f"{path.name} imports backend.metadata")
+            elif isinstance(node, ast.Attribute) and node.attr in ("_meta", "meta") and \
+                    isinstance(node.value, ast.Attribute) and node.value.attr == "client":  # fmt: skip
+                offenders.append(f"{path.name}:{node.lineno} reaches client.{node.attr}")
+    assert offenders == []
 
 
 def test_without_torch_and_lmcache_a_node_serves_and_the_cli_works_but_doctor_names_the_extra(

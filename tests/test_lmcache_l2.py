@@ -174,6 +174,28 @@ def test_the_printed_mp_config_is_what_lmcache_server_parses_and_what_the_quicks
     assert proc.stdout in quickstart
 
 
+def test_an_l2_adapter_spec_naming_the_kept_module_path_loads_the_package_adapter(node_factory, pool_url):
+    """``--l2-adapter`` JSON written before backend/lmcache/ existed names backend.lmcache_l2_adapter."""
+    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+    from lmcache.v1.distributed.l2_adapters.config import add_l2_adapters_args, parse_args_to_l2_adapters_config
+
+    from backend.lmcache.l2 import KVPoolL2Adapter
+
+    node_factory()
+    spec = json.dumps({"type": "plugin", "module_path": "backend.lmcache_l2_adapter", "class_name": "KVPoolL2Adapter",
+                       "config_class_name": "KVPoolL2AdapterConfig", "adapter_params": {"url": pool_url}})  # fmt: skip
+    parser = add_l2_adapters_args(argparse.ArgumentParser())
+    config = parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", spec]))
+    adapter = create_l2_adapter(config.adapters[0])
+    try:
+        assert type(adapter) is KVPoolL2Adapter
+        assert store(adapter, [object_key(50)], [memory_obj(payload(50))]).is_successful()
+        hits, got = load(adapter, [object_key(50)])
+        assert hits == [True] and same_bytes(got[0], payload(50))
+    finally:
+        adapter.close()
+
+
 # -- lookup-and-lock really locks -----------------------------------------------------
 def _pressure(pool: SyncPoolClient, tag: str, count: int = 48) -> None:
     """Write ``count`` other chunks, one at a time: several times the node's DRAM."""
@@ -483,3 +505,47 @@ def test_close_returns_the_leases_it_still_holds(node_factory, pool_url):
             return pool.contains([adapter_key(key)]) == [False]
 
         assert wait_until(evicted_after_more_pressure, WAIT_S, interval_s=0.2)
+
+
+# -- memory objects of several shape groups (hybrid models) ---------------------------
+HYBRID_GROUPS = ((torch.Size([2, 2, 16, 1024]), torch.bfloat16), (torch.Size([2, 1, 16, 512]), torch.float16))
+
+
+def hybrid_obj(seed: int | None, groups: tuple[tuple[torch.Size, torch.dtype], ...] = HYBRID_GROUPS) -> Any:
+    """A standalone LMCache memory object of several shape groups in one buffer (random bytes, or zeros)."""
+    from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+
+    nbytes = sum(shape.numel() * dtype.itemsize for shape, dtype in groups)
+    if seed is None:
+        raw = torch.zeros(nbytes, dtype=torch.uint8)
+    else:
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    shapes, dtypes = [shape for shape, _ in groups], [dtype for _, dtype in groups]
+    metadata = MemoryObjMetadata(shape=shapes[0], dtype=dtypes[0], address=0, phy_size=nbytes, ref_count=1,
+                                 fmt=MemoryFormat.KV_2LTD, shapes=shapes, dtypes=dtypes)  # fmt: skip
+    return TensorMemoryObj(raw_data=raw, metadata=metadata, parent_allocator=None)
+
+
+def test_an_object_of_two_shape_groups_is_stored_as_its_bytes_and_loaded_back_whole(node_factory, pool_url, adapters):
+    node_factory()
+    adapter = adapters(pool_url)
+    key = object_key(40, salt="hybrid")
+    source = hybrid_obj(40)
+    assert len(source.get_shapes()) == 2
+    result = store(adapter, [key], [source])
+    assert result.is_successful() and int(result) == len(source.byte_array)  # the bytes it sent
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as pool:  # the same chunk meta as the in-process connector's
+        (stored,) = pool.get([adapter_key(key)])
+        assert stored is not None
+        assert (stored.meta.dtype, stored.meta.shape, stored.meta.fmt) == (
+            "uint8", (len(source.byte_array),), int(source.get_memory_format().value)
+        )
+    target = hybrid_obj(None)
+    task_id = adapter.submit_load_task([key], [target])
+    bitmap = await_result(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task_id))
+    assert bitmap.test(0)
+    assert bytes(target.byte_array) == bytes(source.byte_array)
+    other = hybrid_obj(None, HYBRID_GROUPS[:1])  # another layout under the same key: a miss, never a partial copy
+    task_id = adapter.submit_load_task([key], [other])
+    bitmap = await_result(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task_id))
+    assert not bitmap.test(0) and adapter.counters["miss_size"] == 1

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -280,3 +281,134 @@ def test_a_malformed_remote_url_is_refused_at_error_once_naming_the_bad_part(cap
         assert "Fix:" in message and "--form remote_url" in message
     finally:
         stack.close()
+
+
+# -- memory objects of several shape groups (hybrid models) -----------------------------
+
+
+class HybridEngine:
+    """LMCache's storage for an engine whose KV cache has two groups (other layers, heads and dtype).
+
+    The groups come from LMCache's own ``KVLayerGroupsManager`` over vLLM-shaped CPU KV
+    tensors, as an engine registers them; LMCache builds its backends from the config.
+    """
+
+    def __init__(self, config: dict, config_path: Path) -> None:
+        import yaml
+        from lmcache.utils import EngineType
+        from lmcache.v1.config import load_engine_config_with_overrides
+        from lmcache.v1.gpu_connector.utils import normalize_and_discover_per_layer_formats
+        from lmcache.v1.kv_layer_groups import KVLayerGroupsManager
+        from lmcache.v1.metadata import LMCacheMetadata
+        from lmcache.v1.storage_backend import CreateStorageBackends
+
+        from backend.threads import LoopThread
+
+        blocks = 5
+        kv_caches = [torch.zeros(2, blocks, 16, 8, 64, dtype=torch.bfloat16) for _ in range(2)]
+        kv_caches.append(torch.zeros(2, blocks, 16, 4, 32, dtype=torch.float16))
+        normalized, formats = normalize_and_discover_per_layer_formats(kv_caches, [], EngineType.VLLM, None)
+        groups = KVLayerGroupsManager(list(normalized), engine_kv_formats=formats, lmcache_tokens_per_chunk=256)
+        self.metadata = LMCacheMetadata(model_name="kvpool-test/hybrid", world_size=1, local_world_size=1,
+                                        worker_id=0, local_worker_id=0, kv_dtype=torch.bfloat16,
+                                        kv_shape=(3, 2, 256, 8, 64), kv_layer_groups_manager=groups)  # fmt: skip
+        assert self.metadata.get_num_groups() == 2
+        config_path.write_text(yaml.safe_dump(config))
+        self.config = load_engine_config_with_overrides(config_file_path=str(config_path))
+        self.loop = LoopThread("lmcache-hybrid")
+        self.backends = CreateStorageBackends(self.config, self.metadata, self.loop.loop)
+        self.local = self.backends["LocalCPUBackend"]
+        (self.remote,) = [b for name, b in self.backends.items() if name.startswith("RemoteBackend")]
+
+    def make_object(self, tokens: int, seed: int) -> object:
+        from lmcache.v1.memory_management import MemoryFormat
+
+        obj = self.local.allocate(self.metadata.get_shapes(tokens), self.metadata.get_dtypes(), MemoryFormat.KV_2LTD)
+        assert obj is not None and len(obj.get_shapes()) == 2
+        generator = torch.Generator().manual_seed(seed)
+        view = memoryview(obj.byte_array).cast("B")
+        view[:] = torch.randint(0, 256, (len(view),), dtype=torch.uint8, generator=generator).numpy().tobytes()
+        return obj
+
+    def key(self, chunk_hash: int) -> object:
+        from lmcache.utils import CacheEngineKey
+
+        return CacheEngineKey("kvpool-test/hybrid", 1, 0, chunk_hash, torch.bfloat16)
+
+    def close(self) -> None:
+        from bench.lmcache_stack import run_with_timeout
+
+        run_with_timeout(lambda: [b.close() for b in self.backends.values()], 5.0)
+        self.loop.stop(5.0, close=False)
+
+
+def test_an_object_of_two_shape_groups_is_stored_and_read_back_whole_by_another_engine(node_factory, pool_url,
+                                                                                        tmp_path):  # fmt: skip
+    from backend import Chunk, PoolConfig, SyncPoolClient
+
+    node_factory()
+    config = kvpool_lmcache_config(pool_url)
+    writer, reader = HybridEngine(config, tmp_path / "writer.yaml"), HybridEngine(config, tmp_path / "reader.yaml")
+    try:
+        full, partial = writer.make_object(256, 1), writer.make_object(100, 2)  # a last chunk holds fewer tokens
+        expected = [bytes(full.byte_array), bytes(partial.byte_array)]
+        keys = [writer.key(1), writer.key(2)]
+        done = threading.Semaphore(0)
+        writer.remote.batched_submit_put_task(keys, [full, partial], on_complete_callback=lambda _k: done.release())
+        assert all(done.acquire(timeout=30) for _ in keys)
+        LMCacheStack.release([full, partial])
+        with SyncPoolClient(PoolConfig.from_url(pool_url)) as pool:  # stored as its bytes, with its format
+            stored = pool.get([k.to_string() for k in keys])
+            assert [(s.meta.dtype, s.meta.shape, s.meta.fmt) for s in stored] == [
+                ("uint8", (len(e),), int(full.get_memory_format().value)) for e in expected
+            ]
+            pool.put([Chunk(writer.key(3).to_string(), bytes(10240 * 7 + 1), fmt=stored[0].meta.fmt)])
+        # Bytes that are no whole number of this engine's tokens (10240 bytes each) are a miss, not a wrong object.
+        assert reader.remote.batched_get_blocking([writer.key(3)]) == [None]
+        got = reader.remote.batched_get_blocking(keys)
+        assert [g is not None for g in got] == [True, True]
+        for obj, tokens, data in zip(got, (256, 100), expected):
+            assert obj.get_shapes() == reader.metadata.get_shapes(tokens)
+            assert obj.get_dtypes() == [torch.bfloat16, torch.float16]
+            assert bytes(obj.byte_array) == data
+            obj.ref_count_down()
+        connector = reader.remote.connection
+        connector = connector.getWrappedConnector() if hasattr(connector, "getWrappedConnector") else connector
+        assert connector.counters["get_hits"] == 2
+    finally:
+        writer.close()
+        reader.close()
+
+
+# -- the module paths configs name ----------------------------------------------------------
+
+
+def test_configs_naming_the_kept_module_paths_load_the_package_connectors_and_hit(node_factory, pool_url,
+                                                                                  redis_server, namespace):  # fmt: skip
+    """Configs written before backend/lmcache/ existed name backend.lmcache_connector: LMCache still loads them."""
+    from backend.lmcache.connector import KVPoolConnector, KVPoolRemoteURLConnector
+
+    node_factory()
+    plugin = {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 1.0, "remote_serde": "naive",
+              "remote_storage_plugins": ["kvpool"],
+              "extra_config": {"remote_storage_plugin.kvpool.module_path": "backend.lmcache_connector",
+                               "remote_storage_plugin.kvpool.class_name": "KVPoolConnectorAdapter",
+                               "remote_storage_plugin.kvpool.url": pool_url}}  # fmt: skip
+    remote_url = (f"external://127.0.0.1:{redis_server.port}/backend.lmcache_connector/"
+                  f"?connector_name=KVPoolRemoteURLConnector&namespace={namespace}")  # fmt: skip
+    remote = {key: value for key, value in plugin.items() if key not in ("remote_storage_plugins", "extra_config")}
+    writer = LMCacheStack(plugin)
+    reader = LMCacheStack({**remote, "remote_url": remote_url})
+    try:
+        assert type(writer.connector()) is KVPoolConnector
+        assert type(reader.connector()) is KVPoolRemoteURLConnector
+        objs = [writer.make_object(5)]
+        writer.put([writer.key(5)], objs)
+        writer.release(objs)
+        got = reader.get([reader.key(5)])
+        assert got[0] is not None and torch.equal(got[0].tensor.view(torch.uint8),
+                                                  reader.expected_tensor(5).view(torch.uint8))  # fmt: skip
+        reader.release(got)
+    finally:
+        writer.close()
+        reader.close()

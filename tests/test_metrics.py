@@ -337,10 +337,11 @@ def _source_counters() -> tuple[set[str], set[str]]:
     for text in sources:
         for index in re.findall(r"counters\[([^\]]+)\]", text):
             node |= set(literal.findall(index))
-    source = (REPO / "backend" / "lmcache_connector.py").read_text()
+    # The in-process connector and the chunk conversion it reads through (its misses go through MissBoundary).
+    source = "".join((REPO / "backend" / "lmcache" / name).read_text() for name in ("connector.py", "chunks.py"))
     connector = {name for index in re.findall(r"counters\[([^\]]+)\]", source) for name in literal.findall(index)}
     connector |= set(CLIENT_COUNTERS)  # the client's counters the connector reports as its own
-    connector |= {f"miss_{cause}" for cause in re.findall(r'_miss\(\s*"([a-z_]+)"', source)}
+    connector |= {f"miss_{cause}" for cause in re.findall(r'\.miss\(\s*"([a-z_]+)"', source)}
     return node, connector
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -12,6 +10,7 @@ from backend.client.chunks import Chunk, Fetched, Lock
 from backend.client.pool_client import PoolClient
 from backend.config import PoolConfig
 from backend.metadata import NodeInfo
+from backend.threads import LoopThread
 
 __all__ = ["SyncPoolClient"]
 
@@ -22,9 +21,7 @@ class SyncPoolClient:
     """Blocking twin of :class:`PoolClient`: the same code on a private event-loop thread."""
 
     def __init__(self, config: PoolConfig) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvpool-client", daemon=True)
-        self._thread.start()
+        self._loop = LoopThread("kvpool-client")
         self._client = self._call(self._make(config))
         self.config = config
 
@@ -33,8 +30,7 @@ class SyncPoolClient:
         return PoolClient(config)
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return future.result(timeout_s)
+        return self._loop.call(coro, timeout_s)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -74,14 +70,11 @@ class SyncPoolClient:
         return self._call(self._client.ping())
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        if self._loop.loop.is_closed():
             return
         with contextlib.suppress(Exception):
             self._call(self._client.close(), timeout_s=5.0)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5.0)
-        if not self._thread.is_alive():
-            self._loop.close()
+        self._loop.stop(5.0)
 
     def __enter__(self) -> SyncPoolClient:
         return self

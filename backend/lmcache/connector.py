@@ -1,0 +1,363 @@
+"""KVPoolConnector: kvpool as an LMCache 0.5 remote storage plugin.
+
+Enable it in the LMCache config (``kvpool lmcache-config`` prints this)::
+
+    remote_storage_plugins: ["kvpool"]
+    extra_config:
+      remote_storage_plugin.kvpool.module_path: backend.lmcache_connector
+      remote_storage_plugin.kvpool.class_name: KVPoolConnectorAdapter
+      remote_storage_plugin.kvpool.url: kvpool://127.0.0.1:6379/default
+
+or, as one line (``kvpool lmcache-config --form remote_url``; also ``LMCACHE_REMOTE_URL``)::
+
+    remote_url: external://127.0.0.1:6379/backend.lmcache_connector/?connector_name=KVPoolRemoteURLConnector&namespace=default
+
+Never both: LMCache would build two remote backends and write every chunk twice.
+``backend.lmcache_connector``, the module those configs name, re-exports this one.
+Every method runs on LMCache's event-loop thread and never blocks it; the ``*_sync``
+methods are called from LMCache's worker threads and wait on that loop with a bound.
+Library errors stop here (``MissBoundary``): they become misses, logged once per cause
+and counted. Memory objects become chunks and back by ``backend.lmcache.chunks``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from backend.client import PoolClient
+from backend.config import PoolConfig
+from backend.errors import ConfigError, KVPoolError, NcclError
+from backend.lmcache.boundary import MissBoundary
+from backend.lmcache.chunks import ALLOCATE_TIMEOUT_S, LMCacheSink, to_chunk
+from backend.lmcache.config import (
+    PLUGIN_NAME,
+    REMOTE_URL_FORM,
+    pool_config_from,
+    remote_url_pool_config,
+    url_config_key,
+    warn_if_secrets_inline,
+)
+from backend.metrics import register_connector_metrics, unregister_connector_metrics
+
+__all__ = ["KVPoolConnector", "KVPoolConnectorAdapter", "KVPoolRemoteURLConnector", "ALLOCATE_TIMEOUT_S",
+           "CLIENT_COUNTERS", "FIX_HINT", "REMOTE_URL_FIX_HINT"]  # fmt: skip
+
+logger = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 1.0
+# The client's counters a connector reports as its own (the metrics and `kvpool doctor` show them).
+CLIENT_COUNTERS = ("integrity_failures", "stale_entries", "get_failovers", "shm_get_bytes", "get_bytes_tcp",
+                   "get_bytes_channel", "channel_fallbacks", "staged_put_bytes")  # fmt: skip
+FIX_HINT = (
+    "start a pool with `kvpool up` (it prints the URL), or check "
+    "extra_config['remote_storage_plugin.kvpool.url'] / KVPOOL_URL"
+)
+REMOTE_URL_FIX_HINT = (
+    "`kvpool lmcache-config --form remote_url --url kvpool://HOST:PORT/NAMESPACE` prints a valid remote_url "
+    "(set it as remote_url or LMCACHE_REMOTE_URL, not both)"
+)
+_reported_remote_url_errors: set[str] = set()  # LMCache retries a failed connection: say each cause once
+
+
+class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
+    """LMCache ``RemoteConnector`` over a kvpool pool."""
+
+    def __init__(
+        self,
+        pool_config: PoolConfig,
+        loop: asyncio.AbstractEventLoop,
+        local_cpu_backend: Any,
+        config: Any,
+        metadata: Any,
+        plugin_name: str = PLUGIN_NAME,
+    ) -> None:
+        super().__init__(config, metadata)
+        self.pool_config = pool_config
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self.client = PoolClient(pool_config)
+        self._own_counters: Counter[str] = Counter()
+        self.misses = MissBoundary(self._own_counters)
+        # meta_shapes/meta_dtypes: the engine's groups, set by RemoteConnector from LMCache's metadata.
+        self._sink = LMCacheSink(local_cpu_backend, self.meta_shapes, self.meta_dtypes, self.misses)
+        self._closed = False
+        self._plugin = plugin_name
+        # In-process Prometheus: LMCache's own metrics live in the default registry too.
+        register_connector_metrics(self._metric_counters, plugin_name)
+        self.channel = self._open_channel()  # nccl_channel.channel.NcclChannel with nccl=on, else None
+        # Report a pool that is down at start once, loudly: LMCache itself would
+        # only ever show misses.
+        asyncio.run_coroutine_threadsafe(self._startup_check(), loop)
+
+    @property
+    def counters(self) -> Counter[str]:
+        """The connector's counters plus the client's: integrity, stale entries, failovers, bytes per path."""
+        merged = Counter(self._own_counters)
+        for name in CLIENT_COUNTERS:
+            merged[name] = self.client.counters[name]
+        return merged
+
+    def _metric_counters(self) -> dict[str, int]:
+        return dict(self.counters)
+
+    async def _startup_check(self) -> None:
+        try:
+            await self.client.ping()
+            nodes = await self.client.nodes(refresh=True)
+        except KVPoolError as exc:
+            logger.error("kvpool: pool %s is unreachable at start (%s); every lookup misses until it is up. "
+                         "Fix: %s", self.pool_config.to_url(with_token=False), exc, FIX_HINT)  # fmt: skip
+            return
+        if not nodes:
+            logger.error("kvpool: pool %s has no live node; every lookup misses until one joins. "
+                         "Fix: run `kvpool node --redis %s --namespace %s`",
+                         self.pool_config.to_url(with_token=False), self.pool_config.redis_url,
+                         self.pool_config.namespace)  # fmt: skip
+        else:
+            logger.info(
+                "kvpool: connected to %s (%d live nodes)", self.pool_config.to_url(with_token=False), len(nodes)
+            )
+
+    def _run_sync(self, coro: Any, what: str) -> Any:
+        """Run a coroutine on LMCache's loop from one of LMCache's worker threads."""
+        if self._on_loop_thread():
+            coro.close()
+            raise KVPoolError(f"{what} was called on the event-loop thread, where it would block it")
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(self.pool_config.timeout_s * 2)
+        except TimeoutError:
+            future.cancel()
+            raise KVPoolError(f"{what} timed out") from None
+
+    def _on_loop_thread(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return getattr(self.loop, "_thread_id", None) == threading.get_ident()
+
+    # -- lookup -----------------------------------------------------------------------
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return await self.batched_async_contains("", [key]) == 1
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return self.batched_contains([key]) == 1
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        try:
+            hits = await self.client.hit_prefix([k.to_string() for k in keys])
+        except KVPoolError as exc:
+            self.misses.miss("lookup", "lookup failed, reading as misses: %s", exc)
+            return 0
+        self.misses.recovered("lookup")
+        return int(hits)
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+        try:
+            return int(self._run_sync(self.client.hit_prefix([k.to_string() for k in keys]), "batched_contains"))
+        except KVPoolError as exc:
+            self.misses.miss("lookup", "lookup failed, reading as misses: %s", exc)
+            return 0
+
+    # -- put --------------------------------------------------------------------------
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        await self.batched_put([key], [memory_obj])
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys: Sequence[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+        # Returns only after the nodes answered: LMCache may reuse the buffers then.
+        try:
+            await self.client.put([to_chunk(k.to_string(), o) for k, o in zip(keys, memory_objs)])
+        except KVPoolError as exc:
+            self.misses.miss("put", "put failed, those chunks stay uncached: %s", exc)
+            return
+        self.misses.recovered("put")
+        self._own_counters["put_chunks"] += len(keys)
+
+    # -- get --------------------------------------------------------------------------
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        return (await self.batched_get([key]))[0]
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        try:
+            objs = await self.client.get([k.to_string() for k in keys], self._sink)
+        except KVPoolError as exc:
+            self.misses.miss("get", "get failed, reading as misses: %s", exc)
+            return [None] * len(keys)
+        self.misses.recovered("get")
+        hits = sum(1 for o in objs if o is not None)
+        self._own_counters["get_hits"] += hits
+        self._own_counters["get_misses"] += len(keys) - hits
+        return list(objs)
+
+    def support_batched_get_non_blocking(self) -> bool:
+        return True
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey]) -> list[MemoryObj]:
+        """The hit prefix of ``keys``; objects after the first miss are released."""
+        objs = await self.batched_get(keys)
+        prefix: list[MemoryObj] = []
+        missed = False
+        for obj in objs:
+            if obj is None:
+                missed = True
+            elif missed:
+                obj.ref_count_down()
+            else:
+                prefix.append(obj)
+        return prefix
+
+    # -- channel (nccl_channel) --------------------------------------------------------
+    def _open_channel(self) -> Any:
+        """The channel for ``nccl=on``, or None (logged once) when it cannot run here."""
+        if not self.pool_config.nccl:
+            return None
+        if not self.pool_config.cluster:
+            logger.warning("kvpool: nccl=on without cluster=NAME: no node counts as same-cluster; chunks move over TCP")
+            return None
+        from nccl_channel.channel import NcclChannel, make_transport
+        from nccl_channel.rendezvous import Rendezvous
+
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cuda:0"
+        try:
+            transport = make_transport(self.pool_config.channel_transport, device)
+        except NcclError as exc:
+            logger.warning("kvpool: nccl=on, but %s; chunks move over TCP", exc)
+            return None
+        endpoint = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        channel = NcclChannel(transport, Rendezvous(self.client.index), endpoint, self.pool_config.cluster,
+                              self.client.channel_request, self.pool_config.timeout_s,
+                              pair_timeout_s=self.pool_config.pair_timeout_ms / 1000)  # fmt: skip
+        self.client.use_channel(channel)
+        logger.info("kvpool: channel endpoint %s (%s, cluster %s)", endpoint, transport.kind, self.pool_config.cluster)
+        return channel
+
+    # -- admin ------------------------------------------------------------------------
+    async def list(self) -> list[str]:
+        try:
+            return await self.client.list_keys()
+        except KVPoolError as exc:
+            self.misses.miss("list", "list failed: %s", exc)
+            return []
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        try:
+            return bool(self._run_sync(self.client.delete([key.to_string()]), "remove_sync"))
+        except KVPoolError as exc:
+            self.misses.miss("remove", "remove failed: %s", exc)
+            return False
+
+    def support_ping(self) -> bool:
+        return True
+
+    async def ping(self) -> int:
+        """0 when Redis answers and at least one node is alive; 1 otherwise."""
+        try:
+            await self.client.ping()
+            return 0 if await self.client.nodes(refresh=True) else 1
+        except KVPoolError:
+            return 1
+
+    async def close(self) -> None:
+        """Close connections; bounded, never deadlocks on LMCache's loop."""
+        if self._closed:
+            return
+        self._closed = True
+        unregister_connector_metrics(self._plugin)
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                if self.channel is not None:
+                    await self.channel.close()
+                await self.client.close()
+        except TimeoutError:
+            logger.warning("kvpool: close took longer than %.1f s; abandoning connections", CLOSE_TIMEOUT_S)
+
+    def __repr__(self) -> str:
+        return f"<KVPoolConnector {self.pool_config.to_url(with_token=False)}>"
+
+
+class KVPoolConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
+    """What LMCache loads from ``remote_storage_plugins: ["kvpool"]``."""
+
+    def __init__(self) -> None:
+        super().__init__(f"{PLUGIN_NAME}://")
+
+    def can_parse(self, url: str) -> bool:
+        if url.startswith(f"{PLUGIN_NAME}://"):
+            return True
+        name = url.removeprefix("plugin://") if url.startswith("plugin://") else ""
+        return name.split(".", 1)[0] == PLUGIN_NAME
+
+    def create_connector(self, context: ConnectorContext) -> RemoteConnector:
+        plugin_name = context.plugin_name or PLUGIN_NAME
+        try:
+            pool_config = self._pool_config(context, plugin_name)
+        except ConfigError as exc:
+            logger.error("kvpool: plugin %r is misconfigured, LMCache will run without it: %s. Fix: %s",
+                         plugin_name, exc, FIX_HINT)  # fmt: skip
+            raise
+        return KVPoolConnector(
+            pool_config, context.loop, context.local_cpu_backend, context.config, context.metadata, plugin_name
+        )
+
+    @staticmethod
+    def _pool_config(context: ConnectorContext, plugin_name: str) -> PoolConfig:
+        extra = (context.config.extra_config if context.config is not None else None) or {}
+        url = extra.get(url_config_key(plugin_name))
+        if not url and context.url.startswith(f"{PLUGIN_NAME}://"):
+            url = context.url
+        return pool_config_from(url or None, f"extra_config['{url_config_key(plugin_name)}']")
+
+
+class KVPoolRemoteURLConnector(KVPoolConnector):
+    """What LMCache builds from ``remote_url: external://HOST:PORT/backend.lmcache_connector/?connector_name=...``.
+
+    LMCache's ``ExternalConnectorAdapter`` calls ``CLASS(loop=, local_cpu_backend=, config=)``:
+    the pool comes from ``config.remote_url`` (see ``backend.lmcache.config.remote_url_pool_config``),
+    the engine metadata, which LMCache does not pass, from the local CPU backend. The rest
+    is :class:`KVPoolConnector`.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any, config: Any) -> None:
+        remote_url = str(getattr(config, "remote_url", None) or "")
+        warn_if_secrets_inline(remote_url, REMOTE_URL_FORM)
+        try:
+            pool_config = remote_url_pool_config(remote_url, os.environ)
+            metadata = getattr(local_cpu_backend, "metadata", None)
+            if metadata is None:
+                raise ConfigError("remote_url", "LMCache passed a local CPU backend without engine metadata, "
+                                  "which the connector needs")  # fmt: skip
+        except ConfigError as exc:
+            # LMCache only logs a failed connector at WARNING and runs on without it (and retries,
+            # which would repeat this): one ERROR per cause.
+            if str(exc) not in _reported_remote_url_errors:
+                _reported_remote_url_errors.add(str(exc))
+                logger.error("kvpool: remote_url is misconfigured, LMCache will run without kvpool: %s. Fix: %s",
+                             exc, REMOTE_URL_FIX_HINT)  # fmt: skip
+            raise
+        super().__init__(pool_config, loop, local_cpu_backend, config, metadata)

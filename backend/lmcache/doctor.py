@@ -1,0 +1,186 @@
+"""``kvpool doctor``: an LMCache config checked end to end, the way LMCache itself would use it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+import torch
+from lmcache.v1.memory_management import MemoryFormat
+
+from backend.client import PoolClient
+from backend.config import PoolConfig, without_inline_secrets
+from backend.errors import ConfigError, KVPoolError
+from backend.lmcache.config import (
+    ADAPTER_CLASS,
+    ADAPTER_MODULE,
+    PLUGIN_NAME,
+    REMOTE_URL_CLASS,
+    pool_config_from,
+    remote_url_pool_config,
+    url_config_key,
+)
+from backend.lmcache.connector import REMOTE_URL_FIX_HINT
+from backend.threads import LoopThread
+
+__all__ = ["diagnose"]
+
+# The module a config may name: the printed (kept) path, or the package's own.
+CONNECTOR_MODULES = (ADAPTER_MODULE, "backend.lmcache.connector")
+
+
+DOCTOR_MODEL = "kvpool-doctor/probe"
+DOCTOR_TIMEOUT_S = 30.0
+
+
+def diagnose(config_path: Path) -> list[dict[str, Any]]:
+    """Check an LMCache config end to end, the way LMCache itself would use it.
+
+    Loads the file with LMCache's loader (``LMCACHE_*`` variables included, as an engine
+    would), checks whichever form enables kvpool (the plugin entry or ``remote_url``),
+    builds LMCache's storage backends from it (so a connector that fails to load shows
+    here, not as silent misses), checks Redis and the nodes, and makes one put/get round
+    trip through LMCache's RemoteBackend. Returns findings: ``{"ok", "check", "detail", "fix"}``.
+    """
+    from lmcache.v1.config import load_engine_config_with_overrides
+
+    findings: list[dict[str, Any]] = []
+
+    def add(ok: bool, check: str, detail: str, fix: str = "") -> bool:
+        findings.append({"ok": ok, "check": check, "detail": detail, "fix": fix})
+        return ok
+
+    try:
+        config = load_engine_config_with_overrides(config_file_path=str(config_path))
+    except Exception as exc:  # LMCache raises many kinds here
+        add(False, "LMCache config", f"{config_path} does not load: {exc}", "fix the YAML (see docs/quickstart.md)")
+        return findings
+    add(True, "LMCache config", f"{config_path} loads")
+    plugins = [str(p) for p in (config.remote_storage_plugins or [])]
+    names = [p for p in plugins if p.split(".", 1)[0] == PLUGIN_NAME]
+    remote_url = str(config.remote_url or "")
+    if names:
+        pool_config = _check_plugin_form(config, names[0], add)
+        backend_name, label = f"RemoteBackend-{names[0]}", "plugin loaded"
+    elif remote_url:
+        pool_config = _check_remote_url_form(remote_url, add)
+        backend_name, label = "RemoteBackend", "connector loaded"
+    else:
+        add(False, "kvpool enabled", f"remote_storage_plugins = {plugins} and remote_url is unset",
+            f'set remote_storage_plugins: ["{PLUGIN_NAME}"] (`kvpool lmcache-config` prints the config), or '
+            "remote_url (`kvpool lmcache-config --form remote_url`)")  # fmt: skip
+        return findings
+    if pool_config is None:
+        return findings
+
+    async def probe_pool() -> tuple[float, int]:
+        async with PoolClient(pool_config) as client:
+            return await client.ping(), len(await client.nodes(refresh=True))
+
+    try:
+        rtt_ms, live = asyncio.run(probe_pool())
+    except KVPoolError as exc:
+        add(False, "Redis", str(exc), "start the pool (`kvpool up`) or fix the host/port in the URL")
+        return findings
+    add(True, "Redis", f"reachable ({rtt_ms:.2f} ms)")
+    if not add(live > 0, "nodes", f"{live} live", f"start one: kvpool node --redis {pool_config.redis_url} "
+               f"--namespace {pool_config.namespace}"):  # fmt: skip
+        return findings
+    _round_trip(config, backend_name, label, add)
+    return findings
+
+
+def _check_plugin_form(config: Any, plugin: str, add: Any) -> PoolConfig | None:
+    """The plugin entry's module, class and pool URL; None when the URL is unusable."""
+    extra = config.extra_config or {}
+    for suffix, allowed in (("module_path", CONNECTOR_MODULES), ("class_name", (ADAPTER_CLASS,))):
+        key = f"remote_storage_plugin.{plugin}.{suffix}"
+        add(extra.get(key) in allowed, key, f"is {extra.get(key)!r}", f"set extra_config['{key}'] = {allowed[0]!r}")
+    if config.remote_url:
+        add(False, "remote_url", f"is also set ({_shown(str(config.remote_url))}): LMCache builds a second remote "
+            "backend and writes every chunk twice", "remove remote_url (and LMCACHE_REMOTE_URL); the plugin entry "
+            "is enough")  # fmt: skip
+    try:
+        pool_config = pool_config_from(extra.get(url_config_key(plugin)) or None,
+                                       f"extra_config['{url_config_key(plugin)}']")  # fmt: skip
+    except ConfigError as exc:
+        add(False, "pool URL", str(exc), f"set extra_config['{url_config_key(plugin)}'] = kvpool://HOST:PORT/NAMESPACE")
+        return None
+    add(True, "pool URL", pool_config.to_url(with_token=False))
+    return pool_config
+
+
+def _check_remote_url_form(remote_url: str, add: Any) -> PoolConfig | None:
+    """``remote_url`` names kvpool's connector and a usable pool; None when it does not."""
+    source = "LMCACHE_REMOTE_URL" if os.environ.get("LMCACHE_REMOTE_URL") else "remote_url"
+    parts = urlsplit(remote_url.strip())
+    module = parts.path.strip("/")
+    connector = dict(parse_qsl(parts.query)).get("connector_name", "")
+    named = module in CONNECTOR_MODULES and connector == REMOTE_URL_CLASS
+    add(named, "remote_url connector", f"{source} is {_shown(remote_url)}",
+        f"external://HOST:PORT/{ADAPTER_MODULE}/?connector_name={REMOTE_URL_CLASS}&namespace=NS "
+        "(`kvpool lmcache-config --form remote_url` prints it)")  # fmt: skip
+    try:
+        pool_config = remote_url_pool_config(remote_url, os.environ)
+    except ConfigError as exc:
+        add(False, "pool URL", str(exc), REMOTE_URL_FIX_HINT)
+        return None
+    add(True, "pool URL", f"{pool_config.to_url(with_token=False)} (from {source})")
+    return pool_config if named else None
+
+
+def _shown(url: str) -> str:
+    return without_inline_secrets(url)[0]
+
+
+def _round_trip(config: Any, backend_name: str, label: str, add: Any) -> None:
+    """Build LMCache's storage from ``config`` and move one chunk through its ``backend_name``."""
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend import CreateStorageBackends
+
+    chunk = int(config.chunk_size)
+    metadata = LMCacheMetadata(model_name=DOCTOR_MODEL, world_size=1, local_world_size=1, worker_id=0,
+                               local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=(2, 2, chunk, 1, 64))  # fmt: skip
+    loop = LoopThread("kvpool-doctor")
+    backends: dict[str, Any] = {}
+    try:
+        backends = CreateStorageBackends(config, metadata, loop.loop)
+        remote: Any = backends.get(backend_name)
+        if not add(remote is not None and remote.connection is not None, label,
+                   f"LMCache built {backend_name}" if remote is not None and remote.connection is not None
+                   else "LMCache has no working kvpool backend (LMCache hides why: see its log above)",
+                   "check that kvpool is installed in this Python environment (pip install 'kvpool[lmcache]')"):  # fmt: skip
+            return
+        local = backends["LocalCPUBackend"]
+        shape = torch.Size([2, 2, chunk, 64])
+        obj = local.allocate(shape, torch.bfloat16, MemoryFormat.KV_2LTD)
+        if obj is None:
+            add(False, "round trip", "LMCache could not allocate a probe chunk", "raise max_local_cpu_size")
+            return
+        obj.tensor.copy_(torch.randn(shape).to(torch.bfloat16))
+        expected = obj.tensor.clone()
+        key = CacheEngineKey(DOCTOR_MODEL, 1, 0, int(time.time() * 1000), torch.bfloat16)
+        done = threading.Event()
+        remote.batched_submit_put_task([key], [obj], on_complete_callback=lambda _k: done.set())
+        obj.ref_count_down()
+        if not done.wait(DOCTOR_TIMEOUT_S) or not remote.contains(key):
+            add(False, "round trip", "the probe chunk was not stored", "see `kvpool status` and the node logs")
+            return
+        got = remote.get_blocking(key)
+        same = got is not None and torch.equal(got.tensor.view(torch.uint8), expected.view(torch.uint8))
+        if got is not None:
+            got.ref_count_down()
+        remote.remove(key)
+        add(same, "round trip", "put and get through LMCache's RemoteBackend, byte-identical" if same
+            else "the probe chunk came back different or not at all", "run `kvpool check --deep`")  # fmt: skip
+    finally:
+        closer = threading.Thread(target=lambda: [b.close() for b in backends.values()], daemon=True)
+        closer.start()
+        closer.join(5.0)
+        loop.stop(5.0, close=False)  # LMCache's threads may still hold the loop

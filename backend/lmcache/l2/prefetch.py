@@ -1,0 +1,171 @@
+"""The L2 adapter's read side: lookup-and-lock (real leases), unlock, and load into LMCache's objects."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.l2_adapters.base import L2TaskId
+
+from backend.client import Lock, PoolClient
+from backend.errors import KVPoolError
+from backend.lmcache.boundary import MissBoundary
+from backend.lmcache.l2.keys import pool_key
+from backend.lmcache.l2.tasks import Completed, TaskRunner
+from backend.protocol import ItemMeta
+from backend.transport import Buffer
+
+if TYPE_CHECKING:
+    from lmcache.v1.memory_management import MemoryObj
+
+__all__ = ["Prefetcher"]
+
+UNLOCK_ATTEMPTS = 3  # then the lease's TTL frees the chunk
+UNLOCK_RETRY_S = 0.2
+
+
+class BufferSink:
+    """Receives each key straight into the caller's memory object, or declines it."""
+
+    def __init__(self, buffers: Mapping[str, memoryview], misses: MissBoundary) -> None:
+        self.buffers = buffers
+        self.misses = misses
+
+    async def allocate(self, meta: ItemMeta) -> tuple[str, Buffer] | None:
+        view = self.buffers.get(meta.key)
+        if view is None:
+            return None
+        if len(view) != meta.nbytes:
+            # Another layout under the same key (a different L1 chunk shape): a miss, never a partial copy.
+            self.misses.miss("size", "%s holds %d bytes but LMCache's buffer has %d; reading as a miss",
+                             meta.key, meta.nbytes, len(view))  # fmt: skip
+            return None
+        return meta.key, view
+
+    def release(self, handle: str) -> None:
+        pass  # the buffer belongs to LMCache
+
+
+class Prefetcher:
+    """Lookup-and-lock, unlock and load for LMCache's prefetch controller; holds the leases it took."""
+
+    def __init__(self, client: PoolClient, tasks: TaskRunner, misses: MissBoundary, counters: Counter[str],
+                 lock_ttl_ms: int, notify_accessed: Callable[[list[ObjectKey]], None]) -> None:  # fmt: skip
+        self.client = client
+        self.tasks = tasks
+        self.misses = misses
+        self.counters = counters
+        self.lock_ttl_ms = lock_ttl_ms
+        self._notify_accessed = notify_accessed
+        self._lock = threading.Lock()
+        self._held: defaultdict[ObjectKey, list[Lock]] = defaultdict(list)  # one lease per successful lookup
+        self.lookups: Completed[Bitmap] = Completed()
+        self.loads: Completed[Bitmap] = Completed()
+
+    # -- lookup and lock --------------------------------------------------------------
+    def submit_lookup_and_lock(self, keys: list[ObjectKey]) -> L2TaskId:
+        task_id = self.tasks.new_task_id()
+        self.tasks.submit(self._lookup_and_lock(task_id, list(keys)))
+        return task_id
+
+    async def _lookup_and_lock(self, task_id: L2TaskId, keys: list[ObjectKey]) -> None:
+        bitmap = Bitmap(len(keys))
+        try:
+            # One Redis round trip, then one LEASE per node: a hit is also a lease.
+            locks = await self.client.lock([pool_key(k) for k in keys], self.lock_ttl_ms)
+            with self._lock:
+                for i, (key, lock) in enumerate(zip(keys, locks)):
+                    if lock is not None:
+                        bitmap.set(i)
+                        self._held[key].append(lock)
+            self.misses.recovered("lookup")
+        except Exception as exc:  # the task must complete, or LMCache waits on it forever
+            self.misses.failed("lookup", "L2 lookup failed, reading as misses", exc)
+        self.lookups.finish(task_id, bitmap)
+
+    @property
+    def held_count(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._held.values())
+
+    def take_all_held(self) -> list[Lock]:
+        """Every lease still held, now no longer tracked (for close)."""
+        with self._lock:
+            held = [lock for locks in self._held.values() for lock in locks]
+            self._held.clear()
+        return held
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        with self._lock:
+            locks = [self._held_pop(k) for k in keys]
+        released = [lock for lock in locks if lock is not None]
+        if released and not self.tasks.closed:
+            self.tasks.submit(self._unlock(released))
+
+    def _held_pop(self, key: ObjectKey) -> Lock | None:
+        held = self._held.get(key)
+        if not held:
+            return None
+        lock = held.pop(0)
+        if not held:
+            del self._held[key]
+        return lock
+
+    async def _unlock(self, locks: list[Lock]) -> None:
+        # LMCache never retries an unlock: try a few times; after that the lease's TTL frees the chunk.
+        for attempt in range(UNLOCK_ATTEMPTS):
+            try:
+                await self.client.unlock(locks)
+                return
+            except KVPoolError as exc:
+                if attempt == UNLOCK_ATTEMPTS - 1:
+                    self.misses.miss("unlock", "unlock of %d chunks failed (%s); their leases end after %d ms",
+                                     len(locks), exc, self.lock_ttl_ms)  # fmt: skip
+                    return
+                await asyncio.sleep(UNLOCK_RETRY_S)
+
+    # -- load -------------------------------------------------------------------------
+    def submit_load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        task_id = self.tasks.new_task_id()
+        self.tasks.submit(self._load(task_id, list(keys), list(objects)))
+        return task_id
+
+    async def _load(self, task_id: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
+        bitmap = Bitmap(len(keys))
+        try:
+            names = [pool_key(k) for k in keys]
+            views = [memoryview(obj.byte_array).cast("B") for obj in objects]
+            first: dict[str, int] = {}  # a key named twice is fetched once, then copied to its other objects
+            for i, name in enumerate(names):
+                first.setdefault(name, i)
+            unique = list(first)
+            sink = BufferSink({name: views[first[name]] for name in unique}, self.misses)
+            handles = await self.client.get(unique, sink)
+            got = dict(zip(unique, handles))
+            loaded = []
+            for i, name in enumerate(names):
+                if got[name] is None:
+                    continue
+                if i != first[name]:
+                    if len(views[i]) != len(views[first[name]]):
+                        continue  # another layout under the same key: a miss for this object
+                    views[i][:] = views[first[name]]
+                bitmap.set(i)
+                loaded.append(keys[i])
+            self.counters["loaded_chunks"] += len(loaded)
+            self.counters["load_misses"] += len(keys) - len(loaded)
+            if loaded:
+                self._notify_accessed(loaded)
+            self.misses.recovered("load")
+        except Exception as exc:
+            self.misses.failed("load", "L2 load failed, reading as misses", exc)
+        self.loads.finish(task_id, bitmap)
+
+    def close(self) -> None:
+        self.lookups.close()
+        self.loads.close()

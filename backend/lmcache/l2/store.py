@@ -1,0 +1,98 @@
+"""The L2 adapter's write side: store (only what the pool lacks) and delete (LMCache's L2 eviction)."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2TaskId
+
+from backend.client import PoolClient
+from backend.errors import KVPoolError
+from backend.lmcache.boundary import MissBoundary
+from backend.lmcache.chunks import to_chunk
+from backend.lmcache.l2.keys import pool_key
+from backend.lmcache.l2.tasks import Completed, TaskRunner
+from backend.lmcache.l2.usage import UsageView
+
+if TYPE_CHECKING:
+    from lmcache.v1.memory_management import MemoryObj
+
+__all__ = ["Storer"]
+
+logger = logging.getLogger(__name__)
+
+Notify = Callable[[list[ObjectKey], list[int]], None]
+
+
+class Storer:
+    """Store tasks for LMCache's store controller, and ``delete``; tells LMCache's listeners what changed."""
+
+    def __init__(self, client: PoolClient, tasks: TaskRunner, misses: MissBoundary, counters: Counter[str],
+                 usage: UsageView, notify_stored: Notify, notify_deleted: Notify) -> None:  # fmt: skip
+        self.client = client
+        self.tasks = tasks
+        self.misses = misses
+        self.counters = counters
+        self.usage = usage
+        self._notify_stored = notify_stored
+        self._notify_deleted = notify_deleted
+        self.stores: Completed[L2StoreResult] = Completed()
+
+    def submit_store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        task_id = self.tasks.new_task_id()
+        self.tasks.submit(self._store(task_id, list(keys), list(objects)))
+        return task_id
+
+    async def _store(self, task_id: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
+        ok = True
+        sent_bytes = 0
+        stored: list[ObjectKey] = []
+        sizes: list[int] = []
+        try:
+            names = [pool_key(k) for k in keys]
+            # Re-sending a chunk the pool has is wasted bandwidth and would count its bytes twice.
+            present = await self.client.contains(names)
+            todo = [i for i, hit in enumerate(present) if not hit]
+            chunks = [to_chunk(names[i], objects[i]) for i in todo]
+            await self.client.put(chunks)
+            for i, chunk in zip(todo, chunks):
+                stored.append(keys[i])
+                sizes.append(len(memoryview(chunk.data)))
+            sent_bytes = sum(sizes)
+            self.misses.recovered("store")
+        except Exception as exc:  # the task must complete, or LMCache waits on it forever
+            ok = False
+            self.misses.failed("store", "L2 store failed, those chunks stay out of the pool", exc)
+        if stored:
+            self.counters["stored_chunks"] += len(stored)
+            self.usage.count_salt_bytes(stored, sizes, +1)
+            self._notify_stored(stored, sizes)
+        self.stores.finish(task_id, L2StoreResult(ok, sent_bytes))
+
+    def delete(self, keys: list[ObjectKey], timeout_s: float) -> None:
+        """Remove keys from the pool; bounded by ``timeout_s``, synchronous by LMCache's interface."""
+        if not keys or self.tasks.closed:
+            return
+        try:
+            deleted, sizes = self.tasks.call(self._delete(list(keys)), timeout_s)
+        except KVPoolError as exc:
+            logger.warning("kvpool: L2 delete of %d keys failed: %s", len(keys), exc)
+            return
+        if deleted:
+            self.usage.count_salt_bytes(deleted, sizes, -1)
+            self._notify_deleted(deleted, sizes)
+
+    async def _delete(self, keys: list[ObjectKey]) -> tuple[list[ObjectKey], list[int]]:
+        names = [pool_key(k) for k in keys]
+        entries = await self.client.index.lookup(names)
+        await self.client.delete(names)
+        present = [(k, e[0].nbytes) for k, e in zip(keys, entries) if e]
+        return [k for k, _ in present], [n for _, n in present]
+
+    def close(self) -> None:
+        self.stores.close()
