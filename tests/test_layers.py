@@ -33,6 +33,9 @@ LEVELS = {
 # Where MetadataStore may be named: the metadata layer itself and its two users.
 # Everyone else goes through PoolClient.index (backend/client/index.py).
 METADATA_STORE_USERS = ("backend.metadata", "backend.client", "backend.node")
+# Where frames are encoded and decoded: both ends of the wire. The admin verbs and the
+# LMCache layer ask the client (backend/client/node_admin.py) in typed calls instead.
+FRAME_CODEC_USERS = ("backend.protocol", "backend.transport", "backend.shm", "backend.client", "backend.node")
 
 
 def _module(path: Path) -> str:
@@ -88,6 +91,18 @@ def test_only_the_metadata_layer_the_client_and_the_node_name_the_metadata_store
             if imported.startswith("backend.metadata") and "MetadataStore" in names:
                 reach.append(f"{path.relative_to(REPO)}:{line}")
     assert reach == [], "reach the metadata through PoolClient.index"
+
+
+def test_only_the_two_ends_of_the_wire_encode_or_decode_frames() -> None:
+    reach = []
+    for path in _backend_files():
+        if _room(_module(path)) in FRAME_CODEC_USERS:
+            continue
+        for imported, names, line in _imports(path):
+            codec = [n for n in names if n == "Op" or n.startswith(("encode_", "decode_"))]
+            if imported == "backend.protocol" and codec:
+                reach.append(f"{path.relative_to(REPO)}:{line} imports {', '.join(codec)}")
+    assert reach == [], "ask the client's typed calls (PoolClient.node_admin) instead"
 
 
 def test_the_rules_catch_a_breach(tmp_path: Path) -> None:
