@@ -12,6 +12,7 @@ from backend.lmcache.connector import (
     KVPoolConnectorAdapter,
     KVPoolRemoteURLConnector,
 )
+from backend.lmcache.doctor import diagnose
 
 __all__ = ["KVPoolConnector", "KVPoolConnectorAdapter", "KVPoolRemoteURLConnector", "ALLOCATE_TIMEOUT_S",
-           "CLIENT_COUNTERS"]  # fmt: skip
+           "CLIENT_COUNTERS", "diagnose"]  # fmt: skip

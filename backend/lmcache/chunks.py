@@ -99,7 +99,16 @@ class LMCacheSink:
         self.misses = misses
 
     async def allocate(self, meta: ItemMeta) -> tuple[MemoryObj, Any] | None:
-        shapes, dtypes = rebuild_layout(meta, self.engine_shapes, self.engine_dtypes)
+        """A memory object for the chunk, or None: that key alone reads as a miss.
+
+        Never raises for one chunk's layout: a raise would fail the whole read from
+        that node (every key of the batch, and the node read last for a while).
+        """
+        try:
+            shapes, dtypes = rebuild_layout(meta, self.engine_shapes, self.engine_dtypes)
+        except KVPoolError as exc:
+            self.misses.miss("size", "%s; reading as a miss", exc)
+            return None
         fmt = MemoryFormat(meta.fmt)
         # One group is passed as LMCache's single shape and dtype, several as its lists.
         shape_arg: Any = shapes[0] if len(shapes) == 1 else shapes
@@ -111,9 +120,9 @@ class LMCacheSink:
                 view = obj.byte_array
                 if len(view) != meta.nbytes:
                     obj.ref_count_down()
-                    raise KVPoolError(
-                        f"LMCache allocated {len(view)} bytes for {meta.key!r}, which holds {meta.nbytes}"
-                    )
+                    self.misses.miss("size", "LMCache allocated %d bytes for %r, which holds %d; reading as a miss",
+                                     len(view), meta.key, meta.nbytes)  # fmt: skip
+                    return None
                 return obj, view
             if time.monotonic() >= deadline:
                 self.misses.miss("allocate", "LMCache's local buffer stayed full for %.1f s; "
