@@ -1,0 +1,355 @@
+"""NodeConfig: a pool node's settings, from flags, a YAML file and the environment through one table."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from backend.config.pool import DEFAULT_NAMESPACE, warn_unknown_env
+from backend.config.values import CLUSTER_RE, NAMESPACE_RE, parse_int, parse_size
+from backend.errors import ConfigError
+from backend.protocol import DEFAULT_LIMITS, Limits
+from backend.redis_topology import RedisTarget, mask_url
+
+__all__ = ["NodeConfig", "NodeOption", "NODE_OPTIONS", "NODE_OPTION_NAMES", "NODE_VERB_DEFAULTS", "REDIS_HELP",
+           "node_options", "parse_advertise"]  # fmt: skip
+
+DEFAULT_SHM_DIR = "/dev/shm"
+DEFAULT_NODE_PAIR_TIMEOUT_MS = 60_000  # a node waits longer than a client: it serves many pairings
+DEFAULT_DEAD_NODE_GRACE_MS = 300_000
+MAX_NODE_MS = 2**31 - 1
+_CHANNELS = ("off", "nccl", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeOption:
+    """One node setting: YAML key ``name``, flag ``--name-with-dashes``, and optionally a ``KVPOOL_*`` variable."""
+
+    name: str
+    parse: Callable[[str, Any], Any]  # (the option as the user wrote it, raw value) -> value; ConfigError naming it
+    default: Any
+    help: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    env: str = ""  # the environment variable that sets it (flags win over it, it wins over YAML)
+    flag: bool = True  # False for secrets: from a file or the environment, never from argv
+
+    @property
+    def flag_name(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _text(key: str, value: Any) -> str:
+    if value is None or isinstance(value, (dict, list)):
+        raise ConfigError(key, f"{value!r} is not a value for this option")
+    return str(value)
+
+
+def _optional(parse: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    """``parse``, except that an empty value (YAML ``null``, ``""``) means "not set"."""
+    return lambda key, value: None if value is None or value == "" else parse(key, value)
+
+
+def _path(key: str, value: Any) -> Path:
+    return Path(_text(key, value))
+
+
+def _named(pattern: re.Pattern[str], rule: str) -> Callable[[str, Any], str]:
+    def parse(key: str, value: Any) -> str:
+        text = _text(key, value)
+        if not pattern.match(text):
+            raise ConfigError(key, f"{text!r} must be {rule}")
+        return text
+
+    return parse
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
+    def parse(key: str, value: Any) -> str:
+        text = "off" if value is False else _text(key, value).strip().lower()  # YAML reads a bare off as False
+        if text not in choices:
+            raise ConfigError(key, f"{text!r} is not one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def _size(positive: bool) -> Callable[[str, Any], int]:
+    def parse(key: str, value: Any) -> int:
+        size = parse_size(_text(key, value), name=key)
+        if positive and size <= 0:
+            raise ConfigError(key, f"{value!r} is not a positive size")
+        return size
+
+    return parse
+
+
+def _int_in(low: int, high: int) -> Callable[[str, Any], int]:
+    return lambda key, value: parse_int(key, _text(key, value), low, high)
+
+
+def _shm_dir(key: str, value: Any) -> Path | None:
+    text = "off" if value is False or value is None else _text(key, value)
+    if text.lower() == "off":
+        return None
+    if not Path(text).is_dir():
+        if text != DEFAULT_SHM_DIR:
+            raise ConfigError(key, f"{text} is not a directory (use 'off' for no arena)")
+        return None  # a system without /dev/shm: private memory, TCP for everyone
+    return Path(text)
+
+
+def parse_advertise(key: str, value: Any) -> tuple[str, int]:
+    """``HOST``, ``HOST:PORT``, ``:PORT``, ``[V6]:PORT`` or a bare IPv6 address -> (host or "", port or 0)."""
+    text = "" if value is None else _text(key, value)
+    if text.startswith("["):
+        host, bracket, rest = text[1:].partition("]")
+        if not bracket or not host or (rest and not rest.startswith(":")):
+            raise ConfigError(key, f"{text!r} is not HOST, HOST:PORT or [IPV6]:PORT")
+        port_text = rest[1:] if rest else ""
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:
+        host, port_text = text, ""  # a name, or an IPv6 address without a port
+    if not port_text:
+        return host, 0
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError(key, f"{text!r}: the port must be a number in 1..65535")
+    return host, int(port_text)
+
+
+def _redis(key: str, value: Any) -> str:
+    text = _text(key, value)
+    RedisTarget.parse(text, key=key)  # the form is checked now, the server when the node starts
+    return text
+
+
+REDIS_HELP = ("the pool's metadata Redis (required): redis://HOST:PORT, redis+cluster://HOST:PORT[,HOST:PORT] or "
+              "redis+sentinel://HOST:PORT[,HOST:PORT]/MASTER; TLS: rediss://, rediss+cluster://, rediss+sentinel://; "
+              "an ACL user as USER@HOST:PORT")  # fmt: skip
+# Every node setting, in the order of `kvpool node --help`. The help strings of dram, nvme_dir and
+# nvme name {default}: `kvpool up` and `kvpool node` differ there (NODE_VERB_DEFAULTS).
+NODE_OPTIONS: tuple[NodeOption, ...] = (
+    NodeOption("redis", _optional(_redis), "", REDIS_HELP, metavar="URL"),
+    NodeOption("namespace", _named(NAMESPACE_RE, "1-64 characters of A-Z a-z 0-9 _ . -"), DEFAULT_NAMESPACE,
+               f"pool namespace (default {DEFAULT_NAMESPACE})"),
+    NodeOption("dram", _size(positive=True), parse_size("4GiB"), "DRAM tier size (default {default})"),
+    NodeOption("nvme_dir", _optional(_path), None, "NVMe tier directory ({default})"),
+    NodeOption("nvme", _size(positive=False), parse_size("100GiB"),
+               "NVMe tier size; 0 turns it off (default {default})"),
+    NodeOption("host", _text, "127.0.0.1", "address to listen on (default 127.0.0.1)"),
+    NodeOption("port", _int_in(0, 65535), 0, "port to listen on (default: any free port)"),
+    NodeOption("advertise", parse_advertise, ("", 0), "address clients should use, published in the registry (default: "
+               "--host, or the hostname for 0.0.0.0; the port defaults to the one listened on)",
+               metavar="HOST[:PORT]"),
+    NodeOption("node_id", _text, "", "stable node id (default: kept in the NVMe dir, else HOSTNAME-PORT)"),
+    NodeOption("cluster", _named(CLUSTER_RE, "A-Z a-z 0-9 _ . -"), "", "cluster label for same-cluster reads"),
+    NodeOption("channel", _choice(_CHANNELS), "off", "serve same-cluster clients over the channel: nccl (GPU), "
+               "cpu (its socket twin, for tests) or off (default); needs --cluster", choices=_CHANNELS),
+    NodeOption("device", _text, "cuda:0", "CUDA device of --channel nccl (default cuda:0)"),
+    NodeOption("pair_timeout_ms", _int_in(1, MAX_NODE_MS), DEFAULT_NODE_PAIR_TIMEOUT_MS,
+               "deadline of one channel pairing; a cold NCCL init takes seconds "
+               f"(default {DEFAULT_NODE_PAIR_TIMEOUT_MS})", metavar="MS"),
+    NodeOption("dead_node_grace_ms", _int_in(1, MAX_NODE_MS), DEFAULT_DEAD_NODE_GRACE_MS,
+               "a node dead this long loses its registry entry and index entries, collected by a live node "
+               f"(default {DEFAULT_DEAD_NODE_GRACE_MS})", metavar="MS"),
+    NodeOption("token_file", _optional(_path), None, "file holding the pool token (or set KVPOOL_TOKEN)"),
+    NodeOption("tls_cert", _optional(_path), None, "serve the node protocol over TLS only, with this PEM "
+               "certificate chain (it must name the address clients use: --advertise or --host); needs --tls-key",
+               metavar="FILE"),
+    NodeOption("tls_key", _optional(_path), None, "the PEM private key of --tls-cert", metavar="FILE"),
+    NodeOption("redis_ca", _optional(_path), None,
+               "CA bundle that verifies a rediss:// Redis (default: the system trust store)", metavar="FILE"),
+    NodeOption("redis_password_file", _optional(_path), None, "file holding the Redis ACL password (or set "
+               "KVPOOL_REDIS_PASSWORD); the user goes in the --redis URL: rediss://USER@HOST:PORT", metavar="FILE"),
+    NodeOption("metrics_port", _optional(_int_in(0, 65535)), None,
+               "serve /metrics and /health on this port (0: any free port; default: off)"),
+    NodeOption("metrics_host", _text, "127.0.0.1", "address for --metrics-port (default 127.0.0.1)"),
+    NodeOption("shm_dir", _shm_dir, Path(DEFAULT_SHM_DIR) if Path(DEFAULT_SHM_DIR).is_dir() else None,
+               f"keep DRAM in a shared-memory arena here so same-host clients read without TCP "
+               f"(default {DEFAULT_SHM_DIR}; off: private memory)", metavar="DIR|off"),
+    NodeOption("token", _text, "", "the pool token clients must prove", env="KVPOOL_TOKEN", flag=False),
+    NodeOption("redis_password", _text, "", "the Redis ACL password", env="KVPOOL_REDIS_PASSWORD", flag=False),
+)  # fmt: skip
+NODE_OPTION_NAMES = tuple(option.name for option in NODE_OPTIONS)
+# What `kvpool up` and `kvpool node` default to where they differ, as the user would write it.
+NODE_VERB_DEFAULTS: dict[str, dict[str, Any]] = {
+    "node": {"dram": "4GiB", "nvme_dir": None, "nvme": "100GiB"},
+    "up": {"dram": "1GiB", "nvme_dir": str(Path(".kvpool") / "nvme"), "nvme": "8GiB"},
+}
+
+
+def node_options(
+    flags: Mapping[str, Any],
+    *,
+    config_file: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Each node option's value, parsed and checked on its own: flag, else environment, else YAML, else default.
+
+    ``flags`` maps option names to what was given on the command line (None: not given);
+    ``defaults`` overrides the table's defaults (raw, as a user would write them). An
+    error names the option as its source spells it: ``--dram``, ``KVPOOL_TOKEN``, or
+    ``dram (in FILE)``; an unknown YAML key is an error, an unknown ``KVPOOL_*`` variable a warning.
+    """
+    environ = environ if environ is not None else {}
+    warn_unknown_env(environ)
+    from_file = _node_yaml(config_file) if config_file is not None else {}
+    values: dict[str, Any] = {}
+    for option in NODE_OPTIONS:
+        if option.flag and flags.get(option.name) is not None:
+            values[option.name] = option.parse(option.flag_name, flags[option.name])
+        elif option.env and option.env in environ:
+            values[option.name] = option.parse(option.env, environ[option.env])
+        elif option.name in from_file:
+            values[option.name] = option.parse(f"{option.name} (in {config_file})", from_file[option.name])
+        elif defaults is not None and option.name in defaults:
+            raw = defaults[option.name]
+            values[option.name] = None if raw is None else option.parse(option.flag_name, raw)
+        else:
+            values[option.name] = option.default
+    return values
+
+
+def _node_yaml(path: str | Path) -> dict[str, Any]:
+    """The options of a node's YAML file, keys with dashes or underscores; unknown or secret keys are errors."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("--config", f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("--config", f"{path} must hold a mapping of options")
+    settable = [option.name for option in NODE_OPTIONS if option.flag]
+    options = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name in ("token", "redis_password"):
+            raise ConfigError(str(key), f"a secret does not belong in {path}: give {name}_file, or set "
+                              f"KVPOOL_{name.upper()}")  # fmt: skip
+        if name not in settable:
+            raise ConfigError(str(key), f"unknown option in {path}; known: {', '.join(sorted(settable))}")
+        options[name] = value
+    return options
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeConfig:
+    """Everything a pool node needs to run; checked once, here. Build with :meth:`from_sources` or directly."""
+
+    redis_url: str
+    namespace: str
+    dram_bytes: int
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str = ""
+    advertise_port: int = 0  # 0: the port listened on; else a forwarder's (NAT, container, proxy)
+    node_id: str = ""
+    token: str = dataclasses.field(default="", repr=False)
+    cluster: str = ""
+    heartbeat_interval_ms: int = 1000
+    heartbeat_ttl_ms: int = 5000
+    redis_timeout_ms: int = 2000
+    limits: Limits = DEFAULT_LIMITS
+    nvme_dir: Path | None = None
+    nvme_bytes: int = 0
+    high_watermark: float = 0.90
+    low_watermark: float = 0.80
+    frame_timeout_s: float = 30.0  # once a header arrived, the rest of its frame must follow
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
+    shm_dir: Path | None = None  # shared-memory arena for same-host clients; None: off
+    channel: str = "off"  # serve CHANNEL_GET over this transport: "off", "cpu" or "nccl" (nccl_channel)
+    device: str = "cuda:0"  # the CUDA device of the NCCL channel
+    tls_cert: Path | None = None  # PEM certificate chain: serve the node protocol over TLS only
+    tls_key: Path | None = None  # its private key (PEM)
+    redis_password: str = dataclasses.field(default="", repr=False)  # Redis ACL password, if not in redis_url
+    redis_ca_file: str = ""  # CA bundle verifying a rediss:// Redis; empty: the system trust store
+    dead_node_grace_ms: int = DEFAULT_DEAD_NODE_GRACE_MS  # a dead node's Redis entries go after this long
+    pair_timeout_ms: int = DEFAULT_NODE_PAIR_TIMEOUT_MS  # deadline of one channel pairing (a cold NCCL init: seconds)
+    token_file: str = ""  # where the token came from, if a file (so `kvpool up` can name it, never print it)
+    redis_password_file: str = ""  # likewise for redis_password
+
+    def __post_init__(self) -> None:
+        if not self.redis_url:
+            raise ConfigError("--redis", "the pool's metadata Redis is required: --redis redis://HOST:PORT "
+                              "(or redis: in --config)")  # fmt: skip
+        redis_tls = RedisTarget.parse(self.redis_url, key="--redis").tls
+        if not NAMESPACE_RE.match(self.namespace):
+            raise ConfigError("--namespace", f"{self.namespace!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
+        if not CLUSTER_RE.match(self.cluster):
+            raise ConfigError("--cluster", f"{self.cluster!r} must be A-Z a-z 0-9 _ . -")
+        if self.dram_bytes <= 0:
+            raise ConfigError("--dram", f"{self.dram_bytes} is not a positive size")
+        if self.channel not in _CHANNELS:
+            raise ConfigError("--channel", f"{self.channel!r} is not one of {', '.join(_CHANNELS)}")
+        if self.channel != "off" and not self.cluster:
+            raise ConfigError("--channel", "the channel serves clients of the same cluster: give --cluster NAME too")
+        for flag, value in (("--pair-timeout-ms", self.pair_timeout_ms),
+                            ("--dead-node-grace-ms", self.dead_node_grace_ms)):  # fmt: skip
+            if value <= 0:
+                raise ConfigError(flag, f"{value} is not a positive number of milliseconds")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("--tls-cert", "TLS needs both --tls-cert and --tls-key")
+        if self.tls_cert is not None and not redis_tls:
+            # Clients reach a TLS node with tls=on, which also means rediss:// to the registry.
+            raise ConfigError("--tls-cert", f"a TLS node needs a TLS Redis (rediss://), not {mask_url(self.redis_url)}")
+        if self.redis_ca_file and not redis_tls:
+            raise ConfigError("--redis-ca", f"a CA bundle only matters for a rediss:// Redis, not "
+                              f"{mask_url(self.redis_url)}")  # fmt: skip
+
+    @classmethod
+    def from_sources(
+        cls,
+        flags: Mapping[str, Any],
+        *,
+        config_file: str | Path | None = None,
+        environ: Mapping[str, str] | None = None,
+        defaults: Mapping[str, Any] | None = None,
+    ) -> NodeConfig:
+        """Flags, environment and YAML file through :data:`NODE_OPTIONS` (see :func:`node_options`)."""
+        return cls.from_options(node_options(flags, config_file=config_file, environ=environ, defaults=defaults))
+
+    @classmethod
+    def from_options(cls, values: Mapping[str, Any]) -> NodeConfig:
+        """Build from parsed option values (:func:`node_options`); reads the secret files it names."""
+        token, token_file = values["token"], values["token_file"]
+        if token_file is not None:
+            token = _read_node_secret(token_file, "--token-file")
+        password, password_file = values["redis_password"], values["redis_password_file"]
+        if password_file is not None:
+            password = _read_node_secret(password_file, "--redis-password-file")
+        nvme_bytes = values["nvme"] if values["nvme_dir"] is not None else 0
+        advertise_host, advertise_port = values["advertise"]
+        return cls(
+            redis_url=values["redis"] or "", namespace=values["namespace"], dram_bytes=values["dram"],
+            nvme_dir=values["nvme_dir"] if nvme_bytes else None, nvme_bytes=nvme_bytes,
+            host=values["host"], port=values["port"], advertise_host=advertise_host, advertise_port=advertise_port,
+            node_id=values["node_id"], token=token, cluster=values["cluster"],
+            metrics_host=values["metrics_host"], metrics_port=values["metrics_port"], shm_dir=values["shm_dir"],
+            channel=values["channel"], device=values["device"], tls_cert=values["tls_cert"], tls_key=values["tls_key"],
+            redis_password=password, redis_ca_file=str(values["redis_ca"] or ""),
+            pair_timeout_ms=values["pair_timeout_ms"], dead_node_grace_ms=values["dead_node_grace_ms"],
+            token_file=str(token_file.resolve()) if token_file is not None else "",
+            redis_password_file=str(password_file.resolve()) if password_file is not None else "",
+        )  # fmt: skip
+
+
+def _read_node_secret(path: Path, flag: str) -> str:
+    try:
+        secret = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(flag, f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(flag, f"{path} is not text") from None
+    if not secret:
+        why = "; a node without a token accepts anyone" if flag == "--token-file" else ""
+        raise ConfigError(flag, f"{path} is empty{why}")
+    return secret

@@ -1,0 +1,58 @@
+"""The values every kvpool setting is made of: sizes, on/off, bounded integers, names."""
+
+from __future__ import annotations
+
+import re
+
+from backend.errors import ConfigError
+
+__all__ = ["NAMESPACE_RE", "CLUSTER_RE", "format_size", "parse_bool", "parse_int", "parse_size"]
+
+NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+CLUSTER_RE = re.compile(r"^[A-Za-z0-9_.-]{0,64}$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1, "B": 1,
+    "K": 1024, "KB": 1000, "KI": 1024, "KIB": 1024,
+    "M": 1024**2, "MB": 1000**2, "MI": 1024**2, "MIB": 1024**2,
+    "G": 1024**3, "GB": 1000**3, "GI": 1024**3, "GIB": 1024**3,
+    "T": 1024**4, "TB": 1000**4, "TI": 1024**4, "TIB": 1024**4,
+}  # fmt: skip
+
+
+def parse_size(text: str, *, name: str = "size") -> int:
+    """Parse ``"4GiB"``, ``"512MiB"``, ``"1.5G"`` or ``"1048576"`` into bytes."""
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise ConfigError(name, f"{text!r} is not a size (examples: 4GiB, 512MiB, 1048576)")
+    number, unit = match.groups()
+    return int(float(number) * _SIZE_UNITS[(unit or "").upper()])
+
+
+def format_size(num_bytes: float) -> str:
+    """Render a byte count for people: ``4.0 GiB``."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def parse_bool(key: str, text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in {"on", "true", "1", "yes"}:
+        return True
+    if lowered in {"off", "false", "0", "no"}:
+        return False
+    raise ConfigError(key, f"{text!r} is not on/off")
+
+
+def parse_int(key: str, text: str, low: int, high: int) -> int:
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise ConfigError(key, f"{text!r} is not an integer") from None
+    if not low <= value <= high:
+        raise ConfigError(key, f"{value} is out of range [{low}, {high}]")
+    return value
