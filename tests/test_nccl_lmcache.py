@@ -214,10 +214,11 @@ def test_a_pairing_slower_than_the_request_timeout_engages_without_closing_the_s
         finally:
             stack.release(got)
     assert connector.channel.pair_count() == 1 and connector.channel.counters["pair_failures"] == 0
+    before = connector.counters["get_bytes_channel"]  # the loop's last read may have used the pair it just saw
     got = stack.get(keys)
     try:
         assert _identical(stack, got, objs)
-        assert connector.counters["get_bytes_channel"] == 4 * stack.chunk_bytes
+        assert connector.counters["get_bytes_channel"] - before == 4 * stack.chunk_bytes
     finally:
         stack.release(objs + got)
     client = connector.client
