@@ -22,12 +22,8 @@ import importlib.util
 import re
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,13 +34,12 @@ import redis
 from backend.embedded import EmbeddedRedis, free_port
 from bench.full_pool import FullPool
 from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
+from bench.processes import ServerProcess
 
 __all__ = ["Peer", "KVPoolPeer", "RedisPeer", "LMServerPeer", "FSPeer", "MooncakePeer", "PEER_NAMES", "make_peers"]
 
 REPO = Path(__file__).resolve().parent.parent
 PEER_NAMES = ("kvpool", "kvpool-shm", "redis", "resp", "lm", "fs", "mooncake")
-START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 10.0
 STORE_SETTLE_S = 10.0
 LMCACHE_BLOCKING_TIMEOUT_S = 60  # LMCache's default (10 s) is short for 8 x 32 MiB over redis:// on 2 cores
 LM_SERVER_MAX_BYTES = 4 << 30  # what lm:// (no delete, no eviction) may hold before it is restarted empty
@@ -60,79 +55,6 @@ def base_config(local_cpu_gib: float) -> dict[str, Any]:
         "remote_serde": "naive",
         "blocking_timeout_secs": LMCACHE_BLOCKING_TIMEOUT_S,
     }
-
-
-class ServerProcess:
-    """A child process whose output is kept and scanned for a readiness line."""
-
-    def __init__(self, name: str, argv: list[str], ready: re.Pattern[str] | None = None) -> None:
-        self.name = name
-        self.argv = argv
-        self.ready_re = ready
-        self.lines: list[str] = []
-        self.match: re.Match[str] | None = None
-        self.process: subprocess.Popen[str] | None = None
-        self._ready = threading.Event()
-
-    def start(self, env: dict[str, str] | None = None) -> ServerProcess:
-        self.process = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
-        )  # fmt: skip
-        threading.Thread(target=self._pump, name=f"{self.name}-output", daemon=True).start()
-        return self
-
-    def _pump(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line)
-            if self.ready_re is not None and self.match is None:
-                self.match = self.ready_re.match(line)
-                if self.match:
-                    self._ready.set()
-
-    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> re.Match[str]:
-        if not self._ready.wait(timeout_s) or self.match is None:
-            self.stop()
-            raise RuntimeError(f"{self.name} did not start within {timeout_s:.0f} s:\n{self.tail()}")
-        return self.match
-
-    def wait_port(self, port: int, timeout_s: float = START_TIMEOUT_S, *, required: bool = True) -> bool:
-        """Wait until ``port`` accepts; False (or an error if ``required``) when it never does."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.check_alive()
-            if _listening(port):
-                return True
-            time.sleep(0.1)
-        if not required:
-            return False
-        self.stop()
-        raise RuntimeError(f"{self.name} did not listen on port {port} within {timeout_s:.0f} s:\n{self.tail()}")
-
-    def check_alive(self) -> None:
-        if self.process is not None and self.process.poll() is not None:
-            raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.tail()}")
-
-    def tail(self, lines: int = 20) -> str:
-        return "".join(self.lines[-lines:])
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(sig)
-        try:
-            self.process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(STOP_TIMEOUT_S)
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 class Peer:

@@ -1,0 +1,106 @@
+"""Servers as child processes: started, their output kept, ready on a line they print or a port.
+
+:class:`ServerProcess` is what the harness's peers (``bench.peers``) and the pool
+nodes of the tests and the bench (``bench.nodes``) are run with. A process is
+stopped by its own pid, never by name: SIGTERM, then SIGKILL if it lingers.
+Nothing here imports LMCache or redis-py, so the tests' fixtures stay light.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["ServerProcess", "START_TIMEOUT_S", "STOP_TIMEOUT_S"]
+
+REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+
+
+class ServerProcess:
+    """A child process whose output is kept and scanned for a readiness line (``ready``, searched per line)."""
+
+    def __init__(self, name: str, argv: list[str], ready: re.Pattern[str] | None = None, *, cwd: Path = REPO,
+                 preexec_fn: Callable[[], None] | None = None) -> None:  # fmt: skip
+        self.name = name
+        self.argv = argv
+        self.ready_re = ready
+        self.cwd = cwd
+        self.preexec_fn = preexec_fn
+        self.lines: list[str] = []
+        self.match: re.Match[str] | None = None
+        self.process: subprocess.Popen[str] | None = None
+        self._ready = threading.Event()
+
+    def start(self, env: dict[str, str] | None = None) -> ServerProcess:
+        self.process = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self.cwd, env=env,
+            preexec_fn=self.preexec_fn,
+        )  # fmt: skip
+        threading.Thread(target=self._pump, name=f"{self.name}-output", daemon=True).start()
+        return self
+
+    def _pump(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:  # read to the end, so the child never blocks on a full pipe
+            self.lines.append(line)
+            if self.ready_re is not None and self.match is None:
+                self.match = self.ready_re.search(line)
+                if self.match:
+                    self._ready.set()
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> re.Match[str]:
+        if not self._ready.wait(timeout_s) or self.match is None:
+            self.stop()
+            raise RuntimeError(f"{self.name} did not start within {timeout_s:.0f} s:\n{self.tail(30)}")
+        return self.match
+
+    def wait_port(self, port: int, timeout_s: float = START_TIMEOUT_S, *, required: bool = True) -> bool:
+        """Wait until ``port`` accepts; False (or an error if ``required``) when it never does."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            if _listening(port):
+                return True
+            time.sleep(0.1)
+        if not required:
+            return False
+        self.stop()
+        raise RuntimeError(f"{self.name} did not listen on port {port} within {timeout_s:.0f} s:\n{self.tail()}")
+
+    def check_alive(self) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.tail()}")
+
+    def tail(self, lines: int = 20) -> str:
+        return "".join(self.lines[-lines:])
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Send ``sig`` if it still runs; SIGKILL if it has not exited within ``timeout_s``."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(sig)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(STOP_TIMEOUT_S)
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
