@@ -26,14 +26,14 @@ import socket
 import ssl
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 from backend.errors import ConfigError, NodeUnavailable
+from backend.iov import IOV_MAX, Buffer, advance, to_write
 from backend.protocol import DEFAULT_LIMITS, HEADER, Header, Limits, decode_header, verify_meta
 
 __all__ = ["FrameSocket", "Buffer", "tune_socket", "client_tls_context", "server_tls_context"]
 
-Buffer = Union[bytes, bytearray, memoryview]
 T = TypeVar("T")
 
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
@@ -43,8 +43,6 @@ EAGER_META_BYTES = 256 * 1024
 # Bytes nobody wants are read in pieces this large: a peer that stalls in the middle
 # of a dropped payload holds only this much (1 MiB each let 64 such peers cost 64 MiB).
 DISCARD_PIECE_BYTES = 64 * 1024
-# sendmsg accepts at most IOV_MAX (1024 on Linux) buffers per call.
-_MAX_IOV = 512
 # One SSL_write at most; a write that would block is retried with the same slice, as OpenSSL requires.
 _TLS_WRITE_BYTES = 1024 * 1024
 _TLS_SMALL_BYTES = 16 * 1024  # buffers below this are copied together before a TLS send
@@ -326,7 +324,7 @@ class FrameSocket:
     async def send(self, buffers: Sequence[Buffer]) -> None:
         """Send all buffers in order as one uninterrupted byte stream."""
         async with self.send_lock:
-            pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+            pending = to_write(buffers)
             if self._threaded(sum(len(b) for b in pending)):
                 assert self._threads is not None
                 try:
@@ -342,7 +340,7 @@ class FrameSocket:
                     if self.tls:
                         sent = self.sock.send(pending[0][:_TLS_WRITE_BYTES])
                     else:
-                        sent = self.sock.sendmsg(pending[:_MAX_IOV])
+                        sent = self.sock.sendmsg(pending[:IOV_MAX])
                 except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
                     # (An SSL write that wants to read waits for the reader task to do it; the reader
                     # slot is that task's, so this waits on writability, which is soon.)
@@ -356,7 +354,7 @@ class FrameSocket:
                 except OSError as exc:
                     self.close()
                     raise NodeUnavailable(f"send to {self.peer} failed: {exc}") from None
-                _advance(pending, sent)
+                advance(pending, sent)
 
 
 class _ThreadedTransfers:
@@ -450,25 +448,13 @@ class _ThreadedTransfers:
         sock, peer = self.owner.sock, self.owner.peer
         while pending:
             try:
-                sent = sock.sendmsg(pending[:_MAX_IOV])
+                sent = sock.sendmsg(pending[:IOV_MAX])
             except BlockingIOError:
                 self._wait(select.POLLOUT)
                 continue
             except OSError as exc:
                 raise NodeUnavailable(f"send to {peer} failed: {exc}") from None
-            _advance(pending, sent)
-
-
-def _advance(pending: list[memoryview], sent: int) -> None:
-    """Drop ``sent`` bytes from the front of ``pending``."""
-    while sent:
-        head = pending[0]
-        if sent >= len(head):
-            sent -= len(head)
-            pending.pop(0)
-        else:
-            pending[0] = head[sent:]
-            sent = 0
+            advance(pending, sent)
 
 
 def _coalesce_small(buffers: list[memoryview]) -> list[memoryview]:

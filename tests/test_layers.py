@@ -18,7 +18,7 @@ from tests.test_class_sizes import REPO
 LEVELS = {
     "backend.errors": 0,
     "backend.protocol": 1, "backend.redis_topology": 1, "backend.threads": 1, "backend.embedded": 1,
-    "backend.latency": 1,
+    "backend.latency": 1, "backend.iov": 1,
     "backend.transport": 2, "backend.shm": 2, "backend.config": 2, "backend.metrics": 2,
     "backend.metadata": 3,
     "backend.placement": 4,

@@ -491,3 +491,18 @@ def test_held_keys_count_in_o1_and_page_in_key_order_through_adds_and_removes():
     assert seen == expected
     assert held.page(expected[len(expected) // 2], 3)[0] == expected[len(expected) // 2 + 1 : len(expected) // 2 + 4]
     assert held.page(expected[-1], 10) == ([], False)
+
+
+def test_an_empty_value_neither_wedges_demotion_nor_stops_sigterm(node_factory, pool_url, tmp_path):
+    # An empty chunk's file once made the NVMe writer spin on writev(fd, [header, b""]) with the
+    # demoter's lock held: every later put that needed room timed out and SIGTERM did not stop the node.
+    node = _nvme_node(node_factory, tmp_path, dram="32MiB", nvme="256MiB")
+    big = _chunks("after-empty", 6, 8 * 1024 * KIB)
+    with SyncPoolClient(PoolConfig.from_url(pool_url + "?timeout_ms=5000")) as client:
+        client.put([Chunk("empty", b"")])
+        for chunk in big:
+            client.put([chunk])
+        assert [bytes(f.data) for f in client.get(["empty"])] == [b""]
+        assert [bytes(f.data) for f in client.get([c.key for c in big])] == [c.data for c in big]
+    assert not list((tmp_path / "nvme" / CHUNKS_DIR).rglob("*.tmp"))
+    assert node.terminate(timeout_s=10) == 0

@@ -23,6 +23,7 @@ All methods here block (disk I/O): the tier manager calls them from worker threa
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import struct
@@ -32,6 +33,7 @@ from typing import Any
 import xxhash
 
 from backend.errors import IntegrityError
+from backend.iov import IOV_MAX, Buffer, advance, to_write
 from backend.protocol import ItemMeta, checksum
 
 __all__ = [
@@ -139,17 +141,7 @@ def write_chunk(
     head = _header_bytes(meta)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(payload).cast("B")
-        buffers: list[Any] = [head, view]
-        while buffers:
-            written = os.writev(fd, buffers)
-            while written and buffers:
-                if written >= len(buffers[0]):
-                    written -= len(buffers[0])
-                    buffers.pop(0)
-                else:
-                    buffers[0] = memoryview(buffers[0])[written:]
-                    written = 0
+        write_all(fd, [head, payload])
         if durable:
             os.fsync(fd)
     except BaseException:
@@ -165,6 +157,16 @@ def write_chunk(
         finally:
             os.close(dir_fd)
     return NvmeFile(str(path), meta, len(head))
+
+
+def write_all(fd: int, buffers: list[Buffer]) -> None:
+    """Write every buffer to ``fd`` in order, with as few ``writev`` calls as the kernel allows."""
+    views = to_write(buffers)
+    while views:
+        written = os.writev(fd, views[:IOV_MAX])
+        if not written:
+            raise OSError(errno.EIO, "writev wrote nothing")  # no progress: never spin
+        advance(views, written)
 
 
 HEADER_READ_BYTES = 4096  # one read covers a kvpool header (a few hundred bytes)
