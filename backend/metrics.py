@@ -34,7 +34,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from backend.errors import ConfigError
+from backend.errors import NodeUnavailable
 from backend.latency import LatencyHistograms
 
 __all__ = ["NodeMetricsServer", "register_connector_metrics", "unregister_connector_metrics"]
@@ -211,14 +211,16 @@ class NodeMetricsServer:
         self._reading: dict[asyncio.StreamWriter, None] = {}  # still reading a request head, oldest first
 
     async def start(self) -> None:
-        """Bind and serve. Raises ConfigError (key ``metrics_port``) if the address cannot be bound."""
+        """Bind and serve. Raises NodeUnavailable naming ``metrics_port`` if the address cannot be bound.
+
+        A taken port is a fact of the machine at run time, not a bad flag: exit 1, not 2."""
         # One socket, so that port 0 means one port even for a wildcard host.
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         try:
             sock = socket.create_server((self.host, self.port), family=family, backlog=64)
         except OSError as exc:
             reason = exc.strerror or str(exc)
-            raise ConfigError("metrics_port", f"cannot listen on {self.host}:{self.port}: {reason}") from None
+            raise NodeUnavailable(f"metrics_port: cannot listen on {self.host}:{self.port}: {reason}") from None
         sock.setblocking(False)
         self._server = await asyncio.start_server(self._serve, sock=sock, limit=MAX_REQUEST_HEAD_BYTES)
         self.port = int(sock.getsockname()[1])

@@ -617,3 +617,15 @@ def test_an_unknown_kvpool_variable_warns_a_node_and_does_not_stop_it(caplog: py
         config = NodeConfig.from_sources({"redis": "redis://r:1"}, environ={"KVPOOL_DRAMM": "8MiB"})
     assert config.dram_bytes == 4 << 30
     assert any("KVPOOL_DRAMM: unknown kvpool environment variable" in r.getMessage() for r in caplog.records)
+
+
+def test_nccl_on_without_a_cluster_is_warned_about_when_the_config_is_built(caplog, monkeypatch):
+    from backend.config import pool
+
+    monkeypatch.setattr(pool, "_warned_options", set())
+    with caplog.at_level(logging.WARNING, logger="backend.config"):
+        PoolConfig.from_url("kvpool://127.0.0.1:6379/ns?nccl=on")
+        PoolConfig.from_url("kvpool://127.0.0.1:6379/ns?nccl=on")  # once per process, not per config
+        PoolConfig.from_url("kvpool://127.0.0.1:6379/ns?nccl=on&cluster=rack-a")
+    warned = [r.getMessage() for r in caplog.records if "nccl=on needs cluster" in r.getMessage()]
+    assert len(warned) == 1 and "TCP" in warned[0]

@@ -218,17 +218,19 @@ def test_malformed_slow_and_oversized_requests_do_not_break_the_endpoint(node_fa
     assert node.alive()
 
 
-def test_a_taken_metrics_port_stops_the_node_with_one_clear_line(redis_server, namespace):
+@pytest.mark.parametrize("flag", ["--metrics-port", "--port"])
+def test_a_taken_port_stops_the_node_with_one_clear_line_and_exit_1(redis_server, namespace, flag):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         result = subprocess.run(
             [sys.executable, "-m", "backend.cli", "node", "--redis", redis_server.url, "--namespace", namespace,
-             "--dram", "16MiB", "--metrics-port", str(port)],
+             "--dram", "16MiB", flag, str(port)],
             capture_output=True, text=True, cwd=REPO, timeout=60,
         )  # fmt: skip
-    assert result.returncode == 2  # a ConfigError naming the option: a usage error
+    assert result.returncode == 1  # a runtime error (the flag is fine; the port is taken), naming the option
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("kvpool: error: metrics_port: cannot listen on 127.0.0.1:") and str(port) in last
+    option = flag.removeprefix("--").replace("-", "_")
+    assert last.startswith(f"kvpool: error: {option}: cannot listen on 127.0.0.1:") and str(port) in last
     assert "Traceback" not in result.stderr
 
 

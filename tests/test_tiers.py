@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import subprocess
 import threading
 import time
@@ -16,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from backend import CapacityError, Chunk, NodeUnavailable, PoolConfig, SyncPoolClient
+from backend.config import format_size, parse_size
 from backend.metadata import MetadataStore
 from backend.node.dram import StoredChunk
 from backend.node.nvme import CHUNKS_DIR, chunk_path, read_header, write_chunk
@@ -506,3 +508,15 @@ def test_an_empty_value_neither_wedges_demotion_nor_stops_sigterm(node_factory, 
         assert [bytes(f.data) for f in client.get([c.key for c in big])] == [c.data for c in big]
     assert not list((tmp_path / "nvme" / CHUNKS_DIR).rglob("*.tmp"))
     assert node.terminate(timeout_s=10) == 0
+
+
+def test_an_nvme_tier_larger_than_its_disk_is_said_at_start(node_factory, tmp_path):
+    (tmp_path / "nvme").mkdir()
+    disk = shutil.disk_usage(tmp_path / "nvme")
+    too_big = f"{disk.total // (1 << 30) + 100}GiB"
+    node = _nvme_node(node_factory, tmp_path, dram="16MiB", nvme=too_big)
+    assert wait_until(lambda: "is more than the disk holding" in node.log, 5.0), node.log
+    line = next(line for line in node.output if "is more than the disk holding" in line)
+    assert f"--nvme {format_size(parse_size(too_big))} is more" in line and "WARNING" in line
+    fits = _nvme_node(node_factory, tmp_path / "second", dram="16MiB", nvme="64MiB")
+    assert not any("more than the disk" in line for line in fits.output)

@@ -81,6 +81,10 @@ class PoolConfig:
         if self.sentinel and self.redis_mode == CLUSTER:
             raise ConfigError("sentinel", "Sentinel does not manage a Redis Cluster: give redis_mode=cluster or "
                               "sentinel=MASTER, not both")  # fmt: skip
+        if self.nccl and not self.cluster and "nccl" not in _warned_options:
+            _warned_options.add("nccl")  # once per process: configs are rebuilt (dataclasses.replace)
+            logger.warning("nccl: nccl=on needs cluster=NAME (no node counts as same-cluster without it); "
+                           "every read goes over TCP")  # fmt: skip
         if self.redis_hosts:
             if self.redis_mode == SINGLE and not self.sentinel:
                 raise ConfigError("redis_hosts", "more Redis hosts need redis_mode=cluster or sentinel=MASTER")
@@ -318,6 +322,7 @@ def _env_options(environ: Mapping[str, str]) -> dict[str, Any]:
 ENV_URL = "KVPOOL_URL"  # the pool URL where none is given (the CLI's --url, the LMCache plugin)
 ENV_DEBUG = "KVPOOL_DEBUG"  # the CLI's --debug
 _warned_env: set[str] = set()
+_warned_options: set[str] = set()  # options that were warned about once in this process
 
 
 def known_env_names() -> tuple[str, ...]:

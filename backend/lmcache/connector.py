@@ -237,8 +237,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         """The channel for ``nccl=on``, or None (logged once) when it cannot run here."""
         if not self.pool_config.nccl:
             return None
-        if not self.pool_config.cluster:
-            logger.warning("kvpool: nccl=on without cluster=NAME: no node counts as same-cluster; chunks move over TCP")
+        if not self.pool_config.cluster:  # PoolConfig warned when it was built
             return None
         from nccl_channel.channel import NcclChannel, make_transport
         from nccl_channel.rendezvous import Rendezvous

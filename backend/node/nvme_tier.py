@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from backend.config.values import format_size
 from backend.errors import CapacityError
 from backend.node.bookkeeping import ON_NVME, HeldKeys
 from backend.node.buffers import ChunkBuffer
@@ -85,6 +86,17 @@ class NvmeTier:
         self._io.shutdown(wait=True, cancel_futures=True)
 
     # -- the index --------------------------------------------------------------------
+    def warn_if_larger_than_disk(self) -> None:
+        """Say at start when the configured size is more than the disk can give (free space plus
+        this tier's files): the tier works, but fills the disk before it reaches its size."""
+        disk = shutil.disk_usage(self.root)
+        room = disk.free + self.used_bytes
+        if self.capacity_bytes > room:
+            logger.warning("nvme: --nvme %s is more than the disk holding %s can give (%s free, %s total, %s of it "
+                           "this tier's files); the tier will stop at a full disk, not at its size",
+                           format_size(self.capacity_bytes), self.root, format_size(disk.free),
+                           format_size(disk.total), format_size(self.used_bytes))  # fmt: skip
+
     def add(self, record: NvmeFile) -> None:
         self.remove(record.meta.key)
         self.files[record.meta.key] = record

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from backend.config import NodeConfig
-from backend.errors import ConfigError, KVPoolError, NcclError
+from backend.errors import ConfigError, KVPoolError, NcclError, NodeUnavailable
 from backend.metadata import MetadataStore, NodeInfo
 from backend.metrics import NodeMetricsServer
 from backend.node.collector import DeadNodeCollector
@@ -109,7 +109,11 @@ class PoolNode:
         """Bind, take an epoch, register. Raises MetadataError if Redis is unreachable."""
         transport = self._channel_transport()  # a ConfigError here leaves no port bound
         self.tls = self._tls_context()
-        listener = socket.create_server((self.config.host, self.config.port), backlog=512, reuse_port=False)
+        try:
+            listener = socket.create_server((self.config.host, self.config.port), backlog=512, reuse_port=False)
+        except OSError as exc:  # a taken port or an address not on this machine: exit 1 with one line
+            where = f"{self.config.host}:{self.config.port}"
+            raise NodeUnavailable(f"port: cannot listen on {where}: {exc.strerror or exc}") from None
         listener.setblocking(False)
         self.listener = listener
         if self.tiers.nvme is not None:
@@ -118,6 +122,7 @@ class PoolNode:
             records, report = await asyncio.to_thread(scan, root)
             self.recovery = report
             self.tiers.load_nvme(records)
+            await asyncio.to_thread(self.tiers.nvme.warn_if_larger_than_disk)
             logger.info("node %s: recovered %d NVMe chunks (%d bytes) in %.2f s; %d quarantined, %d temp files removed",
                         self.node_id, report.files, report.bytes, report.seconds,
                         report.quarantined, report.temp_removed)  # fmt: skip
