@@ -81,6 +81,8 @@ NODE_COUNTERS: dict[str, str] = {
     "protocol_errors": "Connections or requests refused as malformed.",
     "request_errors": "Requests answered with an error.",
     "stalled_connections": "Connections closed because a frame stalled mid-way.",
+    "handshake_timeouts": "Connections closed because they did not finish their handshake in time.",
+    "connections_shed": "Connections closed, oldest first, beyond the cap on those without a finished handshake.",
     "accept_errors": "Failed accepts (EMFILE and the like).",
     "requests": "Requests answered successfully (HELLO and AUTH not counted).",
     "shm_get_bytes": "Payload bytes same-host clients copied from the shared-memory arena (not sent).",

@@ -176,3 +176,13 @@ def test_the_counters_said_to_appear_once_non_zero_are_exactly_those_not_always_
     rows = dict(re.findall(r"^\| `kvpool_node_([a-z_]+)_total` \|(.*)$", operations, re.MULTILINE))
     said_late = {name for name, text in rows.items() if "appears once non-zero" in text}
     assert said_late == set(rows) - set(NODE_COUNTERS)
+
+
+def test_every_node_flag_has_a_row_in_configuration_and_every_row_is_a_flag():
+    node = build_parser()._subparsers._group_actions[0].choices["node"]  # type: ignore[union-attr]
+    flags = {option for action in node._actions for option in action.option_strings if option.startswith("--")}
+    flags.discard("--help")
+    table = _section(CONFIGURATION, "## Node flags")
+    rows = {flag for cell in re.findall(r"^\| (`--[^|]+)\|", table, re.MULTILINE)
+            for flag in re.findall(r"`(--[a-z-]+)", cell)}  # fmt: skip
+    assert flags == rows, f"flags without a row: {sorted(flags - rows)}; rows of no flag: {sorted(rows - flags)}"

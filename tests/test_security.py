@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import socket
 import ssl
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,6 +249,45 @@ def test_tls_client_to_a_plaintext_node_gets_a_clear_error_not_a_hang(secure_nod
     # Without the registry's word (a client that dials the node directly) the handshake fails, bounded.
     with pytest.raises(NodeUnavailable, match=r"TLS handshake with localhost:\d+ failed"):
         _run(FrameSocket.connect("localhost", node.port, TIMEOUT_S, client_tls_context(str(pki.ca))))
+
+
+def _seconds_until_closed(sock: socket.socket, opened_at: float, wait_s: float) -> float | None:
+    """Seconds from ``opened_at`` until the node closed ``sock`` (FIN, reset, TLS EOF); None if open after ``wait_s``."""
+    sock.settimeout(wait_s)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return None
+    except OSError:
+        pass  # a reset, or a TLS connection ended without close_notify
+    return time.monotonic() - opened_at
+
+
+def test_connections_that_stop_before_or_inside_tls_are_closed_at_the_handshake_deadline(
+    secure_node, secure_redis, pki, namespace
+):
+    node = secure_node("--handshake-timeout-ms", "1000")
+    opened_at = time.monotonic()
+    silent = socket.create_connection(("localhost", node.port))
+    record_byte = socket.create_connection(("localhost", node.port))
+    record_byte.sendall(b"\x16")  # the first byte of a ClientHello: the node starts its handshake and waits
+    tls_only = client_tls_context(str(pki.ca)).wrap_socket(
+        socket.create_connection(("localhost", node.port)), server_hostname="localhost"
+    )  # TLS done, then no HELLO
+    try:
+        for name, sock in (("silent", silent), ("one TLS byte", record_byte), ("TLS, no frame", tls_only)):
+            closed_s = _seconds_until_closed(sock, opened_at, 4.0)
+            assert closed_s is not None and closed_s >= 0.8, f"{name}: closed after {closed_s} s, deadline 1 s"
+    finally:
+        for sock in (silent, record_byte, tls_only):
+            sock.close()
+    with SyncPoolClient(PoolConfig.from_url(_secure_url(pki, secure_redis, namespace))) as client:
+        client.put([Chunk("after", b"still served")])
+        assert bytes(client.get(["after"])[0].data) == b"still served"
+        counters = client.node_stats(client.nodes()[0])["counters"]
+        # Not the peers' TLS failing: they stopped, and the deadline closed them.
+        assert counters["handshake_timeouts"] == 3 and counters.get("tls_failures", 0) == 0
 
 
 def test_a_node_certificate_from_another_ca_or_for_another_name_is_refused(secure_node, pki):

@@ -20,6 +20,13 @@ __all__ = ["NodeConfig", "NodeOption", "NODE_OPTIONS", "NODE_OPTION_NAMES", "NOD
 DEFAULT_SHM_DIR = "/dev/shm"
 DEFAULT_NODE_PAIR_TIMEOUT_MS = 60_000  # a node waits longer than a client: it serves many pairings
 DEFAULT_DEAD_NODE_GRACE_MS = 300_000
+# A kvpool client's handshake is a few round trips (TLS, HELLO, AUTH), and gives up after its own
+# timeout_ms (2 s by default) for each: 10 s is far above any legitimate one.
+DEFAULT_HANDSHAKE_TIMEOUT_MS = 10_000
+# Twice the listen backlog: a burst of reconnecting clients fits, and what waiting peers can hold
+# stays small (a descriptor and at most max_handshake_meta_bytes each).
+DEFAULT_MAX_PENDING_CONNECTIONS = 1024
+MAX_PENDING_CONNECTIONS = 1_000_000
 MAX_NODE_MS = 2**31 - 1
 _CHANNELS = ("off", "nccl", "cpu")
 
@@ -156,6 +163,13 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
     NodeOption("dead_node_grace_ms", _int_in(1, MAX_NODE_MS), DEFAULT_DEAD_NODE_GRACE_MS,
                "a node dead this long loses its registry entry and index entries, collected by a live node "
                f"(default {DEFAULT_DEAD_NODE_GRACE_MS})", metavar="MS"),
+    NodeOption("handshake_timeout_ms", _int_in(1, MAX_NODE_MS), DEFAULT_HANDSHAKE_TIMEOUT_MS,
+               "a connection must finish its handshake (TLS, its first frame, and AUTH where the pool has a "
+               f"token) this soon after it is accepted, or it is closed (default {DEFAULT_HANDSHAKE_TIMEOUT_MS})",
+               metavar="MS"),
+    NodeOption("max_pending_connections", _int_in(1, MAX_PENDING_CONNECTIONS), DEFAULT_MAX_PENDING_CONNECTIONS,
+               "most connections kept before their handshake finished; above it the oldest is closed "
+               f"(default {DEFAULT_MAX_PENDING_CONNECTIONS})", metavar="N"),
     NodeOption("token_file", _optional(_path), None, "file holding the pool token (or set KVPOOL_TOKEN)"),
     NodeOption("tls_cert", _optional(_path), None, "serve the node protocol over TLS only, with this PEM "
                "certificate chain (it must name the address clients use: --advertise or --host); needs --tls-key",
@@ -274,6 +288,8 @@ class NodeConfig:
     redis_ca_file: str = ""  # CA bundle verifying a rediss:// Redis; empty: the system trust store
     dead_node_grace_ms: int = DEFAULT_DEAD_NODE_GRACE_MS  # a dead node's Redis entries go after this long
     pair_timeout_ms: int = DEFAULT_NODE_PAIR_TIMEOUT_MS  # deadline of one channel pairing (a cold NCCL init: seconds)
+    handshake_timeout_ms: int = DEFAULT_HANDSHAKE_TIMEOUT_MS  # from accept to admitted (backend/node/admission.py)
+    max_pending_connections: int = DEFAULT_MAX_PENDING_CONNECTIONS  # not yet admitted; above it the oldest is closed
     token_file: str = ""  # where the token came from, if a file (so `kvpool up` can name it, never print it)
     redis_password_file: str = ""  # likewise for redis_password
 
@@ -293,9 +309,12 @@ class NodeConfig:
         if self.channel != "off" and not self.cluster:
             raise ConfigError("--channel", "the channel serves clients of the same cluster: give --cluster NAME too")
         for flag, value in (("--pair-timeout-ms", self.pair_timeout_ms),
-                            ("--dead-node-grace-ms", self.dead_node_grace_ms)):  # fmt: skip
+                            ("--dead-node-grace-ms", self.dead_node_grace_ms),
+                            ("--handshake-timeout-ms", self.handshake_timeout_ms)):  # fmt: skip
             if value <= 0:
                 raise ConfigError(flag, f"{value} is not a positive number of milliseconds")
+        if self.max_pending_connections <= 0:
+            raise ConfigError("--max-pending-connections", f"{self.max_pending_connections} is not a positive number")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("--tls-cert", "TLS needs both --tls-cert and --tls-key")
         if self.tls_cert is not None and not redis_tls:
@@ -337,6 +356,8 @@ class NodeConfig:
             channel=values["channel"], device=values["device"], tls_cert=values["tls_cert"], tls_key=values["tls_key"],
             redis_password=password, redis_ca_file=str(values["redis_ca"] or ""),
             pair_timeout_ms=values["pair_timeout_ms"], dead_node_grace_ms=values["dead_node_grace_ms"],
+            handshake_timeout_ms=values["handshake_timeout_ms"],
+            max_pending_connections=values["max_pending_connections"],
             token_file=str(token_file.resolve()) if token_file is not None else "",
             redis_password_file=str(password_file.resolve()) if password_file is not None else "",
         )  # fmt: skip

@@ -5,6 +5,7 @@ The parts, one module each:
 * ``tiers.py`` (with ``dram.py``, ``nvme_tier.py``, ``demotion.py``, ``arena.py``,
   ``leases.py``): where chunks live;
 * ``session.py``: the accept loop and one session per connection (TLS, auth, frames);
+  ``admission.py``: what a connection gets before its handshake is done;
 * ``ops.py``: what each request op does; ``puts.py``: the put path and its crash ordering;
 * ``publisher.py``: heartbeat, index flush, republish after Redis loss;
 * ``stats.py``: counters, recent rates, service times (STAT, /metrics).
@@ -26,6 +27,7 @@ from backend.config import NodeConfig
 from backend.errors import ConfigError, KVPoolError, NcclError, NodeUnavailable
 from backend.metadata import MetadataStore, NodeInfo
 from backend.metrics import NodeMetricsServer
+from backend.node.admission import Admission
 from backend.node.collector import DeadNodeCollector
 from backend.node.ops import OpHandlers
 from backend.node.publisher import IndexPublisher
@@ -73,6 +75,7 @@ class PoolNode:
         self.started_at = time.time()
         self.listener: socket.socket | None = None
         self.connections: set[FrameSocket] = set()
+        self.admission = Admission(self.counters, config.max_pending_connections)  # those not yet admitted
         self.metrics: NodeMetricsServer | None = None
         self.bulk = ThreadPoolExecutor(BULK_THREADS, thread_name_prefix="kvpool-node-bulk")
         self.channel: Any = None  # nccl_channel.channel.ChannelServer once started, if configured

@@ -9,6 +9,11 @@ arrived the rest of its frame must follow within ``frame_timeout_s``; a reply th
 client does not read within ``REPLY_TIMEOUT_S`` closes the connection. A malformed
 frame is answered with an error frame and closes this connection only.
 
+Until it is admitted (``admission.py``: AUTH done, or on a node without a token its
+first complete frame) a connection must finish within ``handshake_timeout_ms`` of
+its accept, TLS included, its frames carry at most ``max_handshake_meta_bytes`` of
+meta, and it counts against the node's cap on pending connections.
+
 What a connection holds ends with it: its leases (nobody is left to release them),
 and the client stages it mapped.
 """
@@ -85,52 +90,37 @@ class Session:
         self.conn = conn
         self.stages: dict[tuple[str, str], ArenaView] = {}  # its client's stages: mapped for this connection only
         self._authed = not node.config.token
+        self._admitted = False  # past the handshake: no deadline, full limits (admission.py)
         self._nonce = b""
         self._in_flight = asyncio.Semaphore(MAX_REQUESTS_IN_FLIGHT_PER_CONNECTION)
 
     async def serve(self) -> None:
         node, conn, config = self.node, self.conn, self.node.config
         node.connections.add(conn)
+        node.admission.arrived(conn, node.node_id)
+        handshake_timeout_s = config.handshake_timeout_ms / 1000
         header: Header | None = None
+        # Lifted (rescheduled to never) once the connection is admitted.
+        deadline = asyncio.timeout(handshake_timeout_s)
         try:
-            if node.tls is not None and not await self._start_tls(node.tls):
-                return
-            while True:
-                header = None  # an error before the header parses answers request id 0
-                header = await conn.recv_header(config.limits)
-                started = time.perf_counter()
-                async with asyncio.timeout(config.frame_timeout_s):
-                    meta = await conn.recv_meta(header)
-                if header.is_response:
-                    raise ProtocolError(f"client sent a response frame (op {header.op})")
-                op = header.base_op
-                if op != Op.PUT_BATCH and header.data_len:
-                    raise ProtocolError(f"op {op} carries no data, got {header.data_len} bytes")
-                if op in (Op.HELLO, Op.AUTH):
-                    await self._reply(header, self._handshake(op, meta))
-                    continue
-                if not self._authed:
-                    node.counters["auth_failures"] += 1
-                    raise AuthError("this node requires a token: send HELLO and AUTH first")
-                if op == Op.PUT_BATCH:
-                    # Bytes must leave the socket in order, so the receive happens here;
-                    # verification, commit and reply overlap with the next request.
-                    items = decode_items(meta, header.data_len, config.limits)
-                    async with asyncio.timeout(config.frame_timeout_s):
-                        received = await node.puts.receive(conn, items)
-                    await self._in_flight.acquire()
-                    node.spawn(self._finish(header, node.puts.commit(received), started))
-                    continue
-                await self._in_flight.acquire()
-                node.spawn(self._finish(header, node.ops.handle(op, meta, self), started))
+            async with deadline:
+                if node.tls is not None and not await self._start_tls(node.tls):
+                    return
+                while True:
+                    header = None  # an error before the header parses answers request id 0
+                    header = await conn.recv_header(config.limits)
+                    await self._receive_request(header, deadline)
         except asyncio.CancelledError:
             raise
         except NodeUnavailable:
-            pass  # the client went away
+            pass  # the client went away (or the node shed this connection: admission.py)
         except TimeoutError:
-            node.counters["stalled_connections"] += 1
-            logger.warning("node %s: %s stalled mid-frame for %.0f s; closing", node.node_id, conn.peer,
-                           config.frame_timeout_s)  # fmt: skip
+            if deadline.expired():
+                node.admission.timed_out(conn, node.node_id, handshake_timeout_s)
+            else:
+                node.counters["stalled_connections"] += 1
+                logger.warning("node %s: %s stalled mid-frame for %.0f s; closing", node.node_id, conn.peer,
+                               config.frame_timeout_s)  # fmt: skip
         except KVPoolError as exc:
             if isinstance(exc, ProtocolError):
                 node.counters["protocol_errors"] += 1
@@ -145,10 +135,56 @@ class Session:
         finally:
             conn.close()
             node.connections.discard(conn)
+            node.admission.admitted(conn)  # (if it never was, it is gone now: no longer pending)
             # Its client is gone (crashed, or gave up on the connection): nobody will release
             # what it leased, and pinned DRAM would refuse puts until the ttl ran out.
             node.tiers.leases.release_owner(conn)
             self.stages.clear()
+
+    async def _receive_request(self, header: Header, deadline: asyncio.Timeout) -> None:
+        """Receive the rest of the frame ``header`` starts and answer it, or start its handler."""
+        node, conn, config = self.node, self.conn, self.node.config
+        started = time.perf_counter()
+        handshake_limit = config.limits.max_handshake_meta_bytes
+        if header.meta_len > handshake_limit and (not self._admitted or header.base_op in (Op.HELLO, Op.AUTH)):
+            # Refused from the header: a peer that has proven nothing does not get 4 MiB held for it.
+            raise ProtocolError(
+                f"meta section of {header.meta_len} bytes exceeds {handshake_limit}, the most a HELLO or AUTH "
+                "(or any frame before the handshake is done) may carry"
+            )
+        async with asyncio.timeout(config.frame_timeout_s):
+            meta = await conn.recv_meta(header)
+        if header.is_response:
+            raise ProtocolError(f"client sent a response frame (op {header.op})")
+        op = header.base_op
+        if op != Op.PUT_BATCH and header.data_len:
+            raise ProtocolError(f"op {op} carries no data, got {header.data_len} bytes")
+        if op in (Op.HELLO, Op.AUTH):
+            await self._reply(header, self._handshake(op, meta))
+            self._admit_once_authed(deadline)
+            return
+        if not self._authed:
+            node.counters["auth_failures"] += 1
+            raise AuthError("this node requires a token: send HELLO and AUTH first")
+        self._admit_once_authed(deadline)
+        if op == Op.PUT_BATCH:
+            # Bytes must leave the socket in order, so the receive happens here;
+            # verification, commit and reply overlap with the next request.
+            items = decode_items(meta, header.data_len, config.limits)
+            async with asyncio.timeout(config.frame_timeout_s):
+                received = await node.puts.receive(conn, items)
+            await self._in_flight.acquire()
+            node.spawn(self._finish(header, node.puts.commit(received), started))
+            return
+        await self._in_flight.acquire()
+        node.spawn(self._finish(header, node.ops.handle(op, meta, self), started))
+
+    def _admit_once_authed(self, deadline: asyncio.Timeout) -> None:
+        """Once authenticated (at once on a node without a token): no deadline, no place among the pending."""
+        if self._authed and not self._admitted:
+            self._admitted = True
+            deadline.reschedule(None)
+            self.node.admission.admitted(self.conn)
 
     def _handshake(self, op: int, meta: bytearray) -> bytes:
         """HELLO: this node and a fresh nonce. AUTH: the nonce's HMAC with the token, or AuthError."""
@@ -164,22 +200,23 @@ class Session:
         return encode_json({"ok": True})
 
     async def _start_tls(self, context: ssl.SSLContext) -> bool:
-        """Complete a TLS handshake within the frame timeout; False (counted, logged) if it fails.
+        """Complete a TLS handshake; False (counted, logged) if it fails. The handshake deadline bounds it.
 
         A plaintext kvpool client is told, in a plaintext error frame, that this node serves TLS only.
         """
         node, conn = self.node, self.conn
         header: Header | None = None
         try:
-            async with asyncio.timeout(node.config.frame_timeout_s):
-                if await conn.peek_byte() != MAGIC[0]:
-                    await conn.start_tls(context)
-                    return True
-                header = await conn.recv_header(node.config.limits)
+            if await conn.peek_byte() != MAGIC[0]:
+                await conn.start_tls(context)
+                return True
+            header = await conn.recv_header(node.config.limits)
             raise ProtocolError("this node serves TLS only: add tls=on (and tls_ca=PATH) to the pool URL")
-        except (KVPoolError, TimeoutError) as exc:
+        except KVPoolError as exc:
+            if conn.closed:
+                return False  # closed by this node (shed, or stopping): no failure of the peer's
             node.counters["tls_failures"] += 1
-            logger.warning("node %s: TLS from %s failed: %s", node.node_id, conn.peer, exc or "timed out")
+            logger.warning("node %s: TLS from %s failed: %s", node.node_id, conn.peer, exc)
             if header is not None:
                 with contextlib.suppress(KVPoolError, OSError):
                     async with asyncio.timeout(1.0):

@@ -1,0 +1,99 @@
+"""Connections that have not finished their handshake yet: how many a node keeps, and what it says about them.
+
+A connection is *pending* from its accept until it is *admitted*: on a node with a
+token when its AUTH succeeds, on a node without one when its first complete frame has
+arrived (a kvpool client's HELLO). Until then it has proven nothing, so it gets little:
+
+* a deadline (``--handshake-timeout-ms``, from the accept, TLS handshake included);
+  the session enforces it and reports a miss here (``handshake_timeouts``);
+* a small meta section (``Limits.max_handshake_meta_bytes``, checked by the session);
+* a place among at most ``--max-pending-connections`` pending connections. Above the
+  cap the *oldest* pending one is closed (``connections_shed``): a peer that holds
+  connections open without a handshake loses them first, while a client that connects
+  and authenticates in a few round trips is rarely the oldest. Refusing new ones
+  instead would let such a peer lock every client out by keeping the cap full.
+
+Both events are counted one by one but logged at most once a minute, with the number
+since the last line: a flood must not become a flood of log lines too.
+
+Admitted connections are not limited here: a client keeps its pooled connections
+open and idle as long as it likes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from backend.transport import FrameSocket
+
+__all__ = ["Admission", "ThrottledWarning"]
+
+logger = logging.getLogger(__name__)
+
+WARNING_INTERVAL_S = 60.0
+
+
+class ThrottledWarning:
+    """A warning logged at most once per ``interval_s``; the next line says how many were held back."""
+
+    def __init__(self, interval_s: float = WARNING_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._last_at = float("-inf")
+        self._held_back = 0
+
+    def warn(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last_at < self.interval_s:
+            self._held_back += 1
+            return
+        if self._held_back:
+            message += f" ({self._held_back} more in the last {now - self._last_at:.0f} s, not logged)"
+        logger.warning(message, *args)
+        self._last_at = now
+        self._held_back = 0
+
+
+class Admission:
+    """The node's pending connections, oldest first, and the cap on how many there are."""
+
+    def __init__(self, counters: Counter[str], max_pending: int) -> None:
+        self.counters = counters
+        self.max_pending = max_pending
+        self._pending: dict[FrameSocket, None] = {}  # insertion order: oldest first
+        self._shed_warning = ThrottledWarning()
+        self._timeout_warning = ThrottledWarning()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def arrived(self, conn: FrameSocket, node_id: str) -> None:
+        """Count ``conn`` as pending; if that makes too many, close the oldest pending ones.
+
+        Closing wakes the oldest's session with NodeUnavailable, and it ends as if its peer had left.
+        """
+        while len(self._pending) >= self.max_pending:
+            oldest = next(iter(self._pending))
+            del self._pending[oldest]
+            oldest.close()
+            self.counters["connections_shed"] += 1
+            self._shed_warning.warn(
+                "node %s: over %d connections without a finished handshake; closed the oldest (%s)",
+                node_id,
+                self.max_pending,
+                oldest.peer,
+            )
+        self._pending[conn] = None
+
+    def admitted(self, conn: FrameSocket) -> None:
+        """``conn`` finished its handshake (or ended): it no longer counts against the cap."""
+        self._pending.pop(conn, None)
+
+    def timed_out(self, conn: FrameSocket, node_id: str, timeout_s: float) -> None:
+        """``conn`` missed the handshake deadline; its session closes it."""
+        self.counters["handshake_timeouts"] += 1
+        self._timeout_warning.warn(
+            "node %s: %s did not finish its handshake within %.1f s; closed", node_id, conn.peer, timeout_s
+        )
