@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -30,8 +31,8 @@ from backend.config import (
     node_options,
     without_inline_secrets,
 )
-from backend.embedded import EmbeddedRedis
-from backend.errors import ConfigError, KVPoolError
+from backend.embedded import EmbeddedRedis, remove_orphaned_dirs
+from backend.errors import ConfigError, KVPoolError, MetadataError
 from backend.lmcache.config import (
     PLUGIN_FORM,
     REMOTE_URL_FORM,
@@ -60,6 +61,10 @@ EXIT_BROKEN_PIPE = 141  # stdout closed early (`kvpool ls | head`): 128 + SIGPIP
 
 T = TypeVar("T")
 
+
+# `kvpool up`'s private Redis: its password, when the node was given none, is made here (docs/configuration.md).
+GENERATED_PASSWORD_BYTES = 32
+GENERATED_PASSWORD_FILE = "redis-password"
 
 FORMATS = {"inproc": ("yaml", "env"), "mp": ("args", "json")}  # lmcache-config --format, per --mode
 
@@ -202,10 +207,15 @@ def _pool_url(node: PoolNode, redis_url: str, namespace: str) -> tuple[str, list
     return config.to_url(), apart
 
 
-async def _serve(node: PoolNode) -> None:
+def _stop_on_signals(node: PoolNode) -> None:
+    """SIGTERM and SIGINT (Ctrl-C) stop ``node`` cleanly from now on."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, node.request_stop)
+
+
+async def _serve(node: PoolNode) -> None:
+    _stop_on_signals(node)
     try:
         await node.wait_stopped()
     finally:
@@ -228,27 +238,83 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
+def _private_redis(settings: dict[str, Any]) -> tuple[EmbeddedRedis, NodeConfig]:
+    """``kvpool up``'s own redis-server, started behind a password, and the config of the node that uses it.
+
+    The password is the node's (``--redis-password-file`` or ``KVPOOL_REDIS_PASSWORD``), else a
+    new one, kept in a mode-0600 file of the server's private directory: the index is never
+    open to whoever reaches the port, token or not. The server dies with this process
+    (``die_with_parent``; started here, from the main thread, which lives as long as it).
+    """
+    for path in remove_orphaned_dirs():
+        logger.info("removed %s, left behind by a kvpool up that was killed", path)
+    redis = EmbeddedRedis(die_with_parent=True)
+    try:
+        settings = {**settings, "redis": redis.url}
+        if settings["redis_password_file"] is None and not settings["redis_password"]:
+            secret = secrets.token_urlsafe(GENERATED_PASSWORD_BYTES)
+            settings["redis_password_file"] = redis.write_secret(GENERATED_PASSWORD_FILE, secret)
+        config = NodeConfig.from_options(settings)  # reads the password file
+        redis.start(password=config.redis_password)
+    except BaseException:
+        redis.cleanup()
+        raise
+    return redis, config
+
+
+def _password_note(config: NodeConfig, *, generated: bool) -> str:
+    """What `kvpool up` says about its private Redis's password: where it is, never what it is."""
+    if not config.redis_password_file:
+        return "Redis requires the password of KVPOOL_REDIS_PASSWORD."
+    whose = "a password generated for this run" if generated else "the password of --redis-password-file"
+    return (f"Redis requires {whose}, read from {config.redis_password_file}; the pool URL names that file "
+            "(redis_password_file=), so engines and admins of this user on this host need nothing more. "
+            "Elsewhere, copy the file (mode 0600) and name the copy, or set KVPOOL_REDIS_PASSWORD.")  # fmt: skip
+
+
+async def _serve_with_redis(node: PoolNode, redis: EmbeddedRedis) -> None:
+    """Serve until a signal, or until the private redis-server dies: then stop the node and fail."""
+    died: list[int] = []
+
+    async def watch() -> None:
+        died.append(await redis.wait_exit())
+        node.request_stop()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await _serve(node)
+    finally:
+        watcher.cancel()
+    if died:
+        how = f"was killed by signal {-died[0]}" if died[0] < 0 else f"exited with status {died[0]}"
+        tail = redis.log_tail().splitlines()[-1:] or ["(empty)"]
+        raise MetadataError(f"the pool's redis-server (port {redis.port}) {how}; the node stopped, since it cannot "
+                            f"publish without it. Last line of its log: {tail[0]}")  # fmt: skip
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     settings = _node_settings(args)
-    redis = None if settings["redis"] else EmbeddedRedis().start()
-    redis_url = settings["redis"] or (redis.url if redis else "")
+    redis, config = (None, NodeConfig.from_options(settings)) if settings["redis"] else _private_redis(settings)
     try:
-        config = NodeConfig.from_options({**settings, "redis": redis_url})
 
         async def run() -> None:
             node = PoolNode(config)
             await node.start()
-            url, apart = _pool_url(node, redis_url, config.namespace)
+            _stop_on_signals(node)  # before "Ctrl-C stops the pool." is printed: a Ctrl-C right after it stops cleanly
+            url, apart = _pool_url(node, config.redis_url, config.namespace)
             nvme = f"NVMe {format_size(config.nvme_bytes)} at {config.nvme_dir}" if config.nvme_dir else "no NVMe"
-            print(f"kvpool pool is up: redis {mask_url(redis_url)}, node {node.node_id} at {node.advertise_host}:{node.advertise_port}, "
+            print(f"kvpool pool is up: redis {mask_url(config.redis_url)}, node {node.node_id} at {node.advertise_host}:{node.advertise_port}, "
                   f"DRAM {format_size(config.dram_bytes)}, {nvme}")  # fmt: skip
             print(f"\nPool URL:\n  {url}\n")
+            if redis is not None:
+                generated = settings["redis_password_file"] is None and bool(config.redis_password_file)
+                print(f"{_password_note(config, generated=generated)}\n")
             if apart:
                 print(f"Engines also need, in their environment: {', '.join(apart)}.\n")
             print("LMCache config (LMCACHE_CONFIG_FILE):\n")
             print(render_yaml(lmcache_config(url)))
             print("Ctrl-C stops the pool.", flush=True)
-            await _serve(node)
+            await (_serve(node) if redis is None else _serve_with_redis(node, redis))
 
         asyncio.run(run())
     finally:

@@ -434,7 +434,10 @@ def count_round_trips(peer: Peer, keys: Sequence[Any]) -> dict[str, Any]:
     """One lookup through a counting proxy: Redis round trips (proxy) and commands (INFO commandstats)."""
     assert peer.redis_port is not None
     # One connection for both INFOs, opened first, so that only INFO itself is ours (and left out).
-    with CountingProxy(peer.redis_port) as proxy, redis.Redis(port=peer.redis_port, socket_timeout=10) as info:
+    with (
+        CountingProxy(peer.redis_port) as proxy,
+        redis.Redis(port=peer.redis_port, password=peer.redis_password, socket_timeout=10) as info,
+    ):
         command_calls(info)
         gib = local_cpu_gib(chunk_bytes(LOOKUP_SHAPE), 1)
         stack = build_stack(peer, LOOKUP_SHAPE, gib, redis_port=proxy.port)

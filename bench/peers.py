@@ -31,6 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
+from backend.config import PoolConfig
 from backend.embedded import EmbeddedRedis, free_port
 from bench.full_pool import FullPool
 from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
@@ -74,6 +75,11 @@ class Peer:
     @property
     def redis_port(self) -> int | None:
         """The Redis server that answers this peer's lookups, if it has one."""
+        return None
+
+    @property
+    def redis_password(self) -> str | None:
+        """The password that Redis wants, if any."""
         return None
 
     def clear(self, stack: LMCacheStack, keys: Sequence[Any]) -> None:
@@ -120,6 +126,11 @@ class KVPoolPeer(Peer):
     @property
     def redis_port(self) -> int | None:
         return urlsplit(self.url).port
+
+    @property
+    def redis_password(self) -> str | None:
+        """`kvpool up`'s Redis wants the password of the file its URL names (redis_password_file=)."""
+        return PoolConfig.from_url(self.url).redis_password or None
 
     def lmcache_config(self, local_cpu_gib: float, *, redis_port: int | None = None) -> dict[str, Any]:
         parts = urlsplit(self.url)

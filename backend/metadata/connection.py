@@ -31,15 +31,26 @@ from backend.redis_topology import CLUSTER, RedisTarget, connect
 __all__ = ["RedisConnection"]
 
 
+# What Redis answers a client that gave no password (RESP2 NOAUTH, or RESP3's HELLO refusal).
+_NO_PASSWORD_GIVEN = ("NOAUTH", "Authentication required", "HELLO must be called with the client already authenticated")
+
+
+def _auth_refused(action: str, exc: Exception) -> MetadataError:
+    text = str(exc)
+    reason = "it requires a password, none was given" if any(s in text for s in _NO_PASSWORD_GIVEN) else text
+    return MetadataError(
+        f"Redis {action} failed: Redis authentication refused ({reason}); set redis_password_file=PATH in the pool "
+        "URL (or KVPOOL_REDIS_PASSWORD), and redis_user=USER for an ACL user; a node takes --redis-password-file "
+        "and USER@ in its --redis URL"
+    )
+
+
 @contextlib.contextmanager
 def _redis_errors(action: str) -> Iterator[None]:
     try:
         yield
     except (redis_exceptions.AuthenticationError, redis_exceptions.NoPermissionError) as exc:
-        raise MetadataError(
-            f"Redis {action} failed: Redis authentication refused ({exc}); check the ACL user and password "
-            "(redis_user / redis_password in the pool URL, or the node's --redis URL and --redis-password-file)"
-        ) from None
+        raise _auth_refused(action, exc) from None
     except redis_exceptions.RedisError as exc:
         raise MetadataError(f"Redis {action} failed: {exc}") from None
     except OSError as exc:
