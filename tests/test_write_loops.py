@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -112,5 +113,30 @@ def test_a_socket_send_with_empty_buffers_delivers_every_byte(sizes):
         conn.close()
         right.close()
         return b"".join(buffers) == bytes(received)
+
+    assert asyncio.run(run())
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 7, 4096, 300_000]), min_size=1, max_size=8))
+def test_a_socket_receive_into_buffers_with_empty_ones_fills_each_exactly(sizes):
+    """``recv_many`` (the loop on the event loop, and its worker-thread twin for bulk sizes) over
+    targets that include empty buffers: each is filled with exactly its own bytes, and it ends."""
+
+    async def run() -> bool:
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            left = socket.create_connection(listener.getsockname())
+            right, _ = listener.accept()
+        sent = [bytes([(i * 37) % 251]) * n for i, n in enumerate(sizes)]
+        executor = ThreadPoolExecutor(2)
+        conn = FrameSocket(right, asyncio.get_running_loop(), "test", executor)
+        targets = [bytearray(n) for n in sizes]
+        writer = asyncio.get_running_loop().run_in_executor(None, left.sendall, b"".join(sent))
+        await asyncio.wait_for(conn.recv_many(targets), 10)
+        await asyncio.wait_for(writer, 10)
+        conn.close()
+        left.close()
+        executor.shutdown()
+        return [bytes(t) for t in targets] == sent
 
     assert asyncio.run(run())
