@@ -2,14 +2,17 @@
 
 Each function takes a :class:`PoolClient`; the CLI only parses arguments and
 prints. The listings (status, nodes, ls, stats) return plain JSON-ready data; the
-operations that move or repair (drain, flush, check) return a report dataclass
-whose ``to_json()`` is what ``--json`` prints. Nothing here holds more than one
-batch of chunk bytes at a time.
+operations that remove, move or repair (evict, drain, flush, check) return a report
+dataclass whose ``to_json()`` is what ``--json`` prints. Nothing here holds more than
+one batch of chunk bytes at a time. A node that refuses this client's token fails the
+verb (AuthError naming the node): figures or removals without it would mislead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -18,7 +21,7 @@ from typing import Any
 
 from backend.client import Chunk, PoolClient
 from backend.client.index import glob_escape
-from backend.errors import ConfigError, KVPoolError
+from backend.errors import AuthError, CapacityError, ConfigError, KVPoolError
 from backend.latency import Histogram, LatencyHistograms
 from backend.metadata import Location, NodeInfo
 from backend.protocol import InventoryRow, Verified
@@ -30,9 +33,11 @@ __all__ = [
     "pool_stats",
     "evict",
     "drain",
+    "undrain",
     "flush",
     "check",
     "DrainReport",
+    "EvictReport",
     "FlushReport",
     "CheckReport",
     "CheckFixes",
@@ -44,7 +49,11 @@ DRAIN_BATCH_BYTES = 256 * 1024 * 1024  # memory a drain holds at once
 SCAN_BATCH = 1000  # index keys per batch when evicting or flushing by pattern
 CHECK_SAMPLE = 100  # chunks whose checksum `check` re-verifies without --deep
 
+UNMARK_TIMEOUT_S = 5.0  # a drain that stops clears its mark within this, or leaves it for `kvpool undrain`
+
 Progress = Callable[[int, int], None]  # (done, total)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,18 @@ class DrainReport:
     already_elsewhere: int
     unreadable: int
     draining: bool = True  # the node stays marked draining: placement sends it nothing new
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class EvictReport:
+    """What ``evict`` did: chunks removed everywhere, and those kept because their node refused the delete."""
+
+    evicted: int  # chunks that existed and are gone: bytes deleted, index entries removed
+    kept: int = 0  # chunks with a copy on a node that refused: that copy and its index entry stay
+    refused: dict[str, str] = dataclasses.field(default_factory=dict)  # node id -> why it refused
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -109,8 +130,14 @@ class CheckReport:
 
     @property
     def problems(self) -> int:
-        return (len(self.orphan_entries) + len(self.orphan_bytes) + len(self.corrupt)
-                + len(self.dead_node_entries) + len(self.dead_nodes))  # fmt: skip
+        return len(self.corrupt) + self.repairable
+
+    @property
+    def repairable(self) -> int:
+        """What ``--fix`` changes. Corrupt copies are not counted: their node took each out of
+        use (and out of the index) the moment it found it, as it does on any read."""
+        return (len(self.orphan_entries) + len(self.orphan_bytes) + len(self.dead_node_entries)
+                + len(self.dead_nodes))  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         """The report as ``kvpool check --json`` prints it (``fixed`` is ``{}`` when nothing was repaired)."""
@@ -130,12 +157,25 @@ def _match(model: str | None, prefix: str | None) -> str:
     return "*"
 
 
+def _refused(node: NodeInfo, exc: AuthError) -> AuthError:
+    """``exc`` naming the node that refused (the node's own answer does not)."""
+    text = str(exc).removeprefix("node: ")
+    named = f"node {node.node_id}"
+    if named in text:
+        return AuthError(text.replace(named, f"{named} ({node.address})", 1))
+    return AuthError(f"{named} ({node.address}) refused the request: {text}")
+
+
 async def _stats_of(client: PoolClient, nodes: Sequence[NodeInfo]) -> dict[str, dict[str, Any]]:
+    """Each live node's STAT answer. A node that refuses the token fails the call: figures
+    without it would look like an empty pool. One that does not answer is left out."""
     out: dict[str, dict[str, Any]] = {}
     for node in nodes:
         if node.alive:
             try:
                 out[node.node_id] = await client.node_admin.stats(node)
+            except AuthError as exc:
+                raise _refused(node, exc) from None
             except KVPoolError:
                 pass  # the registry's figures (up to a heartbeat old) stand
     return out
@@ -262,16 +302,48 @@ async def pool_stats(client: PoolClient) -> dict[str, Any]:
 
 
 async def evict(client: PoolClient, keys: Sequence[str] = (), *, model: str | None = None,
-                prefix: str | None = None) -> int:  # fmt: skip
-    """Remove chunks everywhere (index first, then bytes); returns how many existed."""
+                prefix: str | None = None) -> EvictReport:  # fmt: skip
+    """Remove chunks everywhere: each node deletes its copies (and withdraws their index entries),
+    then the entries left (dead nodes', copies a node no longer held) go.
+
+    A copy whose node refuses the delete (a wrong token) keeps its bytes and its index
+    entry, so the index never loses track of bytes that still take room; the report
+    names the node and why.
+    """
     if keys:
-        return await client.delete(list(keys))
+        return await _evict_batch(client, list(keys))
     if not model and not prefix:
         raise ConfigError("evict", "name keys, or --model / --prefix")
-    removed = 0
+    total = EvictReport(0)
     async for batch in client.index.scan_key_batches(_match(model, prefix), SCAN_BATCH):
-        removed += await client.delete(batch)
-    return removed
+        done = await _evict_batch(client, batch)
+        total = EvictReport(total.evicted + done.evicted, total.kept + done.kept, {**total.refused, **done.refused})
+    return total
+
+
+async def _evict_batch(client: PoolClient, keys: list[str]) -> EvictReport:
+    entries = await client.index.lookup(keys)
+    holders: dict[str, list[str]] = defaultdict(list)
+    for key, entry in zip(keys, entries):
+        for loc in entry:
+            holders[loc.node_id].append(key)
+    live = {n.node_id: n for n in await client.nodes(refresh=True)}
+    refused: dict[str, str] = {}
+    for node_id, node_keys in holders.items():
+        node = live.get(node_id)
+        if node is None:
+            continue  # a dead node's copies: nobody can read them; their entries go below
+        try:
+            await client.node_admin.delete_on(node, node_keys)
+        except AuthError as exc:
+            refused[node_id] = str(_refused(node, exc))
+        except KVPoolError as exc:
+            refused[node_id] = f"node {node_id} ({node.address}): {exc}"
+    kept = {key for node_id in refused for key in holders[node_id]}
+    stale = [(key, loc) for key, entry in zip(keys, entries) for loc in entry if loc.node_id not in refused]
+    await client.index.remove_stale(stale)
+    existed = sum(1 for key, entry in zip(keys, entries) if entry and key not in kept)
+    return EvictReport(existed, len(kept), refused)
 
 
 async def drain(
@@ -284,18 +356,65 @@ async def drain(
 ) -> DrainReport:
     """Move every chunk off ``node_id`` (bytes verified on the way), leaving it draining.
 
-    The node is marked draining first, so placement sends no new writes there.
-    Each batch is read from the node, written elsewhere, and only then deleted from
-    the node: interrupting at any point loses nothing, and running again resumes.
+    Checked before anything is marked: the node answers with this client's token, and
+    another live node that is not draining (``to``, when given) can take its chunks.
+    Then the node is marked draining, so placement sends no new writes there. Each
+    batch is read from the node, written elsewhere, and only then deleted from the
+    node: interrupting at any point loses nothing, and running again resumes.
+
+    The mark belongs to this run: a drain that stops before the end (an error, Ctrl-C)
+    clears the mark it set, so the node takes writes again. A finished drain leaves it
+    until the node stops (deregistering clears it) or ``undrain``.
     """
     source = await client.node(node_id)
+    await _check_targets(client, source, to)
+    try:
+        total = int((await client.node_admin.stats(source))["objects"])
+    except AuthError as exc:
+        raise _refused(source, exc) from None
+    marked = await client.index.set_draining(node_id, True)
+    try:
+        return await _move_all(client, source, to, batch, total, progress)
+    except BaseException:
+        if marked:
+            await _unmark(client, node_id)
+        raise
+
+
+async def _check_targets(client: PoolClient, source: NodeInfo, to: str | None) -> None:
+    """Raise unless some live node other than ``source`` takes writes (``to``, when given)."""
     if to is not None:
         target = await client.node(to)
-        if target.node_id == node_id:
+        if target.node_id == source.node_id:
             raise ConfigError("--to", "the target is the node being drained")
-    await client.index.set_draining(node_id, True)
+        if target.draining:
+            raise ConfigError("--to", f"node {to!r} is draining itself: it takes no writes "
+                              f"(`kvpool undrain {to}` ends its drain)")  # fmt: skip
+        return
+    others = [n for n in await client.nodes(refresh=True) if n.node_id != source.node_id and not n.draining]
+    if not others:
+        raise CapacityError(
+            f"nowhere to move the chunks of node {source.node_id!r}: no other live node in namespace "
+            f"{client.config.namespace!r} takes writes; start one first (nothing was marked)"
+        )
+
+
+async def _unmark(client: PoolClient, node_id: str) -> None:
+    """Clear the draining mark of a drain that did not finish (bounded: a Redis down leaves it, logged)."""
+    try:
+        async with asyncio.timeout(UNMARK_TIMEOUT_S):
+            await client.index.set_draining(node_id, False)
+    except (KVPoolError, TimeoutError) as exc:
+        logger.warning("kvpool: node %s stays marked draining (%s); `kvpool undrain %s` clears it",
+                       node_id, exc, node_id)  # fmt: skip
+
+
+async def _move_all(
+    client: PoolClient, source: NodeInfo, to: str | None, batch: int, total: int, progress: Progress | None
+) -> DrainReport:
+    """Copy every chunk of ``source`` elsewhere (unless a live node confirms another copy), then delete it there."""
+    node_id = source.node_id
     await client.nodes(refresh=True)
-    total = int((await client.node_admin.stats(source))["objects"])
     moved = already = lost = 0
     async for page in client.node_admin.inventory_pages(source):
         for group in _groups(page, batch):
@@ -323,6 +442,11 @@ async def drain(
             if progress is not None:
                 progress(moved + already + lost, max(total, moved + already + lost))
     return DrainReport(node_id, moved, already, lost)
+
+
+async def undrain(client: PoolClient, node_id: str) -> bool:
+    """End a drain: placement sends ``node_id`` writes again. Whether it was marked draining."""
+    return await client.index.set_draining(node_id, False)
 
 
 def _safe_copy(loc: Location, row: InventoryRow, draining: str, live: dict[str, NodeInfo]) -> bool:

@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description="Run and manage a kvpool KV-cache pool.")
     parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    # Not required here: main() names an unknown flag before it says a verb is missing.
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
 
     up = verbs.add_parser("up", help="run a pool in the foreground: a private redis-server plus one node")
     up.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a private one")
@@ -104,12 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     evict.add_argument("--model", help="every key of this model")
     evict.add_argument("--prefix", help="every key starting with this text")
 
-    drain = verbs.add_parser("drain", help="move a node's chunks to other nodes, then leave it draining")
+    drain = verbs.add_parser("drain", help="move a node's chunks to other nodes, then leave it draining "
+                             "(until it stops or `undrain`)")  # fmt: skip
     _admin_options(drain)
     drain.add_argument("node_id", metavar="NODE")
     drain.add_argument("--to", metavar="NODE", help="move everything to this node (default: normal placement)")
     drain.add_argument("--batch", type=int, default=admin.DRAIN_BATCH_ITEMS,
                        help=f"chunks moved per step (default {admin.DRAIN_BATCH_ITEMS})")  # fmt: skip
+
+    undrain = verbs.add_parser("undrain", help="end a drain: the node takes writes again")
+    _admin_options(undrain)
+    undrain.add_argument("node_id", metavar="NODE")
 
     flush = verbs.add_parser("flush", help="wipe every chunk of a namespace (asks unless --yes)")
     _admin_options(flush)
@@ -388,6 +394,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         state += ", draining" if row["draining"] else ""
         print(f"  {row['node_id']:<24} {row['address']:<22} {state:<16} epoch {row['epoch']:<4} "
               f"{format_size(row['used_bytes'])} / {format_size(row['capacity_bytes'])}, {row['objects']} objects")  # fmt: skip
+    if n["draining"]:
+        print("A draining node takes no writes: `kvpool drain NODE` finishes its drain, `kvpool undrain NODE` ends it.")
     return 0
 
 
@@ -443,8 +451,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_evict(args: argparse.Namespace) -> int:
     if args.keys and (args.model or args.prefix):
         raise ConfigError("evict", "give keys or --model/--prefix, not both")
-    removed = _run(args, lambda c: admin.evict(c, args.keys, model=args.model, prefix=args.prefix))
-    _print_json({"evicted": removed}) if args.json else print(f"evicted {removed} chunks")
+    report = _run(args, lambda c: admin.evict(c, args.keys, model=args.model, prefix=args.prefix))
+    _print_json(report.to_json()) if args.json else print(f"evicted {report.evicted} chunks")
+    if report.refused:
+        why = next(iter(report.refused.values()))
+        more = f" (and {len(report.refused) - 1} more nodes)" if len(report.refused) > 1 else ""
+        print(f"kvpool: error: {report.kept} chunks kept, with their index entries: a node refused the delete"
+              f"{more}: {why}", file=sys.stderr)  # fmt: skip
+        return EXIT_ERROR
     return 0
 
 
@@ -470,7 +484,19 @@ def cmd_drain(args: argparse.Namespace) -> int:
         _print_json(result.to_json())
     else:
         print(f"drained {args.node_id}: {result.moved} chunks moved, {result.already_elsewhere} were already "
-              f"elsewhere, {result.unreadable} unreadable; the node is marked draining")  # fmt: skip
+              f"elsewhere, {result.unreadable} unreadable; the node stays marked draining until it stops "
+              f"(or `kvpool undrain {args.node_id}`)")  # fmt: skip
+    return 0
+
+
+def cmd_undrain(args: argparse.Namespace) -> int:
+    changed = _run(args, lambda c: admin.undrain(c, args.node_id))
+    if args.json:
+        _print_json({"node_id": args.node_id, "was_draining": changed})
+    elif changed:
+        print(f"undrained {args.node_id}: placement sends it writes again")
+    else:
+        print(f"{args.node_id} was not draining")
     return 0
 
 
@@ -518,10 +544,15 @@ def cmd_check(args: argparse.Namespace) -> int:
         f = report.fixed
         print(f"fixed: removed {f.entries_removed} index entries, re-indexed {f.bytes_reindexed} chunks, "
               f"forgot {f.dead_nodes_forgotten} dead nodes")  # fmt: skip
-    elif report.problems:
-        print("run `kvpool check --fix` to repair")
     else:
-        print("clean")
+        if report.corrupt:
+            print(f"the {len(report.corrupt)} corrupt copies are already out of use: their node quarantined (NVMe) "
+                  "or dropped (DRAM) each, with its index entry, when it checked it, as it does on any read")  # fmt: skip
+        if report.repairable:
+            print(f"run `kvpool check --fix` to repair the other {report.repairable} problems "
+                  "(nothing else was changed)")  # fmt: skip
+        elif not report.problems:
+            print("clean")
     return code
 
 
@@ -573,13 +604,19 @@ def cmd_lmcache_config(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "up": cmd_up, "node": cmd_node, "status": cmd_status, "nodes": cmd_nodes, "ls": cmd_ls, "stats": cmd_stats,
-    "evict": cmd_evict, "drain": cmd_drain, "flush": cmd_flush, "check": cmd_check, "doctor": cmd_doctor,
+    "evict": cmd_evict, "drain": cmd_drain, "undrain": cmd_undrain, "flush": cmd_flush, "check": cmd_check,
+    "doctor": cmd_doctor,
     "lmcache-config": cmd_lmcache_config,
 }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # before the missing verb: `kvpool --bogus` names --bogus
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.verb is None:
+        parser.error("the following arguments are required: VERB")
     # The one place the CLI reads the environment: the configs take it from here.
     args.environ = dict(os.environ)
     if getattr(args, "url", "") is None:

@@ -31,6 +31,7 @@ from backend.errors import ConfigError
 
 __all__ = [
     "RedisTarget", "SINGLE", "CLUSTER", "SENTINEL", "REDIS_MODES", "connect", "parse_hosts", "render_hosts", "mask_url",
+    "CLUSTER_HINT",
 ]  # fmt: skip
 
 SINGLE = "single"
@@ -49,6 +50,11 @@ _SCHEMES = {
 # during an outage would pay it. One quick retry (every topology alike) rides over a
 # connection that died with a restarted Redis; MetadataStore's deadline bounds the rest.
 RETRIES = 1
+# redis-py's RedisClusterException (not a RedisError) says a cluster could not be found at all.
+CLUSTER_HINT = (
+    " (redis_mode=cluster, or redis+cluster://, needs a Redis Cluster: check that a member is reachable and "
+    "runs with cluster-enabled yes, or drop redis_mode=cluster for one Redis)"
+)
 RETRY_BASE_S = 0.01
 RETRY_CAP_S = 0.05
 

@@ -15,7 +15,7 @@ import yaml
 
 from backend import Chunk, PoolConfig, SyncPoolClient
 from backend.embedded import free_port
-from backend.errors import ProtocolError
+from backend.errors import CapacityError, ProtocolError
 from backend.metadata import Location, MetadataStore, NodeInfo
 from backend.node.nvme import chunk_path, read_header
 from backend.protocol import InventoryRow, Verified
@@ -112,9 +112,9 @@ def test_evict_by_key_model_and_prefix(pool):
     chunks = _data("m1", 3, 100) + _data("m2", 3, 100) + _data("other", 2, 100)
     with SyncPoolClient(PoolConfig.from_url(url)) as client:
         client.put(chunks)
-        assert _json("evict", "--url", url, chunks[0].key) == {"evicted": 1}
-        assert _json("evict", "--url", url, "--model", "m2") == {"evicted": 3}
-        assert _json("evict", "--url", url, "--prefix", "oth") == {"evicted": 2}
+        assert _json("evict", "--url", url, chunks[0].key) == {"evicted": 1, "kept": 0, "refused": {}}
+        assert _json("evict", "--url", url, "--model", "m2")["evicted"] == 3
+        assert _json("evict", "--url", url, "--prefix", "oth")["evicted"] == 2
         assert client.contains([c.key for c in chunks]) == [False, True, True] + [False] * 5
         assert _json("status", "--url", url)["objects"] == 2
 
@@ -335,3 +335,175 @@ def test_drain_copies_a_chunk_whose_other_copy_is_on_a_dead_node(pool):
         assert result["moved"] == len(on_a) and result["already_elsewhere"] == 0
         got = client.get([c.key for c in chunks])
         assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
+
+
+# -- Round 3: drains have an owner and an end; auth failures are failures -----------------------------
+
+TOKEN = "r3-token-8c1f"
+
+
+@pytest.fixture
+def token_pool(node_factory, pool_url, tmp_path):
+    """Two nodes that require TOKEN; the URL with it, and the same URL without it."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    a = node_factory("--token-file", str(token_file), dram="64MiB")
+    b = node_factory("--token-file", str(token_file), dram="64MiB")
+    return pool_url.replace("kvpool://", f"kvpool://:{TOKEN}@"), pool_url, a, b
+
+
+def _draining(url: str) -> dict[str, bool]:
+    return {row["node_id"]: row["draining"] for row in _json("status", "--url", url)["node_list"]}
+
+
+def _one_line(out: subprocess.CompletedProcess[str]) -> str:
+    assert out.stderr.strip().count("\n") == 0, out.stderr
+    return out.stderr
+
+
+def test_a_drain_the_node_refuses_marks_nothing_and_puts_still_land(token_pool):
+    url, _, a, _ = token_pool
+    wrong = url.replace(TOKEN, "not-the-token")
+    out = kvpool("drain", a.node_id, "--url", wrong)
+    assert out.returncode == 1
+    line = _one_line(out)
+    assert a.node_id in line and "token" in line
+    assert _draining(url) == {a.node_id: False, token_pool[3].node_id: False}  # nothing was marked
+    chunks = _data("after-refused-drain", 40, 1000)
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        client.put(chunks)
+        on_a = next(n for n in client.nodes() if n.node_id == a.node_id)
+        assert int(client.node_stats(on_a)["objects"]) > 0  # placement still sends it writes
+
+
+def test_draining_the_only_node_is_refused_and_marks_nothing(node_factory, pool_url):
+    only = node_factory()
+    out = kvpool("drain", only.node_id, "--url", pool_url)
+    assert out.returncode == 1
+    line = _one_line(out)
+    assert "nowhere to move" in line and only.node_id in line
+    assert _draining(pool_url) == {only.node_id: False}
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        client.put(_data("only", 3, 100))  # the pool still takes writes
+
+
+def test_undrain_ends_a_drain_and_puts_say_when_every_node_is_draining(pool):
+    url, a, b = pool
+    config = PoolConfig.from_url(url)
+    assert _json("drain", a.node_id, "--url", url)["draining"] is True
+
+    async def killed_drain_of_b() -> None:  # what a drain killed with SIGKILL leaves: b marked, nobody to clear it
+        meta = MetadataStore(config.redis_url, config.namespace)
+        try:
+            await meta.set_draining(b.node_id, True)
+        finally:
+            await meta.close()
+
+    asyncio.run(killed_drain_of_b())
+    status = kvpool("status", "--url", url)
+    assert "2 draining" in status.stdout and "kvpool undrain NODE" in status.stdout
+    with SyncPoolClient(config) as client:
+        with pytest.raises(CapacityError) as refused:
+            client.put(_data("all-draining", 2, 100))
+        assert "draining" in str(refused.value) and "no room" not in str(refused.value)
+        assert "kvpool undrain" in str(refused.value)
+        out = kvpool("undrain", b.node_id, "--url", url)
+        assert out.returncode == 0 and f"undrained {b.node_id}" in out.stdout
+        assert _draining(url) == {a.node_id: True, b.node_id: False}
+        assert wait_until(lambda: not next(n for n in client.nodes() if n.node_id == b.node_id).draining, 5.0)
+        client.put(_data("after-undrain", 2, 100))
+        assert _json("undrain", b.node_id, "--url", url) == {"node_id": b.node_id, "was_draining": False}
+
+
+def test_a_drain_stopped_by_ctrl_c_clears_its_mark(pool):
+    url, a, _ = pool
+    chunks = _data("ctrl-c", 300, 64 * KIB)
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        client.put(chunks)
+        node_a = next(n for n in client.nodes() if n.node_id == a.node_id)
+        on_a = int(client.node_stats(node_a)["objects"])
+        # SIGINT as a terminal sends it (a shell's background job would start with it ignored)
+        proc = subprocess.Popen([sys.executable, "-m", "backend.cli", "drain", a.node_id, "--url", url, "--batch", "1"],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+        assert wait_until(lambda: int(client.node_stats(node_a)["objects"]) < on_a - 10, 30.0, 0.02)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130, err
+        assert _draining(url)[a.node_id] is False  # the run that set the mark cleared it
+        assert all(g is not None for g in client.get([c.key for c in chunks]))  # nothing lost
+
+
+def test_a_drained_node_that_stops_and_comes_back_under_its_id_takes_writes(node_factory, pool_url):
+    a = node_factory("--node-id", "comes-back", dram="64MiB")
+    b = node_factory(dram="64MiB")
+    assert _json("drain", a.node_id, "--url", pool_url)["draining"] is True
+    a.terminate()  # SIGTERM: the node deregisters, and its drain ends with it
+    again = node_factory("--node-id", "comes-back", dram="64MiB")
+    assert _draining(pool_url) == {again.node_id: False, b.node_id: False}
+
+
+def test_stats_with_a_wrong_or_no_token_fails_naming_the_node(token_pool):
+    url, bare, a, b = token_pool
+    for shown_url in (bare, url.replace(TOKEN, "not-the-token")):
+        for verb in ("stats", "status", "nodes"):
+            out = kvpool(verb, "--url", shown_url)
+            assert out.returncode == 1, (verb, out.stdout)
+            line = _one_line(out)
+            assert "token" in line and (a.node_id in line or b.node_id in line), line
+    assert _json("stats", "--url", url)["nodes"] == 2
+
+
+def test_evict_a_node_refuses_exits_1_and_keeps_what_it_could_not_delete(token_pool):
+    url, bare, _, _ = token_pool
+    chunks = _data("refused-evict", 20, 1000)
+    keys = [c.key for c in chunks]
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        client.put(chunks)
+        out = kvpool("evict", "--url", bare, "--prefix", "refused-evict")
+        assert out.returncode == 1
+        line = _one_line(out)
+        assert "refused" in line and "token" in line and "20 chunks kept" in line
+        assert client.contains(keys) == [True] * 20  # index entries and bytes both still there
+        got = client.get(keys)
+        assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
+        assert _json("evict", "--url", url, "--prefix", "refused-evict") == {"evicted": 20, "kept": 0, "refused": {}}
+        assert client.contains(keys) == [False] * 20
+        assert _json("status", "--url", url)["objects"] == 0  # the bytes went too
+
+
+def test_check_without_fix_says_what_it_did_and_what_fix_would_do(node_factory, pool_url, tmp_path):
+    nvme = tmp_path / "nvme"
+    node_factory("--nvme-dir", str(nvme), "--nvme", "64MiB", dram="1MiB")
+    chunks = _data("dry", 8, 256 * KIB)
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        for chunk in chunks:
+            client.put([chunk])
+    entries = asyncio.run(_lookup(pool_url, [c.key for c in chunks]))
+    on_disk = next(c.key for c, e in zip(chunks, entries) if e and e[0].tier == "nvme")
+    path = chunk_path(nvme, on_disk)
+    assert wait_until(path.exists, 5.0)
+    record = read_header(path)
+    with open(path, "r+b") as f:
+        f.seek(record.data_offset + 5)
+        f.write(b"\xff\x00\xff")
+    out = kvpool("check", "--url", pool_url, "--deep")
+    assert out.returncode == 3, out.stderr
+    assert "quarantined" in out.stdout
+    assert "check --fix" not in out.stdout  # nothing is left for --fix to repair: it would not change a thing
+    assert _json("check", "--url", pool_url, "--deep", "--fix")["fixed"] == {}  # indeed
+
+
+def test_doctor_prints_no_secret_written_into_the_config_it_checks(token_pool, tmp_path):
+    url, bare, _, _ = token_pool
+    config = yaml.safe_load(kvpool("lmcache-config", "--url", bare).stdout)
+    key = "remote_storage_plugin.kvpool.url"
+    config["extra_config"][key] = url  # the token written inline, as the doctor's warning says not to
+    inline = tmp_path / "inline.yaml"
+    inline.write_text(yaml.safe_dump(config))
+    out = kvpool("doctor", "--lmcache-config", str(inline), timeout=180)
+    assert out.returncode == 0, out.stdout  # the whole way: config, Redis, nodes, a round trip with the token
+    shown = out.stdout + out.stderr
+    assert "LMCache Configuration" in shown  # LMCache's config dump is printed, masked
+    assert TOKEN not in shown
+    assert "kvpool://:***@" in shown

@@ -235,3 +235,32 @@ def test_pyproject_asks_for_the_python_the_code_needs():
     assert project["project"]["requires-python"] == ">=3.11"
     assert project["tool"]["ruff"]["target-version"] == "py311"
     assert project["tool"]["mypy"]["python_version"] == "3.11"
+
+
+# -- Round 3: usage and connection errors are one line, never a traceback ----------------------------
+
+
+@pytest.mark.parametrize("verb", [["status"], ["lmcache-config"]])
+def test_a_malformed_url_is_one_line_naming_the_url_and_exit_2(verb):
+    out = kvpool(*verb, "--url", "kvpool://:s3cret@[::1/default")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+    assert "url: malformed URL kvpool://:***@[::1/default" in out.stderr and "s3cret" not in out.stderr
+
+
+def test_redis_mode_cluster_against_a_redis_that_is_not_one_is_one_line_and_exit_1(redis_server):
+    for port in (redis_server.port, free_port()):  # not a cluster; nothing listening
+        out = kvpool("status", "--url", f"kvpool://127.0.0.1:{port}/x?redis_mode=cluster&timeout_ms=500")
+        assert out.returncode == 1, out.stderr
+        assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr, out.stderr
+        assert "Redis" in out.stderr and "cluster" in out.stderr
+    node = kvpool("node", "--redis", f"redis+cluster://127.0.0.1:{redis_server.port}", "--dram", "8MiB")
+    assert node.returncode == 1 and "Traceback" not in node.stderr, node.stderr[-2000:]
+    assert "Cluster" in node.stderr.strip().splitlines()[-1]
+
+
+def test_an_unknown_flag_before_the_verb_is_named():
+    out = kvpool("--bogus")
+    assert out.returncode == 2
+    assert "unrecognized arguments: --bogus" in out.stderr and "required" not in out.stderr
+    assert "required: VERB" in kvpool().stderr

@@ -11,7 +11,8 @@ import sys
 
 from tests.conftest import REPO
 
-VERBS = ["up", "node", "status", "nodes", "ls", "stats", "evict", "drain", "flush", "check", "doctor", "lmcache-config"]
+VERBS = ["up", "node", "status", "nodes", "ls", "stats", "evict", "drain", "undrain", "flush", "check", "doctor",
+         "lmcache-config"]
 HEADER = """# kvpool CLI reference
 
 Generated from `kvpool --help` and `kvpool VERB --help` by `make docs`;

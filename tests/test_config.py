@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from backend.config import DEFAULT_NAMESPACE, PoolConfig, format_size, parse_size, without_inline_secrets
+from backend.config import DEFAULT_NAMESPACE, PoolConfig, format_size, mask_secrets, parse_size, without_inline_secrets
 from backend.errors import ConfigError, KVPoolError
 from backend.lmcache_config import lmcache_remote_url, remote_url_pool_config
 
@@ -100,6 +100,8 @@ def test_redis_url_points_at_db_0_and_never_carries_the_token() -> None:
         ("kvpool://:6379/ns", "url", "missing Redis host"),
         ("kvpool://h/ns", "url", "missing Redis port"),
         ("kvpool://h:abc/ns", "url", "port is not a number"),
+        ("kvpool://[::1/default", "url", "malformed URL kvpool://[::1/default: an unclosed '['"),
+        ("kvpool://:s3cret@[::1/default", "url", "malformed URL kvpool://:***@[::1/default"),
         ("kvpool://h:0/ns", "url", "Redis port 0 is out of range"),
         ("kvpool://user:tok@h:6379/ns", "url", "user names are not supported"),
         ("kvpool://user@h:6379/ns", "url", "user names are not supported"),
@@ -519,6 +521,7 @@ REMOTE = "external://h:6379/backend.lmcache_connector/?connector_name=KVPoolRemo
         (REMOTE.replace("h:6379", "h"), "remote_url", "missing Redis port"),
         (REMOTE.replace("h:6379", ":6379"), "remote_url", "missing Redis host"),
         (REMOTE.replace("h:6379", "h:port"), "remote_url", "port is not a number"),
+        (REMOTE.replace("h:6379", "[::1:6379"), "remote_url", "malformed URL"),
         (REMOTE.replace("//h", "//user:pw@h"), "remote_url", "a user name is not supported"),
         (REMOTE + "&redis_mode=cluster&redis_hosts=a:1,b:2", "remote_url", "write a comma inside a value as %2C"),
         (REMOTE + "&namespace=other", "namespace", "given twice"),
@@ -629,3 +632,13 @@ def test_nccl_on_without_a_cluster_is_warned_about_when_the_config_is_built(capl
         PoolConfig.from_url("kvpool://127.0.0.1:6379/ns?nccl=on&cluster=rack-a")
     warned = [r.getMessage() for r in caplog.records if "nccl=on needs cluster" in r.getMessage()]
     assert len(warned) == 1 and "TCP" in warned[0]
+
+
+def test_mask_secrets_hides_every_secret_written_into_a_url_in_a_text() -> None:
+    dump = ("{'extra_config': {'url': 'kvpool://:tok3n@h:6379/ns?redis_password=pw0rd&replicas=2'}, "
+            "'remote_url': 'external://h:1/m/?connector_name=C&token=tok3n', 'redis': 'redis://u:pw0rd@h:1/0'}")  # fmt: skip
+    shown = mask_secrets(dump)
+    assert "tok3n" not in shown and "pw0rd" not in shown
+    assert "kvpool://:***@h:6379/ns?redis_password=***&replicas=2" in shown and "redis://u:***@h:1/0" in shown
+    assert mask_secrets("read from a file: f1le-secret", ["f1le-secret"]) == "read from a file: ***"
+    assert mask_secrets("kvpool://h:6379/ns and user@example.com") == "kvpool://h:6379/ns and user@example.com"

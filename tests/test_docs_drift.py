@@ -54,7 +54,8 @@ def _command_lines() -> Iterator[tuple[str, list[str]]]:
                     yield where, command
             else:
                 for span in re.findall(r"`([^`]+)`", line):
-                    yield from ((where, command) for command in _commands_in(span))
+                    if not ERROR_TEXT.search(span):  # an error message quoting a command, not one to run
+                        yield from ((where, command) for command in _commands_in(span))
 
 
 def _commands_in(text: str) -> Iterator[list[str]]:
@@ -79,6 +80,7 @@ def _commands_in(text: str) -> Iterator[list[str]]:
                 yield argv
 
 
+ERROR_TEXT = re.compile(r"^(kvpool: error: |[A-Za-z]*Error: )")
 QUIET_VERBS = {"status", "nodes", "stats", "ls", "up", "check"}  # a command with no arguments
 
 

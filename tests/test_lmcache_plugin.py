@@ -415,3 +415,29 @@ def test_configs_naming_the_kept_module_paths_load_the_package_connectors_and_hi
     finally:
         writer.close()
         reader.close()
+
+
+def test_lmcaches_own_create_connector_without_metadata_builds_a_connector_that_hits(node_factory, pool_url,
+                                                                                       stack_factory):  # fmt: skip
+    from lmcache.v1.storage_backend.connector import CreateConnector
+
+    node_factory()
+    stack = stack_factory(pool_url)
+    keys = [stack.key(300)]
+    objs = [stack.make_object(3)]
+    expected = objs[0].tensor.clone()
+    stack.put(keys, objs)
+    stack.release(objs)
+    # As LMCache's own tests call it: no metadata (the engine's is the local CPU backend's).
+    connector = CreateConnector("plugin://kvpool", stack.loop, stack.local, stack.config)
+
+    def on_loop(coro):
+        return asyncio.run_coroutine_threadsafe(coro, stack.loop).result(10)
+
+    try:
+        assert on_loop(connector.exists(keys[0])) is True
+        got = on_loop(connector.get(keys[0]))
+        assert got is not None and torch.equal(got.tensor.view(torch.uint8), expected.view(torch.uint8))
+        got.ref_count_down()
+    finally:
+        on_loop(connector.close())

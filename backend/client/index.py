@@ -69,9 +69,9 @@ class PoolIndex:
         """Drop exactly these locations, unless they changed since they were read."""
         await self._meta.remove_stale(stale)
 
-    async def set_draining(self, node_id: str, draining: bool) -> None:
-        """Mark a node as draining (placement skips it) or not."""
-        await self._meta.set_draining(node_id, draining)
+    async def set_draining(self, node_id: str, draining: bool) -> bool:
+        """Mark a node as draining (placement skips it) or not; whether the mark changed."""
+        return await self._meta.set_draining(node_id, draining)
 
     async def forget_node(self, node_id: str) -> None:
         """Drop a dead node's registry record."""

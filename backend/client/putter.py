@@ -59,6 +59,10 @@ class PutPlanner:
             nodes = [n for n in nodes if n.node_id in set(only)]
         if not nodes:
             raise CapacityError(f"no live node in namespace {self.ctx.config.namespace!r} can take writes")
+        if all(n.draining for n in nodes):
+            raise CapacityError(f"no live node in namespace {self.ctx.config.namespace!r} takes writes: every one is "
+                                f"draining ({', '.join(sorted(n.node_id for n in nodes))}); `kvpool undrain NODE` "
+                                "ends a drain")  # fmt: skip
         replicas = self.ctx.config.replicas
         plans = {item.key: rank_nodes(item.key, nodes) for item in items}  # every node that may take it, best first
         targets = {item.key: choose_nodes(item.key, nodes, replicas) for item in items}

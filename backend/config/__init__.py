@@ -46,10 +46,11 @@ from backend.config.pool import (
     PoolConfig,
     env_flag,
     known_env_names,
+    mask_secrets,
     warn_unknown_env,
     without_inline_secrets,
 )
-from backend.config.values import format_size, parse_size
+from backend.config.values import format_size, parse_size, split_url
 
 __all__ = [
     "PoolConfig",
@@ -71,6 +72,8 @@ __all__ = [
     "SCHEME",
     "DEFAULT_NAMESPACE",
     "without_inline_secrets",
+    "mask_secrets",
+    "split_url",
     "SECRET_NAMES",
     "OPTION_NAMES",
 ]

@@ -5,16 +5,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 
-from backend.config.values import CLUSTER_RE, NAMESPACE_RE, parse_bool, parse_int
+from backend.config.values import CLUSTER_RE, NAMESPACE_RE, parse_bool, parse_int, split_url
 from backend.errors import ConfigError
 from backend.redis_topology import CLUSTER, REDIS_MODES, SINGLE, RedisTarget, parse_hosts
 
-__all__ = ["PoolConfig", "SCHEME", "DEFAULT_NAMESPACE", "without_inline_secrets", "SECRET_NAMES", "OPTION_NAMES",
+__all__ = ["PoolConfig", "SCHEME", "DEFAULT_NAMESPACE", "without_inline_secrets", "mask_secrets", "SECRET_NAMES",
+           "OPTION_NAMES",
            "ENV_URL", "ENV_DEBUG", "warn_unknown_env", "env_flag", "known_env_names"]  # fmt: skip
 
 logger = logging.getLogger("backend.config")
@@ -148,15 +149,12 @@ class PoolConfig:
         """Parse a ``kvpool://`` URL; ``KVPOOL_*`` variables in ``environ`` override it."""
         if not isinstance(url, str) or not url.strip():
             raise ConfigError("url", "empty pool URL; expected kvpool://HOST:PORT/NAMESPACE")
-        parts = urlsplit(url.strip())
+        parts = split_url(url.strip(), lambda reason: ConfigError("url", f"malformed URL {_mask(url)}: {reason}"))
         if parts.scheme != SCHEME:
             raise ConfigError("url", f"scheme {parts.scheme or '(none)'!r} is not {SCHEME}:// in {_mask(url)}")
         if parts.username:
             raise ConfigError("url", "user names are not supported; put the token as kvpool://:TOKEN@HOST:PORT/NS")
-        try:
-            port = parts.port
-        except ValueError:
-            raise ConfigError("url", f"port is not a number in 0-65535 in {_mask(url)}") from None
+        port = parts.port
         if not parts.hostname:
             raise ConfigError("url", f"missing Redis host in {_mask(url)}")
         if port is None:
@@ -220,8 +218,23 @@ def _mask(url: str) -> str:
 
 
 _SECRET_OPTIONS = ("redis_password",)  # masked wherever a URL or config is shown
+# A secret written into a URL anywhere in a text: the password of a userinfo (a pool token,
+# a Redis password), or a secret option in a query (remote_url spells the token token=).
+_INLINE_SECRET_RE = re.compile(
+    r"(?P<keep>://[^/@\s'\"]*?:)[^/@\s'\"]+@|(?P<opt>[?&](?:token|" + "|".join(_SECRET_OPTIONS) + r")=)[^&#\s'\"]+"
+)
 SECRET_NAMES = ("token", *_SECRET_OPTIONS)  # what without_inline_secrets can find in a URL
 _SECRET_FILES = {"token_file": "token", "redis_password_file": "redis_password"}
+
+
+def mask_secrets(text: str, known: Sequence[str] = ()) -> str:
+    """``text`` (a log line, a config dump) with every secret written into a URL in it shown as
+    ``***``, and every string of ``known`` (secrets read from files or the environment) too."""
+    shown = _INLINE_SECRET_RE.sub(lambda m: f"{m['keep']}***@" if m["keep"] else f"{m['opt']}***", text)
+    for secret in known:
+        if secret:
+            shown = shown.replace(secret, "***")
+    return shown
 
 
 def without_inline_secrets(url: str) -> tuple[str, list[str]]:
@@ -230,7 +243,10 @@ def without_inline_secrets(url: str) -> tuple[str, list[str]]:
     Everything else is kept as written. For configs that get logged: the secrets then
     come from ``token_file=`` / ``redis_password_file=`` or ``KVPOOL_TOKEN`` / ``KVPOOL_REDIS_PASSWORD``.
     """
-    parts = urlsplit(url.strip())
+    try:
+        parts = urlsplit(url.strip())
+    except ValueError:  # not a URL: nothing of it is kept, the parse that follows names the problem
+        return _mask(url), []
     found: list[str] = []
     netloc = parts.netloc
     auth, at, hostport = netloc.rpartition("@")

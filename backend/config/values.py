@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from urllib.parse import SplitResult, urlsplit
 
 from backend.errors import ConfigError
 
-__all__ = ["NAMESPACE_RE", "CLUSTER_RE", "format_size", "parse_bool", "parse_int", "parse_size"]
+__all__ = ["NAMESPACE_RE", "CLUSTER_RE", "format_size", "parse_bool", "parse_int", "parse_size", "split_url"]
 
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 CLUSTER_RE = re.compile(r"^[A-Za-z0-9_.-]{0,64}$")
@@ -18,6 +20,21 @@ _SIZE_UNITS = {
     "G": 1024**3, "GB": 1000**3, "GI": 1024**3, "GIB": 1024**3,
     "T": 1024**4, "TB": 1000**4, "TI": 1024**4, "TIB": 1024**4,
 }  # fmt: skip
+
+
+def split_url(url: str, problem: Callable[[str], ConfigError]) -> SplitResult:
+    """``urlsplit(url)``, with what it refuses (an unclosed ``[``, a port out of range) raised
+    as ``problem(reason)``: the caller's ConfigError, naming its key and the URL as it shows it."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (parsed lazily: a bad port raises here)
+    except ValueError as exc:
+        if "Port" in str(exc):
+            raise problem("the port is not a number in 0-65535") from None
+        if "IPv6" in str(exc):
+            raise problem("an unclosed '[' or a malformed IPv6 host (write it as [ADDRESS]:PORT)") from None
+        raise problem(str(exc)) from None
+    return parts
 
 
 def parse_size(text: str, *, name: str = "size") -> int:

@@ -31,7 +31,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsp
 
 import yaml
 
-from backend.config import DEFAULT_NAMESPACE, OPTION_NAMES, SCHEME, PoolConfig, without_inline_secrets
+from backend.config import DEFAULT_NAMESPACE, OPTION_NAMES, SCHEME, PoolConfig, split_url, without_inline_secrets
 from backend.errors import ConfigError
 
 __all__ = [
@@ -158,7 +158,7 @@ def remote_url_pool_config(remote_url: str, environ: Mapping[str, str] | None = 
     def bad(key: str, message: str) -> ConfigError:
         return ConfigError(key, f"{message}, in remote_url {shown}")
 
-    parts = urlsplit(text)
+    parts = split_url(text, lambda reason: bad("remote_url", f"malformed URL: {reason}"))
     if parts.scheme != REMOTE_URL_SCHEME:
         raise bad("remote_url", f"scheme {parts.scheme or '(none)'!r} is not {REMOTE_URL_SCHEME}://")
     if "," in text:
@@ -166,10 +166,7 @@ def remote_url_pool_config(remote_url: str, environ: Mapping[str, str] | None = 
                   "inside a value as %2C")  # fmt: skip
     if parts.username:
         raise bad("remote_url", "a user name is not supported; give the token as token_file=PATH or KVPOOL_TOKEN")
-    try:
-        port = parts.port
-    except ValueError:
-        raise bad("remote_url", "the port is not a number in 0-65535") from None
+    port = parts.port
     if not parts.hostname:
         raise bad("remote_url", "missing Redis host (external://HOST:PORT/...)")
     if port is None:

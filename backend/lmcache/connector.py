@@ -316,13 +316,17 @@ class KVPoolConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
         plugin_name = context.plugin_name or PLUGIN_NAME
         try:
             pool_config = self._pool_config(context, plugin_name)
+            # LMCache's own callers (CreateConnector(url, loop, local_cpu_backend, config), its tests) may pass
+            # no metadata: the engine's is then the local CPU backend's, as for remote_url.
+            metadata = context.metadata
+            if metadata is None:
+                metadata = _engine_metadata(context.local_cpu_backend, f"plugin {plugin_name!r}")
         except ConfigError as exc:
             logger.error("kvpool: plugin %r is misconfigured, LMCache will run without it: %s. Fix: %s",
                          plugin_name, exc, FIX_HINT)  # fmt: skip
             raise
-        return KVPoolConnector(
-            pool_config, context.loop, context.local_cpu_backend, context.config, context.metadata, plugin_name
-        )
+        return KVPoolConnector(pool_config, context.loop, context.local_cpu_backend, context.config, metadata,
+                               plugin_name)  # fmt: skip
 
     @staticmethod
     def _pool_config(context: ConnectorContext, plugin_name: str) -> PoolConfig:
@@ -331,6 +335,15 @@ class KVPoolConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
         if not url and context.url.startswith(f"{PLUGIN_NAME}://"):
             url = context.url
         return pool_config_from(url or None, f"extra_config['{url_config_key(plugin_name)}']")
+
+
+def _engine_metadata(local_cpu_backend: Any, where: str) -> Any:
+    """The engine's LMCache metadata, from its local CPU backend (ConfigError naming ``where`` if it has none)."""
+    metadata = getattr(local_cpu_backend, "metadata", None)
+    if metadata is None:
+        raise ConfigError(where, "LMCache passed no engine metadata and a local CPU backend without it, "
+                          "which the connector needs")  # fmt: skip
+    return metadata
 
 
 class KVPoolRemoteURLConnector(KVPoolConnector):
@@ -347,10 +360,7 @@ class KVPoolRemoteURLConnector(KVPoolConnector):
         warn_if_secrets_inline(remote_url, REMOTE_URL_FORM)
         try:
             pool_config = remote_url_pool_config(remote_url, os.environ)
-            metadata = getattr(local_cpu_backend, "metadata", None)
-            if metadata is None:
-                raise ConfigError("remote_url", "LMCache passed a local CPU backend without engine metadata, "
-                                  "which the connector needs")  # fmt: skip
+            metadata = _engine_metadata(local_cpu_backend, "remote_url")
         except ConfigError as exc:
             # LMCache only logs a failed connector at WARNING and runs on without it (and retries,
             # which would repeat this): one ERROR per cause.

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -14,7 +17,7 @@ import torch
 from lmcache.v1.memory_management import MemoryFormat
 
 from backend.client import PoolClient
-from backend.config import PoolConfig, without_inline_secrets
+from backend.config import PoolConfig, mask_secrets, without_inline_secrets
 from backend.errors import ConfigError, KVPoolError
 from backend.lmcache.config import (
     ADAPTER_CLASS,
@@ -36,6 +39,7 @@ CONNECTOR_MODULES = (ADAPTER_MODULE, "backend.lmcache.connector")
 
 DOCTOR_MODEL = "kvpool-doctor/probe"
 DOCTOR_TIMEOUT_S = 30.0
+MIN_MASKED = 4  # a shorter secret is not searched for in text (it would mask ordinary words); URLs are masked anyway
 
 
 def diagnose(config_path: Path) -> list[dict[str, Any]]:
@@ -47,12 +51,49 @@ def diagnose(config_path: Path) -> list[dict[str, Any]]:
     here, not as silent misses), checks Redis and the nodes, and makes one put/get round
     trip through LMCache's RemoteBackend. Returns findings: ``{"ok", "check", "detail", "fix"}``.
     """
+    known: list[str] = []  # the pool's secrets, once its config is read
+    with _secrets_masked(known):
+        return _diagnose(config_path, known)
+
+
+@contextlib.contextmanager
+def _secrets_masked(known: list[str]) -> Iterator[None]:
+    """Every log record made meanwhile, by LMCache or kvpool, shown with its secrets masked.
+
+    LMCache logs its whole configuration at INFO as it loads it, pool URL included: a
+    token or Redis password written into the YAML doctor checks would be printed. The
+    record factory masks every record as it is made, whatever logger or handler
+    (LMCache gives each module its own) prints it; ``known`` adds secrets read from
+    files or the environment once the pool's config is known.
+    """
+    make = logging.getLogRecordFactory()
+
+    def masked(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        try:
+            text = record.getMessage()
+        except Exception:  # a malformed record: logging reports it as it would have
+            return record
+        shown = mask_secrets(text, known)
+        if shown != text:
+            record.msg, record.args = shown, None
+        return record
+
+    logging.setLogRecordFactory(masked)
+    try:
+        yield
+    finally:
+        logging.setLogRecordFactory(make)
+
+
+def _diagnose(config_path: Path, known: list[str]) -> list[dict[str, Any]]:
     from lmcache.v1.config import load_engine_config_with_overrides
 
     findings: list[dict[str, Any]] = []
 
     def add(ok: bool, check: str, detail: str, fix: str = "") -> bool:
-        findings.append({"ok": ok, "check": check, "detail": detail, "fix": fix})
+        findings.append({"ok": ok, "check": check, "detail": mask_secrets(detail, known),
+                         "fix": mask_secrets(fix, known)})  # fmt: skip
         return ok
 
     try:
@@ -77,6 +118,7 @@ def diagnose(config_path: Path) -> list[dict[str, Any]]:
         return findings
     if pool_config is None:
         return findings
+    known += [secret for secret in (pool_config.token, pool_config.redis_password) if len(secret) >= MIN_MASKED]
 
     async def probe_pool() -> tuple[float, int]:
         async with PoolClient(pool_config) as client:

@@ -26,7 +26,7 @@ from backend.metadata.scripts import (
     REMOVE_EXACT_LUA,
     REMOVE_LUA,
 )
-from backend.redis_topology import CLUSTER, RedisTarget, connect
+from backend.redis_topology import CLUSTER, CLUSTER_HINT, RedisTarget, connect
 
 __all__ = ["RedisConnection"]
 
@@ -53,6 +53,8 @@ def _redis_errors(action: str) -> Iterator[None]:
         raise _auth_refused(action, exc) from None
     except redis_exceptions.RedisError as exc:
         raise MetadataError(f"Redis {action} failed: {exc}") from None
+    except redis_exceptions.RedisClusterException as exc:  # not a RedisError: raised while finding the cluster
+        raise MetadataError(f"Redis {action} failed: {exc}{CLUSTER_HINT}") from None
     except OSError as exc:
         raise MetadataError(f"Redis {action} failed: {exc}") from None
 

@@ -109,26 +109,35 @@ class NodeRegistry(RedisConnection):
         return version, now_marker, None if changed == ["*"] else list(dict.fromkeys(changed))
 
     async def deregister(self, node_id: str) -> None:
+        """Remove a node that stops cleanly; a drain of it ends with it (the flag does not outlive the node)."""
         async with self._call("deregister"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hdel(self.nodes_key, node_id)
                 pipe.delete(self.heartbeat_key(node_id))
+                pipe.srem(self.draining_key, node_id)
                 pipe.zrem(self.beats_key, node_id)
                 await pipe.execute()
             await self._log_change(node_id)
 
-    async def set_draining(self, node_id: str, draining: bool) -> None:
-        """Mark a node draining (placement skips it) or not; kept apart from its heartbeats."""
-        async with self._call("HEXISTS node"):
-            known = await self._redis.hexists(self.nodes_key, node_id)
-        if not known:
-            raise MetadataError(f"node {node_id!r} is not registered in namespace {self.namespace!r}")
+    async def set_draining(self, node_id: str, draining: bool) -> bool:
+        """Mark a node draining (placement skips it) or not; kept apart from its heartbeats.
+
+        Returns whether the mark changed. Marking needs a registered node; clearing also
+        takes the id of a node no longer registered, so a stale mark can always be removed.
+        """
         async with self._call("draining set"):
+            known = await self._redis.hexists(self.nodes_key, node_id)
+            if draining and not known:
+                raise MetadataError(f"node {node_id!r} is not registered in namespace {self.namespace!r}")
             if draining:
-                await self._redis.sadd(self.draining_key, node_id)
+                changed = await self._redis.sadd(self.draining_key, node_id)
             else:
-                await self._redis.srem(self.draining_key, node_id)
-            await self._log_change(node_id)
+                changed = await self._redis.srem(self.draining_key, node_id)
+            if not known and not changed:
+                raise MetadataError(f"node {node_id!r} is not registered in namespace {self.namespace!r}")
+            if changed:
+                await self._log_change(node_id)
+        return bool(changed)
 
     async def forget_node(self, node_id: str) -> None:
         """Remove a dead node from the registry (``kvpool check --fix``)."""
