@@ -66,6 +66,7 @@ T = TypeVar("T")
 GENERATED_PASSWORD_BYTES = 32
 GENERATED_PASSWORD_FILE = "redis-password"
 
+SERVER_VERBS = ("up", "node")  # long-running: they log their progress at INFO
 FORMATS = {"inproc": ("yaml", "env"), "mp": ("args", "json")}  # lmcache-config --format, per --mode
 
 
@@ -117,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _admin_options(undrain)
     undrain.add_argument("node_id", metavar="NODE")
 
-    flush = verbs.add_parser("flush", help="wipe every chunk of a namespace (asks unless --yes)")
+    flush = verbs.add_parser("flush", help="wipe every chunk of a namespace (asks on a terminal unless --yes)")
     _admin_options(flush)
     flush.add_argument("--namespace", required=True, help="the namespace to wipe (must be given explicitly)")
     flush.add_argument("--yes", action="store_true", help="do not ask")
@@ -622,8 +623,10 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "url", "") is None:
         args.url = args.environ.get(ENV_URL)
     debug = args.debug or env_flag(args.environ, ENV_DEBUG)
+    # The servers (up, node) log what they do at INFO; a one-shot verb prints its answer
+    # and keeps stderr for warnings and errors.
     logging.basicConfig(
-        level=logging.DEBUG if debug else logging.INFO,
+        level=logging.DEBUG if debug else logging.INFO if args.verb in SERVER_VERBS else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from backend import Chunk, PoolConfig, SyncPoolClient
+from backend import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from backend.embedded import free_port
 from backend.lmcache_config import remote_url_pool_config
 from tests.conftest import REPO
@@ -264,3 +264,27 @@ def test_an_unknown_flag_before_the_verb_is_named():
     assert out.returncode == 2
     assert "unrecognized arguments: --bogus" in out.stderr and "required" not in out.stderr
     assert "required: VERB" in kvpool().stderr
+
+
+def test_admin_verbs_keep_stderr_for_warnings_and_errors(node_factory, pool_url):
+    # A drain reads through the same-host arena, which the client logs at INFO: a server's
+    # progress note, not something a one-shot verb should print.
+    source = node_factory(shm=True, dram="32MiB")
+    node_factory(shm=True, dram="32MiB")
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        client.put([Chunk(f"quiet@{i}", bytes([i]) * 4096) for i in range(16)])
+    out = kvpool("drain", source.node_id, "--url", pool_url)
+    assert out.returncode == 0, out.stderr
+    assert "moved" in out.stdout or "drained" in out.stdout, out.stdout
+    assert out.stderr == ""
+    debug = kvpool("--debug", "undrain", source.node_id, "--url", pool_url)
+    assert debug.returncode == 0 and "DEBUG" in debug.stderr  # --debug still shows everything
+
+
+def test_a_token_pool_tells_a_client_without_the_token_how_to_give_it(node_factory, pool_url, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    node_factory("--token-file", str(token))
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client, pytest.raises(KVPoolError) as refused:
+        client.put([Chunk("k@0", b"x")])
+    assert "token_file=PATH" in str(refused.value) and ":TOKEN@" not in str(refused.value)

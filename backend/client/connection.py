@@ -106,7 +106,8 @@ class NodeConnection:
                 hello = decode_json(await self.request(Op.HELLO, encode_json({"client": "kvpool"})))
                 if hello.get("auth_required"):
                     if not self.config.token:
-                        raise AuthError(f"node {self.node.node_id} requires a token; add it as kvpool://:TOKEN@...")
+                        raise AuthError(f"node {self.node.node_id} requires a token; give it as token_file=PATH in the pool "
+                                        "URL (or KVPOOL_TOKEN)")  # fmt: skip
                     mac = auth_mac(self.config.token, bytes.fromhex(str(hello.get("nonce", ""))))
                     await self.request(Op.AUTH, encode_json({"mac": mac}))
                 if hello.get("epoch") != self.node.epoch:
