@@ -141,7 +141,8 @@ class PutPlanner:
             results: list[PutOutcome] = []
             for frame in frames(part):
                 meta = encode_put_batch(frame, options)
-                reply = await pool.request(Op.PUT_BATCH, meta, data=[data[i.key] for i in frame])
+                reply = await pool.request(Op.PUT_BATCH, meta, data=[data[i.key] for i in frame],
+                                           hold_s=options.wait_ms / 1000)  # fmt: skip
                 results.extend(put_outcome(flag) for flag in decode_flags(reply, len(frame)))
             return results
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Container
 
 from backend.errors import CapacityError
 from backend.node.bookkeeping import NVME, IndexChanges
@@ -64,17 +65,18 @@ class Demoter:
         if self.nvme is not None and self.dram.used_bytes > self.high_bytes:
             self._wake.set()
 
-    async def make_room(self, nbytes: int, keep_put: int = 0) -> None:
-        """Demote or evict unpinned chunks until ``nbytes`` fit, or nothing movable is left.
+    async def make_room(self, nbytes: int, keep_put: int = 0, landing: Container[str] = ()) -> None:
+        """Demote or evict chunks until ``nbytes`` fit, or nothing movable is left.
 
-        A chunk of put ``keep_put`` (the put asking for room) may go to NVMe but is never
+        Pinned chunks and ``landing`` ones (inserted by puts not committed yet) stay. A
+        chunk of put ``keep_put`` (the put asking for room) may go to NVMe but is never
         evicted: each stripe of a put answers for its own chunks, so one that evicted what
         another stripe had stored would have that one acknowledge a chunk that is gone.
         """
         async with self.lock:
             refused: set[str] = set()  # chunks of this put that the disk would not take
+            skip = _AnyOf(self.leases.pinned, landing, refused)
             while not self.dram.fits(nbytes):
-                skip = self.leases.pinned if not refused else set(self.leases.pinned) | refused
                 victim = self.dram.oldest(skip, keep_put=keep_put if self.nvme is None else 0)
                 if victim is None:
                     break
@@ -154,3 +156,13 @@ class Demoter:
                         await self.demote(victim)
                     except CapacityError:
                         break  # the disk refuses: puts will see CapacityError instead
+
+
+class _AnyOf:
+    """Keys in any of several containers (without copying them)."""
+
+    def __init__(self, *parts: Container[str]) -> None:
+        self.parts = parts
+
+    def __contains__(self, key: object) -> bool:
+        return any(key in part for part in self.parts)

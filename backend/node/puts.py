@@ -119,6 +119,9 @@ class PutReceiver:
         received: Received = []
         window: list[tuple[ItemMeta, ChunkBuffer]] = []  # reserved, bytes not brought yet
 
+        def let_go() -> None:  # about to wait for room: what this request inserted may move meanwhile
+            tiers.settle([chunk for _, _, chunk in received if chunk is not None])
+
         async def receive_window() -> None:
             try:
                 digests = await fill(window)
@@ -150,7 +153,7 @@ class PutReceiver:
                         return PUT_STORED
                     except CapacityError:
                         await receive_window()  # the window's chunks land: they can make room for others
-                await tiers.reserve(item.nbytes, until=until, put_id=put_id)
+                await tiers.reserve(item.nbytes, until=until, put_id=put_id, before_wait=let_go)
             except BusyError:
                 return PUT_BUSY
             except CapacityError:
@@ -176,6 +179,7 @@ class PutReceiver:
         return received
 
     async def _discard_uncommitted(self, chunks: list[StoredChunk]) -> None:
+        self.node.tiers.settle(chunks)
         for chunk in chunks:
             await self.node.tiers.discard(chunk)
 
@@ -186,7 +190,7 @@ class PutReceiver:
         visible: list[tuple[str, Location]] = []
         for flag, item, _ in received:
             if flag == PUT_STORED and not tiers.holds(item.key, item.checksum):
-                flag = PUT_NO_CAPACITY  # evicted by a later chunk of its own batch: never acknowledge it
+                flag = PUT_NO_CAPACITY  # evicted while its request waited for room: never acknowledge it
             if flag == PUT_STORED:
                 visible.append((item.key, node.publisher.location(item, tiers.tier_of(item.key) or DRAM)))
             flags.append(flag)
@@ -199,6 +203,8 @@ class PutReceiver:
             # Not visible, so not kept: a put is acknowledged only once readers can find it.
             await self._discard_uncommitted([c for _, _, c in received if c is not None])
             raise
+        finally:
+            tiers.settle([c for _, _, c in received if c is not None])  # committed or dropped: they may move now
         with contextlib.suppress(MetadataError):
             await node.publisher.flush_index()  # what the batch evicted; kept for the heartbeat if this fails
         counters["puts"] += len(visible)

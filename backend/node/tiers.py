@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 import logging
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,11 @@ class TierManager:
         prefault = 0 if self.arena is not None else min(PREFAULT_BUDGET_BYTES, config.dram_bytes // 4)
         self.buffers = BufferFactory(prefault)
         self._room = asyncio.Event()  # set when DRAM may have room for a waiting put (see reserve)
+        # Chunks inserted by puts not committed yet: never moved (their put would lose them),
+        # unless their put waits for room itself (see reserve's ``before_wait``).
+        self._landing: dict[int, StoredChunk] = {}  # by id(chunk)
+        self.landing_keys: Counter[str] = Counter()
+        self._landing_bytes = 0
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -181,32 +187,51 @@ class TierManager:
                 return buffer
         return self.buffers.take(nbytes)
 
-    async def reserve(self, nbytes: int, *, until: float = 0.0, put_id: int = 0) -> None:
+    async def reserve(self, nbytes: int, *, until: float = 0.0, put_id: int = 0,
+                      before_wait: Callable[[], None] | None = None) -> None:  # fmt: skip
         """Reserve DRAM for an incoming chunk of put ``put_id``, demoting or evicting older ones as needed.
 
-        When nothing can move because other puts' reservations fill DRAM (a burst of puts,
-        or a put striped over several connections), wait for them to land (landed chunks
-        can move) until the loop time ``until``, then raise BusyError. Raise CapacityError
-        at once when no put in flight could make room: the chunk is larger than DRAM, or
-        the rest is leased or this same put's (``Demoter.make_room``). Only a caller that
-        holds no reservation of its own may wait (else two could wait for each other); the
-        wait is outside the demoter's lock, so the others can demote meanwhile, and it is
-        woken whenever a reservation lands or is given back, or a chunk leaves or is unpinned.
+        When nothing can move because other puts fill DRAM (reserved, or inserted and not
+        committed yet: a burst of puts, or a put striped over several connections), wait
+        for them to land and commit (then their chunks can move) until the loop time
+        ``until``, then raise BusyError. Raise CapacityError at once when no put in flight
+        could make room: the chunk is larger than DRAM, or the rest is leased or this same
+        put's (``Demoter.make_room``). A caller must hold no reservation when it may wait
+        (else two could wait for each other), and ``before_wait`` runs before it waits
+        (the caller lets its own uncommitted chunks move: ``settle``). The wait is outside
+        the demoter's lock, so others can demote meanwhile, and it is woken whenever a
+        reservation lands or is given back, a put commits or gives up, or a chunk leaves
+        or is unpinned.
         """
         if nbytes > self.dram.capacity_bytes:
             raise CapacityError(
                 f"chunk of {nbytes} bytes is larger than the DRAM tier ({self.dram.capacity_bytes} bytes)"
             )
         while not self.dram.fits(nbytes):
-            await self.demoter.make_room(nbytes, keep_put=put_id)
+            await self.demoter.make_room(nbytes, keep_put=put_id, landing=self.landing_keys)
             if self.dram.fits(nbytes):
                 break
-            if self.dram.used_bytes <= self.dram.stored_bytes:
+            if until and before_wait is not None:
+                before_wait()
+                before_wait = None
+                continue  # what it let go may be what another waiter needs; try again first
+            if self.dram.used_bytes <= self.dram.stored_bytes and not self._landing_bytes:
                 raise CapacityError("DRAM tier is full of leased chunks and this put's own")
             if not await self._wait_for_room(until):
                 raise BusyError("DRAM tier stayed full of puts in flight until the request's deadline")
         self.dram.reserve(nbytes)
         self.demoter.wake()
+
+    def settle(self, chunks: list[StoredChunk]) -> None:
+        """The puts that inserted ``chunks`` committed, gave up, or wait: the chunks may move now."""
+        for chunk in chunks:
+            if self._landing.pop(id(chunk), None) is not None:
+                key = chunk.meta.key
+                self.landing_keys[key] -= 1
+                if not self.landing_keys[key]:
+                    del self.landing_keys[key]
+                self._landing_bytes -= chunk.meta.nbytes
+        self._room.set()
 
     def release(self, nbytes: int) -> None:
         self.dram.release(nbytes)
@@ -225,8 +250,13 @@ class TierManager:
         return True
 
     def insert(self, chunk: StoredChunk, put_id: int = 0) -> None:
-        """Store a verified chunk of put ``put_id`` in reserved DRAM; an NVMe copy with other bytes is dropped."""
+        """Store a verified chunk of put ``put_id`` (0: none) in reserved DRAM; an NVMe copy with other
+        bytes is dropped. A put's chunk is not moved until the put settles it (``settle``)."""
         self.dram.insert(chunk, put_id)
+        if put_id:  # a put's chunk: it stays until ``settle``
+            self._landing[id(chunk)] = chunk
+            self.landing_keys[chunk.meta.key] += 1
+            self._landing_bytes += chunk.meta.nbytes
         self._room.set()
         if self.nvme is not None:
             old = self.nvme.files.get(chunk.meta.key)
