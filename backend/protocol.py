@@ -57,6 +57,7 @@ __all__ = [
     "PUT_NO_CAPACITY",
     "PUT_BUSY",
     "put_outcome",
+    "MAX_PUT_WAIT_MS",
     "auth_mac",
     "verify_meta",
     "encode_header",
