@@ -136,7 +136,7 @@ class PutReceiver:
                     received.append((PUT_INTEGRITY, item, None))
                 elif tiers.holds(item.key, item.checksum):
                     tiers.release(item.nbytes)
-                    tiers.dram.claim(item.key, put_id)
+                    tiers.claim(item.key, put_id)
                     received.append((PUT_STORED, item, None))
                 else:
                     chunk = StoredChunk(item, buffer)

@@ -263,6 +263,10 @@ class TierManager:
             if old is not None and old.meta.checksum != chunk.meta.checksum:
                 self.nvme.forget(old)
 
+    def claim(self, key: str, put_id: int) -> None:
+        """A put found ``key`` already held with its bytes: that put will not evict it either."""
+        self.dram.claim(key, put_id)
+
     def holds(self, key: str, item_checksum: int) -> bool:
         """Whether this node holds ``key`` with exactly these bytes (DRAM or NVMe)."""
         chunk = self.dram.peek(key)
