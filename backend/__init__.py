@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from backend.errors import (
     AuthError,
+    BusyError,
     CapacityError,
     ConfigError,
     IntegrityError,
@@ -22,6 +23,7 @@ from backend.errors import (
     NcclError,
     NodeUnavailable,
     ProtocolError,
+    PutOutcome,
 )
 
 if TYPE_CHECKING:
@@ -38,6 +40,7 @@ __all__ = [
     "Chunk",
     "Fetched",
     "Lock",
+    "PutOutcome",
     "KVPoolError",
     "ConfigError",
     "MetadataError",
@@ -45,6 +48,7 @@ __all__ = [
     "ProtocolError",
     "AuthError",
     "CapacityError",
+    "BusyError",
     "IntegrityError",
     "NcclError",
 ]

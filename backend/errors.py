@@ -9,16 +9,26 @@
     ├── ProtocolError        malformed or unexpected frame
     ├── AuthError            missing or wrong token
     ├── CapacityError        no node can take the write
+    │   └── BusyError        ... now: DRAM stayed full of puts in flight until the deadline
     ├── IntegrityError       checksum mismatch
     └── NcclError            binding or communicator failure
 
 Library code raises these. Only the LMCache connector turns them into misses, so
 serving never fails because the pool did.
+
+A put that stored only part of its chunks raises with ``outcomes``: each chunk's
+:class:`PutOutcome`, so a caller knows exactly which chunks are stored.
 """
 
 from __future__ import annotations
 
+import enum
+from collections import Counter
+from collections.abc import Mapping
+from types import MappingProxyType
+
 __all__ = [
+    "PutOutcome",
     "KVPoolError",
     "ConfigError",
     "MetadataError",
@@ -26,13 +36,38 @@ __all__ = [
     "ProtocolError",
     "AuthError",
     "CapacityError",
+    "BusyError",
     "IntegrityError",
     "NcclError",
 ]
 
 
+class PutOutcome(enum.Enum):
+    """What became of one chunk of a put: stored, or why not.
+
+    A node answers one per chunk (``backend.protocol`` maps its PUT flags here);
+    ``FAILED`` is the client's: the request carrying the chunk failed (the error says why).
+    """
+
+    STORED = "stored"
+    NO_ROOM = "no room"  # larger than the DRAM tier, or the rest is leased or this same put's
+    BUSY = "busy"  # DRAM stayed full of other puts in flight until the request's deadline
+    CORRUPT = "corrupt"  # the bytes did not match their checksum on arrival
+    FAILED = "failed"
+
+
 class KVPoolError(Exception):
-    """Base of every error kvpool raises."""
+    """Base of every error kvpool raises.
+
+    ``outcomes`` is set on the error of a put that did not store every chunk: each
+    chunk's key and what became of it (empty on any other error).
+    """
+
+    outcomes: Mapping[str, PutOutcome] = MappingProxyType({})
+
+    def not_stored(self) -> Counter[PutOutcome]:
+        """How many chunks of the put were not stored, by outcome."""
+        return Counter(o for o in self.outcomes.values() if o is not PutOutcome.STORED)
 
 
 class ConfigError(KVPoolError, ValueError):
@@ -64,6 +99,14 @@ class AuthError(KVPoolError):
 
 class CapacityError(KVPoolError):
     """No node can take the write."""
+
+
+class BusyError(CapacityError):
+    """No room now: the node's DRAM stayed full of puts in flight until the request's deadline.
+
+    A put that only met busy nodes raises this: nothing failed, the pool was saturated,
+    and a later put may well be stored (the LMCache layer counts it as a skipped put).
+    """
 
 
 class IntegrityError(KVPoolError):

@@ -60,6 +60,7 @@ NODE_COUNTERS: dict[str, str] = {
     "puts": "Chunks stored and committed to the index.",
     "put_bytes": "Payload bytes of chunks stored.",
     "put_rejected_capacity": "Chunks of a put refused for lack of capacity (the client tries another node).",
+    "put_rejected_busy": "Chunks of a put refused as busy: DRAM stayed full of puts in flight until the put's deadline.",
     "gets": "Keys asked for by GET requests.",
     "hits": "Keys a GET found and returned.",
     "misses": "Keys a GET did not return.",
@@ -380,6 +381,7 @@ async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
 
 CONNECTOR_COUNTERS: dict[str, str] = {
     "put_chunks": "Chunks LMCache handed to the pool and the pool stored.",
+    "put_skipped_busy": "Chunks of LMCache's puts not stored because every node tried was busy (skipped, not errors).",
     "get_hits": "Chunks LMCache asked the pool for and received.",
     "get_misses": "Chunks LMCache asked the pool for and did not receive.",
     "shm_get_bytes": "Bytes read through a same-host node's shared-memory arena instead of TCP.",

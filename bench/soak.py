@@ -10,8 +10,12 @@ memory before and after, beside the bound it must stay under::
 
     python -m bench.soak --duration 120 --clients 32 --nodes 2 --dram 64MiB
 
-Exits non-zero on any wrong byte, any error beyond ``--max-errors``, a node that
-died, or a node whose peak resident memory went past its bound. ``--json`` prints
+A put that met only busy nodes (DRAM full of puts in flight until its deadline:
+``BusyError``) is not an error, LMCache skips such a put; but refusing everything
+must not pass, so busy puts are counted and may be at most ``--max-busy`` of the puts.
+
+Exits non-zero on any wrong byte, any error beyond ``--max-errors``, busy puts beyond
+``--max-busy``, a node that died, or a node whose peak resident memory went past its bound. ``--json`` prints
 the figures as one JSON line as well (the fault suite reads it).
 """
 
@@ -32,7 +36,7 @@ from typing import Any
 from backend.client import Chunk, PoolClient
 from backend.config import PoolConfig, parse_size
 from backend.embedded import EmbeddedRedis
-from backend.errors import KVPoolError
+from backend.errors import BusyError, KVPoolError
 from backend.node.tiers import PREFAULT_BUDGET_BYTES
 from bench.nodes import NodeProcess
 
@@ -44,6 +48,7 @@ MIB = 1024 * 1024
 FIXED_OVERHEAD_BYTES = 128 * MIB
 PATTERN_BYTES = 8 * MIB  # values are slices of this random pattern
 VALUE_HEAD = struct.Struct("<QQ")  # key id, version: a value names what it should be
+DEFAULT_MAX_BUSY = 0.01  # share of puts that may meet only busy nodes (skipped, as LMCache skips them)
 
 
 class Values:
@@ -80,6 +85,7 @@ class Load:
     hits: int = 0
     misses: int = 0
     wrong: int = 0
+    busy: int = 0  # puts refused as busy (skipped, not errors)
 
 
 async def _client_loop(
@@ -114,6 +120,9 @@ async def _client_loop(
             else:
                 await client.contains(keys)
             load.ops[op] += 1
+        except BusyError:
+            load.ops[op] += 1
+            load.busy += 1
         except KVPoolError as exc:
             load.errors[f"{op}:{type(exc).__name__}"] += 1
             if sum(load.errors.values()) <= 5:
@@ -180,6 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "alive": alive[node_id],
             "evictions": counters.get(node_id, {}).get("evictions", 0),
             "puts": counters.get(node_id, {}).get("puts", 0),
+            "put_rejected_busy": counters.get(node_id, {}).get("put_rejected_busy", 0),
         }
         for node_id in before
     }
@@ -189,18 +199,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "value_bytes": args.value_bytes, "working_set_keys": keys_total,
         "ops": dict(load.ops), "ops_total": ops, "ops_per_s": round(ops / elapsed, 1),
         "put_bytes": load.bytes["put"], "get_bytes": load.bytes["get"],
-        "hits": load.hits, "misses": load.misses, "wrong_bytes": load.wrong,
+        "hits": load.hits, "misses": load.misses, "wrong_bytes": load.wrong, "busy_puts": load.busy,
         "errors": dict(load.errors), "errors_total": sum(load.errors.values()), "nodes_detail": per_node,
     }  # fmt: skip
 
 
-def verdict(figures: dict[str, Any], max_errors: int) -> list[str]:
+def verdict(figures: dict[str, Any], max_errors: int, max_busy: float = DEFAULT_MAX_BUSY) -> list[str]:
     """Why the soak failed; empty if it passed."""
     problems = []
     if figures["wrong_bytes"]:
         problems.append(f"{figures['wrong_bytes']} hits returned wrong bytes")
     if figures["errors_total"] > max_errors:
         problems.append(f"{figures['errors_total']} errors (allowed {max_errors}): {figures['errors']}")
+    puts, busy = figures["ops"].get("put", 0), figures.get("busy_puts", 0)
+    if busy > max_busy * puts:
+        problems.append(f"{busy} of {puts} puts refused as busy (allowed {max_busy:.0%})")
     for node_id, node in figures["nodes_detail"].items():
         if not node["alive"]:
             problems.append(f"node {node_id} died")
@@ -215,7 +228,7 @@ def report(figures: dict[str, Any]) -> None:
     print(f"[soak] {f['ops_total']} ops in {f['duration_s']} s ({f['ops_per_s']} ops/s): {f['ops']}")
     print(f"[soak] put {f['put_bytes'] / MIB:.0f} MiB, got {f['get_bytes'] / MIB:.0f} MiB; "
           f"{f['hits']} hits, {f['misses']} misses, {f['wrong_bytes']} wrong; "
-          f"errors {f['errors_total']} {f['errors'] or ''}")  # fmt: skip
+          f"errors {f['errors_total']} {f['errors'] or ''}; {f['busy_puts']} of {f['ops'].get('put', 0)} puts busy")  # fmt: skip
     print("[soak] node            RSS before  RSS after  peak RSS  bound     evictions")
     for node_id, n in f["nodes_detail"].items():
         print(f"[soak] {node_id:<15} {n['rss_before_bytes'] / MIB:7.0f} MiB {n['rss_after_bytes'] / MIB:6.0f} MiB "
@@ -239,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-ms", type=int, default=10_000, help="client timeout (default 10000: 2 cores)")
     parser.add_argument("--shm-dir", default="off", help="nodes' --shm-dir (default off: TCP, as from another host)")
     parser.add_argument("--max-errors", type=int, default=0, help="errors allowed before exiting non-zero")
+    parser.add_argument("--max-busy", type=float, default=DEFAULT_MAX_BUSY,
+                        help="share of puts that may be refused as busy (default 0.01)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = parser.parse_args(argv)
@@ -246,11 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--value-bytes must be in {VALUE_HEAD.size + 1}..{PATTERN_BYTES // 2}")
     figures = run(args)
     report(figures)
-    problems = verdict(figures, args.max_errors)
+    problems = verdict(figures, args.max_errors, args.max_busy)
     for problem in problems:
         print(f"[soak] FAIL: {problem}", flush=True)
     if not problems:
-        print("[soak] PASS: no wrong byte, errors within the allowance, every node within its memory bound")
+        print("[soak] PASS: no wrong byte, errors and busy puts within the allowance, every node within its memory bound")
     if args.json:
         print(json.dumps(figures), flush=True)
     return 1 if problems else 0

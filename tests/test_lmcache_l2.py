@@ -29,6 +29,7 @@ from backend.errors import ConfigError, KVPoolError
 from backend.lmcache_config import lmcache_mp_adapter, lmcache_mp_server_args, render_mp_command
 from bench.lmcache_mp_stack import MPStack, parse_server_args, server_args
 from tests.conftest import REPO, wait_until
+from tests.test_put_room import MiB, PutInFlight
 
 WAIT_S = 30.0  # bound of every wait on an event fd or on the pool
 CHUNK_BYTES = 2 * 2 * 16 * 1024 * 2  # MPStack's chunk: [2, 2 layers, 16 tokens, 1024] bfloat16
@@ -460,6 +461,23 @@ def test_bad_listing_arguments_are_value_errors_naming_the_argument(pool_url, ad
         adapter.list_l2_keys(cursor="not-a-cursor")
     with pytest.raises(KVPoolError, match="2 keys but 1 objects"):
         adapter.submit_store_task([object_key(1), object_key(2)], [memory_obj(payload(1))])
+
+
+def test_a_store_the_busy_pool_refuses_is_skipped_not_failed_and_stores_once_there_is_room(node_factory, pool_url,
+                                                                                           adapters):  # fmt: skip
+    node = node_factory(dram="8MiB")
+    adapter = adapters(pool_url + "?timeout_ms=1000")  # a put may wait 0.5 s for room
+    in_flight = PutInFlight(node, 8 * MiB)  # all of the node's DRAM, for longer than that
+    try:
+        result = store(adapter, [object_key(801)], [memory_obj(payload(801))])
+    finally:
+        in_flight.land()
+    assert result.is_successful()  # a skipped store: nothing failed
+    assert adapter.counters["store_skipped_busy"] == 1
+    assert adapter.counters["miss_store"] == 0 and adapter.counters["stored_chunks"] == 0
+    assert lookup_and_lock(adapter, [object_key(801)]) == [False]
+    assert store(adapter, [object_key(802)], [memory_obj(payload(802))]).is_successful()
+    assert adapter.counters["stored_chunks"] == 1
 
 
 def test_pool_down_gives_misses_and_an_unhealthy_status_never_a_hang(adapters):

@@ -24,6 +24,7 @@ from backend.lmcache_connector import ALLOCATE_TIMEOUT_S
 from bench.engine import FIRST_HASH
 from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
 from tests.conftest import REPO, wait_until
+from tests.test_put_room import MiB, PutInFlight
 
 
 def _worker(role: str, url: str, count: int, *extra: str) -> dict:
@@ -126,6 +127,26 @@ def test_killed_node_gives_misses_within_the_timeout_and_never_blocks_the_loop(n
     stack.put([stack.key(999)], more)
     stack.release(more)
     assert stack.connector().counters["miss_put"] == 1
+
+
+def test_a_put_the_busy_pool_refuses_is_a_skipped_put_not_a_failure(node_factory, pool_url, stack_factory, caplog):
+    node = node_factory(dram="8MiB")
+    stack = stack_factory(pool_url + "?timeout_ms=1000")  # a put may wait 0.5 s for room
+    skipped, later = [stack.make_object(1)], [stack.make_object(2)]
+    in_flight = PutInFlight(node, 8 * MiB)  # all of the node's DRAM, for longer than that
+    try:
+        with caplog.at_level(logging.WARNING, logger="backend"):
+            stack.put([stack.key(700)], skipped)  # LMCache's put completes: no exception escapes
+    finally:
+        in_flight.land()
+    counters = stack.connector().counters
+    assert counters["put_skipped_busy"] == 1 and counters["miss_put"] == 0  # skipped, not failed
+    assert not [r for r in caplog.records if r.name.startswith("backend") and r.levelno >= logging.WARNING]
+    assert stack.contains_prefix([stack.key(700)]) == 0
+    stack.put([stack.key(701)], later)  # room again: stored
+    assert stack.contains_prefix([stack.key(701)]) == 1
+    assert stack.connector().counters["put_chunks"] == 1
+    stack.release(skipped + later)
 
 
 def test_redis_down_during_the_run_misses_then_recovers(node_factory, redis_factory, stack_factory):

@@ -25,11 +25,14 @@ from backend.errors import (
     NcclError,
     NodeUnavailable,
     ProtocolError,
+    PutOutcome,
 )
 from backend.protocol import (
     DEFAULT_LIMITS,
     HEADER,
     MAGIC,
+    MAX_PUT_WAIT_MS,
+    PUT_BUSY,
     PUT_INTEGRITY,
     PUT_NO_CAPACITY,
     PUT_STORED,
@@ -41,6 +44,7 @@ from backend.protocol import (
     ItemMeta,
     Limits,
     Op,
+    PutOptions,
     Status,
     auth_mac,
     checksum,
@@ -51,6 +55,8 @@ from backend.protocol import (
     decode_items,
     decode_json,
     decode_keys,
+    decode_put_batch,
+    decode_put_staged,
     encode_flags,
     encode_get_response,
     encode_header,
@@ -58,7 +64,10 @@ from backend.protocol import (
     encode_items,
     encode_json,
     encode_keys,
+    encode_put_batch,
+    encode_put_staged,
     error_for_status,
+    put_outcome,
     status_for_error,
     verify_meta,
 )
@@ -270,6 +279,33 @@ def test_items_round_trip_with_layouts_and_unicode_keys() -> None:
     assert decode_items(meta, data_len=19) == items
     assert decode_items(bytearray(meta), 19) == items
     assert decode_items(memoryview(meta), 19) == items
+
+
+def test_put_options_ride_after_the_items_and_a_frame_without_them_gets_the_defaults() -> None:
+    items = [item("a", 10), item("b", 6)]
+    options = PutOptions(put_id=2**64 - 1, wait_ms=MAX_PUT_WAIT_MS)
+    assert decode_put_batch(encode_put_batch(items, options), 16) == (items, options)
+    assert decode_put_batch(encode_items(items), 16) == (items, PutOptions())  # an older client's frame
+    staged = encode_put_staged("s.stage", "0" * 32, items, [4096, 4106], options=options)
+    assert decode_put_staged(staged)[2:] == (items, [4096, 4106], options)
+    assert decode_put_staged(encode_put_staged("s.stage", "0" * 32, items, [4096, 4106]))[4] == PutOptions()
+
+
+def test_put_options_of_another_size_or_out_of_range_are_protocol_errors() -> None:
+    meta = encode_put_batch([item("a", 10)], PutOptions(7, 100))
+    with pytest.raises(ProtocolError, match="trailing"):
+        decode_put_batch(meta[:-1], 10)
+    with pytest.raises(ProtocolError, match="trailing"):
+        decode_put_batch(meta + b"\x00", 10)
+    too_long = encode_items([item("a", 10)]) + struct.pack("<QI", 7, MAX_PUT_WAIT_MS + 1)
+    with pytest.raises(ProtocolError, match="wait_ms"):
+        decode_put_batch(too_long, 10)
+
+
+def test_every_put_flag_is_one_outcome_and_an_unknown_flag_is_not_stored() -> None:
+    assert [put_outcome(f) for f in (PUT_STORED, PUT_INTEGRITY, PUT_NO_CAPACITY, PUT_BUSY)] == [
+        PutOutcome.STORED, PutOutcome.CORRUPT, PutOutcome.NO_ROOM, PutOutcome.BUSY]  # fmt: skip
+    assert put_outcome(200) is PutOutcome.FAILED
 
 
 def test_empty_item_list_round_trips() -> None:
@@ -606,6 +642,7 @@ def test_random_bytes_never_crash_decode_items(data: bytes, data_len: int) -> No
     _decodes_or_protocol_error(lambda: decode_items(data, data_len), list)
     # Give the fuzzer a plausible count so it reaches the per-item fields.
     _decodes_or_protocol_error(lambda: decode_items(count(1) + data, data_len), list)
+    _decodes_or_protocol_error(lambda: decode_put_batch(count(1) + data, data_len), tuple)
 
 
 @settings(max_examples=300, deadline=None)

@@ -59,6 +59,7 @@ class _Pending:
     future: asyncio.Future[Any]
     keys: Sequence[str] = ()
     sink: Sink[Any] | None = None
+    hold_s: float = 0.0  # how long the node may hold the request back (a put waiting for room)
 
 
 def _drop(pending: _Pending, result: Any) -> None:
@@ -130,20 +131,24 @@ class NodeConnection:
         self._pending.clear()
 
     async def request(self, op: int, meta: bytes, data: Sequence[Buffer] = (), keys: Sequence[str] = (),
-                      sink: Sink[Any] | None = None, expect_bytes: int = 0) -> Any:  # fmt: skip
+                      sink: Sink[Any] | None = None, expect_bytes: int = 0, hold_s: float = 0.0) -> Any:  # fmt: skip
         """Send one request and wait for its response (a GET's: one :data:`Outcome` per key).
 
         Bounded by the pool's ``timeout_ms`` plus the time the request's bytes (sent
-        and expected back) take at ``MIN_TRANSFER_BYTES_PER_S``: a 256 MiB frame is
-        not a slow node.
+        and expected back) take at ``MIN_TRANSFER_BYTES_PER_S`` (a 256 MiB frame is not
+        a slow node), plus the ``hold_s`` of the requests ahead of it on this connection:
+        the node reads a connection's frames in order, and may hold a put back that long
+        waiting for room (``hold_s`` of a put is within its own ``timeout_ms``), so the
+        first request on a connection to a dead node still fails within ``timeout_ms``.
         """
         assert self.sock is not None
         request_id = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        pending = self._pending[request_id] = _Pending(op, future, keys, sink)
+        ahead_s = sum(p.hold_s for p in self._pending.values())
+        pending = self._pending[request_id] = _Pending(op, future, keys, sink, hold_s)
         data_len = sum(len(memoryview(b).cast("B")) for b in data)
         sent = False
-        timeout_s = self.config.timeout_s + (data_len + expect_bytes) / MIN_TRANSFER_BYTES_PER_S
+        timeout_s = self.config.timeout_s + (data_len + expect_bytes) / MIN_TRANSFER_BYTES_PER_S + ahead_s
         try:
             async with asyncio.timeout(timeout_s):
                 await self.sock.send([encode_header(op, request_id, meta, data_len), meta, *data])

@@ -10,26 +10,28 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections import defaultdict
+import secrets
+from collections import Counter, defaultdict
 from collections.abc import Sequence
+from types import MappingProxyType
 
 from backend.client.chunks import Chunk
 from backend.client.connection import Connections, frames
 from backend.client.context import ClientContext
 from backend.client.registry import RegistryView
-from backend.client.stage import PUT_FAILED, StagedWriter
+from backend.client.stage import StagedWriter
 from backend.client.tcp import stripes
-from backend.errors import CapacityError, KVPoolError
+from backend.errors import BusyError, CapacityError, KVPoolError, PutOutcome
 from backend.metadata import NodeInfo
 from backend.placement import choose_nodes, next_fallback, rank_nodes
-from backend.protocol import PUT_INTEGRITY, PUT_STORED, ItemMeta, Op, checksum, decode_flags, encode_items
+from backend.protocol import ItemMeta, Op, PutOptions, checksum, decode_flags, encode_put_batch, put_outcome
 from backend.transport import BULK_BYTES, Buffer
 
-__all__ = ["PutPlanner"]
+__all__ = ["PutPlanner", "put_error"]
 
 PUT_ATTEMPTS = 3  # first choice, then the next-ranked nodes
-# Why a put failed when every node answered but none stored the chunk (PUT_NO_CAPACITY or PUT_INTEGRITY).
-NO_ROOM = ": no node took them (no room: larger than a node's DRAM tier or DRAM full of puts in flight; or corrupt on arrival)"
+PUT_WAIT_SHARE = 0.5  # of timeout_ms, a node may hold a put back waiting for room; the rest is the bytes' and reply's
+NodeOutcomes = tuple[list[PutOutcome], KVPoolError | None]  # per chunk of a node's group, and a request's error
 
 
 class PutPlanner:
@@ -67,6 +69,9 @@ class PutPlanner:
         plans = {item.key: rank_nodes(item.key, nodes) for item in items}  # every node that may take it, best first
         targets = {item.key: choose_nodes(item.key, nodes, replicas) for item in items}
         stored: dict[str, set[str]] = defaultdict(set)  # key -> distinct nodes holding it
+        refused: dict[str, PutOutcome] = {}  # key -> why its last copy that was not stored was not
+        # One id for the whole call: its stripes on a node never evict each other's chunks.
+        options = PutOptions(secrets.randbits(64) or 1, int(self.ctx.config.timeout_ms * PUT_WAIT_SHARE))
         tried: dict[str, set[str]] = defaultdict(set)
         failed_on: dict[str, set[str]] = defaultdict(set)  # key -> nodes its copy failed on
         last_error: KVPoolError | None = None
@@ -82,14 +87,15 @@ class PutPlanner:
             if not groups:
                 break
             outcomes = await asyncio.gather(
-                *(self._put_on_node(node_of[nid], group, data, sums) for nid, group in groups.items())
+                *(self._put_on_node(node_of[nid], group, data, sums, options) for nid, group in groups.items())
             )
             targets = {}
-            for (nid, group), (flags, error) in zip(groups.items(), outcomes):
-                for item, flag in zip(group, flags):
-                    if flag == PUT_STORED:
+            for (nid, group), (results, error) in zip(groups.items(), outcomes):
+                for item, outcome in zip(group, results):
+                    if outcome is PutOutcome.STORED:
                         stored[item.key].add(nid)
                         continue
+                    refused[item.key] = outcome
                     failed_on[item.key].add(nid)
                     fallback = next_fallback(plans[item.key], tried[item.key], failed_on[item.key])  # another host
                     if fallback is not None:
@@ -104,9 +110,9 @@ class PutPlanner:
         self.ctx.counters["put_bytes"] += sum(i.nbytes for i in items if i.key not in failed)
         if failed:
             self.ctx.counters["put_failures"] += len(failed)
-            cause = f": {last_error}" if last_error else NO_ROOM
-            error_type = type(last_error) if last_error is not None else CapacityError
-            raise error_type(f"{len(failed)} of {len(items)} chunks were not stored{cause}")
+            # A key never answered for (no node left to try) counts as failed.
+            raise put_error({i.key: refused.get(i.key, PutOutcome.FAILED) if i.key in failed else PutOutcome.STORED
+                             for i in items}, last_error)  # fmt: skip
 
     async def _checksummed(self, layouts: list[ItemMeta], data: dict[str, Buffer], sums: dict[str, int]) -> None:
         """Put each chunk's checksum in ``sums``, hashed on the bulk threads (off the caller's loop)."""
@@ -121,38 +127,59 @@ class PutPlanner:
             digests = await self.ctx.map_in_threads(hashed, todo)
         sums.update({item.key: digest for item, digest in zip(todo, digests)})
 
-    async def _put_on_node(
-        self, node: NodeInfo, group: list[ItemMeta], data: dict[str, Buffer], sums: dict[str, int]
-    ) -> tuple[list[int], KVPoolError | None]:
+    async def _put_on_node(self, node: NodeInfo, group: list[ItemMeta], data: dict[str, Buffer],
+                           sums: dict[str, int], options: PutOptions) -> NodeOutcomes:  # fmt: skip
         """One node's chunks: through the stage for a node on this host, else striped over its
-        connections (the node receives each stripe on its own thread). Returns a PUT flag per
-        chunk (``PUT_FAILED`` where its stripe failed) and the node's error, if a stripe failed."""
+        connections (the node receives each stripe on its own thread). Returns each chunk's
+        outcome (``FAILED`` where its stripe failed) and the node's error, if a stripe failed."""
         if self.staged.serves(node):
-            staged = await self.staged.put(node, group, data, sums)
+            staged = await self.staged.put(node, group, data, sums, options)
             if staged is not None:
-                self.ctx.counters["integrity_failures"] += staged[0].count(PUT_INTEGRITY)
+                self.ctx.counters["integrity_failures"] += staged[0].count(PutOutcome.CORRUPT)
                 return staged
         await self._checksummed(group, data, sums)
         group = [dataclasses.replace(item, checksum=sums[item.key]) for item in group]
         pool = self.connections.pool(node)
 
-        async def stripe(part: Sequence[ItemMeta]) -> list[int]:
-            flags: list[int] = []
+        async def stripe(part: Sequence[ItemMeta]) -> list[PutOutcome]:
+            results: list[PutOutcome] = []
             for frame in frames(part):
-                reply = await pool.request(Op.PUT_BATCH, encode_items(frame), data=[data[i.key] for i in frame])
-                flags.extend(decode_flags(reply, len(frame)))
-            return flags
+                meta = encode_put_batch(frame, options)
+                reply = await pool.request(Op.PUT_BATCH, meta, data=[data[i.key] for i in frame],
+                                           hold_s=options.wait_ms / 1000)  # fmt: skip
+                results.extend(put_outcome(flag) for flag in decode_flags(reply, len(frame)))
+            return results
 
         parts = stripes(group, self.ctx.config.connections_per_node)
-        outcomes = await asyncio.gather(*(stripe(part) for part in parts), return_exceptions=True)
-        flags: list[int] = []
+        answers = await asyncio.gather(*(stripe(part) for part in parts), return_exceptions=True)
+        results: list[PutOutcome] = []
         error: KVPoolError | None = None
-        for part, outcome in zip(parts, outcomes):
-            if isinstance(outcome, KVPoolError):
-                error = outcome
-                outcome = [PUT_FAILED] * len(part)
-            elif isinstance(outcome, BaseException):
-                raise outcome
-            flags.extend(outcome)
-        self.ctx.counters["integrity_failures"] += flags.count(PUT_INTEGRITY)
-        return flags, error
+        for part, answer in zip(parts, answers):
+            if isinstance(answer, KVPoolError):
+                error = answer
+                answer = [PutOutcome.FAILED] * len(part)
+            elif isinstance(answer, BaseException):
+                raise answer
+            results.extend(answer)
+        self.ctx.counters["integrity_failures"] += results.count(PutOutcome.CORRUPT)
+        return results, error
+
+
+def put_error(outcomes: dict[str, PutOutcome], last_error: KVPoolError | None) -> KVPoolError:
+    """The error of a put that did not store every chunk: exact counts by outcome, ``outcomes`` attached.
+
+    Its type: the failed request's error if a chunk failed; BusyError if every chunk not
+    stored met only busy nodes (the pool was saturated, nothing went wrong); else CapacityError.
+    """
+    missing = Counter(o for o in outcomes.values() if o is not PutOutcome.STORED)
+    counts = ", ".join(f"{n} {outcome.value}" for outcome, n in sorted(missing.items(), key=lambda x: -x[1]))
+    message = f"{sum(missing.values())} of {len(outcomes)} chunks were not stored: {counts}"
+    error_type: type[KVPoolError] = CapacityError
+    if missing.get(PutOutcome.FAILED):
+        error_type = type(last_error) if last_error is not None else KVPoolError
+        message += f" ({last_error})" if last_error is not None else ""
+    elif set(missing) == {PutOutcome.BUSY}:
+        error_type = BusyError
+    error = error_type(message)
+    error.outcomes = MappingProxyType(outcomes)
+    return error

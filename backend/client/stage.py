@@ -21,9 +21,9 @@ from backend.client.arena import ArenaReader
 from backend.client.connection import MAX_FRAME_ITEMS, Connections, NodePool
 from backend.client.context import ClientContext, logger
 from backend.client.tcp import stripes
-from backend.errors import KVPoolError
+from backend.errors import KVPoolError, PutOutcome
 from backend.metadata import NodeInfo
-from backend.protocol import ItemMeta, Op, decode_flags, encode_put_staged
+from backend.protocol import ItemMeta, Op, PutOptions, decode_flags, encode_put_staged, put_outcome
 from backend.shm import HEADER_BYTES, PutStage
 from backend.transport import BULK_BYTES, Buffer
 
@@ -31,7 +31,6 @@ __all__ = ["StagedWriter", "STAGE_BYTES"]
 
 STAGE_BYTES = 128 * 1024 * 1024  # a put larger than this goes through the stage in parts
 STAGE_RETRY_S = 60.0
-PUT_FAILED = -1  # a chunk whose request failed (the node's error says why), as a PUT flag
 
 _Job = tuple[ItemMeta, int]  # (item, its offset in the stage)
 
@@ -51,12 +50,14 @@ class StagedWriter:
         return self.arena.view(node) is not None
 
     async def put(
-        self, node: NodeInfo, group: Sequence[ItemMeta], data: dict[str, Buffer], sums: dict[str, int]
-    ) -> tuple[list[int], KVPoolError | None] | None:
-        """Store ``group`` (layouts) on ``node`` through the stage; PUT flags per chunk and the node's
+        self, node: NodeInfo, group: Sequence[ItemMeta], data: dict[str, Buffer], sums: dict[str, int],
+        options: PutOptions,
+    ) -> tuple[list[PutOutcome], KVPoolError | None] | None:  # fmt: skip
+        """Store ``group`` (layouts) on ``node`` through the stage; each chunk's outcome and the node's
         error if a request failed. None when there is no stage: the caller puts over TCP.
 
-        ``sums`` gets each chunk's checksum, computed as it is copied.
+        ``sums`` gets each chunk's checksum, computed as it is copied. Every request names
+        the put (``options``): its parts and stripes never evict each other's chunks.
         """
         if max(item.nbytes for item in group) > STAGE_BYTES - HEADER_BYTES:
             return None
@@ -65,17 +66,17 @@ class StagedWriter:
             if stage is None:
                 return None
             pool = self.connections.pool(node)
-            flags: list[int] = []
+            outcomes: list[PutOutcome] = []
             error: KVPoolError | None = None
             for part in _parts(group):
-                part_flags, part_error = await self._put_part(pool, stage, part, data, sums)
-                flags += part_flags
+                part_outcomes, part_error = await self._put_part(pool, stage, part, data, sums, options)
+                outcomes += part_outcomes
                 error = part_error or error
             self.ctx.counters["staged_put_bytes"] += sum(item.nbytes for item in group)
-            return flags, error
+            return outcomes, error
 
     async def _put_part(self, pool: NodePool, stage: PutStage, part: Sequence[ItemMeta], data: dict[str, Buffer],
-                        sums: dict[str, int]) -> tuple[list[int], KVPoolError | None]:  # fmt: skip
+                        sums: dict[str, int], options: PutOptions) -> tuple[list[PutOutcome], KVPoolError | None]:  # fmt: skip
         """Chunks that fit in the stage at once: each stripe is copied, then sent while the next is copied."""
         offsets, offset = [], HEADER_BYTES
         for item in part:
@@ -98,25 +99,26 @@ class StagedWriter:
                     digests = await self.ctx.map_in_threads(copy, jobs)
                 items = [dataclasses.replace(item, checksum=d) for item, d in zip(stripe, digests)]
                 sums.update({item.key: item.checksum for item in items})
-                meta = encode_put_staged(stage.name, stage.token, items, [offset_of[i.key] for i in items])
+                meta = encode_put_staged(stage.name, stage.token, items, [offset_of[i.key] for i in items],
+                                         options=options)  # fmt: skip
                 requests.append(asyncio.ensure_future(pool.request(Op.PUT_STAGED, meta)))
             await asyncio.wait(requests)
         except BaseException:
             for request in requests:
                 request.cancel()
             raise
-        flags: list[int] = []
+        outcomes: list[PutOutcome] = []
         error: KVPoolError | None = None
         for stripe, request in zip(parts, requests):
             failure = request.exception()
             if isinstance(failure, KVPoolError):
                 error = failure
-                flags += [PUT_FAILED] * len(stripe)
+                outcomes += [PutOutcome.FAILED] * len(stripe)
             elif failure is not None:
                 raise failure
             else:
-                flags += decode_flags(request.result(), len(stripe))
-        return flags, error
+                outcomes += [put_outcome(flag) for flag in decode_flags(request.result(), len(stripe))]
+        return outcomes, error
 
     async def _stage(self, directory: str) -> PutStage | None:
         stage = self._stages.get(directory)

@@ -40,7 +40,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from backend.client import PoolClient
 from backend.config import PoolConfig
-from backend.errors import ConfigError, KVPoolError, NcclError
+from backend.errors import BusyError, ConfigError, KVPoolError, NcclError
 from backend.lmcache.boundary import MissBoundary
 from backend.lmcache.chunks import ALLOCATE_TIMEOUT_S, LMCacheSink, to_chunk
 from backend.lmcache.config import (
@@ -190,6 +190,13 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         # Returns only after the nodes answered: LMCache may reuse the buffers then.
         try:
             await self.client.put([to_chunk(k.to_string(), o) for k, o in zip(keys, memory_objs)])
+        except BusyError as exc:
+            # The pool was saturated, nothing failed: a skipped put, as when LMCache skips one.
+            skipped = sum(exc.not_stored().values())
+            self._own_counters["put_skipped_busy"] += skipped
+            self._own_counters["put_chunks"] += len(keys) - skipped
+            logger.debug("kvpool: put skipped, the pool is busy: %s", exc)
+            return
         except KVPoolError as exc:
             self.misses.miss("put", "put failed, those chunks stay uncached: %s", exc)
             return

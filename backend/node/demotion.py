@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Container
 
 from backend.errors import CapacityError
 from backend.node.bookkeeping import NVME, IndexChanges
@@ -64,14 +65,28 @@ class Demoter:
         if self.nvme is not None and self.dram.used_bytes > self.high_bytes:
             self._wake.set()
 
-    async def make_room(self, nbytes: int) -> None:
-        """Demote or evict unpinned chunks until ``nbytes`` fit, or nothing unpinned is left."""
+    async def make_room(self, nbytes: int, keep_put: int = 0, landing: Container[str] = ()) -> None:
+        """Demote or evict chunks until ``nbytes`` fit, or nothing movable is left.
+
+        Pinned chunks and ``landing`` ones (inserted by puts not committed yet) stay. A
+        chunk of put ``keep_put`` (the put asking for room) may go to NVMe but is never
+        evicted: each stripe of a put answers for its own chunks, so one that evicted what
+        another stripe had stored would have that one acknowledge a chunk that is gone.
+        """
         async with self.lock:
+            refused: set[str] = set()  # chunks of this put that the disk would not take
+            skip = _AnyOf(self.leases.pinned, landing, refused)
             while not self.dram.fits(nbytes):
-                victim = self.dram.oldest(skip=self.leases.pinned)
+                victim = self.dram.oldest(skip, keep_put=keep_put if self.nvme is None else 0)
                 if victim is None:
                     break
-                await self.demote(victim, evict_on_failure=True)
+                if not keep_put or self.dram.put_of(victim.meta.key) != keep_put:
+                    await self.demote(victim, evict_on_failure=True)
+                    continue
+                try:
+                    await self.demote(victim)
+                except CapacityError:
+                    refused.add(victim.meta.key)
 
     async def demote(self, chunk: StoredChunk, *, evict_on_failure: bool = False) -> None:
         """Move a DRAM chunk to NVMe (or evict it with no NVMe tier). Caller holds the lock.
@@ -141,3 +156,13 @@ class Demoter:
                         await self.demote(victim)
                     except CapacityError:
                         break  # the disk refuses: puts will see CapacityError instead
+
+
+class _AnyOf:
+    """Keys in any of several containers (without copying them)."""
+
+    def __init__(self, *parts: Container[str]) -> None:
+        self.parts = parts
+
+    def __contains__(self, key: object) -> bool:
+        return any(key in part for part in self.parts)

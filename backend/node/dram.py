@@ -31,6 +31,9 @@ class DramTier:
     the bound while a put is in flight), then the chunk is inserted or the
     reservation released. What leaves the tier when it is full (demotion to NVMe or
     eviction) is the tier manager's decision (``backend.node.tiers``).
+
+    Each chunk a put brought (or found already here) is marked with that put's id, so a
+    put never evicts its own chunks to make room for itself (``oldest(keep_put=...)``).
     """
 
     name = TIER_NAME
@@ -41,6 +44,7 @@ class DramTier:
         self.capacity_bytes = capacity_bytes
         self._held = held if held is not None else HeldKeys()  # told of every key entering or leaving
         self._chunks: OrderedDict[str, StoredChunk] = OrderedDict()
+        self._put_of: dict[str, int] = {}  # key -> id of the put that last stored or found it
         self._stored_bytes = 0
         self._reserved_bytes = 0
 
@@ -75,9 +79,21 @@ class DramTier:
             )
         self._reserved_bytes += nbytes
 
-    def oldest(self, skip: Container[str] = ()) -> StoredChunk | None:
-        """The least recently used chunk whose key is not in ``skip``, without touching recency."""
-        return next((c for k, c in self._chunks.items() if k not in skip), None)
+    def oldest(self, skip: Container[str] = (), keep_put: int = 0) -> StoredChunk | None:
+        """The least recently used chunk whose key is not in ``skip`` nor marked by put ``keep_put``,
+        without touching recency."""
+        put_of = self._put_of
+        return next((c for k, c in self._chunks.items()
+                     if k not in skip and not (keep_put and put_of.get(k) == keep_put)), None)  # fmt: skip
+
+    def put_of(self, key: str) -> int:
+        """The id of the put that last stored or found ``key`` here (0: none)."""
+        return self._put_of.get(key, 0)
+
+    def claim(self, key: str, put_id: int) -> None:
+        """Mark ``key`` (held here) as part of put ``put_id``: that put will not evict it."""
+        if key in self._chunks:
+            self._put_of[key] = put_id
 
     def peek(self, key: str) -> StoredChunk | None:
         """The chunk for ``key`` without touching its recency."""
@@ -87,9 +103,13 @@ class DramTier:
         """Give back a reservation whose put did not complete."""
         self._reserved_bytes -= nbytes
 
-    def insert(self, chunk: StoredChunk) -> None:
-        """Store a chunk whose space was reserved; replaces an older copy of the key."""
+    def insert(self, chunk: StoredChunk, put_id: int = 0) -> None:
+        """Store a chunk whose space was reserved (by put ``put_id``, 0: none); replaces an older copy."""
         self._reserved_bytes -= chunk.meta.nbytes
+        if put_id:
+            self._put_of[chunk.meta.key] = put_id
+        else:
+            self._put_of.pop(chunk.meta.key, None)
         old = self._chunks.pop(chunk.meta.key, None)
         if old is not None:
             self._stored_bytes -= old.meta.nbytes
@@ -109,5 +129,6 @@ class DramTier:
         chunk = self._chunks.pop(key, None)
         if chunk is not None:
             self._stored_bytes -= chunk.meta.nbytes
+            self._put_of.pop(key, None)
             self._held.remove(key, IN_DRAM)
         return chunk

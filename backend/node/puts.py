@@ -13,20 +13,24 @@ Bytes come off the socket (PUT_BATCH) or out of the client's shared-memory stage
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from backend.errors import CapacityError, MetadataError, ProtocolError
+from backend.errors import BusyError, CapacityError, MetadataError, ProtocolError
 from backend.metadata import Location
 from backend.node.buffers import ChunkBuffer
 from backend.node.dram import StoredChunk
-from backend.node.tiers import DRAM, PUT_RESERVE_WAIT_S
+from backend.node.tiers import DRAM
 from backend.protocol import (
+    PUT_BUSY,
     PUT_INTEGRITY,
     PUT_NO_CAPACITY,
     PUT_STORED,
     ItemMeta,
+    PutOptions,
     checksum,
     decode_put_staged,
     encode_flags,
@@ -51,18 +55,19 @@ class PutReceiver:
 
     def __init__(self, node: PoolNode) -> None:
         self.node = node
+        self._own_ids = itertools.count(1)  # for requests that name no put: negative, unlike a client's
 
-    async def receive(self, conn: FrameSocket, items: list[ItemMeta]) -> Received:
+    async def receive(self, conn: FrameSocket, items: list[ItemMeta], options: PutOptions) -> Received:
         """Receive a PUT_BATCH's chunks off the socket (see :meth:`take_chunks`)."""
 
         async def fill(window: list[tuple[ItemMeta, ChunkBuffer]]) -> list[int]:
             return await conn.recv_many([buffer for _, buffer in window], checksum)
 
-        return await self.take_chunks(items, fill, conn.discard)
+        return await self.take_chunks(items, fill, conn.discard, options)
 
     async def receive_staged(self, meta: bytearray, session: Session) -> Received:
         """Copy a PUT_STAGED's chunks out of the client's stage (see :meth:`take_chunks`)."""
-        name, token, items, offsets = decode_put_staged(meta, self.node.config.limits)
+        name, token, items, offsets, options = decode_put_staged(meta, self.node.config.limits)
         stage = session.stage(name, token)
         offset_of = {id(item): offset for item, offset in zip(items, offsets)}
 
@@ -82,13 +87,14 @@ class PutReceiver:
             pass  # nothing to read off a socket
 
         self.node.counters["staged_put_bytes"] += sum(item.nbytes for item in items)
-        return await self.take_chunks(items, fill, drop)
+        return await self.take_chunks(items, fill, drop, options)
 
     async def take_chunks(
         self,
         items: list[ItemMeta],
         fill: Callable[[list[tuple[ItemMeta, ChunkBuffer]]], Awaitable[list[int]]],
         drop: Callable[[int], Awaitable[None]],
+        options: PutOptions,
     ) -> Received:
         """Bring each chunk into reserved DRAM and verify it; returns a PUT outcome per item.
 
@@ -96,14 +102,25 @@ class PutReceiver:
         first, then ``fill`` brings the window's bytes (from the socket in one transfer,
         or from a stage; on worker threads, checksums included) and answers each chunk's
         checksum. A verified chunk enters the tiers at once (so a batch larger than DRAM
-        can demote its own first chunks), but is not visible to readers before the index
-        commit. A chunk this node already holds with the same bytes is not stored twice
-        (and so cannot be lost if this put fails). An item with no room is dropped
-        (``drop`` reads its bytes off the socket).
+        can demote its own first chunks to NVMe), but is not visible to readers before the
+        index commit. A chunk this node already holds with the same bytes is not stored
+        twice (and so cannot be lost if this put fails). Every chunk is marked with the
+        put's id (``options.put_id``, shared by the stripes of one client put), so no stripe
+        of the put evicts another's chunks. An item with no room is dropped (``drop``
+        reads its bytes off the socket): at once when nothing could make room
+        (``PUT_NO_CAPACITY``), else once DRAM stayed full of other puts in flight until
+        ``options.wait_ms`` after the request came (``PUT_BUSY``).
         """
         tiers = self.node.tiers
+        put_id = options.put_id or -next(self._own_ids)
+        # The session gives a frame's bytes frame_timeout_s: the wait leaves half of it for them.
+        wait_s = min(options.wait_ms / 1000, self.node.config.frame_timeout_s / 2)
+        until = asyncio.get_running_loop().time() + wait_s
         received: Received = []
         window: list[tuple[ItemMeta, ChunkBuffer]] = []  # reserved, bytes not brought yet
+
+        def let_go() -> None:  # about to wait for room: what this request inserted may move meanwhile
+            tiers.settle([chunk for _, _, chunk in received if chunk is not None])
 
         async def receive_window() -> None:
             try:
@@ -119,31 +136,37 @@ class PutReceiver:
                     received.append((PUT_INTEGRITY, item, None))
                 elif tiers.holds(item.key, item.checksum):
                     tiers.release(item.nbytes)
+                    tiers.claim(item.key, put_id)
                     received.append((PUT_STORED, item, None))
                 else:
                     chunk = StoredChunk(item, buffer)
-                    tiers.insert(chunk)
+                    tiers.insert(chunk, put_id)
                     received.append((PUT_STORED, item, chunk))
             window.clear()
 
+        async def reserve(item: ItemMeta) -> int:
+            """Reserve room for ``item``: PUT_STORED if it has some, else the refusal's flag."""
+            try:
+                if window:  # holding reservations, it may not wait: another waiter may wait for them
+                    try:
+                        await tiers.reserve(item.nbytes, put_id=put_id)
+                        return PUT_STORED
+                    except CapacityError:
+                        await receive_window()  # the window's chunks land: they can make room for others
+                await tiers.reserve(item.nbytes, until=until, put_id=put_id, before_wait=let_go)
+            except BusyError:
+                return PUT_BUSY
+            except CapacityError:
+                return PUT_NO_CAPACITY
+            return PUT_STORED
+
         try:
             for item in items:
-                try:
-                    # Another stripe of the put may fill DRAM with its window: with no window of its
-                    # own (nothing another waiter could wait for), this chunk may wait for that one.
-                    await tiers.reserve(item.nbytes, wait_s=0.0 if window else PUT_RESERVE_WAIT_S)
-                except CapacityError:
-                    if not window:
-                        await drop(item.nbytes)
-                        received.append((PUT_NO_CAPACITY, item, None))
-                        continue
-                    await receive_window()  # the window's chunks become evictable for this one
-                    try:
-                        await tiers.reserve(item.nbytes, wait_s=PUT_RESERVE_WAIT_S)
-                    except CapacityError:
-                        await drop(item.nbytes)
-                        received.append((PUT_NO_CAPACITY, item, None))
-                        continue
+                flag = await reserve(item)
+                if flag != PUT_STORED:
+                    await drop(item.nbytes)
+                    received.append((flag, item, None))
+                    continue
                 window.append((item, tiers.take_buffer(item.nbytes)))
                 if sum(i.nbytes for i, _ in window) >= PUT_WINDOW_BYTES:
                     await receive_window()
@@ -156,6 +179,7 @@ class PutReceiver:
         return received
 
     async def _discard_uncommitted(self, chunks: list[StoredChunk]) -> None:
+        self.node.tiers.settle(chunks)
         for chunk in chunks:
             await self.node.tiers.discard(chunk)
 
@@ -166,11 +190,12 @@ class PutReceiver:
         visible: list[tuple[str, Location]] = []
         for flag, item, _ in received:
             if flag == PUT_STORED and not tiers.holds(item.key, item.checksum):
-                flag = PUT_NO_CAPACITY  # evicted by a later chunk of its own batch: never acknowledge it
+                flag = PUT_NO_CAPACITY  # evicted while its request waited for room: never acknowledge it
             if flag == PUT_STORED:
                 visible.append((item.key, node.publisher.location(item, tiers.tier_of(item.key) or DRAM)))
             flags.append(flag)
         counters["put_rejected_capacity"] += flags.count(PUT_NO_CAPACITY)
+        counters["put_rejected_busy"] += flags.count(PUT_BUSY)
         counters["integrity_failures"] += flags.count(PUT_INTEGRITY)
         try:
             await node.meta.commit(visible)
@@ -178,6 +203,8 @@ class PutReceiver:
             # Not visible, so not kept: a put is acknowledged only once readers can find it.
             await self._discard_uncommitted([c for _, _, c in received if c is not None])
             raise
+        finally:
+            tiers.settle([c for _, _, c in received if c is not None])  # committed or dropped: they may move now
         with contextlib.suppress(MetadataError):
             await node.publisher.flush_index()  # what the batch evicted; kept for the heartbeat if this fails
         counters["puts"] += len(visible)

@@ -36,8 +36,8 @@ from backend.protocol import (
     Header,
     Op,
     auth_mac,
-    decode_items,
     decode_json,
+    decode_put_batch,
     encode_header,
     encode_json,
     status_for_error,
@@ -170,9 +170,9 @@ class Session:
         if op == Op.PUT_BATCH:
             # Bytes must leave the socket in order, so the receive happens here;
             # verification, commit and reply overlap with the next request.
-            items = decode_items(meta, header.data_len, config.limits)
+            items, options = decode_put_batch(meta, header.data_len, config.limits)
             async with asyncio.timeout(config.frame_timeout_s):
-                received = await node.puts.receive(conn, items)
+                received = await node.puts.receive(conn, items, options)
             await self._in_flight.acquire()
             node.spawn(self._finish(header, node.puts.commit(received), started))
             return

@@ -3,7 +3,9 @@
 * A put reserves DRAM space. If DRAM is full, its least recently used chunks are
   demoted to NVMe (or, with no NVMe tier, evicted) until the chunk fits
   (``demotion.py``, which also keeps DRAM between its watermarks in the background).
-  Only a DRAM tier that is all reserved or leased gives the put CapacityError.
+  A put never evicts its own chunks. A DRAM tier full of other puts in flight holds
+  the put back until they land or its deadline passes (then BusyError); one full of
+  leased chunks and the put's own gives it CapacityError at once.
 * The NVMe tier's files, its disk I/O and its disk-full episodes are ``nvme_tier.py``.
 * A hit on NVMe is read back in a worker thread, verified, and promoted to DRAM;
   the file stays, so a later demotion of the same chunk costs nothing.
@@ -27,10 +29,11 @@ import asyncio
 import dataclasses
 import logging
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from backend.errors import CapacityError, IntegrityError
+from backend.errors import BusyError, CapacityError, IntegrityError
 from backend.node.arena import ShmArena, remove_stale_arenas
 from backend.node.bookkeeping import DRAM, NVME, HeldKeys, IndexChanges
 from backend.node.buffers import BufferFactory, ChunkBuffer
@@ -46,7 +49,6 @@ __all__ = ["TierConfig", "TierManager", "DRAM", "NVME"]
 logger = logging.getLogger(__name__)
 
 PREFAULT_BUDGET_BYTES = 256 * 1024 * 1024  # ready, pre-faulted buffers (see buffers.py)
-PUT_RESERVE_WAIT_S = 5.0  # a put waits this long at most for other puts in flight to land in a full DRAM
 ARENA_SLACK = 0.25  # arena room beyond DRAM for regions still held by leases or replies in flight
 ARENA_MIN_SLACK_BYTES = 64 * 1024 * 1024
 
@@ -87,7 +89,12 @@ class TierManager:
         # Pre-faulted private buffers: for every chunk when there is no arena, else for the overflow.
         prefault = 0 if self.arena is not None else min(PREFAULT_BUDGET_BYTES, config.dram_bytes // 4)
         self.buffers = BufferFactory(prefault)
-        self._landed = asyncio.Event()  # set when reserved DRAM became a chunk, or was given back
+        self._room = asyncio.Event()  # set when DRAM may have room for a waiting put (see reserve)
+        # Chunks inserted by puts not committed yet: never moved (their put would lose them),
+        # unless their put waits for room itself (see reserve's ``before_wait``).
+        self._landing: dict[int, StoredChunk] = {}  # by id(chunk)
+        self.landing_keys: Counter[str] = Counter()
+        self._landing_bytes = 0
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -108,6 +115,7 @@ class TierManager:
             self.nvme.add(record)
 
     def _wake_demoter(self) -> None:
+        self._room.set()  # unpinned chunks may move now
         self.demoter.wake()
 
     def _gone_from_nvme(self, key: str) -> None:
@@ -179,54 +187,85 @@ class TierManager:
                 return buffer
         return self.buffers.take(nbytes)
 
-    async def reserve(self, nbytes: int, *, wait_s: float = 0.0) -> None:
-        """Reserve DRAM for an incoming chunk, demoting or evicting older ones as needed.
+    async def reserve(self, nbytes: int, *, until: float = 0.0, put_id: int = 0,
+                      before_wait: Callable[[], None] | None = None) -> None:  # fmt: skip
+        """Reserve DRAM for an incoming chunk of put ``put_id``, demoting or evicting older ones as needed.
 
-        When nothing can move because other puts' reservations fill DRAM (a put striped
-        over several connections receives on each at once), wait up to ``wait_s`` for them
-        to land, since landed chunks can be demoted. Only a caller that holds no
-        reservation of its own may wait (else two could wait for each other); the wait
-        is outside the demoter's lock, so the others can demote meanwhile.
+        When nothing can move because other puts fill DRAM (reserved, or inserted and not
+        committed yet: a burst of puts, or a put striped over several connections), wait
+        for them to land and commit (then their chunks can move) until the loop time
+        ``until``, then raise BusyError. Raise CapacityError at once when no put in flight
+        could make room: the chunk is larger than DRAM, or the rest is leased or this same
+        put's (``Demoter.make_room``). A caller must hold no reservation when it may wait
+        (else two could wait for each other), and ``before_wait`` runs before it waits
+        (the caller lets its own uncommitted chunks move: ``settle``). The wait is outside
+        the demoter's lock, so others can demote meanwhile, and it is woken whenever a
+        reservation lands or is given back, a put commits or gives up, or a chunk leaves
+        or is unpinned.
         """
         if nbytes > self.dram.capacity_bytes:
             raise CapacityError(
                 f"chunk of {nbytes} bytes is larger than the DRAM tier ({self.dram.capacity_bytes} bytes)"
             )
-        deadline = asyncio.get_running_loop().time() + wait_s
         while not self.dram.fits(nbytes):
-            await self.demoter.make_room(nbytes)
+            await self.demoter.make_room(nbytes, keep_put=put_id, landing=self.landing_keys)
             if self.dram.fits(nbytes):
                 break
-            in_flight = self.dram.used_bytes - self.dram.stored_bytes
-            if in_flight <= 0 or not await self._wait_landed(deadline):
-                raise CapacityError("DRAM tier is full of puts in flight and leased chunks")
+            if until and before_wait is not None:
+                before_wait()
+                before_wait = None
+                continue  # what it let go may be what another waiter needs; try again first
+            if self.dram.used_bytes <= self.dram.stored_bytes and not self._landing_bytes:
+                raise CapacityError("DRAM tier is full of leased chunks and this put's own")
+            if not await self._wait_for_room(until):
+                raise BusyError("DRAM tier stayed full of puts in flight until the request's deadline")
         self.dram.reserve(nbytes)
         self.demoter.wake()
 
+    def settle(self, chunks: list[StoredChunk]) -> None:
+        """The puts that inserted ``chunks`` committed, gave up, or wait: the chunks may move now."""
+        for chunk in chunks:
+            if self._landing.pop(id(chunk), None) is not None:
+                key = chunk.meta.key
+                self.landing_keys[key] -= 1
+                if not self.landing_keys[key]:
+                    del self.landing_keys[key]
+                self._landing_bytes -= chunk.meta.nbytes
+        self._room.set()
+
     def release(self, nbytes: int) -> None:
         self.dram.release(nbytes)
-        self._landed.set()
+        self._room.set()
 
-    async def _wait_landed(self, deadline: float) -> bool:
-        """Wait until some reservation lands or is given back; False once ``deadline`` passed."""
-        self._landed.clear()
-        remaining = deadline - asyncio.get_running_loop().time()
+    async def _wait_for_room(self, until: float) -> bool:
+        """Wait until room may have come (see ``reserve``); False once the loop time ``until`` passed."""
+        self._room.clear()
+        remaining = until - asyncio.get_running_loop().time()
         if remaining <= 0:
             return False
         try:
-            await asyncio.wait_for(self._landed.wait(), remaining)
+            await asyncio.wait_for(self._room.wait(), remaining)
         except TimeoutError:
             return False
         return True
 
-    def insert(self, chunk: StoredChunk) -> None:
-        """Store a verified chunk in reserved DRAM; an NVMe copy with other bytes is dropped."""
-        self.dram.insert(chunk)
-        self._landed.set()
+    def insert(self, chunk: StoredChunk, put_id: int = 0) -> None:
+        """Store a verified chunk of put ``put_id`` (0: none) in reserved DRAM; an NVMe copy with other
+        bytes is dropped. A put's chunk is not moved until the put settles it (``settle``)."""
+        self.dram.insert(chunk, put_id)
+        if put_id:  # a put's chunk: it stays until ``settle``
+            self._landing[id(chunk)] = chunk
+            self.landing_keys[chunk.meta.key] += 1
+            self._landing_bytes += chunk.meta.nbytes
+        self._room.set()
         if self.nvme is not None:
             old = self.nvme.files.get(chunk.meta.key)
             if old is not None and old.meta.checksum != chunk.meta.checksum:
                 self.nvme.forget(old)
+
+    def claim(self, key: str, put_id: int) -> None:
+        """A put found ``key`` already held with its bytes: that put will not evict it either."""
+        self.dram.claim(key, put_id)
 
     def holds(self, key: str, item_checksum: int) -> bool:
         """Whether this node holds ``key`` with exactly these bytes (DRAM or NVMe)."""
@@ -316,6 +355,7 @@ class TierManager:
 
     async def delete(self, key: str) -> bool:
         found = self.dram.delete(key) is not None
+        self._room.set()
         if self.nvme is not None:
             record = self.nvme.remove(key)
             if record is not None:

@@ -12,7 +12,7 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2TaskId
 
 from backend.client import PoolClient
-from backend.errors import KVPoolError
+from backend.errors import BusyError, KVPoolError, PutOutcome
 from backend.lmcache.boundary import MissBoundary
 from backend.lmcache.chunks import to_chunk
 from backend.lmcache.l2.keys import pool_key
@@ -59,10 +59,18 @@ class Storer:
             present = await self.client.contains(names)
             todo = [i for i, hit in enumerate(present) if not hit]
             chunks = [to_chunk(names[i], objects[i]) for i in todo]
-            await self.client.put(chunks)
+            skipped: set[str] = set()
+            try:
+                await self.client.put(chunks)
+            except BusyError as exc:
+                # The pool was saturated, nothing failed: the busy chunks are a skipped store.
+                skipped = {key for key, outcome in exc.outcomes.items() if outcome is not PutOutcome.STORED}
+                self.counters["store_skipped_busy"] += len(skipped)
+                logger.debug("kvpool: L2 store skipped %d chunks, the pool is busy: %s", len(skipped), exc)
             for i, chunk in zip(todo, chunks):
-                stored.append(keys[i])
-                sizes.append(len(memoryview(chunk.data)))
+                if chunk.key not in skipped:
+                    stored.append(keys[i])
+                    sizes.append(len(memoryview(chunk.data)))
             sent_bytes = sum(sizes)
             self.misses.recovered("store")
         except Exception as exc:  # the task must complete, or LMCache waits on it forever
