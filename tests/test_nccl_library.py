@@ -187,3 +187,13 @@ def test_the_channel_package_imports_without_touching_a_gpu():
     proc = subprocess.run([__import__("sys").executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_channel_module_still_offers_every_name_its_users_import():
+    """The channel is split into modules; ``nccl_channel.channel`` keeps the names backend/, bench/ and tests/ use."""
+    from nccl_channel import channel
+
+    names = ["ChannelServer", "CpuTransport", "CpuLink", "NcclChannel", "NcclTransport", "NcclLink", "Link",
+             "Transport", "make_transport", "transfer_timeout", "_copy_and_verify", "BACKOFF_S", "MAX_PAIRS"]  # fmt: skip
+    assert [n for n in names if not hasattr(channel, n)] == []
+    assert set(channel.__all__) <= set(dir(channel))
