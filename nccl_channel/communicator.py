@@ -3,7 +3,8 @@
 One communicator per (client, server) pair, with its own CUDA stream. Creation and
 every transfer are bounded: the communicator is created non-blocking and polled
 with ``ncclCommGetAsyncError``; a transfer is issued inside one NCCL group and its
-completion is polled with a CUDA event. When the deadline passes, the communicator
+completion is polled with a CUDA event (``nccl_channel.waits``: a short spin, then
+pauses from 20 µs growing slowly, so a finished transfer is seen within microseconds). When the deadline passes, the communicator
 is aborted (``ncclCommAbort`` stops its kernels) and :class:`NcclError` is raised, so
 the caller can fall back to TCP instead of hanging. Another thread never calls NCCL
 on a communicator in use: it sets ``abort_requested`` and the polling loop, in the
@@ -22,13 +23,11 @@ import torch
 
 from backend.errors import NcclError
 from nccl_channel.library import NCCL_IN_PROGRESS, NCCL_SUCCESS, NcclLibrary, NcclUniqueId
+from nccl_channel.waits import never, wait_until
 
 __all__ = ["PairCommunicator"]
 
 logger = logging.getLogger(__name__)
-
-POLL_S = 0.0005
-MAX_POLL_S = 0.01
 
 
 def _contiguous_bytes(tensor: torch.Tensor, what: str) -> int:
@@ -143,21 +142,19 @@ class PairCommunicator:
             logger.warning("nccl: destroy failed: %s", exc)
 
 
-def _never() -> bool:
-    return False
-
-
 def _wait_ready(lib: NcclLibrary, comm: Any, result: int, timeout_s: float, what: str, started: float | None = None,
-                stop: Callable[[], bool] = _never) -> None:  # fmt: skip
-    """Poll a non-blocking communicator until it is ready; NcclError at the deadline or on ``stop()`` (the caller aborts)."""
+                stop: Callable[[], bool] = never) -> None:  # fmt: skip
+    """Wait until a non-blocking communicator is ready; NcclError at the deadline or on ``stop()`` (the caller aborts)."""
     state = result
-    pause = POLL_S
+
+    def ready() -> bool:
+        nonlocal state
+        if state == NCCL_IN_PROGRESS:
+            state = lib.comm_async_error(comm)
+        return state != NCCL_IN_PROGRESS
+
     deadline = (time.monotonic() if started is None else started) + timeout_s
-    while state == NCCL_IN_PROGRESS:
-        _check_wait(deadline, timeout_s, what, stop)
-        time.sleep(pause)
-        pause = min(pause * 2, MAX_POLL_S)
-        state = lib.comm_async_error(comm)
+    wait_until(ready, deadline=deadline, timeout_s=timeout_s, what=what, stop=stop)
     if state != NCCL_SUCCESS:
         raise NcclError(f"{what} failed", state, lib.error_string(state))
 
@@ -171,16 +168,5 @@ def _abort_quietly(lib: NcclLibrary, comm: Any) -> None:
 
 def _wait_event(event: torch.cuda.Event, timeout_s: float, what: str, started: float,
                 stop: Callable[[], bool]) -> None:  # fmt: skip
-    pause = POLL_S
-    deadline = started + timeout_s
-    while not event.query():
-        _check_wait(deadline, timeout_s, what, stop)
-        time.sleep(pause)
-        pause = min(pause * 2, MAX_POLL_S)
-
-
-def _check_wait(deadline: float, timeout_s: float, what: str, stop: Callable[[], bool]) -> None:
-    if stop():
-        raise NcclError(f"{what} was cancelled")
-    if time.monotonic() >= deadline:
-        raise NcclError(f"{what} timed out after {timeout_s:.1f} s")
+    """Wait for ``event`` (spin, then short growing pauses: nccl_channel.waits); NcclError at the deadline."""
+    wait_until(event.query, deadline=started + timeout_s, timeout_s=timeout_s, what=what, stop=stop)
