@@ -18,6 +18,7 @@ from backend.errors import IntegrityError, KVPoolError, NcclError
 from backend.protocol import ItemMeta, checksum, decode_channel_response, encode_channel_request
 from nccl_channel.link import Link, Transport, transfer_timeout
 from nccl_channel.pairs import MAX_PAIRS, PAIR_TIMEOUT_S, Pair, PairCache, Peer, Request, Sink, abort_joined, in_thread
+from nccl_channel.pipeline import Verifier, receive_batch
 from nccl_channel.rendezvous import Offer, Rendezvous, new_session
 
 __all__ = ["NcclChannel", "BACKOFF_S"]
@@ -36,8 +37,11 @@ class NcclChannel:
 
     def __init__(self, transport: Transport, rendezvous: Rendezvous, endpoint_id: str, cluster: str,
                  request: Request, timeout_s: float, max_pairs: int = MAX_PAIRS,
-                 backoff_s: float = BACKOFF_S, pair_timeout_s: float = PAIR_TIMEOUT_S) -> None:  # fmt: skip
+                 backoff_s: float = BACKOFF_S, pair_timeout_s: float = PAIR_TIMEOUT_S,
+                 pipelined: bool = True) -> None:  # fmt: skip
         self.transport = transport
+        self.pipelined = pipelined  # False: the first design (whole batch staged, then copied), kept to compare
+        self._verifier = Verifier()
         self.rendezvous = rendezvous
         self.endpoint_id = endpoint_id
         self.cluster = cluster
@@ -155,17 +159,12 @@ class NcclChannel:
             try:
                 reply = await self._request(node, encode_channel_request(pair.session, keys))
                 found = decode_channel_response(reply, keys)
-                items = [item for item in found if item is not None]
-                total = sum(item.nbytes for item in items)
-                staged: list[torch.Tensor] = []
-                if items:
-                    timeout_s = transfer_timeout(self.timeout_s, total)
-                    pair.transfer = asyncio.ensure_future(
-                        asyncio.to_thread(pair.link.recv, [i.nbytes for i in items], timeout_s)
-                    )
-                    # Shielded: cancelling this call must not leave the thread running unnoticed;
-                    # retire() below aborts the link only after the thread has returned.
-                    staged = await asyncio.shield(pair.transfer)
+                total = sum(item.nbytes for item in found if item is not None)
+                timeout_s = transfer_timeout(self.timeout_s, total)
+                if self.pipelined:
+                    results = await self._receive_pipelined(pair, found, sink, timeout_s)
+                else:
+                    staged = await self._receive_staged(pair, found, timeout_s)
             except BaseException as exc:
                 self._pairs.retire((node.node_id, node.epoch), pair)
                 self.counters["pair_failures"] += 1
@@ -175,7 +174,59 @@ class NcclChannel:
             finally:
                 pair.transfer = None
             self.counters["bytes"] += total
+            if self.pipelined:
+                return results
             return await self._deliver(found, staged, sink)
+
+    async def _receive_staged(self, pair: Pair, found: list[ItemMeta | None], timeout_s: float) -> list[torch.Tensor]:
+        """The first design: the whole batch into the link's staging buffer; ``_deliver`` copies and verifies."""
+        sizes = [item.nbytes for item in found if item is not None]
+        if not sizes:
+            return []
+        pair.transfer = asyncio.ensure_future(asyncio.to_thread(pair.link.recv, sizes, timeout_s))
+        # Shielded: cancelling this call must not leave the thread running unnoticed;
+        # retire() aborts the link only after the thread has returned.
+        staged: list[torch.Tensor] = await asyncio.shield(pair.transfer)
+        return staged
+
+    async def _receive_pipelined(self, pair: Pair, found: list[ItemMeta | None], sink: Sink[Any],
+                                 timeout_s: float) -> list[Any]:  # fmt: skip
+        """Sink buffers first, then the batch straight into them, each chunk verified as it lands."""
+        handles: list[Any] = [None] * len(found)
+        items = [(index, item) for index, item in enumerate(found) if item is not None]
+        targets: list[memoryview | None] = []
+        verdicts: list[bool] = []
+        try:
+            for index, item in items:
+                allocated = await sink.allocate(item)
+                if allocated is None:
+                    targets.append(None)  # no room this time: received and dropped, a miss for this call only
+                    continue
+                handles[index], buffer = allocated
+                view = memoryview(buffer).cast("B")
+                if len(view) != item.nbytes:
+                    raise KVPoolError(f"sink gave {len(view)} bytes for a {item.nbytes}-byte item")
+                targets.append(view)
+            if items:
+                sizes, sums = [item.nbytes for _, item in items], [item.checksum for _, item in items]
+                pair.transfer = asyncio.ensure_future(
+                    asyncio.to_thread(receive_batch, pair.link, sizes, targets, sums, timeout_s, self._verifier)
+                )
+                verdicts = (await asyncio.shield(pair.transfer)).verdicts
+        except BaseException:
+            transfer = pair.transfer
+            if transfer is not None and not transfer.done():  # its thread still writes into the buffers
+                transfer.add_done_callback(lambda _done: _release(sink, handles))
+            else:
+                _release(sink, handles)
+            raise
+        results = list(handles)
+        for (index, item), ok in zip(items, verdicts):
+            if not ok and handles[index] is not None:
+                sink.release(handles[index])
+                self.counters["integrity_failures"] += 1
+                results[index] = IntegrityError(f"checksum mismatch for {item.key!r} over the channel")
+        return results
 
     def _back_off(self, node: Peer) -> None:
         """Read ``node`` over TCP for ``backoff_s``: a failing node should not cost a timeout per batch."""
@@ -221,6 +272,13 @@ class NcclChannel:
             task.cancel()
         await asyncio.gather(*self._pairing.values(), return_exceptions=True)
         await self._pairs.close()
+        await asyncio.to_thread(self._verifier.close)
+
+
+def _release(sink: Sink[Any], handles: list[Any]) -> None:
+    for handle in handles:
+        if handle is not None:
+            sink.release(handle)
 
 
 def _copy_and_verify(work: Sequence[tuple[memoryview, torch.Tensor, int]]) -> list[bool]:

@@ -86,33 +86,53 @@ class PairCommunicator:
         self._run([*((t, "send") for t in sends), *((t, "recv") for t in recvs)], timeout_s, peer)
 
     def _run(self, ops: list[tuple[torch.Tensor, str]], timeout_s: float, peer: int | None) -> None:
-        if self.closed or self.broken:
-            raise NcclError("the communicator was closed or aborted")
-        target = self.peer if peer is None else peer
         started = time.monotonic()
         sizes = [_contiguous_bytes(t, f"{kind} {i}") for i, (t, kind) in enumerate(ops)]
         # The stream must see the producer's writes (staging copies on the current stream).
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        raw = [(int(t.data_ptr()), nbytes, kind) for (t, kind), nbytes in zip(ops, sizes)]
+        done = self.issue(raw, timeout_s, peer, started=started)
+        self.wait(done, timeout_s, started, f"rank {self.rank}: a group of {len(ops)} transfers")
+        for tensor, _ in ops:
+            tensor.record_stream(self.stream)
+
+    def issue(self, ops: Sequence[tuple[int, int, str]], timeout_s: float, peer: int | None = None,
+              after: torch.cuda.Event | None = None, started: float | None = None) -> torch.cuda.Event:  # fmt: skip
+        """Queue one group of ``(pointer, nbytes, "send"|"recv")`` on this communicator's stream; no waiting
+        for the bytes. Returns an event that completes with the group. ``after``: an event the group waits
+        for (a staging copy on another stream). The caller keeps the buffers alive until the event completes.
+        """
+        if self.closed or self.broken:
+            raise NcclError("the communicator was closed or aborted")
+        target = self.peer if peer is None else peer
+        started = time.monotonic() if started is None else started
+        if after is not None:
+            self.stream.wait_event(after)
         stream_handle = int(self.stream.cuda_stream)
+        what = f"rank {self.rank}: a group of {len(ops)} transfers with peer rank {target}"
         try:
             with torch.cuda.device(self.device):
                 self.lib.group_start()
                 try:
-                    for (tensor, kind), nbytes in zip(ops, sizes):
-                        issue = self.lib.send if kind == "send" else self.lib.recv
-                        issue(int(tensor.data_ptr()), nbytes, target, self.comm, stream_handle)
+                    for pointer, nbytes, kind in ops:
+                        if nbytes:
+                            issue = self.lib.send if kind == "send" else self.lib.recv
+                            issue(pointer, nbytes, target, self.comm, stream_handle)
                 finally:
                     result = self.lib.group_end()
-                what = f"rank {self.rank}: a group of {len(ops)} transfers with peer rank {target}"
                 _wait_ready(self.lib, self.comm, result, timeout_s, what, started, self._abort_requested)
                 done = torch.cuda.Event()
                 done.record(self.stream)
-                _wait_event(done, timeout_s, what, started, self._abort_requested)
         except NcclError:
             self.abort()
             raise
-        for tensor, _ in ops:
-            tensor.record_stream(self.stream)
+        return done
+
+    def wait(self, event: torch.cuda.Event, timeout_s: float, started: float, what: str) -> None:
+        """Wait for ``event`` (spin, then short growing pauses); aborts the communicator at ``started + timeout_s``
+        or when ``abort_requested`` is set, and raises NcclError."""
+        wait_until(event.query, deadline=started + timeout_s, timeout_s=timeout_s, what=f"rank {self.rank}: {what}",
+                   stop=self._abort_requested, abort=self.abort)  # fmt: skip
 
     def _abort_requested(self) -> bool:
         return self.abort_requested

@@ -6,7 +6,7 @@ Two transports keep this contract: ``transport_nccl`` (libnccl, GPU to GPU) and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -35,6 +35,14 @@ class Link(Protocol):
     def recv(self, sizes: Sequence[int], timeout_s: float) -> list[torch.Tensor]:
         """Receive a batch of ``sizes`` bytes into staging; the views stay valid until the next recv."""
 
+    def recv_into(self, sizes: Sequence[int], targets: Sequence[memoryview | None], timeout_s: float,
+                  landed: Callable[[int], None]) -> None:  # fmt: skip
+        """Receive a batch straight into host ``targets`` (None: receive and drop), chunk after chunk.
+
+        ``landed(i)`` is called, in order, as soon as chunk ``i`` is in its target, while
+        later chunks still move (``nccl_channel.pipeline``).
+        """
+
     def cancel(self) -> None:
         """Make an in-flight send or recv stop soon with NcclError; safe from any thread."""
 
@@ -58,3 +66,6 @@ class Transport(Protocol):
 
     def discard(self, state: Any) -> None:
         """Release what ``prepare`` made (rank 0), whether or not ``join`` ran."""
+
+    def register_host(self, memory: memoryview) -> None:
+        """Host memory chunks will be sent from (a node's arena): make copies from it fast, if the transport can."""

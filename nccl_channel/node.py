@@ -112,6 +112,10 @@ class ChannelServer:
                 pair.transfer = None
         self.counters["channel_bytes"] += nbytes
 
+    def register_host(self, memory: memoryview) -> None:
+        """Memory chunks are sent from (the node's arena, one mapping): the transport may page-lock it once."""
+        self.transport.register_host(memory)
+
     async def close(self) -> None:
         """Abort every pair (never destroy: a gone peer would hang it); bounded."""
         for task in list(self._joins.values()):

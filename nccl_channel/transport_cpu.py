@@ -95,6 +95,37 @@ class CpuLink:
             raise NcclError(f"staging {total} bytes failed: {exc}") from None
         return views
 
+    def recv_into(self, sizes: Sequence[int], targets: Sequence[memoryview | None], timeout_s: float,
+                  landed: Callable[[int], None]) -> None:  # fmt: skip
+        """Receive each chunk straight into its target (no staging); ``landed(i)`` as each one is in."""
+        deadline = time.monotonic() + timeout_s
+        head = bytearray(_BATCH_HEAD.size)
+        try:
+            self._recv_exact(memoryview(head), deadline, timeout_s)
+            count, declared = _BATCH_HEAD.unpack(head)
+            if (count, declared) != (len(sizes), sum(sizes)):
+                raise NcclError(f"peer sent {count} items / {declared} bytes, expected {len(sizes)} / {sum(sizes)}")
+            for index, (size, target) in enumerate(zip(sizes, targets)):
+                if target is not None and len(target) != size:
+                    raise NcclError(f"chunk {index}: a target of {len(target)} bytes for {size}")
+                into = target if target is not None else memoryview(bytearray(size))
+                self._recv_exact(into, deadline, timeout_s)
+                if self.progress is not None:
+                    self.progress(index)
+                landed(index)
+        except NcclError:
+            self.abort()
+            raise
+        except TimeoutError:  # socket.timeout
+            self.abort()
+            raise NcclError(f"CPU channel receive from {self.peer} timed out after {timeout_s:.1f} s") from None
+        except OSError as exc:
+            self.abort()
+            raise NcclError(f"receive failed: {exc or 'timed out'}") from None
+        except BaseException:  # ``landed`` failed: the rest of the batch is unread, the stream out of step
+            self.abort()
+            raise
+
     def _recv_exact(self, view: memoryview, deadline: float, timeout_s: float) -> None:
         while view:
             self._deadline_io(deadline, "receive from", timeout_s)
@@ -182,3 +213,6 @@ class CpuTransport:
     def discard(self, state: Any) -> None:
         listener, _ = state
         listener.close()
+
+    def register_host(self, memory: memoryview) -> None:
+        pass  # sockets read any memory at the same speed
