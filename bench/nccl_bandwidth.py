@@ -1,6 +1,6 @@
 """Bandwidth of the NCCL path against a plain device-to-device copy on one GPU, and of the staging copies.
 
-    python -m bench.nccl_bandwidth [--sizes-mib 2,32,256] [--iters 20] [--json PATH]
+    python -m bench.nccl_bandwidth [--sizes-mib 2,32,256] [--iters 20] [--path] [--json PATH]
 
 NCCL refuses two ranks on one GPU, so on one device the NCCL path is measured as a
 1-rank communicator sending to itself inside one group (what the channel issues,
@@ -10,6 +10,11 @@ GPU staging buffer (host to GPU), a client copies from its staging buffer into
 LMCache's host memory object (GPU to host); both are measured from ordinary (pageable)
 host memory, as the channel's buffers are. Prints a table and, with ``--json``, writes
 the figures. Needs a CUDA GPU and libnccl.
+
+``--path`` adds the channel's whole path (``bench/nccl_path.py``): a batch of 8 chunks
+from a node-side arena (an mmap'd /dev/shm file) through staging, NCCL and into pinned
+host buffers, every checksum verified, beside ceilings measured in the same run, the
+fixed cost of a 4 KiB exchange and the targets each figure is held to.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", default="2,32,256", help="transfer sizes in MiB (default 2,32,256)")
     parser.add_argument("--iters", type=int, default=20, help="timed repetitions per size (default 20)")
+    parser.add_argument("--path", action="store_true", help="also measure the channel's whole path and its targets")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     result = measure([int(s) for s in args.sizes_mib.split(",")], args.iters)
@@ -84,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['size_mib']:>5} MiB  {row['torch_d2d_gbps']:>15.1f}  {row['nccl_self_gbps']:>15.1f}  "
               f"{row['staging_h2d_gbps']:>15.1f}  {row['staging_d2h_gbps']:>15.1f}  "
               f"{row['staging_round_trip_gbps']:>16.1f}")  # fmt: skip
+    if args.path:
+        from bench.nccl_path import measure_path, print_path
+
+        result["path"] = measure_path()
+        print_path(result["path"])
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -3,7 +3,8 @@
 One communicator per (client, server) pair, with its own CUDA stream. Creation and
 every transfer are bounded: the communicator is created non-blocking and polled
 with ``ncclCommGetAsyncError``; a transfer is issued inside one NCCL group and its
-completion is polled with a CUDA event. When the deadline passes, the communicator
+completion is polled with a CUDA event (``nccl_channel.waits``: a short spin, then
+pauses from 20 µs growing slowly, so a finished transfer is seen within microseconds). When the deadline passes, the communicator
 is aborted (``ncclCommAbort`` stops its kernels) and :class:`NcclError` is raised, so
 the caller can fall back to TCP instead of hanging. Another thread never calls NCCL
 on a communicator in use: it sets ``abort_requested`` and the polling loop, in the
@@ -22,13 +23,11 @@ import torch
 
 from backend.errors import NcclError
 from nccl_channel.library import NCCL_IN_PROGRESS, NCCL_SUCCESS, NcclLibrary, NcclUniqueId
+from nccl_channel.waits import never, wait_until
 
 __all__ = ["PairCommunicator"]
 
 logger = logging.getLogger(__name__)
-
-POLL_S = 0.0005
-MAX_POLL_S = 0.01
 
 
 def _contiguous_bytes(tensor: torch.Tensor, what: str) -> int:
@@ -87,33 +86,53 @@ class PairCommunicator:
         self._run([*((t, "send") for t in sends), *((t, "recv") for t in recvs)], timeout_s, peer)
 
     def _run(self, ops: list[tuple[torch.Tensor, str]], timeout_s: float, peer: int | None) -> None:
-        if self.closed or self.broken:
-            raise NcclError("the communicator was closed or aborted")
-        target = self.peer if peer is None else peer
         started = time.monotonic()
         sizes = [_contiguous_bytes(t, f"{kind} {i}") for i, (t, kind) in enumerate(ops)]
         # The stream must see the producer's writes (staging copies on the current stream).
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        raw = [(int(t.data_ptr()), nbytes, kind) for (t, kind), nbytes in zip(ops, sizes)]
+        done = self.issue(raw, timeout_s, peer, started=started)
+        self.wait(done, timeout_s, started, f"rank {self.rank}: a group of {len(ops)} transfers")
+        for tensor, _ in ops:
+            tensor.record_stream(self.stream)
+
+    def issue(self, ops: Sequence[tuple[int, int, str]], timeout_s: float, peer: int | None = None,
+              after: torch.cuda.Event | None = None, started: float | None = None) -> torch.cuda.Event:  # fmt: skip
+        """Queue one group of ``(pointer, nbytes, "send"|"recv")`` on this communicator's stream; no waiting
+        for the bytes. Returns an event that completes with the group. ``after``: an event the group waits
+        for (a staging copy on another stream). The caller keeps the buffers alive until the event completes.
+        """
+        if self.closed or self.broken:
+            raise NcclError("the communicator was closed or aborted")
+        target = self.peer if peer is None else peer
+        started = time.monotonic() if started is None else started
+        if after is not None:
+            self.stream.wait_event(after)
         stream_handle = int(self.stream.cuda_stream)
+        what = f"rank {self.rank}: a group of {len(ops)} transfers with peer rank {target}"
         try:
             with torch.cuda.device(self.device):
                 self.lib.group_start()
                 try:
-                    for (tensor, kind), nbytes in zip(ops, sizes):
-                        issue = self.lib.send if kind == "send" else self.lib.recv
-                        issue(int(tensor.data_ptr()), nbytes, target, self.comm, stream_handle)
+                    for pointer, nbytes, kind in ops:
+                        if nbytes:
+                            issue = self.lib.send if kind == "send" else self.lib.recv
+                            issue(pointer, nbytes, target, self.comm, stream_handle)
                 finally:
                     result = self.lib.group_end()
-                what = f"rank {self.rank}: a group of {len(ops)} transfers with peer rank {target}"
                 _wait_ready(self.lib, self.comm, result, timeout_s, what, started, self._abort_requested)
                 done = torch.cuda.Event()
                 done.record(self.stream)
-                _wait_event(done, timeout_s, what, started, self._abort_requested)
         except NcclError:
             self.abort()
             raise
-        for tensor, _ in ops:
-            tensor.record_stream(self.stream)
+        return done
+
+    def wait(self, event: torch.cuda.Event, timeout_s: float, started: float, what: str) -> None:
+        """Wait for ``event`` (spin, then short growing pauses); aborts the communicator at ``started + timeout_s``
+        or when ``abort_requested`` is set, and raises NcclError."""
+        wait_until(event.query, deadline=started + timeout_s, timeout_s=timeout_s, what=f"rank {self.rank}: {what}",
+                   stop=self._abort_requested, abort=self.abort)  # fmt: skip
 
     def _abort_requested(self) -> bool:
         return self.abort_requested
@@ -143,21 +162,19 @@ class PairCommunicator:
             logger.warning("nccl: destroy failed: %s", exc)
 
 
-def _never() -> bool:
-    return False
-
-
 def _wait_ready(lib: NcclLibrary, comm: Any, result: int, timeout_s: float, what: str, started: float | None = None,
-                stop: Callable[[], bool] = _never) -> None:  # fmt: skip
-    """Poll a non-blocking communicator until it is ready; NcclError at the deadline or on ``stop()`` (the caller aborts)."""
+                stop: Callable[[], bool] = never) -> None:  # fmt: skip
+    """Wait until a non-blocking communicator is ready; NcclError at the deadline or on ``stop()`` (the caller aborts)."""
     state = result
-    pause = POLL_S
+
+    def ready() -> bool:
+        nonlocal state
+        if state == NCCL_IN_PROGRESS:
+            state = lib.comm_async_error(comm)
+        return state != NCCL_IN_PROGRESS
+
     deadline = (time.monotonic() if started is None else started) + timeout_s
-    while state == NCCL_IN_PROGRESS:
-        _check_wait(deadline, timeout_s, what, stop)
-        time.sleep(pause)
-        pause = min(pause * 2, MAX_POLL_S)
-        state = lib.comm_async_error(comm)
+    wait_until(ready, deadline=deadline, timeout_s=timeout_s, what=what, stop=stop)
     if state != NCCL_SUCCESS:
         raise NcclError(f"{what} failed", state, lib.error_string(state))
 
@@ -171,16 +188,5 @@ def _abort_quietly(lib: NcclLibrary, comm: Any) -> None:
 
 def _wait_event(event: torch.cuda.Event, timeout_s: float, what: str, started: float,
                 stop: Callable[[], bool]) -> None:  # fmt: skip
-    pause = POLL_S
-    deadline = started + timeout_s
-    while not event.query():
-        _check_wait(deadline, timeout_s, what, stop)
-        time.sleep(pause)
-        pause = min(pause * 2, MAX_POLL_S)
-
-
-def _check_wait(deadline: float, timeout_s: float, what: str, stop: Callable[[], bool]) -> None:
-    if stop():
-        raise NcclError(f"{what} was cancelled")
-    if time.monotonic() >= deadline:
-        raise NcclError(f"{what} timed out after {timeout_s:.1f} s")
+    """Wait for ``event`` (spin, then short growing pauses: nccl_channel.waits); NcclError at the deadline."""
+    wait_until(event.query, deadline=started + timeout_s, timeout_s=timeout_s, what=what, stop=stop)

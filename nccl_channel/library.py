@@ -4,9 +4,14 @@ The library is looked for in this order; the first candidate that exists is used
 
 1. ``KVPOOL_NCCL_LIBRARY`` (a path; when set, nothing else is tried, so a wrong path
    is reported instead of silently loading another library);
-2. the ``nvidia-nccl-cu12`` wheel (``pip install kvpool[nccl]``);
-3. the ``nvidia-nccl-cu13`` wheel;
+2. the ``nvidia-nccl-cuNN`` wheel whose CUDA major version ``NN`` is the one the
+   installed torch was built for (``torch.version.cuda``, read from torch's
+   ``version.py`` without importing torch when it is not loaded yet);
+3. the other ``nvidia-nccl-cu*`` wheels (cu12 before cu13 when torch's CUDA is unknown);
 4. the system library (``ctypes.util.find_library("nccl")``).
+
+A libnccl built for another CUDA major than the running torch loads, but its kernels
+need that CUDA's runtime: the matching wheel must win even when both are installed.
 
 Before this process maps a library, a child process loads it and calls
 ``ncclGetVersion`` (:func:`probe`): a broken or foreign library can crash that child,
@@ -23,8 +28,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -38,6 +45,8 @@ __all__ = [
     "ENV_LIBRARY",
     "WHEELS",
     "Candidate",
+    "torch_cuda_major",
+    "wheel_order",
     "NcclLibrary",
     "NcclUniqueId",
     "candidates",
@@ -49,6 +58,7 @@ __all__ = [
 
 ENV_LIBRARY = "KVPOOL_NCCL_LIBRARY"
 WHEELS = ("nvidia-nccl-cu12", "nvidia-nccl-cu13")
+_TORCH_CUDA = re.compile(r"""^cuda\b[^=]*=\s*['"](\d+)(?:\.\d+)*['"]""", re.MULTILINE)
 PROBE_TIMEOUT_S = 30.0
 
 # ncclResult_t values (nccl.h)
@@ -165,11 +175,41 @@ def _wheel_library(distribution: str) -> str | None:
     return None
 
 
+def torch_cuda_major() -> int | None:
+    """The CUDA major version the installed torch was built for; None for a CPU build or no torch.
+
+    Never imports torch: a loaded torch is asked, otherwise its ``version.py`` is read.
+    """
+    loaded = sys.modules.get("torch")
+    if loaded is not None:
+        text = str(getattr(getattr(loaded, "version", None), "cuda", None) or "")
+        return int(text.split(".")[0]) if text.split(".")[0].isdigit() else None
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        try:
+            with open(os.path.join(folder, "version.py"), encoding="utf-8") as file:
+                match = _TORCH_CUDA.search(file.read())
+        except OSError:
+            continue
+        return int(match.group(1)) if match else None
+    return None
+
+
+def wheel_order(cuda_major: int | None) -> list[str]:
+    """The nvidia-nccl wheels in the order they are tried: the one for ``cuda_major`` first."""
+    matching = f"nvidia-nccl-cu{cuda_major}"
+    return sorted(WHEELS, key=lambda wheel: wheel != matching)  # stable: the rest keep WHEELS' order
+
+
 def candidates(
     environ: Mapping[str, str] | None = None,
     *,
     wheel_library: Callable[[str], str | None] = _wheel_library,
     system_library: Callable[[], str | None] = lambda: ctypes.util.find_library("nccl"),
+    cuda_major: Callable[[], int | None] = torch_cuda_major,
 ) -> list[Candidate]:
     """Every place libnccl was found, in the order they are tried.
 
@@ -179,7 +219,8 @@ def candidates(
     explicit = env.get(ENV_LIBRARY, "")
     if explicit:
         return [Candidate(explicit, ENV_LIBRARY)]
-    found = [Candidate(path, wheel) for wheel in WHEELS if (path := wheel_library(wheel))]
+    order = wheel_order(cuda_major())
+    found = [Candidate(path, wheel) for wheel in order if (path := wheel_library(wheel))]
     system = system_library()
     if system:
         found.append(Candidate(system, "system"))
@@ -193,7 +234,8 @@ def find_library(environ: Mapping[str, str] | None = None, **kwargs: Any) -> Can
     if not found:
         raise NcclError(
             f"libnccl not found: {ENV_LIBRARY} is unset, neither {' nor '.join(WHEELS)} is installed "
-            f"(pip install 'kvpool[nccl]'), and the system has no libnccl; set {ENV_LIBRARY}=/path/to/libnccl.so.2"
+            f"(pip install 'kvpool[nccl]', or 'kvpool[nccl-cu12]' / 'kvpool[nccl-cu13]' to match torch's CUDA), "
+            f"and the system has no libnccl; set {ENV_LIBRARY}=/path/to/libnccl.so.2"
         )
     choice = found[0]
     if choice.source == ENV_LIBRARY and not os.path.isfile(choice.path):

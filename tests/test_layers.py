@@ -38,6 +38,12 @@ METADATA_STORE_USERS = ("backend.metadata", "backend.client", "backend.node")
 FRAME_CODEC_USERS = ("backend.protocol", "backend.transport", "backend.shm", "backend.client", "backend.node")
 
 
+# What nccl_channel may import of backend: the errors and the wire codec. Never the node, nor
+# anything that needs redis-py (the GPU machine has none, and nodes load the channel lazily).
+NCCL_CHANNEL_MAY_IMPORT = ("backend.errors", "backend.protocol")
+NCCL_CHANNEL_NEVER_IMPORTS = ("redis", "hiredis", "lmcache")
+
+
 def _module(path: Path) -> str:
     parts = path.relative_to(REPO).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -103,6 +109,18 @@ def test_only_the_two_ends_of_the_wire_encode_or_decode_frames() -> None:
             if imported == "backend.protocol" and codec:
                 reach.append(f"{path.relative_to(REPO)}:{line} imports {', '.join(codec)}")
     assert reach == [], "ask the client's typed calls (PoolClient.node_admin) instead"
+
+
+def test_nccl_channel_imports_only_the_errors_and_codec_of_backend_and_never_redis() -> None:
+    files = sorted((REPO / "nccl_channel").rglob("*.py"))
+    assert len(files) > 5, "the scan is looking in the wrong place"
+    reach = []
+    for path in files:
+        for imported, _, line in _imports(path):
+            top = imported.split(".")[0]
+            if (top == "backend" and imported not in NCCL_CHANNEL_MAY_IMPORT) or top in NCCL_CHANNEL_NEVER_IMPORTS:
+                reach.append(f"{path.relative_to(REPO)}:{line} imports {imported}")
+    assert reach == []
 
 
 def test_the_rules_catch_a_breach(tmp_path: Path) -> None:

@@ -36,9 +36,9 @@ async def client(pool_url) -> AsyncIterator[PoolClient]:
     await pool.close()
 
 
-def _channel(client: PoolClient, transport: CpuTransport | None = None) -> NcclChannel:
+def _channel(client: PoolClient, transport: CpuTransport | None = None, pipelined: bool = True) -> NcclChannel:
     return NcclChannel(transport or CpuTransport(), Rendezvous(client.index), "test-endpoint", CLUSTER,
-                       client.channel_request, client.config.timeout_s)  # fmt: skip
+                       client.channel_request, client.config.timeout_s, pipelined=pipelined)  # fmt: skip
 
 
 async def _node_info(client: PoolClient, node_id: str):
@@ -109,13 +109,14 @@ async def test_cpu_transport_pairs_two_ends_from_the_published_id_alone(redis_se
 
 
 # -- against a real node ---------------------------------------------------------------------
-async def test_a_batch_arrives_byte_identical_and_the_pair_is_reused(node_factory, client):
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "first-design-batch"])
+async def test_a_batch_arrives_byte_identical_and_the_pair_is_reused(node_factory, client, pipelined):
     node = node_factory("--cluster", CLUSTER, "--channel", "cpu")
     chunks = _chunks("batch", 12, 300_000)
     await client.put(chunks)
     info = await _node_info(client, node.node_id)
     assert info.channel == "cpu" and info.cluster == CLUSTER
-    channel = _channel(client)
+    channel = _channel(client, pipelined=pipelined)
     try:
         assert channel.serves(info)
         keys = [c.key for c in chunks]
@@ -253,6 +254,13 @@ class _RecordingLink:
         self.events.append("recv start")
         try:
             return self.link.recv(sizes, timeout_s)
+        finally:
+            self.events.append("recv end")
+
+    def recv_into(self, sizes, targets, timeout_s: float, landed) -> None:
+        self.events.append("recv start")
+        try:
+            self.link.recv_into(sizes, targets, timeout_s, landed)
         finally:
             self.events.append("recv end")
 

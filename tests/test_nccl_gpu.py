@@ -102,6 +102,63 @@ def test_staging_is_copied_into_an_lmcache_memory_object_and_verified(lib):
         stack.close()
 
 
+@pytest.mark.parametrize("staging", ["pipelined", "direct"])
+@pytest.mark.parametrize("pinned_sink", [True, False], ids=["pinned-sink", "pageable-sink"])
+def test_the_pipelined_path_lands_every_chunk_verified_from_a_registered_or_pageable_arena(lib, staging, pinned_sink):
+    """The channel's own staging and landing (exchange_self on a 1-rank communicator), arena registered for
+    half the chunks' run, a flipped byte caught: every byte right in every staging mode."""
+    import mmap
+    import os
+
+    from backend.protocol import checksum
+    from nccl_channel.communicator import PairCommunicator
+    from nccl_channel.pipeline import Verifier, receive_batch
+    from nccl_channel.staging import HostRegistry
+    from nccl_channel.transport_nccl import NcclLink, exchange_self
+
+    sizes = [1, 4096, 3 << 20, 0, 5 << 20, 777]
+    arena = mmap.mmap(-1, sum(sizes))
+    arena[:] = os.urandom(sum(sizes))
+    view = memoryview(arena)
+    sources, offset = [], 0
+    for size in sizes:
+        sources.append(view[offset : offset + size])
+        offset += size
+    comm = PairCommunicator.create(lib, lib.unique_id(), 0, 1, "cuda:0", TIMEOUT_S)
+    registry = HostRegistry()
+    verifier = Verifier()
+
+    class SelfLink:
+        def recv_into(self, sizes, targets, timeout_s, landed):
+            exchange_self(node, client, sources, targets, timeout_s, landed)
+
+    try:
+        for register in (False, True):
+            if register:
+                assert registry.register(view)
+            node, client = NcclLink(comm, staging, registry), NcclLink(comm, staging, registry)
+            sinks = [torch.zeros(n, dtype=torch.uint8, pin_memory=pinned_sink) for n in sizes]
+            targets = [memoryview(s.numpy()).cast("B") for s in sinks]
+            sums = [checksum(s) for s in sources]
+            report = receive_batch(SelfLink(), sizes, targets, sums, TIMEOUT_S, verifier)
+            assert report.verdicts == [True] * len(sizes)
+            assert [bytes(t) for t in targets] == [bytes(s) for s in sources]
+            sums[2] ^= 1  # a checksum that does not match what landed: that chunk alone is refused
+            assert receive_batch(SelfLink(), sizes, targets, sums, TIMEOUT_S, verifier).verdicts[2] is False
+    finally:
+        verifier.close()
+        comm.close()
+        registry.close()
+
+
+def test_the_path_benchmark_runs_and_judges_every_target(lib):
+    from bench.nccl_path import TARGETS, measure_path
+
+    result = measure_path(iters=1)
+    assert set(result["targets"]) == set(TARGETS)
+    assert all("error" not in row for row in result["rows"] if row["staging"] == "pipelined"), result["rows"]
+
+
 def test_nccl_bandwidth_against_a_device_to_device_copy(lib):
     from bench.nccl_bandwidth import measure
 

@@ -82,20 +82,76 @@ def test_the_env_var_wins_and_is_the_only_candidate(tmp_path, monkeypatch):
     assert found == [Candidate("/opt/nccl/libnccl.so.2", ENV_LIBRARY)]
 
 
-def test_wheels_come_before_the_system_library_cu12_first(tmp_path, monkeypatch):
+def test_wheels_come_before_the_system_library_cu12_first_when_torch_has_no_cuda(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     cu13 = _fake_wheel(tmp_path, "nvidia-nccl-cu13")
     cu12 = _fake_wheel(tmp_path, "nvidia-nccl-cu12")
-    found = candidates({}, system_library=lambda: "libnccl.so.2")
+    found = candidates({}, system_library=lambda: "libnccl.so.2", cuda_major=lambda: None)
     assert found == [Candidate(str(cu12), "nvidia-nccl-cu12"), Candidate(str(cu13), "nvidia-nccl-cu13"),
                      Candidate("libnccl.so.2", "system")]  # fmt: skip
-    assert find_library({}, system_library=lambda: None) == Candidate(str(cu12), "nvidia-nccl-cu12")
+    assert find_library({}, system_library=lambda: None, cuda_major=lambda: None) == Candidate(
+        str(cu12), "nvidia-nccl-cu12"
+    )
+
+
+@pytest.mark.parametrize(("major", "first", "second"), [(13, "nvidia-nccl-cu13", "nvidia-nccl-cu12"),
+                                                        (12, "nvidia-nccl-cu12", "nvidia-nccl-cu13")])  # fmt: skip
+def test_the_wheel_of_torchs_cuda_major_is_tried_first_with_both_installed(tmp_path, monkeypatch, major, first,
+                                                                           second):  # fmt: skip
+    """A CUDA 13 torch beside both wheels loads libnccl from nvidia-nccl-cu13, not the cu12 one."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    paths = {w: str(_fake_wheel(tmp_path, w)) for w in ("nvidia-nccl-cu12", "nvidia-nccl-cu13")}
+    found = candidates({}, system_library=lambda: "libnccl.so.2", cuda_major=lambda: major)
+    assert found == [Candidate(paths[first], first), Candidate(paths[second], second),
+                     Candidate("libnccl.so.2", "system")]  # fmt: skip
+    assert find_library({}, system_library=lambda: None, cuda_major=lambda: major).source == first
+    assert find_library({ENV_LIBRARY: paths[second]}, cuda_major=lambda: major).source == ENV_LIBRARY  # still wins
+
+
+def test_torch_cuda_major_comes_from_a_loaded_torch(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert library.torch_cuda_major() == 13
+    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build
+    assert library.torch_cuda_major() is None
+
+
+@pytest.mark.parametrize(("version_line", "expected"), [("cuda: Optional[str] = '13.0'", "13"),
+                                                        ("cuda = '12.8'", "12"),
+                                                        ("cuda: Optional[str] = None", "None")])  # fmt: skip
+def test_torch_cuda_major_reads_torchs_version_file_without_importing_torch(tmp_path, version_line, expected):
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise RuntimeError('torch was imported')\n")
+    (fake / "version.py").write_text(f"__version__ = '2.11.0'\n{version_line}\n")
+    code = "import sys\nfrom nccl_channel.library import torch_cuda_major\nprint(torch_cuda_major())\n"
+    code += "assert 'torch' not in sys.modules\n"
+    from tests.conftest import REPO
+
+    proc = subprocess.run([__import__("sys").executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{REPO}"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == expected
+
+
+def test_without_torch_the_order_is_the_default_and_nothing_is_imported():
+    code = "import sys\nsys.modules['torch'] = None\nfrom nccl_channel.library import torch_cuda_major, wheel_order\n"
+    code += "assert torch_cuda_major() is None\nprint(wheel_order(None))\n"
+    from tests.conftest import REPO
+
+    proc = subprocess.run([__import__("sys").executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "['nvidia-nccl-cu12', 'nvidia-nccl-cu13']"
 
 
 def test_the_cu13_wheel_is_used_when_it_is_the_only_one(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     cu13 = _fake_wheel(tmp_path, "nvidia-nccl-cu13")
-    assert find_library({}, system_library=lambda: "libnccl.so.2") == Candidate(str(cu13), "nvidia-nccl-cu13")
+    assert find_library({}, system_library=lambda: "libnccl.so.2", cuda_major=lambda: 12) == Candidate(
+        str(cu13), "nvidia-nccl-cu13"
+    )
 
 
 def test_no_library_anywhere_names_the_env_var_and_the_extra():
@@ -103,6 +159,7 @@ def test_no_library_anywhere_names_the_env_var_and_the_extra():
         find_library({}, wheel_library=lambda _name: None, system_library=lambda: None)
     message = str(caught.value)
     assert ENV_LIBRARY in message and "kvpool[nccl]" in message and "nvidia-nccl-cu12" in message
+    assert "kvpool[nccl-cu12]" in message and "kvpool[nccl-cu13]" in message
 
 
 def test_an_env_var_pointing_at_nothing_is_reported_not_skipped(tmp_path):
@@ -187,3 +244,13 @@ def test_the_channel_package_imports_without_touching_a_gpu():
     proc = subprocess.run([__import__("sys").executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_channel_module_still_offers_every_name_its_users_import():
+    """The channel is split into modules; ``nccl_channel.channel`` keeps the names backend/, bench/ and tests/ use."""
+    from nccl_channel import channel
+
+    names = ["ChannelServer", "CpuTransport", "CpuLink", "NcclChannel", "NcclTransport", "NcclLink", "Link",
+             "Transport", "make_transport", "transfer_timeout", "_copy_and_verify", "BACKOFF_S", "MAX_PAIRS"]  # fmt: skip
+    assert [n for n in names if not hasattr(channel, n)] == []
+    assert set(channel.__all__) <= set(dir(channel))

@@ -142,10 +142,11 @@ def test_any_exception_in_the_channel_path_falls_back_to_tcp(node_factory, pool_
                                                             caplog):  # fmt: skip
     """A CUDA error in the device copy is a RuntimeError, not a KVPoolError: it must cost a fallback, not the read.
 
-    No CPU can make CUDA fail, so the copy out of the staging buffer is replaced by one that raises
-    what PyTorch raises for a faulted device.
+    No CPU can make CUDA fail, so the copy and check of a landed chunk (in the pipelined path, and in
+    the first design's batch path) is replaced by one that raises what PyTorch raises for a faulted device.
     """
-    import nccl_channel.channel as channel_module
+    import nccl_channel.client as client_module
+    import nccl_channel.pipeline as pipeline_module
 
     caplog.set_level(logging.WARNING)
     node_factory("--cluster", CLUSTER, "--channel", "cpu")
@@ -158,7 +159,8 @@ def test_any_exception_in_the_channel_path_falls_back_to_tcp(node_factory, pool_
     def faulted_copy(work):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(channel_module, "_copy_and_verify", faulted_copy)
+    monkeypatch.setattr(client_module, "_copy_and_verify", faulted_copy)
+    monkeypatch.setattr(pipeline_module, "_verify_chunk", lambda view, expected: faulted_copy([]))
     got = stack.get(keys)
     try:
         _assert_all_fell_back_to_tcp(stack, got, objs, tcp_before)

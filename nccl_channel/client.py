@@ -1,0 +1,290 @@
+"""The client end of the channel: pairs with nodes lazily and receives chunks over the pairs.
+
+See ``nccl_channel/channel.py`` for the whole exchange.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from backend.errors import IntegrityError, KVPoolError, NcclError
+from backend.protocol import ItemMeta, checksum, decode_channel_response, encode_channel_request
+from nccl_channel.link import Link, Transport, transfer_timeout
+from nccl_channel.pairs import MAX_PAIRS, PAIR_TIMEOUT_S, Pair, PairCache, Peer, Request, Sink, abort_joined, in_thread
+from nccl_channel.pipeline import Verifier, receive_batch
+from nccl_channel.rendezvous import Offer, Rendezvous, new_session
+
+__all__ = ["NcclChannel", "BACKOFF_S"]
+
+logger = logging.getLogger(__name__)
+
+BACKOFF_S = 30.0  # after a channel failure, the client reads that node over TCP this long
+
+
+class NcclChannel:
+    """The client end: pairs with nodes lazily, receives chunks over them.
+
+    ``request(node, meta)`` sends one CHANNEL_GET over the node's TCP protocol and
+    returns the response meta (``PoolClient.channel_request``).
+    """
+
+    def __init__(self, transport: Transport, rendezvous: Rendezvous, endpoint_id: str, cluster: str,
+                 request: Request, timeout_s: float, max_pairs: int = MAX_PAIRS,
+                 backoff_s: float = BACKOFF_S, pair_timeout_s: float = PAIR_TIMEOUT_S,
+                 pipelined: bool = True) -> None:  # fmt: skip
+        self.transport = transport
+        self.pipelined = pipelined  # False: the first design (whole batch staged, then copied), kept to compare
+        self._verifier = Verifier()
+        self.rendezvous = rendezvous
+        self.endpoint_id = endpoint_id
+        self.cluster = cluster
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
+        self.pair_timeout_s = pair_timeout_s
+        self.counters: Counter[str] = Counter()
+        self._request = request
+        self._pairs = PairCache(max_pairs)
+        self._creating: dict[tuple[str, int], asyncio.Lock] = {}
+        self._pairing: dict[tuple[str, int], asyncio.Task[None]] = {}  # background pairings under way
+        self._backoff_until: dict[str, float] = {}  # node id -> monotonic time the channel may try it again
+        self._closed = False
+
+    @property
+    def kind(self) -> str:
+        return self.transport.kind
+
+    def serves(self, node: Any) -> bool:
+        """Whether ``node`` is reachable over this channel: same cluster, same transport, not backing off."""
+        return (
+            bool(self.cluster)
+            and node.cluster == self.cluster
+            and getattr(node, "channel", "") == self.kind
+            and time.monotonic() >= self._backoff_until.get(node.node_id, 0.0)
+        )
+
+    def engaged(self, node: Any) -> bool:
+        """Whether to read ``node`` over the channel now: it is served and its pair is ready.
+
+        A served node without a pair starts pairing in the background (bounded by
+        ``pair_timeout_s``) and answers False, so reads go over TCP until the pair is
+        ready instead of waiting for a cold NCCL init. Call it on the event loop.
+        """
+        if not self.serves(node):
+            return False
+        ident = (node.node_id, node.epoch)
+        if self._pairs.live(ident) is not None:
+            return True
+        if ident not in self._pairing and not self._closed:
+            task = asyncio.ensure_future(self._pair_in_background(node))
+            self._pairing[ident] = task
+            task.add_done_callback(lambda _: self._pairing.pop(ident, None))
+        return False
+
+    async def _pair_in_background(self, node: Peer) -> None:
+        try:
+            await self._pair(node)
+        except Exception as exc:  # NcclError, the control path's KVPoolError, or a transport's own bug
+            self.counters["pair_failures"] += 1
+            self._back_off(node)
+            logger.warning("channel: pairing with node %s failed; reading it over TCP: %s", node.node_id, exc)
+
+    def pair_count(self) -> int:
+        return len(self._pairs)
+
+    async def _pair(self, node: Peer) -> Pair:
+        ident = (node.node_id, node.epoch)
+        pair = self._pairs.live(ident)
+        if pair is not None:
+            return pair
+        async with self._creating.setdefault(ident, asyncio.Lock()):
+            pair = self._pairs.live(ident)
+            if pair is not None:
+                return pair
+            link, session = await self._connect(node)
+            pair = Pair(session, link)
+            self._pairs.add(ident, pair)
+            self.counters["pairs_created"] += 1
+            return pair
+
+    async def _connect(self, node: Peer) -> tuple[Link, str]:
+        if self._closed:
+            raise NcclError("the channel is closed")
+        session = new_session()
+        unique_id, state = await in_thread(self.transport.prepare, "making a unique id")  # NCCL's first takes s
+        try:
+            offer = Offer(session, self.transport.kind, unique_id, self.endpoint_id, node.node_id, self.cluster)
+            await self.rendezvous.publish(offer)
+            joining = asyncio.ensure_future(
+                asyncio.to_thread(self.transport.join, unique_id, 0, state, self.pair_timeout_s)
+            )
+            try:
+                # Answered as soon as the node took the offer; its join runs on in the background.
+                await self._request(node, encode_channel_request(session, []))
+            except BaseException:
+                self.transport.discard(state)  # a CPU accept fails at once instead of at its deadline
+                joining.add_done_callback(abort_joined)
+                raise
+            try:
+                link = await asyncio.shield(joining)  # bounded by the transport's own deadline: pair_timeout_s
+            except BaseException:
+                joining.add_done_callback(abort_joined)  # cancelled: a link that still lands is aborted
+                raise
+        finally:
+            self.transport.discard(state)
+        logger.info("channel: paired with node %s over %s (session %s)", node.node_id, self.kind, session)
+        return link, session
+
+    async def get(self, node: Peer, keys: Sequence[str], sink: Sink[Any]) -> list[Any]:
+        """Fetch ``keys`` from ``node`` over the channel into ``sink`` buffers.
+
+        Per key: the sink's handle, None (the node does not hold it, or the sink had
+        no room), or an ``IntegrityError``. Raises NcclError / KVPoolError when the
+        pair or the node failed; the pair is then aborted and dropped.
+        """
+        if not keys:
+            return []
+        try:
+            pair = await self._pair(node)
+        except Exception:
+            self._back_off(node)
+            raise
+        async with pair.lock:
+            try:
+                reply = await self._request(node, encode_channel_request(pair.session, keys))
+                found = decode_channel_response(reply, keys)
+                total = sum(item.nbytes for item in found if item is not None)
+                timeout_s = transfer_timeout(self.timeout_s, total)
+                if self.pipelined:
+                    results = await self._receive_pipelined(pair, found, sink, timeout_s)
+                else:
+                    staged = await self._receive_staged(pair, found, timeout_s)
+            except BaseException as exc:
+                self._pairs.retire((node.node_id, node.epoch), pair)
+                self.counters["pair_failures"] += 1
+                if isinstance(exc, Exception):
+                    self._back_off(node)
+                raise
+            finally:
+                pair.transfer = None
+            self.counters["bytes"] += total
+            if self.pipelined:
+                return results
+            return await self._deliver(found, staged, sink)
+
+    async def _receive_staged(self, pair: Pair, found: list[ItemMeta | None], timeout_s: float) -> list[torch.Tensor]:
+        """The first design: the whole batch into the link's staging buffer; ``_deliver`` copies and verifies."""
+        sizes = [item.nbytes for item in found if item is not None]
+        if not sizes:
+            return []
+        pair.transfer = asyncio.ensure_future(asyncio.to_thread(pair.link.recv, sizes, timeout_s))
+        # Shielded: cancelling this call must not leave the thread running unnoticed;
+        # retire() aborts the link only after the thread has returned.
+        staged: list[torch.Tensor] = await asyncio.shield(pair.transfer)
+        return staged
+
+    async def _receive_pipelined(self, pair: Pair, found: list[ItemMeta | None], sink: Sink[Any],
+                                 timeout_s: float) -> list[Any]:  # fmt: skip
+        """Sink buffers first, then the batch straight into them, each chunk verified as it lands."""
+        handles: list[Any] = [None] * len(found)
+        items = [(index, item) for index, item in enumerate(found) if item is not None]
+        targets: list[memoryview | None] = []
+        verdicts: list[bool] = []
+        try:
+            for index, item in items:
+                allocated = await sink.allocate(item)
+                if allocated is None:
+                    targets.append(None)  # no room this time: received and dropped, a miss for this call only
+                    continue
+                handles[index], buffer = allocated
+                view = memoryview(buffer).cast("B")
+                if len(view) != item.nbytes:
+                    raise KVPoolError(f"sink gave {len(view)} bytes for a {item.nbytes}-byte item")
+                targets.append(view)
+            if items:
+                sizes, sums = [item.nbytes for _, item in items], [item.checksum for _, item in items]
+                pair.transfer = asyncio.ensure_future(
+                    asyncio.to_thread(receive_batch, pair.link, sizes, targets, sums, timeout_s, self._verifier)
+                )
+                verdicts = (await asyncio.shield(pair.transfer)).verdicts
+        except BaseException:
+            transfer = pair.transfer
+            if transfer is not None and not transfer.done():  # its thread still writes into the buffers
+                transfer.add_done_callback(lambda _done: _release(sink, handles))
+            else:
+                _release(sink, handles)
+            raise
+        results = list(handles)
+        for (index, item), ok in zip(items, verdicts):
+            if not ok and handles[index] is not None:
+                sink.release(handles[index])
+                self.counters["integrity_failures"] += 1
+                results[index] = IntegrityError(f"checksum mismatch for {item.key!r} over the channel")
+        return results
+
+    def _back_off(self, node: Peer) -> None:
+        """Read ``node`` over TCP for ``backoff_s``: a failing node should not cost a timeout per batch."""
+        self._backoff_until[node.node_id] = time.monotonic() + self.backoff_s
+        logger.info("channel: node %s read over TCP for %.0f s after a channel failure", node.node_id, self.backoff_s)
+
+    async def _deliver(self, found: list[ItemMeta | None], staged: list[torch.Tensor], sink: Sink[Any]) -> list[Any]:
+        """Copy staged chunks into sink buffers and verify each checksum."""
+        results: list[Any] = [None] * len(found)
+        work: list[tuple[int, ItemMeta, Any, memoryview, torch.Tensor]] = []
+        pending = iter(staged)
+        try:
+            for index, item in enumerate(found):
+                if item is None:
+                    continue
+                source = next(pending)
+                allocated = await sink.allocate(item)
+                if allocated is None:
+                    continue  # no room this time: a miss for this call only
+                handle, buffer = allocated
+                results[index] = handle
+                view = memoryview(buffer).cast("B")
+                if len(view) != item.nbytes:
+                    raise KVPoolError(f"sink gave {len(view)} bytes for a {item.nbytes}-byte item")
+                work.append((index, item, handle, view, source))
+            verdicts = await asyncio.to_thread(_copy_and_verify, [(v, s, i.checksum) for _, i, _, v, s in work])
+        except BaseException:
+            for handle in results:
+                if handle is not None:
+                    sink.release(handle)
+            raise
+        for (index, item, handle, _, _), ok in zip(work, verdicts):
+            if not ok:
+                sink.release(handle)
+                self.counters["integrity_failures"] += 1
+                results[index] = IntegrityError(f"checksum mismatch for {item.key!r} over the channel")
+        return results
+
+    async def close(self) -> None:
+        """Abort every pair (never destroy: a gone peer would hang it); bounded."""
+        self._closed = True
+        for task in list(self._pairing.values()):
+            task.cancel()
+        await asyncio.gather(*self._pairing.values(), return_exceptions=True)
+        await self._pairs.close()
+        await asyncio.to_thread(self._verifier.close)
+
+
+def _release(sink: Sink[Any], handles: list[Any]) -> None:
+    for handle in handles:
+        if handle is not None:
+            sink.release(handle)
+
+
+def _copy_and_verify(work: Sequence[tuple[memoryview, torch.Tensor, int]]) -> list[bool]:
+    verdicts = []
+    for view, source, expected in work:
+        if len(view):
+            torch.frombuffer(view, dtype=torch.uint8).copy_(source)
+        verdicts.append(checksum(view) == expected)
+    return verdicts

@@ -1,0 +1,124 @@
+"""The node end of the channel: joins offers meant for this node and sends chunks over the pairs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Sequence
+
+from backend.errors import NcclError
+from nccl_channel.link import Buffer, Transport, transfer_timeout
+from nccl_channel.pairs import MAX_PAIRS, PAIR_TIMEOUT_S, Pair, PairCache, abort_joined
+from nccl_channel.rendezvous import Offer, Rendezvous
+
+__all__ = ["ChannelServer"]
+
+logger = logging.getLogger(__name__)
+
+
+class ChannelServer:
+    """The node end: joins offers meant for this node and sends chunks over the pairs."""
+
+    def __init__(self, transport: Transport, rendezvous: Rendezvous, node_id: str, cluster: str, timeout_s: float,
+                 max_pairs: int = MAX_PAIRS, pair_timeout_s: float = PAIR_TIMEOUT_S) -> None:  # fmt: skip
+        self.transport = transport
+        self.rendezvous = rendezvous
+        self.node_id = node_id
+        self.cluster = cluster
+        self.timeout_s = timeout_s
+        self.pair_timeout_s = pair_timeout_s
+        self.counters: Counter[str] = Counter()
+        self._pairs = PairCache(max_pairs)
+        self._joins: dict[str, asyncio.Task[None]] = {}  # session -> its join, while under way
+
+    @property
+    def kind(self) -> str:
+        return self.transport.kind
+
+    async def start_join(self, session: str) -> None:
+        """Take the offer of ``session`` and join its pair in the background; NcclError if there is no offer.
+
+        Returns once the offer is taken, so the pairing request is answered at once: the
+        join itself (a cold NCCL init takes seconds) is bounded by ``pair_timeout_s``,
+        not by any request's timeout.
+        """
+        if self._pairs.live(session) is not None or session in self._joins:
+            return
+        offer = await self.rendezvous.take(session, target=self.node_id, cluster=self.cluster, transport=self.kind)
+        if session in self._joins:  # a concurrent request for the same session took it first
+            return
+        task = asyncio.ensure_future(self._join(session, offer))
+        self._joins[session] = task
+        task.add_done_callback(lambda done: self._joined(session, done))
+
+    def _joined(self, session: str, task: asyncio.Task[None]) -> None:
+        self._joins.pop(session, None)
+        if not task.cancelled():
+            task.exception()  # logged by _join; a request waiting on it gets it too
+
+    async def _join(self, session: str, offer: Offer) -> None:
+        joining = asyncio.ensure_future(
+            asyncio.to_thread(self.transport.join, offer.unique_id, 1, None, self.pair_timeout_s)
+        )
+        try:
+            link = await asyncio.shield(joining)
+        except asyncio.CancelledError:
+            joining.add_done_callback(abort_joined)  # the node is stopping: a link that still lands is aborted
+            raise
+        except Exception as exc:
+            self.counters["channel_errors"] += 1
+            logger.warning("channel: node %s could not pair with %s: %s", self.node_id, offer.initiator, exc)
+            raise
+        self._pairs.add(session, Pair(session, link))
+        self.counters["channel_pairs"] += 1
+        logger.info("channel: node %s paired with %s over %s", self.node_id, offer.initiator, self.kind)
+
+    async def join(self, session: str) -> None:
+        """Make sure the pair of ``session`` exists: wait for its join, starting it if needed. NcclError on failure."""
+        if self._pairs.live(session) is not None:
+            return
+        if session not in self._joins:
+            await self.start_join(session)
+        task = self._joins.get(session)
+        if task is not None:
+            await asyncio.shield(task)
+        if self._pairs.live(session) is None:
+            raise NcclError(f"session {session} has no pair on node {self.node_id} (its join failed)")
+
+    async def send(self, session: str, buffers: Sequence[Buffer]) -> None:
+        """Send ``buffers`` as one batch over the pair of ``session``; a failure drops the pair."""
+        pair = self._pairs.live(session)
+        if pair is None:
+            self.counters["channel_errors"] += 1
+            logger.warning("channel: node %s has no pair for session %s; nothing sent", self.node_id, session)
+            return
+        nbytes = sum(len(memoryview(b).cast("B")) for b in buffers)
+        async with pair.lock:
+            pair.transfer = asyncio.ensure_future(
+                asyncio.to_thread(pair.link.send, buffers, transfer_timeout(self.timeout_s, nbytes))
+            )
+            try:
+                await asyncio.shield(pair.transfer)
+            except Exception as exc:  # NcclError, or anything else a link let through: never reuse the pair
+                self.counters["channel_errors"] += 1
+                self._pairs.retire(session, pair)
+                logger.warning("channel: send to session %s failed, pair dropped: %s", session, exc)
+                return
+            except BaseException:
+                self._pairs.retire(session, pair)  # cancelled (node stopping): aborted once the thread returns
+                raise
+            finally:
+                pair.transfer = None
+        self.counters["channel_bytes"] += nbytes
+
+    def register_host(self, memory: memoryview) -> None:
+        """Memory chunks are sent from (the node's arena, one mapping): the transport may page-lock it once."""
+        self.transport.register_host(memory)
+
+    async def close(self) -> None:
+        """Abort every pair (never destroy: a gone peer would hang it); bounded."""
+        for task in list(self._joins.values()):
+            task.cancel()
+        await asyncio.gather(*self._joins.values(), return_exceptions=True)
+        await self._pairs.close()
