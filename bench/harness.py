@@ -4,6 +4,7 @@
     python -m bench.harness                      # full sweep, 3 rounds (long)
     python -m bench.harness --quick              # 4 MiB chunks, batch 1 and 8, one client, 3 rounds
     python -m bench.harness --smoke              # tiny chunks, one round (the tests run --quick --smoke --rounds 2)
+    python -m bench.harness --lookups            # lookups only: 16/128/1,000 keys, hit/half/miss (bench.lookups)
     python -m bench.harness --backends kvpool,resp --chunks 4MiB --batches 8 --clients 1 --rounds 5
 
 For each backend (kvpool, LMCache's redis://, resp://, lm://, fs://, and Mooncake when
@@ -691,6 +692,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
                         help=f"the measurement the targets are defined on: chunks {','.join(report.TARGET_CHUNKS)}, "
                              f"batch {report.TARGET_BATCH}, {report.TARGET_CLIENTS} client, {REAL_ROUNDS} rounds")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="4 MiB chunks, batch 1 and 8, one client")
+    parser.add_argument("--lookups", action="store_true",
+                        help="lookups only (bench.lookups): 16, 128 and 1,000 keys; hit, half and miss; "
+                             "round trips, commands and a Redis PING (default backends kvpool,resp,redis,lm,fs)")  # fmt: skip
     parser.add_argument("--smoke", action="store_true",
                         help=f"tiny chunks ({','.join(SMOKE_SHAPES)}), {SMOKE_ROUNDS} round (for tests)")  # fmt: skip
     parser.add_argument("--chunks", type=parse_names,
@@ -700,12 +704,21 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
     parser.add_argument("--clients", type=parse_counts, help="concurrent clients, e.g. 1,4")
     parser.add_argument("--rounds", type=parse_rounds,
                         help=f"interleaved rounds; figures are medians over them (default {REAL_ROUNDS}, "
-                             f"{SMOKE_ROUNDS} with --smoke)")  # fmt: skip
-    parser.add_argument("--backends", type=parse_backends, default=list(PEER_NAMES),
-                        help=f"comma-separated subset of {','.join(PEER_NAMES)} (default: all)")  # fmt: skip
+                             f"{SMOKE_ROUNDS} with --smoke, 5 with --lookups)")  # fmt: skip
+    parser.add_argument("--backends", type=parse_backends, default=None,
+                        help=f"comma-separated subset of {','.join(PEER_NAMES)} (default: all; with --lookups: "
+                             "kvpool,resp,redis,lm,fs)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"results directory (default {RESULTS})")
     parser.add_argument("--fs-dir", default=None, help="parent directory of the fs:// store (default: the temp dir)")
     args = parser.parse_args(argv)
+    if args.lookups:
+        fixed = [f"--{n}" for n in ("targets", "quick", "smoke", "chunks", "batches", "clients") if getattr(args, n)]
+        if fixed:
+            parser.error(f"--lookups measures lookups only; drop {' '.join(fixed)}")
+    if args.backends is None:
+        from bench.lookups import LOOKUP_BACKENDS
+
+        args.backends = list(LOOKUP_BACKENDS) if args.lookups else list(PEER_NAMES)
     if args.targets:
         fixed = [f"--{n}" for n in ("quick", "smoke", "chunks", "batches", "clients") if getattr(args, n)]
         if fixed:
@@ -729,6 +742,10 @@ def main(argv: list[str] | None = None) -> int:
 
     stamp = dt.datetime.now().strftime("%Y-%m-%dT%H%M%S")
     command = "python -m bench.harness" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    if args.lookups:
+        from bench.lookups import DEFAULT_ROUNDS, run_lookups
+
+        return run_lookups(args.backends, args.rounds or DEFAULT_ROUNDS, args.out, command)
     dram_bytes = plan.kvpool_dram_bytes()
     peers = make_peers(args.backends, kvpool_dram=f"{dram_bytes // MIB}MiB", fs_parent=args.fs_dir,
                        mooncake_bytes=dram_bytes)  # fmt: skip

@@ -278,3 +278,16 @@ def test_get_budget_reads_through_the_arena_and_over_tcp_and_accounts_for_each_m
     assert arena["LEASE round trip (the node answers offsets)"] > 0  # it copied out of the mapping (it raises if not)
     tcp = dict(report["paths"]["TCP"]["budget_ms"])
     assert tcp["  per stripe, summed: receive + checksum (wall)"] > 0
+
+
+def test_lookups_mode_looks_up_a_stored_prefix_a_half_one_and_misses_and_refuses_transfer_flags():
+    from bench.lookups import LOOKUP_BACKENDS, cell_keys
+
+    stored, absent = [f"s{i}" for i in range(1000)], [f"a{i}" for i in range(1000)]
+    assert cell_keys(stored, absent, 128, "hit") == (stored[:128], 128)
+    assert cell_keys(stored, absent, 16, "half") == (stored[:8] + absent[:8], 8)
+    assert cell_keys(stored, absent, 1000, "miss") == (absent, 0)
+    args, _ = parse_args(["--lookups"])
+    assert args.lookups and args.backends == list(LOOKUP_BACKENDS)
+    with pytest.raises(SystemExit):
+        parse_args(["--lookups", "--quick"])

@@ -7,6 +7,7 @@ pipeline is one); ``INFO commandstats`` counts the commands Redis executed.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 import redis
 
@@ -25,37 +26,58 @@ def _calls(info: redis.Redis, command: str) -> int:
 
 
 def test_a_lookup_of_1000_keys_is_one_redis_round_trip(redis_server: EmbeddedRedis, namespace: str) -> None:
+    """``contains``, ``hit_prefix`` and the get's lookup: one EVALSHA each, whatever they find.
+
+    The script's own HGETALLs count in ``INFO commandstats`` too: a prefix lookup reads
+    keys only up to the first miss, so an all-miss reads one hash.
+    """
+
     async def commit() -> None:
         meta = MetadataStore(redis_server.url, namespace)
         try:
-            await meta.commit([(key, Location("n1", 1, "dram", 4096, i)) for i, key in enumerate(KEYS)])
+            await meta.commit([(key, Location("n1", 1, "dram", 4096, i)) for i, key in enumerate(KEYS[:500])])
             await meta.heartbeat(NodeInfo("n1", "127.0.0.1", 1, 1), ttl_ms=60_000)  # n1 is alive: no stale entries
         finally:
             await meta.close()
 
     asyncio.run(commit())
+    misses = [f"absent/{i}" for i in range(1000)]
     with CountingProxy(redis_server.port) as proxy, redis.Redis(port=redis_server.port) as info:
 
-        async def lookups() -> tuple[int, int, int, int]:
+        async def lookups() -> dict[str, tuple[int, int, int]]:
             meta = MetadataStore(f"redis://127.0.0.1:{proxy.port}/0", namespace)
             client = PoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{proxy.port}/{namespace}"))
+            costs: dict[str, tuple[int, int, int]] = {}
+
+            async def cost(name: str, call: Awaitable[object], expected: object) -> None:
+                before = proxy.counts()["round_trips"], _calls(info, "evalsha"), _calls(info, "hgetall")
+                assert await call == expected
+                after = proxy.counts()["round_trips"], _calls(info, "evalsha"), _calls(info, "hgetall")
+                costs[name] = (after[0] - before[0], after[1] - before[1], after[2] - before[2])
+
             try:
                 await meta.ping()  # connected: only the lookup is counted
-                before, calls = proxy.counts()["round_trips"], _calls(info, "hgetall")
-                entries = await meta.lookup(KEYS)
-                store_trips, store_calls = proxy.counts()["round_trips"] - before, _calls(info, "hgetall") - calls
-                assert [e[0].checksum for e in entries] == list(range(1000))
+                entries = await meta.lookup(KEYS[:500])  # the full read kvpool check/delete use: HGETALL per key
+                assert [e[0].checksum for e in entries] == list(range(500))
                 await client.nodes(refresh=True)  # the registry read: not part of a lookup
-                before, calls = proxy.counts()["round_trips"], _calls(info, "hgetall")
-                assert await client.contains(KEYS) == [True] * 1000
-                return store_trips, store_calls, proxy.counts()["round_trips"] - before, _calls(info, "hgetall") - calls
+                await client.hit_prefix(KEYS[:1])  # the script is loaded once per Redis
+                await cost("hit", client.hit_prefix(KEYS[:500]), 500)
+                await cost("half", client.hit_prefix(KEYS), 500)
+                await cost("all-miss", client.hit_prefix(misses), 0)
+                await cost("contains", client.contains(KEYS), [True] * 500 + [False] * 500)
+                return costs
             finally:
                 await meta.close()
                 await client.close()
 
-        store_trips, store_calls, client_trips, client_calls = asyncio.run(lookups())
-    assert (store_trips, store_calls) == (1, 1000)
-    assert (client_trips, client_calls) == (1, 1000)
+        costs = asyncio.run(lookups())
+    # (round trips, EVALSHA, HGETALL run by the script)
+    assert costs == {
+        "hit": (1, 1, 500),
+        "half": (1, 1, 501),  # stopped at the first key missing
+        "all-miss": (1, 1, 1),
+        "contains": (1, 1, 1000),  # per-key answers: every key read
+    }
 
 
 def test_a_registry_refresh_is_one_command_while_nothing_changed_and_reads_only_what_did(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from backend import Chunk, PoolConfig, SyncPoolClient
+from backend import Chunk, PoolClient, PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis, free_port
 from backend.metadata import MetadataStore
 from bench.redis_servers import RedisProcesses
@@ -416,3 +416,47 @@ async def test_scans_of_a_hung_redis_fail_within_the_timeout_instead_of_retrying
             redis.process.send_signal(signal.SIGCONT)
     finally:
         await meta.close()
+
+
+async def test_lookups_on_a_cluster_give_the_answers_one_redis_gives(redis_cluster, redis_server, namespace):
+    """Keys spread over every primary: one script call per primary, combined into one answer."""
+    from backend.metadata import Location, NodeInfo
+
+    keys = [f"spread/{i}" for i in range(300)]
+    locations = [(key, Location("n1", 3, "dram", 10, i)) for i, key in enumerate(keys) if i != 200]
+    locations += [(keys[7], Location("ghost", 1, "dram", 10, 7)), (keys[250], Location("n1", 2, "dram", 10, 0))]
+    stores = [MetadataStore(f"redis+cluster://127.0.0.1:{redis_cluster[0]}", namespace),
+              MetadataStore(redis_server.url, namespace)]  # fmt: skip
+    try:
+        answers = []
+        for meta in stores:
+            await meta.commit(locations)
+            for port in redis_cluster if meta.is_cluster else []:
+                _cli(port, "SCRIPT", "FLUSH")  # as a shard restarted empty would: reloaded, not a miss
+            found = []
+            for prefix in (True, False):
+                for copies in (True, False):
+                    got = await meta.lookup_live(keys, {"n1": 3}, prefix=prefix, copies=copies)
+                    found.append((got.hits, got.copies, sorted((i, loc.node_id, loc.epoch) for i, loc in got.others)))
+            answers.append(found)
+        cluster, single = answers
+        assert cluster == single
+        hits, copies, others = cluster[0]
+        assert len(hits) == 201 and hits[:200] == [True] * 200 and hits[200] is False
+        assert [loc.checksum for loc in copies[7]] == [7]  # its live copy; the dead one is another
+        assert others == [(7, "ghost", 1)]  # key 250's old epoch is past the prefix: never read
+        assert cluster[2][0] == [True] * 200 + [False] + [True] * 49 + [False] + [True] * 49
+        assert cluster[2][2] == [(7, "ghost", 1), (250, "n1", 2)]
+        assert all(_index_keys_on(port, namespace) > 50 for port in redis_cluster)  # every primary was asked
+
+        await stores[0].heartbeat(NodeInfo("n1", "127.0.0.1", 1, 3), ttl_ms=60_000, changed=True)
+        client = PoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{redis_cluster[1]}/{namespace}?redis_mode=cluster"))
+        try:
+            assert await client.hit_prefix(keys) == 200
+            assert await client.contains(keys[199:202]) == [True, False, True]
+            assert await client.contains(keys[249:252]) == [True, False, True]
+        finally:
+            await client.close()
+    finally:
+        for meta in stores:
+            await meta.close()

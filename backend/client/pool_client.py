@@ -98,13 +98,13 @@ class PoolClient:
         """Whether each key is held by a live node (one Redis round trip)."""
         self._check_open()
         _check_keys(keys)
-        entries = await self._locator.lookup(keys)
-        return [any(self.registry.alive(loc) for loc in entry) for entry in entries]
+        return await self._locator.contains(keys)
 
     async def hit_prefix(self, keys: Sequence[str]) -> int:
-        """How many keys from the start are all present."""
-        hits = await self.contains(keys)
-        return hits.index(False) if False in hits else len(hits)
+        """How many keys from the start are all present (one Redis round trip that stops at the first miss)."""
+        self._check_open()
+        _check_keys(keys)
+        return await self._locator.hit_prefix(keys)
 
     async def put(self, chunks: Sequence[Chunk], *, only: Sequence[str] | None = None) -> None:
         """Store every chunk on ``replicas`` nodes; raises if any chunk could not be stored.

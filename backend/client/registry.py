@@ -1,8 +1,10 @@
 """The client's view of the node registry, and the index lookups that are read against it.
 
-The view is refreshed in the background at most every ``REGISTRY_REFRESH_S``; a
-lookup that finds a copy on a node the view does not know re-reads it first if it is
-older than ``FRESH_VIEW_S``, so a node that just (re)started is not taken for dead.
+The view is refreshed in the background at most every ``REGISTRY_REFRESH_S``. A lookup
+hands Redis the view's live node epochs and Redis answers which keys have a copy on one
+(``backend.metadata.lookup``); a lookup that finds a copy on a node epoch the view does
+not know re-reads the view if it is older than ``FRESH_VIEW_S`` (and then the keys, if
+the view changed), so a node that just (re)started is not taken for dead.
 Copies are read in order: nodes that just failed a read last, then the client's own
 cluster, then the least loaded.
 """
@@ -16,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from backend.client.context import ClientContext
 from backend.errors import KVPoolError, MetadataError
-from backend.metadata import IndexEntry, Location, MetadataStore, NodeInfo
+from backend.metadata import IndexEntry, LiveCopies, Location, MetadataStore, NodeInfo
 
 __all__ = ["RegistryView", "Locator", "REGISTRY_REFRESH_S", "SUSPECT_S"]
 
@@ -35,6 +37,7 @@ class RegistryView:
         self.meta = meta
         self.on_change: list[Callable[[set[tuple[str, int]]], None]] = []  # told the live (id, epoch) set
         self._nodes: dict[str, NodeInfo] = {}
+        self._epochs: dict[str, int] = {}  # node id -> epoch of every live node: what a lookup hands Redis
         self._version = 0  # the registry version (and namespace marker) the view was read at
         self._marker = ""
         self._read_at = 0.0
@@ -68,6 +71,7 @@ class RegistryView:
             nodes = {nid: n for nid, n in self._nodes.items() if nid not in changed}
             nodes.update({n.node_id: n for n in await self.meta.nodes(only=changed) if n.alive})
         self._nodes, self._version, self._marker = nodes, version, marker
+        self._epochs = {n.node_id: n.epoch for n in nodes.values()}
         self._read_at = time.monotonic()
         live = {(n.node_id, n.epoch) for n in nodes.values()}
         for hook in self.on_change:
@@ -83,6 +87,10 @@ class RegistryView:
 
     def node(self, node_id: str) -> NodeInfo | None:
         return self._nodes.get(node_id)
+
+    def epochs(self) -> dict[str, int]:
+        """Node id -> epoch of every live node in the view (not a copy: do not change it)."""
+        return self._epochs
 
     def alive(self, loc: Location) -> bool:
         node = self._nodes.get(loc.node_id)
@@ -112,7 +120,8 @@ class RegistryView:
 
 
 class Locator:
-    """Where each key's copies are: one pipelined Redis round trip; stale entries cleaned in the background."""
+    """Which keys have live copies: one Redis round trip, read against the view in Redis; stale
+    entries cleaned in the background."""
 
     def __init__(self, ctx: ClientContext, meta: MetadataStore, registry: RegistryView) -> None:
         self.ctx = ctx
@@ -120,26 +129,43 @@ class Locator:
         self.registry = registry
 
     async def lookup(self, keys: Sequence[str]) -> list[IndexEntry]:
-        """Index entries for ``keys``; locations on dead nodes are queued for cleanup.
+        """The live copies of each key (what a get or a lock reads next)."""
+        return (await self.find(keys, prefix=False, copies=True)).copies
 
+    async def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key has a copy on a live node epoch."""
+        return (await self.find(keys, prefix=False, copies=False)).hits
+
+    async def hit_prefix(self, keys: Sequence[str]) -> int:
+        """How many keys from the start have a live copy; Redis stops reading at the first that has none."""
+        return (await self.find(keys, prefix=True, copies=False)).prefix
+
+    async def find(self, keys: Sequence[str], *, prefix: bool, copies: bool) -> LiveCopies:
+        """Read ``keys`` against the live view (``MetadataStore.lookup_live``); copies outside it are cleaned later.
+
+        A copy on a node epoch the view does not hold, found while the view is older than
+        ``FRESH_VIEW_S``, may be a node that just (re)started: the view is re-read and, if
+        it changed, the keys read again (a second round trip, only then).
         Redis unreachable (down, restarting, failing over) reads as every key missing:
         a lookup is a hint, and a miss costs a recompute, never a failed request.
         """
         registry = self.registry
         try:
-            entries = await self.meta.lookup(keys)
             await registry.nodes()
-            if any(not registry.alive(loc) for entry in entries for loc in entry) and registry.age_s > FRESH_VIEW_S:
-                await registry.refresh()  # the view may predate a node's (re)start
+            found = await self.meta.lookup_live(keys, registry.epochs(), prefix=prefix, copies=copies)
+            if found.others and registry.age_s > FRESH_VIEW_S:
+                seen = registry.epochs()
+                await registry.refresh()
+                if registry.epochs() != seen:
+                    found = await self.meta.lookup_live(keys, registry.epochs(), prefix=prefix, copies=copies)
         except MetadataError as exc:
             self.ctx.warn_once("redis", "kvpool: Redis lookup failed, reading as misses until it is back: %s", exc)
             self.ctx.counters["lookup_failures"] += 1
-            return [[] for _ in keys]
+            return LiveCopies.missing(len(keys))
         self.ctx.recovered("redis")
-        stale = [(k, loc) for k, entry in zip(keys, entries) for loc in entry if not registry.alive(loc)]
-        if stale:
-            self.clean_later(stale, confirmed=False)
-        return entries
+        if found.others:
+            self.clean_later([(keys[i], loc) for i, loc in found.others], confirmed=False)
+        return found
 
     def clean_later(self, stale: Sequence[tuple[str, Location]], *, confirmed: bool) -> None:
         """Drop stale locations in the background.

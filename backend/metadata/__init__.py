@@ -16,6 +16,7 @@ Key schema (``NS`` is the namespace)::
     kvp:{NS}:regv            registry version: bumped whenever what clients keep of a node changes
     kvp:{NS}:regchanges      list, newest first, of "version|node_id" per bump (the last REGISTRY_LOG_MAX)
     kvp:NS:k:{<key>}         index entry: hash node_id -> "epoch|tier|nbytes|checksum|written_at"
+                             (read per request by one Lua call against the client's live view: lookup.py)
     kvp:{NS}:rdv:<session>   channel rendezvous offer (JSON), read once by the peer; expires (TTL)
 
 Registry keys share the hash tag ``{NS}`` (one Redis Cluster slot, small); index keys
@@ -35,8 +36,8 @@ slot, SCAN walks every primary. Every call is bounded by ``timeout_s``: a Redis 
 is down, paused or failing over costs at most that long, then raises MetadataError.
 """
 
-from backend.metadata.records import Beat, IndexEntry, Location, NodeInfo
+from backend.metadata.records import Beat, IndexEntry, LiveCopies, Location, NodeInfo
 from backend.metadata.scripts import COMMIT_LUA, LOOKUP_BATCH
 from backend.metadata.store import MetadataStore
 
-__all__ = ["Beat", "COMMIT_LUA", "IndexEntry", "LOOKUP_BATCH", "Location", "MetadataStore", "NodeInfo"]
+__all__ = ["Beat", "COMMIT_LUA", "IndexEntry", "LOOKUP_BATCH", "LiveCopies", "Location", "MetadataStore", "NodeInfo"]

@@ -9,7 +9,7 @@ from typing import Any
 
 from backend.errors import MetadataError
 
-__all__ = ["Beat", "IndexEntry", "Location", "NodeInfo"]
+__all__ = ["Beat", "IndexEntry", "LiveCopies", "Location", "NodeInfo"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,32 @@ class Location:
 
 
 IndexEntry = list[Location]
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveCopies:
+    """An index read against the node epochs a client holds live (``LiveLookup.lookup_live``).
+
+    ``hits``: one flag per key examined, in order; every key for a full lookup, and for a
+    prefix lookup the keys up to and including the first with no live copy.
+    ``copies``: each examined key's live copies (empty lists when they were not asked for).
+    ``others``: copies outside the live set (dead node, old epoch, or a node the view has
+    not seen yet), as ``(key position, copy)``: what a reader may clean or re-check.
+    """
+
+    hits: list[bool]
+    copies: list[IndexEntry]
+    others: list[tuple[int, Location]]
+
+    @property
+    def prefix(self) -> int:
+        """How many keys from the start have a live copy."""
+        return self.hits.index(False) if False in self.hits else len(self.hits)
+
+    @classmethod
+    def missing(cls, count: int) -> LiveCopies:
+        """Every one of ``count`` keys missing (what a lookup reads as while Redis is down)."""
+        return cls([False] * count, [[] for _ in range(count)], [])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,3 +111,47 @@ for _, dead in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', '(' .. now, '
 end
 return out
 """
+
+# The lookup every request pays: which keys have a copy on a live node epoch, read where the
+# index is. ARGV[1] == '1': stop after the first key with no live copy (a hit prefix);
+# ARGV[2] == '1': return the live copies too; ARGV[3]: how many node id and epoch pairs
+# follow (the caller's live view); then more keys after KEYS. On a cluster the keys of one
+# call are all served by one primary but lie in many slots, and Redis refuses declared keys
+# of several slots: there KEYS holds the first and the rest follow, read under
+# allow-cross-slot-keys. Returns {one '1'/'0' per key examined, {k, node, value, ...} live
+# copies, {k, node, value, ...} copies outside the view (dead node, old epoch, or a node the
+# view has not seen yet)}, k counting the call's keys from 1. Reads only.
+LIVE_LOOKUP_LUA = """#!lua flags=no-writes,allow-cross-slot-keys
+local live = {}
+local pairs_end = 3 + 2 * tonumber(ARGV[3])
+for i = 4, pairs_end, 2 do live[ARGV[i]] = ARGV[i + 1] .. '|' end
+local names = KEYS
+if #ARGV > pairs_end then
+  names = {}
+  for i = 1, #KEYS do names[i] = KEYS[i] end
+  for i = pairs_end + 1, #ARGV do names[#names + 1] = ARGV[i] end
+end
+local stop, want = ARGV[1] == '1', ARGV[2] == '1'
+local hits, copies, others = {}, {}, {}
+for k = 1, #names do
+  local fields = redis.call('HGETALL', names[k])
+  local hit = '0'
+  for i = 1, #fields, 2 do
+    local node, value = fields[i], fields[i + 1]
+    local epoch = live[node]
+    local out = others
+    if epoch and string.sub(value, 1, #epoch) == epoch then
+      hit = '1'
+      out = want and copies or nil
+    end
+    if out then
+      out[#out + 1] = k
+      out[#out + 1] = node
+      out[#out + 1] = value
+    end
+  end
+  hits[k] = hit
+  if stop and hit == '0' then break end
+end
+return {table.concat(hits), copies, others}
+"""

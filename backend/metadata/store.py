@@ -5,16 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 from backend.metadata.index import KeyIndex
+from backend.metadata.lookup import LiveLookup
 from backend.metadata.registry import NodeRegistry
 
 __all__ = ["MetadataStore"]
 
 
-class MetadataStore(NodeRegistry, KeyIndex):
+class MetadataStore(NodeRegistry, KeyIndex, LiveLookup):
     """Async access to one namespace's metadata in Redis (redis-py + hiredis).
 
-    The registry (``registry.py``) and the index (``index.py``) share one connection
-    (``connection.py``); this class adds the channel rendezvous.
+    The registry (``registry.py``), the index (``index.py``) and the lookup read against a
+    live view (``lookup.py``) share one connection (``connection.py``); this class adds the
+    channel rendezvous.
     """
 
     def rendezvous_key(self, session: str) -> str:
