@@ -36,6 +36,9 @@ METADATA_STORE_USERS = ("backend.metadata", "backend.client", "backend.node")
 # Where frames are encoded and decoded: both ends of the wire. The admin verbs and the
 # LMCache layer ask the client (backend/client/node_admin.py) in typed calls instead.
 FRAME_CODEC_USERS = ("backend.protocol", "backend.transport", "backend.shm", "backend.client", "backend.node")
+# A room whose parts are wired by one owner: no part imports the owner (not even for a type
+# hint), so none can hold it and read its attributes; each gets a context and the parts it uses.
+OWNERS = {"backend.node": "backend.node.server"}
 
 
 # What nccl_channel may import of backend: the errors and the wire codec. Never the node, nor
@@ -54,11 +57,17 @@ def _room(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
-def _imports(path: Path) -> Iterator[tuple[str, list[str], int]]:
-    """(imported module, names taken from it, line) for every import in ``path``."""
+def _imports(path: Path, package: str = "") -> Iterator[tuple[str, list[str], int]]:
+    """(imported module, names taken from it, line) for every import in ``path``.
+
+    Relative imports are resolved against ``package`` (the package ``path`` is in), and skipped without it.
+    """
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             yield node.module, [a.name for a in node.names], node.lineno
+        elif isinstance(node, ast.ImportFrom) and package:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            yield ".".join(base + ([node.module] if node.module else [])), [a.name for a in node.names], node.lineno
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, [], node.lineno
@@ -123,8 +132,30 @@ def test_nccl_channel_imports_only_the_errors_and_codec_of_backend_and_never_red
     assert reach == []
 
 
+def test_no_part_of_the_node_imports_the_node_process() -> None:
+    reach = []
+    for path in _backend_files():
+        module = _module(path)
+        owner = OWNERS.get(_room(module))
+        if owner is None or module == owner:
+            continue
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        for imported, names, line in _imports(path, package):
+            if imported == owner or (imported == _room(module) and owner.rsplit(".", 1)[1] in names):
+                reach.append(f"{path.relative_to(REPO)}:{line} imports {owner}")
+    assert reach == [], "give the part a NodeContext (backend/node/context.py) and the parts it uses"
+
+
 def test_the_rules_catch_a_breach(tmp_path: Path) -> None:
     """The scan sees imports where they are written, at any depth (a function body too)."""
     sample = tmp_path / "sample.py"
-    sample.write_text("def f():\n    from backend.metadata import MetadataStore\n    import torch.cuda\n")
-    assert [(m, n) for m, n, _ in _imports(sample)] == [("backend.metadata", ["MetadataStore"]), ("torch.cuda", [])]
+    sample.write_text(
+        "def f():\n    from backend.metadata import MetadataStore\n    import torch.cuda\n"
+        "if TYPE_CHECKING:\n    from backend.node.server import PoolNode\n    from . import server\n"
+    )
+    assert [(m, n) for m, n, _ in _imports(sample, "backend.node")] == [
+        ("backend.metadata", ["MetadataStore"]),
+        ("torch.cuda", []),
+        ("backend.node.server", ["PoolNode"]),
+        ("backend.node", ["server"]),
+    ]

@@ -10,11 +10,15 @@ with :class:`~backend.node.puts.PutReceiver`.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from backend.errors import ProtocolError
+from backend.node.context import NodeContext
 from backend.node.dram import StoredChunk
 from backend.node.leases import MAX_LEASE_TTL_MS
+from backend.node.publisher import IndexPublisher
+from backend.node.puts import PutReceiver
+from backend.node.stats import NodeStats
 from backend.protocol import (
     LEASE_MAP,
     MAX_INVENTORY_PAGE,
@@ -36,7 +40,6 @@ from backend.protocol import (
 from backend.transport import Buffer
 
 if TYPE_CHECKING:
-    from backend.node.server import PoolNode
     from backend.node.session import Session
 
 __all__ = ["OpHandlers"]
@@ -48,8 +51,12 @@ Handler = Callable[[bytearray, "Session"], Awaitable[Reply]]
 class OpHandlers:
     """The node's request handlers, by op."""
 
-    def __init__(self, node: PoolNode) -> None:
-        self.node = node
+    def __init__(self, ctx: NodeContext, stats: NodeStats, publisher: IndexPublisher, puts: PutReceiver) -> None:
+        self.ctx = ctx
+        self.stats = stats
+        self.publisher = publisher
+        self.puts = puts
+        self.channel: Any = None  # nccl_channel.channel.ChannelServer, once the node serves one (use_channel)
         self.table: dict[int, Handler] = {
             Op.GET_BATCH: self.get_batch,
             Op.EXISTS_BATCH: self.exists_batch,
@@ -64,6 +71,10 @@ class OpHandlers:
             Op.PING: self.ping,
         }
 
+    def use_channel(self, channel: Any) -> None:
+        """Answer CHANNEL_GET with ``channel`` (``nccl_channel.channel.ChannelServer``)."""
+        self.channel = channel
+
     async def handle(self, op: int, meta: bytearray, session: Session) -> Reply:
         handler = self.table.get(op)
         if handler is None:
@@ -77,10 +88,10 @@ class OpHandlers:
         client reads the keys answered as misses again (over TCP, or in its next GET).
         Counted as the channel's gets, hits and misses with ``channel``.
         """
-        tiers, counters = self.node.tiers, self.node.counters
+        tiers, counters = self.ctx.tiers, self.ctx.counters
         found: list[ItemMeta | None] = []
         data: list[Buffer] = []
-        budget = self.node.config.limits.max_data_bytes
+        budget = self.ctx.config.limits.max_data_bytes
         for key in keys:
             chunk = await tiers.get(key)
             counters["channel_gets" if channel else "gets"] += 1
@@ -98,21 +109,21 @@ class OpHandlers:
         return found, data
 
     async def get_batch(self, meta: bytearray, session: Session) -> Reply:
-        limits = self.node.config.limits
+        limits = self.ctx.config.limits
         found, data = await self._fetch(decode_keys(meta, limits), channel=False)
-        self.node.counters["get_bytes"] += sum(item.nbytes for item in found if item is not None)
+        self.ctx.counters["get_bytes"] += sum(item.nbytes for item in found if item is not None)
         return encode_get_response(found, limits), data
 
     async def exists_batch(self, meta: bytearray, session: Session) -> Reply:
-        tiers = self.node.tiers
-        return encode_flags([int(tiers.contains(key)) for key in decode_keys(meta, self.node.config.limits)]), []
+        tiers = self.ctx.tiers
+        return encode_flags([int(tiers.contains(key)) for key in decode_keys(meta, self.ctx.config.limits)]), []
 
     async def delete_batch(self, meta: bytearray, session: Session) -> Reply:
-        node = self.node
-        keys = decode_keys(meta, node.config.limits)
-        deleted = [key for key in keys if await node.tiers.delete(key)]
-        await node.meta.remove(node.node_id, node.epoch, deleted)
-        node.counters["deletes"] += len(deleted)
+        ctx = self.ctx
+        keys = decode_keys(meta, ctx.config.limits)
+        deleted = [key for key in keys if await ctx.tiers.delete(key)]
+        await ctx.index.remove(ctx.node_id, ctx.epoch, deleted)
+        ctx.counters["deletes"] += len(deleted)
         gone = set(deleted)
         return encode_flags([int(key in gone) for key in keys]), []
 
@@ -122,15 +133,15 @@ class OpHandlers:
         after, limit = request.get("after", ""), request.get("limit", 1000)
         if not isinstance(after, str) or not isinstance(limit, int) or not 0 < limit <= MAX_INVENTORY_PAGE:
             raise ProtocolError(f"INVENTORY wants {{after: str, limit: 1..{MAX_INVENTORY_PAGE}}}")
-        page, more = self.node.tiers.page(after, limit)
+        page, more = self.ctx.tiers.page(after, limit)
         items = [[item.key, tier, item.nbytes, item.checksum] for item, tier in page]
         return encode_json({"items": items, "more": more}), []
 
     async def verify_batch(self, meta: bytearray, session: Session) -> Reply:
-        tiers = self.node.tiers
-        flags = [Verified[(await tiers.verify(k)).upper()] for k in decode_keys(meta, self.node.config.limits)]
+        tiers = self.ctx.tiers
+        flags = [Verified[(await tiers.verify(k)).upper()] for k in decode_keys(meta, self.ctx.config.limits)]
         if any(flags):
-            await self.node.publisher.flush_index()  # a dropped corrupt copy leaves the index now, not at the beat
+            await self.publisher.flush_index()  # a dropped corrupt copy leaves the index now, not at the beat
         return encode_flags(flags), []
 
     async def lease(self, meta: bytearray, session: Session) -> Reply:
@@ -141,8 +152,8 @@ class OpHandlers:
         chunk object, so its region outlives a concurrent delete or eviction.
         Without LEASE_MAP this is a lock only: nothing moves, so it never waits.
         """
-        node, tiers, counters = self.node, self.node.tiers, self.node.counters
-        ttl_ms, lease_flags, keys = decode_lease_request(meta, node.config.limits)
+        ctx, tiers, counters = self.ctx, self.ctx.tiers, self.ctx.counters
+        ttl_ms, lease_flags, keys = decode_lease_request(meta, ctx.config.limits)
         if ttl_ms > MAX_LEASE_TTL_MS:
             raise ProtocolError(f"lease ttl_ms {ttl_ms} exceeds {MAX_LEASE_TTL_MS}")
         want_map = bool(lease_flags & LEASE_MAP)
@@ -174,37 +185,36 @@ class OpHandlers:
         lease_id = tiers.leases.grant(held, chunks, ttl_ms, owner=conn) if held else 0
         if lease_id and conn.closed:
             tiers.leases.release_owner(conn)  # it closed while we fetched: its teardown has already run
-        return encode_lease_response(lease_id, found, node.config.limits), []
+        return encode_lease_response(lease_id, found, ctx.config.limits), []
 
     async def release(self, meta: bytearray, session: Session) -> Reply:
-        lease_id, keys = decode_release(meta, self.node.config.limits)
-        return encode_json({"released": self.node.tiers.leases.release(lease_id, keys)}), []
+        lease_id, keys = decode_release(meta, self.ctx.config.limits)
+        return encode_json({"released": self.ctx.tiers.leases.release(lease_id, keys)}), []
 
     async def put_staged(self, meta: bytearray, session: Session) -> Reply:
-        puts = self.node.puts
+        puts = self.puts
         return await puts.commit(await puts.receive_staged(meta, session))
 
     async def channel_get(self, meta: bytearray, session: Session) -> Reply:
         """CHANNEL_GET: join the pair if new, answer which keys are held, send their bytes over the pair."""
-        node = self.node
-        channel = node.channel
+        ctx, channel = self.ctx, self.channel
         if channel is None:
-            raise ProtocolError(f"node {node.node_id} serves no channel (start it with --channel)")
-        pair, keys = decode_channel_request(meta, node.config.limits)
+            raise ProtocolError(f"node {ctx.node_id} serves no channel (start it with --channel)")
+        pair, keys = decode_channel_request(meta, ctx.config.limits)
         if not keys:
             # Pairing: answered once the offer is taken; the join runs on with its own deadline,
             # so a slow NCCL init never holds this request (and the client's connection) open.
             await channel.start_join(pair)
-            return encode_channel_response([], node.config.limits), []
+            return encode_channel_response([], ctx.config.limits), []
         await channel.join(pair)  # NcclError: answered as an error; the client falls back to TCP
         found, buffers = await self._fetch(keys, channel=True)  # keys past the limit are read over TCP
         if buffers:
             # The client receives after reading the answer; the pair's lock keeps batches in order.
-            node.spawn(channel.send(pair, buffers))
-        return encode_channel_response(found, node.config.limits), []
+            ctx.spawn(channel.send(pair, buffers))
+        return encode_channel_response(found, ctx.config.limits), []
 
     async def stat(self, meta: bytearray, session: Session) -> Reply:
-        return encode_json(self.node.stats()), []
+        return encode_json(self.stats.report()), []
 
     async def ping(self, meta: bytearray, session: Session) -> Reply:
-        return encode_json({"node_id": self.node.node_id, "epoch": self.node.epoch}), []
+        return encode_json({"node_id": self.ctx.node_id, "epoch": self.ctx.epoch}), []

@@ -14,47 +14,64 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+import os
+import socket
+import time
+from typing import Any
 
 from backend.errors import MetadataError
-from backend.metadata import Beat, Location
-from backend.node.tiers import DRAM
-from backend.protocol import ItemMeta
+from backend.metadata import Beat, NodeInfo
+from backend.node.collector import DeadNodeCollector
+from backend.node.context import NodeContext
+from backend.node.stats import NodeStats
 
-if TYPE_CHECKING:
-    from backend.node.server import PoolNode
-
-__all__ = ["IndexPublisher"]
+__all__ = ["Advert", "IndexPublisher"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Advert:
+    """How clients reach this node, fixed once it listens: what its registry entry says besides its holdings."""
+
+    host: str
+    port: int
+    tls: bool = False
+    channel: str = ""  # the channel's kind; "" when it serves none
 
 
 class IndexPublisher:
     """The node's side of the registry and the index, beyond the put and delete paths."""
 
-    def __init__(self, node: PoolNode) -> None:
-        self.node = node
+    def __init__(self, ctx: NodeContext, stats: NodeStats) -> None:
+        self.ctx = ctx
+        self.stats = stats
         self.redis_ok = True
+        self.started_at = time.time()
+        self._advert: Advert | None = None  # set by join
         self._generation = ""  # the namespace marker this node last published under
         self._published_view: tuple[Any, ...] = ()  # what clients keep of this node, as last published
 
-    async def join(self) -> None:
-        """First publication: take an epoch, publish what recovery found, beat once."""
-        node = self.node
-        self._generation = await node.meta.ensure_marker()
-        node.epoch = await node.meta.new_epoch()
-        if node.recovery is not None and node.recovery.files:
+    async def join(self, node_id: str, advert: Advert, *, recovered: bool = False) -> None:
+        """First publication: take an epoch (this node's identity from now on), publish what recovery found
+        (``recovered``), beat once."""
+        self._advert = advert
+        self._generation = await self.ctx.index.ensure_marker()
+        self.ctx.joined(node_id, await self.ctx.index.new_epoch())
+        if recovered:
             await self.publish_inventory()  # the old epoch's entries are overwritten
         await self.heartbeat()
 
-    async def heartbeat_loop(self) -> None:
-        node = self.node
-        interval = node.config.heartbeat_interval_ms / 1000
-        while not node.stopping:
+    async def heartbeat_loop(self, collector: DeadNodeCollector | None = None) -> None:
+        """Beat every ``heartbeat_interval_ms`` until the node stops; ``collector`` takes a step after each."""
+        ctx = self.ctx
+        interval = ctx.config.heartbeat_interval_ms / 1000
+        while not ctx.stopping:
             await asyncio.sleep(interval)
-            node.tiers.leases.expire()
-            node.statistics.tick()
+            ctx.tiers.leases.expire()
+            self.stats.tick()
             try:
                 beat = await self.heartbeat()
                 if beat.generation != self._generation:
@@ -62,24 +79,49 @@ class IndexPublisher:
                 elif beat.registered_anew:
                     await self._republish("this node's registry entry was gone (collected as dead while away)")
                 await self.flush_index()
-                if node.collector is not None:
-                    await node.collector.step()
+                if collector is not None:
+                    await collector.step()
                 if not self.redis_ok:
-                    logger.warning("node %s: Redis reachable again", node.node_id)
+                    logger.warning("node %s: Redis reachable again", ctx.node_id)
                     self.redis_ok = True
             except MetadataError as exc:
                 if self.redis_ok:
-                    logger.warning("node %s: Redis unreachable, serving what is held: %s", node.node_id, exc)
+                    logger.warning("node %s: Redis unreachable, serving what is held: %s", ctx.node_id, exc)
                     self.redis_ok = False
 
     async def heartbeat(self) -> Beat:
         """One heartbeat; clients are told (registry version) when what they keep of this node changed."""
-        node = self.node
-        info = node.info()
+        info = self.info()
         view = info.view()
-        beat = await node.meta.heartbeat(info, node.config.heartbeat_ttl_ms, changed=view != self._published_view)
+        changed = view != self._published_view
+        beat = await self.ctx.index.heartbeat(info, self.ctx.config.heartbeat_ttl_ms, changed=changed)
         self._published_view = view
         return beat
+
+    def info(self) -> NodeInfo:
+        """This node's registry entry, as of now."""
+        ctx, tiers, advert = self.ctx, self.ctx.tiers, self._advert
+        if advert is None:
+            raise RuntimeError("the node has not joined the pool yet")
+        return NodeInfo(
+            node_id=ctx.node_id,
+            host=advert.host,
+            port=advert.port,
+            epoch=ctx.epoch,
+            cluster=ctx.config.cluster,
+            channel=advert.channel,
+            tls=advert.tls,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=self.started_at,
+            capacity_bytes=tiers.capacity_bytes,
+            used_bytes=tiers.used_bytes,
+            object_count=len(tiers),
+            tiers=tiers.stats(),
+            heartbeat_at=time.time(),
+            shm_path=str(tiers.arena.path) if tiers.arena is not None else "",
+            shm_token=tiers.arena.token if tiers.arena is not None else "",
+        )
 
     async def _republish(self, why: str) -> None:
         """Redis lost what we published (restart, flush, or we were collected as dead): publish it again.
@@ -87,38 +129,35 @@ class IndexPublisher:
         Every node does this once per new marker generation, whichever node
         recreated the marker first.
         """
-        node = self.node
-        generation = await node.meta.ensure_marker()
-        await node.meta.ensure_epoch_at_least(node.epoch)
+        ctx = self.ctx
+        generation = await ctx.index.ensure_marker()
+        await ctx.index.ensure_epoch_at_least(ctx.epoch)
         self._published_view = ()  # Redis lost the registry: clients re-read it all anyway
         await self.heartbeat()
         count = await self.publish_inventory()
         self._generation = generation
-        logger.warning("node %s: %s; republished %d chunks", node.node_id, why, count)
+        logger.warning("node %s: %s; republished %d chunks", ctx.node_id, why, count)
 
     async def publish_inventory(self) -> int:
-        held = [(meta.key, self.location(meta, tier)) for meta, tier in self.node.tiers.inventory()]
-        await self.node.meta.commit(held)
-        self.node.counters["republished"] += len(held)
+        held = [(meta.key, self.ctx.location(meta, tier)) for meta, tier in self.ctx.tiers.inventory()]
+        await self.ctx.index.commit(held)
+        self.ctx.counters["republished"] += len(held)
         return len(held)
 
     async def flush_index(self) -> None:
         """Publish what the tiers did since the last flush: evictions, drops and tier moves."""
-        tiers = self.node.tiers
+        ctx, tiers = self.ctx, self.ctx.tiers
         removed, moved = tiers.changes.take()
         gone = [key for key in removed if not tiers.contains(key)]
         moves = []
         for key in moved:
             meta, tier = tiers.meta_of(key), tiers.tier_of(key)
             if meta is not None and tier is not None:
-                moves.append((key, self.location(meta, tier)))
+                moves.append((key, ctx.location(meta, tier)))
         try:
-            await self.node.meta.remove(self.node.node_id, self.node.epoch, gone)
-            await self.node.meta.move(moves)
+            await ctx.index.remove(ctx.node_id, ctx.epoch, gone)
+            await ctx.index.move(moves)
         except MetadataError:
             # Keep them for the next flush; an index entry that outlives its bytes reads as a miss.
             tiers.changes.put_back(set(gone), {key: loc.tier for key, loc in moves})
             raise
-
-    def location(self, meta: ItemMeta, tier: str = DRAM) -> Location:
-        return Location(self.node.node_id, self.node.epoch, tier, meta.nbytes, meta.checksum)

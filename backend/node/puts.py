@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING
 from backend.errors import BusyError, CapacityError, MetadataError, ProtocolError
 from backend.metadata import Location
 from backend.node.buffers import ChunkBuffer
+from backend.node.context import NodeContext
 from backend.node.dram import StoredChunk
+from backend.node.publisher import IndexPublisher
 from backend.node.tiers import DRAM
 from backend.protocol import (
     PUT_BUSY,
@@ -39,7 +41,6 @@ from backend.threads import map_in_threads
 from backend.transport import BULK_BYTES, Buffer, FrameSocket
 
 if TYPE_CHECKING:
-    from backend.node.server import PoolNode
     from backend.node.session import Session
 
 __all__ = ["PutReceiver", "Received"]
@@ -53,8 +54,9 @@ Received = list[tuple[int, ItemMeta, StoredChunk | None]]  # per item: PUT outco
 class PutReceiver:
     """Receives puts into the node's tiers and commits them to the index."""
 
-    def __init__(self, node: PoolNode) -> None:
-        self.node = node
+    def __init__(self, ctx: NodeContext, publisher: IndexPublisher) -> None:
+        self.ctx = ctx
+        self.publisher = publisher
         self._own_ids = itertools.count(1)  # for requests that name no put: negative, unlike a client's
 
     async def receive(self, conn: FrameSocket, items: list[ItemMeta], options: PutOptions) -> Received:
@@ -67,7 +69,7 @@ class PutReceiver:
 
     async def receive_staged(self, meta: bytearray, session: Session) -> Received:
         """Copy a PUT_STAGED's chunks out of the client's stage (see :meth:`take_chunks`)."""
-        name, token, items, offsets, options = decode_put_staged(meta, self.node.config.limits)
+        name, token, items, offsets, options = decode_put_staged(meta, self.ctx.config.limits)
         stage = session.stage(name, token)
         offset_of = {id(item): offset for item, offset in zip(items, offsets)}
 
@@ -81,12 +83,12 @@ class PutReceiver:
         async def fill(window: list[tuple[ItemMeta, ChunkBuffer]]) -> list[int]:
             if sum(item.nbytes for item, _ in window) < BULK_BYTES:
                 return [copy(job) for job in window]
-            return await map_in_threads(self.node.bulk, BULK_COPY_THREADS, copy, window)
+            return await map_in_threads(self.ctx.bulk, BULK_COPY_THREADS, copy, window)
 
         async def drop(nbytes: int) -> None:
             pass  # nothing to read off a socket
 
-        self.node.counters["staged_put_bytes"] += sum(item.nbytes for item in items)
+        self.ctx.counters["staged_put_bytes"] += sum(item.nbytes for item in items)
         return await self.take_chunks(items, fill, drop, options)
 
     async def take_chunks(
@@ -111,10 +113,10 @@ class PutReceiver:
         (``PUT_NO_CAPACITY``), else once DRAM stayed full of other puts in flight until
         ``options.wait_ms`` after the request came (``PUT_BUSY``).
         """
-        tiers = self.node.tiers
+        tiers = self.ctx.tiers
         put_id = options.put_id or -next(self._own_ids)
         # The session gives a frame's bytes frame_timeout_s: the wait leaves half of it for them.
-        wait_s = min(options.wait_ms / 1000, self.node.config.frame_timeout_s / 2)
+        wait_s = min(options.wait_ms / 1000, self.ctx.config.frame_timeout_s / 2)
         until = asyncio.get_running_loop().time() + wait_s
         received: Received = []
         window: list[tuple[ItemMeta, ChunkBuffer]] = []  # reserved, bytes not brought yet
@@ -179,26 +181,26 @@ class PutReceiver:
         return received
 
     async def _discard_uncommitted(self, chunks: list[StoredChunk]) -> None:
-        self.node.tiers.settle(chunks)
+        self.ctx.tiers.settle(chunks)
         for chunk in chunks:
-            await self.node.tiers.discard(chunk)
+            await self.ctx.tiers.discard(chunk)
 
     async def commit(self, received: Received) -> tuple[bytes, list[Buffer]]:
         """Make the stored chunks visible in the index, then answer each item's outcome."""
-        node, tiers, counters = self.node, self.node.tiers, self.node.counters
+        ctx, tiers, counters = self.ctx, self.ctx.tiers, self.ctx.counters
         flags: list[int] = []
         visible: list[tuple[str, Location]] = []
         for flag, item, _ in received:
             if flag == PUT_STORED and not tiers.holds(item.key, item.checksum):
                 flag = PUT_NO_CAPACITY  # evicted while its request waited for room: never acknowledge it
             if flag == PUT_STORED:
-                visible.append((item.key, node.publisher.location(item, tiers.tier_of(item.key) or DRAM)))
+                visible.append((item.key, ctx.location(item, tiers.tier_of(item.key) or DRAM)))
             flags.append(flag)
         counters["put_rejected_capacity"] += flags.count(PUT_NO_CAPACITY)
         counters["put_rejected_busy"] += flags.count(PUT_BUSY)
         counters["integrity_failures"] += flags.count(PUT_INTEGRITY)
         try:
-            await node.meta.commit(visible)
+            await ctx.index.commit(visible)
         except MetadataError:
             # Not visible, so not kept: a put is acknowledged only once readers can find it.
             await self._discard_uncommitted([c for _, _, c in received if c is not None])
@@ -206,7 +208,7 @@ class PutReceiver:
         finally:
             tiers.settle([c for _, _, c in received if c is not None])  # committed or dropped: they may move now
         with contextlib.suppress(MetadataError):
-            await node.publisher.flush_index()  # what the batch evicted; kept for the heartbeat if this fails
+            await self.publisher.flush_index()  # what the batch evicted; kept for the heartbeat if this fails
         counters["puts"] += len(visible)
         counters["put_bytes"] += sum(loc.nbytes for _, loc in visible)
         return encode_flags(flags), []

@@ -9,18 +9,20 @@ The parts, one module each:
 * ``ops.py``: what each request op does; ``puts.py``: the put path and its crash ordering;
 * ``publisher.py``: heartbeat, index flush, republish after Redis loss;
 * ``stats.py``: counters, recent rates, service times (STAT, /metrics).
+
+Each part is given a :class:`~backend.node.context.NodeContext` (config, tiers, index,
+counters, identity, worker threads, tasks) and the parts it uses; none holds this
+object. Only :meth:`PoolNode.start` (through ``IndexPublisher.join``) sets the node's
+id and epoch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import ssl
-import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from backend.config import NodeConfig
@@ -29,11 +31,12 @@ from backend.metadata import MetadataStore, NodeInfo
 from backend.metrics import NodeMetricsServer
 from backend.node.admission import Admission
 from backend.node.collector import DeadNodeCollector
+from backend.node.context import NodeContext
 from backend.node.ops import OpHandlers
-from backend.node.publisher import IndexPublisher
+from backend.node.publisher import Advert, IndexPublisher
 from backend.node.puts import PutReceiver
 from backend.node.recovery import RecoveryReport, node_identity, scan
-from backend.node.session import accept_loop
+from backend.node.session import Acceptor
 from backend.node.stats import NodeStats
 from backend.node.tiers import TierConfig, TierManager
 from backend.transport import FrameSocket, server_tls_context
@@ -43,9 +46,6 @@ __all__ = ["NodeConfig", "PoolNode"]  # NodeConfig lives in backend.config; impo
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 5.0
-# Threads that move large replies and puts (``backend.transport``): with one per busy
-# connection, two clients' GETs are sent by both cores instead of the event loop's one.
-BULK_THREADS = 4
 
 
 def tier_config(config: NodeConfig) -> TierConfig:
@@ -61,32 +61,44 @@ class PoolNode:
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.tiers = TierManager(tier_config(config))
-        self.recovery: RecoveryReport | None = None
-        self.meta = MetadataStore(
+        self._store = MetadataStore(
             config.redis_url, config.namespace, config.redis_timeout_ms / 1000,
             password=config.redis_password, ca_file=config.redis_ca_file,
         )  # fmt: skip
-        self.tls: ssl.SSLContext | None = None
-        self.statistics = NodeStats()
-        self.counters: Counter[str] = self.statistics.counters
-        self.epoch = 0
-        self.node_id = config.node_id
-        self.started_at = time.time()
-        self.listener: socket.socket | None = None
-        self.connections: set[FrameSocket] = set()
+        self.ctx = NodeContext(config, TierManager(tier_config(config)), self._store)
+        self.tiers = self.ctx.tiers
+        self.counters: Counter[str] = self.ctx.counters
+        self.statistics = NodeStats(self.ctx)
         self.admission = Admission(self.counters, config.max_pending_connections)  # those not yet admitted
+        self.publisher = IndexPublisher(self.ctx, self.statistics)
+        self.puts = PutReceiver(self.ctx, self.publisher)
+        self.ops = OpHandlers(self.ctx, self.statistics, self.publisher, self.puts)
+        self.acceptor = Acceptor(self.ctx, self.admission, self.statistics, self.ops, self.puts)
+        # Made by start():
+        self.tls: ssl.SSLContext | None = None
+        self.listener: socket.socket | None = None
         self.metrics: NodeMetricsServer | None = None
-        self.bulk = ThreadPoolExecutor(BULK_THREADS, thread_name_prefix="kvpool-node-bulk")
-        self.channel: Any = None  # nccl_channel.channel.ChannelServer once started, if configured
+        self.channel: Any = None  # nccl_channel.channel.ChannelServer, if configured
         self.collector: DeadNodeCollector | None = None  # made once the node id is known
-        self.publisher = IndexPublisher(self)
-        self.puts = PutReceiver(self)
-        self.ops = OpHandlers(self)
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._stopping = asyncio.Event()
 
     # -- lifecycle --------------------------------------------------------------------
+    @property
+    def node_id(self) -> str:
+        return self.ctx.node_id
+
+    @property
+    def epoch(self) -> int:
+        return self.ctx.epoch
+
+    @property
+    def recovery(self) -> RecoveryReport | None:
+        """What the NVMe scan found at start (None without NVMe)."""
+        return self.statistics.recovery
+
+    @property
+    def connections(self) -> set[FrameSocket]:
+        return self.acceptor.connections
+
     @property
     def port(self) -> int:
         assert self.listener is not None
@@ -106,7 +118,7 @@ class PoolNode:
 
     @property
     def stopping(self) -> bool:
-        return self._stopping.is_set()
+        return self.ctx.stopping
 
     async def start(self) -> None:
         """Bind, take an epoch, register. Raises MetadataError if Redis is unreachable."""
@@ -119,32 +131,37 @@ class PoolNode:
             raise NodeUnavailable(f"port: cannot listen on {where}: {exc.strerror or exc}") from None
         listener.setblocking(False)
         self.listener = listener
+        node_id = self.config.node_id  # this node's identity once it joined (publisher.join)
         if self.tiers.nvme is not None:
             root = self.tiers.nvme.root
-            self.node_id = await asyncio.to_thread(node_identity, root, self.node_id)
+            node_id = await asyncio.to_thread(node_identity, root, node_id)
             records, report = await asyncio.to_thread(scan, root)
-            self.recovery = report
+            self.statistics.recovery = report
             self.tiers.load_nvme(records)
             await asyncio.to_thread(self.tiers.nvme.warn_if_larger_than_disk)
             logger.info("node %s: recovered %d NVMe chunks (%d bytes) in %.2f s; %d quarantined, %d temp files removed",
-                        self.node_id, report.files, report.bytes, report.seconds,
+                        node_id, report.files, report.bytes, report.seconds,
                         report.quarantined, report.temp_removed)  # fmt: skip
-        if not self.node_id:
-            self.node_id = f"{socket.gethostname()}-{self.port}"
-        self.collector = DeadNodeCollector(self.meta, self.node_id, self.config.dead_node_grace_ms / 1000)
+        if not node_id:
+            node_id = f"{socket.gethostname()}-{self.port}"
+        self.collector = DeadNodeCollector(self._store, node_id, self.config.dead_node_grace_ms / 1000)
+        self.statistics.count_also(self.collector.counters)
         # Bind the metrics port before registering: if it is taken, nothing is left in Redis.
         if self.config.metrics_port is not None:
             self.metrics = NodeMetricsServer(
                 self.stats, self.health, self.config.metrics_host, self.config.metrics_port
             )
             await self.metrics.start()
-            logger.info("node %s: metrics at http://%s:%d/metrics", self.node_id, self.config.metrics_host,
+            logger.info("node %s: metrics at http://%s:%d/metrics", node_id, self.config.metrics_host,
                         self.metrics.port)  # fmt: skip
-        self._start_channel(transport)
-        await self.publisher.join()
+        self._start_channel(transport, node_id)
+        advert = Advert(self.advertise_host, self.advertise_port, tls=self.tls is not None,
+                        channel=self.channel.kind if self.channel is not None else "")  # fmt: skip
+        recovered = self.recovery is not None and self.recovery.files > 0
+        await self.publisher.join(node_id, advert, recovered=recovered)
         self.tiers.start()
-        self.spawn(accept_loop(self))
-        self.spawn(self.publisher.heartbeat_loop())
+        self.ctx.spawn(self.acceptor.accept_loop(listener, self.tls))
+        self.ctx.spawn(self.publisher.heartbeat_loop(self.collector))
         nvme = self.tiers.nvme
         logger.info(
             "node %s epoch %d listening on %s:%d, advertised as %s:%d (DRAM %d bytes, NVMe %s, namespace %s)",
@@ -162,25 +179,22 @@ class PoolNode:
         return server_tls_context(str(cert), str(key))
 
     async def wait_stopped(self) -> None:
-        await self._stopping.wait()
+        await self.ctx.wait_stopped()
 
     def request_stop(self) -> None:
-        self._stopping.set()
+        self.ctx.request_stop()
 
     async def stop(self) -> None:
         """Stop serving, withdraw this node's index entries, deregister. Bounded in time."""
-        self._stopping.set()
+        self.ctx.request_stop()
         if self.listener is not None:
             self.listener.close()
-        for conn in list(self.connections):
-            conn.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.acceptor.close()
+        await self.ctx.cancel_tasks()
         try:
             async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
-                await self.meta.remove(self.node_id, self.epoch, self.tiers.held.all())
-                await self.meta.deregister(self.node_id)
+                await self._store.remove(self.node_id, self.epoch, self.tiers.held.all())
+                await self._store.deregister(self.node_id)
         except (KVPoolError, TimeoutError) as exc:
             logger.warning("node %s: could not deregister cleanly: %s", self.node_id, exc)
         if self.metrics is not None:
@@ -188,55 +202,27 @@ class PoolNode:
         if self.channel is not None:
             await self.channel.close()
         await self.tiers.close()
-        await self.meta.close()
-        self.bulk.shutdown(wait=False)
+        await self._store.close()
+        self.ctx.bulk.shutdown(wait=False)
         logger.info("node %s stopped", self.node_id)
-
-    def spawn(self, coro: Any) -> asyncio.Task[Any]:
-        """Run ``coro`` as a task of this node: cancelled when the node stops."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     # -- what the node says about itself ----------------------------------------------
     def info(self) -> NodeInfo:
-        return NodeInfo(
-            node_id=self.node_id,
-            host=self.advertise_host,
-            port=self.advertise_port,
-            epoch=self.epoch,
-            cluster=self.config.cluster,
-            channel=self.channel.kind if self.channel is not None else "",
-            tls=self.tls is not None,
-            hostname=socket.gethostname(),
-            pid=os.getpid(),
-            started_at=self.started_at,
-            capacity_bytes=self.tiers.capacity_bytes,
-            used_bytes=self.tiers.used_bytes,
-            object_count=len(self.tiers),
-            tiers=self.tiers.stats(),
-            heartbeat_at=time.time(),
-            shm_path=str(self.tiers.arena.path) if self.tiers.arena is not None else "",
-            shm_token=self.tiers.arena.token if self.tiers.arena is not None else "",
-        )
+        """This node's registry entry (once started)."""
+        return self.publisher.info()
 
     def stats(self) -> dict[str, Any]:
-        return self.statistics.report(self)
+        """STAT's answer (``NodeStats.report``)."""
+        return self.statistics.report()
 
     def health(self) -> dict[str, Any]:
         """What ``/health`` answers: ok while serving with Redis reachable."""
-        serving = self.listener is not None and not self._stopping.is_set()
+        serving = self.listener is not None and not self.ctx.stopping
         redis_ok = self.publisher.redis_ok
         healthy = serving and redis_ok
         return {"status": "ok" if healthy else "degraded", "node_id": self.node_id, "epoch": self.epoch,
                 "serving": serving, "redis_reachable": redis_ok,
                 "nvme_disk_full": self.tiers.disk_full}  # fmt: skip
-
-    def other_counters(self) -> Counter[str]:
-        """The channel's and the dead-node collector's counters, where they run."""
-        counters: Counter[str] = Counter(self.channel.counters) if self.channel is not None else Counter()
-        return counters + (self.collector.counters if self.collector is not None else Counter())
 
     # -- channel (nccl_channel) --------------------------------------------------------
     def _channel_transport(self) -> Any:
@@ -254,13 +240,15 @@ class PoolNode:
         except NcclError as exc:
             raise ConfigError("--channel", str(exc)) from None
 
-    def _start_channel(self, transport: Any) -> None:
-        """Build the channel server over ``transport`` (once the node id is known)."""
+    def _start_channel(self, transport: Any, node_id: str) -> None:
+        """Build the channel server over ``transport`` for the op handlers (once the node id is known)."""
         if transport is None:
             return
         from nccl_channel.channel import ChannelServer
         from nccl_channel.rendezvous import Rendezvous
 
-        self.channel = ChannelServer(transport, Rendezvous(self.meta), self.node_id, self.config.cluster,
+        self.channel = ChannelServer(transport, Rendezvous(self._store), node_id, self.config.cluster,
                                      self.config.redis_timeout_ms / 1000,
                                      pair_timeout_s=self.config.pair_timeout_ms / 1000)  # fmt: skip
+        self.ops.use_channel(self.channel)
+        self.statistics.count_also(self.channel.counters)

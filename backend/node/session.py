@@ -22,14 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import secrets
+import socket
 import ssl
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from backend.errors import AuthError, KVPoolError, NodeUnavailable, ProtocolError
+from backend.node.admission import Admission
+from backend.node.context import NodeContext
+from backend.node.ops import OpHandlers
+from backend.node.puts import PutReceiver
+from backend.node.stats import NodeStats
 from backend.protocol import (
     MAGIC,
     RESPONSE_BIT,
@@ -45,10 +52,7 @@ from backend.protocol import (
 from backend.shm import STAGE_NAME_RE, ArenaView
 from backend.transport import Buffer, FrameSocket
 
-if TYPE_CHECKING:
-    from backend.node.server import PoolNode
-
-__all__ = ["Session", "accept_loop"]
+__all__ = ["Acceptor", "Served", "Session"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,54 +61,92 @@ REPLY_TIMEOUT_S = 30.0  # a reply the client does not read in this time closes t
 ACCEPT_RETRY_S = 0.1
 
 
-async def accept_loop(node: PoolNode) -> None:
-    """Accept connections until cancelled; a session task per connection."""
-    assert node.listener is not None
-    loop = asyncio.get_running_loop()
-    try:
-        while True:
-            try:
-                sock, address = await loop.sock_accept(node.listener)
-            except OSError as exc:  # EMFILE, ECONNABORTED, ...: keep accepting
-                node.counters["accept_errors"] += 1
-                logger.warning("node %s: accept failed: %s", node.node_id, exc)
-                await asyncio.sleep(ACCEPT_RETRY_S)
-                continue
-            node.counters["connections_accepted"] += 1
-            conn = FrameSocket(sock, loop, f"{address[0]}:{address[1]}", node.bulk)
-            node.spawn(Session(node, conn).serve())
-    except asyncio.CancelledError:
-        raise
-    except BaseException:
-        # A node that cannot accept must not stay registered as alive.
-        logger.exception("node %s: accept loop failed; stopping", node.node_id)
-        node.request_stop()
-        raise
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """The parts a session hands its connection and its requests to."""
+
+    admission: Admission  # what the connection gets until its handshake is done
+    stats: NodeStats  # each answered request's service time
+    ops: OpHandlers
+    puts: PutReceiver  # PUT_BATCH: received in stream order, then committed
+    tls: ssl.SSLContext | None = None  # the node serves TLS only when set
+
+
+class Acceptor:
+    """The node's door: accepts connections, serves each in a :class:`Session`, and closes them all at stop."""
+
+    def __init__(
+        self, ctx: NodeContext, admission: Admission, stats: NodeStats, ops: OpHandlers, puts: PutReceiver
+    ) -> None:
+        self.ctx = ctx
+        self.admission = admission
+        self.stats = stats
+        self.ops = ops
+        self.puts = puts
+        self.connections: set[FrameSocket] = set()
+
+    async def accept_loop(self, listener: socket.socket, tls: ssl.SSLContext | None) -> None:
+        """Accept connections on ``listener`` until cancelled; a session task per connection."""
+        ctx = self.ctx
+        served = Served(self.admission, self.stats, self.ops, self.puts, tls)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    sock, address = await loop.sock_accept(listener)
+                except OSError as exc:  # EMFILE, ECONNABORTED, ...: keep accepting
+                    ctx.counters["accept_errors"] += 1
+                    logger.warning("node %s: accept failed: %s", ctx.node_id, exc)
+                    await asyncio.sleep(ACCEPT_RETRY_S)
+                    continue
+                ctx.counters["connections_accepted"] += 1
+                conn = FrameSocket(sock, loop, f"{address[0]}:{address[1]}", ctx.bulk)
+                ctx.spawn(self._serve(Session(ctx, served, conn)))
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            # A node that cannot accept must not stay registered as alive.
+            logger.exception("node %s: accept loop failed; stopping", ctx.node_id)
+            ctx.request_stop()
+            raise
+
+    async def _serve(self, session: Session) -> None:
+        self.connections.add(session.conn)
+        try:
+            await session.serve()
+        finally:
+            self.connections.discard(session.conn)
+
+    def close(self) -> None:
+        """Close every open connection (the node is stopping)."""
+        for conn in list(self.connections):
+            conn.close()
 
 
 class Session:
     """One client connection: TLS, authentication, the frame loop, and what the connection holds."""
 
-    def __init__(self, node: PoolNode, conn: FrameSocket) -> None:
-        self.node = node
+    def __init__(self, ctx: NodeContext, served: Served, conn: FrameSocket) -> None:
+        self.ctx = ctx
+        self.served = served
         self.conn = conn
         self.stages: dict[tuple[str, str], ArenaView] = {}  # its client's stages: mapped for this connection only
-        self._authed = not node.config.token
+        self._authed = not ctx.config.token
         self._admitted = False  # past the handshake: no deadline, full limits (admission.py)
         self._nonce = b""
         self._in_flight = asyncio.Semaphore(MAX_REQUESTS_IN_FLIGHT_PER_CONNECTION)
 
     async def serve(self) -> None:
-        node, conn, config = self.node, self.conn, self.node.config
-        node.connections.add(conn)
-        node.admission.arrived(conn, node.node_id)
+        ctx, conn, config, admission = self.ctx, self.conn, self.ctx.config, self.served.admission
+        admission.arrived(conn, ctx.node_id)
         handshake_timeout_s = config.handshake_timeout_ms / 1000
         header: Header | None = None
         # Lifted (rescheduled to never) once the connection is admitted.
         deadline = asyncio.timeout(handshake_timeout_s)
         try:
             async with deadline:
-                if node.tls is not None and not await self._start_tls(node.tls):
+                tls = self.served.tls
+                if tls is not None and not await self._start_tls(tls):
                     return
                 while True:
                     header = None  # an error before the header parses answers request id 0
@@ -116,34 +158,33 @@ class Session:
             pass  # the client went away (or the node shed this connection: admission.py)
         except TimeoutError:
             if deadline.expired():
-                node.admission.timed_out(conn, node.node_id, handshake_timeout_s)
+                admission.timed_out(conn, ctx.node_id, handshake_timeout_s)
             else:
-                node.counters["stalled_connections"] += 1
-                logger.warning("node %s: %s stalled mid-frame for %.0f s; closing", node.node_id, conn.peer,
+                ctx.counters["stalled_connections"] += 1
+                logger.warning("node %s: %s stalled mid-frame for %.0f s; closing", ctx.node_id, conn.peer,
                                config.frame_timeout_s)  # fmt: skip
         except KVPoolError as exc:
             if isinstance(exc, ProtocolError):
-                node.counters["protocol_errors"] += 1
+                ctx.counters["protocol_errors"] += 1
             elif not isinstance(exc, AuthError):  # refused tokens are counted once, as auth_failures
-                node.counters["connection_errors"] += 1
-            logger.warning("node %s: closing connection from %s: %s", node.node_id, conn.peer, exc)
+                ctx.counters["connection_errors"] += 1
+            logger.warning("node %s: closing connection from %s: %s", ctx.node_id, conn.peer, exc)
             with contextlib.suppress(KVPoolError, OSError):
                 async with asyncio.timeout(1.0):
                     await self._reply_error(header, exc)
         except OSError as exc:
-            logger.info("node %s: connection from %s failed: %s", node.node_id, conn.peer, exc)
+            logger.info("node %s: connection from %s failed: %s", ctx.node_id, conn.peer, exc)
         finally:
             conn.close()
-            node.connections.discard(conn)
-            node.admission.admitted(conn)  # (if it never was, it is gone now: no longer pending)
+            admission.admitted(conn)  # (if it never was, it is gone now: no longer pending)
             # Its client is gone (crashed, or gave up on the connection): nobody will release
             # what it leased, and pinned DRAM would refuse puts until the ttl ran out.
-            node.tiers.leases.release_owner(conn)
+            ctx.tiers.leases.release_owner(conn)
             self.stages.clear()
 
     async def _receive_request(self, header: Header, deadline: asyncio.Timeout) -> None:
         """Receive the rest of the frame ``header`` starts and answer it, or start its handler."""
-        node, conn, config = self.node, self.conn, self.node.config
+        ctx, conn, config, served = self.ctx, self.conn, self.ctx.config, self.served
         started = time.perf_counter()
         handshake_limit = config.limits.max_handshake_meta_bytes
         if header.meta_len > handshake_limit and (not self._admitted or header.base_op in (Op.HELLO, Op.AUTH)):
@@ -164,7 +205,7 @@ class Session:
             self._admit_once_authed(deadline)
             return
         if not self._authed:
-            node.counters["auth_failures"] += 1
+            ctx.counters["auth_failures"] += 1
             raise AuthError("this node requires a token: send HELLO and AUTH first")
         self._admit_once_authed(deadline)
         if op == Op.PUT_BATCH:
@@ -172,30 +213,30 @@ class Session:
             # verification, commit and reply overlap with the next request.
             items, options = decode_put_batch(meta, header.data_len, config.limits)
             async with asyncio.timeout(config.frame_timeout_s):
-                received = await node.puts.receive(conn, items, options)
+                received = await served.puts.receive(conn, items, options)
             await self._in_flight.acquire()
-            node.spawn(self._finish(header, node.puts.commit(received), started))
+            ctx.spawn(self._finish(header, served.puts.commit(received), started))
             return
         await self._in_flight.acquire()
-        node.spawn(self._finish(header, node.ops.handle(op, meta, self), started))
+        ctx.spawn(self._finish(header, served.ops.handle(op, meta, self), started))
 
     def _admit_once_authed(self, deadline: asyncio.Timeout) -> None:
         """Once authenticated (at once on a node without a token): no deadline, no place among the pending."""
         if self._authed and not self._admitted:
             self._admitted = True
             deadline.reschedule(None)
-            self.node.admission.admitted(self.conn)
+            self.served.admission.admitted(self.conn)
 
     def _handshake(self, op: int, meta: bytearray) -> bytes:
         """HELLO: this node and a fresh nonce. AUTH: the nonce's HMAC with the token, or AuthError."""
-        node = self.node
+        ctx = self.ctx
         if op == Op.HELLO:
             self._nonce = secrets.token_bytes(32)
-            return encode_json({"node_id": node.node_id, "epoch": node.epoch, "auth_required": bool(node.config.token),
+            return encode_json({"node_id": ctx.node_id, "epoch": ctx.epoch, "auth_required": bool(ctx.config.token),
                                 "nonce": self._nonce.hex()})  # fmt: skip
         self._authed = self._check_auth(decode_json(meta))
         if not self._authed:
-            node.counters["auth_failures"] += 1
+            ctx.counters["auth_failures"] += 1
             raise AuthError("wrong or missing token")
         return encode_json({"ok": True})
 
@@ -204,19 +245,19 @@ class Session:
 
         A plaintext kvpool client is told, in a plaintext error frame, that this node serves TLS only.
         """
-        node, conn = self.node, self.conn
+        ctx, conn = self.ctx, self.conn
         header: Header | None = None
         try:
             if await conn.peek_byte() != MAGIC[0]:
                 await conn.start_tls(context)
                 return True
-            header = await conn.recv_header(node.config.limits)
+            header = await conn.recv_header(ctx.config.limits)
             raise ProtocolError("this node serves TLS only: add tls=on (and tls_ca=PATH) to the pool URL")
         except KVPoolError as exc:
             if conn.closed:
                 return False  # closed by this node (shed, or stopping): no failure of the peer's
-            node.counters["tls_failures"] += 1
-            logger.warning("node %s: TLS from %s failed: %s", node.node_id, conn.peer, exc)
+            ctx.counters["tls_failures"] += 1
+            logger.warning("node %s: TLS from %s failed: %s", ctx.node_id, conn.peer, exc)
             if header is not None:
                 with contextlib.suppress(KVPoolError, OSError):
                     async with asyncio.timeout(1.0):
@@ -224,7 +265,7 @@ class Session:
             return False
 
     def _check_auth(self, body: dict[str, Any]) -> bool:
-        token = self.node.config.token
+        token = self.ctx.config.token
         if not token:
             return True
         mac = body.get("mac")
@@ -240,9 +281,9 @@ class Session:
         Only a file in this node's arena directory, with a stage's name, of this node's
         user, whose header carries ``token``: no client can make the node read any other file.
         """
-        arena = self.node.tiers.arena
+        arena = self.ctx.tiers.arena
         if arena is None:
-            raise ProtocolError(f"node {self.node.node_id} has no shared-memory arena: put over TCP")
+            raise ProtocolError(f"node {self.ctx.node_id} has no shared-memory arena: put over TCP")
         if not STAGE_NAME_RE.match(name):
             raise ProtocolError(f"{name!r} is not a kvpool stage name")
         view = self.stages.get((name, token))
@@ -255,23 +296,23 @@ class Session:
         return view
 
     async def _finish(self, header: Header, work: Any, started: float) -> None:
-        node, conn = self.node, self.conn
+        ctx, conn = self.ctx, self.conn
         try:
             try:
                 meta, data = await work
             except Exception as exc:
-                node.counters["request_errors"] += 1
+                ctx.counters["request_errors"] += 1
                 if not isinstance(exc, KVPoolError):
-                    logger.exception("node %s: internal error serving op %d", node.node_id, header.base_op)
+                    logger.exception("node %s: internal error serving op %d", ctx.node_id, header.base_op)
                 await self._reply_error(header, exc)
                 if isinstance(exc, ProtocolError):
                     # A malformed request: this peer's stream can't be trusted any more.
-                    node.counters["protocol_errors"] += 1
-                    logger.warning("node %s: closing connection from %s: %s", node.node_id, conn.peer, exc)
+                    ctx.counters["protocol_errors"] += 1
+                    logger.warning("node %s: closing connection from %s: %s", ctx.node_id, conn.peer, exc)
                     conn.close()
                 return
             await self._reply(header, meta, data)
-            node.statistics.served(Op(header.base_op).name.lower(), started)
+            self.served.stats.served(Op(header.base_op).name.lower(), started)
         except (NodeUnavailable, OSError):
             conn.close()
         finally:

@@ -6,12 +6,11 @@ import collections
 import dataclasses
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from backend.latency import LatencyHistograms
-
-if TYPE_CHECKING:
-    from backend.node.server import PoolNode
+from backend.node.context import NodeContext
+from backend.node.recovery import RecoveryReport
 
 __all__ = ["NodeStats"]
 
@@ -20,10 +19,17 @@ RECENT_SNAPSHOTS = 400
 
 
 class NodeStats:
-    """The node's counters, a snapshot of them per heartbeat, and a service-time histogram per op."""
+    """The node's counters, a snapshot of them per heartbeat, and a service-time histogram per op.
 
-    def __init__(self) -> None:
-        self.counters: Counter[str] = Counter()
+    The STAT report adds the counters of the parts that keep their own (the tiers, the
+    leases, and those :meth:`count_also` names: the channel, the dead-node collector).
+    """
+
+    def __init__(self, ctx: NodeContext) -> None:
+        self.ctx = ctx
+        self.counters: Counter[str] = ctx.counters
+        self.recovery: RecoveryReport | None = None  # what the NVMe scan found at start
+        self._others: list[Counter[str]] = []
         self._started_monotonic = time.monotonic()
         self._snapshots: collections.deque[tuple[float, int, int, int]] = collections.deque(maxlen=RECENT_SNAPSHOTS)
         self._snapshots.append((time.monotonic(), 0, 0, 0))  # the window of a young node starts at zero
@@ -38,19 +44,24 @@ class NodeStats:
         """Keep a snapshot for the recent rates (once per heartbeat)."""
         self._snapshots.append(self._snapshot())
 
-    def report(self, node: PoolNode) -> dict[str, Any]:
+    def count_also(self, counters: Counter[str]) -> None:
+        """Report ``counters`` (kept, and counted, by another part) with the node's own."""
+        self._others.append(counters)
+
+    def report(self) -> dict[str, Any]:
         """STAT's answer (and what /metrics exports)."""
-        tiers = node.tiers
+        tiers, identity = self.ctx.tiers, self.ctx.identity
+        others = sum(self._others, Counter[str]())
         return {
-            "node_id": node.node_id,
-            "epoch": node.epoch,
+            "node_id": identity.node_id,
+            "epoch": identity.epoch,
             "uptime_s": round(time.monotonic() - self._started_monotonic, 3),
-            "counters": dict(self.counters + tiers.counters + tiers.leases.counters + node.other_counters()),
+            "counters": dict(self.counters + tiers.counters + tiers.leases.counters + others),
             "objects": len(tiers),
             "leases": len(tiers.leases),
             "arena": tiers.arena.stats() if tiers.arena is not None else None,
             "tiers": tiers.stats(),
-            "recovery": dataclasses.asdict(node.recovery) if node.recovery else None,
+            "recovery": dataclasses.asdict(self.recovery) if self.recovery else None,
             "latency": self.latency.to_json(),
             "recent": self._recent(),
         }

@@ -1,0 +1,106 @@
+"""What every part of one node shares: its config, tiers, index, counters, identity, worker threads and tasks.
+
+The node's parts (``session.py``, ``ops.py``, ``puts.py``, ``publisher.py``, ``stats.py``)
+each receive a :class:`NodeContext` and the other parts they use; none holds the node
+process (``server.py``), which only builds them, starts them and stops them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import Counter
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+from backend.config import NodeConfig
+from backend.metadata import Beat, Location, NodeInfo
+from backend.node.tiers import DRAM, TierManager
+from backend.protocol import ItemMeta
+
+__all__ = ["BULK_THREADS", "Identity", "NodeContext", "NodeIndex"]
+
+# Threads that move large replies and puts (``backend.transport``): with one per busy
+# connection, two clients' GETs are sent by both cores instead of the event loop's one.
+BULK_THREADS = 4
+
+
+class NodeIndex(Protocol):
+    """What the node's parts ask of the index (``backend.metadata.MetadataStore`` in a node process)."""
+
+    async def commit(self, locations: Sequence[tuple[str, Location]]) -> None: ...
+
+    async def remove(self, node_id: str, epoch: int, keys: Sequence[str]) -> None: ...
+
+    async def move(self, locations: Sequence[tuple[str, Location]]) -> None: ...
+
+    async def ensure_marker(self) -> str: ...
+
+    async def ensure_epoch_at_least(self, epoch: int) -> None: ...
+
+    async def new_epoch(self) -> int: ...
+
+    async def heartbeat(self, info: NodeInfo, ttl_ms: int, changed: bool = False) -> Beat: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """Who this node is in the index: its id, and the epoch its entries carry (0 until it joined)."""
+
+    node_id: str
+    epoch: int = 0
+
+
+class NodeContext:
+    """Shared by the sessions, the op handlers, the put path, the publisher and the statistics of one node."""
+
+    def __init__(self, config: NodeConfig, tiers: TierManager, index: NodeIndex) -> None:
+        self.config = config
+        self.tiers = tiers
+        self.index = index
+        self.counters: Counter[str] = Counter()
+        self.identity = Identity(config.node_id)
+        self.bulk = ThreadPoolExecutor(BULK_THREADS, thread_name_prefix="kvpool-node-bulk")
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stopping = asyncio.Event()
+
+    @property
+    def node_id(self) -> str:
+        return self.identity.node_id
+
+    @property
+    def epoch(self) -> int:
+        return self.identity.epoch
+
+    def joined(self, node_id: str, epoch: int) -> None:
+        """The node took ``epoch`` under ``node_id`` (``IndexPublisher.join``): the one place identity is set."""
+        self.identity = Identity(node_id, epoch)
+
+    def location(self, meta: ItemMeta, tier: str = DRAM) -> Location:
+        """Where ``meta``'s chunk is, as this node publishes it in the index."""
+        return Location(self.node_id, self.epoch, tier, meta.nbytes, meta.checksum)
+
+    # -- tasks and stopping -----------------------------------------------------------
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` as a task of this node: cancelled when the node stops."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopping.wait()
+
+    async def cancel_tasks(self) -> None:
+        """Cancel every task :meth:`spawn` started and wait for them to end."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

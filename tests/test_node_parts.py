@@ -1,0 +1,327 @@
+"""The node's parts, each built from a NodeContext with real tiers and a small fake index (no Redis, no process).
+
+What a node does end to end is proven by the process tests (test_pool.py, test_put_room.py,
+test_staged_put.py, ...); these show that each part runs on what it is handed: a context and
+the parts it uses, never the node process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from backend.config import NodeConfig
+from backend.errors import MetadataError
+from backend.metadata import Beat, Location, NodeInfo
+from backend.node.context import NodeContext
+from backend.node.ops import OpHandlers
+from backend.node.publisher import Advert, IndexPublisher
+from backend.node.puts import PutReceiver
+from backend.node.stats import NodeStats
+from backend.node.tiers import DRAM, TierConfig, TierManager
+from backend.protocol import (
+    LEASE_MAP,
+    PUT_INTEGRITY,
+    PUT_NO_CAPACITY,
+    PUT_STORED,
+    ItemMeta,
+    Op,
+    PutOptions,
+    checksum,
+    decode_flags,
+    decode_json,
+    decode_lease_response,
+    encode_keys,
+    encode_lease_request,
+    encode_release,
+)
+from backend.transport import FrameSocket
+
+DRAM_BYTES = 4 << 20
+NODE_ID = "unit-node"
+
+
+class FakeIndex:
+    """The index a node's parts write to (``NodeIndex``), kept in lists; ``fail``/``fail_removes`` make calls raise."""
+
+    def __init__(self) -> None:
+        self.committed: list[tuple[str, Location]] = []
+        self.removed: list[tuple[str, int, list[str]]] = []
+        self.moved: list[tuple[str, Location]] = []
+        self.beats: list[NodeInfo] = []
+        self.epochs = 41
+        self.fail = False
+        self.fail_removes = False
+
+    async def commit(self, locations: Sequence[tuple[str, Location]]) -> None:
+        if self.fail:
+            raise MetadataError("index commit failed: Redis is away (injected)")
+        self.committed += locations
+
+    async def remove(self, node_id: str, epoch: int, keys: Sequence[str]) -> None:
+        if self.fail_removes:
+            raise MetadataError("index remove failed: Redis is away (injected)")
+        self.removed.append((node_id, epoch, list(keys)))
+
+    def withdrawn(self) -> list[tuple[str, int, list[str]]]:
+        """The removes that named any key (a flush with nothing to withdraw still calls remove)."""
+        return [call for call in self.removed if call[2]]
+
+    async def move(self, locations: Sequence[tuple[str, Location]]) -> None:
+        self.moved += locations
+
+    async def ensure_marker(self) -> str:
+        return "generation-1"
+
+    async def ensure_epoch_at_least(self, epoch: int) -> None:
+        self.epochs = max(self.epochs, epoch)
+
+    async def new_epoch(self) -> int:
+        self.epochs += 1
+        return self.epochs
+
+    async def heartbeat(self, info: NodeInfo, ttl_ms: int, changed: bool = False) -> Beat:
+        self.beats.append(info)
+        return Beat("generation-1", registered_anew=False)
+
+
+@dataclass
+class Parts:
+    ctx: NodeContext
+    index: FakeIndex
+    stats: NodeStats
+    publisher: IndexPublisher
+    puts: PutReceiver
+    ops: OpHandlers
+
+
+@dataclass
+class FakeSession:
+    """What an op handler reads of its session: the connection (a lease's owner)."""
+
+    conn: FrameSocket
+
+
+@pytest.fixture(params=["private", "arena"])
+async def parts(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Parts]:
+    """A node's parts, wired as ``PoolNode.__init__`` wires them, joined as node ``NODE_ID``.
+
+    Its DRAM is private memory, or a shared-memory arena (in ``tmp_path``) clients on the host map.
+    """
+    config = NodeConfig(redis_url="redis://unused:1", namespace="unit", dram_bytes=DRAM_BYTES)
+    index = FakeIndex()
+    shm_dir = tmp_path if request.param == "arena" else None
+    ctx = NodeContext(config, TierManager(TierConfig(dram_bytes=DRAM_BYTES, shm_dir=shm_dir)), index)
+    stats = NodeStats(ctx)
+    publisher = IndexPublisher(ctx, stats)
+    puts = PutReceiver(ctx, publisher)
+    ops = OpHandlers(ctx, stats, publisher, puts)
+    await publisher.join(NODE_ID, Advert("127.0.0.1", 7000))
+    yield Parts(ctx, index, stats, publisher, puts, ops)
+    await ctx.cancel_tasks()
+    await ctx.tiers.close()
+    ctx.bulk.shutdown(wait=False)
+
+
+@pytest.fixture
+async def wire() -> AsyncIterator[tuple[FrameSocket, socket.socket]]:
+    """A loopback TCP connection: the node's end as a FrameSocket, and the client's raw socket."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client_end = socket.create_connection(listener.getsockname())
+        node_end, _ = listener.accept()
+    conn = FrameSocket(node_end, asyncio.get_running_loop(), "unit-peer")
+    yield conn, client_end
+    conn.close()
+    client_end.close()
+
+
+def _item(key: str, payload: bytes) -> ItemMeta:
+    return ItemMeta(key, len(payload), checksum(payload), "uint8", (len(payload),), 0)
+
+
+async def _stored(parts: Parts, conn: FrameSocket, client: socket.socket, chunks: dict[str, bytes]) -> None:
+    """Put ``chunks`` through the put path (received off the socket, then committed)."""
+    client.sendall(b"".join(chunks.values()))
+    received = await parts.puts.receive(conn, [_item(k, v) for k, v in chunks.items()], PutOptions())
+    await parts.puts.commit(received)
+
+
+# -- the put path (puts.py) ------------------------------------------------------------
+async def test_put_chunks_are_held_after_the_receive_but_indexed_only_by_the_commit(parts, wire):
+    conn, client = wire
+    chunks = {"a": b"x" * 1000, "b": bytes(range(256)) * 8}
+    client.sendall(b"".join(chunks.values()))
+
+    received = await parts.puts.receive(conn, [_item(k, v) for k, v in chunks.items()], PutOptions())
+
+    assert [(flag, item.key) for flag, item, _ in received] == [(PUT_STORED, "a"), (PUT_STORED, "b")]
+    assert all(parts.ctx.tiers.holds(k, checksum(v)) for k, v in chunks.items())
+    assert parts.index.committed == []  # not visible before the commit
+    meta, data = await parts.puts.commit(received)
+    assert decode_flags(meta, 2) == [PUT_STORED, PUT_STORED] and data == []
+    assert parts.index.committed == [
+        (k, Location(NODE_ID, 42, DRAM, len(v), checksum(v))) for k, v in chunks.items()
+    ]  # under the identity the node joined with
+    assert parts.ctx.counters["puts"] == 2 and parts.ctx.counters["put_bytes"] == 1000 + 2048
+    got = await parts.ctx.tiers.get("b")
+    assert got is not None and bytes(got.buffer) == chunks["b"]
+
+
+async def test_a_chunk_whose_bytes_fail_their_checksum_is_refused_and_not_kept(parts, wire):
+    conn, client = wire
+    good, bad = b"g" * 500, b"b" * 500
+    items = [_item("good", good), ItemMeta("bad", len(bad), checksum(bad) ^ 1, "uint8", (len(bad),), 0)]
+    client.sendall(good + bad)
+
+    meta, _ = await parts.puts.commit(await parts.puts.receive(conn, items, PutOptions()))
+
+    assert decode_flags(meta, 2) == [PUT_STORED, PUT_INTEGRITY]
+    assert not parts.ctx.tiers.contains("bad") and [k for k, _ in parts.index.committed] == ["good"]
+    assert parts.ctx.counters["integrity_failures"] == 1
+    assert parts.ctx.tiers.dram.used_bytes == len(good)  # the refused chunk's reservation is released
+
+
+async def test_a_chunk_larger_than_dram_is_refused_and_its_bytes_are_read_past(parts, wire):
+    conn, client = wire
+    huge, small = bytes(DRAM_BYTES + 1), b"s" * 100
+    client.sendall(huge + small)
+
+    received = await parts.puts.receive(conn, [_item("huge", huge), _item("small", small)], PutOptions())
+
+    assert [flag for flag, _, _ in received] == [PUT_NO_CAPACITY, PUT_STORED]
+    got = await parts.ctx.tiers.get("small")
+    assert got is not None and bytes(got.buffer) == small  # the stream stayed in step past the refused bytes
+
+
+async def test_a_put_whose_index_commit_fails_leaves_nothing_behind(parts, wire):
+    conn, client = wire
+    payload = b"p" * 4096
+    client.sendall(payload)
+    received = await parts.puts.receive(conn, [_item("lost", payload)], PutOptions())
+    parts.index.fail = True
+
+    with pytest.raises(MetadataError):
+        await parts.puts.commit(received)
+
+    assert not parts.ctx.tiers.contains("lost")  # never acknowledged, so not kept
+    assert parts.ctx.tiers.dram.used_bytes == 0 and parts.ctx.counters["puts"] == 0
+
+
+async def test_a_put_whose_socket_closes_mid_chunk_keeps_none_of_its_chunks(parts, wire):
+    conn, client = wire
+    first, second = b"1" * 1000, b"2" * 1000
+    client.sendall(first + second[:10])
+    client.shutdown(socket.SHUT_WR)
+
+    with pytest.raises(Exception):  # noqa: B017 - the transport's error for a peer gone mid-frame
+        await parts.puts.receive(conn, [_item("first", first), _item("second", second)], PutOptions())
+
+    assert len(parts.ctx.tiers) == 0 and parts.ctx.tiers.dram.used_bytes == 0
+
+
+# -- op handlers (ops.py, leases.py) ------------------------------------------------------
+async def test_lease_pins_the_keys_held_and_answers_misses_for_the_rest(parts, wire):
+    conn, client = wire
+    await _stored(parts, conn, client, {"held": b"h" * 2048})
+    session = FakeSession(conn)
+
+    meta, _ = await parts.ops.handle(Op.LEASE, bytearray(encode_lease_request(["held", "absent"], 5000, 0)), session)
+
+    lease_id, found = decode_lease_response(meta, ["held", "absent"])
+    assert lease_id > 0 and len(parts.ctx.tiers.leases) == 1
+    assert found[0] is not None and found[0][0].key == "held" and found[0][1] is None  # a lock only: no offset
+    assert found[1] is None
+    released, _ = await parts.ops.handle(Op.RELEASE, bytearray(encode_release(lease_id)), session)
+    assert decode_json(released) == {"released": 1} and len(parts.ctx.tiers.leases) == 0
+
+
+async def test_a_mapped_lease_answers_the_chunks_offset_in_the_arena_and_counts_each_key_as_a_get(parts, wire):
+    conn, client = wire
+    payload = bytes(range(256)) * 2
+    await _stored(parts, conn, client, {"k": payload})
+
+    request = bytearray(encode_lease_request(["k", "absent"], 5000, LEASE_MAP))
+    meta, _ = await parts.ops.handle(Op.LEASE, request, FakeSession(conn))
+
+    _, found = decode_lease_response(meta, ["k", "absent"])
+    assert found[0] is not None and found[1] is None
+    arena = parts.ctx.tiers.arena
+    if arena is None:
+        assert found[0][1] is None  # private memory: read it over TCP
+    else:
+        offset = found[0][1]
+        assert offset is not None
+        with open(arena.path, "rb") as shared:  # what a client on this host copies out of the arena
+            shared.seek(offset)
+            assert shared.read(len(payload)) == payload
+        assert parts.ctx.counters["shm_get_bytes"] == len(payload)
+    assert (parts.ctx.counters["gets"], parts.ctx.counters["hits"], parts.ctx.counters["misses"]) == (2, 1, 1)
+
+
+async def test_a_lease_for_a_connection_that_closed_meanwhile_is_released_at_once(parts, wire):
+    conn, client = wire
+    await _stored(parts, conn, client, {"held": b"h" * 100})
+    conn.close()  # its session's teardown (release_owner) has already run
+
+    await parts.ops.handle(Op.LEASE, bytearray(encode_lease_request(["held"], 5000, 0)), FakeSession(conn))
+
+    assert len(parts.ctx.tiers.leases) == 0  # nobody is left to release it
+
+
+async def test_delete_drops_the_chunks_and_withdraws_them_under_the_nodes_identity(parts, wire):
+    conn, client = wire
+    await _stored(parts, conn, client, {"gone": b"g" * 100, "kept": b"k" * 100})
+
+    meta, _ = await parts.ops.handle(Op.DELETE_BATCH, bytearray(encode_keys(["gone", "never"])), FakeSession(conn))
+
+    assert decode_flags(meta, 2) == [1, 0]
+    assert parts.index.withdrawn() == [(NODE_ID, 42, ["gone"])]
+    assert not parts.ctx.tiers.contains("gone") and parts.ctx.tiers.contains("kept")
+
+
+async def test_ping_and_stat_answer_the_identity_the_node_joined_with(parts, wire):
+    conn, _ = wire
+    parts.stats.count_also(Counter({"collected_nodes": 3}))  # a part that keeps its own counters
+
+    ping, _ = await parts.ops.handle(Op.PING, bytearray(), FakeSession(conn))
+    stat, _ = await parts.ops.handle(Op.STAT, bytearray(), FakeSession(conn))
+
+    assert decode_json(ping) == {"node_id": NODE_ID, "epoch": 42}
+    report = decode_json(stat)
+    assert (report["node_id"], report["epoch"]) == (NODE_ID, 42)
+    assert report["counters"]["collected_nodes"] == 3
+
+
+async def test_channel_get_on_a_node_without_a_channel_is_refused(parts, wire):
+    from backend.errors import ProtocolError
+
+    conn, _ = wire
+    with pytest.raises(ProtocolError, match="serves no channel"):
+        await parts.ops.handle(Op.CHANNEL_GET, bytearray(), FakeSession(conn))
+
+
+# -- the publisher (publisher.py) ----------------------------------------------------
+async def test_join_takes_the_identity_and_the_heartbeat_advertises_it(parts):
+    info = parts.index.beats[-1]
+    assert (parts.ctx.node_id, parts.ctx.epoch) == (NODE_ID, 42)
+    assert (info.node_id, info.epoch, info.host, info.port) == (NODE_ID, 42, "127.0.0.1", 7000)
+    assert info.capacity_bytes == parts.ctx.tiers.capacity_bytes
+
+
+async def test_an_eviction_whose_index_flush_fails_is_withdrawn_by_the_next_flush(parts, wire):
+    conn, client = wire
+    await _stored(parts, conn, client, {"old": b"o" * (3 << 20)})
+    parts.index.fail_removes = True
+    await _stored(parts, conn, client, {"new": b"n" * (3 << 20)})  # evicts "old"; the put's own flush fails
+    assert not parts.ctx.tiers.contains("old") and parts.index.withdrawn() == []
+
+    parts.index.fail_removes = False
+    await parts.publisher.flush_index()
+
+    assert parts.index.withdrawn() == [(NODE_ID, 42, ["old"])]
