@@ -53,6 +53,7 @@ def tier_config(config: NodeConfig) -> TierConfig:
     return TierConfig(
         dram_bytes=config.dram_bytes, nvme_dir=config.nvme_dir, nvme_bytes=config.nvme_bytes,
         high_watermark=config.high_watermark, low_watermark=config.low_watermark, shm_dir=config.shm_dir,
+        prefault=config.prefault,
     )  # fmt: skip
 
 
@@ -85,6 +86,8 @@ class PoolNode:
         self.ops = OpHandlers(self)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = asyncio.Event()
+        self.prefaulted_bytes = 0  # DRAM arena memory taken at start (--prefault), and how long it took
+        self.prefault_s = 0.0
 
     # -- lifecycle --------------------------------------------------------------------
     @property
@@ -131,6 +134,7 @@ class PoolNode:
                         report.quarantined, report.temp_removed)  # fmt: skip
         if not self.node_id:
             self.node_id = f"{socket.gethostname()}-{self.port}"
+        await self._prefault()
         self.collector = DeadNodeCollector(self.meta, self.node_id, self.config.dead_node_grace_ms / 1000)
         # Bind the metrics port before registering: if it is taken, nothing is left in Redis.
         if self.config.metrics_port is not None:
@@ -152,6 +156,18 @@ class PoolNode:
             self.tiers.dram.capacity_bytes,
             f"{nvme.capacity_bytes} bytes at {nvme.root}" if nvme else "off", self.config.namespace,
         )  # fmt: skip
+
+    async def _prefault(self) -> None:
+        """With --prefault, take the DRAM arena's pages now, on a worker thread: the node registers (and
+        clients find it) only once its first puts can find their pages ready."""
+        arena = self.tiers.arena
+        if not self.config.prefault or arena is None:
+            return
+        started = time.monotonic()
+        self.prefaulted_bytes = await asyncio.to_thread(arena.prefault)
+        self.prefault_s = time.monotonic() - started
+        logger.info("node %s: took %d bytes of memory for its DRAM arena (%s) in %.2f s", self.node_id,
+                    self.prefaulted_bytes, arena.stats()["path"], self.prefault_s)  # fmt: skip
 
     def _tls_context(self) -> ssl.SSLContext | None:
         cert, key = self.config.tls_cert, self.config.tls_key
@@ -201,6 +217,7 @@ class PoolNode:
 
     # -- what the node says about itself ----------------------------------------------
     def info(self) -> NodeInfo:
+        shm = self.tiers.shm_arena
         return NodeInfo(
             node_id=self.node_id,
             host=self.advertise_host,
@@ -217,8 +234,8 @@ class PoolNode:
             object_count=len(self.tiers),
             tiers=self.tiers.stats(),
             heartbeat_at=time.time(),
-            shm_path=str(self.tiers.arena.path) if self.tiers.arena is not None else "",
-            shm_token=self.tiers.arena.token if self.tiers.arena is not None else "",
+            shm_path=str(shm.path) if shm is not None else "",
+            shm_token=shm.token if shm is not None else "",
         )
 
     def stats(self) -> dict[str, Any]:
