@@ -201,7 +201,7 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
                f"keep DRAM in a shared-memory arena here so same-host clients read without TCP "
                f"(default {DEFAULT_SHM_DIR}; off: private memory)", metavar="DIR|off"),
     NodeOption("prefault", _switch, True, "take the whole DRAM arena's memory at start, before the node registers "
-               f"(about 0.85 s per GiB here), so the first puts find their pages ready; off: take it as chunks "
+               f"(about 1 s per GiB), so the first puts find their pages ready; off: take it as chunks "
                f"arrive (default on; or {ENV_PREFAULT})", metavar="on|off", env=ENV_PREFAULT),
     NodeOption("token", _text, "", "the pool token clients must prove", env="KVPOOL_TOKEN", flag=False),
     NodeOption("redis_password", _text, "", "the Redis ACL password", env="KVPOOL_REDIS_PASSWORD", flag=False),

@@ -22,6 +22,12 @@ run without the GIL) and at the lowest CPU priority, so that during a burst of p
 it does not take the core the event loop needs. An allocation that still finds no room grows inline, after
 waiting for a step the thread has under way.
 
+A node started with ``--prefault`` (the default) takes every step at start instead
+(:meth:`Arena.prefault`, on a worker thread, before the node registers), up to what
+the directory and the machine can give; the grower then has nothing left to do. A
+prefaulting node without shared memory keeps DRAM in a :class:`PrivateArena`
+(anonymous memory, the same allocator), so freed regions keep their pages.
+
 Allocation is first-fit over an offset-ordered free list with coalescing; chunks are
 mostly of one size, so the list stays short. A region is returned to the list by a
 finalizer on the numpy array behind the chunk's memoryview, which runs when the
