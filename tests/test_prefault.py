@@ -19,6 +19,7 @@ import pytest
 from backend.client import Chunk, SyncPoolClient
 from backend.config import PoolConfig
 from backend.shm import HEADER_BYTES
+from tests.conftest import wait_until
 
 MiB = 1024 * 1024
 
@@ -69,6 +70,24 @@ def test_a_prefaulting_node_without_shared_memory_keeps_dram_in_a_private_arena(
         assert memory["VmRSS"] >= 128 * MiB  # taken at start, not as chunks arrive
         _round_trip(client, _chunks("private", 4, 4 * MiB))
         assert client.counters.get("shm_get_bytes", 0) == 0
+
+
+def _my_stages() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob(f"kvpool-{os.getpid()}-*.stage")}
+
+
+def test_the_lmcache_connector_makes_its_put_stage_when_it_starts_not_at_its_first_put(node_factory, pool_url,
+                                                                                        stack_factory):  # fmt: skip
+    node_factory(shm=True, dram="64MiB")
+    before = _my_stages()
+    stack = stack_factory(pool_url)
+    assert wait_until(lambda: _my_stages() - before, timeout_s=10.0)  # made at start (~0.1 s), off the first put
+    client = stack.connector().client
+    assert client.counters.get("staged_put_bytes", 0) == 0  # nothing was put yet
+    obj = stack.make_object(1)
+    stack.put([stack.key(1)], [obj])
+    stack.release([obj])
+    assert client.counters["staged_put_bytes"] == stack.chunk_bytes and len(_my_stages() - before) == 1
 
 
 @pytest.fixture
