@@ -163,6 +163,8 @@ class PoolNode:
         arena = self.tiers.arena
         if not self.config.prefault or arena is None:
             return
+        logger.info("node %s: taking %d bytes of memory for its DRAM arena before it registers (--prefault; "
+                    "about 1 s per GiB)", self.node_id, arena.size_bytes)  # fmt: skip
         started = time.monotonic()
         self.prefaulted_bytes = await asyncio.to_thread(arena.prefault)
         self.prefault_s = time.monotonic() - started
