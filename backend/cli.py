@@ -312,6 +312,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             nvme = f"NVMe {format_size(config.nvme_bytes)} at {config.nvme_dir}" if config.nvme_dir else "no NVMe"
             print(f"kvpool pool is up: redis {mask_url(config.redis_url)}, node {node.node_id} at {node.advertise_host}:{node.advertise_port}, "
                   f"DRAM {format_size(config.dram_bytes)}, {nvme}")  # fmt: skip
+            if node.prefaulted_bytes:
+                print(f"DRAM arena: {format_size(node.prefaulted_bytes)} of memory taken at start in "
+                      f"{node.prefault_s:.1f} s (--prefault off takes it as chunks arrive)")  # fmt: skip
             print(f"\nPool URL:\n  {url}\n")
             if redis is not None:
                 generated = settings["redis_password_file"] is None and bool(config.redis_password_file)

@@ -63,9 +63,10 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
 
 
-def madvise(address: int, length: int, advice: int) -> None:
-    """madvise(2) through ctypes, which drops the GIL (``mmap.madvise`` holds it); errors are ignored."""
-    _libc.madvise(address, length, advice)
+def madvise(address: int, length: int, advice: int) -> int:
+    """madvise(2) through ctypes, which drops the GIL (``mmap.madvise`` holds it): 0, or -1 with
+    ``ctypes.get_errno()`` set. Most callers ignore it: the advice only saves faults."""
+    return int(_libc.madvise(address, length, advice))
 
 
 class ArenaView:

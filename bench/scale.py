@@ -93,7 +93,7 @@ class Pool:
         started = []
         for node_id in node_ids:
             args = ["--redis", self.redis.url, "--namespace", self.namespace, "--dram", dram, "--nvme", "0",
-                    "--shm-dir", "off", "--node-id", node_id]  # fmt: skip
+                    "--shm-dir", "off", "--prefault", "off", "--node-id", node_id]  # fmt: skip
             started.append(NodeProcess(args).spawn())
         for node_id, process in zip(node_ids, started):
             process.wait_ready(NODE_START_TIMEOUT_S)

@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for _ in range(args.nodes):
                 node_args = ["--redis", redis_server.url, "--namespace", namespace, "--dram", args.dram,
-                             "--shm-dir", args.shm_dir]  # fmt: skip
+                             "--shm-dir", args.shm_dir, "--prefault", "off"]  # fmt: skip
                 nodes.append(NodeProcess(node_args).start(START_TIMEOUT_S))
             url = f"kvpool://127.0.0.1:{redis_server.port}/{namespace}?timeout_ms={args.timeout_ms}"
             before = {n.node_id: n.memory() for n in nodes}

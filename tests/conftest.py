@@ -13,6 +13,7 @@ import pytest
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
+from backend.config.node import ENV_PREFAULT
 from backend.embedded import EmbeddedRedis
 from backend.node.arena import remove_stale_arenas
 from bench.nodes import NodeProcess
@@ -53,8 +54,10 @@ def node_factory(redis_server: EmbeddedRedis, namespace: str) -> Iterator[object
     def spawn(*extra: str, redis_url: str | None = None, ns: str | None = None, dram: str = "256MiB",
               env: dict[str, str] | None = None, max_open_files: int = 0, shm: bool = False) -> NodeProcess:  # fmt: skip
         """A node process. ``shm=False`` (the default here) makes every read go over TCP,
-        as it does from another host; tests of the same-host path pass ``shm=True``."""
-        full_env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", **(env or {})}
+        as it does from another host; tests of the same-host path pass ``shm=True``.
+        Test nodes do not prefault (``--prefault on`` in ``extra`` or ``env`` turns it on): hundreds
+        of short-lived nodes each taking 320 MiB at start would cost the suite memory and CPU."""
+        full_env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", ENV_PREFAULT: "off", **(env or {})}
         args = ["--redis", redis_url or redis_server.url, "--namespace", ns or namespace, "--dram", dram, *extra]
         if not shm and "--shm-dir" not in extra:
             args += ["--shm-dir", "off"]

@@ -291,3 +291,21 @@ def test_lookups_mode_looks_up_a_stored_prefix_a_half_one_and_misses_and_refuses
     assert args.lookups and args.backends == list(LOOKUP_BACKENDS)
     with pytest.raises(SystemExit):
         parse_args(["--lookups", "--quick"])
+
+
+def test_first_hour_summary_is_the_median_node_per_round_and_the_first_over_last_round():
+    from bench.first_hour import render, summarize
+
+    def node(first: float, last: float) -> dict:
+        rounds = [{"shm_put_gbps": first, "tcp_get_gbps": 2.0}, {"shm_put_gbps": 1.0, "tcp_get_gbps": 2.0},
+                  {"shm_put_gbps": last, "tcp_get_gbps": 4.0}]  # fmt: skip
+        return {"rounds": rounds, "start_s": 1.0,
+                "prefault": "", "misses": 0, "mismatches": 0}  # fmt: skip
+
+    nodes = [node(0.2, 1.0), node(0.4, 2.0), node(9.0, 2.0)]  # one outlier node
+    latencies = [{"p50_ms": 10.0, "p99_ms": 30.0}, {"p50_ms": 12.0, "p99_ms": 600.0}, {"p50_ms": 8.0, "p99_ms": 20.0}]
+    summary = summarize(nodes, latencies)
+    assert summary["per_round"][0]["shm_put_gbps"] == 0.4 and summary["per_round"][2]["shm_put_gbps"] == 2.0
+    assert summary["first_over_last"] == {"shm_put_gbps": 0.2, "tcp_get_gbps": 0.5}
+    assert (summary["put_p50_ms"], summary["put_p99_ms"], summary["put_p99_over_p50"]) == (10.0, 30.0, 3.0)
+    assert "r1/r3" in render("on", summary) and "p99/p50 3.00" in render("on", summary)

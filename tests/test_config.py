@@ -571,6 +571,20 @@ def test_node_options_take_a_flag_over_the_environment_over_yaml_over_the_defaul
     assert "from-file" not in repr(config)
 
 
+def test_prefault_is_on_by_default_and_parses_from_a_flag_the_environment_and_yaml(tmp_path: Path) -> None:
+    from backend.config import NodeConfig
+
+    yaml_file = tmp_path / "node.yaml"
+    yaml_file.write_text("redis: redis://r:1\nprefault: off\n")  # YAML reads a bare off as False
+    assert NodeConfig.from_sources({"redis": "redis://r:1"}).prefault is True
+    assert NodeConfig.from_sources({}, config_file=yaml_file).prefault is False
+    assert NodeConfig.from_sources({}, config_file=yaml_file, environ={"KVPOOL_PREFAULT": "on"}).prefault is True
+    flags = {"prefault": "off"}
+    assert NodeConfig.from_sources(flags, config_file=yaml_file, environ={"KVPOOL_PREFAULT": "on"}).prefault is False
+    yaml_file.write_text("redis: redis://r:1\nprefault: yes\n")
+    assert NodeConfig.from_sources({}, config_file=yaml_file).prefault is True
+
+
 @pytest.mark.parametrize(
     ("flags", "yaml_text", "environ", "key"),
     [
@@ -587,6 +601,9 @@ def test_node_options_take_a_flag_over_the_environment_over_yaml_over_the_defaul
         ({"redis": None}, "", {}, "--redis"),  # required
         ({"pair_timeout_ms": "0"}, "", {}, "--pair-timeout-ms"),
         ({}, "shm-dir: /nonexistent/shm", {}, "shm_dir (in "),
+        ({"prefault": "maybe"}, "", {}, "--prefault"),
+        ({}, "", {"KVPOOL_PREFAULT": "2"}, "KVPOOL_PREFAULT"),
+        ({}, "prefault: [on]", {}, "prefault (in "),
     ],
 )
 def test_a_bad_node_option_is_refused_naming_it_as_its_source_spells_it(tmp_path, flags, yaml_text, environ, key):
@@ -610,7 +627,7 @@ def test_node_flags_are_the_option_table(tmp_path: Path) -> None:
         sub = parser._subparsers._group_actions[0].choices[verb]  # type: ignore[union-attr]
         flags = {a.option_strings[0] for a in sub._actions if a.option_strings and a.dest != "help"}
         assert flags == {"--config"} | {o.flag_name for o in NODE_OPTIONS if o.flag}
-    assert {o.env for o in NODE_OPTIONS if o.env} == {"KVPOOL_TOKEN", "KVPOOL_REDIS_PASSWORD"}
+    assert {o.env for o in NODE_OPTIONS if o.env} == {"KVPOOL_TOKEN", "KVPOOL_REDIS_PASSWORD", "KVPOOL_PREFAULT"}
 
 
 def test_an_unknown_kvpool_variable_warns_a_node_and_does_not_stop_it(caplog: pytest.LogCaptureFixture) -> None:

@@ -94,6 +94,12 @@ class PoolClient:
         self._check_open()
         return await self.registry.nodes(refresh)
 
+    async def prepare_puts(self) -> int:
+        """Ready the same-host put path to every live node on this host (arena mapped, stage made) before
+        the first put needs it; how many nodes it serves. For a client that will put (the LMCache connector)."""
+        self._check_open()
+        return sum([await self._staged.prepare(node) for node in await self.registry.nodes(False)])
+
     async def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is held by a live node (one Redis round trip)."""
         self._check_open()

@@ -29,6 +29,9 @@ DEFAULT_MAX_PENDING_CONNECTIONS = 1024
 MAX_PENDING_CONNECTIONS = 1_000_000
 MAX_NODE_MS = 2**31 - 1
 _CHANNELS = ("off", "nccl", "cpu")
+_ON = ("on", "true", "yes", "1")
+_OFF = ("off", "false", "no", "0")
+ENV_PREFAULT = "KVPOOL_PREFAULT"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +85,18 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
         return text
 
     return parse
+
+
+def _switch(key: str, value: Any) -> bool:
+    """on/off (also true/false, yes/no, 1/0, and YAML's bare booleans)."""
+    if isinstance(value, bool):
+        return value
+    text = _text(key, value).strip().lower()
+    if text in _ON:
+        return True
+    if text in _OFF:
+        return False
+    raise ConfigError(key, f"{text!r} is not on or off")
 
 
 def _size(positive: bool) -> Callable[[str, Any], int]:
@@ -185,6 +200,9 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
     NodeOption("shm_dir", _shm_dir, Path(DEFAULT_SHM_DIR) if Path(DEFAULT_SHM_DIR).is_dir() else None,
                f"keep DRAM in a shared-memory arena here so same-host clients read without TCP "
                f"(default {DEFAULT_SHM_DIR}; off: private memory)", metavar="DIR|off"),
+    NodeOption("prefault", _switch, True, "take the whole DRAM arena's memory at start, before the node registers "
+               f"(about 1 s per GiB), so the first puts find their pages ready; off: take it as chunks "
+               f"arrive (default on; or {ENV_PREFAULT})", metavar="on|off", env=ENV_PREFAULT),
     NodeOption("token", _text, "", "the pool token clients must prove", env="KVPOOL_TOKEN", flag=False),
     NodeOption("redis_password", _text, "", "the Redis ACL password", env="KVPOOL_REDIS_PASSWORD", flag=False),
 )  # fmt: skip
@@ -280,6 +298,7 @@ class NodeConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     shm_dir: Path | None = None  # shared-memory arena for same-host clients; None: off
+    prefault: bool = False  # take the DRAM arena's pages at start (the flag's default is on; see NODE_OPTIONS)
     channel: str = "off"  # serve CHANNEL_GET over this transport: "off", "cpu" or "nccl" (nccl_channel)
     device: str = "cuda:0"  # the CUDA device of the NCCL channel
     tls_cert: Path | None = None  # PEM certificate chain: serve the node protocol over TLS only
@@ -353,6 +372,7 @@ class NodeConfig:
             host=values["host"], port=values["port"], advertise_host=advertise_host, advertise_port=advertise_port,
             node_id=values["node_id"], token=token, cluster=values["cluster"],
             metrics_host=values["metrics_host"], metrics_port=values["metrics_port"], shm_dir=values["shm_dir"],
+            prefault=values["prefault"],
             channel=values["channel"], device=values["device"], tls_cert=values["tls_cert"], tls_key=values["tls_key"],
             redis_password=password, redis_ca_file=str(values["redis_ca"] or ""),
             pair_timeout_ms=values["pair_timeout_ms"], dead_node_grace_ms=values["dead_node_grace_ms"],

@@ -25,7 +25,7 @@ DEFAULT_NAMESPACE = "default"
 ENV_PREFIX = "KVPOOL_"
 # Environment variables kvpool reads that are not PoolConfig options.
 # KVPOOL_FULL selects the long fault suite (`make faults`); it must not make every client refuse to start.
-ENV_NOT_OPTIONS = frozenset({"KVPOOL_URL", "KVPOOL_NCCL_LIBRARY", "KVPOOL_DEBUG", "KVPOOL_FULL"})
+ENV_NOT_OPTIONS = frozenset({"KVPOOL_URL", "KVPOOL_NCCL_LIBRARY", "KVPOOL_DEBUG", "KVPOOL_FULL", "KVPOOL_PREFAULT"})
 
 MAX_REPLICAS = 8
 MAX_CONNECTIONS_PER_NODE = 64

@@ -131,6 +131,8 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             logger.info(
                 "kvpool: connected to %s (%d live nodes)", self.pool_config.to_url(with_token=False), len(nodes)
             )
+            # The engine will put: the first put to a node on this host should not wait for its stage.
+            await self.client.prepare_puts()
 
     def _run_sync(self, coro: Any, what: str) -> Any:
         """Run a coroutine on LMCache's loop from one of LMCache's worker threads."""

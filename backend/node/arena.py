@@ -22,6 +22,12 @@ run without the GIL) and at the lowest CPU priority, so that during a burst of p
 it does not take the core the event loop needs. An allocation that still finds no room grows inline, after
 waiting for a step the thread has under way.
 
+A node started with ``--prefault`` (the default) takes every step at start instead
+(:meth:`Arena.prefault`, on a worker thread, before the node registers), up to what
+the directory and the machine can give; the grower then has nothing left to do. A
+prefaulting node without shared memory keeps DRAM in a :class:`PrivateArena`
+(anonymous memory, the same allocator), so freed regions keep their pages.
+
 Allocation is first-fit over an offset-ordered free list with coalescing; chunks are
 mostly of one size, so the list stays short. A region is returned to the list by a
 finalizer on the numpy array behind the chunk's memoryview, which runs when the
@@ -33,6 +39,7 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import ctypes
 import errno
 import logging
 import mmap
@@ -56,7 +63,7 @@ from backend.shm import (
     madvise,
 )
 
-__all__ = ["ShmArena", "remove_stale_arenas"]
+__all__ = ["Arena", "PrivateArena", "ShmArena", "remove_stale_arenas"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,35 +72,25 @@ GROW_STEP_BYTES = 64 * 1024 * 1024
 GROW_AHEAD_BYTES = 256 * 1024 * 1024  # free room kept ready at the grown end, once the arena is in use
 GROWER_NICE = 19  # the grower runs when the node's loop and its clients leave a core idle
 GROW_RETRY_S = 5.0  # after /dev/shm refused pages, do not ask again for this long
+# A prefault leaves this much of the machine's available memory (MemAvailable) untaken: past it the
+# kernel would not refuse pages cleanly but reclaim the page cache and then call the OOM killer.
+PREFAULT_KEEP_FREE_BYTES = 512 * 1024 * 1024
 
 
 def _align(nbytes: int) -> int:
     return (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
-class ShmArena:
-    """The node side: allocates chunk buffers inside one shared-memory file."""
+class Arena:
+    """Allocates chunk buffers inside one mapping, taking its pages as needed (or all at once: prefault).
 
-    def __init__(self, directory: Path, size_bytes: int) -> None:
-        if size_bytes <= 0:
-            raise ValueError("arena size must be positive")
-        self.size_bytes = _align(size_bytes)
-        self.token = secrets.token_hex(16)
-        self.path = Path(directory) / f"{FILE_PREFIX}{os.getpid()}-{self.token[:8]}{ARENA_SUFFIX}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, HEADER_BYTES + self.size_bytes)
-            os.posix_fallocate(fd, 0, HEADER_BYTES)
-            self._map = mmap.mmap(fd, HEADER_BYTES + self.size_bytes, flags=mmap.MAP_SHARED)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
-            raise
-        self._fd = fd
-        self._map[:HEADER_BYTES] = HEADER.pack(ARENA_MAGIC, self.token.encode(), self.size_bytes).ljust(
-            HEADER_BYTES, b"\0"
-        )
+    The backing is a subclass's: :class:`ShmArena` (a shared-memory file clients on this
+    host map) or :class:`PrivateArena` (anonymous memory, for a node without one).
+    """
+
+    def __init__(self, mapping: mmap.mmap, size_bytes: int) -> None:
+        self.size_bytes = size_bytes
+        self._map = mapping
         self._array = np.frombuffer(self._map, dtype=np.uint8)
         self._base_address = int(self._array.ctypes.data)
         self._lock = threading.Lock()
@@ -211,52 +208,87 @@ class ShmArena:
         return True
 
     def _take_pages(self, start: int, step: int) -> bool:
-        """Back ``[start, start + step)`` with pages; False (and no retry for a while) if /dev/shm is full."""
+        """Back ``[start, start + step)`` with pages; False (and no retry for a while) if they are refused."""
         try:
-            os.posix_fallocate(self._fd, start, step)
+            self._back(start, step)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise
             self._refused_at = time.monotonic()
-            logger.warning("shared-memory arena %s: %s could not grow by %d bytes (%s); new chunks use "
-                           "private memory and are served over TCP", self.path, self.path.parent, step,
-                           exc.strerror)  # fmt: skip
+            logger.warning("%s arena could not grow by %d bytes (%s); new chunks use private memory and "
+                           "are served over TCP", self._where(), step, exc.strerror)  # fmt: skip
             return False
-        # Map the pages now rather than one fault at a time on first write (Linux >= 5.14).
-        madvise(self._base_address + start, step, MADV_POPULATE_WRITE)
         return True
+
+    def _back(self, start: int, step: int) -> None:
+        """Take the pages of ``[start, start + step)``; OSError (ENOSPC, ENOMEM) if they cannot be had."""
+        raise NotImplementedError
+
+    def _where(self) -> str:
+        raise NotImplementedError
+
+    def _available_bytes(self) -> int | None:
+        """How many more bytes the backing can give, where that is known."""
+        return None
 
     def _grow_ahead(self) -> None:
         """Grower thread: keep GROW_AHEAD_BYTES of pages ready at the grown end, outside the lock."""
         with contextlib.suppress(OSError, AttributeError):  # Linux: this thread only, lowest priority
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GROWER_NICE)
-        end = HEADER_BYTES + self.size_bytes
         while True:
             self._wake_grower.wait()
             self._wake_grower.clear()
-            while True:
-                with self._lock:
-                    if (self._closed or self._growing or self._grown >= end or self._tail_room() >= GROW_AHEAD_BYTES
-                            or time.monotonic() - self._refused_at < GROW_RETRY_S):  # fmt: skip
-                        break
-                    start, step = self._grown, min(GROW_STEP_BYTES, end - self._grown)
-                    self._growing = True
-                grown = False
-                try:
-                    grown = self._take_pages(start, step)
-                except OSError as exc:
-                    logger.warning("shared-memory arena %s: growing failed: %s", self.path, exc)
-                finally:
-                    with self._lock:
-                        if grown:
-                            self._release_region(start, step)
-                            self._grown += step
-                        self._growing = False
-                        self._grow_done.notify_all()
-                if not grown:
-                    break
+            while self._grow_step(ahead_only=True):
+                pass
             if self._closed:
                 return
+
+    def prefault(self) -> int:
+        """Take every page of the arena now (blocking: run it off the event loop); returns the bytes taken.
+
+        Takes no more than the backing can give (``_available_bytes``) and stops, with a
+        warning, where pages are refused: the rest is then taken as chunks arrive, as
+        without a prefault, and chunks that find no room live in private memory.
+        """
+        end = HEADER_BYTES + self.size_bytes
+        limit = end
+        available = self._available_bytes()
+        if available is not None and self._grown + available < end:
+            limit = self._grown + max(available, 0) // ALIGN_BYTES * ALIGN_BYTES
+            logger.warning("%s arena: %d bytes to take at start, but only %d can be had there; taking those, "
+                           "the rest as chunks arrive", self._where(), end - self._grown, max(available, 0))  # fmt: skip
+        before = self._grown
+        while self._grow_step(ahead_only=False, until=limit):
+            pass
+        return self._grown - before
+
+    def _grow_step(self, *, ahead_only: bool, until: int = 0) -> bool:
+        """Take one step of pages at the grown end, outside the lock; False when there is nothing to take
+        (grown up to ``until``, by default the arena's end; enough room ahead with ``ahead_only``; closed;
+        or pages refused lately)."""
+        end = min(until, HEADER_BYTES + self.size_bytes) if until else HEADER_BYTES + self.size_bytes
+        with self._lock:
+            while self._growing and not ahead_only:  # prefault: let the grower's step finish first
+                self._grow_done.wait(timeout=1.0)
+            if (self._closed or self._growing or self._grown >= end
+                    or (ahead_only and self._tail_room() >= GROW_AHEAD_BYTES)
+                    or time.monotonic() - self._refused_at < GROW_RETRY_S):  # fmt: skip
+                return False
+            start, step = self._grown, min(GROW_STEP_BYTES, end - self._grown)
+            self._growing = True
+        grown = False
+        try:
+            grown = self._take_pages(start, step)
+        except OSError as exc:
+            logger.warning("%s arena: growing failed: %s", self._where(), exc)
+        finally:
+            with self._lock:
+                if grown:
+                    self._release_region(start, step)
+                    self._grown += step
+                self._growing = False
+                self._grow_done.notify_all()
+        return grown
 
     @property
     def grown_bytes(self) -> int:
@@ -265,18 +297,95 @@ class ShmArena:
     def stats(self) -> dict[str, int | str]:
         with self._lock:
             self._take_back_freed()
-        return {"path": str(self.path), "size_bytes": self.size_bytes, "grown_bytes": self.grown_bytes,
+        return {"path": self._where(), "size_bytes": self.size_bytes, "grown_bytes": self.grown_bytes,
                 "allocated_bytes": self.allocated_bytes, "fallbacks": self.fallbacks}  # fmt: skip
 
     def close(self) -> None:
-        """Remove the file. Clients that mapped it keep their mapping until they drop it."""
+        """Stop the grower. Buffers still held keep the mapping alive until they are dropped."""
         self._closed = True
         self._wake_grower.set()
         self._grower.join(timeout=5.0)
+
+
+class ShmArena(Arena):
+    """The node side of the same-host path: the arena is one shared-memory file, published to clients."""
+
+    def __init__(self, directory: Path, size_bytes: int) -> None:
+        if size_bytes <= 0:
+            raise ValueError("arena size must be positive")
+        size_bytes = _align(size_bytes)
+        self.token = secrets.token_hex(16)
+        self.path = Path(directory) / f"{FILE_PREFIX}{os.getpid()}-{self.token[:8]}{ARENA_SUFFIX}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, HEADER_BYTES + size_bytes)
+            os.posix_fallocate(fd, 0, HEADER_BYTES)
+            mapping = mmap.mmap(fd, HEADER_BYTES + size_bytes, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            raise
+        self._fd = fd
+        mapping[:HEADER_BYTES] = HEADER.pack(ARENA_MAGIC, self.token.encode(), size_bytes).ljust(HEADER_BYTES, b"\0")
+        super().__init__(mapping, size_bytes)
+
+    def _back(self, start: int, step: int) -> None:
+        # posix_fallocate first: a full /dev/shm is then an error here, never a SIGBUS on a write.
+        os.posix_fallocate(self._fd, start, step)
+        # Map the pages now rather than one fault at a time on first write (Linux >= 5.14).
+        madvise(self._base_address + start, step, MADV_POPULATE_WRITE)
+
+    def _where(self) -> str:
+        return str(self.path)
+
+    def _available_bytes(self) -> int | None:
+        with contextlib.suppress(OSError):
+            info = os.statvfs(self.path.parent)
+            memory = _memory_available_bytes()
+            return min(info.f_bavail * info.f_frsize, memory if memory is not None else 1 << 62)
+        return None
+
+    def close(self) -> None:
+        """Remove the file. Clients that mapped it keep their mapping until they drop it."""
+        super().close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         with contextlib.suppress(OSError):
             os.close(self._fd)
+
+
+class PrivateArena(Arena):
+    """DRAM in anonymous memory, for a node without a shared-memory arena that prefaults: chunks are
+    read over TCP as before, but freed regions are reused with their pages, which stay mapped."""
+
+    def __init__(self, size_bytes: int) -> None:
+        if size_bytes <= 0:
+            raise ValueError("arena size must be positive")
+        size_bytes = _align(size_bytes)
+        mapping = mmap.mmap(-1, HEADER_BYTES + size_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        super().__init__(mapping, size_bytes)
+
+    def _back(self, start: int, step: int) -> None:
+        if madvise(self._base_address + start, step, MADV_POPULATE_WRITE) != 0:
+            code = ctypes.get_errno()
+            if code != errno.EINVAL:  # EINVAL: a kernel before 5.14, the pages come at first write
+                raise OSError(code, os.strerror(code))
+
+    def _where(self) -> str:
+        return "private memory"
+
+    def _available_bytes(self) -> int | None:
+        return _memory_available_bytes()
+
+
+def _memory_available_bytes() -> int | None:
+    """What a prefault may take of the machine's memory: MemAvailable (Linux) less PREFAULT_KEEP_FREE_BYTES."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 - PREFAULT_KEEP_FREE_BYTES
+    return None
 
 
 def remove_stale_arenas(directory: Path) -> int:

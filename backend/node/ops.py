@@ -160,7 +160,7 @@ class OpHandlers:
         found: list[tuple[ItemMeta, int] | None] = []
         held: list[str] = []
         chunks: list[StoredChunk] = []
-        arena = tiers.arena
+        arena = tiers.shm_arena  # a private arena's offsets mean nothing to a client
         for key in keys:
             if want_map:
                 chunk = await tiers.get(key)

@@ -119,8 +119,8 @@ class IndexPublisher:
             object_count=len(tiers),
             tiers=tiers.stats(),
             heartbeat_at=time.time(),
-            shm_path=str(tiers.arena.path) if tiers.arena is not None else "",
-            shm_token=tiers.arena.token if tiers.arena is not None else "",
+            shm_path=str(tiers.shm_arena.path) if tiers.shm_arena is not None else "",
+            shm_token=tiers.shm_arena.token if tiers.shm_arena is not None else "",
         )
 
     async def _republish(self, why: str) -> None:

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import socket
 import ssl
+import time
 from collections import Counter
 from typing import Any
 
@@ -53,6 +54,7 @@ def tier_config(config: NodeConfig) -> TierConfig:
     return TierConfig(
         dram_bytes=config.dram_bytes, nvme_dir=config.nvme_dir, nvme_bytes=config.nvme_bytes,
         high_watermark=config.high_watermark, low_watermark=config.low_watermark, shm_dir=config.shm_dir,
+        prefault=config.prefault,
     )  # fmt: skip
 
 
@@ -80,6 +82,8 @@ class PoolNode:
         self.metrics: NodeMetricsServer | None = None
         self.channel: Any = None  # nccl_channel.channel.ChannelServer, if configured
         self.collector: DeadNodeCollector | None = None  # made once the node id is known
+        self.prefaulted_bytes = 0  # DRAM arena memory taken at start (--prefault), and how long it took
+        self.prefault_s = 0.0
 
     # -- lifecycle --------------------------------------------------------------------
     @property
@@ -144,6 +148,7 @@ class PoolNode:
                         report.quarantined, report.temp_removed)  # fmt: skip
         if not node_id:
             node_id = f"{socket.gethostname()}-{self.port}"
+        await self._prefault(node_id)
         self.collector = DeadNodeCollector(self._store, node_id, self.config.dead_node_grace_ms / 1000)
         self.statistics.count_also(self.collector.counters)
         # Bind the metrics port before registering: if it is taken, nothing is left in Redis.
@@ -169,6 +174,20 @@ class PoolNode:
             self.tiers.dram.capacity_bytes,
             f"{nvme.capacity_bytes} bytes at {nvme.root}" if nvme else "off", self.config.namespace,
         )  # fmt: skip
+
+    async def _prefault(self, node_id: str) -> None:
+        """With --prefault, take the DRAM arena's pages now, on a worker thread: the node registers (and
+        clients find it) only once its first puts can find their pages ready."""
+        arena = self.tiers.arena
+        if not self.config.prefault or arena is None:
+            return
+        logger.info("node %s: taking %d bytes of memory for its DRAM arena before it registers (--prefault; "
+                    "about 1 s per GiB)", node_id, arena.size_bytes)  # fmt: skip
+        started = time.monotonic()
+        self.prefaulted_bytes = await asyncio.to_thread(arena.prefault)
+        self.prefault_s = time.monotonic() - started
+        logger.info("node %s: took %d bytes of memory for its DRAM arena (%s) in %.2f s", node_id,
+                    self.prefaulted_bytes, arena.stats()["path"], self.prefault_s)  # fmt: skip
 
     def _tls_context(self) -> ssl.SSLContext | None:
         cert, key = self.config.tls_cert, self.config.tls_key

@@ -281,7 +281,7 @@ class Session:
         Only a file in this node's arena directory, with a stage's name, of this node's
         user, whose header carries ``token``: no client can make the node read any other file.
         """
-        arena = self.ctx.tiers.arena
+        arena = self.ctx.tiers.shm_arena
         if arena is None:
             raise ProtocolError(f"node {self.ctx.node_id} has no shared-memory arena: put over TCP")
         if not STAGE_NAME_RE.match(name):

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.errors import BusyError, CapacityError, IntegrityError
-from backend.node.arena import ShmArena, remove_stale_arenas
+from backend.node.arena import Arena, PrivateArena, ShmArena, remove_stale_arenas
 from backend.node.bookkeeping import DRAM, NVME, HeldKeys, IndexChanges
 from backend.node.buffers import BufferFactory, ChunkBuffer
 from backend.node.demotion import Demoter
@@ -62,6 +62,7 @@ class TierConfig:
     low_watermark: float = 0.80
     io_threads: int = 4
     shm_dir: Path | None = None  # where the shared-memory arena lives; None: private memory only
+    prefault: bool = False  # DRAM in an arena whose pages the node takes at start (private without shm_dir)
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark < self.high_watermark <= 1:
@@ -85,7 +86,7 @@ class TierManager:
         self.leases = LeaseTable(on_unpinned=self._wake_demoter)
         self.demoter = Demoter(self.dram, self.nvme, self.leases, self.changes, self.counters,
                                high_watermark=config.high_watermark, low_watermark=config.low_watermark)  # fmt: skip
-        self.arena = _open_arena(config)
+        self.arena: Arena | None = _open_arena(config)  # where DRAM chunks live; None: each its own buffer
         # Pre-faulted private buffers: for every chunk when there is no arena, else for the overflow.
         prefault = 0 if self.arena is not None else min(PREFAULT_BUDGET_BYTES, config.dram_bytes // 4)
         self.buffers = BufferFactory(prefault)
@@ -107,6 +108,11 @@ class TierManager:
         self.buffers.close()
         if self.arena is not None:
             self.arena.close()
+
+    @property
+    def shm_arena(self) -> ShmArena | None:
+        """The arena same-host clients may map (published in the registry), if DRAM is in one."""
+        return self.arena if isinstance(self.arena, ShmArena) else None
 
     def load_nvme(self, records: list[NvmeFile]) -> None:
         """Adopt files found by recovery, oldest first (so LRU order follows file age)."""
@@ -364,17 +370,17 @@ class TierManager:
         return found
 
 
-def _open_arena(config: TierConfig) -> ShmArena | None:
-    """The shared-memory arena for DRAM, or None (logged) when the directory cannot hold one."""
+def _open_arena(config: TierConfig) -> Arena | None:
+    """The arena for DRAM: shared memory, else (prefault only) private; None (logged) when there is none."""
+    size = config.dram_bytes + max(int(config.dram_bytes * ARENA_SLACK), ARENA_MIN_SLACK_BYTES)
     if config.shm_dir is None:
-        return None
+        return PrivateArena(size) if config.prefault else None
     stale = remove_stale_arenas(config.shm_dir)
     if stale:
         logger.info("removed %d shared-memory arena(s) of nodes that no longer run", stale)
-    size = config.dram_bytes + max(int(config.dram_bytes * ARENA_SLACK), ARENA_MIN_SLACK_BYTES)
     try:
         return ShmArena(config.shm_dir, size)
     except OSError as exc:
         logger.warning("no shared-memory arena in %s (%s): same-host clients read over TCP",
                        config.shm_dir, exc.strerror or exc)  # fmt: skip
-        return None
+        return PrivateArena(size) if config.prefault else None
