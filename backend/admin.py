@@ -506,75 +506,111 @@ async def check(client: PoolClient, *, fix: bool = False, deep: bool = False,
     """fsck for the pool: index vs bytes on nodes, checksums, dead nodes; ``fix`` repairs.
 
     Finds index entries whose bytes are gone, bytes no entry points at, copies whose
-    checksum fails (a sample, or all with ``deep``), and entries of dead nodes.
+    checksum fails (a sample, or all with ``deep``), and entries of dead nodes. The steps:
+    scan the index (verifying held copies as it goes), scan the nodes' inventories,
+    then, with ``fix``, repair.
     """
     nodes = await client.index.nodes()
     alive = {n.node_id: n for n in nodes if n.alive}
-    dead = [n.node_id for n in nodes if not n.alive]
-    orphan_entries: list[tuple[str, Location]] = []
-    dead_entries: list[tuple[str, Location]] = []
-    corrupt: list[tuple[str, Location]] = []
-    verified = 0
-    scanned = 0
+    found = _Findings(dead_nodes=[n.node_id for n in nodes if not n.alive])
+    await _scan_index(client, alive, found, deep=deep, progress=progress)
+    await _scan_inventories(client, alive, found)
+    report = found.report()
+    if fix and report.problems:
+        report = dataclasses.replace(report, fixed=await _repair(client, found))
+    return report
+
+
+_Found = tuple[str, Location]  # a key and one copy of it
+
+
+@dataclass
+class _Findings:
+    """What ``check`` found so far; each step adds to it."""
+
+    dead_nodes: list[str]
+    scanned: int = 0  # index entries walked
+    verified: int = 0
+    orphan_entries: list[_Found] = dataclasses.field(default_factory=list)
+    orphan_bytes: list[_Found] = dataclasses.field(default_factory=list)
+    corrupt: list[_Found] = dataclasses.field(default_factory=list)
+    dead_entries: list[_Found] = dataclasses.field(default_factory=list)
+
+    def report(self) -> CheckReport:
+        return CheckReport(
+            index_entries=self.scanned,
+            verified=self.verified,
+            orphan_entries=[Copy.of(k, loc) for k, loc in self.orphan_entries],
+            orphan_bytes=[Copy.of(k, loc) for k, loc in self.orphan_bytes],
+            corrupt=[Copy.of(k, loc) for k, loc in self.corrupt],
+            dead_node_entries=[Copy.of(k, loc) for k, loc in self.dead_entries],
+            dead_nodes=list(self.dead_nodes),
+        )
+
+
+async def _scan_index(client: PoolClient, alive: dict[str, NodeInfo], found: _Findings, *, deep: bool,
+                      progress: Progress | None) -> None:  # fmt: skip
+    """Scan step: each indexed copy is a dead node's, missing from its node, or held (then verified)."""
     async for batch in client.index.scan_entries():
-        by_node: dict[str, list[tuple[str, Location]]] = defaultdict(list)
+        by_node: dict[str, list[_Found]] = defaultdict(list)
         for key, entry in batch:
             for loc in entry:
                 node = alive.get(loc.node_id)
                 if node is None or node.epoch != loc.epoch:
-                    dead_entries.append((key, loc))
+                    found.dead_entries.append((key, loc))
                 else:
                     by_node[loc.node_id].append((key, loc))
         for nid, pairs in by_node.items():
-            keys = [k for k, _ in pairs]
-            present = await client.node_admin.exists(alive[nid], keys)
-            held = [(k, loc) for (k, loc), here in zip(pairs, present) if here]
-            orphan_entries += [(k, loc) for (k, loc), here in zip(pairs, present) if not here]
-            to_verify = held if deep else held[: max(0, CHECK_SAMPLE - verified)]
-            if to_verify:
-                status = await client.node_admin.verify(alive[nid], [k for k, _ in to_verify])
-                corrupt += [(k, loc) for (k, loc), st in zip(to_verify, status) if st != Verified.OK]
-                verified += len(to_verify)
-        scanned += len(batch)
+            present = await client.node_admin.exists(alive[nid], [k for k, _ in pairs])
+            held = [pair for pair, here in zip(pairs, present) if here]
+            found.orphan_entries += [pair for pair, here in zip(pairs, present) if not here]
+            await _verify(client, alive[nid], held, found, deep=deep)
+        found.scanned += len(batch)
         if progress is not None:
-            progress(scanned, scanned)
-    orphan_bytes: list[tuple[str, Location]] = []
+            progress(found.scanned, found.scanned)
+
+
+async def _verify(client: PoolClient, node: NodeInfo, held: list[_Found], found: _Findings, *, deep: bool) -> None:
+    """Verify step: the node re-checks the checksums of its held copies (all with ``deep``,
+    else until ``CHECK_SAMPLE`` copies are verified); one that fails is corrupt, and its
+    node has dropped it."""
+    to_verify = held if deep else held[: max(0, CHECK_SAMPLE - found.verified)]
+    if not to_verify:
+        return
+    status = await client.node_admin.verify(node, [k for k, _ in to_verify])
+    found.corrupt += [pair for pair, st in zip(to_verify, status) if st != Verified.OK]
+    found.verified += len(to_verify)
+
+
+async def _scan_inventories(client: PoolClient, alive: dict[str, NodeInfo], found: _Findings) -> None:
+    """Scan step: bytes on a live node that no index entry points at."""
     for node in alive.values():
         async for page in client.node_admin.inventory_pages(node):
             entries = await client.index.lookup([row.key for row in page])
             for row, entry in zip(page, entries):
                 if not any(loc.node_id == node.node_id and loc.epoch == node.epoch for loc in entry):
-                    orphan_bytes.append(
+                    found.orphan_bytes.append(
                         (row.key, Location(node.node_id, node.epoch, row.tier, row.nbytes, row.checksum))
                     )
-    report = CheckReport(
-        index_entries=scanned,
-        verified=verified,
-        orphan_entries=[Copy.of(k, loc) for k, loc in orphan_entries],
-        orphan_bytes=[Copy.of(k, loc) for k, loc in orphan_bytes],
-        corrupt=[Copy.of(k, loc) for k, loc in corrupt],
-        dead_node_entries=[Copy.of(k, loc) for k, loc in dead_entries],
-        dead_nodes=dead,
-    )
-    if fix and report.problems:
-        # Repair against a fresh view: a node may have come back or restarted meanwhile.
-        fresh = {n.node_id: n for n in await client.index.nodes() if n.alive}
 
-        def still_dead(loc: Location) -> bool:
-            node = fresh.get(loc.node_id)
-            return node is None or node.epoch != loc.epoch
 
-        dead_entries = [(k, loc) for k, loc in dead_entries if still_dead(loc)]
-        dead = [node_id for node_id in dead if node_id not in fresh]
-        reindex = await _still_orphaned(client, orphan_bytes, fresh)
-        # Corrupt copies were already dropped by their node on VERIFY; remove their entries now.
-        await client.index.remove_stale(orphan_entries + dead_entries + corrupt)
-        await client.index.commit(reindex)  # valid bytes nobody could find: index them
-        for node_id in dead:
-            await client.index.forget_node(node_id)
-        fixes = CheckFixes(len(orphan_entries) + len(dead_entries) + len(corrupt), len(reindex), len(dead))
-        report = dataclasses.replace(report, fixed=fixes)
-    return report
+async def _repair(client: PoolClient, found: _Findings) -> CheckFixes:
+    """Repair step (``check --fix``), against a fresh view: a node may have come back or restarted meanwhile."""
+    fresh = {n.node_id: n for n in await client.index.nodes() if n.alive}
+
+    def still_dead(loc: Location) -> bool:
+        node = fresh.get(loc.node_id)
+        return node is None or node.epoch != loc.epoch
+
+    dead_entries = [(k, loc) for k, loc in found.dead_entries if still_dead(loc)]
+    dead = [node_id for node_id in found.dead_nodes if node_id not in fresh]
+    reindex = await _still_orphaned(client, found.orphan_bytes, fresh)
+    # Corrupt copies were already dropped by their node on VERIFY; remove their entries now.
+    await client.index.remove_stale(found.orphan_entries + dead_entries + found.corrupt)
+    await client.index.commit(reindex)  # valid bytes nobody could find: index them
+    for node_id in dead:
+        await client.index.forget_node(node_id)
+    return CheckFixes(len(found.orphan_entries) + len(dead_entries) + len(found.corrupt), len(reindex), len(dead))
 
 
 async def _still_orphaned(

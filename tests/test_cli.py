@@ -15,7 +15,7 @@ import pytest
 
 from backend import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from backend.embedded import free_port
-from backend.lmcache_config import remote_url_pool_config
+from backend.lmcache.config import remote_url_pool_config
 from tests.conftest import REPO
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from backend.config import DEFAULT_NAMESPACE, PoolConfig, format_size, mask_secrets, parse_size, without_inline_secrets
 from backend.errors import ConfigError, KVPoolError
-from backend.lmcache_config import lmcache_remote_url, remote_url_pool_config
+from backend.lmcache.config import lmcache_remote_url, remote_url_pool_config
 
 GiB = 1024**3
 MiB = 1024**2

@@ -155,9 +155,9 @@ def _node_counter_names() -> set[str]:
 
 
 def _node_metric_names() -> set[str]:
-    """Every metric name ``backend/metrics.py`` can export for a node (counters as ``_total``)."""
+    """Every metric name ``backend/metrics/node.py`` can export for a node (counters as ``_total``)."""
     names = {f"{NODE_PREFIX}{name}_total" for name in _node_counter_names()}
-    source = (REPO / "backend" / "metrics.py").read_text()
+    source = (REPO / "backend" / "metrics" / "node.py").read_text()
     names |= {NODE_PREFIX + name for name in re.findall(r'_gauge\(\s*"([a-z_]*[a-z])",', source)}
     names |= {f"{NODE_PREFIX}tier_{field}" for field in _TIER_GAUGES}
     names |= {f"{NODE_PREFIX}recovery_{field}" for field in _RECOVERY_GAUGES}

@@ -33,7 +33,7 @@ def _run(command: list[str], cwd: Path = REPO, env: dict[str, str] | None = None
 
 def test_node_cli_and_client_modules_import_neither_torch_nor_lmcache():
     modules = ["backend", "backend.cli", "backend.client", "backend.node.server", "backend.admin", "backend.metrics",
-               "backend.lmcache", "backend.lmcache.config", "backend.lmcache_config", "nccl_channel"]  # fmt: skip
+               "backend.lmcache", "backend.lmcache.config", "nccl_channel"]  # fmt: skip
     # Installed here, so an import guarded by try/except would show in sys.modules too.
     code = "import importlib, json, sys\nfor m in " + repr(modules) + ":\n    importlib.import_module(m)\n"
     code += "from backend import PoolClient, SyncPoolClient, PoolConfig\nprint(json.dumps(sorted(sys.modules)))"

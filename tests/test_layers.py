@@ -26,7 +26,7 @@ LEVELS = {
     "backend.admin": 6,
     "backend.lmcache": 7,  # the LMCache layer (backend/lmcache/)
     # the module paths LMCache configs name: re-exports of the LMCache layer
-    "backend.lmcache_config": 8, "backend.lmcache_connector": 8, "backend.lmcache_l2_adapter": 8,
+    "backend.lmcache_connector": 8, "backend.lmcache_l2_adapter": 8,
     "backend": 8,  # the package's own __init__: the public names
     "backend.cli": 9,
 }  # fmt: skip

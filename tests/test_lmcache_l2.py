@@ -26,7 +26,7 @@ import torch
 from backend.client import Chunk, SyncPoolClient
 from backend.config import PoolConfig
 from backend.errors import ConfigError, KVPoolError
-from backend.lmcache_config import lmcache_mp_adapter, lmcache_mp_server_args, render_mp_command
+from backend.lmcache.config import lmcache_mp_adapter, lmcache_mp_server_args, render_mp_command
 from bench.lmcache_mp_stack import MPStack, parse_server_args, server_args
 from tests.conftest import REPO, wait_until
 from tests.test_put_room import MiB, PutInFlight

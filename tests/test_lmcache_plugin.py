@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from backend.embedded import EmbeddedRedis, free_port
-from backend.lmcache_config import REMOTE_URL_FORM, lmcache_remote_url
+from backend.lmcache.config import REMOTE_URL_FORM, lmcache_remote_url
 from backend.lmcache_connector import ALLOCATE_TIMEOUT_S
 from bench.engine import FIRST_HASH
 from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config

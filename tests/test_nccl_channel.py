@@ -349,7 +349,8 @@ async def test_a_channel_batch_stops_at_the_nodes_data_cap_and_the_rest_are_miss
     """As for GET_BATCH, one CHANNEL_GET moves at most ``limits.max_data_bytes``; the client reads the rest over TCP."""
     import dataclasses
 
-    from backend.node.server import NodeConfig, PoolNode
+    from backend.config import NodeConfig
+    from backend.node.server import PoolNode
     from backend.protocol import DEFAULT_LIMITS
 
     limits = dataclasses.replace(DEFAULT_LIMITS, max_data_bytes=250_000)

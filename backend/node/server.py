@@ -42,7 +42,7 @@ from backend.node.stats import NodeStats
 from backend.node.tiers import TierConfig, TierManager
 from backend.transport import FrameSocket, server_tls_context
 
-__all__ = ["NodeConfig", "PoolNode"]  # NodeConfig lives in backend.config; importable here as before
+__all__ = ["PoolNode"]
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,9 @@ import time
 import pytest
 
 from backend import AuthError, Chunk, KVPoolError, PoolClient, PoolConfig, SyncPoolClient
+from backend.config import NodeConfig
 from backend.embedded import EmbeddedRedis
-from backend.node.server import NodeConfig, PoolNode
+from backend.node.server import PoolNode
 from backend.protocol import ItemMeta, Op, encode_header, encode_items
 from tests.conftest import wait_until
 from tests.test_pool import _chunks

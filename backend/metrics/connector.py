@@ -1,0 +1,114 @@
+"""The LMCache connectors' counters, in prometheus_client's default registry.
+
+LMCache keeps its own metrics in that registry; ``register_connector_metrics`` puts
+each connector's counters beside them as ``kvpool_connector_<name>_total{plugin=...}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+
+from prometheus_client import REGISTRY
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+
+from backend.metrics.node import METRIC_NAME
+
+__all__ = ["CONNECTOR_COUNTERS", "CONNECTOR_PREFIX", "register_connector_metrics", "unregister_connector_metrics"]
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR_PREFIX = "kvpool_connector_"
+SNAPSHOT_ATTEMPTS = 3
+
+CONNECTOR_COUNTERS: dict[str, str] = {
+    "put_chunks": "Chunks LMCache handed to the pool and the pool stored.",
+    "put_skipped_busy": "Chunks of LMCache's puts not stored because every node tried was busy (skipped, not errors).",
+    "get_hits": "Chunks LMCache asked the pool for and received.",
+    "get_misses": "Chunks LMCache asked the pool for and did not receive.",
+    "shm_get_bytes": "Bytes read through a same-host node's shared-memory arena instead of TCP.",
+    "get_bytes_tcp": "Payload bytes of hits received over the nodes' TCP protocol.",
+    "staged_put_bytes": "Payload bytes put through this client's stage to a node on its host, instead of TCP.",
+    "get_bytes_channel": "Payload bytes of hits received over the channel (nccl=on, same cluster).",
+    "channel_fallbacks": "Chunks the channel failed to bring (NcclError, node or pair failure), then read over TCP.",
+}
+
+
+class ConnectorCollector:
+    """The connectors' counters, one ``plugin`` label value per registered connector."""
+
+    def __init__(self) -> None:
+        self._sources: dict[str, Callable[[], Mapping[str, int]]] = {}
+        self._lock = threading.Lock()  # LMCache scrapes from its own thread
+
+    def set(self, plugin: str, counters: Callable[[], Mapping[str, int]]) -> None:
+        with self._lock:
+            self._sources[plugin] = counters
+
+    def remove(self, plugin: str) -> None:
+        with self._lock:
+            self._sources.pop(plugin, None)
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            sources = sorted(self._sources.items())
+        families: dict[str, CounterMetricFamily] = {}
+        for plugin, counters in sources:
+            values = _snapshot(plugin, counters)
+            if values is None:
+                continue
+            for name in sorted({**dict.fromkeys(CONNECTOR_COUNTERS, 0), **values}):
+                if not METRIC_NAME.fullmatch(name):
+                    continue
+                family = families.get(name)
+                if family is None:
+                    documentation = CONNECTOR_COUNTERS.get(name, f"Connector counter {name}.")
+                    if name.startswith("miss_"):
+                        documentation = f"Calls whose {name[5:]} failed and read as misses (or were skipped)."
+                    family = families[name] = CounterMetricFamily(CONNECTOR_PREFIX + name, documentation,
+                                                                  labels=["plugin"])  # fmt: skip
+                family.add_metric([plugin], values.get(name, 0))
+        return list(families.values())
+
+
+def _snapshot(plugin: str, counters: Callable[[], Mapping[str, int]]) -> dict[str, int] | None:
+    """Copy a connector's counters; they may change on another thread while we copy."""
+    for _ in range(SNAPSHOT_ATTEMPTS):
+        try:
+            return {str(k): int(v) for k, v in dict(counters()).items()}
+        except RuntimeError:  # "dictionary changed size during iteration"
+            continue
+        except Exception:
+            logger.exception("metrics: reading the counters of plugin %r failed", plugin)
+            return None
+    logger.warning("metrics: the counters of plugin %r kept changing while read; left out of this scrape", plugin)
+    return None
+
+
+_connector_collector: ConnectorCollector | None = None
+_connector_lock = threading.Lock()
+
+
+def register_connector_metrics(counters: Callable[[], Mapping[str, int]], plugin: str) -> None:
+    """Expose a connector's counters as ``kvpool_connector_<name>_total{plugin=...}``.
+
+    Goes into prometheus_client's default ``REGISTRY`` (LMCache's metrics live there).
+    Registering the same ``plugin`` again replaces the earlier source.
+    """
+    global _connector_collector
+    with _connector_lock:
+        if _connector_collector is None:
+            collector = ConnectorCollector()
+            collector.set(plugin, counters)
+            REGISTRY.register(collector)
+            _connector_collector = collector
+        else:
+            _connector_collector.set(plugin, counters)
+
+
+def unregister_connector_metrics(plugin: str) -> None:
+    """Stop exposing ``plugin``'s counters (e.g. when its connector closes)."""
+    with _connector_lock:
+        if _connector_collector is not None:
+            _connector_collector.remove(plugin)

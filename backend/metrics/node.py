@@ -1,0 +1,163 @@
+"""The Prometheus mapping of a pool node's stats: ``NodeCollector`` and its families.
+
+Read at scrape time from ``PoolNode.stats()`` and ``health()``, so nothing on the data
+path pays for metrics. Every name emitted here is listed in docs/operations.md (a test
+keeps them in step).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from backend.latency import LatencyHistograms
+
+__all__ = ["METRIC_NAME", "NODE_COUNTERS", "NODE_PREFIX", "NodeCollector"]
+
+logger = logging.getLogger(__name__)
+
+NODE_PREFIX = "kvpool_node_"
+
+METRIC_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+# Counters a node always exposes, 0 until they first happen, so that rate() and ratios
+# work from the first scrape. Any other counter the node reports appears once non-zero.
+NODE_COUNTERS: dict[str, str] = {
+    "puts": "Chunks stored and committed to the index.",
+    "put_bytes": "Payload bytes of chunks stored.",
+    "put_rejected_capacity": "Chunks of a put refused for lack of capacity (the client tries another node).",
+    "put_rejected_busy": "Chunks of a put refused as busy: DRAM stayed full of puts in flight until the put's deadline.",
+    "gets": "Keys asked for by GET requests.",
+    "hits": "Keys a GET found and returned.",
+    "misses": "Keys a GET did not return.",
+    "get_bytes": "Payload bytes returned by GETs.",
+    "get_over_frame_limit": "Chunks held but not returned because the response frame was full (also misses).",
+    "deletes": "Chunks removed by DELETE requests.",
+    "evictions": "Chunks dropped from DRAM for room (no NVMe tier, or the disk would not take them).",
+    "demotions": "Chunks moved from DRAM to NVMe.",
+    "promotions": "Chunks read back from NVMe into DRAM.",
+    "nvme_writes": "Files written to the NVMe tier.",
+    "nvme_reads": "Chunks read from the NVMe tier.",
+    "nvme_evictions": "Files deleted from the NVMe tier for room.",
+    "disk_full": "Disk-full episodes: the disk refused an NVMe write (ENOSPC/EDQUOT) and demotion paused.",
+    "integrity_failures": "Checksum mismatches: on arrival of a put, in DRAM, or on NVMe read.",
+    "quarantined": "NVMe files moved to quarantine/.",
+    "republished": "Index entries republished after Redis lost the namespace.",
+    "auth_failures": "Requests refused for a missing or wrong token.",
+    "tls_failures": "Connections closed because their TLS handshake failed (a plaintext client, an untrusted peer).",
+    "protocol_errors": "Connections or requests refused as malformed.",
+    "request_errors": "Requests answered with an error.",
+    "stalled_connections": "Connections closed because a frame stalled mid-way.",
+    "handshake_timeouts": "Connections closed because they did not finish their handshake in time.",
+    "connections_shed": "Connections closed, oldest first, beyond the cap on those without a finished handshake.",
+    "accept_errors": "Failed accepts (EMFILE and the like).",
+    "requests": "Requests answered successfully (HELLO and AUTH not counted).",
+    "shm_get_bytes": "Payload bytes same-host clients copied from the shared-memory arena (not sent).",
+    "staged_put_bytes": "Payload bytes of staged puts: copied in from same-host clients' stages (not received).",
+    "leases_granted": "Leases granted (same-host reads and locks).",
+    "leases_released": "Leases ended by their client.",
+    "leases_expired": "Leases ended by their deadline (client gone or slow).",
+    "leases_refused": "Leases refused because the node held its maximum.",
+    "leases_disconnected": "Leases ended because the connection that took them closed (client gone).",
+    "connections_accepted": "Client connections accepted.",
+}
+
+
+class NodeCollector:
+    """Reads one node's ``stats()`` and ``health()`` at scrape time and yields its families."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], health: Callable[[], dict[str, Any]]) -> None:
+        self.stats = stats
+        self.health = health
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        node = str(stats["node_id"])
+        yield from _node_counters(node, stats.get("counters") or {})
+        yield _gauge("uptime_seconds", "Seconds since the node process started.", node, stats["uptime_s"])
+        yield _gauge("epoch", "Epoch this node took at its start (a restart takes a new one).", node, stats["epoch"])
+        yield _gauge("objects", "Distinct chunks held, over all tiers.", node, stats["objects"])
+        yield _gauge("leases", "Leases currently held by clients.", node, stats.get("leases", 0))
+        arena = stats.get("arena")
+        if arena:
+            yield _gauge("arena_allocated_bytes", "Bytes of the shared-memory arena in use.", node,
+                         arena["allocated_bytes"])  # fmt: skip
+            yield _gauge("arena_grown_bytes", "Bytes of the shared-memory arena backed by memory.", node,
+                         arena["grown_bytes"])  # fmt: skip
+        healthy = 1 if self.health().get("status") == "ok" else 0
+        yield _gauge("healthy", "1 while /health answers ok, else 0.", node, healthy)
+        yield from _tier_gauges(node, stats.get("tiers") or {})
+        recovery = stats.get("recovery")
+        if recovery:
+            yield from _recovery_gauges(node, recovery)
+        latency = stats.get("latency")
+        histograms = _latency_histogram(node, latency) if latency else None
+        if histograms is not None:
+            yield histograms
+
+
+def _gauge(name: str, documentation: str, node: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(NODE_PREFIX + name, documentation, labels=["node"])
+    family.add_metric([node], value)
+    return family
+
+
+def _node_counters(node: str, counters: Mapping[str, int]) -> Iterator[Metric]:
+    values = {name: 0 for name in NODE_COUNTERS} | dict(counters)
+    for name in sorted(values):
+        if not METRIC_NAME.fullmatch(name):
+            logger.warning("metrics: node counter %r is not a valid metric name; skipped", name)
+            continue
+        family = CounterMetricFamily(NODE_PREFIX + name, NODE_COUNTERS.get(name, f"Node counter {name}."),
+                                     labels=["node"])  # fmt: skip
+        family.add_metric([node], values[name])
+        yield family
+
+
+_TIER_GAUGES = {
+    "capacity_bytes": "Configured size of the tier.",
+    "used_bytes": "Bytes taken in the tier (DRAM: stored plus reserved for puts in flight; NVMe: file sizes).",
+    "objects": "Chunks held in the tier.",
+    "disk_full": "1 while the disk refuses writes and the node does not demote (NVMe only).",
+}
+
+
+def _tier_gauges(node: str, tiers: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
+    for field, documentation in _TIER_GAUGES.items():
+        family = GaugeMetricFamily(NODE_PREFIX + "tier_" + field, documentation, labels=["node", "tier"])
+        for tier, values in sorted(tiers.items()):
+            if field in values:
+                family.add_metric([node, tier], float(values[field]))
+        if family.samples:
+            yield family
+
+
+_RECOVERY_GAUGES = {
+    "files": "Chunk files found on NVMe at the last start.",
+    "bytes": "Bytes of those files.",
+    "quarantined": "Files quarantined by the last start's scan.",
+    "temp_removed": "Temporary files (crash debris) removed by the last start's scan.",
+    "seconds": "Duration of the last start's scan.",
+}
+
+
+def _recovery_gauges(node: str, recovery: Mapping[str, Any]) -> Iterator[Metric]:
+    for field, documentation in _RECOVERY_GAUGES.items():
+        if field in recovery:
+            yield _gauge("recovery_" + field, documentation, node, float(recovery[field]))
+
+
+def _latency_histogram(node: str, latency: Mapping[str, Any]) -> Metric | None:
+    """The node's service time per op since it started, in its fixed buckets (``backend.latency``)."""
+    family = HistogramMetricFamily(NODE_PREFIX + "request_latency_seconds",
+                                   "Service time of successful requests, from header received to reply sent.",
+                                   labels=["node", "op"])  # fmt: skip
+    for op, histogram in sorted(LatencyHistograms.from_json(latency).ops.items()):
+        buckets = [("+Inf" if math.isinf(bound) else repr(bound), count) for bound, count in histogram.cumulative()]
+        family.add_metric([node, op], buckets, histogram.sum_s)
+    return family if family.samples else None
