@@ -334,7 +334,7 @@ def _source_counters() -> tuple[set[str], set[str]]:
     literal = re.compile(r'"([a-z_][a-z0-9_]*)"')
     node = set()
     sources = [path.read_text() for path in sorted((REPO / "backend" / "node").glob("*.py"))]
-    channel = (REPO / "nccl_channel" / "channel.py").read_text()
+    channel = (REPO / "nccl_channel" / "node.py").read_text()
     sources.append(channel[channel.index("class ChannelServer") :])  # a node started with --channel adds these
     for text in sources:
         for index in re.findall(r"counters\[([^\]]+)\]", text):
