@@ -24,9 +24,18 @@ on stderr; `--debug` shows the trace); `2` a usage error: a bad flag, URL, optio
 file or environment variable, named in one line (nothing was changed); `3` from
 `kvpool check` when it found problems, whether or not `--fix` repaired them (`0` when the
 pool is clean), so a cron job can alert on it; `141` when the reader of stdout went away
-(`kvpool ls | head`), quietly, as `cat` does. Every verb that reads the pool takes
-`--url kvpool://...` (default `$KVPOOL_URL`) and `--json`.
+(`kvpool ls | head`), quietly, as `cat` does. {url_json} take `--url kvpool://...`
+(default `$KVPOOL_URL`) and `--json`; `lmcache-config` takes `--url`, `doctor` takes `--json`
+(the pool URL comes from the LMCache config it checks).
 """
+
+
+def _verbs_taking(*flags: str) -> list[str]:
+    from backend.cli import build_parser
+
+    verbs = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    return [name for name, sub in verbs.items()
+            if all(any(flag in action.option_strings for action in sub._actions) for flag in flags)]  # fmt: skip
 
 
 def _help(*args: str) -> str:
@@ -37,7 +46,8 @@ def _help(*args: str) -> str:
 
 
 def render_cli_doc() -> str:
-    parts = [HEADER, "## kvpool\n\n```\n" + _help() + "```\n"]
+    url_json = ", ".join(f"`{verb}`" for verb in _verbs_taking("--url", "--json"))
+    parts = [HEADER.format(url_json=url_json), "## kvpool\n\n```\n" + _help() + "```\n"]
     for verb in VERBS:
         parts.append(f"## kvpool {verb}\n\n```\n" + _help(verb) + "```\n")
     return "\n".join(parts)
