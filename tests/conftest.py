@@ -13,7 +13,6 @@ import pytest
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
-from backend.config.node import ENV_PREFAULT
 from backend.embedded import EmbeddedRedis
 from backend.node.arena import remove_stale_arenas
 from bench.nodes import NodeProcess
@@ -57,6 +56,8 @@ def node_factory(redis_server: EmbeddedRedis, namespace: str) -> Iterator[object
         as it does from another host; tests of the same-host path pass ``shm=True``.
         Test nodes do not prefault (``--prefault on`` in ``extra`` or ``env`` turns it on): hundreds
         of short-lived nodes each taking 320 MiB at start would cost the suite memory and CPU."""
+        from backend.config.node import ENV_PREFAULT  # here: conftest itself must import without redis-py
+
         full_env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", ENV_PREFAULT: "off", **(env or {})}
         args = ["--redis", redis_url or redis_server.url, "--namespace", ns or namespace, "--dram", dram, *extra]
         if not shm and "--shm-dir" not in extra:
