@@ -44,7 +44,8 @@ class ServerProcess:
             self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self.cwd, env=env,
             preexec_fn=self.preexec_fn,
         )  # fmt: skip
-        threading.Thread(target=self._pump, name=f"{self.name}-output", daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, name=f"{self.name}-output", daemon=True)
+        self._pump_thread.start()
         return self
 
     def _pump(self) -> None:
@@ -74,6 +75,18 @@ class ServerProcess:
             return False
         self.stop()
         raise RuntimeError(f"{self.name} did not listen on port {port} within {timeout_s:.0f} s:\n{self.tail()}")
+
+    @property
+    def log(self) -> str:
+        """Everything it printed so far (stdout and stderr)."""
+        return "".join(self.lines)
+
+    def wait_exit(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """Its exit code, once it exited and everything it printed is in ``lines``."""
+        assert self.process is not None
+        code = self.process.wait(timeout_s)
+        self._pump_thread.join(10)
+        return code
 
     def check_alive(self) -> None:
         if self.process is not None and self.process.poll() is not None:

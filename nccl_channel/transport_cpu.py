@@ -9,7 +9,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -43,36 +43,49 @@ class CpuLink:
             raise NcclError(f"CPU channel {what} {self.peer} timed out after {timeout_s:.1f} s")
         self.sock.settimeout(remaining)
 
+    @contextlib.contextmanager
+    def _transfer(self, what: str, timeout_s: float) -> Iterator[None]:
+        """One transfer (``what``: "send to" / "receive from"): any failure leaves the stream out of
+        step, so it aborts the link, and a socket's failure is an NcclError naming the peer."""
+        try:
+            yield
+        except TimeoutError:  # socket.timeout
+            self.abort()
+            raise NcclError(f"CPU channel {what} {self.peer} timed out after {timeout_s:.1f} s") from None
+        except NcclError:
+            self.abort()
+            raise
+        except OSError as exc:
+            self.abort()
+            raise NcclError(f"{what.split()[0]} failed: {exc or 'timed out'}") from None
+        except BaseException:
+            self.abort()
+            raise
+
     def send(self, buffers: Sequence[Buffer], timeout_s: float) -> None:
         views = [memoryview(b).cast("B") for b in buffers]
         deadline = time.monotonic() + timeout_s
-        try:
+        with self._transfer("send to", timeout_s):
             self._deadline_io(deadline, "send to", timeout_s)
             self.sock.sendall(_BATCH_HEAD.pack(len(views), sum(len(v) for v in views)))
             for view in views:
                 self._deadline_io(deadline, "send to", timeout_s)
                 self.sock.sendall(view)
-        except NcclError:
-            self.abort()
-            raise
-        except TimeoutError:  # socket.timeout
-            self.abort()
-            raise NcclError(f"CPU channel send to {self.peer} timed out after {timeout_s:.1f} s") from None
-        except OSError as exc:
-            self.abort()
-            raise NcclError(f"send failed: {exc or 'timed out'}") from None
 
     def recv(self, sizes: Sequence[int], timeout_s: float) -> list[torch.Tensor]:
         total = sum(sizes)
         deadline = time.monotonic() + timeout_s
         head = bytearray(_BATCH_HEAD.size)
-        try:
+        with self._transfer("receive from", timeout_s):
             self._recv_exact(memoryview(head), deadline, timeout_s)
             count, declared = _BATCH_HEAD.unpack(head)
             if (count, declared) != (len(sizes), total):
                 raise NcclError(f"peer sent {count} items / {declared} bytes, expected {len(sizes)} / {total}")
             if self._staging.numel() < total:
-                self._staging = torch.empty(total, dtype=torch.uint8)
+                try:
+                    self._staging = torch.empty(total, dtype=torch.uint8)
+                except RuntimeError as exc:  # torch.OutOfMemoryError is one
+                    raise NcclError(f"staging {total} bytes failed: {exc}") from None
             staging = memoryview(self._staging.numpy()).cast("B")
             views, offset = [], 0
             for index, size in enumerate(sizes):
@@ -81,18 +94,6 @@ class CpuLink:
                 offset += size
                 if self.progress is not None:
                     self.progress(index)
-        except NcclError:
-            self.abort()
-            raise
-        except TimeoutError:  # socket.timeout
-            self.abort()
-            raise NcclError(f"CPU channel receive from {self.peer} timed out after {timeout_s:.1f} s") from None
-        except OSError as exc:
-            self.abort()
-            raise NcclError(f"receive failed: {exc or 'timed out'}") from None
-        except RuntimeError as exc:  # torch.OutOfMemoryError for the staging buffer is one
-            self.abort()
-            raise NcclError(f"staging {total} bytes failed: {exc}") from None
         return views
 
     def recv_into(self, sizes: Sequence[int], targets: Sequence[memoryview | None], timeout_s: float,
@@ -100,7 +101,7 @@ class CpuLink:
         """Receive each chunk straight into its target (no staging); ``landed(i)`` as each one is in."""
         deadline = time.monotonic() + timeout_s
         head = bytearray(_BATCH_HEAD.size)
-        try:
+        with self._transfer("receive from", timeout_s):  # also when ``landed`` fails: the stream is out of step
             self._recv_exact(memoryview(head), deadline, timeout_s)
             count, declared = _BATCH_HEAD.unpack(head)
             if (count, declared) != (len(sizes), sum(sizes)):
@@ -113,18 +114,6 @@ class CpuLink:
                 if self.progress is not None:
                     self.progress(index)
                 landed(index)
-        except NcclError:
-            self.abort()
-            raise
-        except TimeoutError:  # socket.timeout
-            self.abort()
-            raise NcclError(f"CPU channel receive from {self.peer} timed out after {timeout_s:.1f} s") from None
-        except OSError as exc:
-            self.abort()
-            raise NcclError(f"receive failed: {exc or 'timed out'}") from None
-        except BaseException:  # ``landed`` failed: the rest of the batch is unread, the stream out of step
-            self.abort()
-            raise
 
     def _recv_exact(self, view: memoryview, deadline: float, timeout_s: float) -> None:
         while view:

@@ -15,10 +15,8 @@ import json
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +26,7 @@ import yaml
 from backend import ConfigError, PoolConfig
 from backend.embedded import EmbeddedRedis, free_port
 from bench.lmcache_stack import LMCacheStack, same_bytes
+from bench.nodes import UpProcess
 from tests.conftest import REPO
 
 TOKEN = "tok-5f1c9a0e7d2b"
@@ -62,49 +61,16 @@ def _everything(proc: subprocess.CompletedProcess[str]) -> str:
     return f"$ kvpool {proc.args[3]} ...\n{proc.stdout}{proc.stderr}"
 
 
-class _Up:
-    """``kvpool up`` in the background; ``lines`` is all it printed."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "backend.cli", "up", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                                     env={**os.environ, "LMCACHE_TRACK_USAGE": "false"})  # fmt: skip
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.startswith("Ctrl-C stops the pool."):
-                self.ready.set()
-
-    @property
-    def text(self) -> str:
-        return "".join(self.lines)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
 def test_no_secret_reaches_any_log_line_or_cli_output(acl_redis, secret_files, namespace, caplog, capfd):
     caplog.set_level(logging.DEBUG)  # every kvpool and LMCache record of this process, whatever its level
     token_file, password_file = secret_files
     seen: list[str] = []
-    up = _Up("--redis", f"redis://{USER}@127.0.0.1:{acl_redis.port}/0", "--redis-password-file", str(password_file),
-             "--token-file", str(token_file), "--namespace", namespace, "--dram", "64MiB", "--nvme", "0",
-             "--shm-dir", "off")  # fmt: skip
+    up = UpProcess(["--redis", f"redis://{USER}@127.0.0.1:{acl_redis.port}/0", "--redis-password-file",
+                    str(password_file), "--token-file", str(token_file), "--namespace", namespace, "--dram", "64MiB",
+                    "--nvme", "0", "--shm-dir", "off"]).start({**os.environ, "LMCACHE_TRACK_USAGE": "false"})  # fmt: skip
     try:
-        assert up.ready.wait(UP_TIMEOUT_S), up.text
-        printed = up.text
-        url = re.search(r"Pool URL:\n  (\S+)", printed).group(1)
+        up.wait_ready(UP_TIMEOUT_S)
+        printed, url = up.log, up.url
         assert f"token_file={token_file}" in url and f"redis_password_file={password_file}" in url
         # The engine runs LMCache from exactly what `kvpool up` printed (a smaller local buffer for the test).
         config = yaml.safe_load(printed.split("LMCache config (LMCACHE_CONFIG_FILE):\n", 1)[1].split("Ctrl-C")[0])
@@ -165,14 +131,14 @@ def test_no_secret_reaches_any_log_line_or_cli_output(acl_redis, secret_files, n
         seen += [repr(config_with_secrets), str(config_with_secrets), config_with_secrets.to_url(with_token=False),
                  config_with_secrets.redis_url]  # fmt: skip
     finally:
-        up.stop()
-    seen.append(up.text)
+        up.interrupt()
+    seen.append(up.log)
     captured = capfd.readouterr()
     seen += [captured.out, captured.err]
     seen += [record.getMessage() for record in caplog.records]
     everything = "\n".join(seen)
     assert "LMCache Configuration" in everything  # LMCache's config dump was among what was scanned
-    assert "node" in up.text and "kvpool pool stopped." in up.text
+    assert "node" in up.log and "kvpool pool stopped." in up.log
     for secret in (TOKEN, PASSWORD):
         leaks = [line for line in everything.splitlines() if secret in line]
         assert leaks == [], f"{len(leaks)} lines carry a secret, e.g. {leaks[0][:300]!r}"

@@ -16,10 +16,10 @@ import socket
 import stat
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 from backend import Chunk, PoolConfig, SyncPoolClient
+from bench.nodes import UpProcess
 from tests.conftest import REPO, wait_until
 
 UP_TIMEOUT_S = 60.0
@@ -38,36 +38,22 @@ def _kvpool(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
                           timeout=120, env={**_env(), **(env or {})})  # fmt: skip
 
 
-class _Up:
-    """``kvpool up`` in the background (small, no NVMe, no shared memory); ``text`` is all it printed."""
+class _Up(UpProcess):
+    """``kvpool up`` (small, no NVMe, no shared memory), started and ready."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "backend.cli", "up", "--dram", "64MiB", "--nvme", "0", "--shm-dir", "off", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=_env(),
-        )  # fmt: skip
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        self._pump = threading.Thread(target=self._read, daemon=True)
-        self._pump.start()
-        assert self.ready.wait(UP_TIMEOUT_S), self.text
+        super().__init__(["--dram", "64MiB", "--nvme", "0", "--shm-dir", "off", *args])
+        self.start(_env())
+        self.wait_ready(UP_TIMEOUT_S)
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.startswith("Ctrl-C stops the pool."):
-                self.ready.set()
+    @property
+    def proc(self) -> subprocess.Popen[str]:
+        assert self.process is not None
+        return self.process
 
     @property
     def text(self) -> str:
-        return "".join(self.lines)
-
-    @property
-    def url(self) -> str:
-        match = re.search(r"Pool URL:\n  (\S+)", self.text)
-        assert match, self.text
-        return match.group(1)
+        return self.log
 
     @property
     def redis_port(self) -> int:
@@ -83,20 +69,8 @@ class _Up:
         (pid,) = [child for child in _children(self.proc.pid) if _command(child) == "redis-server"]
         return pid
 
-    def wait_exit(self, timeout_s: float = 30.0) -> int:
-        code = self.proc.wait(timeout_s)
-        self._pump.join(10)  # everything it printed is in `lines`
-        return code
-
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-        try:
-            return self.wait_exit()
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(10)
+        return self.interrupt()
 
 
 def _stat_fields(pid: int) -> list[str]:
