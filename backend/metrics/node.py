@@ -1,6 +1,6 @@
 """The Prometheus mapping of a pool node's stats: ``NodeCollector`` and its families.
 
-Read at scrape time from ``PoolNode.stats()`` and ``health()``, so nothing on the data
+Read at scrape time from ``PoolNode.report()`` and ``health()``, so nothing on the data
 path pays for metrics. Every name emitted here is listed in docs/operations.md (a test
 keeps them in step).
 """
@@ -69,14 +69,14 @@ NODE_COUNTERS: dict[str, str] = {
 
 
 class NodeCollector:
-    """Reads one node's ``stats()`` and ``health()`` at scrape time and yields its families."""
+    """Reads one node's ``report()`` and ``health()`` at scrape time and yields its families."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], health: Callable[[], dict[str, Any]]) -> None:
-        self.stats = stats
+    def __init__(self, report: Callable[[], dict[str, Any]], health: Callable[[], dict[str, Any]]) -> None:
+        self.report = report
         self.health = health
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.stats()
+        stats = self.report()
         node = str(stats["node_id"])
         yield from _node_counters(node, stats.get("counters") or {})
         yield _gauge("uptime_seconds", "Seconds since the node process started.", node, stats["uptime_s"])

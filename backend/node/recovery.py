@@ -20,7 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
-from backend.node.nvme import (
+from backend.node.nvme_format import (
     CHUNKS_DIR,
     SUFFIX,
     TMP_SUFFIX,

@@ -22,7 +22,7 @@ class NodeStats:
     """The node's counters, a snapshot of them per heartbeat, and a service-time histogram per op.
 
     The STAT report adds the counters of the parts that keep their own (the tiers, the
-    leases, and those :meth:`count_also` names: the channel, the dead-node collector).
+    leases, and those :meth:`count_also` names: the channel, the dead-node reaper).
     """
 
     def __init__(self, ctx: NodeContext) -> None:

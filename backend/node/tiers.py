@@ -40,7 +40,7 @@ from backend.node.buffers import BufferFactory, ChunkBuffer
 from backend.node.demotion import Demoter
 from backend.node.dram import DramTier, StoredChunk
 from backend.node.leases import LeaseTable
-from backend.node.nvme import NvmeFile
+from backend.node.nvme_format import NvmeFile
 from backend.node.nvme_tier import NvmeTier
 from backend.protocol import ItemMeta, checksum
 
