@@ -24,6 +24,7 @@ from prometheus_client.exposition import choose_encoder
 
 from backend.errors import NodeUnavailable
 from backend.metrics.node import NodeCollector
+from backend.protocol import NodeReport
 
 __all__ = ["MAX_CONNECTIONS", "NodeMetricsServer"]
 
@@ -46,7 +47,7 @@ class NodeMetricsServer:
     ``port`` is the bound port once ``start()`` returned (useful with port 0).
     """
 
-    def __init__(self, report: Callable[[], dict[str, Any]], health: Callable[[], dict[str, Any]], host: str,
+    def __init__(self, report: Callable[[], NodeReport], health: Callable[[], dict[str, Any]], host: str,
                  port: int) -> None:  # fmt: skip
         self.report = report
         self.health = health

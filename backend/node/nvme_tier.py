@@ -39,6 +39,7 @@ from backend.node.bookkeeping import ON_NVME, HeldKeys
 from backend.node.buffers import ChunkBuffer
 from backend.node.dram import StoredChunk
 from backend.node.nvme_format import NvmeFile, read_payload, write_chunk
+from backend.protocol import TierReport
 
 __all__ = ["NvmeTier", "quarantine_file", "QUARANTINE_DIR", "DISK_RECHECK_S", "DISK_RESUME_MARGIN_BYTES"]
 
@@ -116,9 +117,9 @@ class NvmeTier:
             self.files.move_to_end(key)
         return record
 
-    def stats(self) -> dict[str, Any]:
-        return {"capacity_bytes": self.capacity_bytes, "used_bytes": self.used_bytes, "objects": len(self.files),
-                "disk_full": self.disk_full}  # fmt: skip
+    def report(self) -> TierReport:
+        return TierReport(capacity_bytes=self.capacity_bytes, used_bytes=self.used_bytes, objects=len(self.files),
+                          disk_full=self.disk_full)  # fmt: skip
 
     # -- disk I/O ---------------------------------------------------------------------
     async def run(self, fn: Any, *args: Any) -> Any:

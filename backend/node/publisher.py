@@ -117,7 +117,7 @@ class IndexPublisher:
             capacity_bytes=tiers.capacity_bytes,
             used_bytes=tiers.used_bytes,
             object_count=len(tiers),
-            tiers=tiers.stats(),
+            tiers={name: tier.to_json() for name, tier in tiers.tier_reports().items()},
             heartbeat_at=time.time(),
             shm_path=str(tiers.shm_arena.path) if tiers.shm_arena is not None else "",
             shm_token=tiers.shm_arena.token if tiers.shm_arena is not None else "",

@@ -40,6 +40,7 @@ from backend.node.recovery import RecoveryReport, node_identity, scan
 from backend.node.session import Acceptor
 from backend.node.stats import NodeStats
 from backend.node.tiers import TierConfig, TierManager
+from backend.protocol import NodeReport
 from backend.transport import FrameSocket, server_tls_context
 
 __all__ = ["PoolNode"]
@@ -187,7 +188,7 @@ class PoolNode:
         self.prefaulted_bytes = await asyncio.to_thread(arena.prefault)
         self.prefault_s = time.monotonic() - started
         logger.info("node %s: took %d bytes of memory for its DRAM arena (%s) in %.2f s", node_id,
-                    self.prefaulted_bytes, arena.stats()["path"], self.prefault_s)  # fmt: skip
+                    self.prefaulted_bytes, arena.report().path, self.prefault_s)  # fmt: skip
 
     def _tls_context(self) -> ssl.SSLContext | None:
         cert, key = self.config.tls_cert, self.config.tls_key
@@ -230,7 +231,7 @@ class PoolNode:
         """This node's registry entry (once started)."""
         return self.publisher.info()
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> NodeReport:
         """STAT's answer (``NodeStats.report``)."""
         return self.stats.report()
 
