@@ -102,7 +102,7 @@ def test_node_admin_requests_answer_typed_values_for_one_node(node_factory, pool
         assert sync._call(admin.verify(info, keys)) == [Verified.OK, Verified.MISSING]
         assert sync._call(admin.delete_on(info, keys)) == [True, False]
         assert sync._call(admin.exists(info, keys[:1])) == [False]
-        assert sync._call(admin.stats(info))["node_id"] == node.node_id
+        assert sync._call(admin.stats(info)).node_id == node.node_id
         with pytest.raises(ProtocolError, match="limit"):
             sync._call(admin.inventory(info, limit=0))  # refused before anything is sent
 

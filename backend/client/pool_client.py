@@ -186,8 +186,8 @@ class PoolClient:
         return [key async for key in self._store.scan_keys(match)]
 
     async def node_stats(self, node: NodeInfo) -> dict[str, Any]:
-        """One node's STAT answer (``node_admin.stats``)."""
-        return await self.node_admin.stats(node)
+        """One node's STAT answer as JSON (``node_admin.stats`` has it typed)."""
+        return (await self.node_admin.stats(node)).to_json()
 
     async def ping(self) -> float:
         """Redis round trip in ms; raises MetadataError if Redis is unreachable."""
