@@ -2,13 +2,14 @@
 
 The parts, one module each:
 
-* ``tiers.py`` (with ``dram.py``, ``nvme_tier.py``, ``demotion.py``, ``arena.py``,
-  ``leases.py``): where chunks live;
+* ``tiers.py`` (with ``dram.py``, ``nvme_tier.py`` and its file format ``nvme_format.py``,
+  ``demotion.py``, ``arena.py``, ``leases.py``): where chunks live; ``recovery.py``: the NVMe scan at start;
 * ``session.py``: the accept loop and one session per connection (TLS, auth, frames);
   ``admission.py``: what a connection gets before its handshake is done;
 * ``ops.py``: what each request op does; ``puts.py``: the put path and its crash ordering;
-* ``publisher.py``: heartbeat, index flush, republish after Redis loss;
-* ``stats.py``: counters, recent rates, service times (STAT, /metrics).
+* ``publisher.py``: heartbeat, index flush, republish after Redis loss; ``reaper.py``: what dead
+  nodes left in Redis, removed by one live node;
+* ``stats.py``: counters, recent rates, service times; ``report()`` answers STAT and feeds /metrics.
 
 Each part is given a :class:`~backend.node.context.NodeContext` (config, tiers, index,
 counters, identity, worker threads, tasks) and the parts it uses; none holds this
