@@ -1,9 +1,11 @@
 """Admin operations behind the CLI: inspect, move and repair a pool.
 
 Each function takes a :class:`PoolClient`; the CLI only parses arguments and
-prints. The listings (status, nodes, ls, stats) return plain JSON-ready data; the
+prints. The listings ``status``, ``nodes`` and ``stats`` return typed values
+(:class:`PoolStatus`, :class:`NodeRow`, :class:`PoolStats`), built from the nodes'
+typed STAT answers (``backend.protocol.NodeReport``); ``ls`` streams JSON-ready rows; the
 operations that remove, move or repair (evict, drain, flush, check) return a report
-dataclass whose ``to_json()`` is what ``--json`` prints. Nothing here holds more than
+dataclass. Each one's ``to_json()`` is what ``--json`` prints. Nothing here holds more than
 one batch of chunk bytes at a time. A node that refuses this client's token fails the
 verb (AuthError naming the node): figures or removals without it would mislead.
 """
@@ -24,7 +26,7 @@ from backend.client.index import glob_escape
 from backend.errors import AuthError, CapacityError, ConfigError, KVPoolError
 from backend.latency import Histogram, LatencyHistograms
 from backend.metadata import Location, NodeInfo
-from backend.protocol import InventoryRow, Verified
+from backend.protocol import InventoryRow, NodeReport, TierReport, Verified, tiers_from_json
 
 __all__ = [
     "pool_status",
@@ -42,6 +44,12 @@ __all__ = [
     "CheckReport",
     "CheckFixes",
     "Copy",
+    "PoolStatus",
+    "StatusNode",
+    "RecentHits",
+    "NodeRow",
+    "PoolStats",
+    "OpLatency",
 ]
 
 DRAIN_BATCH_ITEMS = 64
@@ -166,10 +174,10 @@ def _refused(node: NodeInfo, exc: AuthError) -> AuthError:
     return AuthError(f"{named} ({node.address}) refused the request: {text}")
 
 
-async def _stats_of(client: PoolClient, nodes: Sequence[NodeInfo]) -> dict[str, dict[str, Any]]:
+async def _stats_of(client: PoolClient, nodes: Sequence[NodeInfo]) -> dict[str, NodeReport]:
     """Each live node's STAT answer. A node that refuses the token fails the call: figures
     without it would look like an empty pool. One that does not answer is left out."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, NodeReport] = {}
     for node in nodes:
         if node.alive:
             try:
@@ -181,7 +189,81 @@ async def _stats_of(client: PoolClient, nodes: Sequence[NodeInfo]) -> dict[str, 
     return out
 
 
-async def pool_status(client: PoolClient) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RecentHits:
+    """Gets and hits over the nodes' recent windows (the longest of them is ``window_s``)."""
+
+    window_s: float
+    gets: int
+    hits: int
+
+    @property
+    def hit_rate(self) -> float | None:
+        return round(self.hits / self.gets, 4) if self.gets else None
+
+
+@dataclass(frozen=True)
+class StatusNode:
+    """One registered node, as ``kvpool status`` lists it."""
+
+    node_id: str
+    address: str
+    alive: bool
+    draining: bool
+    epoch: int
+    capacity_bytes: int
+    used_bytes: int
+    objects: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """What ``kvpool status`` shows: Redis, the nodes, capacity and tiers, objects, hit rates."""
+
+    redis_url: str
+    rtt_ms: float
+    namespace: str
+    alive: int  # nodes
+    dead: int
+    draining: int
+    capacity_bytes: int  # of the live nodes, as are the figures below
+    used_bytes: int
+    free_bytes: int
+    objects: int
+    tiers: dict[str, TierReport]  # summed over the nodes that answered STAT
+    gets: int
+    hits: int
+    recent: RecentHits
+    node_list: tuple[StatusNode, ...]
+
+    @property
+    def hit_rate(self) -> float | None:
+        return round(self.hits / self.gets, 4) if self.gets else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "redis": {"url": self.redis_url, "reachable": True, "rtt_ms": self.rtt_ms},
+            "namespace": self.namespace,
+            "nodes": {"alive": self.alive, "dead": self.dead, "draining": self.draining},
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            "free_bytes": self.free_bytes,
+            "objects": self.objects,
+            "tiers": {name: {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "objects": t.objects}
+                      for name, t in self.tiers.items()},
+            "gets": self.gets,
+            "hits": self.hits,
+            "hit_rate": self.hit_rate,
+            "recent": {"window_s": self.recent.window_s, "gets": self.recent.gets, "hits": self.recent.hits,
+                       "hit_rate": self.recent.hit_rate},
+            "node_list": [n.to_json() for n in self.node_list],
+        }  # fmt: skip
+
+
+async def pool_status(client: PoolClient) -> PoolStatus:
     """Redis, nodes, capacity, objects and hit rate: what ``kvpool status`` shows."""
     rtt_ms = await client.index.ping()
     nodes = await client.index.nodes()
@@ -189,56 +271,66 @@ async def pool_status(client: PoolClient) -> dict[str, Any]:
     alive = [n for n in nodes if n.alive]
     for node in alive:
         if node.node_id in stats:
-            node.used_bytes = sum(int(t["used_bytes"]) for t in stats[node.node_id]["tiers"].values())
-            node.object_count = int(stats[node.node_id]["objects"])
-    recent_gets = sum(int(s["recent"]["gets"]) for s in stats.values())
-    recent_hits = sum(int(s["recent"]["hits"]) for s in stats.values())
-    gets = sum(int(s["counters"].get("gets", 0)) for s in stats.values())
-    hits = sum(int(s["counters"].get("hits", 0)) for s in stats.values())
-    tiers: dict[str, dict[str, int]] = defaultdict(lambda: {"capacity_bytes": 0, "used_bytes": 0, "objects": 0})
+            node.used_bytes = sum(t.used_bytes for t in stats[node.node_id].tiers.values())
+            node.object_count = stats[node.node_id].objects
+    tiers: dict[str, TierReport] = {}
     for s in stats.values():
-        for name, tier in s["tiers"].items():
-            for field in ("capacity_bytes", "used_bytes", "objects"):
-                tiers[name][field] += int(tier[field])
-    return {
-        "redis": {"url": client.config.redis_url, "reachable": True, "rtt_ms": round(rtt_ms, 3)},
-        "namespace": client.config.namespace,
-        "nodes": {
-            "alive": len(alive),
-            "dead": len(nodes) - len(alive),
-            "draining": sum(1 for n in nodes if n.draining),
-        },
-        "capacity_bytes": sum(n.capacity_bytes for n in alive),
-        "used_bytes": sum(n.used_bytes for n in alive),
-        "free_bytes": sum(n.free_bytes for n in alive),
-        "objects": sum(n.object_count for n in alive),
-        "tiers": dict(tiers),
-        "gets": gets,
-        "hits": hits,
-        "hit_rate": round(hits / gets, 4) if gets else None,
-        "recent": {
-            "window_s": max((s["recent"]["window_s"] for s in stats.values()), default=0),
-            "gets": recent_gets,
-            "hits": recent_hits,
-            "hit_rate": round(recent_hits / recent_gets, 4) if recent_gets else None,
-        },
-        "node_list": [
-            {
-                "node_id": n.node_id,
-                "address": n.address,
-                "alive": n.alive,
-                "draining": n.draining,
-                "epoch": n.epoch,
-                "capacity_bytes": n.capacity_bytes,
-                "used_bytes": n.used_bytes,
-                "objects": n.object_count,
-            }
+        for name, tier in s.tiers.items():
+            total = tiers.get(name, TierReport(0, 0, 0))
+            tiers[name] = TierReport(total.capacity_bytes + tier.capacity_bytes, total.used_bytes + tier.used_bytes,
+                                     total.objects + tier.objects)  # fmt: skip
+    return PoolStatus(
+        redis_url=client.config.redis_url,
+        rtt_ms=round(rtt_ms, 3),
+        namespace=client.config.namespace,
+        alive=len(alive),
+        dead=len(nodes) - len(alive),
+        draining=sum(1 for n in nodes if n.draining),
+        capacity_bytes=sum(n.capacity_bytes for n in alive),
+        used_bytes=sum(n.used_bytes for n in alive),
+        free_bytes=sum(n.free_bytes for n in alive),
+        objects=sum(n.object_count for n in alive),
+        tiers=tiers,
+        gets=sum(s.counters.get("gets", 0) for s in stats.values()),
+        hits=sum(s.counters.get("hits", 0) for s in stats.values()),
+        recent=RecentHits(
+            window_s=max((s.recent.window_s for s in stats.values()), default=0),
+            gets=sum(s.recent.gets for s in stats.values()),
+            hits=sum(s.recent.hits for s in stats.values()),
+        ),
+        node_list=tuple(
+            StatusNode(node_id=n.node_id, address=n.address, alive=n.alive, draining=n.draining, epoch=n.epoch,
+                       capacity_bytes=n.capacity_bytes, used_bytes=n.used_bytes, objects=n.object_count)
             for n in nodes
-        ],
-    }
+        ),
+    )  # fmt: skip
 
 
-async def node_rows(client: PoolClient) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class NodeRow:
+    """One registered node, as ``kvpool nodes`` shows it: from its STAT answer, or the registry without one."""
+
+    node_id: str
+    address: str
+    cluster: str
+    epoch: int
+    alive: bool
+    draining: bool
+    uptime_s: float
+    tiers: dict[str, TierReport]
+    requests_per_s: float | None  # None: the node did not answer STAT
+    last_heartbeat_s: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id, "address": self.address, "cluster": self.cluster, "epoch": self.epoch,
+            "alive": self.alive, "draining": self.draining, "uptime_s": self.uptime_s,
+            "tiers": {name: tier.to_json() for name, tier in self.tiers.items()},
+            "requests_per_s": self.requests_per_s, "last_heartbeat_s": self.last_heartbeat_s,
+        }  # fmt: skip
+
+
+async def node_rows(client: PoolClient) -> list[NodeRow]:
     """One row per registered node: what ``kvpool nodes`` shows."""
     nodes = await client.index.nodes()
     stats = await _stats_of(client, nodes)
@@ -246,14 +338,14 @@ async def node_rows(client: PoolClient) -> list[dict[str, Any]]:
     rows = []
     for n in nodes:
         s = stats.get(n.node_id)
-        rows.append({
-            "node_id": n.node_id, "address": n.address, "cluster": n.cluster, "epoch": n.epoch,
-            "alive": n.alive, "draining": n.draining,
-            "uptime_s": round(s["uptime_s"] if s else now - n.started_at, 1),
-            "tiers": s["tiers"] if s else n.tiers,
-            "requests_per_s": s["recent"]["requests_per_s"] if s else None,
-            "last_heartbeat_s": round(now - n.heartbeat_at, 1) if n.heartbeat_at else None,
-        })  # fmt: skip
+        rows.append(NodeRow(
+            node_id=n.node_id, address=n.address, cluster=n.cluster, epoch=n.epoch,
+            alive=n.alive, draining=n.draining,
+            uptime_s=round(s.uptime_s if s else now - n.started_at, 1),
+            tiers=s.tiers if s else tiers_from_json(n.tiers),
+            requests_per_s=s.recent.requests_per_s if s else None,
+            last_heartbeat_s=round(now - n.heartbeat_at, 1) if n.heartbeat_at else None,
+        ))  # fmt: skip
     return rows
 
 
@@ -273,7 +365,29 @@ async def iter_keys(
                 return
 
 
-async def pool_stats(client: PoolClient) -> dict[str, Any]:
+@dataclass(frozen=True)
+class OpLatency:
+    """One op's requests served and estimated p50/p99 service time, over the nodes."""
+
+    count: int
+    p50_ms: float
+    p99_ms: float
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """What ``kvpool stats`` shows: counters summed over the nodes, and service time per op."""
+
+    nodes: int  # that answered STAT
+    counters: dict[str, int]  # by name
+    latency: dict[str, OpLatency]  # by op, ops never served left out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"nodes": self.nodes, "counters": dict(self.counters),
+                "latency": {op: dataclasses.asdict(v) for op, v in self.latency.items()}}  # fmt: skip
+
+
+async def pool_stats(client: PoolClient) -> PoolStats:
     """Counters summed over live nodes, and per op the requests served and p50/p99 service time.
 
     The quantiles are estimated from the nodes' latency histograms added together
@@ -284,21 +398,21 @@ async def pool_stats(client: PoolClient) -> dict[str, Any]:
     totals: dict[str, int] = defaultdict(int)
     summed: dict[str, Histogram] = {}
     for s in stats.values():
-        for name, value in s["counters"].items():
-            totals[name] += int(value)
-        if "latency" not in s:
+        for name, value in s.counters.items():
+            totals[name] += value
+        if s.latency is None:
             continue  # a node of a version before the histograms
-        for op, histogram in LatencyHistograms.from_json(s["latency"]).ops.items():
+        for op, histogram in LatencyHistograms.from_json(s.latency).ops.items():
             if op not in summed:
                 summed[op] = Histogram(histogram.bounds)
             if histogram.bounds == summed[op].bounds:  # nodes of one version share their buckets
                 summed[op].add(histogram)
     latency = {
-        op: {"count": h.count, "p50_ms": round(h.quantile(0.5) * 1000, 3), "p99_ms": round(h.quantile(0.99) * 1000, 3)}
+        op: OpLatency(h.count, round(h.quantile(0.5) * 1000, 3), round(h.quantile(0.99) * 1000, 3))
         for op, h in sorted(summed.items())
         if h.count
     }
-    return {"nodes": len(stats), "counters": dict(sorted(totals.items())), "latency": latency}
+    return PoolStats(len(stats), dict(sorted(totals.items())), latency)
 
 
 async def evict(client: PoolClient, keys: Sequence[str] = (), *, model: str | None = None,
@@ -369,7 +483,7 @@ async def drain(
     source = await client.node(node_id)
     await _check_targets(client, source, to)
     try:
-        total = int((await client.node_admin.stats(source))["objects"])
+        total = (await client.node_admin.stats(source)).objects
     except AuthError as exc:
         raise _refused(source, exc) from None
     marked = await client.index.set_draining(node_id, True)
@@ -489,7 +603,7 @@ async def flush(client: PoolClient, progress: Progress | None = None) -> FlushRe
     """Wipe the namespace's data: every node's chunks and every index entry (nodes stay)."""
     deleted = 0
     nodes = await client.nodes(refresh=True)
-    total = sum([int((await client.node_admin.stats(n))["objects"]) for n in nodes])
+    total = sum([(await client.node_admin.stats(n)).objects for n in nodes])
     for node in nodes:
         async for page in client.node_admin.inventory_pages(node):
             deleted += sum(await client.node_admin.delete_on(node, [row.key for row in page]))

@@ -12,7 +12,7 @@ import secrets
 import shutil
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,6 +45,7 @@ from backend.lmcache.config import (
     render_yaml,
 )
 from backend.node.server import PoolNode
+from backend.protocol import TierReport
 from backend.redis_topology import SINGLE, RedisTarget, mask_url, render_hosts
 
 __all__ = ["main", "build_parser"]
@@ -367,38 +368,37 @@ def _table(title: str | None, columns: list[str], rows: list[list[Any]]) -> None
     Console(width=max(120, shutil.get_terminal_size().columns)).print(table)
 
 
-def _tiers_text(tiers: dict[str, Any]) -> str:
+def _tiers_text(tiers: Mapping[str, TierReport]) -> str:
     return ", ".join(
-        f"{name} {format_size(t['used_bytes'])}/{format_size(t['capacity_bytes'])}" for name, t in tiers.items()
+        f"{name} {format_size(t.used_bytes)}/{format_size(t.capacity_bytes)}" for name, t in tiers.items()
     )
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     status = _run(args, admin.pool_status)
     if args.json:
-        _print_json(status)
+        _print_json(status.to_json())
         return 0
-    recent = status["recent"]
-    hit_rate = "n/a" if status["hit_rate"] is None else f"{status['hit_rate'] * 100:.1f}%"
-    recent_rate = "n/a" if recent["hit_rate"] is None else f"{recent['hit_rate'] * 100:.1f}%"
-    print(f"Redis       {status['redis']['url']} reachable ({status['redis']['rtt_ms']:.2f} ms)")
-    print(f"Namespace   {status['namespace']}")
-    n = status["nodes"]
-    print(f"Nodes       {n['alive']} alive, {n['dead']} dead, {n['draining']} draining")
-    print(f"Capacity    {format_size(status['used_bytes'])} used of {format_size(status['capacity_bytes'])} "
-          f"({format_size(status['free_bytes'])} free)")  # fmt: skip
-    for name, tier in status["tiers"].items():
-        print(f"  {name:<9} {format_size(tier['used_bytes'])} / {format_size(tier['capacity_bytes'])}, "
-              f"{tier['objects']} objects")  # fmt: skip
-    print(f"Objects     {status['objects']}")
-    print(f"Hit rate    {recent_rate} over the last {recent['window_s'] / 60:.1f} min "
-          f"({recent['hits']} of {recent['gets']} node gets); {hit_rate} since start")  # fmt: skip
-    for row in status["node_list"]:
-        state = "alive" if row["alive"] else "DEAD"
-        state += ", draining" if row["draining"] else ""
-        print(f"  {row['node_id']:<24} {row['address']:<22} {state:<16} epoch {row['epoch']:<4} "
-              f"{format_size(row['used_bytes'])} / {format_size(row['capacity_bytes'])}, {row['objects']} objects")  # fmt: skip
-    if n["draining"]:
+    recent = status.recent
+    hit_rate = "n/a" if status.hit_rate is None else f"{status.hit_rate * 100:.1f}%"
+    recent_rate = "n/a" if recent.hit_rate is None else f"{recent.hit_rate * 100:.1f}%"
+    print(f"Redis       {status.redis_url} reachable ({status.rtt_ms:.2f} ms)")
+    print(f"Namespace   {status.namespace}")
+    print(f"Nodes       {status.alive} alive, {status.dead} dead, {status.draining} draining")
+    print(f"Capacity    {format_size(status.used_bytes)} used of {format_size(status.capacity_bytes)} "
+          f"({format_size(status.free_bytes)} free)")  # fmt: skip
+    for name, tier in status.tiers.items():
+        print(f"  {name:<9} {format_size(tier.used_bytes)} / {format_size(tier.capacity_bytes)}, "
+              f"{tier.objects} objects")  # fmt: skip
+    print(f"Objects     {status.objects}")
+    print(f"Hit rate    {recent_rate} over the last {recent.window_s / 60:.1f} min "
+          f"({recent.hits} of {recent.gets} node gets); {hit_rate} since start")  # fmt: skip
+    for row in status.node_list:
+        state = "alive" if row.alive else "DEAD"
+        state += ", draining" if row.draining else ""
+        print(f"  {row.node_id:<24} {row.address:<22} {state:<16} epoch {row.epoch:<4} "
+              f"{format_size(row.used_bytes)} / {format_size(row.capacity_bytes)}, {row.objects} objects")  # fmt: skip
+    if status.draining:
         print("A draining node takes no writes: `kvpool drain NODE` finishes its drain, `kvpool undrain NODE` ends it.")
     return 0
 
@@ -406,16 +406,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_nodes(args: argparse.Namespace) -> int:
     rows = _run(args, admin.node_rows)
     if args.json:
-        _print_json(rows)
+        _print_json([r.to_json() for r in rows])
         return 0
     _table(
         None,
         ["node", "address", "cluster", "epoch", "state", "uptime", "tiers", "req/s", "heartbeat"],
-        [[r["node_id"], r["address"], r["cluster"] or "-", r["epoch"],
-          ("alive" if r["alive"] else "DEAD") + (", draining" if r["draining"] else ""),
-          f"{r['uptime_s']:.0f} s", _tiers_text(r["tiers"]),
-          "-" if r["requests_per_s"] is None else f"{r['requests_per_s']:.1f}",
-          "-" if r["last_heartbeat_s"] is None else f"{r['last_heartbeat_s']:.1f} s ago"] for r in rows],
+        [[r.node_id, r.address, r.cluster or "-", r.epoch,
+          ("alive" if r.alive else "DEAD") + (", draining" if r.draining else ""),
+          f"{r.uptime_s:.0f} s", _tiers_text(r.tiers),
+          "-" if r.requests_per_s is None else f"{r.requests_per_s:.1f}",
+          "-" if r.last_heartbeat_s is None else f"{r.last_heartbeat_s:.1f} s ago"] for r in rows],
     )  # fmt: skip
     return 0
 
@@ -444,11 +444,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     stats = _run(args, admin.pool_stats)
     if args.json:
-        _print_json(stats)
+        _print_json(stats.to_json())
         return 0
-    _table(f"counters ({stats['nodes']} nodes)", ["counter", "value"], [[k, v] for k, v in stats["counters"].items()])
+    _table(f"counters ({stats.nodes} nodes)", ["counter", "value"], [[k, v] for k, v in stats.counters.items()])
     _table("service time per op", ["op", "count", "p50 ms", "p99 ms"],
-           [[op, v["count"], v["p50_ms"], v["p99_ms"]] for op, v in stats["latency"].items()])  # fmt: skip
+           [[op, v.count, v.p50_ms, v.p99_ms] for op, v in stats.latency.items()])  # fmt: skip
     return 0
 
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from backend.node.nvme import chunk_path, read_header, read_payload, write_chunk
+from backend.node.nvme_format import chunk_path, read_header, read_payload, write_chunk
 from backend.node.recovery import scan
 from backend.protocol import ItemMeta, checksum
 

@@ -42,25 +42,25 @@ def _commandstats(ports: list[int]) -> Counter[str]:
 
 
 async def _measure(url: str, ports: list[int], keys: int, rounds: int) -> dict[str, object]:
-    meta = MetadataStore(url, "bench")
+    store = MetadataStore(url, "bench")
     names = [f"model@{i}" for i in range(keys)]
     try:
-        await meta.commit([(k, Location("n1", 1, "dram", 4096, i)) for i, k in enumerate(names[:10])])  # warm up
+        await store.commit([(k, Location("n1", 1, "dram", 4096, i)) for i, k in enumerate(names[:10])])  # warm up
         before = _commandstats(ports)
-        await meta.commit([(k, Location("n1", 1, "dram", 4096, i)) for i, k in enumerate(names)])
+        await store.commit([(k, Location("n1", 1, "dram", 4096, i)) for i, k in enumerate(names)])
         commit = _commandstats(ports) - before  # the Lua scripts' own HGETALL/HSET count too
         before = _commandstats(ports)
-        entries = await meta.lookup(names)
+        entries = await store.lookup(names)
         lookup = _commandstats(ports) - before
         assert all(entries), "a committed key was not found"
         times_ms = []
         for _ in range(rounds):
             start = time.perf_counter()
-            await meta.lookup(names)
+            await store.lookup(names)
             times_ms.append((time.perf_counter() - start) * 1000)
         per_server = [len(cli(p, "--scan", "--pattern", "kvp:bench:k:*").split()) for p in ports]
     finally:
-        await meta.close()
+        await store.close()
     times_ms.sort()
     return {
         "commit": dict(commit),

@@ -261,17 +261,17 @@ async def registry_cost(pool: Pool) -> dict[str, Any]:
             before = sent()
             await client.nodes(refresh=True)
             result["full_read_cmds"] = sent() - before
-            meta = MetadataStore(pool.redis.url, pool.namespace)
+            store = MetadataStore(pool.redis.url, pool.namespace)
             try:
                 node_id = next(iter(pool.nodes))
                 await client.registry.refresh()
-                await meta.set_draining(node_id, True)  # one membership change
+                await store.set_draining(node_id, True)  # one membership change
                 before = sent()
                 await client.registry.refresh()
                 result["change_cmds"] = sent() - before
-                await meta.set_draining(node_id, False)
+                await store.set_draining(node_id, False)
             finally:
-                await meta.close()
+                await store.close()
     stats_before, start = pool.commandstats(), time.monotonic()
     await asyncio.sleep(REGISTRY_IDLE_S)  # the nodes alone: their heartbeats
     beats = pool.commandstats() - stats_before

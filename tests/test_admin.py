@@ -17,7 +17,7 @@ from backend import Chunk, PoolConfig, SyncPoolClient
 from backend.embedded import free_port
 from backend.errors import CapacityError, ProtocolError
 from backend.metadata import Location, MetadataStore, NodeInfo
-from backend.node.nvme import chunk_path, read_header
+from backend.node.nvme_format import chunk_path, read_header
 from backend.protocol import InventoryRow, Verified
 from tests.conftest import REPO, NodeProcess, wait_until
 from tests.test_cli import kvpool
@@ -102,7 +102,7 @@ def test_node_admin_requests_answer_typed_values_for_one_node(node_factory, pool
         assert sync._call(admin.verify(info, keys)) == [Verified.OK, Verified.MISSING]
         assert sync._call(admin.delete_on(info, keys)) == [True, False]
         assert sync._call(admin.exists(info, keys[:1])) == [False]
-        assert sync._call(admin.stats(info))["node_id"] == node.node_id
+        assert sync._call(admin.stats(info)).node_id == node.node_id
         with pytest.raises(ProtocolError, match="limit"):
             sync._call(admin.inventory(info, limit=0))  # refused before anything is sent
 
@@ -149,11 +149,11 @@ def test_drain_moves_every_chunk_verified_and_resumes_after_being_killed(pool):
 
 async def _lookup(url: str, keys: list[str]):
     config = PoolConfig.from_url(url)
-    meta = MetadataStore(config.redis_url, config.namespace)
+    store = MetadataStore(config.redis_url, config.namespace)
     try:
-        return await meta.lookup(keys)
+        return await store.lookup(keys)
     finally:
-        await meta.close()
+        await store.close()
 
 
 def test_check_finds_each_injected_inconsistency_and_fix_repairs_it(node_factory, pool_url, tmp_path):
@@ -182,17 +182,17 @@ def test_check_finds_each_injected_inconsistency_and_fix_repairs_it(node_factory
         mem_epoch = next(n.epoch for n in client.nodes() if n.node_id == mem.node_id)
 
         async def inject() -> None:
-            meta = MetadataStore(config.redis_url, config.namespace)
+            store = MetadataStore(config.redis_url, config.namespace)
             try:
                 # 3. orphan entry: points at a live node that never had the chunk
-                await meta.commit([("ghost@1@0@1@bfloat16", Location(mem.node_id, mem_epoch, "dram", 10, 1))])
+                await store.commit([("ghost@1@0@1@bfloat16", Location(mem.node_id, mem_epoch, "dram", 10, 1))])
                 # 4. a dead node with an entry
                 dead = NodeInfo("dead-node", "127.0.0.1", 1, 99)
-                redis = await meta.raw()
-                await redis.hset(meta.nodes_key, "dead-node", dead.to_json())
-                await meta.commit([("dead@1@0@1@bfloat16", Location("dead-node", 99, "dram", 10, 2))])
+                redis = await store.raw()
+                await redis.hset(store.nodes_key, "dead-node", dead.to_json())
+                await store.commit([("dead@1@0@1@bfloat16", Location("dead-node", 99, "dram", 10, 2))])
             finally:
-                await meta.close()
+                await store.close()
 
         asyncio.run(inject())
     report = _json("check", "--url", pool_url, "--deep", code=3)  # 3: problems found
@@ -323,12 +323,12 @@ def test_drain_copies_a_chunk_whose_other_copy_is_on_a_dead_node(pool):
         assert on_a
 
         async def fake_replicas() -> None:  # copies on a node that is gone
-            meta = MetadataStore(config.redis_url, config.namespace)
+            store = MetadataStore(config.redis_url, config.namespace)
             try:
-                await meta.commit([(c.key, Location("gone-node", 7, "dram", len(c.data), e[0].checksum))
+                await store.commit([(c.key, Location("gone-node", 7, "dram", len(c.data), e[0].checksum))
                                    for c, e in zip(chunks, entries) if e[0].node_id == a.node_id])  # fmt: skip
             finally:
-                await meta.close()
+                await store.close()
 
         asyncio.run(fake_replicas())
         result = _json("drain", a.node_id, "--url", url)
@@ -393,11 +393,11 @@ def test_undrain_ends_a_drain_and_puts_say_when_every_node_is_draining(pool):
     assert _json("drain", a.node_id, "--url", url)["draining"] is True
 
     async def killed_drain_of_b() -> None:  # what a drain killed with SIGKILL leaves: b marked, nobody to clear it
-        meta = MetadataStore(config.redis_url, config.namespace)
+        store = MetadataStore(config.redis_url, config.namespace)
         try:
-            await meta.set_draining(b.node_id, True)
+            await store.set_draining(b.node_id, True)
         finally:
-            await meta.close()
+            await store.close()
 
     asyncio.run(killed_drain_of_b())
     status = kvpool("status", "--url", url)

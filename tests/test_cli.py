@@ -180,11 +180,11 @@ def test_check_exits_0_when_clean_3_when_it_finds_problems_and_1_when_redis_is_u
     assert clean.returncode == 0 and "clean" in clean.stdout, clean.stdout + clean.stderr
 
     async def orphan() -> None:  # an index entry pointing at a live node that never had the bytes
-        meta = MetadataStore(redis_server.url, namespace)
+        store = MetadataStore(redis_server.url, namespace)
         try:
-            await meta.commit([("ghost", Location(node.node_id, node.epoch, "dram", 10, 1))])
+            await store.commit([("ghost", Location(node.node_id, node.epoch, "dram", 10, 1))])
         finally:
-            await meta.close()
+            await store.close()
 
     asyncio.run(orphan())
     found = kvpool("check", "--url", pool_url)

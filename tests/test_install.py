@@ -75,7 +75,7 @@ def test_only_the_lmcache_layer_imports_lmcache_or_torch():
 
 
 def test_the_lmcache_layer_reaches_the_metadata_only_through_the_client_index():
-    """``PoolClient.index`` is its one door to Redis: no MetadataStore, no reach-through ``client._meta``."""
+    """``PoolClient.index`` is its one door to Redis: no MetadataStore, no reach-through ``client._store``."""
     offenders = []
     for path in sorted((REPO / "backend" / "lmcache").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -83,7 +83,7 @@ def test_the_lmcache_layer_reaches_the_metadata_only_through_the_client_index():
                 offenders.append(f"{path.name} imports backend.metadata")
             elif isinstance(node, ast.Import) and any(a.name == "backend.metadata" for a in node.names):
                 offenders.append(f"{path.name} imports backend.metadata")
-            elif isinstance(node, ast.Attribute) and node.attr in ("_meta", "meta") and \
+            elif isinstance(node, ast.Attribute) and node.attr in ("_store", "store", "_meta", "meta") and \
                     isinstance(node.value, ast.Attribute) and node.value.attr == "client":  # fmt: skip
                 offenders.append(f"{path.name}:{node.lineno} reaches client.{node.attr}")
     assert offenders == []

@@ -33,19 +33,19 @@ def test_a_lookup_of_1000_keys_is_one_redis_round_trip(redis_server: EmbeddedRed
     """
 
     async def commit() -> None:
-        meta = MetadataStore(redis_server.url, namespace)
+        store = MetadataStore(redis_server.url, namespace)
         try:
-            await meta.commit([(key, Location("n1", 1, "dram", 4096, i)) for i, key in enumerate(KEYS[:500])])
-            await meta.heartbeat(NodeInfo("n1", "127.0.0.1", 1, 1), ttl_ms=60_000)  # n1 is alive: no stale entries
+            await store.commit([(key, Location("n1", 1, "dram", 4096, i)) for i, key in enumerate(KEYS[:500])])
+            await store.heartbeat(NodeInfo("n1", "127.0.0.1", 1, 1), ttl_ms=60_000)  # n1 is alive: no stale entries
         finally:
-            await meta.close()
+            await store.close()
 
     asyncio.run(commit())
     misses = [f"absent/{i}" for i in range(1000)]
     with CountingProxy(redis_server.port) as proxy, redis.Redis(port=redis_server.port) as info:
 
         async def lookups() -> dict[str, tuple[int, int, int]]:
-            meta = MetadataStore(f"redis://127.0.0.1:{proxy.port}/0", namespace)
+            store = MetadataStore(f"redis://127.0.0.1:{proxy.port}/0", namespace)
             client = PoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{proxy.port}/{namespace}"))
             costs: dict[str, tuple[int, int, int]] = {}
 
@@ -56,8 +56,8 @@ def test_a_lookup_of_1000_keys_is_one_redis_round_trip(redis_server: EmbeddedRed
                 costs[name] = (after[0] - before[0], after[1] - before[1], after[2] - before[2])
 
             try:
-                await meta.ping()  # connected: only the lookup is counted
-                entries = await meta.lookup(KEYS[:500])  # the full read kvpool check/delete use: HGETALL per key
+                await store.ping()  # connected: only the lookup is counted
+                entries = await store.lookup(KEYS[:500])  # the full read kvpool check/delete use: HGETALL per key
                 assert [e[0].checksum for e in entries] == list(range(500))
                 await client.nodes(refresh=True)  # the registry read: not part of a lookup
                 await client.hit_prefix(KEYS[:1])  # the script is loaded once per Redis
@@ -67,7 +67,7 @@ def test_a_lookup_of_1000_keys_is_one_redis_round_trip(redis_server: EmbeddedRed
                 await cost("contains", client.contains(KEYS), [True] * 500 + [False] * 500)
                 return costs
             finally:
-                await meta.close()
+                await store.close()
                 await client.close()
 
         costs = asyncio.run(lookups())
@@ -84,7 +84,7 @@ def test_a_registry_refresh_is_one_command_while_nothing_changed_and_reads_only_
     redis_server: EmbeddedRedis, namespace: str
 ) -> None:
     async def scenario(proxy: CountingProxy) -> None:
-        meta = MetadataStore(redis_server.url, namespace)
+        store = MetadataStore(redis_server.url, namespace)
         client = PoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{proxy.port}/{namespace}"))
 
         def node(i: int, used: int = 0) -> NodeInfo:
@@ -97,27 +97,27 @@ def test_a_registry_refresh_is_one_command_while_nothing_changed_and_reads_only_
 
         try:
             for i in range(50):
-                await meta.heartbeat(node(i), ttl_ms=60_000, changed=True)
+                await store.heartbeat(node(i), ttl_ms=60_000, changed=True)
             assert len(await client.nodes(refresh=True)) == 50  # a full read: HGETALL and 50 heartbeats
             assert await requests(client.registry.refresh()) == 1  # nothing changed: one EVALSHA
             assert await requests(client.registry.refresh()) == 1
 
-            await meta.deregister("n07")  # a node leaves
+            await store.deregister("n07")  # a node leaves
             assert await requests(client.registry.refresh()) <= 4  # the log, then only n07's entry
             assert "n07" not in {n.node_id for n in client.registry.known()}
 
-            await meta.heartbeat(node(3, used=550), ttl_ms=60_000, changed=True)  # its load moved a tenth
+            await store.heartbeat(node(3, used=550), ttl_ms=60_000, changed=True)  # its load moved a tenth
             assert await requests(client.registry.refresh()) <= 4
             assert client.registry.node("n03").used_bytes == 550  # type: ignore[union-attr]
 
-            await meta.heartbeat(node(9), ttl_ms=200)  # its next beat never comes
+            await store.heartbeat(node(9), ttl_ms=200)  # its next beat never comes
             await asyncio.sleep(0.4)
             await client.registry.refresh()  # no heartbeat collected it yet: the view drops it anyway
             assert "n09" not in {n.node_id for n in client.registry.known()}
             assert len(client.registry.known()) == 48
             assert await requests(client.registry.refresh()) == 1  # nothing new since
         finally:
-            await meta.close()
+            await store.close()
             await client.close()
 
     with CountingProxy(redis_server.port) as proxy:
@@ -126,19 +126,19 @@ def test_a_registry_refresh_is_one_command_while_nothing_changed_and_reads_only_
 
 def test_a_namespace_lost_in_redis_makes_clients_read_the_registry_again(redis_server: EmbeddedRedis, namespace: str):
     async def scenario() -> None:
-        meta = MetadataStore(redis_server.url, namespace)
+        store = MetadataStore(redis_server.url, namespace)
         client = PoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{redis_server.port}/{namespace}"))
         try:
-            await meta.ensure_marker()
-            await meta.heartbeat(NodeInfo("a", "127.0.0.1", 1, 1), ttl_ms=60_000, changed=True)
+            await store.ensure_marker()
+            await store.heartbeat(NodeInfo("a", "127.0.0.1", 1, 1), ttl_ms=60_000, changed=True)
             assert [n.node_id for n in await client.nodes(refresh=True)] == ["a"]
-            await meta.flush_namespace()  # Redis restarted empty, or was flushed
-            await meta.ensure_marker()  # a new generation; versions count from 1 again
-            await meta.heartbeat(NodeInfo("b", "127.0.0.1", 2, 1), ttl_ms=60_000, changed=True)
+            await store.flush_namespace()  # Redis restarted empty, or was flushed
+            await store.ensure_marker()  # a new generation; versions count from 1 again
+            await store.heartbeat(NodeInfo("b", "127.0.0.1", 2, 1), ttl_ms=60_000, changed=True)
             await client.registry.refresh()
             assert [n.node_id for n in client.registry.known()] == ["b"]
         finally:
-            await meta.close()
+            await store.close()
             await client.close()
 
     asyncio.run(scenario())

@@ -38,32 +38,41 @@ from backend.protocol import (
     PUT_STORED,
     RESPONSE_BIT,
     VERSION,
+    ArenaReport,
     Header,
     InventoryPage,
     InventoryRow,
     ItemMeta,
     Limits,
+    NodeReport,
     Op,
     PutOptions,
+    RecentReport,
+    RecoveryReport,
     Status,
+    TierReport,
     auth_mac,
     checksum,
     decode_flags,
     decode_get_response,
     decode_header,
+    decode_inventory_request,
     decode_inventory_response,
     decode_items,
     decode_json,
     decode_keys,
+    decode_node_report,
     decode_put_batch,
     decode_put_staged,
     encode_flags,
     encode_get_response,
     encode_header,
     encode_inventory_request,
+    encode_inventory_response,
     encode_items,
     encode_json,
     encode_keys,
+    encode_node_report,
     encode_put_batch,
     encode_put_staged,
     error_for_status,
@@ -715,3 +724,71 @@ def test_a_malformed_inventory_answer_is_a_protocol_error(body: dict[str, object
 def test_an_inventory_request_outside_the_page_limit_is_refused(limit: int) -> None:
     with pytest.raises(ProtocolError, match=r"1\.\.10000"):
         encode_inventory_request("", limit)
+
+
+def test_the_node_side_of_inventory_is_the_same_codec() -> None:
+    assert decode_inventory_request(encode_inventory_request("k@3", 500)) == ("k@3", 500)
+    assert decode_inventory_request(b"") == ("", 1000)  # an empty request: the first page
+    page = InventoryPage((InventoryRow("k@4", "dram", 16, 7), InventoryRow("k@5", "nvme", 0, 2**64 - 1)), True)
+    assert decode_inventory_response(encode_inventory_response(page)) == page
+    with pytest.raises(ProtocolError, match=r"1\.\.10000"):
+        decode_inventory_request(encode_json({"after": "", "limit": 0}))
+
+
+# -- STAT -------------------------------------------------------------------------------
+def _stat_body() -> dict[str, object]:
+    """A STAT answer as a node of this version sends it (keys as docs/operations.md lists them)."""
+    return {
+        "node_id": "n1", "epoch": 3, "uptime_s": 12.5, "counters": {"gets": 4, "hits": 3}, "objects": 2,
+        "leases": 1,
+        "arena": {"path": "/dev/shm/a", "size_bytes": 64, "grown_bytes": 32, "allocated_bytes": 16, "fallbacks": 0},
+        "tiers": {"dram": {"capacity_bytes": 64, "used_bytes": 16, "objects": 2},
+                  "nvme": {"capacity_bytes": 128, "used_bytes": 0, "objects": 0, "disk_full": False}},
+        "recovery": {"files": 1, "bytes": 100, "quarantined": 0, "temp_removed": 2, "seconds": 0.25},
+        "latency": {"bounds_s": [0.001, 1.0], "ops": {"get_batch": {"counts": [1, 0, 0], "sum_s": 0.0005}}},
+        "recent": {"window_s": 12.5, "requests_per_s": 0.32, "gets": 4, "hits": 3},
+    }  # fmt: skip
+
+
+def test_a_stat_answer_decodes_into_a_typed_report_and_encodes_back_to_the_same_json() -> None:
+    meta = encode_json(_stat_body())
+    report = decode_node_report(meta)
+    assert report.tiers["nvme"] == TierReport(128, 0, 0, disk_full=False)
+    assert report.tiers["dram"].disk_full is None  # NVMe only
+    assert report.arena == ArenaReport("/dev/shm/a", 64, 32, 16, 0)
+    assert report.recovery == RecoveryReport(files=1, bytes=100, quarantined=0, temp_removed=2, seconds=0.25)
+    assert report.recent == RecentReport(12.5, 0.32, 4, 3)
+    assert encode_node_report(report) == meta  # the wire is unchanged, byte for byte
+    assert list(report.tiers["nvme"].to_json()) == ["capacity_bytes", "disk_full", "objects", "used_bytes"]
+
+
+def test_a_stat_answer_of_a_node_without_arena_recovery_or_latency_decodes_with_none() -> None:
+    body = _stat_body()
+    body.update(arena=None, recovery=None)
+    del body["latency"], body["leases"]
+    report = decode_node_report(encode_json(body))
+    assert (report.arena, report.recovery, report.latency, report.leases) == (None, None, None, 0)
+    assert isinstance(report, NodeReport)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"node_id": 7},
+        {"epoch": "3"},
+        {"counters": {"gets": "4"}},
+        {"counters": {"gets": True}},
+        {"objects": None},
+        {"tiers": []},
+        {"tiers": {"dram": {"capacity_bytes": 64, "used_bytes": 16}}},
+        {"tiers": {"nvme": {"capacity_bytes": 1, "used_bytes": 0, "objects": 0, "disk_full": "no"}}},
+        {"recent": {"window_s": 1.0}},
+        {"arena": {"path": 1}},
+        {"recovery": {"files": 1}},
+        {"latency": [1]},
+    ],
+)
+def test_a_malformed_stat_answer_is_a_protocol_error_naming_the_field(change: dict[str, object]) -> None:
+    body = _stat_body() | change
+    with pytest.raises(ProtocolError):
+        decode_node_report(encode_json(body))

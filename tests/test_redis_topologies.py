@@ -212,19 +212,19 @@ def test_sentinel_with_an_unknown_master_name_is_an_error_naming_it(redis_proces
 async def test_metadata_calls_to_a_cluster_recover_from_scripts_lost_on_every_shard(redis_cluster, namespace):
     from backend.metadata import Location
 
-    meta = MetadataStore(f"redis+cluster://127.0.0.1:{redis_cluster[2]}", namespace)
+    store = MetadataStore(f"redis+cluster://127.0.0.1:{redis_cluster[2]}", namespace)
     try:
         keys = [f"s{i}" for i in range(50)]
-        await meta.commit([(k, Location("n1", 1, "dram", 10, 5)) for k in keys])
+        await store.commit([(k, Location("n1", 1, "dram", 10, 5)) for k in keys])
         for port in redis_cluster:
             _cli(port, "SCRIPT", "FLUSH")  # as a shard restarted empty would
-        await meta.remove("n1", 1, keys[:20])
-        entries = await meta.lookup(keys)
+        await store.remove("n1", 1, keys[:20])
+        entries = await store.lookup(keys)
         assert [bool(e) for e in entries] == [False] * 20 + [True] * 30
-        assert await meta.flush_namespace() >= 30
-        assert [k async for k in meta.scan_keys()] == []
+        assert await store.flush_namespace() >= 30
+        assert [k async for k in store.scan_keys()] == []
     finally:
-        await meta.close()
+        await store.close()
 
 
 def test_lmcache_misses_while_redis_restarts_empty_then_hits_the_same_bytes(node_factory, redis_factory,
@@ -267,10 +267,10 @@ def test_bench_redis_commands_counts_one_hgetall_per_key_on_both_topologies():
     assert "redis-server paused:" in proc.stdout and "redis-server killed:" in proc.stdout
 
 
-async def _walk(meta: MetadataStore, match: str) -> list[str]:
+async def _walk(store: MetadataStore, match: str) -> list[str]:
     cursor, seen, steps = 0, [], 0
     while True:
-        cursor, found = await meta.scan_step(cursor, match, count=10)
+        cursor, found = await store.scan_step(cursor, match, count=10)
         seen.extend(found)
         steps += 1
         if cursor == 0:
@@ -282,15 +282,15 @@ async def test_scan_steps_walk_every_key_once_across_every_cluster_primary(redis
     from backend.metadata import Location
 
     for url in (f"redis+cluster://127.0.0.1:{redis_cluster[0]}", redis_server.url):
-        meta = MetadataStore(url, namespace)
+        store = MetadataStore(url, namespace)
         try:
             keys = [f"mp:w{i}" for i in range(250)]
-            await meta.commit([(k, Location("n1", 1, "dram", 10, 5)) for k in [*keys, "other"]])
-            walked = await _walk(meta, "mp:*")
+            await store.commit([(k, Location("n1", 1, "dram", 10, 5)) for k in [*keys, "other"]])
+            walked = await _walk(store, "mp:*")
             assert sorted(walked) == sorted(keys), url  # each key once, none from another pattern
         finally:
-            await meta.flush_namespace()
-            await meta.close()
+            await store.flush_namespace()
+            await store.close()
 
 
 @pytest.mark.parametrize(
@@ -397,17 +397,17 @@ async def test_scans_of_a_hung_redis_fail_within_the_timeout_instead_of_retrying
 
     redis = EmbeddedRedis().start()
     redis_factory.append(redis)
-    meta = MetadataStore(redis.url, namespace, timeout_s=1.0)
+    store = MetadataStore(redis.url, namespace, timeout_s=1.0)
     try:
-        await meta.commit([(f"scan@{i}", Location("n", 1, "dram", 1, i)) for i in range(50)])
-        assert len([key async for key in meta.scan_keys()]) == 50
+        await store.commit([(f"scan@{i}", Location("n", 1, "dram", 1, i)) for i in range(50)])
+        assert len([key async for key in store.scan_keys()]) == 50
         assert redis.process is not None
         redis.process.send_signal(signal.SIGSTOP)  # accepts connections, never answers
         async def scan_all() -> list[str]:
-            return [key async for key in meta.scan_keys()]
+            return [key async for key in store.scan_keys()]
 
         try:
-            for name, call in (("scan_keys", scan_all), ("flush_namespace", meta.flush_namespace)):
+            for name, call in (("scan_keys", scan_all), ("flush_namespace", store.flush_namespace)):
                 started = time.monotonic()
                 with pytest.raises(MetadataError, match="no answer within 1000 ms"):
                     await call()
@@ -415,7 +415,7 @@ async def test_scans_of_a_hung_redis_fail_within_the_timeout_instead_of_retrying
         finally:
             redis.process.send_signal(signal.SIGCONT)
     finally:
-        await meta.close()
+        await store.close()
 
 
 async def test_lookups_on_a_cluster_give_the_answers_one_redis_gives(redis_cluster, redis_server, namespace):
@@ -429,14 +429,14 @@ async def test_lookups_on_a_cluster_give_the_answers_one_redis_gives(redis_clust
               MetadataStore(redis_server.url, namespace)]  # fmt: skip
     try:
         answers = []
-        for meta in stores:
-            await meta.commit(locations)
-            for port in redis_cluster if meta.is_cluster else []:
+        for store in stores:
+            await store.commit(locations)
+            for port in redis_cluster if store.is_cluster else []:
                 _cli(port, "SCRIPT", "FLUSH")  # as a shard restarted empty would: reloaded, not a miss
             found = []
             for prefix in (True, False):
                 for copies in (True, False):
-                    got = await meta.lookup_live(keys, {"n1": 3}, prefix=prefix, copies=copies)
+                    got = await store.lookup_live(keys, {"n1": 3}, prefix=prefix, copies=copies)
                     found.append((got.hits, got.copies, sorted((i, loc.node_id, loc.epoch) for i, loc in got.others)))
             answers.append(found)
         cluster, single = answers
@@ -458,5 +458,5 @@ async def test_lookups_on_a_cluster_give_the_answers_one_redis_gives(redis_clust
         finally:
             await client.close()
     finally:
-        for meta in stores:
-            await meta.close()
+        for store in stores:
+            await store.close()

@@ -90,7 +90,7 @@ def test_arena_full_answers_none_and_frees_coalesce_back_into_one_region():
             gc.collect()
             whole = arena.alloc(4 * MiB)  # only possible if the four regions merged again
             assert whole is not None
-            assert arena.stats()["allocated_bytes"] == 4 * MiB
+            assert arena.report().allocated_bytes == 4 * MiB
         finally:
             arena.close()
 
@@ -105,7 +105,7 @@ def test_an_arena_in_use_keeps_pages_ready_ahead_and_an_idle_one_takes_none():
             assert first is not None
             # the grower thread, not the allocation, takes the next GROW_AHEAD_BYTES
             assert wait_until(lambda: arena.grown_bytes >= MiB + GROW_AHEAD_BYTES, timeout_s=20.0)
-            assert arena.stats()["allocated_bytes"] == MiB
+            assert arena.report().allocated_bytes == MiB
             big = arena.alloc(GROW_AHEAD_BYTES)  # served from the pages grown ahead
             assert big is not None and arena.fallbacks == 0
         finally:

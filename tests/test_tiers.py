@@ -20,7 +20,7 @@ from backend import CapacityError, Chunk, NodeUnavailable, PoolConfig, SyncPoolC
 from backend.config import format_size, parse_size
 from backend.metadata import MetadataStore
 from backend.node.dram import StoredChunk
-from backend.node.nvme import CHUNKS_DIR, chunk_path, read_header, write_chunk
+from backend.node.nvme_format import CHUNKS_DIR, chunk_path, read_header, write_chunk
 from backend.node.recovery import scan
 from backend.node.tiers import DRAM, NVME, TierConfig, TierManager
 from backend.protocol import ItemMeta, checksum
@@ -41,11 +41,11 @@ def _stored(key: str, size: int, seed: int = 0) -> StoredChunk:
 
 def _index(redis_url: str, namespace: str, keys: list[str]) -> list[list]:
     async def lookup() -> list[list]:
-        meta = MetadataStore(redis_url, namespace)
+        store = MetadataStore(redis_url, namespace)
         try:
-            return await meta.lookup(keys)
+            return await store.lookup(keys)
         finally:
-            await meta.close()
+            await store.close()
 
     return asyncio.run(lookup())
 

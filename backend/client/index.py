@@ -28,58 +28,58 @@ def glob_escape(text: str) -> str:
 class PoolIndex:
     """The pool's index and node registry, as seen by a client (see the module docstring)."""
 
-    def __init__(self, meta: MetadataStore) -> None:
-        self._meta = meta
+    def __init__(self, store: MetadataStore) -> None:
+        self._store = store
 
     # -- reads ------------------------------------------------------------------------
     async def ping(self) -> float:
         """Redis round trip in ms."""
-        return await self._meta.ping()
+        return await self._store.ping()
 
     async def nodes(self) -> list[NodeInfo]:
         """Every registered node, alive or not (``NodeInfo.alive`` says which)."""
-        return await self._meta.nodes()
+        return await self._store.nodes()
 
     async def lookup(self, keys: Sequence[str]) -> list[IndexEntry]:
         """Every recorded location of every key, in one pipelined round trip."""
-        return await self._meta.lookup(keys)
+        return await self._store.lookup(keys)
 
     def scan_entries(self, match: str = "*", batch: int = LOOKUP_BATCH) -> AsyncIterator[list[tuple[str, IndexEntry]]]:
         """``(key, locations)`` in batches of at most ``batch``; ``match`` is a glob on the pool key."""
-        return self._meta.scan_entries(match, batch)
+        return self._store.scan_entries(match, batch)
 
     def scan_key_batches(self, match: str = "*", batch: int = LOOKUP_BATCH) -> AsyncIterator[list[str]]:
         """Pool keys in lists of at most ``batch``."""
-        return self._meta.scan_key_batches(match, batch)
+        return self._store.scan_key_batches(match, batch)
 
     async def scan_step(self, cursor: int, match: str = "*", count: int = 1000) -> tuple[int, list[str]]:
         """One SCAN step: ``(next cursor, keys)``; the cursor is 0 at the start and at the end."""
-        return await self._meta.scan_step(cursor, match, count)
+        return await self._store.scan_step(cursor, match, count)
 
     # -- repairs (kvpool drain / check / flush / evict) ----------------------------------
     async def delete(self, keys: Sequence[str]) -> int:
         """Remove index entries outright; returns how many existed. Bytes stay until evicted."""
-        return await self._meta.delete(keys)
+        return await self._store.delete(keys)
 
     async def commit(self, locations: Sequence[tuple[str, Location]]) -> None:
         """Record locations (``kvpool check --fix`` indexes valid bytes nobody could find)."""
-        await self._meta.commit(locations)
+        await self._store.commit(locations)
 
     async def remove_stale(self, stale: Sequence[tuple[str, Location]]) -> None:
         """Drop exactly these locations, unless they changed since they were read."""
-        await self._meta.remove_stale(stale)
+        await self._store.remove_stale(stale)
 
     async def set_draining(self, node_id: str, draining: bool) -> bool:
         """Mark a node as draining (placement skips it) or not; whether the mark changed."""
-        return await self._meta.set_draining(node_id, draining)
+        return await self._store.set_draining(node_id, draining)
 
     async def forget_node(self, node_id: str) -> None:
         """Drop a dead node's registry record."""
-        await self._meta.forget_node(node_id)
+        await self._store.forget_node(node_id)
 
     # -- channel rendezvous (nccl_channel.rendezvous.RendezvousStore) -------------------
     async def offer_rendezvous(self, session: str, value: str, ttl_ms: int) -> None:
-        await self._meta.offer_rendezvous(session, value, ttl_ms)
+        await self._store.offer_rendezvous(session, value, ttl_ms)
 
     async def take_rendezvous(self, session: str) -> str | None:
-        return await self._meta.take_rendezvous(session)
+        return await self._store.take_rendezvous(session)

@@ -20,11 +20,12 @@ from backend.metadata import NodeInfo
 from backend.protocol import (
     InventoryPage,
     InventoryRow,
+    NodeReport,
     Op,
     Verified,
     decode_flags,
     decode_inventory_response,
-    decode_json,
+    decode_node_report,
     encode_inventory_request,
     encode_keys,
 )
@@ -85,6 +86,6 @@ class NodeAdmin:
             return []
         return [bool(f) for f in decode_flags(await self._request(node, Op.DELETE_BATCH, encode_keys(keys)), len(keys))]
 
-    async def stats(self, node: NodeInfo) -> dict[str, Any]:
+    async def stats(self, node: NodeInfo) -> NodeReport:
         """``node``'s STAT answer: counters, tiers, recent window, latency histograms (docs/operations.md)."""
-        return decode_json(await self._request(node, Op.STAT, b""))
+        return decode_node_report(await self._request(node, Op.STAT, b""))

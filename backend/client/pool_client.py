@@ -57,18 +57,18 @@ class PoolClient:
         self.config = config
         # Made once: loading the CA bundle is file I/O, and a bad path fails here, before any connection.
         tls = client_tls_context(config.tls_ca) if config.tls else None
-        self._meta = MetadataStore(
+        self._store = MetadataStore(
             config.redis_url, config.namespace, config.timeout_s, password=config.redis_password, ca_file=config.tls_ca
         )
-        self.index = PoolIndex(self._meta)
+        self.index = PoolIndex(self._store)
         self._ctx = ClientContext(config)
         self.counters: defaultdict[str, int] = self._ctx.counters
-        self.registry = RegistryView(self._ctx, self._meta)
+        self.registry = RegistryView(self._ctx, self._store)
         self.connections = Connections(config, tls, lambda: self._ctx.bulk)
         self.node_admin = NodeAdmin(self.connections)
         self.arena = ArenaReader(self._ctx, self.connections)
         self.registry.on_change += [self.connections.prune, self.arena.prune]
-        self._locator = Locator(self._ctx, self._meta, self.registry)
+        self._locator = Locator(self._ctx, self._store, self.registry)
         self._tcp = TcpReader(self._ctx, self.connections)
         self._getter = Getter(self._ctx, self.registry, self._locator, [self.arena, self._tcp])
         self._staged = StagedWriter(self._ctx, self.connections, self.arena)
@@ -151,8 +151,8 @@ class PoolClient:
     async def delete(self, keys: Sequence[str]) -> int:
         """Remove keys everywhere: index first (so nobody reads them), then the bytes."""
         _check_keys(keys)
-        entries = await self._meta.lookup(keys)
-        existed = await self._meta.delete(keys)
+        entries = await self._store.lookup(keys)
+        existed = await self._store.delete(keys)
         holders: dict[str, list[str]] = defaultdict(list)
         for key, entry in zip(keys, entries):
             for loc in entry:
@@ -183,15 +183,15 @@ class PoolClient:
         return [o.handle if isinstance(o, Hit) else None for o in outcomes]
 
     async def list_keys(self, match: str = "*") -> list[str]:
-        return [key async for key in self._meta.scan_keys(match)]
+        return [key async for key in self._store.scan_keys(match)]
 
     async def node_stats(self, node: NodeInfo) -> dict[str, Any]:
-        """One node's STAT answer (``node_admin.stats``)."""
-        return await self.node_admin.stats(node)
+        """One node's STAT answer as JSON (``node_admin.stats`` has it typed)."""
+        return (await self.node_admin.stats(node)).to_json()
 
     async def ping(self) -> float:
         """Redis round trip in ms; raises MetadataError if Redis is unreachable."""
-        return await self._meta.ping()
+        return await self._store.ping()
 
     async def close(self) -> None:
         """Close every connection; returns promptly even with nodes or Redis down."""
@@ -203,7 +203,7 @@ class PoolClient:
         await self._ctx.close()
         with contextlib.suppress(Exception):
             async with asyncio.timeout(1.0):
-                await self._meta.close()
+                await self._store.close()
 
     async def __aenter__(self) -> PoolClient:
         return self

@@ -32,9 +32,9 @@ SUSPECT_S = 5.0
 class RegistryView:
     """Live nodes as last read from Redis, and which of a key's copies to read first."""
 
-    def __init__(self, ctx: ClientContext, meta: MetadataStore) -> None:
+    def __init__(self, ctx: ClientContext, store: MetadataStore) -> None:
         self.ctx = ctx
-        self.meta = meta
+        self.store = store
         self.on_change: list[Callable[[set[tuple[str, int]]], None]] = []  # told the live (id, epoch) set
         self._nodes: dict[str, NodeInfo] = {}
         self._epochs: dict[str, int] = {}  # node id -> epoch of every live node: what a lookup hands Redis
@@ -63,13 +63,13 @@ class RegistryView:
 
     async def refresh(self, full: bool = False) -> None:
         """Bring the view up to date: the nodes changed since it was read, or (``full``) all of them."""
-        version, marker, changed = await self.meta.registry_changes(0 if full else self._version, self._marker)
+        version, marker, changed = await self.store.registry_changes(0 if full else self._version, self._marker)
         if changed is None:
-            nodes = {n.node_id: n for n in await self.meta.nodes() if n.alive}
+            nodes = {n.node_id: n for n in await self.store.nodes() if n.alive}
         else:  # a node the view lacks and that expired anyway needs no read
             changed = [nid for nid in changed if nid in self._nodes or version != self._version]
             nodes = {nid: n for nid, n in self._nodes.items() if nid not in changed}
-            nodes.update({n.node_id: n for n in await self.meta.nodes(only=changed) if n.alive})
+            nodes.update({n.node_id: n for n in await self.store.nodes(only=changed) if n.alive})
         self._nodes, self._version, self._marker = nodes, version, marker
         self._epochs = {n.node_id: n.epoch for n in nodes.values()}
         self._read_at = time.monotonic()
@@ -123,9 +123,9 @@ class Locator:
     """Which keys have live copies: one Redis round trip, read against the view in Redis; stale
     entries cleaned in the background."""
 
-    def __init__(self, ctx: ClientContext, meta: MetadataStore, registry: RegistryView) -> None:
+    def __init__(self, ctx: ClientContext, store: MetadataStore, registry: RegistryView) -> None:
         self.ctx = ctx
-        self.meta = meta
+        self.store = store
         self.registry = registry
 
     async def lookup(self, keys: Sequence[str]) -> list[IndexEntry]:
@@ -152,12 +152,12 @@ class Locator:
         registry = self.registry
         try:
             await registry.nodes()
-            found = await self.meta.lookup_live(keys, registry.epochs(), prefix=prefix, copies=copies)
+            found = await self.store.lookup_live(keys, registry.epochs(), prefix=prefix, copies=copies)
             if found.others and registry.age_s > FRESH_VIEW_S:
                 seen = registry.epochs()
                 await registry.refresh()
                 if registry.epochs() != seen:
-                    found = await self.meta.lookup_live(keys, registry.epochs(), prefix=prefix, copies=copies)
+                    found = await self.store.lookup_live(keys, registry.epochs(), prefix=prefix, copies=copies)
         except MetadataError as exc:
             self.ctx.warn_once("redis", "kvpool: Redis lookup failed, reading as misses until it is back: %s", exc)
             self.ctx.counters["lookup_failures"] += 1
@@ -182,4 +182,4 @@ class Locator:
                 await self.registry.refresh()
                 stale = [(key, loc) for key, loc in stale if not self.registry.alive(loc)]
             self.ctx.counters["stale_entries"] += len(stale)
-            await self.meta.remove_stale(stale)
+            await self.store.remove_stale(stale)

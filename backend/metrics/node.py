@@ -1,6 +1,6 @@
 """The Prometheus mapping of a pool node's stats: ``NodeCollector`` and its families.
 
-Read at scrape time from ``PoolNode.stats()`` and ``health()``, so nothing on the data
+Read at scrape time from ``PoolNode.report()`` and ``health()``, so nothing on the data
 path pays for metrics. Every name emitted here is listed in docs/operations.md (a test
 keeps them in step).
 """
@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from backend.latency import LatencyHistograms
+from backend.protocol import NodeReport, RecoveryReport, TierReport
 
 __all__ = ["METRIC_NAME", "NODE_COUNTERS", "NODE_PREFIX", "NodeCollector"]
 
@@ -69,33 +70,32 @@ NODE_COUNTERS: dict[str, str] = {
 
 
 class NodeCollector:
-    """Reads one node's ``stats()`` and ``health()`` at scrape time and yields its families."""
+    """Reads one node's ``report()`` and ``health()`` at scrape time and yields its families."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], health: Callable[[], dict[str, Any]]) -> None:
-        self.stats = stats
+    def __init__(self, report: Callable[[], NodeReport], health: Callable[[], dict[str, Any]]) -> None:
+        self.report = report
         self.health = health
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.stats()
-        node = str(stats["node_id"])
-        yield from _node_counters(node, stats.get("counters") or {})
-        yield _gauge("uptime_seconds", "Seconds since the node process started.", node, stats["uptime_s"])
-        yield _gauge("epoch", "Epoch this node took at its start (a restart takes a new one).", node, stats["epoch"])
-        yield _gauge("objects", "Distinct chunks held, over all tiers.", node, stats["objects"])
-        yield _gauge("leases", "Leases currently held by clients.", node, stats.get("leases", 0))
-        arena = stats.get("arena")
-        if arena:
+        report = self.report()
+        node = report.node_id
+        yield from _node_counters(node, report.counters)
+        yield _gauge("uptime_seconds", "Seconds since the node process started.", node, report.uptime_s)
+        yield _gauge("epoch", "Epoch this node took at its start (a restart takes a new one).", node, report.epoch)
+        yield _gauge("objects", "Distinct chunks held, over all tiers.", node, report.objects)
+        yield _gauge("leases", "Leases currently held by clients.", node, report.leases)
+        arena = report.arena
+        if arena is not None:
             yield _gauge("arena_allocated_bytes", "Bytes of the shared-memory arena in use.", node,
-                         arena["allocated_bytes"])  # fmt: skip
+                         arena.allocated_bytes)  # fmt: skip
             yield _gauge("arena_grown_bytes", "Bytes of the shared-memory arena backed by memory.", node,
-                         arena["grown_bytes"])  # fmt: skip
+                         arena.grown_bytes)  # fmt: skip
         healthy = 1 if self.health().get("status") == "ok" else 0
         yield _gauge("healthy", "1 while /health answers ok, else 0.", node, healthy)
-        yield from _tier_gauges(node, stats.get("tiers") or {})
-        recovery = stats.get("recovery")
-        if recovery:
-            yield from _recovery_gauges(node, recovery)
-        latency = stats.get("latency")
+        yield from _tier_gauges(node, report.tiers)
+        if report.recovery is not None:
+            yield from _recovery_gauges(node, report.recovery)
+        latency = report.latency
         histograms = _latency_histogram(node, latency) if latency else None
         if histograms is not None:
             yield histograms
@@ -127,12 +127,13 @@ _TIER_GAUGES = {
 }
 
 
-def _tier_gauges(node: str, tiers: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
+def _tier_gauges(node: str, tiers: Mapping[str, TierReport]) -> Iterator[Metric]:
     for field, documentation in _TIER_GAUGES.items():
         family = GaugeMetricFamily(NODE_PREFIX + "tier_" + field, documentation, labels=["node", "tier"])
-        for tier, values in sorted(tiers.items()):
-            if field in values:
-                family.add_metric([node, tier], float(values[field]))
+        for tier, report in sorted(tiers.items()):
+            value = getattr(report, field)  # the gauges are named for TierReport's fields
+            if value is not None:
+                family.add_metric([node, tier], float(value))
         if family.samples:
             yield family
 
@@ -146,10 +147,9 @@ _RECOVERY_GAUGES = {
 }
 
 
-def _recovery_gauges(node: str, recovery: Mapping[str, Any]) -> Iterator[Metric]:
+def _recovery_gauges(node: str, recovery: RecoveryReport) -> Iterator[Metric]:
     for field, documentation in _RECOVERY_GAUGES.items():
-        if field in recovery:
-            yield _gauge("recovery_" + field, documentation, node, float(recovery[field]))
+        yield _gauge("recovery_" + field, documentation, node, float(getattr(recovery, field)))  # RecoveryReport's fields
 
 
 def _latency_histogram(node: str, latency: Mapping[str, Any]) -> Metric | None:

@@ -24,6 +24,7 @@ from prometheus_client.exposition import choose_encoder
 
 from backend.errors import NodeUnavailable
 from backend.metrics.node import NodeCollector
+from backend.protocol import NodeReport
 
 __all__ = ["MAX_CONNECTIONS", "NodeMetricsServer"]
 
@@ -41,19 +42,19 @@ MAX_CONNECTIONS = 16  # the node's file descriptors belong to the data path firs
 class NodeMetricsServer:
     """HTTP endpoint of one node: ``/metrics`` (Prometheus text) and ``/health`` (JSON).
 
-    ``stats`` returns ``PoolNode.stats()``; ``health`` returns ``PoolNode.health()``.
+    ``report`` returns ``PoolNode.report()``; ``health`` returns ``PoolNode.health()``.
     Both are read at scrape time, so nothing on the data path pays for metrics.
     ``port`` is the bound port once ``start()`` returned (useful with port 0).
     """
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], health: Callable[[], dict[str, Any]], host: str,
+    def __init__(self, report: Callable[[], NodeReport], health: Callable[[], dict[str, Any]], host: str,
                  port: int) -> None:  # fmt: skip
-        self.stats = stats
+        self.report = report
         self.health = health
         self.host = host
         self.port = port
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(NodeCollector(stats, health))
+        self.registry.register(NodeCollector(report, health))
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[Any]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
@@ -153,7 +154,7 @@ class NodeMetricsServer:
                 body = json.dumps(health, sort_keys=True, default=str).encode() + b"\n"
                 return _response(status, body, "application/json", head_only=head_only)
         except Exception:
-            # A bug in stats() must not take the node down; the scrape shows it as a 500.
+            # A bug in report() must not take the node down; the scrape shows it as a 500.
             logger.exception("metrics: %s %s failed", method, path)
             return _response(500, b"internal error; see the node's log\n", head_only=head_only)
         return _response(404, b"not found: try /metrics or /health\n", head_only=head_only)

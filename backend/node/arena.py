@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
+from backend.protocol import ArenaReport
 from backend.shm import (
     ARENA_MAGIC,
     ARENA_SUFFIX,
@@ -294,11 +295,12 @@ class Arena:
     def grown_bytes(self) -> int:
         return self._grown - HEADER_BYTES
 
-    def stats(self) -> dict[str, int | str]:
+    def report(self) -> ArenaReport:
+        """What STAT carries of the arena."""
         with self._lock:
             self._take_back_freed()
-        return {"path": self._where(), "size_bytes": self.size_bytes, "grown_bytes": self.grown_bytes,
-                "allocated_bytes": self.allocated_bytes, "fallbacks": self.fallbacks}  # fmt: skip
+        return ArenaReport(path=self._where(), size_bytes=self.size_bytes, grown_bytes=self.grown_bytes,
+                           allocated_bytes=self.allocated_bytes, fallbacks=self.fallbacks)  # fmt: skip
 
     def close(self) -> None:
         """Stop the grower. Buffers still held keep the mapping alive until they are dropped."""

@@ -21,7 +21,7 @@ from backend.errors import CapacityError
 from backend.node.bookkeeping import NVME, IndexChanges
 from backend.node.dram import DramTier, StoredChunk
 from backend.node.leases import LeaseTable
-from backend.node.nvme import NvmeFile
+from backend.node.nvme_format import NvmeFile
 from backend.node.nvme_tier import NvmeTier
 
 __all__ = ["Demoter"]

@@ -1,6 +1,6 @@
 """The NVMe tier as the tier manager sees it: which files exist (LRU), and every disk I/O on them.
 
-The file format and its crash ordering are in ``nvme.py``; this module keeps the
+The file format and its crash ordering are in ``nvme_format.py``; this module keeps the
 index of files this node holds, least recently used first, with the bytes they take,
 and runs every read, write, unlink and quarantine on its own worker threads, so the
 event loop never waits on a disk.
@@ -38,7 +38,8 @@ from backend.errors import CapacityError
 from backend.node.bookkeeping import ON_NVME, HeldKeys
 from backend.node.buffers import ChunkBuffer
 from backend.node.dram import StoredChunk
-from backend.node.nvme import NvmeFile, read_payload, write_chunk
+from backend.node.nvme_format import NvmeFile, read_payload, write_chunk
+from backend.protocol import TierReport
 
 __all__ = ["NvmeTier", "quarantine_file", "QUARANTINE_DIR", "DISK_RECHECK_S", "DISK_RESUME_MARGIN_BYTES"]
 
@@ -116,9 +117,9 @@ class NvmeTier:
             self.files.move_to_end(key)
         return record
 
-    def stats(self) -> dict[str, Any]:
-        return {"capacity_bytes": self.capacity_bytes, "used_bytes": self.used_bytes, "objects": len(self.files),
-                "disk_full": self.disk_full}  # fmt: skip
+    def report(self) -> TierReport:
+        return TierReport(capacity_bytes=self.capacity_bytes, used_bytes=self.used_bytes, objects=len(self.files),
+                          disk_full=self.disk_full)  # fmt: skip
 
     # -- disk I/O ---------------------------------------------------------------------
     async def run(self, fn: Any, *args: Any) -> Any:

@@ -21,21 +21,24 @@ from backend.node.puts import PutReceiver
 from backend.node.stats import NodeStats
 from backend.protocol import (
     LEASE_MAP,
-    MAX_INVENTORY_PAGE,
     NO_OFFSET,
+    InventoryPage,
+    InventoryRow,
     ItemMeta,
     Op,
     Verified,
     decode_channel_request,
-    decode_json,
+    decode_inventory_request,
     decode_keys,
     decode_lease_request,
     decode_release,
     encode_channel_response,
     encode_flags,
     encode_get_response,
+    encode_inventory_response,
     encode_json,
     encode_lease_response,
+    encode_node_report,
 )
 from backend.transport import Buffer
 
@@ -128,14 +131,11 @@ class OpHandlers:
         return encode_flags([int(key in gone) for key in keys]), []
 
     async def inventory(self, meta: bytearray, session: Session) -> Reply:
-        """One page of ``[key, tier, nbytes, checksum]`` after ``request["after"]``, in key order."""
-        request = decode_json(meta)
-        after, limit = request.get("after", ""), request.get("limit", 1000)
-        if not isinstance(after, str) or not isinstance(limit, int) or not 0 < limit <= MAX_INVENTORY_PAGE:
-            raise ProtocolError(f"INVENTORY wants {{after: str, limit: 1..{MAX_INVENTORY_PAGE}}}")
-        page, more = self.ctx.tiers.page(after, limit)
-        items = [[item.key, tier, item.nbytes, item.checksum] for item, tier in page]
-        return encode_json({"items": items, "more": more}), []
+        """One page of what this node holds after the request's ``after`` key, in key order."""
+        after, limit = decode_inventory_request(meta)
+        held, more = self.ctx.tiers.page(after, limit)
+        rows = tuple(InventoryRow(item.key, tier, item.nbytes, item.checksum) for item, tier in held)
+        return encode_inventory_response(InventoryPage(rows, more)), []
 
     async def verify_batch(self, meta: bytearray, session: Session) -> Reply:
         tiers = self.ctx.tiers
@@ -214,7 +214,7 @@ class OpHandlers:
         return encode_channel_response(found, ctx.config.limits), []
 
     async def stat(self, meta: bytearray, session: Session) -> Reply:
-        return encode_json(self.stats.report()), []
+        return encode_node_report(self.stats.report()), []
 
     async def ping(self, meta: bytearray, session: Session) -> Reply:
         return encode_json({"node_id": self.ctx.node_id, "epoch": self.ctx.epoch}), []

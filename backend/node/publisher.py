@@ -3,7 +3,7 @@
 * Every ``heartbeat_interval_ms`` the node rewrites its registry entry (clients are
   told, by the registry version, only when what they keep of the node changed),
   publishes what its tiers did since the last beat (evictions, drops, tier moves),
-  and lets the dead-node collector take a step.
+  and lets the dead-node reaper take a step.
 * Redis loss: the namespace marker holds a random *generation*. The node remembers
   the generation it published under; when the marker is missing or different at a
   heartbeat, or its registry entry was gone (collected as dead while away), it
@@ -23,8 +23,8 @@ from typing import Any
 
 from backend.errors import MetadataError
 from backend.metadata import Beat, NodeInfo
-from backend.node.collector import DeadNodeCollector
 from backend.node.context import NodeContext
+from backend.node.reaper import DeadNodeReaper
 from backend.node.stats import NodeStats
 
 __all__ = ["Advert", "IndexPublisher"]
@@ -64,8 +64,8 @@ class IndexPublisher:
             await self.publish_inventory()  # the old epoch's entries are overwritten
         await self.heartbeat()
 
-    async def heartbeat_loop(self, collector: DeadNodeCollector | None = None) -> None:
-        """Beat every ``heartbeat_interval_ms`` until the node stops; ``collector`` takes a step after each."""
+    async def heartbeat_loop(self, reaper: DeadNodeReaper | None = None) -> None:
+        """Beat every ``heartbeat_interval_ms`` until the node stops; ``reaper`` takes a step after each."""
         ctx = self.ctx
         interval = ctx.config.heartbeat_interval_ms / 1000
         while not ctx.stopping:
@@ -79,8 +79,8 @@ class IndexPublisher:
                 elif beat.registered_anew:
                     await self._republish("this node's registry entry was gone (collected as dead while away)")
                 await self.flush_index()
-                if collector is not None:
-                    await collector.step()
+                if reaper is not None:
+                    await reaper.step()
                 if not self.redis_ok:
                     logger.warning("node %s: Redis reachable again", ctx.node_id)
                     self.redis_ok = True
@@ -117,7 +117,7 @@ class IndexPublisher:
             capacity_bytes=tiers.capacity_bytes,
             used_bytes=tiers.used_bytes,
             object_count=len(tiers),
-            tiers=tiers.stats(),
+            tiers={name: tier.to_json() for name, tier in tiers.tier_reports().items()},
             heartbeat_at=time.time(),
             shm_path=str(tiers.shm_arena.path) if tiers.shm_arena is not None else "",
             shm_token=tiers.shm_arena.token if tiers.shm_arena is not None else "",

@@ -12,7 +12,6 @@ that); entries of the old epoch that pointed at DRAM read as misses.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -20,7 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-from backend.node.nvme import (
+from backend.node.nvme_format import (
     CHUNKS_DIR,
     SUFFIX,
     TMP_SUFFIX,
@@ -30,21 +29,13 @@ from backend.node.nvme import (
     read_header_and_mtime,
 )
 from backend.node.nvme_tier import quarantine_file
+from backend.protocol import RecoveryReport  # what STAT carries of a scan
 
 __all__ = ["RecoveryReport", "scan", "node_identity"]
 
 logger = logging.getLogger(__name__)
 
 NODE_ID_FILE = "node_id"
-
-
-@dataclasses.dataclass
-class RecoveryReport:
-    files: int = 0
-    bytes: int = 0
-    quarantined: int = 0
-    temp_removed: int = 0
-    seconds: float = 0.0
 
 
 def _scan_shard(root: Path, shard: str) -> tuple[list[tuple[float, NvmeFile]], int, int]:
@@ -76,22 +67,21 @@ def _scan_shard(root: Path, shard: str) -> tuple[list[tuple[float, NvmeFile]], i
 def scan(root: Path) -> tuple[list[NvmeFile], RecoveryReport]:
     """Every intact chunk file under ``root``, least recently written first."""
     start = time.perf_counter()
-    report = RecoveryReport()
+    quarantined = temp_removed = 0
     chunks = root / CHUNKS_DIR
     shards = sorted(e.path for e in os.scandir(chunks) if e.is_dir()) if chunks.is_dir() else []
     found: list[tuple[float, NvmeFile]] = []
     # One thread (the caller's): header parsing holds the GIL, and on a warm cache more
     # scan threads measured slower (bench.nvme_bench).
     for shard in shards:
-        shard_found, quarantined, removed = _scan_shard(root, shard)
+        shard_found, shard_quarantined, removed = _scan_shard(root, shard)
         found.extend(shard_found)
-        report.quarantined += quarantined
-        report.temp_removed += removed
+        quarantined += shard_quarantined
+        temp_removed += removed
     found.sort(key=lambda pair: pair[0])
     records = [record for _, record in found]
-    report.files = len(records)
-    report.bytes = sum(r.file_bytes for r in records)
-    report.seconds = time.perf_counter() - start
+    report = RecoveryReport(files=len(records), bytes=sum(r.file_bytes for r in records), quarantined=quarantined,
+                            temp_removed=temp_removed, seconds=time.perf_counter() - start)  # fmt: skip
     return records, report
 
 

@@ -2,13 +2,14 @@
 
 The parts, one module each:
 
-* ``tiers.py`` (with ``dram.py``, ``nvme_tier.py``, ``demotion.py``, ``arena.py``,
-  ``leases.py``): where chunks live;
+* ``tiers.py`` (with ``dram.py``, ``nvme_tier.py`` and its file format ``nvme_format.py``,
+  ``demotion.py``, ``arena.py``, ``leases.py``): where chunks live; ``recovery.py``: the NVMe scan at start;
 * ``session.py``: the accept loop and one session per connection (TLS, auth, frames);
   ``admission.py``: what a connection gets before its handshake is done;
 * ``ops.py``: what each request op does; ``puts.py``: the put path and its crash ordering;
-* ``publisher.py``: heartbeat, index flush, republish after Redis loss;
-* ``stats.py``: counters, recent rates, service times (STAT, /metrics).
+* ``publisher.py``: heartbeat, index flush, republish after Redis loss; ``reaper.py``: what dead
+  nodes left in Redis, removed by one live node;
+* ``stats.py``: counters, recent rates, service times; ``report()`` answers STAT and feeds /metrics.
 
 Each part is given a :class:`~backend.node.context.NodeContext` (config, tiers, index,
 counters, identity, worker threads, tasks) and the parts it uses; none holds this
@@ -31,15 +32,16 @@ from backend.errors import ConfigError, KVPoolError, NcclError, NodeUnavailable
 from backend.metadata import MetadataStore, NodeInfo
 from backend.metrics import NodeMetricsServer
 from backend.node.admission import Admission
-from backend.node.collector import DeadNodeCollector
 from backend.node.context import NodeContext
 from backend.node.ops import OpHandlers
 from backend.node.publisher import Advert, IndexPublisher
 from backend.node.puts import PutReceiver
+from backend.node.reaper import DeadNodeReaper
 from backend.node.recovery import RecoveryReport, node_identity, scan
 from backend.node.session import Acceptor
 from backend.node.stats import NodeStats
 from backend.node.tiers import TierConfig, TierManager
+from backend.protocol import NodeReport
 from backend.transport import FrameSocket, server_tls_context
 
 __all__ = ["PoolNode"]
@@ -70,18 +72,18 @@ class PoolNode:
         self.ctx = NodeContext(config, TierManager(tier_config(config)), self._store)
         self.tiers = self.ctx.tiers
         self.counters: Counter[str] = self.ctx.counters
-        self.statistics = NodeStats(self.ctx)
+        self.stats = NodeStats(self.ctx)
         self.admission = Admission(self.counters, config.max_pending_connections)  # those not yet admitted
-        self.publisher = IndexPublisher(self.ctx, self.statistics)
+        self.publisher = IndexPublisher(self.ctx, self.stats)
         self.puts = PutReceiver(self.ctx, self.publisher)
-        self.ops = OpHandlers(self.ctx, self.statistics, self.publisher, self.puts)
-        self.acceptor = Acceptor(self.ctx, self.admission, self.statistics, self.ops, self.puts)
+        self.ops = OpHandlers(self.ctx, self.stats, self.publisher, self.puts)
+        self.acceptor = Acceptor(self.ctx, self.admission, self.stats, self.ops, self.puts)
         # Made by start():
         self.tls: ssl.SSLContext | None = None
         self.listener: socket.socket | None = None
         self.metrics: NodeMetricsServer | None = None
         self.channel: Any = None  # nccl_channel.channel.ChannelServer, if configured
-        self.collector: DeadNodeCollector | None = None  # made once the node id is known
+        self.reaper: DeadNodeReaper | None = None  # made once the node id is known
         self.prefaulted_bytes = 0  # DRAM arena memory taken at start (--prefault), and how long it took
         self.prefault_s = 0.0
 
@@ -97,7 +99,7 @@ class PoolNode:
     @property
     def recovery(self) -> RecoveryReport | None:
         """What the NVMe scan found at start (None without NVMe)."""
-        return self.statistics.recovery
+        return self.stats.recovery
 
     @property
     def connections(self) -> set[FrameSocket]:
@@ -140,7 +142,7 @@ class PoolNode:
             root = self.tiers.nvme.root
             node_id = await asyncio.to_thread(node_identity, root, node_id)
             records, report = await asyncio.to_thread(scan, root)
-            self.statistics.recovery = report
+            self.stats.recovery = report
             self.tiers.load_nvme(records)
             await asyncio.to_thread(self.tiers.nvme.warn_if_larger_than_disk)
             logger.info("node %s: recovered %d NVMe chunks (%d bytes) in %.2f s; %d quarantined, %d temp files removed",
@@ -149,12 +151,12 @@ class PoolNode:
         if not node_id:
             node_id = f"{socket.gethostname()}-{self.port}"
         await self._prefault(node_id)
-        self.collector = DeadNodeCollector(self._store, node_id, self.config.dead_node_grace_ms / 1000)
-        self.statistics.count_also(self.collector.counters)
+        self.reaper = DeadNodeReaper(self._store, node_id, self.config.dead_node_grace_ms / 1000)
+        self.stats.count_also(self.reaper.counters)
         # Bind the metrics port before registering: if it is taken, nothing is left in Redis.
         if self.config.metrics_port is not None:
             self.metrics = NodeMetricsServer(
-                self.stats, self.health, self.config.metrics_host, self.config.metrics_port
+                self.report, self.health, self.config.metrics_host, self.config.metrics_port
             )
             await self.metrics.start()
             logger.info("node %s: metrics at http://%s:%d/metrics", node_id, self.config.metrics_host,
@@ -166,7 +168,7 @@ class PoolNode:
         await self.publisher.join(node_id, advert, recovered=recovered)
         self.tiers.start()
         self.ctx.spawn(self.acceptor.accept_loop(listener, self.tls))
-        self.ctx.spawn(self.publisher.heartbeat_loop(self.collector))
+        self.ctx.spawn(self.publisher.heartbeat_loop(self.reaper))
         nvme = self.tiers.nvme
         logger.info(
             "node %s epoch %d listening on %s:%d, advertised as %s:%d (DRAM %d bytes, NVMe %s, namespace %s)",
@@ -187,7 +189,7 @@ class PoolNode:
         self.prefaulted_bytes = await asyncio.to_thread(arena.prefault)
         self.prefault_s = time.monotonic() - started
         logger.info("node %s: took %d bytes of memory for its DRAM arena (%s) in %.2f s", node_id,
-                    self.prefaulted_bytes, arena.stats()["path"], self.prefault_s)  # fmt: skip
+                    self.prefaulted_bytes, arena.report().path, self.prefault_s)  # fmt: skip
 
     def _tls_context(self) -> ssl.SSLContext | None:
         cert, key = self.config.tls_cert, self.config.tls_key
@@ -230,9 +232,9 @@ class PoolNode:
         """This node's registry entry (once started)."""
         return self.publisher.info()
 
-    def stats(self) -> dict[str, Any]:
+    def report(self) -> NodeReport:
         """STAT's answer (``NodeStats.report``)."""
-        return self.statistics.report()
+        return self.stats.report()
 
     def health(self) -> dict[str, Any]:
         """What ``/health`` answers: ok while serving with Redis reachable."""
@@ -270,4 +272,4 @@ class PoolNode:
                                      self.config.redis_timeout_ms / 1000,
                                      pair_timeout_s=self.config.pair_timeout_ms / 1000)  # fmt: skip
         self.ops.use_channel(self.channel)
-        self.statistics.count_also(self.channel.counters)
+        self.stats.count_also(self.channel.counters)

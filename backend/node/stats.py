@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from collections import Counter
-from typing import Any
 
 from backend.latency import LatencyHistograms
 from backend.node.context import NodeContext
-from backend.node.recovery import RecoveryReport
+from backend.protocol import NodeReport, RecentReport, RecoveryReport
 
 __all__ = ["NodeStats"]
 
@@ -22,7 +20,7 @@ class NodeStats:
     """The node's counters, a snapshot of them per heartbeat, and a service-time histogram per op.
 
     The STAT report adds the counters of the parts that keep their own (the tiers, the
-    leases, and those :meth:`count_also` names: the channel, the dead-node collector).
+    leases, and those :meth:`count_also` names: the channel, the dead-node reaper).
     """
 
     def __init__(self, ctx: NodeContext) -> None:
@@ -48,32 +46,32 @@ class NodeStats:
         """Report ``counters`` (kept, and counted, by another part) with the node's own."""
         self._others.append(counters)
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> NodeReport:
         """STAT's answer (and what /metrics exports)."""
         tiers, identity = self.ctx.tiers, self.ctx.identity
         others = sum(self._others, Counter[str]())
-        return {
-            "node_id": identity.node_id,
-            "epoch": identity.epoch,
-            "uptime_s": round(time.monotonic() - self._started_monotonic, 3),
-            "counters": dict(self.counters + tiers.counters + tiers.leases.counters + others),
-            "objects": len(tiers),
-            "leases": len(tiers.leases),
-            "arena": tiers.arena.stats() if tiers.arena is not None else None,
-            "tiers": tiers.stats(),
-            "recovery": dataclasses.asdict(self.recovery) if self.recovery else None,
-            "latency": self.latency.to_json(),
-            "recent": self._recent(),
-        }
+        return NodeReport(
+            node_id=identity.node_id,
+            epoch=identity.epoch,
+            uptime_s=round(time.monotonic() - self._started_monotonic, 3),
+            counters=dict(self.counters + tiers.counters + tiers.leases.counters + others),
+            objects=len(tiers),
+            leases=len(tiers.leases),
+            arena=tiers.arena.report() if tiers.arena is not None else None,
+            tiers=tiers.tier_reports(),
+            recovery=self.recovery,
+            latency=self.latency.to_json(),
+            recent=self._recent(),
+        )
 
     def _snapshot(self) -> tuple[float, int, int, int]:
         c = self.counters
         return (time.monotonic(), c["requests"], c["gets"], c["hits"])
 
-    def _recent(self) -> dict[str, Any]:
+    def _recent(self) -> RecentReport:
         """Requests, gets and hits over the last ``RECENT_WINDOW_S`` (or since start)."""
         now = self._snapshot()
         old = next((s for s in self._snapshots if now[0] - s[0] <= RECENT_WINDOW_S), self._snapshots[-1])
         window = max(now[0] - old[0], 1e-3)
-        return {"window_s": round(window, 1), "requests_per_s": round((now[1] - old[1]) / window, 3),
-                "gets": now[2] - old[2], "hits": now[3] - old[3]}  # fmt: skip
+        return RecentReport(window_s=round(window, 1), requests_per_s=round((now[1] - old[1]) / window, 3),
+                            gets=now[2] - old[2], hits=now[3] - old[3])  # fmt: skip

@@ -31,7 +31,6 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from backend.errors import BusyError, CapacityError, IntegrityError
 from backend.node.arena import Arena, PrivateArena, ShmArena, remove_stale_arenas
@@ -40,9 +39,9 @@ from backend.node.buffers import BufferFactory, ChunkBuffer
 from backend.node.demotion import Demoter
 from backend.node.dram import DramTier, StoredChunk
 from backend.node.leases import LeaseTable
-from backend.node.nvme import NvmeFile
+from backend.node.nvme_format import NvmeFile
 from backend.node.nvme_tier import NvmeTier
-from backend.protocol import ItemMeta, checksum
+from backend.protocol import ItemMeta, TierReport, checksum
 
 __all__ = ["TierConfig", "TierManager", "DRAM", "NVME"]
 
@@ -175,13 +174,12 @@ class TierManager:
         found = [(self.meta_of(key), self.tier_of(key)) for key in keys]
         return [(meta, tier) for meta, tier in found if meta is not None and tier is not None], more
 
-    def stats(self) -> dict[str, dict[str, Any]]:
-        tiers: dict[str, dict[str, Any]] = {
-            DRAM: {"capacity_bytes": self.dram.capacity_bytes, "used_bytes": self.dram.used_bytes,
-                   "objects": len(self.dram)},
-        }  # fmt: skip
+    def tier_reports(self) -> dict[str, TierReport]:
+        """Each tier's size and what it holds (STAT, the registry entry)."""
+        tiers = {DRAM: TierReport(capacity_bytes=self.dram.capacity_bytes, used_bytes=self.dram.used_bytes,
+                                  objects=len(self.dram))}  # fmt: skip
         if self.nvme is not None:
-            tiers[NVME] = self.nvme.stats()
+            tiers[NVME] = self.nvme.report()
         return tiers
 
     # -- put path ---------------------------------------------------------------------

@@ -12,7 +12,7 @@ import asyncio
 import time
 
 from backend import PoolClient, PoolConfig, SyncPoolClient
-from backend.admin import node_rows
+from backend.admin import NodeRow, node_rows
 from tests.conftest import wait_until
 from tests.faults.proxy import skewed_clock_env
 from tests.test_pool import _chunks
@@ -43,8 +43,8 @@ def test_nodes_hours_ahead_or_behind_stay_alive_serve_and_die_by_their_ttl(node_
         assert wait_until(beaten_past_ttl, 20.0, 0.2)
 
         # Uptime comes from the node's monotonic clock, not from its skewed start time.
-        rows = {r["node_id"]: r for r in asyncio.run(_rows(pool_url))}
-        assert all(0 <= rows[n.node_id]["uptime_s"] < 600 for n in (ahead, behind))
+        rows = {r.node_id: r for r in asyncio.run(_rows(pool_url))}
+        assert all(0 <= rows[n.node_id].uptime_s < 600 for n in (ahead, behind))
 
         # Death is the TTL running out on Redis's clock, whatever the node's clock said.
         behind.kill()
@@ -53,6 +53,6 @@ def test_nodes_hours_ahead_or_behind_stay_alive_serve_and_die_by_their_ttl(node_
         assert [bytes(g.data) for g in client.get(keys)] == [bytes(c.data) for c in chunks]
 
 
-async def _rows(url: str) -> list[dict]:
+async def _rows(url: str) -> list[NodeRow]:
     async with PoolClient(PoolConfig.from_url(url)) as client:
         return await node_rows(client)

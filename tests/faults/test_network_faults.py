@@ -176,10 +176,10 @@ def _holders(redis_url: str, namespace: str, keys: list[str]) -> dict[str, list[
     from backend.metadata import MetadataStore
 
     async def lookup() -> list[list[str]]:
-        meta = MetadataStore(redis_url, namespace)
+        store = MetadataStore(redis_url, namespace)
         try:
-            return [[loc.node_id for loc in entry] for entry in await meta.lookup(keys)]
+            return [[loc.node_id for loc in entry] for entry in await store.lookup(keys)]
         finally:
-            await meta.close()
+            await store.close()
 
     return dict(zip(keys, asyncio.run(lookup())))

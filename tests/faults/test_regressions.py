@@ -94,11 +94,11 @@ def test_every_node_republishes_after_redis_is_flushed(node_factory, redis_facto
 async def _lookup(redis_url: str, ns: str, keys: list[str]):
     from backend.metadata import MetadataStore
 
-    meta = MetadataStore(redis_url, ns)
+    store = MetadataStore(redis_url, ns)
     try:
-        return await meta.lookup(keys)
+        return await store.lookup(keys)
     finally:
-        await meta.close()
+        await store.close()
 
 
 async def test_requests_issued_during_the_handshake_wait_for_it(node_factory, redis_server, namespace):

@@ -1,4 +1,4 @@
-"""What nodes that died leave in Redis, collected by a live node.
+"""The dead-node reaper: what nodes that died leave in Redis, removed by a live node.
 
 A node killed with ``kill -9`` never deregisters: its registry entry stays, and so do
 the index fields that name it. Readers skip them (the node is not alive) and drop the
@@ -10,14 +10,14 @@ So one live node -- the live node with the lowest id, which every node can work 
 from the registry alone -- collects, one bounded step per heartbeat:
 
 1. A node not alive (or an id in the index that the registry no longer lists) is
-   *dead* from the moment this collector first sees it so; after ``grace_s`` of that,
+   *dead* from the moment this reaper first sees it so; after ``grace_s`` of that,
    its registry entry is forgotten. The time is this process's own monotonic clock:
    wall clocks of other hosts play no part.
 2. One SCAN step over the index (``SCAN_COUNT`` keys, one pipelined lookup) drops every
    field of a node dead for ``grace_s``, and every field written by an older epoch of
    a node that is alive now (its previous run's DRAM chunks, which died with it).
    Each removal is conditional on the field being unchanged, so a write racing the
-   collector always wins. The walk wraps around, so every key is visited again and
+   reaper always wins. The walk wraps around, so every key is visited again and
    again, at ``SCAN_COUNT`` keys per heartbeat.
 
 A node that was collected while it could not reach Redis (frozen, partitioned) finds
@@ -33,7 +33,7 @@ from collections import Counter
 
 from backend.metadata import Location, MetadataStore, NodeInfo
 
-__all__ = ["DeadNodeCollector", "SCAN_COUNT", "DEFAULT_GRACE_S"]
+__all__ = ["DeadNodeReaper", "SCAN_COUNT", "DEFAULT_GRACE_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,43 +42,43 @@ DEFAULT_GRACE_S = 300.0  # a node must look dead this long before its entries go
 FOLLOWER_CHECK_S = 10.0  # a node that does not collect reads the registry to see whether it should this often
 
 
-class DeadNodeCollector:
-    """Collects dead nodes' registry entries and index fields, one step at a time."""
+class DeadNodeReaper:
+    """Removes dead nodes' registry entries and index fields, one step at a time."""
 
-    def __init__(self, meta: MetadataStore, node_id: str, grace_s: float = DEFAULT_GRACE_S) -> None:
-        self.meta = meta
+    def __init__(self, store: MetadataStore, node_id: str, grace_s: float = DEFAULT_GRACE_S) -> None:
+        self.store = store
         self.node_id = node_id
         self.grace_s = grace_s
         self.counters: Counter[str] = Counter()
-        self._dead_since: dict[str, float] = {}  # node id -> when this collector first saw it dead
+        self._dead_since: dict[str, float] = {}  # node id -> when this reaper first saw it dead
         self._seen_in_sweep: set[str] = set()  # dead ids met in the index during the current walk
         self._cursor = 0
-        self._next_check = 0.0  # while another node collects: when to look at the registry again
+        self._next_check = 0.0  # while another node reaps: when to look at the registry again
 
     async def step(self) -> None:
         """One bounded step: registry, then one SCAN step of the index. Raises MetadataError."""
         now = time.monotonic()
         if now < self._next_check:
             return
-        nodes = await self.meta.nodes()
+        nodes = await self.store.nodes()
         alive = {n.node_id: n for n in nodes if n.alive}
         if not alive or min(alive) != self.node_id:
-            self._dead_since.clear()  # another node collects; start afresh if this one takes over
+            self._dead_since.clear()  # another node reaps; start afresh if this one takes over
             self._cursor = 0
             self._next_check = now + FOLLOWER_CHECK_S  # every node reading the registry each beat costs N²
             return
         for node in nodes:
             self._note(node.node_id, node.node_id in alive, now)
         await self._forget_registry(nodes, now)
-        self._cursor, keys = await self.meta.scan_step(self._cursor, count=SCAN_COUNT)
-        entries = await self.meta.lookup(keys) if keys else []
+        self._cursor, keys = await self.store.scan_step(self._cursor, count=SCAN_COUNT)
+        entries = await self.store.lookup(keys) if keys else []
         stale: list[tuple[str, Location]] = []
         for key, entry in zip(keys, entries):
             for loc in entry:
                 if self._stale(loc, alive, now):
                     stale.append((key, loc))
         if stale:
-            await self.meta.remove_stale(stale)
+            await self.store.remove_stale(stale)
             self.counters["collected_index_fields"] += len(stale)
         if self._cursor == 0:
             self._end_sweep({n.node_id for n in nodes})
@@ -95,7 +95,7 @@ class DeadNodeCollector:
     async def _forget_registry(self, nodes: list[NodeInfo], now: float) -> None:
         for node in nodes:
             if not node.alive and self._dead_long_enough(node.node_id, now):
-                await self.meta.forget_node(node.node_id)
+                await self.store.forget_node(node.node_id)
                 self.counters["collected_nodes"] += 1
                 logger.info("node %s: forgot node %s, dead for %.0f s or more", self.node_id, node.node_id,
                             self.grace_s)  # fmt: skip
@@ -113,4 +113,4 @@ class DeadNodeCollector:
         keep = registered | self._seen_in_sweep
         self._dead_since = {node_id: since for node_id, since in self._dead_since.items() if node_id in keep}
         self._seen_in_sweep = set()
-        self.counters["collector_sweeps"] += 1
+        self.counters["collector_sweeps"] += 1  # the counter names are in STAT and /metrics: kept
