@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -416,7 +417,7 @@ def test_undrain_ends_a_drain_and_puts_say_when_every_node_is_draining(pool):
 
 
 def test_a_drain_stopped_by_ctrl_c_clears_its_mark(pool):
-    url, a, _ = pool
+    url, a, b = pool
     chunks = _data("ctrl-c", 300, 64 * KIB)
     with SyncPoolClient(PoolConfig.from_url(url)) as client:
         client.put(chunks)
@@ -427,8 +428,15 @@ def test_a_drain_stopped_by_ctrl_c_clears_its_mark(pool):
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
         assert wait_until(lambda: int(client.node_stats(node_a)["objects"]) < on_a - 10, 30.0, 0.02)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        # Hold the drain mid-way (its next put waits on the frozen target), so that Ctrl-C
+        # surely finds it running, however fast the rest of it would have gone.
+        b.pause()
+        try:
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            b.resume()
         assert proc.returncode == 130, err
         assert _draining(url)[a.node_id] is False  # the run that set the mark cleared it
         assert all(g is not None for g in client.get([c.key for c in chunks]))  # nothing lost
