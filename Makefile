@@ -30,6 +30,7 @@ setup: $(STAMP) redis
 
 lint: setup
 	$(VENV)/bin/ruff check backend nccl_channel bench tests
+	$(VENV)/bin/ruff format --check backend nccl_channel bench tests
 	$(VENV)/bin/mypy backend nccl_channel
 
 test: setup lint

@@ -144,8 +144,7 @@ class CheckReport:
     def repairable(self) -> int:
         """What ``--fix`` changes. Corrupt copies are not counted: their node took each out of
         use (and out of the index) the moment it found it, as it does on any read."""
-        return (len(self.orphan_entries) + len(self.orphan_bytes) + len(self.dead_node_entries)
-                + len(self.dead_nodes))  # fmt: skip
+        return len(self.orphan_entries) + len(self.orphan_bytes) + len(self.dead_node_entries) + len(self.dead_nodes)
 
     def to_json(self) -> dict[str, Any]:
         """The report as ``kvpool check --json`` prints it (``fixed`` is ``{}`` when nothing was repaired)."""
@@ -252,15 +251,21 @@ class PoolStatus:
             "used_bytes": self.used_bytes,
             "free_bytes": self.free_bytes,
             "objects": self.objects,
-            "tiers": {name: {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "objects": t.objects}
-                      for name, t in self.tiers.items()},
+            "tiers": {
+                name: {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "objects": t.objects}
+                for name, t in self.tiers.items()
+            },
             "gets": self.gets,
             "hits": self.hits,
             "hit_rate": self.hit_rate,
-            "recent": {"window_s": self.recent.window_s, "gets": self.recent.gets, "hits": self.recent.hits,
-                       "hit_rate": self.recent.hit_rate},
+            "recent": {
+                "window_s": self.recent.window_s,
+                "gets": self.recent.gets,
+                "hits": self.recent.hits,
+                "hit_rate": self.recent.hit_rate,
+            },
             "node_list": [n.to_json() for n in self.node_list],
-        }  # fmt: skip
+        }
 
 
 async def pool_status(client: PoolClient) -> PoolStatus:
@@ -277,8 +282,11 @@ async def pool_status(client: PoolClient) -> PoolStatus:
     for s in stats.values():
         for name, tier in s.tiers.items():
             total = tiers.get(name, TierReport(0, 0, 0))
-            tiers[name] = TierReport(total.capacity_bytes + tier.capacity_bytes, total.used_bytes + tier.used_bytes,
-                                     total.objects + tier.objects)  # fmt: skip
+            tiers[name] = TierReport(
+                total.capacity_bytes + tier.capacity_bytes,
+                total.used_bytes + tier.used_bytes,
+                total.objects + tier.objects,
+            )
     return PoolStatus(
         redis_url=client.config.redis_url,
         rtt_ms=round(rtt_ms, 3),
@@ -299,11 +307,19 @@ async def pool_status(client: PoolClient) -> PoolStatus:
             hits=sum(s.recent.hits for s in stats.values()),
         ),
         node_list=tuple(
-            StatusNode(node_id=n.node_id, address=n.address, alive=n.alive, draining=n.draining, epoch=n.epoch,
-                       capacity_bytes=n.capacity_bytes, used_bytes=n.used_bytes, objects=n.object_count)
+            StatusNode(
+                node_id=n.node_id,
+                address=n.address,
+                alive=n.alive,
+                draining=n.draining,
+                epoch=n.epoch,
+                capacity_bytes=n.capacity_bytes,
+                used_bytes=n.used_bytes,
+                objects=n.object_count,
+            )
             for n in nodes
         ),
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)
@@ -323,11 +339,17 @@ class NodeRow:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "node_id": self.node_id, "address": self.address, "cluster": self.cluster, "epoch": self.epoch,
-            "alive": self.alive, "draining": self.draining, "uptime_s": self.uptime_s,
+            "node_id": self.node_id,
+            "address": self.address,
+            "cluster": self.cluster,
+            "epoch": self.epoch,
+            "alive": self.alive,
+            "draining": self.draining,
+            "uptime_s": self.uptime_s,
             "tiers": {name: tier.to_json() for name, tier in self.tiers.items()},
-            "requests_per_s": self.requests_per_s, "last_heartbeat_s": self.last_heartbeat_s,
-        }  # fmt: skip
+            "requests_per_s": self.requests_per_s,
+            "last_heartbeat_s": self.last_heartbeat_s,
+        }
 
 
 async def node_rows(client: PoolClient) -> list[NodeRow]:
@@ -338,14 +360,20 @@ async def node_rows(client: PoolClient) -> list[NodeRow]:
     rows = []
     for n in nodes:
         s = stats.get(n.node_id)
-        rows.append(NodeRow(
-            node_id=n.node_id, address=n.address, cluster=n.cluster, epoch=n.epoch,
-            alive=n.alive, draining=n.draining,
-            uptime_s=round(s.uptime_s if s else now - n.started_at, 1),
-            tiers=s.tiers if s else tiers_from_json(n.tiers),
-            requests_per_s=s.recent.requests_per_s if s else None,
-            last_heartbeat_s=round(now - n.heartbeat_at, 1) if n.heartbeat_at else None,
-        ))  # fmt: skip
+        rows.append(
+            NodeRow(
+                node_id=n.node_id,
+                address=n.address,
+                cluster=n.cluster,
+                epoch=n.epoch,
+                alive=n.alive,
+                draining=n.draining,
+                uptime_s=round(s.uptime_s if s else now - n.started_at, 1),
+                tiers=s.tiers if s else tiers_from_json(n.tiers),
+                requests_per_s=s.recent.requests_per_s if s else None,
+                last_heartbeat_s=round(now - n.heartbeat_at, 1) if n.heartbeat_at else None,
+            )
+        )
     return rows
 
 
@@ -358,8 +386,13 @@ async def iter_keys(
     async for batch in client.index.scan_entries(_match(model, prefix)):
         for key, entry in batch:
             for loc in entry:
-                yield {"key": key, "node_id": loc.node_id, "tier": loc.tier, "nbytes": loc.nbytes,
-                       "age_s": max(0, now - loc.written_at)}  # fmt: skip
+                yield {
+                    "key": key,
+                    "node_id": loc.node_id,
+                    "tier": loc.tier,
+                    "nbytes": loc.nbytes,
+                    "age_s": max(0, now - loc.written_at),
+                }
             count += 1
             if limit is not None and count >= limit:
                 return
@@ -383,8 +416,11 @@ class PoolStats:
     latency: dict[str, OpLatency]  # by op, ops never served left out
 
     def to_json(self) -> dict[str, Any]:
-        return {"nodes": self.nodes, "counters": dict(self.counters),
-                "latency": {op: dataclasses.asdict(v) for op, v in self.latency.items()}}  # fmt: skip
+        return {
+            "nodes": self.nodes,
+            "counters": dict(self.counters),
+            "latency": {op: dataclasses.asdict(v) for op, v in self.latency.items()},
+        }
 
 
 async def pool_stats(client: PoolClient) -> PoolStats:
@@ -415,8 +451,9 @@ async def pool_stats(client: PoolClient) -> PoolStats:
     return PoolStats(len(stats), dict(sorted(totals.items())), latency)
 
 
-async def evict(client: PoolClient, keys: Sequence[str] = (), *, model: str | None = None,
-                prefix: str | None = None) -> EvictReport:  # fmt: skip
+async def evict(
+    client: PoolClient, keys: Sequence[str] = (), *, model: str | None = None, prefix: str | None = None
+) -> EvictReport:
     """Remove chunks everywhere: each node deletes its copies (and withdraws their index entries),
     then the entries left (dead nodes', copies a node no longer held) go.
 
@@ -502,8 +539,9 @@ async def _check_targets(client: PoolClient, source: NodeInfo, to: str | None) -
         if target.node_id == source.node_id:
             raise ConfigError("--to", "the target is the node being drained")
         if target.draining:
-            raise ConfigError("--to", f"node {to!r} is draining itself: it takes no writes "
-                              f"(`kvpool undrain {to}` ends its drain)")  # fmt: skip
+            raise ConfigError(
+                "--to", f"node {to!r} is draining itself: it takes no writes (`kvpool undrain {to}` ends its drain)"
+            )
         return
     others = [n for n in await client.nodes(refresh=True) if n.node_id != source.node_id and not n.draining]
     if not others:
@@ -519,8 +557,9 @@ async def _unmark(client: PoolClient, node_id: str) -> None:
         async with asyncio.timeout(UNMARK_TIMEOUT_S):
             await client.index.set_draining(node_id, False)
     except (KVPoolError, TimeoutError) as exc:
-        logger.warning("kvpool: node %s stays marked draining (%s); `kvpool undrain %s` clears it",
-                       node_id, exc, node_id)  # fmt: skip
+        logger.warning(
+            "kvpool: node %s stays marked draining (%s); `kvpool undrain %s` clears it", node_id, exc, node_id
+        )
 
 
 async def _move_all(
@@ -615,8 +654,9 @@ async def flush(client: PoolClient, progress: Progress | None = None) -> FlushRe
     return FlushReport(deleted, removed)
 
 
-async def check(client: PoolClient, *, fix: bool = False, deep: bool = False,
-                progress: Progress | None = None) -> CheckReport:  # fmt: skip
+async def check(
+    client: PoolClient, *, fix: bool = False, deep: bool = False, progress: Progress | None = None
+) -> CheckReport:
     """fsck for the pool: index vs bytes on nodes, checksums, dead nodes; ``fix`` repairs.
 
     Finds index entries whose bytes are gone, bytes no entry points at, copies whose
@@ -662,8 +702,9 @@ class _Findings:
         )
 
 
-async def _scan_index(client: PoolClient, alive: dict[str, NodeInfo], found: _Findings, *, deep: bool,
-                      progress: Progress | None) -> None:  # fmt: skip
+async def _scan_index(
+    client: PoolClient, alive: dict[str, NodeInfo], found: _Findings, *, deep: bool, progress: Progress | None
+) -> None:
     """Scan step: each indexed copy is a dead node's, missing from its node, or held (then verified)."""
     async for batch in client.index.scan_entries():
         by_node: dict[str, list[_Found]] = defaultdict(list)
@@ -751,4 +792,3 @@ async def _still_orphaned(
         status = await client.node_admin.verify(fresh[node_id], keys)
         held += [pair for pair, st in zip(pairs, status) if st == Verified.OK]
     return held
-

@@ -107,13 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
     evict.add_argument("--model", help="every key of this model")
     evict.add_argument("--prefix", help="every key starting with this text")
 
-    drain = verbs.add_parser("drain", help="move a node's chunks to other nodes, then leave it draining "
-                             "(until it stops or `undrain`)")  # fmt: skip
+    drain = verbs.add_parser(
+        "drain", help="move a node's chunks to other nodes, then leave it draining (until it stops or `undrain`)"
+    )
     _admin_options(drain)
     drain.add_argument("node_id", metavar="NODE")
     drain.add_argument("--to", metavar="NODE", help="move everything to this node (default: normal placement)")
-    drain.add_argument("--batch", type=int, default=admin.DRAIN_BATCH_ITEMS,
-                       help=f"chunks moved per step (default {admin.DRAIN_BATCH_ITEMS})")  # fmt: skip
+    drain.add_argument(
+        "--batch",
+        type=int,
+        default=admin.DRAIN_BATCH_ITEMS,
+        help=f"chunks moved per step (default {admin.DRAIN_BATCH_ITEMS})",
+    )
 
     undrain = verbs.add_parser("undrain", help="end a drain: the node takes writes again")
     _admin_options(undrain)
@@ -129,25 +134,42 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--fix", action="store_true", help="repair what was found and say what changed")
     check.add_argument("--deep", action="store_true", help="verify the checksum of every chunk (default: a sample)")
 
-    doctor = verbs.add_parser("doctor", help="check an LMCache config end to end: plugin or remote_url, Redis, "
-                              "nodes, round trip")  # fmt: skip
+    doctor = verbs.add_parser(
+        "doctor", help="check an LMCache config end to end: plugin or remote_url, Redis, nodes, round trip"
+    )
     doctor.add_argument("--lmcache-config", required=True, type=Path, metavar="FILE", help="LMCache YAML file")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
 
     cfg = verbs.add_parser("lmcache-config", help="print the LMCache config that enables kvpool")
     _url_option(cfg)
-    cfg.add_argument("--mode", choices=("inproc", "mp"), default="inproc",
-                     help="inproc: LMCache inside the engine (remote storage plugin, default); "
-                          "mp: LMCache multiprocess server (L2 adapter)")  # fmt: skip
-    cfg.add_argument("--format", choices=FORMATS["inproc"] + FORMATS["mp"], default=None,
-                     help="inproc: yaml (default) or env (LMCACHE_* variables); "
-                          "mp: args (`lmcache server` command, default) or json (the --l2-adapter value)")  # fmt: skip
-    cfg.add_argument("--form", choices=(PLUGIN_FORM, REMOTE_URL_FORM), default=None,
-                     help="inproc: how LMCache finds kvpool: plugin (remote_storage_plugins + extra_config, "
-                          "default) or remote_url (one external:// URL, also as LMCACHE_REMOTE_URL); never both")  # fmt: skip
+    cfg.add_argument(
+        "--mode",
+        choices=("inproc", "mp"),
+        default="inproc",
+        help="inproc: LMCache inside the engine (remote storage plugin, default); "
+        "mp: LMCache multiprocess server (L2 adapter)",
+    )
+    cfg.add_argument(
+        "--format",
+        choices=FORMATS["inproc"] + FORMATS["mp"],
+        default=None,
+        help="inproc: yaml (default) or env (LMCACHE_* variables); "
+        "mp: args (`lmcache server` command, default) or json (the --l2-adapter value)",
+    )
+    cfg.add_argument(
+        "--form",
+        choices=(PLUGIN_FORM, REMOTE_URL_FORM),
+        default=None,
+        help="inproc: how LMCache finds kvpool: plugin (remote_storage_plugins + extra_config, "
+        "default) or remote_url (one external:// URL, also as LMCACHE_REMOTE_URL); never both",
+    )
     cfg.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk size in tokens (default 256)")
-    cfg.add_argument("--local-cpu-gib", type=float, default=5.0,
-                     help="LMCache local CPU buffer; in mp mode the server's L1 size (default 5.0)")  # fmt: skip
+    cfg.add_argument(
+        "--local-cpu-gib",
+        type=float,
+        default=5.0,
+        help="LMCache local CPU buffer; in mp mode the server's L1 size (default 5.0)",
+    )
     return parser
 
 
@@ -174,8 +196,9 @@ def _node_options(parser: argparse.ArgumentParser, verb: str) -> None:
         default = shown.get(option.name)
         if option.name == "nvme_dir":
             default = f"default {default}" if default else "default: no NVMe tier"
-        parser.add_argument(option.flag_name, metavar=option.metavar, choices=option.choices,
-                            help=option.help.format(default=default))  # fmt: skip
+        parser.add_argument(
+            option.flag_name, metavar=option.metavar, choices=option.choices, help=option.help.format(default=default)
+        )
 
 
 def _node_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -198,13 +221,23 @@ def _pool_url(node: PoolNode, redis_url: str, namespace: str) -> tuple[str, list
     password_file = node.config.redis_password_file
     if target.mode == SINGLE:
         parts = urlsplit(redis_url)
-        config = PoolConfig(redis_host=parts.hostname or "127.0.0.1", redis_port=parts.port or 6379,
-                            tls=target.tls, redis_user=unquote(parts.username or ""))  # fmt: skip
+        config = PoolConfig(
+            redis_host=parts.hostname or "127.0.0.1",
+            redis_port=parts.port or 6379,
+            tls=target.tls,
+            redis_user=unquote(parts.username or ""),
+        )
     else:
         (host, port), *more = target.hosts
-        config = PoolConfig(redis_host=host, redis_port=port, redis_mode=target.mode if not target.master else SINGLE,
-                            sentinel=target.master, redis_hosts=render_hosts(more),
-                            tls=target.tls, redis_user=target.user)  # fmt: skip
+        config = PoolConfig(
+            redis_host=host,
+            redis_port=port,
+            redis_mode=target.mode if not target.master else SINGLE,
+            sentinel=target.master,
+            redis_hosts=render_hosts(more),
+            tls=target.tls,
+            redis_user=target.user,
+        )
     apart = []
     if node.config.token and not token_file:
         apart.append("KVPOOL_TOKEN (this node's token)")
@@ -275,9 +308,11 @@ def _password_note(config: NodeConfig, *, generated: bool) -> str:
     if not config.redis_password_file:
         return "Redis requires the password of KVPOOL_REDIS_PASSWORD."
     whose = "a password generated for this run" if generated else "the password of --redis-password-file"
-    return (f"Redis requires {whose}, read from {config.redis_password_file}; the pool URL names that file "
-            "(redis_password_file=), so engines and admins of this user on this host need nothing more. "
-            "Elsewhere, copy the file (mode 0600) and name the copy, or set KVPOOL_REDIS_PASSWORD.")  # fmt: skip
+    return (
+        f"Redis requires {whose}, read from {config.redis_password_file}; the pool URL names that file "
+        "(redis_password_file=), so engines and admins of this user on this host need nothing more. "
+        "Elsewhere, copy the file (mode 0600) and name the copy, or set KVPOOL_REDIS_PASSWORD."
+    )
 
 
 async def _serve_with_redis(node: PoolNode, redis: EmbeddedRedis) -> None:
@@ -296,8 +331,10 @@ async def _serve_with_redis(node: PoolNode, redis: EmbeddedRedis) -> None:
     if died:
         how = f"was killed by signal {-died[0]}" if died[0] < 0 else f"exited with status {died[0]}"
         tail = redis.log_tail().splitlines()[-1:] or ["(empty)"]
-        raise MetadataError(f"the pool's redis-server (port {redis.port}) {how}; the node stopped, since it cannot "
-                            f"publish without it. Last line of its log: {tail[0]}")  # fmt: skip
+        raise MetadataError(
+            f"the pool's redis-server (port {redis.port}) {how}; the node stopped, since it cannot "
+            f"publish without it. Last line of its log: {tail[0]}"
+        )
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -311,11 +348,15 @@ def cmd_up(args: argparse.Namespace) -> int:
             _stop_on_signals(node)  # before "Ctrl-C stops the pool." is printed: a Ctrl-C right after it stops cleanly
             url, apart = _pool_url(node, config.redis_url, config.namespace)
             nvme = f"NVMe {format_size(config.nvme_bytes)} at {config.nvme_dir}" if config.nvme_dir else "no NVMe"
-            print(f"kvpool pool is up: redis {mask_url(config.redis_url)}, node {node.node_id} at {node.advertise_host}:{node.advertise_port}, "
-                  f"DRAM {format_size(config.dram_bytes)}, {nvme}")  # fmt: skip
+            print(
+                f"kvpool pool is up: redis {mask_url(config.redis_url)}, node {node.node_id} at {node.advertise_host}:{node.advertise_port}, "
+                f"DRAM {format_size(config.dram_bytes)}, {nvme}"
+            )
             if node.prefaulted_bytes:
-                print(f"DRAM arena: {format_size(node.prefaulted_bytes)} of memory taken at start in "
-                      f"{node.prefault_s:.1f} s (--prefault off takes it as chunks arrive)")  # fmt: skip
+                print(
+                    f"DRAM arena: {format_size(node.prefaulted_bytes)} of memory taken at start in "
+                    f"{node.prefault_s:.1f} s (--prefault off takes it as chunks arrive)"
+                )
             print(f"\nPool URL:\n  {url}\n")
             if redis is not None:
                 generated = settings["redis_password_file"] is None and bool(config.redis_password_file)
@@ -369,9 +410,7 @@ def _table(title: str | None, columns: list[str], rows: list[list[Any]]) -> None
 
 
 def _tiers_text(tiers: Mapping[str, TierReport]) -> str:
-    return ", ".join(
-        f"{name} {format_size(t.used_bytes)}/{format_size(t.capacity_bytes)}" for name, t in tiers.items()
-    )
+    return ", ".join(f"{name} {format_size(t.used_bytes)}/{format_size(t.capacity_bytes)}" for name, t in tiers.items())
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -385,19 +424,26 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"Redis       {status.redis_url} reachable ({status.rtt_ms:.2f} ms)")
     print(f"Namespace   {status.namespace}")
     print(f"Nodes       {status.alive} alive, {status.dead} dead, {status.draining} draining")
-    print(f"Capacity    {format_size(status.used_bytes)} used of {format_size(status.capacity_bytes)} "
-          f"({format_size(status.free_bytes)} free)")  # fmt: skip
+    print(
+        f"Capacity    {format_size(status.used_bytes)} used of {format_size(status.capacity_bytes)} "
+        f"({format_size(status.free_bytes)} free)"
+    )
     for name, tier in status.tiers.items():
-        print(f"  {name:<9} {format_size(tier.used_bytes)} / {format_size(tier.capacity_bytes)}, "
-              f"{tier.objects} objects")  # fmt: skip
+        print(
+            f"  {name:<9} {format_size(tier.used_bytes)} / {format_size(tier.capacity_bytes)}, {tier.objects} objects"
+        )
     print(f"Objects     {status.objects}")
-    print(f"Hit rate    {recent_rate} over the last {recent.window_s / 60:.1f} min "
-          f"({recent.hits} of {recent.gets} node gets); {hit_rate} since start")  # fmt: skip
+    print(
+        f"Hit rate    {recent_rate} over the last {recent.window_s / 60:.1f} min "
+        f"({recent.hits} of {recent.gets} node gets); {hit_rate} since start"
+    )
     for row in status.node_list:
         state = "alive" if row.alive else "DEAD"
         state += ", draining" if row.draining else ""
-        print(f"  {row.node_id:<24} {row.address:<22} {state:<16} epoch {row.epoch:<4} "
-              f"{format_size(row.used_bytes)} / {format_size(row.capacity_bytes)}, {row.objects} objects")  # fmt: skip
+        print(
+            f"  {row.node_id:<24} {row.address:<22} {state:<16} epoch {row.epoch:<4} "
+            f"{format_size(row.used_bytes)} / {format_size(row.capacity_bytes)}, {row.objects} objects"
+        )
     if status.draining:
         print("A draining node takes no writes: `kvpool drain NODE` finishes its drain, `kvpool undrain NODE` ends it.")
     return 0
@@ -411,12 +457,21 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     _table(
         None,
         ["node", "address", "cluster", "epoch", "state", "uptime", "tiers", "req/s", "heartbeat"],
-        [[r.node_id, r.address, r.cluster or "-", r.epoch,
-          ("alive" if r.alive else "DEAD") + (", draining" if r.draining else ""),
-          f"{r.uptime_s:.0f} s", _tiers_text(r.tiers),
-          "-" if r.requests_per_s is None else f"{r.requests_per_s:.1f}",
-          "-" if r.last_heartbeat_s is None else f"{r.last_heartbeat_s:.1f} s ago"] for r in rows],
-    )  # fmt: skip
+        [
+            [
+                r.node_id,
+                r.address,
+                r.cluster or "-",
+                r.epoch,
+                ("alive" if r.alive else "DEAD") + (", draining" if r.draining else ""),
+                f"{r.uptime_s:.0f} s",
+                _tiers_text(r.tiers),
+                "-" if r.requests_per_s is None else f"{r.requests_per_s:.1f}",
+                "-" if r.last_heartbeat_s is None else f"{r.last_heartbeat_s:.1f} s ago",
+            ]
+            for r in rows
+        ],
+    )
     return 0
 
 
@@ -447,8 +502,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
         _print_json(stats.to_json())
         return 0
     _table(f"counters ({stats.nodes} nodes)", ["counter", "value"], [[k, v] for k, v in stats.counters.items()])
-    _table("service time per op", ["op", "count", "p50 ms", "p99 ms"],
-           [[op, v.count, v.p50_ms, v.p99_ms] for op, v in stats.latency.items()])  # fmt: skip
+    _table(
+        "service time per op",
+        ["op", "count", "p50 ms", "p99 ms"],
+        [[op, v.count, v.p50_ms, v.p99_ms] for op, v in stats.latency.items()],
+    )
     return 0
 
 
@@ -460,8 +518,11 @@ def cmd_evict(args: argparse.Namespace) -> int:
     if report.refused:
         why = next(iter(report.refused.values()))
         more = f" (and {len(report.refused) - 1} more nodes)" if len(report.refused) > 1 else ""
-        print(f"kvpool: error: {report.kept} chunks kept, with their index entries: a node refused the delete"
-              f"{more}: {why}", file=sys.stderr)  # fmt: skip
+        print(
+            f"kvpool: error: {report.kept} chunks kept, with their index entries: a node refused the delete"
+            f"{more}: {why}",
+            file=sys.stderr,
+        )
         return EXIT_ERROR
     return 0
 
@@ -487,9 +548,11 @@ def cmd_drain(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(result.to_json())
     else:
-        print(f"drained {args.node_id}: {result.moved} chunks moved, {result.already_elsewhere} were already "
-              f"elsewhere, {result.unreadable} unreadable; the node stays marked draining until it stops "
-              f"(or `kvpool undrain {args.node_id}`)")  # fmt: skip
+        print(
+            f"drained {args.node_id}: {result.moved} chunks moved, {result.already_elsewhere} were already "
+            f"elsewhere, {result.unreadable} unreadable; the node stays marked draining until it stops "
+            f"(or `kvpool undrain {args.node_id}`)"
+        )
     return 0
 
 
@@ -537,24 +600,32 @@ def cmd_check(args: argparse.Namespace) -> int:
         _print_json(report.to_json())
         return code
     print(f"checked {report.index_entries} index entries, verified {report.verified} checksums")
-    for copies, label in ((report.orphan_entries, "index entries without bytes"),
-                          (report.orphan_bytes, "bytes without index entries"), (report.corrupt, "corrupt copies"),
-                          (report.dead_node_entries, "entries of dead nodes")):  # fmt: skip
+    for copies, label in (
+        (report.orphan_entries, "index entries without bytes"),
+        (report.orphan_bytes, "bytes without index entries"),
+        (report.corrupt, "corrupt copies"),
+        (report.dead_node_entries, "entries of dead nodes"),
+    ):
         print(f"  {label:<30} {len(copies)}")
         for copy in copies[:10]:
             print(f"    {copy.key} on {copy.node_id} ({copy.tier})")
     print(f"  {'dead nodes':<30} {len(report.dead_nodes)} {' '.join(report.dead_nodes)}")
     if report.fixed is not None:
         f = report.fixed
-        print(f"fixed: removed {f.entries_removed} index entries, re-indexed {f.bytes_reindexed} chunks, "
-              f"forgot {f.dead_nodes_forgotten} dead nodes")  # fmt: skip
+        print(
+            f"fixed: removed {f.entries_removed} index entries, re-indexed {f.bytes_reindexed} chunks, "
+            f"forgot {f.dead_nodes_forgotten} dead nodes"
+        )
     else:
         if report.corrupt:
-            print(f"the {len(report.corrupt)} corrupt copies are already out of use: their node quarantined (NVMe) "
-                  "or dropped (DRAM) each, with its index entry, when it checked it, as it does on any read")  # fmt: skip
+            print(
+                f"the {len(report.corrupt)} corrupt copies are already out of use: their node quarantined (NVMe) "
+                "or dropped (DRAM) each, with its index entry, when it checked it, as it does on any read"
+            )
         if report.repairable:
-            print(f"run `kvpool check --fix` to repair the other {report.repairable} problems "
-                  "(nothing else was changed)")  # fmt: skip
+            print(
+                f"run `kvpool check --fix` to repair the other {report.repairable} problems (nothing else was changed)"
+            )
         elif not report.problems:
             print("clean")
     return code
@@ -564,8 +635,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     try:
         from backend.lmcache.doctor import diagnose
     except ImportError as exc:  # a pool node's install: no LMCache, no torch
-        raise KVPoolError(f"doctor runs LMCache's own loader, which is not installed here ({exc}); "
-                          "install kvpool[lmcache] (pip install 'kvpool[lmcache]')") from None  # fmt: skip
+        raise KVPoolError(
+            f"doctor runs LMCache's own loader, which is not installed here ({exc}); "
+            "install kvpool[lmcache] (pip install 'kvpool[lmcache]')"
+        ) from None
 
     findings = diagnose(args.lmcache_config)
     if args.json:
@@ -584,15 +657,19 @@ def cmd_lmcache_config(args: argparse.Namespace) -> int:
     del config
     fmt = args.format or FORMATS[args.mode][0]
     if fmt not in FORMATS[args.mode]:
-        raise ConfigError("--format", f"{fmt!r} is not a format of --mode {args.mode} "
-                          f"(choose {' or '.join(FORMATS[args.mode])})")  # fmt: skip
+        raise ConfigError(
+            "--format", f"{fmt!r} is not a format of --mode {args.mode} (choose {' or '.join(FORMATS[args.mode])})"
+        )
     if args.form is not None and args.mode != "inproc":
         raise ConfigError("--form", "is for --mode inproc; --mode mp has one form, the L2 adapter")
     # LMCache logs its whole config at INFO: a secret written into the URL stays out of it.
     url, left_out = without_inline_secrets(args.url)
     for name in left_out:
-        print(f"kvpool: the {name} was left out of the config (LMCache logs its config); give it as "
-              f"{SECRET_SOURCES[name]}", file=sys.stderr)  # fmt: skip
+        print(
+            f"kvpool: the {name} was left out of the config (LMCache logs its config); give it as "
+            f"{SECRET_SOURCES[name]}",
+            file=sys.stderr,
+        )
     if args.mode == "mp":
         if fmt == "json":
             print(json.dumps(lmcache_mp_adapter(url)))
@@ -600,18 +677,28 @@ def cmd_lmcache_config(args: argparse.Namespace) -> int:
             server_args = lmcache_mp_server_args(url, chunk_size=args.chunk_size, l1_size_gib=args.local_cpu_gib)
             print(render_mp_command(server_args), end="")
         return 0
-    data = lmcache_config(url, form=args.form or PLUGIN_FORM, chunk_size=args.chunk_size,
-                          local_cpu_gib=args.local_cpu_gib)  # fmt: skip
+    data = lmcache_config(
+        url, form=args.form or PLUGIN_FORM, chunk_size=args.chunk_size, local_cpu_gib=args.local_cpu_gib
+    )
     print(render_env(data) if fmt == "env" else render_yaml(data), end="")
     return 0
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "up": cmd_up, "node": cmd_node, "status": cmd_status, "nodes": cmd_nodes, "ls": cmd_ls, "stats": cmd_stats,
-    "evict": cmd_evict, "drain": cmd_drain, "undrain": cmd_undrain, "flush": cmd_flush, "check": cmd_check,
+    "up": cmd_up,
+    "node": cmd_node,
+    "status": cmd_status,
+    "nodes": cmd_nodes,
+    "ls": cmd_ls,
+    "stats": cmd_stats,
+    "evict": cmd_evict,
+    "drain": cmd_drain,
+    "undrain": cmd_undrain,
+    "flush": cmd_flush,
+    "check": cmd_check,
     "doctor": cmd_doctor,
     "lmcache-config": cmd_lmcache_config,
-}  # fmt: skip
+}
 
 
 def main(argv: list[str] | None = None) -> int:

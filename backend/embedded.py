@@ -130,9 +130,14 @@ class EmbeddedRedis:
     """
 
     def __init__(
-        self, port: int = 0, *, binary: str = "redis-server", tls: tuple[Path, Path, Path] | None = None,
-        args: Sequence[str] = (), die_with_parent: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        port: int = 0,
+        *,
+        binary: str = "redis-server",
+        tls: tuple[Path, Path, Path] | None = None,
+        args: Sequence[str] = (),
+        die_with_parent: bool = False,
+    ) -> None:
         self.port = port or free_port()
         self.binary = binary
         self.tls = tls
@@ -160,8 +165,20 @@ class EmbeddedRedis:
         if self.tls is None:
             return ["--port", str(self.port)]
         cert, key, ca = self.tls
-        return ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(cert), "--tls-key-file",
-                str(key), "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]  # fmt: skip
+        return [
+            "--port",
+            "0",
+            "--tls-port",
+            str(self.port),
+            "--tls-cert-file",
+            str(cert),
+            "--tls-key-file",
+            str(key),
+            "--tls-ca-cert-file",
+            str(ca),
+            "--tls-auth-clients",
+            "no",
+        ]
 
     def _answers(self) -> bool:
         """Whether redis-server answers PING (NOAUTH counts: an ACL server is up too)."""
@@ -187,11 +204,27 @@ class EmbeddedRedis:
         (self.directory / OWNER_FILE).write_text(f"{os.getpid()}\n")
         try:
             self.process = subprocess.Popen(
-                [path, str(config), *self._listen_args(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--dir", str(self.directory), "--logfile", str(log), *self.args],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=self.die_with_parent,
+                [
+                    path,
+                    str(config),
+                    *self._listen_args(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(self.directory),
+                    "--logfile",
+                    str(log),
+                    *self.args,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=self.die_with_parent,
                 preexec_fn=_death_signal_setter() if self.die_with_parent else None,
-            )  # fmt: skip
+            )
         except (OSError, subprocess.SubprocessError) as exc:
             raise MetadataError(f"cannot start redis-server: {exc}") from None
         deadline = time.monotonic() + START_TIMEOUT_S

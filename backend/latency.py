@@ -26,9 +26,25 @@ __all__ = ["LATENCY_BUCKETS_S", "Histogram", "LatencyHistograms", "quantile"]
 # Upper bounds of the buckets, in seconds: 1-2-5 steps from 50 us (a PING on loopback)
 # to 30 s (a reply the client does not read in that time closes its connection).
 LATENCY_BUCKETS_S: tuple[float, ...] = (
-    0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05,
-    0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
-)  # fmt: skip
+    0.00005,
+    0.0001,
+    0.0002,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    30.0,
+)
 
 
 def quantile(sorted_values: Sequence[float], q: float) -> float:

@@ -14,5 +14,11 @@ from backend.lmcache.connector import (
 )
 from backend.lmcache.doctor import diagnose
 
-__all__ = ["KVPoolConnector", "KVPoolConnectorAdapter", "KVPoolRemoteURLConnector", "ALLOCATE_TIMEOUT_S",
-           "CLIENT_COUNTERS", "diagnose"]  # fmt: skip
+__all__ = [
+    "KVPoolConnector",
+    "KVPoolConnectorAdapter",
+    "KVPoolRemoteURLConnector",
+    "ALLOCATE_TIMEOUT_S",
+    "CLIENT_COUNTERS",
+    "diagnose",
+]

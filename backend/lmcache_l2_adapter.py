@@ -14,5 +14,11 @@ from backend.lmcache.l2 import (
     salt_pattern,
 )
 
-__all__ = ["KVPoolL2Adapter", "KVPoolL2AdapterConfig", "MP_KEY_PREFIX", "pool_key", "object_key_from_pool_key",
-           "salt_pattern"]  # fmt: skip
+__all__ = [
+    "KVPoolL2Adapter",
+    "KVPoolL2AdapterConfig",
+    "MP_KEY_PREFIX",
+    "pool_key",
+    "object_key_from_pool_key",
+    "salt_pattern",
+]

@@ -430,8 +430,9 @@ class PutOptions:
 
     def __post_init__(self) -> None:
         if not 0 <= self.put_id < 2**64 or not 0 <= self.wait_ms <= MAX_PUT_WAIT_MS:
-            raise ProtocolError(f"put options out of range: put_id {self.put_id}, wait_ms {self.wait_ms} "
-                                f"(0..{MAX_PUT_WAIT_MS})")  # fmt: skip
+            raise ProtocolError(
+                f"put options out of range: put_id {self.put_id}, wait_ms {self.wait_ms} (0..{MAX_PUT_WAIT_MS})"
+            )
 
 
 def _put_options(reader: _Reader) -> PutOptions:
@@ -548,9 +549,13 @@ STAGE_TOKEN_BYTES = 32
 
 
 def encode_put_staged(
-    stage: str, token: str, items: Sequence[ItemMeta], offsets: Sequence[int], limits: Limits = DEFAULT_LIMITS,
+    stage: str,
+    token: str,
+    items: Sequence[ItemMeta],
+    offsets: Sequence[int],
+    limits: Limits = DEFAULT_LIMITS,
     options: PutOptions | None = None,
-) -> bytes:  # fmt: skip
+) -> bytes:
     """Meta of a PUT_STAGED request: the stage's file name and token, the items as in PUT_BATCH,
     each item's offset in the stage, then the put options (none: the node's defaults)."""
     name, secret = stage.encode("ascii"), token.encode("ascii")
@@ -705,8 +710,9 @@ def decode_channel_request(
 
 def encode_channel_response(found: Sequence[ItemMeta | None], limits: Limits = DEFAULT_LIMITS) -> bytes:
     """Meta of a CHANNEL_GET response: per key null or [nbytes, checksum, dtype, shape, fmt]."""
-    rows = [None if item is None else [item.nbytes, item.checksum, item.dtype, list(item.shape), item.fmt]
-            for item in found]  # fmt: skip
+    rows = [
+        None if item is None else [item.nbytes, item.checksum, item.dtype, list(item.shape), item.fmt] for item in found
+    ]
     return _bounded(bytearray(encode_json({"found": rows})), limits)
 
 
@@ -859,8 +865,12 @@ class TierReport:
         disk_full = body.get("disk_full") if isinstance(body, dict) else None
         if disk_full is not None and not isinstance(disk_full, bool):
             raise ProtocolError(f"{what}: 'disk_full' is {str(disk_full)[:80]}, not bool")
-        return cls(_field(body, "capacity_bytes", int, what), _field(body, "used_bytes", int, what),
-                   _field(body, "objects", int, what), disk_full)  # fmt: skip
+        return cls(
+            _field(body, "capacity_bytes", int, what),
+            _field(body, "used_bytes", int, what),
+            _field(body, "objects", int, what),
+            disk_full,
+        )
 
 
 def tiers_from_json(body: Any) -> dict[str, TierReport]:
@@ -881,15 +891,24 @@ class ArenaReport:
     fallbacks: int  # chunks that found no room in the arena and took a private buffer
 
     def to_json(self) -> dict[str, Any]:
-        return {"allocated_bytes": self.allocated_bytes, "fallbacks": self.fallbacks,
-                "grown_bytes": self.grown_bytes, "path": self.path, "size_bytes": self.size_bytes}  # fmt: skip
+        return {
+            "allocated_bytes": self.allocated_bytes,
+            "fallbacks": self.fallbacks,
+            "grown_bytes": self.grown_bytes,
+            "path": self.path,
+            "size_bytes": self.size_bytes,
+        }
 
     @classmethod
     def from_json(cls, body: Any) -> ArenaReport:
         what = "a node's arena"
-        return cls(_field(body, "path", str, what), _field(body, "size_bytes", int, what),
-                   _field(body, "grown_bytes", int, what), _field(body, "allocated_bytes", int, what),
-                   _field(body, "fallbacks", int, what))  # fmt: skip
+        return cls(
+            _field(body, "path", str, what),
+            _field(body, "size_bytes", int, what),
+            _field(body, "grown_bytes", int, what),
+            _field(body, "allocated_bytes", int, what),
+            _field(body, "fallbacks", int, what),
+        )
 
 
 @dataclass(frozen=True)
@@ -903,15 +922,24 @@ class RecoveryReport:
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"bytes": self.bytes, "files": self.files, "quarantined": self.quarantined,
-                "seconds": self.seconds, "temp_removed": self.temp_removed}  # fmt: skip
+        return {
+            "bytes": self.bytes,
+            "files": self.files,
+            "quarantined": self.quarantined,
+            "seconds": self.seconds,
+            "temp_removed": self.temp_removed,
+        }
 
     @classmethod
     def from_json(cls, body: Any) -> RecoveryReport:
         what = "a node's recovery"
-        return cls(_field(body, "files", int, what), _field(body, "bytes", int, what),
-                   _field(body, "quarantined", int, what), _field(body, "temp_removed", int, what),
-                   float(_field(body, "seconds", _NUMBER, what)))  # fmt: skip
+        return cls(
+            _field(body, "files", int, what),
+            _field(body, "bytes", int, what),
+            _field(body, "quarantined", int, what),
+            _field(body, "temp_removed", int, what),
+            float(_field(body, "seconds", _NUMBER, what)),
+        )
 
 
 @dataclass(frozen=True)
@@ -924,14 +952,17 @@ class RecentReport:
     hits: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"gets": self.gets, "hits": self.hits, "requests_per_s": self.requests_per_s,
-                "window_s": self.window_s}  # fmt: skip
+        return {"gets": self.gets, "hits": self.hits, "requests_per_s": self.requests_per_s, "window_s": self.window_s}
 
     @classmethod
     def from_json(cls, body: Any) -> RecentReport:
         what = "a node's recent figures"
-        return cls(_field(body, "window_s", _NUMBER, what), _field(body, "requests_per_s", _NUMBER, what),
-                   _field(body, "gets", int, what), _field(body, "hits", int, what))  # fmt: skip
+        return cls(
+            _field(body, "window_s", _NUMBER, what),
+            _field(body, "requests_per_s", _NUMBER, what),
+            _field(body, "gets", int, what),
+            _field(body, "hits", int, what),
+        )
 
 
 @dataclass(frozen=True)

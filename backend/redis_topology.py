@@ -30,9 +30,17 @@ from redis.backoff import ExponentialWithJitterBackoff
 from backend.errors import ConfigError
 
 __all__ = [
-    "RedisTarget", "SINGLE", "CLUSTER", "SENTINEL", "REDIS_MODES", "connect", "parse_hosts", "render_hosts", "mask_url",
+    "RedisTarget",
+    "SINGLE",
+    "CLUSTER",
+    "SENTINEL",
+    "REDIS_MODES",
+    "connect",
+    "parse_hosts",
+    "render_hosts",
+    "mask_url",
     "CLUSTER_HINT",
-]  # fmt: skip
+]
 
 SINGLE = "single"
 CLUSTER = "cluster"

@@ -40,9 +40,19 @@ import numpy as np
 from backend.protocol import checksum_stream
 
 __all__ = [
-    "ARENA_MAGIC", "HEADER", "HEADER_BYTES", "ArenaView", "PutStage", "read_header", "madvise", "MADV_POPULATE_WRITE",
-    "FILE_PREFIX", "ARENA_SUFFIX", "STAGE_SUFFIX", "STAGE_NAME_RE",
-]  # fmt: skip
+    "ARENA_MAGIC",
+    "HEADER",
+    "HEADER_BYTES",
+    "ArenaView",
+    "PutStage",
+    "read_header",
+    "madvise",
+    "MADV_POPULATE_WRITE",
+    "FILE_PREFIX",
+    "ARENA_SUFFIX",
+    "STAGE_SUFFIX",
+    "STAGE_NAME_RE",
+]
 
 ARENA_MAGIC = b"KVPOOLSHM1"
 HEADER_BYTES = 4096

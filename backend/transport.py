@@ -163,9 +163,11 @@ class FrameSocket:
         """
         try:
             self.sock = context.wrap_socket(
-                self.sock, server_side=server_hostname is None, server_hostname=server_hostname,
+                self.sock,
+                server_side=server_hostname is None,
+                server_hostname=server_hostname,
                 do_handshake_on_connect=False,
-            )  # fmt: skip
+            )
         except OSError as exc:  # the peer left already
             raise NodeUnavailable(f"TLS with {self.peer} failed: {exc}") from None
         assert isinstance(self.sock, ssl.SSLSocket)

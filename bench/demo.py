@@ -25,9 +25,23 @@ START_TIMEOUT_S = 60.0
 
 
 def _engine(role: str, url: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, "-m", "bench.engine", role, url, "--chunks", str(args.chunks), "--layers",
-           str(args.layers), "--heads", str(args.heads), "--head-size", str(args.head_size),
-           "--local-cpu-gib", str(args.local_cpu_gib)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.engine",
+        role,
+        url,
+        "--chunks",
+        str(args.chunks),
+        "--layers",
+        str(args.layers),
+        "--heads",
+        str(args.heads),
+        "--head-size",
+        str(args.head_size),
+        "--local-cpu-gib",
+        str(args.local_cpu_gib),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
     if proc.returncode != 0 or not proc.stdout.strip():
         sys.stderr.write(proc.stderr[-4000:])
@@ -49,8 +63,12 @@ def main() -> int:
     print(f"[demo] starting the pool: kvpool up --dram {args.dram}", flush=True)
     pool = subprocess.Popen(
         [sys.executable, "-m", "backend.cli", "up", "--dram", args.dram],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
     url = ""
     lines: list[str] = []
     found = threading.Event()
@@ -73,20 +91,32 @@ def main() -> int:
 
         a = _engine("put", url, args)
         size_mib = a["chunk_bytes"] / 2**20
-        print(f"[demo] engine A stored {a['chunks']} chunks of {size_mib:.0f} MiB "
-              f"(shape {[2, args.layers, 256, args.heads * args.head_size]}, bf16) "
-              f"in {a['seconds']:.3f} s: {a['gb_per_s']:.2f} GB/s", flush=True)  # fmt: skip
+        print(
+            f"[demo] engine A stored {a['chunks']} chunks of {size_mib:.0f} MiB "
+            f"(shape {[2, args.layers, 256, args.heads * args.head_size]}, bf16) "
+            f"in {a['seconds']:.3f} s: {a['gb_per_s']:.2f} GB/s",
+            flush=True,
+        )
 
         b = _engine("get", url, args)
-        print(f"[demo] engine B (fresh process) found a hit prefix of {b['hit_prefix']}/{b['chunks']} chunks "
-              f"in {b['lookup_ms']:.1f} ms", flush=True)  # fmt: skip
-        print(f"[demo] engine B read {b['hits']}/{b['chunks']} chunks in {b['seconds']:.3f} s: "
-              f"{b['gb_per_s']:.2f} GB/s; byte-identical: {b['identical']}/{b['hits']}; "
-              f"shape {b.get('shape')}, {b.get('dtype')}, {b.get('fmt')}", flush=True)  # fmt: skip
+        print(
+            f"[demo] engine B (fresh process) found a hit prefix of {b['hit_prefix']}/{b['chunks']} chunks "
+            f"in {b['lookup_ms']:.1f} ms",
+            flush=True,
+        )
+        print(
+            f"[demo] engine B read {b['hits']}/{b['chunks']} chunks in {b['seconds']:.3f} s: "
+            f"{b['gb_per_s']:.2f} GB/s; byte-identical: {b['identical']}/{b['hits']}; "
+            f"shape {b.get('shape')}, {b.get('dtype')}, {b.get('fmt')}",
+            flush=True,
+        )
         mapped = b.get("shm_get_bytes", 0)
         if mapped:
-            print(f"[demo] engine B runs on the node's host, so it copied {mapped / 2**20:.0f} MiB out of the "
-                  "node's shared-memory arena (no socket)", flush=True)  # fmt: skip
+            print(
+                f"[demo] engine B runs on the node's host, so it copied {mapped / 2**20:.0f} MiB out of the "
+                "node's shared-memory arena (no socket)",
+                flush=True,
+            )
         else:
             print("[demo] engine B read over TCP (no shared-memory arena reachable)", flush=True)
         ok = b["hits"] == b["chunks"] == b["identical"]

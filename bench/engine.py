@@ -25,17 +25,29 @@ FIRST_HASH = 0x5EED
 
 
 def run(
-    role: str, url: str, chunks: int, layers: int, heads: int, head_size: int, local_cpu_gib: float,
+    role: str,
+    url: str,
+    chunks: int,
+    layers: int,
+    heads: int,
+    head_size: int,
+    local_cpu_gib: float,
     form: str = PLUGIN_FORM,
-) -> dict:  # fmt: skip
+) -> dict:
     stack = LMCacheStack(
-        kvpool_lmcache_config(url, form=form, local_cpu_gib=local_cpu_gib), num_layers=layers,
+        kvpool_lmcache_config(url, form=form, local_cpu_gib=local_cpu_gib),
+        num_layers=layers,
         hidden=(heads, head_size),
-    )  # fmt: skip
+    )
     keys = [stack.key(FIRST_HASH + i) for i in range(chunks)]
     total_bytes = stack.chunk_bytes * chunks
-    report: dict[str, object] = {"role": role, "chunks": chunks, "chunk_bytes": stack.chunk_bytes,
-                                 "remote_backend": type(stack.remote).__name__, "backends": list(stack.backends)}  # fmt: skip
+    report: dict[str, object] = {
+        "role": role,
+        "chunks": chunks,
+        "chunk_bytes": stack.chunk_bytes,
+        "remote_backend": type(stack.remote).__name__,
+        "backends": list(stack.backends),
+    }
     if role == "put":
         objs = [stack.make_object(i) for i in range(chunks)]
         start = time.perf_counter()
@@ -52,9 +64,10 @@ def run(
         report["seconds"] = time.perf_counter() - start
         report["hits"] = sum(1 for g in got if g is not None)
         report["identical"] = sum(
-            1 for i, g in enumerate(got)
+            1
+            for i, g in enumerate(got)
             if g is not None and torch.equal(g.tensor.view(torch.uint8), stack.expected_tensor(i).view(torch.uint8))
-        )  # fmt: skip
+        )
         first = next((g for g in got if g is not None), None)
         if first is not None:
             report["shape"] = list(first.get_shape())
@@ -80,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-cpu-gib", type=float, default=1.0)
     parser.add_argument("--form", choices=FORMS, default=PLUGIN_FORM, help="how LMCache is told about kvpool")
     args = parser.parse_args(argv)
-    report = run(args.role, args.url, args.chunks, args.layers, args.heads, args.head_size, args.local_cpu_gib,
-                 args.form)  # fmt: skip
+    report = run(
+        args.role, args.url, args.chunks, args.layers, args.heads, args.head_size, args.local_cpu_gib, args.form
+    )
     print(json.dumps(report), flush=True)
     if args.role == "get" and report["identical"] != report["hits"]:
         return 1

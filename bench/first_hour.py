@@ -124,8 +124,13 @@ def rounds_on_a_fresh_node(dram: str, prefault: str, rounds: int) -> dict[str, A
         finally:
             for stack in stacks.values():
                 stack.close()
-        return {"start_s": round(pool.started_s, 2), "prefault": pool.prefault_line(), "rounds": per_round,
-                "misses": misses, "mismatches": mismatches}  # fmt: skip
+        return {
+            "start_s": round(pool.started_s, 2),
+            "prefault": pool.prefault_line(),
+            "rounds": per_round,
+            "misses": misses,
+            "mismatches": mismatches,
+        }
 
 
 def first_puts_on_a_fresh_node(dram: str, prefault: str) -> dict[str, float]:
@@ -156,25 +161,39 @@ def summarize(nodes: list[dict[str, Any]], latencies: list[dict[str, float]]) ->
     return {
         "per_round": per_round,
         "first_over_last": {f: per_round[0][f] / per_round[-1][f] for f in fields},
-        "put_p50_ms": p50, "put_p99_ms": p99, "put_p99_over_p50": p99 / p50,
-        "start_s": [n["start_s"] for n in nodes], "prefault": [n["prefault"] for n in nodes if n["prefault"]],
-        "misses": sum(n["misses"] for n in nodes), "mismatches": sum(n["mismatches"] for n in nodes),
-    }  # fmt: skip
+        "put_p50_ms": p50,
+        "put_p99_ms": p99,
+        "put_p99_over_p50": p99 / p50,
+        "start_s": [n["start_s"] for n in nodes],
+        "prefault": [n["prefault"] for n in nodes if n["prefault"]],
+        "misses": sum(n["misses"] for n in nodes),
+        "mismatches": sum(n["mismatches"] for n in nodes),
+    }
 
 
 def render(mode: str, summary: dict[str, Any]) -> str:
     fields = list(summary["per_round"][0])
-    lines = [f"--prefault {mode}: GB/s, median over the nodes (8 x 32 MiB per round and path)",
-             "  round  " + "  ".join(f"{f.removesuffix('_gbps'):>8}" for f in fields)]  # fmt: skip
+    lines = [
+        f"--prefault {mode}: GB/s, median over the nodes (8 x 32 MiB per round and path)",
+        "  round  " + "  ".join(f"{f.removesuffix('_gbps'):>8}" for f in fields),
+    ]
     for r, figures in enumerate(summary["per_round"], 1):
         lines.append(f"  {r:>5}  " + "  ".join(f"{figures[f]:8.2f}" for f in fields))
-    lines.append("  r1/r" + str(len(summary["per_round"])) + "  "
-                 + "  ".join(f"{summary['first_over_last'][f]:8.2f}" for f in fields)
-                 + f"   (target >= {TARGET_RATIO})")  # fmt: skip
-    lines.append(f"  first {LATENCY_PUTS} same-host puts of 4 MiB: p50 {summary['put_p50_ms']:.1f} ms, p99 "
-                 f"{summary['put_p99_ms']:.1f} ms, p99/p50 {summary['put_p99_over_p50']:.2f} (target <= {TARGET_TAIL})")
-    lines.append(f"  node start (ready) s: {summary['start_s']}; chunks not stored (a put failed): "
-                 f"{summary['misses']}; wrong bytes: {summary['mismatches']}")
+    lines.append(
+        "  r1/r"
+        + str(len(summary["per_round"]))
+        + "  "
+        + "  ".join(f"{summary['first_over_last'][f]:8.2f}" for f in fields)
+        + f"   (target >= {TARGET_RATIO})"
+    )
+    lines.append(
+        f"  first {LATENCY_PUTS} same-host puts of 4 MiB: p50 {summary['put_p50_ms']:.1f} ms, p99 "
+        f"{summary['put_p99_ms']:.1f} ms, p99/p50 {summary['put_p99_over_p50']:.2f} (target <= {TARGET_TAIL})"
+    )
+    lines.append(
+        f"  node start (ready) s: {summary['start_s']}; chunks not stored (a put failed): "
+        f"{summary['misses']}; wrong bytes: {summary['mismatches']}"
+    )
     lines.extend(f"  {line}" for line in summary["prefault"][:1])
     return "\n".join(lines)
 
@@ -196,8 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             nodes[mode].append(rounds_on_a_fresh_node(args.dram, mode, args.rounds))
             latencies[mode].append(first_puts_on_a_fresh_node(args.dram, mode))
-            print(f"node {n + 1}/{args.nodes} --prefault {mode}: {json.dumps(nodes[mode][-1]['rounds'])} "
-                  f"first puts {json.dumps(latencies[mode][-1])}", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"node {n + 1}/{args.nodes} --prefault {mode}: {json.dumps(nodes[mode][-1]['rounds'])} "
+                f"first puts {json.dumps(latencies[mode][-1])}",
+                file=sys.stderr,
+                flush=True,
+            )
     summaries = {mode: summarize(nodes[mode], latencies[mode]) for mode in modes}
     print(f"bench.first_hour: --dram {args.dram}, {args.nodes} fresh nodes per mode, {args.rounds} rounds each\n")
     print("\n\n".join(render(mode, summaries[mode]) for mode in modes))

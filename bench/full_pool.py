@@ -75,8 +75,10 @@ class FullPool:
             self.client.put([Chunk(key, data) for key in keys])
         after = self.state()
         if after.free_bytes >= chunk_bytes:
-            raise RuntimeError(f"DRAM not full after {count} filler chunks of {chunk_bytes} bytes: "
-                               f"{after.used_bytes} of {after.capacity_bytes} bytes used")  # fmt: skip
+            raise RuntimeError(
+                f"DRAM not full after {count} filler chunks of {chunk_bytes} bytes: "
+                f"{after.used_bytes} of {after.capacity_bytes} bytes used"
+            )
         return {
             "chunk_bytes": chunk_bytes,
             "filler_chunks": count,

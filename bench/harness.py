@@ -125,8 +125,10 @@ class Plan:
     def largest_cell_bytes(self) -> int:
         return max(
             chunk_bytes(shape) * batch * clients * self.calls(chunk_bytes(shape), batch, clients)
-            for shape in self.shapes.values() for batch in self.batches for clients in self.clients
-        )  # fmt: skip
+            for shape in self.shapes.values()
+            for batch in self.batches
+            for clients in self.clients
+        )
 
     def stored_bytes(self, shape: tuple[int, int, int]) -> int:
         """What one round of a chunk size's cells stores, its warm-up included."""
@@ -153,21 +155,65 @@ def make_plan(
     """The mode's plan, with any of its chunk sizes, batches, clients and rounds replaced."""
     if smoke:
         shapes = {"16KiB": SMOKE_SHAPES["16KiB"]} if quick else SMOKE_SHAPES
-        plan = Plan("quick" if quick else "full", shapes, (1, 8), (1,) if quick else (1, 4), SMOKE_ROUNDS,
-                    cell_bytes=MIB, min_calls=2, max_calls=4, lookup_keys=100, lookup_repeats=2,
-                    memcpy_bytes=16 * MIB, tcp_bytes=64 * MIB)  # fmt: skip
+        plan = Plan(
+            "quick" if quick else "full",
+            shapes,
+            (1, 8),
+            (1,) if quick else (1, 4),
+            SMOKE_ROUNDS,
+            cell_bytes=MIB,
+            min_calls=2,
+            max_calls=4,
+            lookup_keys=100,
+            lookup_repeats=2,
+            memcpy_bytes=16 * MIB,
+            tcp_bytes=64 * MIB,
+        )
     elif targets:  # the cells the targets are defined on (bench.report); 32 MiB still has 6 calls behind a p99
-        plan = Plan("targets", {n: CHUNK_SHAPES[n] for n in report.TARGET_CHUNKS}, (report.TARGET_BATCH,),
-                    (report.TARGET_CLIENTS,), REAL_ROUNDS, cell_bytes=GIB, min_calls=6, max_calls=100,
-                    lookup_keys=1000, lookup_repeats=5, memcpy_bytes=256 * MIB, tcp_bytes=GIB)  # fmt: skip
+        plan = Plan(
+            "targets",
+            {n: CHUNK_SHAPES[n] for n in report.TARGET_CHUNKS},
+            (report.TARGET_BATCH,),
+            (report.TARGET_CLIENTS,),
+            REAL_ROUNDS,
+            cell_bytes=GIB,
+            min_calls=6,
+            max_calls=100,
+            lookup_keys=1000,
+            lookup_repeats=5,
+            memcpy_bytes=256 * MIB,
+            tcp_bytes=GIB,
+        )
     elif quick:
-        plan = Plan("quick", {"4MiB": CHUNK_SHAPES["4MiB"]}, (1, 8), (1,), REAL_ROUNDS, cell_bytes=512 * MIB,
-                    min_calls=5, max_calls=100, lookup_keys=1000, lookup_repeats=5,
-                    memcpy_bytes=256 * MIB, tcp_bytes=GIB)  # fmt: skip
+        plan = Plan(
+            "quick",
+            {"4MiB": CHUNK_SHAPES["4MiB"]},
+            (1, 8),
+            (1,),
+            REAL_ROUNDS,
+            cell_bytes=512 * MIB,
+            min_calls=5,
+            max_calls=100,
+            lookup_keys=1000,
+            lookup_repeats=5,
+            memcpy_bytes=256 * MIB,
+            tcp_bytes=GIB,
+        )
     else:
-        plan = Plan("full", dict(CHUNK_SHAPES), (1, 8), (1, 4), REAL_ROUNDS, cell_bytes=512 * MIB, min_calls=2,
-                    max_calls=100, lookup_keys=1000, lookup_repeats=5, memcpy_bytes=256 * MIB,
-                    tcp_bytes=GIB)  # fmt: skip
+        plan = Plan(
+            "full",
+            dict(CHUNK_SHAPES),
+            (1, 8),
+            (1, 4),
+            REAL_ROUNDS,
+            cell_bytes=512 * MIB,
+            min_calls=2,
+            max_calls=100,
+            lookup_keys=1000,
+            lookup_repeats=5,
+            memcpy_bytes=256 * MIB,
+            tcp_bytes=GIB,
+        )
     known = SMOKE_SHAPES if smoke else CHUNK_SHAPES
     if chunks is not None:
         unknown = [c for c in chunks if c not in known]
@@ -204,8 +250,9 @@ def local_cpu_gib(chunk: int, batch: int) -> float:
 
 def build_stack(peer: Peer, shape: tuple[int, int, int], gib: float, *, redis_port: int | None = None) -> LMCacheStack:
     layers, heads, head_size = shape
-    return LMCacheStack(peer.lmcache_config(gib, redis_port=redis_port), model=MODEL, num_layers=layers,
-                        hidden=(heads, head_size))  # fmt: skip
+    return LMCacheStack(
+        peer.lmcache_config(gib, redis_port=redis_port), model=MODEL, num_layers=layers, hidden=(heads, head_size)
+    )
 
 
 def allocate(stack: LMCacheStack) -> Any:
@@ -331,8 +378,7 @@ def run_cell(
     """Every client puts ``calls`` batches, then reads them back; returns the figures and the keys used."""
     record = _Calls(clients, calls)
     barrier = threading.Barrier(clients, timeout=BARRIER_TIMEOUT_S)
-    hashes = [[[key_hash(round_no, cell, c, i, s) for s in range(batch)] for i in range(calls)]
-              for c in range(clients)]  # fmt: skip
+    hashes = [[[key_hash(round_no, cell, c, i, s) for s in range(batch)] for i in range(calls)] for c in range(clients)]
     keys = [[[stacks[c].key(h) for h in per_call] for per_call in hashes[c]] for c in range(clients)]
 
     def client(c: int) -> None:
@@ -368,8 +414,9 @@ def run_cell(
         finally:
             stack.release(objs)
 
-    threads = [threading.Thread(target=client, args=(c,), name=f"bench-client-{c}", daemon=True)
-               for c in range(clients)]  # fmt: skip
+    threads = [
+        threading.Thread(target=client, args=(c,), name=f"bench-client-{c}", daemon=True) for c in range(clients)
+    ]
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + BARRIER_TIMEOUT_S * (2 * calls + 1)
@@ -479,8 +526,11 @@ def run_rounds(
             results[peer.name] = start_peer(peer)
         for round_no in range(1, plan.rounds + 1):
             ceilings.append(measure_ceilings(plan))
-            print(f"[harness] round {round_no}/{plan.rounds}: ceilings memcpy {ceilings[-1]['memcpy_gbps']:.2f} GB/s, "
-                  f"one TCP stream over loopback {ceilings[-1]['tcp_loopback_gbps']:.2f} GB/s", flush=True)  # fmt: skip
+            print(
+                f"[harness] round {round_no}/{plan.rounds}: ceilings memcpy {ceilings[-1]['memcpy_gbps']:.2f} GB/s, "
+                f"one TCP stream over loopback {ceilings[-1]['tcp_loopback_gbps']:.2f} GB/s",
+                flush=True,
+            )
             for peer in running:
                 if results[peer.name]["status"] == "ok":
                     run_round(peer, plan, bases, round_no, results[peer.name])
@@ -500,8 +550,11 @@ def measure_ceilings(plan: Plan) -> dict[str, float]:
 def start_peer(peer: Peer) -> dict[str, Any]:
     """Start one peer; its result record (skipped, failed, or ready for the rounds)."""
     if peer.skip_reason:
-        print(f"[harness] {peer.name}: skipped ({peer.skip_reason}); not installed here, and the harness "
-              "does not install it", flush=True)  # fmt: skip
+        print(
+            f"[harness] {peer.name}: skipped ({peer.skip_reason}); not installed here, and the harness "
+            "does not install it",
+            flush=True,
+        )
         return {"status": "skipped", "reason": peer.skip_reason}
     out: dict[str, Any] = {"status": "ok", "ceiling": peer.ceiling, "round_cells": [], "fills": [], "errors": []}
     print(f"[harness] {peer.name}: starting", flush=True)
@@ -558,8 +611,13 @@ def _run_cells(peer: Peer, plan: Plan, bases: dict[str, torch.Tensor], round_no:
                     calls = plan.calls(chunk_bytes(shape), batch, clients)
                     evicted_before = peer.evictions()
                     cell, keys = run_cell(stacks[:clients], bases[size], round_no, cell_no, batch, clients, calls)
-                    cell = {"round": round_no, "chunk": size, "chunk_bytes": chunk_bytes(shape),
-                            "shape": [2, shape[0], TOKENS, shape[1] * shape[2]], **cell}  # fmt: skip
+                    cell = {
+                        "round": round_no,
+                        "chunk": size,
+                        "chunk_bytes": chunk_bytes(shape),
+                        "shape": [2, shape[0], TOKENS, shape[1] * shape[2]],
+                        **cell,
+                    }
                     record_evictions(cell, evicted_before, peer.evictions())
                     out["round_cells"].append(cell)
                     print(report.cell_line(peer.name, cell), flush=True)
@@ -601,8 +659,10 @@ def record_evictions(cell: dict[str, Any], before: int | None, after: int | None
     cell["evictions"] = evictions
     cell["chunks_put"] = cell["batch"] * cell["clients"] * cell["calls"]
     if evictions < cell["chunks_put"]:
-        cell["errors"].append(f"the pool evicted {evictions} chunks during {cell['chunks_put']} measured puts: "
-                              "it was not full, so some puts did not pay for an eviction")  # fmt: skip
+        cell["errors"].append(
+            f"the pool evicted {evictions} chunks during {cell['chunks_put']} measured puts: "
+            "it was not full, so some puts did not pay for an eviction"
+        )
 
 
 def failures(results: dict[str, Any], plan: Plan) -> list[str]:
@@ -616,8 +676,9 @@ def failures(results: dict[str, Any], plan: Plan) -> list[str]:
             where = f"{name} {cell['chunk']} batch {cell['batch']} x{cell['clients']}"
             found += [f"{where}: {e}" for e in cell["errors"]]
             if cell["misses"] or cell["mismatches"]:
-                found.append(f"{where}: {cell['misses']} misses, {cell['mismatches']} chunks differ "
-                             f"of {cell['chunks_read']}")  # fmt: skip
+                found.append(
+                    f"{where}: {cell['misses']} misses, {cell['mismatches']} chunks differ of {cell['chunks_read']}"
+                )
         lookup = backend.get("lookup")
         if lookup is not None:
             for field in ("hit_prefix", "proxied_hit_prefix"):
@@ -642,10 +703,12 @@ def machine() -> dict[str, Any]:
 def revision() -> dict[str, Any]:
     """The commit measured, and whether kvpool's code (backend/) differed from it."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                timeout=5).stdout.strip()  # fmt: skip
-        changed = subprocess.run(["git", "status", "--porcelain", "--", "backend"], cwd=REPO, capture_output=True,
-                                 text=True, timeout=5).stdout.strip()  # fmt: skip
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--", "backend"], cwd=REPO, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return {}
     return {"commit": commit, "backend_modified": bool(changed)} if commit else {}
@@ -688,26 +751,42 @@ def parse_rounds(text: str) -> int:
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--targets", action="store_true",
-                        help=f"the measurement the targets are defined on: chunks {','.join(report.TARGET_CHUNKS)}, "
-                             f"batch {report.TARGET_BATCH}, {report.TARGET_CLIENTS} client, {REAL_ROUNDS} rounds")  # fmt: skip
+    parser.add_argument(
+        "--targets",
+        action="store_true",
+        help=f"the measurement the targets are defined on: chunks {','.join(report.TARGET_CHUNKS)}, "
+        f"batch {report.TARGET_BATCH}, {report.TARGET_CLIENTS} client, {REAL_ROUNDS} rounds",
+    )
     parser.add_argument("--quick", action="store_true", help="4 MiB chunks, batch 1 and 8, one client")
-    parser.add_argument("--lookups", action="store_true",
-                        help="lookups only (bench.lookups): 16, 128 and 1,000 keys; hit, half and miss; "
-                             "round trips, commands and a Redis PING (default backends kvpool,resp,redis,lm,fs)")  # fmt: skip
-    parser.add_argument("--smoke", action="store_true",
-                        help=f"tiny chunks ({','.join(SMOKE_SHAPES)}), {SMOKE_ROUNDS} round (for tests)")  # fmt: skip
-    parser.add_argument("--chunks", type=parse_names,
-                        help=f"chunk sizes, a subset of {','.join(CHUNK_SHAPES)} (with --smoke: of "
-                             f"{','.join(SMOKE_SHAPES)})")  # fmt: skip
+    parser.add_argument(
+        "--lookups",
+        action="store_true",
+        help="lookups only (bench.lookups): 16, 128 and 1,000 keys; hit, half and miss; "
+        "round trips, commands and a Redis PING (default backends kvpool,resp,redis,lm,fs)",
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help=f"tiny chunks ({','.join(SMOKE_SHAPES)}), {SMOKE_ROUNDS} round (for tests)"
+    )
+    parser.add_argument(
+        "--chunks",
+        type=parse_names,
+        help=f"chunk sizes, a subset of {','.join(CHUNK_SHAPES)} (with --smoke: of {','.join(SMOKE_SHAPES)})",
+    )
     parser.add_argument("--batches", type=parse_counts, help="chunks per call, e.g. 1,8")
     parser.add_argument("--clients", type=parse_counts, help="concurrent clients, e.g. 1,4")
-    parser.add_argument("--rounds", type=parse_rounds,
-                        help=f"interleaved rounds; figures are medians over them (default {REAL_ROUNDS}, "
-                             f"{SMOKE_ROUNDS} with --smoke, 5 with --lookups)")  # fmt: skip
-    parser.add_argument("--backends", type=parse_backends, default=None,
-                        help=f"comma-separated subset of {','.join(PEER_NAMES)} (default: all; with --lookups: "
-                             "kvpool,resp,redis,lm,fs)")  # fmt: skip
+    parser.add_argument(
+        "--rounds",
+        type=parse_rounds,
+        help=f"interleaved rounds; figures are medians over them (default {REAL_ROUNDS}, "
+        f"{SMOKE_ROUNDS} with --smoke, 5 with --lookups)",
+    )
+    parser.add_argument(
+        "--backends",
+        type=parse_backends,
+        default=None,
+        help=f"comma-separated subset of {','.join(PEER_NAMES)} (default: all; with --lookups: "
+        "kvpool,resp,redis,lm,fs)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"results directory (default {RESULTS})")
     parser.add_argument("--fs-dir", default=None, help="parent directory of the fs:// store (default: the temp dir)")
     args = parser.parse_args(argv)
@@ -726,8 +805,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
         if args.rounds is not None and args.rounds < REAL_ROUNDS:
             parser.error(f"--targets needs at least {REAL_ROUNDS} rounds (the targets are medians of {REAL_ROUNDS})")
     try:
-        plan = make_plan(quick=args.quick, smoke=args.smoke, targets=args.targets, chunks=args.chunks,
-                         batches=args.batches, clients=args.clients, rounds=args.rounds)  # fmt: skip
+        plan = make_plan(
+            quick=args.quick,
+            smoke=args.smoke,
+            targets=args.targets,
+            chunks=args.chunks,
+            batches=args.batches,
+            clients=args.clients,
+            rounds=args.rounds,
+        )
     except ValueError as exc:
         parser.error(str(exc))
     return args, plan
@@ -747,12 +833,16 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_lookups(args.backends, args.rounds or DEFAULT_ROUNDS, args.out, command)
     dram_bytes = plan.kvpool_dram_bytes()
-    peers = make_peers(args.backends, kvpool_dram=f"{dram_bytes // MIB}MiB", fs_parent=args.fs_dir,
-                       mooncake_bytes=dram_bytes)  # fmt: skip
-    print(f"[harness] {plan.mode}{' smoke' if args.smoke else ''}: chunks {', '.join(plan.shapes)}; batch "
-          f"{', '.join(map(str, plan.batches))}; clients {', '.join(map(str, plan.clients))}; {plan.rounds} "
-          f"round(s); backends {', '.join(args.backends)}; kvpool DRAM {dram_bytes // MIB} MiB, filled before "
-          "each chunk size", flush=True)  # fmt: skip
+    peers = make_peers(
+        args.backends, kvpool_dram=f"{dram_bytes // MIB}MiB", fs_parent=args.fs_dir, mooncake_bytes=dram_bytes
+    )
+    print(
+        f"[harness] {plan.mode}{' smoke' if args.smoke else ''}: chunks {', '.join(plan.shapes)}; batch "
+        f"{', '.join(map(str, plan.batches))}; clients {', '.join(map(str, plan.clients))}; {plan.rounds} "
+        f"round(s); backends {', '.join(args.backends)}; kvpool DRAM {dram_bytes // MIB} MiB, filled before "
+        "each chunk size",
+        flush=True,
+    )
     bases = {size: base_bytes(shape) for size, shape in plan.shapes.items()}
 
     results, ceilings = run_rounds(peers, plan, bases)
@@ -778,8 +868,11 @@ def main(argv: list[str] | None = None) -> int:
     print(report.render(run))
     png_path = report.plot(run, args.out / f"harness-{stamp}.png")
     print(f"\n[harness] results: {json_path}")
-    print(f"[harness] plot: {png_path}" if png_path else "[harness] plot: skipped (matplotlib is not installed; "
-          "pip install -e '.[bench]')")  # fmt: skip
+    print(
+        f"[harness] plot: {png_path}"
+        if png_path
+        else "[harness] plot: skipped (matplotlib is not installed; pip install -e '.[bench]')"
+    )
     if problems:
         print("[harness] FAILED:\n  " + "\n  ".join(problems))
         return 1

@@ -159,9 +159,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             out["hits"], out["l2_hits"] = stack.prefetch(keys)
             got = stack.read(keys) if out["hits"] == opts.chunks else None
             expected = [stack.payload(i, opts.seed) for i in range(opts.chunks)]
-            out["identical"] = 0 if got is None else sum(
-                torch.equal(g.view(torch.uint8), e.view(torch.uint8)) for g, e in zip(got, expected)
-            )  # fmt: skip
+            out["identical"] = (
+                0
+                if got is None
+                else sum(torch.equal(g.view(torch.uint8), e.view(torch.uint8)) for g, e in zip(got, expected))
+            )
         out["counters"] = dict(stack.adapter.counters)
     finally:
         stack.close()

@@ -62,9 +62,14 @@ class LMCacheStack:
         self.dtype = dtype
         self.shape = torch.Size([2, num_layers, chunk, hidden[0] * hidden[1]])
         self.metadata = LMCacheMetadata(
-            model_name=model, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
-            kv_dtype=dtype, kv_shape=(num_layers, 2, chunk, hidden[0], hidden[1]),
-        )  # fmt: skip
+            model_name=model,
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=dtype,
+            kv_shape=(num_layers, 2, chunk, hidden[0], hidden[1]),
+        )
         self._loop_thread = LoopThread("lmcache-loop")
         self.loop = self._loop_thread.loop
         self.backends = CreateStorageBackends(self.config, self.metadata, self.loop)

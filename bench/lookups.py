@@ -139,8 +139,11 @@ class _Backend:
                         after_rt, after_cmd = proxy.counts()["round_trips"], command_calls(info)
                         commands = {name: after_cmd.get(name, 0) - before_cmd.get(name, 0) for name in after_cmd}
                         commands = {name: n for name, n in commands.items() if n and name != "info"}
-                        counted[f"{case}/{size}"] = {"round_trips": after_rt - before_rt, "commands": commands,
-                                                     "hit_prefix": found}  # fmt: skip
+                        counted[f"{case}/{size}"] = {
+                            "round_trips": after_rt - before_rt,
+                            "commands": commands,
+                            "hit_prefix": found,
+                        }
                         if found != expected:
                             self.errors.append(f"{self.peer.name} {case} {size} (proxied): hit prefix {found}")
             finally:
@@ -173,8 +176,11 @@ def run_lookups(names: Sequence[str], rounds: int, out_dir: Path, command: str) 
     pings: list[float] = []
     counts: dict[str, Any] = {}
     failures: list[str] = []
-    print(f"[lookups] {rounds} rounds of {REPEATS} lookups per cell; sizes {SIZES}; cases {CASES}; "
-          f"backends {', '.join(b.peer.name for b in backends)}", flush=True)  # fmt: skip
+    print(
+        f"[lookups] {rounds} rounds of {REPEATS} lookups per cell; sizes {SIZES}; cases {CASES}; "
+        f"backends {', '.join(b.peer.name for b in backends)}",
+        flush=True,
+    )
     started: list[_Backend] = []
     try:
         for backend in backends:
@@ -233,8 +239,10 @@ def render(run: dict[str, Any]) -> str:
     """The table: p50 ms per backend and cell, kvpool against resp://, and kvpool's Redis cost."""
     names = list(run["p50_ms"])
     ping = run["ping_p50_ms"]
-    lines = [f"lookup p50 ms (median of {run['rounds']} rounds x {run['repeats']} lookups); Redis PING p50 "
-             + (f"{ping:.3f} ms" if ping is not None else "not measured")]  # fmt: skip
+    lines = [
+        f"lookup p50 ms (median of {run['rounds']} rounds x {run['repeats']} lookups); Redis PING p50 "
+        + (f"{ping:.3f} ms" if ping is not None else "not measured")
+    ]
     header = ["case", "keys", *names, "kvpool/resp", "kvpool rt/cmds", "resp rt/cmds"]
     rows = [header]
     for case in CASES:

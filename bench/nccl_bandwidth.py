@@ -65,14 +65,25 @@ def measure(sizes_mib: list[int], iters: int, device: str = "cuda:0") -> dict[st
             d2h_s = _timed(lambda: host.copy_(src), iters)  # noqa: B023
             if not torch.equal(host, src.cpu()):
                 raise SystemExit(f"nccl_bandwidth: {size} MiB staged back to the host came back different")
-            rows.append({"size_mib": size, "torch_d2d_gbps": size * MIB / copy_s / 1e9,
-                         "nccl_self_gbps": size * MIB / nccl_s / 1e9,
-                         "staging_h2d_gbps": size * MIB / h2d_s / 1e9, "staging_d2h_gbps": size * MIB / d2h_s / 1e9,
-                         "staging_round_trip_gbps": size * MIB / (h2d_s + d2h_s) / 1e9})  # fmt: skip
+            rows.append(
+                {
+                    "size_mib": size,
+                    "torch_d2d_gbps": size * MIB / copy_s / 1e9,
+                    "nccl_self_gbps": size * MIB / nccl_s / 1e9,
+                    "staging_h2d_gbps": size * MIB / h2d_s / 1e9,
+                    "staging_d2h_gbps": size * MIB / d2h_s / 1e9,
+                    "staging_round_trip_gbps": size * MIB / (h2d_s + d2h_s) / 1e9,
+                }
+            )
     finally:
         comm.close()
-    return {"device": torch.cuda.get_device_name(device), "nccl_version": version_string(lib.version()),
-            "library": lib.path, "iters": iters, "rows": rows}  # fmt: skip
+    return {
+        "device": torch.cuda.get_device_name(device),
+        "nccl_version": version_string(lib.version()),
+        "library": lib.path,
+        "iters": iters,
+        "rows": rows,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,12 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = measure([int(s) for s in args.sizes_mib.split(",")], args.iters)
     print(f"{result['device']}, NCCL {result['nccl_version']} ({result['library']})")
-    print(f"{'size':>8}  {'torch D2D GB/s':>15}  {'NCCL self GB/s':>15}  {'host->GPU GB/s':>15}  "
-          f"{'GPU->host GB/s':>15}  {'round trip GB/s':>16}")  # fmt: skip
+    print(
+        f"{'size':>8}  {'torch D2D GB/s':>15}  {'NCCL self GB/s':>15}  {'host->GPU GB/s':>15}  "
+        f"{'GPU->host GB/s':>15}  {'round trip GB/s':>16}"
+    )
     for row in result["rows"]:
-        print(f"{row['size_mib']:>5} MiB  {row['torch_d2d_gbps']:>15.1f}  {row['nccl_self_gbps']:>15.1f}  "
-              f"{row['staging_h2d_gbps']:>15.1f}  {row['staging_d2h_gbps']:>15.1f}  "
-              f"{row['staging_round_trip_gbps']:>16.1f}")  # fmt: skip
+        print(
+            f"{row['size_mib']:>5} MiB  {row['torch_d2d_gbps']:>15.1f}  {row['nccl_self_gbps']:>15.1f}  "
+            f"{row['staging_h2d_gbps']:>15.1f}  {row['staging_d2h_gbps']:>15.1f}  "
+            f"{row['staging_round_trip_gbps']:>16.1f}"
+        )
     if args.path:
         from bench.nccl_path import measure_path, print_path
 

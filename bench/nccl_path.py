@@ -134,8 +134,9 @@ class _SelfLink:
         exchange_self(self.node, self.client, self.sources, targets, timeout_s, landed)
 
 
-def _batch_first_design(node: Any, client: Any, sources: list[memoryview], targets: list[memoryview],
-                        sums: list[int]) -> list[bool]:  # fmt: skip
+def _batch_first_design(
+    node: Any, client: Any, sources: list[memoryview], targets: list[memoryview], sums: list[int]
+) -> list[bool]:
     """The first design: the whole batch staged on the GPU, one group, then copied out and verified."""
     from nccl_channel.client import _copy_and_verify
 
@@ -152,8 +153,9 @@ def _batch_first_design(node: Any, client: Any, sources: list[memoryview], targe
     return _copy_and_verify([(t, r, s) for t, r, s in zip(targets, recvs, sums)])
 
 
-def _one_path(comm: Any, arena: Arena, registry: Any, size: int, staging: str, pinned_sink: bool,
-              iters: int) -> dict[str, Any]:  # fmt: skip
+def _one_path(
+    comm: Any, arena: Arena, registry: Any, size: int, staging: str, pinned_sink: bool, iters: int
+) -> dict[str, Any]:
     from backend.protocol import checksum
     from nccl_channel.pipeline import Verifier, receive_batch
     from nccl_channel.transport_nccl import NcclLink
@@ -176,8 +178,9 @@ def _one_path(comm: Any, arena: Arena, registry: Any, size: int, staging: str, p
             if staging == "batch":
                 verdicts = _batch_first_design(node, client, sources, targets, sums)
             else:
-                report = receive_batch(_SelfLink(node, client, sources), [size] * BATCH, targets, sums, TIMEOUT_S,
-                                       verifier)  # fmt: skip
+                report = receive_batch(
+                    _SelfLink(node, client, sources), [size] * BATCH, targets, sums, TIMEOUT_S, verifier
+                )
                 verdicts = report.verdicts
             took = time.monotonic() - start
             if not all(verdicts):
@@ -188,9 +191,15 @@ def _one_path(comm: Any, arena: Arena, registry: Any, size: int, staging: str, p
     finally:
         verifier.close()
     seconds = statistics.median(runs)
-    row: dict[str, Any] = {"staging": staging, "chunk_mib": size // MIB, "chunks": BATCH,
-                           "arena_registered": registry.contains(sources[0]), "sink_pinned": pinned_sink,
-                           "median_s": seconds, "gbps": BATCH * size / seconds / 1e9}  # fmt: skip
+    row: dict[str, Any] = {
+        "staging": staging,
+        "chunk_mib": size // MIB,
+        "chunks": BATCH,
+        "arena_registered": registry.contains(sources[0]),
+        "sink_pinned": pinned_sink,
+        "median_s": seconds,
+        "gbps": BATCH * size / seconds / 1e9,
+    }
     if report is not None:
         row["arrived_ms"] = [round((t - last_start) * 1e3, 3) for t in report.arrived_s]
         row["verified_ms"] = [round((t - last_start) * 1e3, 3) for t in report.verified_s]
@@ -222,8 +231,12 @@ def measure_path(device: str = "cuda:0", iters: int = 5) -> dict[str, Any]:
                     raise SystemExit("nccl_path: cudaHostRegister of the arena failed")
                 result[f"register_{mib}mib_x{BATCH}_ms"] = (time.monotonic() - registered_at) * 1e3
                 result["ceilings"][f"{mib}mib"].update(_ceilings(arena, size, sink, True, device))
-                for staging, pinned_sink in (("pipelined", True), ("pipelined", False), ("direct", True),
-                                             ("batch", True)):  # fmt: skip
+                for staging, pinned_sink in (
+                    ("pipelined", True),
+                    ("pipelined", False),
+                    ("direct", True),
+                    ("batch", True),
+                ):
                     try:
                         result["rows"].append(_one_path(comm, arena, registry, size, staging, pinned_sink, iters))
                     except Exception as exc:
@@ -246,8 +259,11 @@ def _judge(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
         if key in ceilings:
             figures[key] = ceilings[key]
     for mib in CHUNK_MIB:
-        best = [r["gbps"] for r in result["rows"]
-                if r.get("chunk_mib") == mib and r.get("sink_pinned") and r["staging"] != "batch" and "gbps" in r]  # fmt: skip
+        best = [
+            r["gbps"]
+            for r in result["rows"]
+            if r.get("chunk_mib") == mib and r.get("sink_pinned") and r["staging"] != "batch" and "gbps" in r
+        ]
         if best:
             figures[f"path_8x{mib}mib_gbps"] = max(best)
     judged = {}
@@ -268,8 +284,10 @@ def print_path(result: dict[str, Any]) -> None:
         if "error" in row:
             print(f"  {row['staging']:<10} {row['chunk_mib']:>3} MiB: NOT MEASURED: {row['error']}")
             continue
-        print(f"  {row['staging']:<10} {row['chunk_mib']:>3} MiB x {row['chunks']}  arena registered "
-              f"{row['arena_registered']!s:<5} sink pinned {row['sink_pinned']!s:<5} {row['gbps']:>7.1f} GB/s")  # fmt: skip
+        print(
+            f"  {row['staging']:<10} {row['chunk_mib']:>3} MiB x {row['chunks']}  arena registered "
+            f"{row['arena_registered']!s:<5} sink pinned {row['sink_pinned']!s:<5} {row['gbps']:>7.1f} GB/s"
+        )
         if "arrived_ms" in row:
             print(f"      arrived ms  {row['arrived_ms']}\n      verified ms {row['verified_ms']}")
     for name, verdict in result["targets"].items():

@@ -28,11 +28,23 @@ NODE_START_TIMEOUT_S = 30.0
 class NodeProcess(ServerProcess):
     """A ``kvpool node`` child process; its output is kept (``output``, ``log``) for assertions and reports."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, max_open_files: int = 0, *,
-                 command: Sequence[str] = (sys.executable, "-m", "backend.cli"), cwd: Path = REPO) -> None:  # fmt: skip
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        max_open_files: int = 0,
+        *,
+        command: Sequence[str] = (sys.executable, "-m", "backend.cli"),
+        cwd: Path = REPO,
+    ) -> None:
         """``env`` None: this process's environment, with LMCache's usage tracking off; ``command``: the `kvpool` to run."""
-        super().__init__("kvpool node", [*command, "node", *args], READY_RE, cwd=cwd,
-                         preexec_fn=self._limit_files if max_open_files else None)  # fmt: skip
+        super().__init__(
+            "kvpool node",
+            [*command, "node", *args],
+            READY_RE,
+            cwd=cwd,
+            preexec_fn=self._limit_files if max_open_files else None,
+        )
         self.args = args
         self.env = env
         self.max_open_files = max_open_files
@@ -108,8 +120,9 @@ POOL_URL_RE = re.compile(r"Pool URL:\n  (\S+)")
 class UpProcess(ServerProcess):
     """``kvpool up ARGS`` as a child process, ready once it printed its pool URL and LMCache config."""
 
-    def __init__(self, args: Sequence[str], *, command: Sequence[str] = (sys.executable, "-m", "backend.cli"),
-                 cwd: Path = REPO) -> None:  # fmt: skip
+    def __init__(
+        self, args: Sequence[str], *, command: Sequence[str] = (sys.executable, "-m", "backend.cli"), cwd: Path = REPO
+    ) -> None:
         super().__init__("kvpool up", [*command, "up", *args], UP_READY_RE, cwd=cwd)
 
     @property

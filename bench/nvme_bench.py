@@ -74,8 +74,9 @@ def throughput(root: Path, chunk_bytes: int, chunks: int) -> dict[str, float]:
 
     dd = subprocess.run(
         ["dd", "if=/dev/zero", f"of={raw_dir / 'dd.bin'}", f"bs={chunk_bytes}", f"count={chunks}", "conv=fsync"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     start_dd = dd.stderr.strip().splitlines()[-1] if dd.stderr else ""
     out["dd_write_gbps"] = _dd_rate(start_dd)
 
@@ -170,8 +171,10 @@ def main() -> int:
             ours, raw = tp[f"kvpool_{kind}_gbps"], tp[f"{reference}_{kind}_gbps"]
             print(f"{label:<24}{ours:>12.2f}{raw:>10.2f}{ours / raw:>8.2f}")
     print("raw = Python write+fsync / readinto of one plain file per chunk; dd = one file, bs = chunk size")
-    print(f"recovery: {rec['files']} files scanned in {rec['scan_s']:.2f} s ({rec['files_per_s']:.0f} files/s; "
-          f"creating them took {rec['create_s']:.1f} s)")  # fmt: skip
+    print(
+        f"recovery: {rec['files']} files scanned in {rec['scan_s']:.2f} s ({rec['files_per_s']:.0f} files/s; "
+        f"creating them took {rec['create_s']:.1f} s)"
+    )
     RESULTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y-%m-%dT%H%M%S")
     record = {"date": stamp, "args": vars(args) | {"dir": str(args.dir)}, "throughput": tp, "recovery": rec}

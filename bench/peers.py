@@ -313,21 +313,48 @@ class MooncakePeer(Peer):
 
     def start(self) -> None:
         self.rpc_port, self.http_port, metrics_port, store_port = (free_port() for _ in range(4))
-        master = ServerProcess("mooncake_master", [
-            "mooncake_master", "-rpc_port", str(self.rpc_port), "-rpc_address", "127.0.0.1",
-            "-enable_http_metadata_server=true", "-http_metadata_server_port", str(self.http_port),
-            "-http_metadata_server_host", "127.0.0.1", "-metrics_port", str(metrics_port),
-            "-metrics_host", "127.0.0.1",
-        ]).start()  # fmt: skip
+        master = ServerProcess(
+            "mooncake_master",
+            [
+                "mooncake_master",
+                "-rpc_port",
+                str(self.rpc_port),
+                "-rpc_address",
+                "127.0.0.1",
+                "-enable_http_metadata_server=true",
+                "-http_metadata_server_port",
+                str(self.http_port),
+                "-http_metadata_server_host",
+                "127.0.0.1",
+                "-metrics_port",
+                str(metrics_port),
+                "-metrics_host",
+                "127.0.0.1",
+            ],
+        ).start()
         self.servers.append(master)
         master.wait_port(self.rpc_port)
         master.wait_port(self.http_port)
-        store = ServerProcess("mooncake_client", [
-            "mooncake_client", "-host", "127.0.0.1", "-port", str(store_port),
-            "-global_segment_size", str(self.segment_bytes), "-local_buffer_size", "0",
-            "-master_server_address", f"127.0.0.1:{self.rpc_port}",
-            "-metadata_server", f"http://127.0.0.1:{self.http_port}/metadata", "-protocol", "tcp",
-        ]).start()  # fmt: skip
+        store = ServerProcess(
+            "mooncake_client",
+            [
+                "mooncake_client",
+                "-host",
+                "127.0.0.1",
+                "-port",
+                str(store_port),
+                "-global_segment_size",
+                str(self.segment_bytes),
+                "-local_buffer_size",
+                "0",
+                "-master_server_address",
+                f"127.0.0.1:{self.rpc_port}",
+                "-metadata_server",
+                f"http://127.0.0.1:{self.http_port}/metadata",
+                "-protocol",
+                "tcp",
+            ],
+        ).start()
         self.servers.append(store)
         # Whether the store node listens on -port itself is not documented: give it a
         # moment, and require only that it is still running.

@@ -27,8 +27,15 @@ STOP_TIMEOUT_S = 10.0
 class ServerProcess:
     """A child process whose output is kept and scanned for a readiness line (``ready``, searched per line)."""
 
-    def __init__(self, name: str, argv: list[str], ready: re.Pattern[str] | None = None, *, cwd: Path = REPO,
-                 preexec_fn: Callable[[], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        ready: re.Pattern[str] | None = None,
+        *,
+        cwd: Path = REPO,
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> None:
         self.name = name
         self.argv = argv
         self.ready_re = ready
@@ -41,9 +48,14 @@ class ServerProcess:
 
     def start(self, env: dict[str, str] | None = None) -> ServerProcess:
         self.process = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self.cwd, env=env,
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=self.cwd,
+            env=env,
             preexec_fn=self.preexec_fn,
-        )  # fmt: skip
+        )
         self._pump_thread = threading.Thread(target=self._pump, name=f"{self.name}-output", daemon=True)
         self._pump_thread.start()
         return self

@@ -130,8 +130,10 @@ def budget(seconds: dict[str, float], total_s: float, gets: int, shm: bool) -> l
     total), then what ran inside the read, summed over its stripes and threads (those overlap)."""
     per = {k: v / gets * 1000 for k, v in seconds.items()}
     total = total_s / gets * 1000
-    rows = [("LMCache hop (caller -> LMCache's loop -> caller)", total - per.get("connector", 0.0)),
-            ("lookup (one Redis round trip)", per.get("lookup", 0.0))]  # fmt: skip
+    rows = [
+        ("LMCache hop (caller -> LMCache's loop -> caller)", total - per.get("connector", 0.0)),
+        ("lookup (one Redis round trip)", per.get("lookup", 0.0)),
+    ]
     if shm:
         # The lookup runs while the LEASE, the allocation and the copies do: only what it
         # takes beyond them is on the get's critical path.
@@ -141,9 +143,11 @@ def budget(seconds: dict[str, float], total_s: float, gets: int, shm: bool) -> l
             ("LEASE round trip (the node answers offsets)", per.get("lease", 0.0)),
             ("allocation (LMCache's allocator)", per.get("allocation", 0.0)),
             ("copy + checksum out of the arena, two threads (wall)", per.get("copy (wall)", 0.0)),
-            ("lookup (one Redis round trip), beyond the three above it runs beside",
-             max(per.get("lookup", 0.0) - leased, 0.0)),
-        ]  # fmt: skip
+            (
+                "lookup (one Redis round trip), beyond the three above it runs beside",
+                max(per.get("lookup", 0.0) - leased, 0.0),
+            ),
+        ]
     else:
         rows += [("TCP read: stripes requested, allocated, received, checked (wall)", per.get("tcp read", 0.0))]
     rows.append(("other (framing, wake-ups, scheduling)", per.get("connector", 0.0) - sum(v for _, v in rows[1:])))
@@ -153,12 +157,16 @@ def budget(seconds: dict[str, float], total_s: float, gets: int, shm: bool) -> l
         rows.append(("  worker threads copying + hashing (busy, both threads)", per.get("thread busy", 0.0)))
         return rows
     receive = per.get("receive (wall)", 0.0)
-    rows += [("  per stripe, summed: node answers (request -> first frame)",
-              per.get("request", 0.0) - receive - per.get("allocation", 0.0)),
-             ("  per stripe, summed: allocation (LMCache's allocator)", per.get("allocation", 0.0)),
-             ("  per stripe, summed: receive + checksum (wall)", receive),
-             ("  worker threads receiving + hashing (busy, both threads)", per.get("thread busy", 0.0)),
-             ("  ... of which waiting for the node's bytes", per.get("thread waiting for data", 0.0))]  # fmt: skip
+    rows += [
+        (
+            "  per stripe, summed: node answers (request -> first frame)",
+            per.get("request", 0.0) - receive - per.get("allocation", 0.0),
+        ),
+        ("  per stripe, summed: allocation (LMCache's allocator)", per.get("allocation", 0.0)),
+        ("  per stripe, summed: receive + checksum (wall)", receive),
+        ("  worker threads receiving + hashing (busy, both threads)", per.get("thread busy", 0.0)),
+        ("  ... of which waiting for the node's bytes", per.get("thread waiting for data", 0.0)),
+    ]
     return rows
 
 
@@ -270,16 +278,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _instrument()
     limits = ceilings(args.chunk_mib * MIB, args.batch)
-    print("ceilings, this run: " + ", ".join(f"{k.removesuffix('_gbps').replace('_', ' ')} {v:.2f} GB/s"
-                                             for k, v in limits.items()))  # fmt: skip
+    print(
+        "ceilings, this run: "
+        + ", ".join(f"{k.removesuffix('_gbps').replace('_', ' ')} {v:.2f} GB/s" for k, v in limits.items())
+    )
     report: dict[str, Any] = {"ceilings": limits, "chunk_mib": args.chunk_mib, "batch": args.batch, "paths": {}}
     with _pool() as url:
         for shm in (True, False):
             path = "same-host arena" if shm else "TCP"
             result = measure(url, shm, args.chunk_mib, args.batch, args.rounds, args.fresh)
             report["paths"][path] = result
-            print(f"\n{path}: {result['gbps']:.2f} GB/s ({args.rounds} gets of {args.batch} x {args.chunk_mib} MiB "
-                  f"through LMCache{', each of a batch just put' if args.fresh else ''}); milliseconds per get:")  # fmt: skip
+            print(
+                f"\n{path}: {result['gbps']:.2f} GB/s ({args.rounds} gets of {args.batch} x {args.chunk_mib} MiB "
+                f"through LMCache{', each of a batch just put' if args.fresh else ''}); milliseconds per get:"
+            )
             for phase, ms in result["budget_ms"]:
                 print(f"  {ms:8.3f}  {phase}")
     if args.json is not None:

@@ -81,8 +81,10 @@ def _outage(timeout_ms: int, calls: int = 5) -> dict[str, tuple[float, float]]:
             client.contains(keys)  # connected while Redis was up
             process = redis.process
             assert process is not None
-            stages = (("paused", lambda: process.send_signal(signal.SIGSTOP)),
-                      ("killed", lambda: (process.send_signal(signal.SIGCONT), redis.kill())))  # fmt: skip
+            stages = (
+                ("paused", lambda: process.send_signal(signal.SIGSTOP)),
+                ("killed", lambda: (process.send_signal(signal.SIGCONT), redis.kill())),
+            )
             for name, act in stages:
                 act()
                 times = []

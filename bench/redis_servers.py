@@ -72,10 +72,26 @@ class RedisProcesses:
         workdir = self.root / str(port)
         workdir.mkdir(exist_ok=True)
         self.processes[port] = subprocess.Popen(
-            ["redis-server", *args, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir,
-        )  # fmt: skip
+            [
+                "redis-server",
+                *args,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(workdir),
+                "--logfile",
+                str(workdir / "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=workdir,
+        )
         process = self.processes[port]
         try:
             _wait(lambda: _ping(port), f"redis-server on port {port} did not answer", process)
@@ -84,8 +100,9 @@ class RedisProcesses:
             process.kill()
             process.wait(10)
             log = workdir / "redis.log"
-            raise RuntimeError(f"redis-server on port {port} did not start: "
-                               f"{log.read_text()[-1000:] if log.exists() else ''}") from None  # fmt: skip
+            raise RuntimeError(
+                f"redis-server on port {port} did not start: {log.read_text()[-1000:] if log.exists() else ''}"
+            ) from None
         return port
 
     def start_cluster(self, masters: int = 3) -> list[int]:
@@ -96,18 +113,34 @@ class RedisProcesses:
                 break
             port = cluster_port()
             try:
-                self.start(port, "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                           "--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS))  # fmt: skip
+                self.start(
+                    port,
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    f"nodes-{port}.conf",
+                    "--cluster-node-timeout",
+                    str(CLUSTER_NODE_TIMEOUT_MS),
+                )
             except RuntimeError:
                 if attempt >= masters + PORT_RACE_RETRIES - 1:
                     raise
                 continue  # another process took the port (or its bus port) since it was free
             ports.append(port)
         create = subprocess.run(
-            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "0",
-             "--cluster-yes"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{p}" for p in ports],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if create.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed: {create.stdout[-2000:]}{create.stderr[-2000:]}")
         self.wait_cluster_ok(ports)
@@ -126,8 +159,10 @@ class RedisProcesses:
         )
         self.processes[port] = subprocess.Popen(
             ["redis-server", str(conf), "--sentinel", "--logfile", str(self.root / f"sentinel-{port}.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.root,
-        )  # fmt: skip
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=self.root,
+        )
         _wait(lambda: _ping(port), f"sentinel on port {port} did not answer")
         return port
 

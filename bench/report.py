@@ -93,8 +93,11 @@ def _label(what: str, gbps: float | None) -> str | None:
 
 def _best(results: dict[str, Any], names: Sequence[str], chunk: str, op: str) -> tuple[float | None, str | None]:
     """The highest ``op`` GB/s among ``names`` in the target cell, and a label naming it."""
-    found = [(cell[f"{op}_gbps"], name) for name in names
-             if (cell := _find(results, name, chunk, TARGET_BATCH, TARGET_CLIENTS)) is not None]  # fmt: skip
+    found = [
+        (cell[f"{op}_gbps"], name)
+        for name in names
+        if (cell := _find(results, name, chunk, TARGET_BATCH, TARGET_CLIENTS)) is not None
+    ]
     if not found:
         return None, None
     gbps, name = max(found)
@@ -110,11 +113,28 @@ def targets(results: dict[str, Any], ceilings: dict[str, Any]) -> list[dict[str,
     """
     out: list[dict[str, Any]] = []
 
-    def add(name: str, chunk: str | None, value: float | None, compare: str, goal: float, against: str | None,
-            unit: str = "x") -> None:  # fmt: skip
+    def add(
+        name: str,
+        chunk: str | None,
+        value: float | None,
+        compare: str,
+        goal: float,
+        against: str | None,
+        unit: str = "x",
+    ) -> None:
         met = None if value is None else COMPARE[compare](value, goal)
-        out.append({"target": name, "chunk": chunk, "value": value, "compare": compare, "goal": goal, "unit": unit,
-                    "against": against, "met": met})  # fmt: skip
+        out.append(
+            {
+                "target": name,
+                "chunk": chunk,
+                "value": value,
+                "compare": compare,
+                "goal": goal,
+                "unit": unit,
+                "against": against,
+                "met": met,
+            }
+        )
 
     tcp, memcpy = ceilings.get("tcp_loopback_gbps"), ceilings.get("memcpy_gbps")
     for chunk in TARGET_CHUNKS:
@@ -122,22 +142,60 @@ def targets(results: dict[str, Any], ceilings: dict[str, Any]) -> list[dict[str,
             _find(results, name, chunk, TARGET_BATCH, TARGET_CLIENTS) for name in ("kvpool", "kvpool-shm", "fs")
         )
         best_get, best_get_label = _best(results, GET_PEERS, chunk, "get")
-        add("kvpool get vs best of lm:// and resp://", chunk, _ratio(_gbps(kv, "get"), best_get), ">=",
-            TCP_GET_VS_PEERS, best_get_label)  # fmt: skip
-        add("kvpool get vs TCP loopback ceiling", chunk, _ratio(_gbps(kv, "get"), tcp), ">=", TCP_GET_VS_CEILING,
-            _label("TCP loopback", tcp))  # fmt: skip
-        add("kvpool-shm get vs fs://", chunk, _ratio(_gbps(shm, "get"), _gbps(fs, "get")), ">=", SHM_GET_VS_FS,
-            _label("fs://", _gbps(fs, "get")))  # fmt: skip
-        add("kvpool-shm get vs memcpy ceiling", chunk, _ratio(_gbps(shm, "get"), memcpy), ">=", SHM_GET_VS_MEMCPY,
-            _label("memcpy", memcpy))  # fmt: skip
-        for name, own, peers, which in (("kvpool", kv, NETWORK_PEERS, "best network peer"),
-                                        ("kvpool-shm", shm, ALL_PEERS, "best peer, fs:// included")):  # fmt: skip
+        add(
+            "kvpool get vs best of lm:// and resp://",
+            chunk,
+            _ratio(_gbps(kv, "get"), best_get),
+            ">=",
+            TCP_GET_VS_PEERS,
+            best_get_label,
+        )
+        add(
+            "kvpool get vs TCP loopback ceiling",
+            chunk,
+            _ratio(_gbps(kv, "get"), tcp),
+            ">=",
+            TCP_GET_VS_CEILING,
+            _label("TCP loopback", tcp),
+        )
+        add(
+            "kvpool-shm get vs fs://",
+            chunk,
+            _ratio(_gbps(shm, "get"), _gbps(fs, "get")),
+            ">=",
+            SHM_GET_VS_FS,
+            _label("fs://", _gbps(fs, "get")),
+        )
+        add(
+            "kvpool-shm get vs memcpy ceiling",
+            chunk,
+            _ratio(_gbps(shm, "get"), memcpy),
+            ">=",
+            SHM_GET_VS_MEMCPY,
+            _label("memcpy", memcpy),
+        )
+        for name, own, peers, which in (
+            ("kvpool", kv, NETWORK_PEERS, "best network peer"),
+            ("kvpool-shm", shm, ALL_PEERS, "best peer, fs:// included"),
+        ):
             best_put, best_put_label = _best(results, peers, chunk, "put")
-            add(f"{name} put (full pool) vs {which}", chunk, _ratio(_gbps(own, "put"), best_put), ">=", PUT_VS_PEERS,
-                best_put_label)  # fmt: skip
+            add(
+                f"{name} put (full pool) vs {which}",
+                chunk,
+                _ratio(_gbps(own, "put"), best_put),
+                ">=",
+                PUT_VS_PEERS,
+                best_put_label,
+            )
             p50, p99 = (own["put_ms"][q] if own else None for q in ("p50", "p99"))
-            add(f"{name} put p99 vs its p50 (full pool)", chunk, _ratio(p99, p50), "<=", PUT_P99_VS_P50,
-                None if p50 is None else f"put p50 {p50:.1f} ms")  # fmt: skip
+            add(
+                f"{name} put p99 vs its p50 (full pool)",
+                chunk,
+                _ratio(p99, p50),
+                "<=",
+                PUT_P99_VS_P50,
+                None if p50 is None else f"put p50 {p50:.1f} ms",
+            )
     lookup = results.get("kvpool", {}).get("lookup") or {}
     lookup_rt = lookup.get("redis_round_trips") if lookup.get("keys") == TARGET_LOOKUP_KEYS else None
     add("kvpool lookup of 1,000 keys: Redis round trips", None, lookup_rt, "==", 1, None, unit=" round trip(s)")
@@ -151,27 +209,35 @@ def _f(value: float | None, digits: int = 2) -> str:
 
 def cell_line(backend: str, cell: dict[str, Any]) -> str:
     """One round of one cell, as the harness prints it when measured."""
-    where = (f"[harness] round {cell['round']} {backend} {cell['chunk']} batch {cell['batch']} x{cell['clients']} "
-             f"client(s), {cell['calls']} calls")  # fmt: skip
+    where = (
+        f"[harness] round {cell['round']} {backend} {cell['chunk']} batch {cell['batch']} x{cell['clients']} "
+        f"client(s), {cell['calls']} calls"
+    )
     evicted = f", {cell['evictions']} evictions during {cell['chunks_put']} puts" if "evictions" in cell else ""
     if "get_gbps" not in cell:
         return f"{where}: FAILED {'; '.join(cell['errors'])}"
     good = cell["chunks_read"] - cell["misses"] - cell["mismatches"]
-    text = (f"{where}: put {cell['put_gbps']:.2f} GB/s (p99 {cell['put_ms']['p99']:.1f} ms), "
-            f"get {cell['get_gbps']:.2f} GB/s (p99 {cell['get_ms']['p99']:.1f} ms), "
-            f"{good}/{cell['chunks_read']} identical{evicted}")  # fmt: skip
+    text = (
+        f"{where}: put {cell['put_gbps']:.2f} GB/s (p99 {cell['put_ms']['p99']:.1f} ms), "
+        f"get {cell['get_gbps']:.2f} GB/s (p99 {cell['get_ms']['p99']:.1f} ms), "
+        f"{good}/{cell['chunks_read']} identical{evicted}"
+    )
     return text + "".join(f"; ERROR {e}" for e in cell["errors"])
 
 
 def fill_line(backend: str, fill: dict[str, Any]) -> str:
-    return (f"[harness] round {fill['round']} {backend} {fill['chunk']}: DRAM filled with {fill['filler_chunks']} "
-            f"filler chunks, {fill['dram_used_bytes'] / MIB:.0f} of {fill['dram_capacity_bytes'] / MIB:.0f} MiB "
-            f"used, {fill['evictions']} evicted")  # fmt: skip
+    return (
+        f"[harness] round {fill['round']} {backend} {fill['chunk']}: DRAM filled with {fill['filler_chunks']} "
+        f"filler chunks, {fill['dram_used_bytes'] / MIB:.0f} of {fill['dram_capacity_bytes'] / MIB:.0f} MiB "
+        f"used, {fill['evictions']} evicted"
+    )
 
 
 def lookup_line(backend: str, lookup: dict[str, Any]) -> str:
-    text = (f"[harness] {backend} lookup of {lookup['keys']} keys: {lookup['ms']['p50']:.2f} ms, "
-            f"hit prefix {lookup['hit_prefix']}")  # fmt: skip
+    text = (
+        f"[harness] {backend} lookup of {lookup['keys']} keys: {lookup['ms']['p50']:.2f} ms, "
+        f"hit prefix {lookup['hit_prefix']}"
+    )
     if "redis_round_trips" in lookup:
         text += f", {lookup['redis_round_trips']} Redis round trips, {lookup['redis_commands']} commands"
     return text
@@ -187,9 +253,11 @@ def render(run: dict[str, Any]) -> str:
     """The run as Markdown tables: throughput and latency, kvpool beside its ceilings, lookups, targets."""
     c = run["ceilings"]
     rounds = run["plan"]["rounds"]
-    parts = [f"Medians of {rounds} interleaved round(s); every round's figures are in the JSON (per_round).\n"
-             f"Ceilings (best round): memcpy {c['memcpy_gbps']:.2f} GB/s; one TCP stream over loopback "
-             f"{c['tcp_loopback_gbps']:.2f} GB/s (x ceil: fs:// and kvpool-shm vs memcpy, the rest vs TCP)."]  # fmt: skip
+    parts = [
+        f"Medians of {rounds} interleaved round(s); every round's figures are in the JSON (per_round).\n"
+        f"Ceilings (best round): memcpy {c['memcpy_gbps']:.2f} GB/s; one TCP stream over loopback "
+        f"{c['tcp_loopback_gbps']:.2f} GB/s (x ceil: fs:// and kvpool-shm vs memcpy, the rest vs TCP)."
+    ]
     rows = []
     for name, backend in run["backends"].items():
         if backend["status"] == "skipped":
@@ -199,23 +267,67 @@ def render(run: dict[str, Any]) -> str:
                 rows.append([name, cell["chunk"], str(cell["batch"]), str(cell["clients"])] + ["-"] * 10 + ["FAILED"])
                 continue
             good = cell["chunks_read"] - cell["misses"] - cell["mismatches"]
-            rows.append([
-                name, cell["chunk"], str(cell["batch"]), str(cell["clients"]),
-                _f(cell["put_gbps"]), _f(cell["put_vs_ceiling"]), _f(cell["put_vs_redis"]),
-                _f(cell["get_gbps"]), _f(cell["get_vs_ceiling"]), _f(cell["get_vs_redis"]),
-                f"{cell['put_ms']['p50']:.1f} / {cell['put_ms']['p99']:.1f}", _f(cell["put_p99_vs_redis"]),
-                f"{cell['get_ms']['p50']:.1f} / {cell['get_ms']['p99']:.1f}", _f(cell["get_p99_vs_redis"]),
-                f"{good}/{cell['chunks_read']}",
-            ])  # fmt: skip
-    parts.append(_table(["backend", "chunk", "batch", "clients", "put GB/s", "x ceil", "x redis", "get GB/s",
-                         "x ceil", "x redis", "put p50/p99 ms", "p99 x redis", "get p50/p99 ms", "p99 x redis",
-                         "identical"],
-                        rows))  # fmt: skip
+            rows.append(
+                [
+                    name,
+                    cell["chunk"],
+                    str(cell["batch"]),
+                    str(cell["clients"]),
+                    _f(cell["put_gbps"]),
+                    _f(cell["put_vs_ceiling"]),
+                    _f(cell["put_vs_redis"]),
+                    _f(cell["get_gbps"]),
+                    _f(cell["get_vs_ceiling"]),
+                    _f(cell["get_vs_redis"]),
+                    f"{cell['put_ms']['p50']:.1f} / {cell['put_ms']['p99']:.1f}",
+                    _f(cell["put_p99_vs_redis"]),
+                    f"{cell['get_ms']['p50']:.1f} / {cell['get_ms']['p99']:.1f}",
+                    _f(cell["get_p99_vs_redis"]),
+                    f"{good}/{cell['chunks_read']}",
+                ]
+            )
+    parts.append(
+        _table(
+            [
+                "backend",
+                "chunk",
+                "batch",
+                "clients",
+                "put GB/s",
+                "x ceil",
+                "x redis",
+                "get GB/s",
+                "x ceil",
+                "x redis",
+                "put p50/p99 ms",
+                "p99 x redis",
+                "get p50/p99 ms",
+                "p99 x redis",
+                "identical",
+            ],
+            rows,
+        )
+    )
     ceiling_rows = _ceiling_rows(run)
     if ceiling_rows:
-        parts.append(_table(["kvpool cell (full pool)", "chunk", "batch", "clients", "put GB/s", "get GB/s",
-                             "ceiling", "ceiling GB/s", "put x ceil", "get x ceil", "evictions / puts"],
-                            ceiling_rows))  # fmt: skip
+        parts.append(
+            _table(
+                [
+                    "kvpool cell (full pool)",
+                    "chunk",
+                    "batch",
+                    "clients",
+                    "put GB/s",
+                    "get GB/s",
+                    "ceiling",
+                    "ceiling GB/s",
+                    "put x ceil",
+                    "get x ceil",
+                    "evictions / puts",
+                ],
+                ceiling_rows,
+            )
+        )
     rows = []
     for name, backend in run["backends"].items():
         lookup = backend.get("lookup")
@@ -223,24 +335,49 @@ def render(run: dict[str, Any]) -> str:
             continue
         rt = lookup.get("redis_round_trips")
         by_name = ", ".join(f"{k} {v}" for k, v in lookup.get("redis_commands_by_name", {}).items())
-        rows.append([name, f"{lookup['hit_prefix']}/{lookup['keys']}", f"{lookup['ms']['p50']:.2f}",
-                     _f(lookup.get("ms_vs_redis")),
-                     "-" if rt is None else f"{rt} over {lookup['redis_connections']} connection(s)",
-                     "-" if rt is None else f"{lookup['redis_commands']} ({by_name or 'none'})"])  # fmt: skip
+        rows.append(
+            [
+                name,
+                f"{lookup['hit_prefix']}/{lookup['keys']}",
+                f"{lookup['ms']['p50']:.2f}",
+                _f(lookup.get("ms_vs_redis")),
+                "-" if rt is None else f"{rt} over {lookup['redis_connections']} connection(s)",
+                "-" if rt is None else f"{lookup['redis_commands']} ({by_name or 'none'})",
+            ]
+        )
     if rows:
-        parts.append(_table(["backend", "hit prefix", "lookup p50 ms", "x redis", "Redis round trips",
-                             "Redis commands"], rows))  # fmt: skip
+        parts.append(
+            _table(["backend", "hit prefix", "lookup p50 ms", "x redis", "Redis round trips", "Redis commands"], rows)
+        )
     skipped = [f"{n}: skipped ({b['reason']})" for n, b in run["backends"].items() if b["status"] == "skipped"]
     failed = [f"{n}: FAILED ({'; '.join(b['errors'])})" for n, b in run["backends"].items() if b["status"] == "failed"]
     if skipped or failed:
         parts.append("\n".join(skipped + failed))
     rows = []
     for t in run["targets"]:
-        rows.append([t["target"], t["chunk"] or "-", _target_value(t["value"], t["unit"]),
-                     f"{t['compare']} {_target_value(t['goal'], t['unit'])}", t["against"] or "-",
-                     {True: "met", False: "MISSED", None: "not measured"}[t["met"]]])  # fmt: skip
-    parts.append(_table([f"target (batch {TARGET_BATCH}, {TARGET_CLIENTS} client, medians)", "chunk", "measured",
-                         "goal", "against", "result"], rows))  # fmt: skip
+        rows.append(
+            [
+                t["target"],
+                t["chunk"] or "-",
+                _target_value(t["value"], t["unit"]),
+                f"{t['compare']} {_target_value(t['goal'], t['unit'])}",
+                t["against"] or "-",
+                {True: "met", False: "MISSED", None: "not measured"}[t["met"]],
+            ]
+        )
+    parts.append(
+        _table(
+            [
+                f"target (batch {TARGET_BATCH}, {TARGET_CLIENTS} client, medians)",
+                "chunk",
+                "measured",
+                "goal",
+                "against",
+                "result",
+            ],
+            rows,
+        )
+    )
     return "\n\n".join(parts)
 
 
@@ -261,9 +398,21 @@ def _ceiling_rows(run: dict[str, Any]) -> list[list[str]]:
             if "get_gbps" not in cell:
                 continue
             evicted = f"{cell['evictions']} / {cell['chunks_put']}" if "evictions" in cell else "-"
-            rows.append([name, cell["chunk"], str(cell["batch"]), str(cell["clients"]), _f(cell["put_gbps"]),
-                         _f(cell["get_gbps"]), CEILING_NAMES.get(ceiling, ceiling), _f(ceiling_gbps),
-                         _f(cell["put_vs_ceiling"]), _f(cell["get_vs_ceiling"]), evicted])  # fmt: skip
+            rows.append(
+                [
+                    name,
+                    cell["chunk"],
+                    str(cell["batch"]),
+                    str(cell["clients"]),
+                    _f(cell["put_gbps"]),
+                    _f(cell["get_gbps"]),
+                    CEILING_NAMES.get(ceiling, ceiling),
+                    _f(ceiling_gbps),
+                    _f(cell["put_vs_ceiling"]),
+                    _f(cell["get_vs_ceiling"]),
+                    evicted,
+                ]
+            )
     return rows
 
 
@@ -285,8 +434,11 @@ def plot(run: dict[str, Any], path: Path) -> Path | None:
         for row, op in enumerate(("put", "get")):
             ax = axes[row][col]
             for name, backend in run["backends"].items():
-                cells = [x for x in backend.get("cells", []) if x["batch"] == batch and x["clients"] == clients
-                         and "get_gbps" in x]  # fmt: skip
+                cells = [
+                    x
+                    for x in backend.get("cells", [])
+                    if x["batch"] == batch and x["clients"] == clients and "get_gbps" in x
+                ]
                 if cells:
                     cells.sort(key=lambda x: x["chunk_bytes"])
                     ax.plot([x["chunk_bytes"] for x in cells], [x[f"{op}_gbps"] for x in cells], marker="o", label=name)

@@ -92,8 +92,22 @@ class Pool:
         """Start the nodes together, then wait for each to say it is ready."""
         started = []
         for node_id in node_ids:
-            args = ["--redis", self.redis.url, "--namespace", self.namespace, "--dram", dram, "--nvme", "0",
-                    "--shm-dir", "off", "--prefault", "off", "--node-id", node_id]  # fmt: skip
+            args = [
+                "--redis",
+                self.redis.url,
+                "--namespace",
+                self.namespace,
+                "--dram",
+                dram,
+                "--nvme",
+                "0",
+                "--shm-dir",
+                "off",
+                "--prefault",
+                "off",
+                "--node-id",
+                node_id,
+            ]
             started.append(NodeProcess(args).spawn())
         for node_id, process in zip(node_ids, started):
             process.wait_ready(NODE_START_TIMEOUT_S)
@@ -301,14 +315,18 @@ def fleet(cost: dict[str, Any], engines: int, nodes: int, changes_per_node_day: 
 
 def _print_fleet(cost: dict[str, Any], scaled: dict[str, float], engines: int, nodes: int) -> None:
     total = scaled["engines_idle_cmds_per_s"] + scaled["nodes_cmds_per_s"] + scaled["engines_change_cmds_per_s"]
-    print(f"registry, measured on {cost['nodes']} nodes: a client {cost['client_idle_cmds_per_s']:.2f} commands/s "
-          f"while nothing changes, {cost['change_cmds']} per membership change, {cost['full_read_cmds']} per full "
-          f"read; a node {cost['node_cmds_per_s']:.2f} commands/s (heartbeats)")  # fmt: skip
-    print(f"registry at {engines:,} engines and {nodes:,} nodes: {scaled['engines_idle_cmds_per_s']:,.0f} (engines) + "
-          f"{scaled['nodes_cmds_per_s']:,.0f} (nodes) + {scaled['engines_change_cmds_per_s']:,.0f} (changes, "
-          f"{scaled['changes_per_s']:.3f}/s) = {total:,.0f} commands/s; before the version key every engine read "
-          f"the whole registry each second: {scaled['before_version_key_cmds_per_s']:,.0f} commands/s and "
-          f"{scaled['before_version_key_bytes_per_s'] / 1e9:.1f} GB/s of registry entries")  # fmt: skip
+    print(
+        f"registry, measured on {cost['nodes']} nodes: a client {cost['client_idle_cmds_per_s']:.2f} commands/s "
+        f"while nothing changes, {cost['change_cmds']} per membership change, {cost['full_read_cmds']} per full "
+        f"read; a node {cost['node_cmds_per_s']:.2f} commands/s (heartbeats)"
+    )
+    print(
+        f"registry at {engines:,} engines and {nodes:,} nodes: {scaled['engines_idle_cmds_per_s']:,.0f} (engines) + "
+        f"{scaled['nodes_cmds_per_s']:,.0f} (nodes) + {scaled['engines_change_cmds_per_s']:,.0f} (changes, "
+        f"{scaled['changes_per_s']:.3f}/s) = {total:,.0f} commands/s; before the version key every engine read "
+        f"the whole registry each second: {scaled['before_version_key_cmds_per_s']:,.0f} commands/s and "
+        f"{scaled['before_version_key_bytes_per_s'] / 1e9:.1f} GB/s of registry entries"
+    )
 
 
 async def membership(pool: Pool, args: argparse.Namespace, chunks: Sequence[Chunk]) -> dict[str, Any]:
@@ -405,14 +423,18 @@ def redis_benchmark() -> dict[str, float] | None:
 
 def _print_table(rows: Sequence[dict[str, Any]]) -> None:
     base = rows[0]
-    print(f"{'nodes':>5} {'capacity':>9} {'put GB/s':>9} {'get GB/s':>9} {'hit rate':>8} "
-          f"{'cmds/lookup':>11} {'HGETALL/key':>11} {'cmds/put':>8}  ratio put/get/hits to {base['nodes']} node")  # fmt: skip
+    print(
+        f"{'nodes':>5} {'capacity':>9} {'put GB/s':>9} {'get GB/s':>9} {'hit rate':>8} "
+        f"{'cmds/lookup':>11} {'HGETALL/key':>11} {'cmds/put':>8}  ratio put/get/hits to {base['nodes']} node"
+    )
     for row in rows:
         ratios = [row[f] / base[f] if base[f] else float("nan") for f in ("put_gbps", "get_gbps", "hit_rate")]
-        print(f"{row['nodes']:>5} {format_size(row['capacity_bytes']):>9} {row['put_gbps']:>9.3f} "
-              f"{row['get_gbps']:>9.3f} {row['hit_rate']:>8.3f} {row['redis_cmds_per_get_key']:>11.2f} "
-              f"{row['hgetall_per_get_key']:>11.2f} {row['redis_cmds_per_put_key']:>8.2f}  "
-              f"{ratios[0]:.2f} / {ratios[1]:.2f} / {ratios[2]:.2f}")  # fmt: skip
+        print(
+            f"{row['nodes']:>5} {format_size(row['capacity_bytes']):>9} {row['put_gbps']:>9.3f} "
+            f"{row['get_gbps']:>9.3f} {row['hit_rate']:>8.3f} {row['redis_cmds_per_get_key']:>11.2f} "
+            f"{row['hgetall_per_get_key']:>11.2f} {row['redis_cmds_per_put_key']:>8.2f}  "
+            f"{ratios[0]:.2f} / {ratios[1]:.2f} / {ratios[2]:.2f}"
+        )
 
 
 def main() -> int:
@@ -432,14 +454,21 @@ def main() -> int:
     parser.add_argument("--registry-only", action="store_true", help="only the registry's cost, on the largest pool")
     parser.add_argument("--fleet-engines", type=int, default=10_000, help="engines to extrapolate to (10,000)")
     parser.add_argument("--fleet-nodes", type=int, default=1_000, help="nodes to extrapolate to (1,000)")
-    parser.add_argument("--changes-per-node-day", type=float, default=24.0,
-                        help="membership changes per node and day to extrapolate with (default 24)")  # fmt: skip
+    parser.add_argument(
+        "--changes-per-node-day",
+        type=float,
+        default=24.0,
+        help="membership changes per node and day to extrapolate with (default 24)",
+    )
     args = parser.parse_args()
     args.chunk_bytes = parse_size(args.chunk)
     sizes = [int(s) for s in args.sizes.split(",")]
     chunks = _working_set(parse_size(args.working_set), args.chunk_bytes)
-    print(f"scale-out on one host ({os.cpu_count()} CPUs): {len(chunks)} x {args.chunk} working set, "
-          f"{args.node_dram} DRAM per node, {args.tasks} client tasks x batch {args.batch}", flush=True)  # fmt: skip
+    print(
+        f"scale-out on one host ({os.cpu_count()} CPUs): {len(chunks)} x {args.chunk} working set, "
+        f"{args.node_dram} DRAM per node, {args.tasks} client tasks x batch {args.batch}",
+        flush=True,
+    )
 
     rows: list[dict[str, Any]] = []
     events: dict[str, Any] = {}
@@ -457,8 +486,11 @@ def main() -> int:
             continue
         row, pool = asyncio.run(measure_size(n, args, chunks))
         rows.append(row)
-        print(f"  {n} node(s): put {row['put_gbps']:.3f} GB/s, get {row['get_gbps']:.3f} GB/s, "
-              f"hit rate {row['hit_rate']:.3f}", flush=True)  # fmt: skip
+        print(
+            f"  {n} node(s): put {row['put_gbps']:.3f} GB/s, get {row['get_gbps']:.3f} GB/s, "
+            f"hit rate {row['hit_rate']:.3f}",
+            flush=True,
+        )
         try:
             if n == max(sizes):
                 registry = asyncio.run(registry_cost(pool))
@@ -476,19 +508,27 @@ def main() -> int:
         _print_fleet(registry, scaled, args.fleet_engines, args.fleet_nodes)
     if events:
         join, drained, killed = events["join"], events["drain"], events["kill"]
-        print(f"join: the new node took {join['joiner_write_share']:.3f} of the next {args.join_keys} writes "
-              f"(its free-space share {join['joiner_free_share']:.3f}, capacity share "
-              f"{join['joiner_capacity_share']:.3f})")  # fmt: skip
+        print(
+            f"join: the new node took {join['joiner_write_share']:.3f} of the next {args.join_keys} writes "
+            f"(its free-space share {join['joiner_free_share']:.3f}, capacity share "
+            f"{join['joiner_capacity_share']:.3f})"
+        )
         one, two = killed["replicas_1"], killed["replicas_2"]
-        print(f"kill -9 {killed['node']}: replicas=1 hits {one['hits_before']} -> {one['hits_after']} "
-              f"({one['lost']} lost; {one['held_only_by_killed']} were held only there); "
-              f"replicas=2: {two['hits_after']} of {two['keys']} hit")  # fmt: skip
-        print(f"drain {drained['node']}: {drained['moved']} chunks moved ({drained['working_set_keys_only_there']} "
-              f"of the working set), {drained['already_elsewhere']} had a copy elsewhere; hits "
-              f"{drained['hits_before']} -> {drained['hits_after']} after stopping it")  # fmt: skip
+        print(
+            f"kill -9 {killed['node']}: replicas=1 hits {one['hits_before']} -> {one['hits_after']} "
+            f"({one['lost']} lost; {one['held_only_by_killed']} were held only there); "
+            f"replicas=2: {two['hits_after']} of {two['keys']} hit"
+        )
+        print(
+            f"drain {drained['node']}: {drained['moved']} chunks moved ({drained['working_set_keys_only_there']} "
+            f"of the working set), {drained['already_elsewhere']} had a copy elsewhere; hits "
+            f"{drained['hits_before']} -> {drained['hits_after']} after stopping it"
+        )
     if bench:
-        print(f"redis-benchmark (-P 16 -c 8): HGETALL {bench['hgetall_ops_per_s']:,.0f}/s, "
-              f"commit Lua {bench['commit_lua_ops_per_s']:,.0f}/s")  # fmt: skip
+        print(
+            f"redis-benchmark (-P 16 -c 8): HGETALL {bench['hgetall_ops_per_s']:,.0f}/s, "
+            f"commit Lua {bench['commit_lua_ops_per_s']:,.0f}/s"
+        )
 
     args.results.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%dT%H%M%S")

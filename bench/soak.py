@@ -89,9 +89,15 @@ class Load:
 
 
 async def _client_loop(
-    client: PoolClient, args: argparse.Namespace, values: Values, versions: list[int], load: Load, rng: random.Random,
-    deadline: float, prefix: str,
-) -> None:  # fmt: skip
+    client: PoolClient,
+    args: argparse.Namespace,
+    values: Values,
+    versions: list[int],
+    load: Load,
+    rng: random.Random,
+    deadline: float,
+    prefix: str,
+) -> None:
     mix = [("put", args.put), ("get", args.get), ("contains", args.contains)]
     names, weights = [m[0] for m in mix], [m[1] for m in mix]
     while time.monotonic() < deadline:
@@ -137,11 +143,21 @@ async def _run_load(url: str, args: argparse.Namespace, keys_total: int) -> Load
     clients = [PoolClient(PoolConfig.from_url(url)) for _ in range(args.pool_clients)]
     try:
         deadline = time.monotonic() + args.duration
-        await asyncio.gather(*(
-            _client_loop(clients[n % len(clients)], args, values, versions, load, random.Random(args.seed + n),
-                         deadline, prefix)
-            for n in range(args.clients)
-        ))  # fmt: skip
+        await asyncio.gather(
+            *(
+                _client_loop(
+                    clients[n % len(clients)],
+                    args,
+                    values,
+                    versions,
+                    load,
+                    random.Random(args.seed + n),
+                    deadline,
+                    prefix,
+                )
+                for n in range(args.clients)
+            )
+        )
     finally:
         for client in clients:
             await client.close()
@@ -163,14 +179,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with EmbeddedRedis() as redis_server:
         try:
             for _ in range(args.nodes):
-                node_args = ["--redis", redis_server.url, "--namespace", namespace, "--dram", args.dram,
-                             "--shm-dir", args.shm_dir, "--prefault", "off"]  # fmt: skip
+                node_args = [
+                    "--redis",
+                    redis_server.url,
+                    "--namespace",
+                    namespace,
+                    "--dram",
+                    args.dram,
+                    "--shm-dir",
+                    args.shm_dir,
+                    "--prefault",
+                    "off",
+                ]
                 nodes.append(NodeProcess(node_args).start(START_TIMEOUT_S))
             url = f"kvpool://127.0.0.1:{redis_server.port}/{namespace}?timeout_ms={args.timeout_ms}"
             before = {n.node_id: n.memory() for n in nodes}
-            print(f"[soak] {args.clients} clients for {args.duration:.0f} s on {args.nodes} nodes of {args.dram} DRAM; "
-                  f"working set {keys_total} keys x {args.value_bytes} B = "
-                  f"{keys_total * args.value_bytes / MIB:.0f} MiB ({args.working_set:g}x DRAM)", flush=True)  # fmt: skip
+            print(
+                f"[soak] {args.clients} clients for {args.duration:.0f} s on {args.nodes} nodes of {args.dram} DRAM; "
+                f"working set {keys_total} keys x {args.value_bytes} B = "
+                f"{keys_total * args.value_bytes / MIB:.0f} MiB ({args.working_set:g}x DRAM)",
+                flush=True,
+            )
             started = time.monotonic()
             load = asyncio.run(_run_load(url, args, keys_total))
             elapsed = time.monotonic() - started
@@ -195,13 +224,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     ops = sum(load.ops.values())
     return {
-        "duration_s": round(elapsed, 1), "clients": args.clients, "nodes": args.nodes, "dram": args.dram,
-        "value_bytes": args.value_bytes, "working_set_keys": keys_total,
-        "ops": dict(load.ops), "ops_total": ops, "ops_per_s": round(ops / elapsed, 1),
-        "put_bytes": load.bytes["put"], "get_bytes": load.bytes["get"],
-        "hits": load.hits, "misses": load.misses, "wrong_bytes": load.wrong, "busy_puts": load.busy,
-        "errors": dict(load.errors), "errors_total": sum(load.errors.values()), "nodes_detail": per_node,
-    }  # fmt: skip
+        "duration_s": round(elapsed, 1),
+        "clients": args.clients,
+        "nodes": args.nodes,
+        "dram": args.dram,
+        "value_bytes": args.value_bytes,
+        "working_set_keys": keys_total,
+        "ops": dict(load.ops),
+        "ops_total": ops,
+        "ops_per_s": round(ops / elapsed, 1),
+        "put_bytes": load.bytes["put"],
+        "get_bytes": load.bytes["get"],
+        "hits": load.hits,
+        "misses": load.misses,
+        "wrong_bytes": load.wrong,
+        "busy_puts": load.busy,
+        "errors": dict(load.errors),
+        "errors_total": sum(load.errors.values()),
+        "nodes_detail": per_node,
+    }
 
 
 def verdict(figures: dict[str, Any], max_errors: int, max_busy: float = DEFAULT_MAX_BUSY) -> list[str]:
@@ -218,22 +259,28 @@ def verdict(figures: dict[str, Any], max_errors: int, max_busy: float = DEFAULT_
         if not node["alive"]:
             problems.append(f"node {node_id} died")
         if node["rss_peak_bytes"] > node["bound_bytes"]:
-            problems.append(f"node {node_id} peak RSS {node['rss_peak_bytes'] / MIB:.0f} MiB "
-                            f"over its bound {node['bound_bytes'] / MIB:.0f} MiB")  # fmt: skip
+            problems.append(
+                f"node {node_id} peak RSS {node['rss_peak_bytes'] / MIB:.0f} MiB "
+                f"over its bound {node['bound_bytes'] / MIB:.0f} MiB"
+            )
     return problems
 
 
 def report(figures: dict[str, Any]) -> None:
     f = figures
     print(f"[soak] {f['ops_total']} ops in {f['duration_s']} s ({f['ops_per_s']} ops/s): {f['ops']}")
-    print(f"[soak] put {f['put_bytes'] / MIB:.0f} MiB, got {f['get_bytes'] / MIB:.0f} MiB; "
-          f"{f['hits']} hits, {f['misses']} misses, {f['wrong_bytes']} wrong; "
-          f"errors {f['errors_total']} {f['errors'] or ''}; {f['busy_puts']} of {f['ops'].get('put', 0)} puts busy")  # fmt: skip
+    print(
+        f"[soak] put {f['put_bytes'] / MIB:.0f} MiB, got {f['get_bytes'] / MIB:.0f} MiB; "
+        f"{f['hits']} hits, {f['misses']} misses, {f['wrong_bytes']} wrong; "
+        f"errors {f['errors_total']} {f['errors'] or ''}; {f['busy_puts']} of {f['ops'].get('put', 0)} puts busy"
+    )
     print("[soak] node            RSS before  RSS after  peak RSS  bound     evictions")
     for node_id, n in f["nodes_detail"].items():
-        print(f"[soak] {node_id:<15} {n['rss_before_bytes'] / MIB:7.0f} MiB {n['rss_after_bytes'] / MIB:6.0f} MiB "
-              f"{n['rss_peak_bytes'] / MIB:5.0f} MiB {n['bound_bytes'] / MIB:5.0f} MiB {n['evictions']:9d}"
-              f"{'' if n['alive'] else '  DIED'}")  # fmt: skip
+        print(
+            f"[soak] {node_id:<15} {n['rss_before_bytes'] / MIB:7.0f} MiB {n['rss_after_bytes'] / MIB:6.0f} MiB "
+            f"{n['rss_peak_bytes'] / MIB:5.0f} MiB {n['bound_bytes'] / MIB:5.0f} MiB {n['evictions']:9d}"
+            f"{'' if n['alive'] else '  DIED'}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,8 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-ms", type=int, default=10_000, help="client timeout (default 10000: 2 cores)")
     parser.add_argument("--shm-dir", default="off", help="nodes' --shm-dir (default off: TCP, as from another host)")
     parser.add_argument("--max-errors", type=int, default=0, help="errors allowed before exiting non-zero")
-    parser.add_argument("--max-busy", type=float, default=DEFAULT_MAX_BUSY,
-                        help="share of puts that may be refused as busy (default 0.01)")  # fmt: skip
+    parser.add_argument(
+        "--max-busy",
+        type=float,
+        default=DEFAULT_MAX_BUSY,
+        help="share of puts that may be refused as busy (default 0.01)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = parser.parse_args(argv)
@@ -265,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         print(f"[soak] FAIL: {problem}", flush=True)
     if not problems:
-        print("[soak] PASS: no wrong byte, errors and busy puts within the allowance, every node within its memory bound")
+        print(
+            "[soak] PASS: no wrong byte, errors and busy puts within the allowance, every node within its memory bound"
+        )
     if args.json:
         print(json.dumps(figures), flush=True)
     return 1 if problems else 0

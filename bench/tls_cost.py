@@ -29,11 +29,29 @@ from bench.nodes import NodeProcess
 def self_signed(directory: Path) -> tuple[Path, Path]:
     cert, key = directory / "localhost.crt", directory / "localhost.key"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-days", "1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-days",
+            "1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 
@@ -77,8 +95,9 @@ def main() -> None:
         nodes = []
         try:
             nodes.append(start_node(plain_redis.url, []))
-            nodes.append(start_node(tls_redis.url, ["--redis-ca", str(cert), "--tls-cert", str(cert),
-                                                    "--tls-key", str(key)]))  # fmt: skip
+            nodes.append(
+                start_node(tls_redis.url, ["--redis-ca", str(cert), "--tls-cert", str(cert), "--tls-key", str(key)])
+            )
             sides = {
                 "plaintext": f"kvpool://127.0.0.1:{plain_redis.port}/default",
                 "tls": f"kvpool://127.0.0.1:{tls_redis.port}/default?tls=on&tls_ca={cert}",

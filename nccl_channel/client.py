@@ -35,10 +35,19 @@ class NcclChannel:
     returns the response meta (``PoolClient.channel_request``).
     """
 
-    def __init__(self, transport: Transport, rendezvous: Rendezvous, endpoint_id: str, cluster: str,
-                 request: Request, timeout_s: float, max_pairs: int = MAX_PAIRS,
-                 backoff_s: float = BACKOFF_S, pair_timeout_s: float = PAIR_TIMEOUT_S,
-                 pipelined: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        transport: Transport,
+        rendezvous: Rendezvous,
+        endpoint_id: str,
+        cluster: str,
+        request: Request,
+        timeout_s: float,
+        max_pairs: int = MAX_PAIRS,
+        backoff_s: float = BACKOFF_S,
+        pair_timeout_s: float = PAIR_TIMEOUT_S,
+        pipelined: bool = True,
+    ) -> None:
         self.transport = transport
         self.pipelined = pipelined  # False: the first design (whole batch staged, then copied), kept to compare
         self._verifier = Verifier()
@@ -189,8 +198,9 @@ class NcclChannel:
         staged: list[torch.Tensor] = await asyncio.shield(pair.transfer)
         return staged
 
-    async def _receive_pipelined(self, pair: Pair, found: list[ItemMeta | None], sink: Sink[Any],
-                                 timeout_s: float) -> list[Any]:  # fmt: skip
+    async def _receive_pipelined(
+        self, pair: Pair, found: list[ItemMeta | None], sink: Sink[Any], timeout_s: float
+    ) -> list[Any]:
         """Sink buffers first, then the batch straight into them, each chunk verified as it lands."""
         handles: list[Any] = [None] * len(found)
         items = [(index, item) for index, item in enumerate(found) if item is not None]

@@ -57,8 +57,15 @@ class PairCommunicator:
         return (self.rank + 1) % self.world_size
 
     @classmethod
-    def create(cls, lib: NcclLibrary, uid: NcclUniqueId, rank: int, world_size: int, device: torch.device | str,
-               timeout_s: float) -> PairCommunicator:  # fmt: skip
+    def create(
+        cls,
+        lib: NcclLibrary,
+        uid: NcclUniqueId,
+        rank: int,
+        world_size: int,
+        device: torch.device | str,
+        timeout_s: float,
+    ) -> PairCommunicator:
         """Join a communicator; every rank calls this with the same ``uid``. Aborted at the deadline."""
         dev = torch.device(device)
         if dev.type != "cuda":
@@ -80,8 +87,9 @@ class PairCommunicator:
         """Receive into every tensor from ``peer`` inside one NCCL group and wait for completion."""
         self._run([(t, "recv") for t in tensors], timeout_s, peer)
 
-    def exchange(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], timeout_s: float,
-                 peer: int | None = None) -> None:  # fmt: skip
+    def exchange(
+        self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], timeout_s: float, peer: int | None = None
+    ) -> None:
         """Sends and receives in one group (with ``world_size == 1`` this is a self copy)."""
         self._run([*((t, "send") for t in sends), *((t, "recv") for t in recvs)], timeout_s, peer)
 
@@ -96,8 +104,14 @@ class PairCommunicator:
         for tensor, _ in ops:
             tensor.record_stream(self.stream)
 
-    def issue(self, ops: Sequence[tuple[int, int, str]], timeout_s: float, peer: int | None = None,
-              after: torch.cuda.Event | None = None, started: float | None = None) -> torch.cuda.Event:  # fmt: skip
+    def issue(
+        self,
+        ops: Sequence[tuple[int, int, str]],
+        timeout_s: float,
+        peer: int | None = None,
+        after: torch.cuda.Event | None = None,
+        started: float | None = None,
+    ) -> torch.cuda.Event:
         """Queue one group of ``(pointer, nbytes, "send"|"recv")`` on this communicator's stream; no waiting
         for the bytes. Returns an event that completes with the group. ``after``: an event the group waits
         for (a staging copy on another stream). The caller keeps the buffers alive until the event completes.
@@ -131,8 +145,14 @@ class PairCommunicator:
     def wait(self, event: torch.cuda.Event, timeout_s: float, started: float, what: str) -> None:
         """Wait for ``event`` (spin, then short growing pauses); aborts the communicator at ``started + timeout_s``
         or when ``abort_requested`` is set, and raises NcclError."""
-        wait_until(event.query, deadline=started + timeout_s, timeout_s=timeout_s, what=f"rank {self.rank}: {what}",
-                   stop=self._abort_requested, abort=self.abort)  # fmt: skip
+        wait_until(
+            event.query,
+            deadline=started + timeout_s,
+            timeout_s=timeout_s,
+            what=f"rank {self.rank}: {what}",
+            stop=self._abort_requested,
+            abort=self.abort,
+        )
 
     def _abort_requested(self) -> bool:
         return self.abort_requested
@@ -162,8 +182,15 @@ class PairCommunicator:
             logger.warning("nccl: destroy failed: %s", exc)
 
 
-def _wait_ready(lib: NcclLibrary, comm: Any, result: int, timeout_s: float, what: str, started: float | None = None,
-                stop: Callable[[], bool] = never) -> None:  # fmt: skip
+def _wait_ready(
+    lib: NcclLibrary,
+    comm: Any,
+    result: int,
+    timeout_s: float,
+    what: str,
+    started: float | None = None,
+    stop: Callable[[], bool] = never,
+) -> None:
     """Wait until a non-blocking communicator is ready; NcclError at the deadline or on ``stop()`` (the caller aborts)."""
     state = result
 
@@ -186,7 +213,6 @@ def _abort_quietly(lib: NcclLibrary, comm: Any) -> None:
         logger.warning("nccl: abort failed: %s", exc)
 
 
-def _wait_event(event: torch.cuda.Event, timeout_s: float, what: str, started: float,
-                stop: Callable[[], bool]) -> None:  # fmt: skip
+def _wait_event(event: torch.cuda.Event, timeout_s: float, what: str, started: float, stop: Callable[[], bool]) -> None:
     """Wait for ``event`` (spin, then short growing pauses: nccl_channel.waits); NcclError at the deadline."""
     wait_until(event.query, deadline=started + timeout_s, timeout_s=timeout_s, what=what, stop=stop)

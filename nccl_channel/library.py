@@ -132,8 +132,11 @@ FUNCTIONS = [
     Function("ncclCommInitRank", ncclResult_t, [ctypes.POINTER(ncclComm_t), ctypes.c_int, NcclUniqueId, ctypes.c_int]),
     # ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank,
     #                                     ncclConfig_t* config)
-    Function("ncclCommInitRankConfig", ncclResult_t,
-             [ctypes.POINTER(ncclComm_t), ctypes.c_int, NcclUniqueId, ctypes.c_int, ctypes.POINTER(NcclConfig)]),
+    Function(
+        "ncclCommInitRankConfig",
+        ncclResult_t,
+        [ctypes.POINTER(ncclComm_t), ctypes.c_int, NcclUniqueId, ctypes.c_int, ctypes.POINTER(NcclConfig)],
+    ),
     # ncclResult_t ncclCommAbort(ncclComm_t comm)
     Function("ncclCommAbort", ncclResult_t, [ncclComm_t]),
     # ncclResult_t ncclCommDestroy(ncclComm_t comm)
@@ -142,16 +145,18 @@ FUNCTIONS = [
     Function("ncclCommGetAsyncError", ncclResult_t, [ncclComm_t, ctypes.POINTER(ncclResult_t)]),
     # ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer,
     #                       ncclComm_t comm, cudaStream_t stream)
-    Function("ncclSend", ncclResult_t,
-             [buffer_type, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ncclComm_t, cudaStream_t]),
+    Function(
+        "ncclSend", ncclResult_t, [buffer_type, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ncclComm_t, cudaStream_t]
+    ),
     # ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer,
     #                       ncclComm_t comm, cudaStream_t stream)
-    Function("ncclRecv", ncclResult_t,
-             [buffer_type, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ncclComm_t, cudaStream_t]),
+    Function(
+        "ncclRecv", ncclResult_t, [buffer_type, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ncclComm_t, cudaStream_t]
+    ),
     # ncclResult_t ncclGroupStart(void); ncclResult_t ncclGroupEnd(void)
     Function("ncclGroupStart", ncclResult_t, []),
     Function("ncclGroupEnd", ncclResult_t, []),
-]  # fmt: skip
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,8 +278,13 @@ def probe(path: str, timeout_s: float = PROBE_TIMEOUT_S) -> ProbeResult:
     """Load ``path`` in a child process and ask its version; NcclError if that fails in any way."""
     names = json.dumps([f.name for f in FUNCTIONS])
     try:
-        proc = subprocess.run([sys.executable, "-c", _PROBE_CODE, path, names], capture_output=True, text=True,
-                              timeout=timeout_s, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-c", _PROBE_CODE, path, names],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        )
     except subprocess.TimeoutExpired:
         raise NcclError(f"loading {path} did not finish in {timeout_s:.0f} s") from None
     if proc.returncode < 0:

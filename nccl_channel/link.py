@@ -35,8 +35,13 @@ class Link(Protocol):
     def recv(self, sizes: Sequence[int], timeout_s: float) -> list[torch.Tensor]:
         """Receive a batch of ``sizes`` bytes into staging; the views stay valid until the next recv."""
 
-    def recv_into(self, sizes: Sequence[int], targets: Sequence[memoryview | None], timeout_s: float,
-                  landed: Callable[[int], None]) -> None:  # fmt: skip
+    def recv_into(
+        self,
+        sizes: Sequence[int],
+        targets: Sequence[memoryview | None],
+        timeout_s: float,
+        landed: Callable[[int], None],
+    ) -> None:
         """Receive a batch straight into host ``targets`` (None: receive and drop), chunk after chunk.
 
         ``landed(i)`` is called, in order, as soon as chunk ``i`` is in its target, while

@@ -20,8 +20,16 @@ logger = logging.getLogger(__name__)
 class ChannelServer:
     """The node end: joins offers meant for this node and sends chunks over the pairs."""
 
-    def __init__(self, transport: Transport, rendezvous: Rendezvous, node_id: str, cluster: str, timeout_s: float,
-                 max_pairs: int = MAX_PAIRS, pair_timeout_s: float = PAIR_TIMEOUT_S) -> None:  # fmt: skip
+    def __init__(
+        self,
+        transport: Transport,
+        rendezvous: Rendezvous,
+        node_id: str,
+        cluster: str,
+        timeout_s: float,
+        max_pairs: int = MAX_PAIRS,
+        pair_timeout_s: float = PAIR_TIMEOUT_S,
+    ) -> None:
         self.transport = transport
         self.rendezvous = rendezvous
         self.node_id = node_id

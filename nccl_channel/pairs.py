@@ -19,8 +19,18 @@ from backend.errors import NcclError
 from backend.protocol import ItemMeta
 from nccl_channel.link import Buffer, Link
 
-__all__ = ["Peer", "Sink", "Request", "Pair", "PairCache", "in_thread", "abort_joined",
-           "MAX_PAIRS", "PAIR_TIMEOUT_S", "TEARDOWN_TIMEOUT_S"]  # fmt: skip
+__all__ = [
+    "Peer",
+    "Sink",
+    "Request",
+    "Pair",
+    "PairCache",
+    "in_thread",
+    "abort_joined",
+    "MAX_PAIRS",
+    "PAIR_TIMEOUT_S",
+    "TEARDOWN_TIMEOUT_S",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -51,12 +51,18 @@ class Landed(Protocol):
 class ReceivingLink(Protocol):
     """The one call :func:`receive_batch` needs of a link (``nccl_channel.link.Link.recv_into``)."""
 
-    def recv_into(self, sizes: Sequence[int], targets: Sequence[memoryview | None], timeout_s: float,
-                  landed: Landed) -> None: ...  # fmt: skip
+    def recv_into(
+        self, sizes: Sequence[int], targets: Sequence[memoryview | None], timeout_s: float, landed: Landed
+    ) -> None: ...
 
 
-def run_ring(count: int, depth: int, issue: Callable[[int], Event], land: Callable[[int], None],
-             wait: Callable[[Event, int], None]) -> None:  # fmt: skip
+def run_ring(
+    count: int,
+    depth: int,
+    issue: Callable[[int], Event],
+    land: Callable[[int], None],
+    wait: Callable[[Event, int], None],
+) -> None:
     """Issue ``count`` chunks through ``depth`` slots; each lands (in order) before its slot is issued again.
 
     ``wait(event, i)`` blocks until chunk ``i``'s event completes (bounded by the caller's
@@ -111,8 +117,14 @@ def _timed_verify(view: memoryview, expected: int) -> tuple[bool, float]:
     return _verify_chunk(view, expected), time.monotonic()
 
 
-def receive_batch(link: ReceivingLink, sizes: Sequence[int], targets: Sequence[memoryview | None],
-                  expected: Sequence[int], timeout_s: float, verifier: Verifier) -> BatchReport:  # fmt: skip
+def receive_batch(
+    link: ReceivingLink,
+    sizes: Sequence[int],
+    targets: Sequence[memoryview | None],
+    expected: Sequence[int],
+    timeout_s: float,
+    verifier: Verifier,
+) -> BatchReport:
     """Receive a batch into ``targets`` (None: receive and drop), verifying each chunk as it lands.
 
     A chunk with no target is reported good (nobody reads it). Raises what the link or a

@@ -51,10 +51,13 @@ class Offer:
         try:
             body = json.loads(text)
             return cls(
-                session=str(body["session"]), transport=str(body["transport"]),
-                unique_id=bytes.fromhex(str(body["unique_id"])), initiator=str(body["initiator"]),
-                target=str(body["target"]), cluster=str(body["cluster"]),
-            )  # fmt: skip
+                session=str(body["session"]),
+                transport=str(body["transport"]),
+                unique_id=bytes.fromhex(str(body["unique_id"])),
+                initiator=str(body["initiator"]),
+                target=str(body["target"]),
+                cluster=str(body["cluster"]),
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise NcclError(f"rendezvous offer is malformed: {exc}") from None
 

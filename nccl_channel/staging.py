@@ -54,8 +54,12 @@ class HostRegistry:
                 return True
             error = torch.cuda.cudart().cudaHostRegister(start, nbytes, CUDA_HOST_REGISTER_DEFAULT)
             if int(error) != 0:
-                logger.warning("channel: cudaHostRegister of %d bytes failed (cudaError %d); staging through "
-                               "pinned bounce buffers instead", nbytes, int(error))  # fmt: skip
+                logger.warning(
+                    "channel: cudaHostRegister of %d bytes failed (cudaError %d); staging through "
+                    "pinned bounce buffers instead",
+                    nbytes,
+                    int(error),
+                )
                 return False
             bisect.insort(self._starts, start)
             self._ends[start] = start + nbytes

@@ -96,8 +96,13 @@ class CpuLink:
                     self.progress(index)
         return views
 
-    def recv_into(self, sizes: Sequence[int], targets: Sequence[memoryview | None], timeout_s: float,
-                  landed: Callable[[int], None]) -> None:  # fmt: skip
+    def recv_into(
+        self,
+        sizes: Sequence[int],
+        targets: Sequence[memoryview | None],
+        timeout_s: float,
+        landed: Callable[[int], None],
+    ) -> None:
         """Receive each chunk straight into its target (no staging); ``landed(i)`` as each one is in."""
         deadline = time.monotonic() + timeout_s
         head = bytearray(_BATCH_HEAD.size)
@@ -180,8 +185,9 @@ class CpuTransport:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise NcclError(f"the peer did not join the CPU pair at {listener.getsockname()[:2]} "
-                                f"within {timeout_s:.1f} s")  # fmt: skip
+                raise NcclError(
+                    f"the peer did not join the CPU pair at {listener.getsockname()[:2]} within {timeout_s:.1f} s"
+                )
             listener.settimeout(remaining)
             try:
                 sock, _ = listener.accept()

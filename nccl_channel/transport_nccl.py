@@ -33,8 +33,9 @@ class NcclLink:
       one NCCL group, copied out afterwards.
     """
 
-    def __init__(self, comm: Any, staging: str = "pipelined", registry: HostRegistry | None = None,
-                 depth: int = RING_DEPTH) -> None:  # fmt: skip
+    def __init__(
+        self, comm: Any, staging: str = "pipelined", registry: HostRegistry | None = None, depth: int = RING_DEPTH
+    ) -> None:
         if staging not in STAGING_MODES:
             raise NcclError(f"unknown staging {staging!r}; known: {', '.join(STAGING_MODES)}")
         self.comm = comm
@@ -127,8 +128,13 @@ class NcclLink:
         self.comm.recv([v for v in views if v.numel()], timeout_s)
         return views
 
-    def recv_into(self, sizes: Sequence[int], targets: Sequence[memoryview | None], timeout_s: float,
-                  landed: Callable[[int], None]) -> None:  # fmt: skip
+    def recv_into(
+        self,
+        sizes: Sequence[int],
+        targets: Sequence[memoryview | None],
+        timeout_s: float,
+        landed: Callable[[int], None],
+    ) -> None:
         started = time.monotonic()
         ring = self._ring_for(max(sizes, default=0))
         bounced: dict[int, torch.Tensor] = {}
@@ -138,8 +144,9 @@ class NcclLink:
             arrived = self.comm.issue([(pointer, sizes[index], "recv")], timeout_s, started=started)
             return self.copy_in(ring, index, targets[index], arrived, bounced)
 
-        self.run_ring(len(sizes), issue, lambda index: self.land(index, targets, bounced, landed), timeout_s,
-                      started, "receive")  # fmt: skip
+        self.run_ring(
+            len(sizes), issue, lambda index: self.land(index, targets, bounced, landed), timeout_s, started, "receive"
+        )
 
     def recv_pointer(self, ring: StagingRing, index: int, size: int, target: memoryview | None) -> int:
         """Where NCCL receives chunk ``index``: its ring slot, or (``direct``) a pinned target itself."""
@@ -150,8 +157,9 @@ class NcclLink:
             return address_of(target)
         return int(ring.device_slots[index % ring.depth].data_ptr())
 
-    def copy_in(self, ring: StagingRing, index: int, target: memoryview | None, arrived: Any,
-                bounced: dict[int, torch.Tensor]) -> Any:  # fmt: skip
+    def copy_in(
+        self, ring: StagingRing, index: int, target: memoryview | None, arrived: Any, bounced: dict[int, torch.Tensor]
+    ) -> Any:
         """Queue the copy of chunk ``index`` from its slot to the host once ``arrived``; the event it completes.
 
         A pinned target gets the bytes straight; any other, through the slot's pinned bounce
@@ -171,16 +179,27 @@ class NcclLink:
         return copied
 
     @staticmethod
-    def land(index: int, targets: Sequence[memoryview | None], bounced: dict[int, torch.Tensor],
-             landed: Callable[[int], None]) -> None:  # fmt: skip
+    def land(
+        index: int,
+        targets: Sequence[memoryview | None],
+        bounced: dict[int, torch.Tensor],
+        landed: Callable[[int], None],
+    ) -> None:
         """Chunk ``index`` is on the host: out of its bounce buffer into a pageable target, then ``landed``."""
         bounce, target = bounced.pop(index, None), targets[index]
         if bounce is not None and target is not None:
             torch.frombuffer(target, dtype=torch.uint8).copy_(bounce)
         landed(index)
 
-    def run_ring(self, count: int, issue: Callable[[int], Any], land: Callable[[int], None], timeout_s: float,
-                  started: float, what: str) -> None:  # fmt: skip
+    def run_ring(
+        self,
+        count: int,
+        issue: Callable[[int], Any],
+        land: Callable[[int], None],
+        timeout_s: float,
+        started: float,
+        what: str,
+    ) -> None:
         """Drive ``issue``/``land`` through the ring; any failure aborts the communicator and raises NcclError."""
         ring_depth = self.depth
 
@@ -209,8 +228,14 @@ class NcclLink:
         self.comm.close()
 
 
-def exchange_self(node: NcclLink, client: NcclLink, buffers: Sequence[Buffer], targets: Sequence[memoryview | None],
-                  timeout_s: float, landed: Callable[[int], None]) -> None:  # fmt: skip
+def exchange_self(
+    node: NcclLink,
+    client: NcclLink,
+    buffers: Sequence[Buffer],
+    targets: Sequence[memoryview | None],
+    timeout_s: float,
+    landed: Callable[[int], None],
+) -> None:
     """Both ends of the pipelined path on one 1-rank communicator (NCCL sends to itself only inside one group).
 
     ``node`` stages each chunk as :meth:`NcclLink.send` does, ``client`` lands it as
@@ -227,12 +252,19 @@ def exchange_self(node: NcclLink, client: NcclLink, buffers: Sequence[Buffer], t
         size, target = len(views[index]), targets[index]
         source, staged = node.stage_out(out_ring, index, views[index])
         into = client.recv_pointer(in_ring, index, size, target)
-        arrived = client.comm.issue([(source, size, "send"), (into, size, "recv")], timeout_s, peer=0, after=staged,
-                                    started=started)  # fmt: skip
+        arrived = client.comm.issue(
+            [(source, size, "send"), (into, size, "recv")], timeout_s, peer=0, after=staged, started=started
+        )
         return client.copy_in(in_ring, index, target, arrived, bounced)
 
-    client.run_ring(len(views), issue, lambda index: client.land(index, targets, bounced, landed), timeout_s, started,
-                    "self exchange")  # fmt: skip
+    client.run_ring(
+        len(views),
+        issue,
+        lambda index: client.land(index, targets, bounced, landed),
+        timeout_s,
+        started,
+        "self exchange",
+    )
 
 
 class NcclTransport:

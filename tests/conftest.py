@@ -50,8 +50,15 @@ def redis_factory() -> Iterator[list[EmbeddedRedis]]:
 def node_factory(redis_server: EmbeddedRedis, namespace: str) -> Iterator[object]:
     started: list[NodeProcess] = []
 
-    def spawn(*extra: str, redis_url: str | None = None, ns: str | None = None, dram: str = "256MiB",
-              env: dict[str, str] | None = None, max_open_files: int = 0, shm: bool = False) -> NodeProcess:  # fmt: skip
+    def spawn(
+        *extra: str,
+        redis_url: str | None = None,
+        ns: str | None = None,
+        dram: str = "256MiB",
+        env: dict[str, str] | None = None,
+        max_open_files: int = 0,
+        shm: bool = False,
+    ) -> NodeProcess:
         """A node process. ``shm=False`` (the default here) makes every read go over TCP,
         as it does from another host; tests of the same-host path pass ``shm=True``.
         Test nodes do not prefault (``--prefault on`` in ``extra`` or ``env`` turns it on): hundreds

@@ -127,8 +127,12 @@ def test_drain_moves_every_chunk_verified_and_resumes_after_being_killed(pool):
         client.put(chunks)
         on_a = int(client.node_stats(next(n for n in client.nodes() if n.node_id == a.node_id))["objects"])
         assert on_a > 50
-        proc = subprocess.Popen([sys.executable, "-m", "backend.cli", "drain", a.node_id, "--url", url, "--batch", "1"],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "backend.cli", "drain", a.node_id, "--url", url, "--batch", "1"],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         node_a = next(n for n in client.nodes() if n.node_id == a.node_id)
         assert wait_until(lambda: int(client.node_stats(node_a)["objects"]) < on_a - 10, 30.0, 0.02)
         proc.send_signal(signal.SIGKILL)  # killed half-way
@@ -178,8 +182,11 @@ def test_check_finds_each_injected_inconsistency_and_fix_repairs_it(node_factory
             f.seek(record.data_offset + 5)
             f.write(b"\xff\x00\xff")
         # 2. orphan bytes: the index entry vanishes, the node still holds the chunk
-        subprocess.run(["redis-cli", "-p", str(config.redis_port), "DEL", f"kvp:{config.namespace}:k:{{{on_mem[0]}}}"],
-                       check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["redis-cli", "-p", str(config.redis_port), "DEL", f"kvp:{config.namespace}:k:{{{on_mem[0]}}}"],
+            check=True,
+            capture_output=True,
+        )
         mem_epoch = next(n.epoch for n in client.nodes() if n.node_id == mem.node_id)
 
         async def inject() -> None:
@@ -233,8 +240,12 @@ def test_bad_arguments_are_usage_errors_and_change_nothing(pool):
     url, _, _ = pool
     with SyncPoolClient(PoolConfig.from_url(url)) as client:
         client.put(_data("keep", 2, 10))
-        for args in (["ls", "--url", url, "--limit", "x"], ["drain"], ["check", "--url", url, "--bogus"],
-                     ["evict", "--url", url, "--model"]):  # fmt: skip
+        for args in (
+            ["ls", "--url", url, "--limit", "x"],
+            ["drain"],
+            ["check", "--url", url, "--bogus"],
+            ["evict", "--url", url, "--model"],
+        ):
             assert kvpool(*args).returncode == 2, args
         assert client.hit_prefix(["keep@1@0@0@bfloat16", "keep@1@0@1@bfloat16"]) == 2
 
@@ -298,8 +309,9 @@ def test_doctor_checks_the_remote_url_form_end_to_end_and_fails_it_beside_the_pl
 
 def test_node_reads_its_options_from_a_config_file(redis_server, namespace, tmp_path):
     cfg = tmp_path / "node.yaml"
-    cfg.write_text(yaml.safe_dump({"redis": redis_server.url, "namespace": namespace, "dram": "8MiB",
-                                   "node-id": "from-yaml"}))  # fmt: skip
+    cfg.write_text(
+        yaml.safe_dump({"redis": redis_server.url, "namespace": namespace, "dram": "8MiB", "node-id": "from-yaml"})
+    )
     node = NodeProcess(["--config", str(cfg)], {**os.environ}).start()
     try:
         assert node.node_id == "from-yaml"
@@ -308,8 +320,13 @@ def test_node_reads_its_options_from_a_config_file(redis_server, namespace, tmp_
     finally:
         node.kill()
     cfg.write_text(yaml.safe_dump({"redis": redis_server.url, "dramm": "8MiB"}))
-    out = subprocess.run([sys.executable, "-m", "backend.cli", "node", "--config", str(cfg)], capture_output=True,
-                         text=True, cwd=REPO, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "backend.cli", "node", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert out.returncode == 2 and "dramm" in out.stderr
 
 
@@ -326,8 +343,13 @@ def test_drain_copies_a_chunk_whose_other_copy_is_on_a_dead_node(pool):
         async def fake_replicas() -> None:  # copies on a node that is gone
             store = MetadataStore(config.redis_url, config.namespace)
             try:
-                await store.commit([(c.key, Location("gone-node", 7, "dram", len(c.data), e[0].checksum))
-                                   for c, e in zip(chunks, entries) if e[0].node_id == a.node_id])  # fmt: skip
+                await store.commit(
+                    [
+                        (c.key, Location("gone-node", 7, "dram", len(c.data), e[0].checksum))
+                        for c, e in zip(chunks, entries)
+                        if e[0].node_id == a.node_id
+                    ]
+                )
             finally:
                 await store.close()
 
@@ -424,9 +446,14 @@ def test_a_drain_stopped_by_ctrl_c_clears_its_mark(pool):
         node_a = next(n for n in client.nodes() if n.node_id == a.node_id)
         on_a = int(client.node_stats(node_a)["objects"])
         # SIGINT as a terminal sends it (a shell's background job would start with it ignored)
-        proc = subprocess.Popen([sys.executable, "-m", "backend.cli", "drain", a.node_id, "--url", url, "--batch", "1"],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "backend.cli", "drain", a.node_id, "--url", url, "--batch", "1"],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         assert wait_until(lambda: int(client.node_stats(node_a)["objects"]) < on_a - 10, 30.0, 0.02)
         # Hold the drain mid-way (its next put waits on the frozen target), so that Ctrl-C
         # surely finds it running, however fast the rest of it would have gone.

@@ -30,9 +30,29 @@ from tests.conftest import REPO
 
 HARNESS_TIMEOUT_S = 150
 SMOKE_ROUNDS = 2
-CELL_FIELDS = {"chunk", "chunk_bytes", "shape", "batch", "clients", "rounds", "calls", "chunks_read", "misses",
-               "mismatches", "errors", "put_gbps", "get_gbps", "put_ms", "get_ms", "put_vs_ceiling", "get_vs_ceiling",
-               "put_vs_redis", "get_vs_redis", "get_p99_vs_redis", "per_round"}  # fmt: skip
+CELL_FIELDS = {
+    "chunk",
+    "chunk_bytes",
+    "shape",
+    "batch",
+    "clients",
+    "rounds",
+    "calls",
+    "chunks_read",
+    "misses",
+    "mismatches",
+    "errors",
+    "put_gbps",
+    "get_gbps",
+    "put_ms",
+    "get_ms",
+    "put_vs_ceiling",
+    "get_vs_ceiling",
+    "put_vs_redis",
+    "get_vs_redis",
+    "get_p99_vs_redis",
+    "per_round",
+}
 ROUND_FIELDS = {"round", "chunks_read", "misses", "mismatches", "errors", "put_gbps", "get_gbps", "put_ms", "get_ms"}
 REDIS_BACKED = ("kvpool", "kvpool-shm", "redis", "resp")
 KVPOOL = ("kvpool", "kvpool-shm")
@@ -43,9 +63,12 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comp
     out = tmp_path_factory.mktemp("bench-results")
     proc = subprocess.run(
         [sys.executable, "-m", "bench.harness", "--quick", "--smoke", "--rounds", str(SMOKE_ROUNDS), "--out", str(out)],
-        capture_output=True, text=True, cwd=REPO, timeout=HARNESS_TIMEOUT_S,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=HARNESS_TIMEOUT_S,
         env={**os.environ, "LMCACHE_TRACK_USAGE": "false"},
-    )  # fmt: skip
+    )
     files = sorted(out.glob("harness-*.json"))
     assert len(files) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(files[0].read_text())
@@ -113,8 +136,18 @@ def test_quick_smoke_kvpool_puts_evict_from_a_pool_filled_before_each_round(smok
 @pytest.mark.slow
 def test_quick_smoke_results_file_has_every_documented_field(smoke_run):
     _, run = smoke_run
-    assert {"harness", "started", "command", "plan", "machine", "ceilings", "backends", "targets", "failures",
-            "ok"} <= set(run)  # fmt: skip
+    assert {
+        "harness",
+        "started",
+        "command",
+        "plan",
+        "machine",
+        "ceilings",
+        "backends",
+        "targets",
+        "failures",
+        "ok",
+    } <= set(run)
     assert "--quick --smoke" in run["command"]
     assert run["plan"]["mode"] == "quick" and run["plan"]["smoke"] is True
     assert run["ceilings"]["memcpy_gbps"] > 0 and run["ceilings"]["tcp_loopback_gbps"] > 0
@@ -143,8 +176,14 @@ def test_quick_smoke_results_file_has_every_documented_field(smoke_run):
 
 
 def _cell(chunk: str, put: float, get: float, put_p50: float = 10.0, put_p99: float = 15.0) -> dict:
-    return {"chunk": chunk, "batch": 8, "clients": 1, "put_gbps": put, "get_gbps": get,
-            "put_ms": {"p50": put_p50, "p99": put_p99}}  # fmt: skip
+    return {
+        "chunk": chunk,
+        "batch": 8,
+        "clients": 1,
+        "put_gbps": put,
+        "get_gbps": get,
+        "put_ms": {"p50": put_p50, "p99": put_p99},
+    }
 
 
 def test_targets_compare_kvpool_with_the_best_peer_and_the_ceiling_of_its_path():
@@ -183,10 +222,25 @@ def test_targets_compare_kvpool_with_the_best_peer_and_the_ceiling_of_its_path()
 
 def test_rounds_combine_into_medians_and_any_rounds_miss_fails_the_cell():
     def one_round(round_no: int, put: float, misses: int = 0) -> dict:
-        return {"round": round_no, "chunk": "4MiB", "chunk_bytes": 4 << 20, "shape": [2, 4, 256, 1024],
-                "batch": 8, "clients": 1, "calls": 4, "chunks_read": 32, "misses": misses, "mismatches": 0,
-                "errors": [], "put_gbps": put, "get_gbps": 2 * put, "put_ms": {"p50": put, "p99": 3 * put, "n": 4},
-                "get_ms": {"p50": put, "p99": put, "n": 4}, "evictions": 32, "chunks_put": 32}  # fmt: skip
+        return {
+            "round": round_no,
+            "chunk": "4MiB",
+            "chunk_bytes": 4 << 20,
+            "shape": [2, 4, 256, 1024],
+            "batch": 8,
+            "clients": 1,
+            "calls": 4,
+            "chunks_read": 32,
+            "misses": misses,
+            "mismatches": 0,
+            "errors": [],
+            "put_gbps": put,
+            "get_gbps": 2 * put,
+            "put_ms": {"p50": put, "p99": 3 * put, "n": 4},
+            "get_ms": {"p50": put, "p99": put, "n": 4},
+            "evictions": 32,
+            "chunks_put": 32,
+        }
 
     (cell,) = combine_cells([one_round(1, 5.0), one_round(2, 1.0, misses=1), one_round(3, 2.0)])
     assert cell["rounds"] == 3 and [r["round"] for r in cell["per_round"]] == [1, 2, 3]
@@ -201,17 +255,24 @@ def test_targets_mode_is_the_targets_measurement_and_refuses_to_be_narrowed():
     assert plan.kvpool_dram_bytes() >= 2 * plan.largest_cell_bytes()
     _, plan = parse_args(["--chunks", "4MiB", "--batches", "8", "--clients", "1", "--rounds", "2"])
     assert (list(plan.shapes), plan.batches, plan.clients, plan.rounds) == (["4MiB"], (8,), (1,), 2)
-    for argv in (["--targets", "--chunks", "4MiB"], ["--targets", "--rounds", "2"], ["--chunks", "1GiB"],
-                 ["--smoke", "--chunks", "4MiB"], ["--batches", "0"]):  # fmt: skip
+    for argv in (
+        ["--targets", "--chunks", "4MiB"],
+        ["--targets", "--rounds", "2"],
+        ["--chunks", "1GiB"],
+        ["--smoke", "--chunks", "4MiB"],
+        ["--batches", "0"],
+    ):
         with pytest.raises(SystemExit):
             parse_args(argv)
 
 
 def test_resp_counter_counts_values_split_at_every_byte():
-    stream = (b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n"  # a command
-              b"$-1\r\n+OK\r\n:12\r\n"  # nil, simple string, integer
-              b"*2\r\n*1\r\n$2\r\nab\r\n%1\r\n+f\r\n$0\r\n\r\n"  # nested array and map
-              b"$5\r\na\r\nbc\r\n")  # a bulk string holding CRLF  # fmt: skip
+    stream = (
+        b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n"  # a command
+        b"$-1\r\n+OK\r\n:12\r\n"  # nil, simple string, integer
+        b"*2\r\n*1\r\n$2\r\nab\r\n%1\r\n+f\r\n$0\r\n\r\n"  # nested array and map
+        b"$5\r\na\r\nbc\r\n"
+    )  # a bulk string holding CRLF
     whole = RespCounter()
     assert whole.feed(stream) == 6
     piecewise = RespCounter()
@@ -254,11 +315,25 @@ def test_byte_check_catches_one_flipped_byte_and_a_chunk_read_under_another_key(
 def test_get_budget_reads_through_the_arena_and_over_tcp_and_accounts_for_each_millisecond(tmp_path):
     out = tmp_path / "budget.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.profile_get", "--chunk-mib", "1", "--batch", "2", "--rounds", "3",
-         "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=HARNESS_TIMEOUT_S,
+        [
+            sys.executable,
+            "-m",
+            "bench.profile_get",
+            "--chunk-mib",
+            "1",
+            "--batch",
+            "2",
+            "--rounds",
+            "3",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=HARNESS_TIMEOUT_S,
         env={**os.environ, "LMCACHE_TRACK_USAGE": "false"},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "one thread copy" in proc.stdout and "tcp loopback batch" in proc.stdout
     report = json.loads(out.read_text())
@@ -297,10 +372,12 @@ def test_first_hour_summary_is_the_median_node_per_round_and_the_first_over_last
     from bench.first_hour import render, summarize
 
     def node(first: float, last: float) -> dict:
-        rounds = [{"shm_put_gbps": first, "tcp_get_gbps": 2.0}, {"shm_put_gbps": 1.0, "tcp_get_gbps": 2.0},
-                  {"shm_put_gbps": last, "tcp_get_gbps": 4.0}]  # fmt: skip
-        return {"rounds": rounds, "start_s": 1.0,
-                "prefault": "", "misses": 0, "mismatches": 0}  # fmt: skip
+        rounds = [
+            {"shm_put_gbps": first, "tcp_get_gbps": 2.0},
+            {"shm_put_gbps": 1.0, "tcp_get_gbps": 2.0},
+            {"shm_put_gbps": last, "tcp_get_gbps": 4.0},
+        ]
+        return {"rounds": rounds, "start_s": 1.0, "prefault": "", "misses": 0, "mismatches": 0}
 
     nodes = [node(0.2, 1.0), node(0.4, 2.0), node(9.0, 2.0)]  # one outlier node
     latencies = [{"p50_ms": 10.0, "p99_ms": 30.0}, {"p50_ms": 12.0, "p99_ms": 600.0}, {"p50_ms": 8.0, "p99_ms": 20.0}]

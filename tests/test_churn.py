@@ -61,13 +61,16 @@ def test_fifty_node_restarts_leave_redis_bounded(node_factory, pool_url, redis_s
             for node in churn:
                 node.kill()
             if round_ in (1, RESTARTS // AT_ONCE - 1):
-                assert wait_until(lambda: _collected(r, namespace, {survivor.node_id}), COLLECT_WAIT_S), \
-                    _namespace_footprint(r, namespace)[:3]  # fmt: skip
+                assert wait_until(lambda: _collected(r, namespace, {survivor.node_id}), COLLECT_WAIT_S), (
+                    _namespace_footprint(r, namespace)[:3]
+                )
                 footprints.append(_namespace_footprint(r, namespace))
         stats = client.node_stats(client.nodes(refresh=True)[0])
     (reg_early, _, mem_early, _), (reg_late, fields_late, mem_late, named_late) = footprints
-    print(f"after {2 * AT_ONCE} restarts: {footprints[0][:3]}; after {RESTARTS}: {footprints[1][:3]} "
-          "(registry entries, index fields, bytes)")  # fmt: skip
+    print(
+        f"after {2 * AT_ONCE} restarts: {footprints[0][:3]}; after {RESTARTS}: {footprints[1][:3]} "
+        "(registry entries, index fields, bytes)"
+    )
     assert reg_early == reg_late == 1  # the survivor alone: 50 dead nodes forgotten
     assert named_late == {survivor.node_id}  # no index field names a dead node
     assert fields_late <= KEYS  # at most one field per key: the survivor's copy

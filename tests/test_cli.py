@@ -21,9 +21,13 @@ from tests.conftest import REPO
 
 def kvpool(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "backend.cli", *args], capture_output=True, text=True, cwd=REPO,
-        timeout=timeout, env={**os.environ, **(env or {})},
-    )  # fmt: skip
+        [sys.executable, "-m", "backend.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.mark.parametrize("form", [[], ["--form", "remote_url"]], ids=["plugin", "remote_url"])
@@ -48,8 +52,9 @@ def _as_lmcache_reads_it(env_lines: str) -> dict:
         "c = load_engine_config_with_overrides()\n"
         "print(json.dumps({'plugins': c.remote_storage_plugins, 'extra': c.extra_config, 'remote_url': c.remote_url}))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
-                          env={**os.environ, **env})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120, env={**os.environ, **env}
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -121,9 +126,12 @@ def test_status_json_reports_nodes_objects_and_bytes(node_factory, pool_url):
 
 def test_up_prints_the_url_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "backend.cli", "up", "--dram", "64MiB", "--nvme-dir", str(tmp_path)], stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, cwd=REPO,
-    )  # fmt: skip
+        [sys.executable, "-m", "backend.cli", "up", "--dram", "64MiB", "--nvme-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
     lines: list[str] = []
     found = threading.Event()
     url: list[str] = []
@@ -209,8 +217,9 @@ def test_usage_errors_found_inside_a_verb_exit_2_with_one_line_naming_the_flag()
         (["node", "--redis", "redis://127.0.0.1:1", "--pair-timeout-ms", "0"], "--pair-timeout-ms"),
     ]
     for args, flag in cases:
-        out = subprocess.run([sys.executable, "-m", "backend.cli", *args], capture_output=True, text=True, cwd=REPO,
-                             timeout=60, env=env)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "backend.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=60, env=env
+        )
         assert out.returncode == 2, (args, out.returncode, out.stderr)
         assert out.stderr.strip().count("\n") == 0 and flag in out.stderr, (args, out.stderr)
 
@@ -224,7 +233,9 @@ def test_ls_into_a_pipe_closed_early_exits_quietly(node_factory, pool_url):
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.stdout.count("\n") == 2 and out.stdout.startswith("pipe@"), out.stdout
     assert "status=141" in out.stdout  # 128 + SIGPIPE, as `cat` would exit
-    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr and "Exception" not in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr and "Exception" not in out.stderr, (
+        out.stderr
+    )
 
 
 def test_pyproject_asks_for_the_python_the_code_needs():

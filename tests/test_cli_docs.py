@@ -11,8 +11,21 @@ import sys
 
 from tests.conftest import REPO
 
-VERBS = ["up", "node", "status", "nodes", "ls", "stats", "evict", "drain", "undrain", "flush", "check", "doctor",
-         "lmcache-config"]
+VERBS = [
+    "up",
+    "node",
+    "status",
+    "nodes",
+    "ls",
+    "stats",
+    "evict",
+    "drain",
+    "undrain",
+    "flush",
+    "check",
+    "doctor",
+    "lmcache-config",
+]
 HEADER = """# kvpool CLI reference
 
 Generated from `kvpool --help` and `kvpool VERB --help` by `make docs`;
@@ -34,14 +47,24 @@ def _verbs_taking(*flags: str) -> list[str]:
     from backend.cli import build_parser
 
     verbs = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-    return [name for name, sub in verbs.items()
-            if all(any(flag in action.option_strings for action in sub._actions) for flag in flags)]  # fmt: skip
+    return [
+        name
+        for name, sub in verbs.items()
+        if all(any(flag in action.option_strings for action in sub._actions) for flag in flags)
+    ]
 
 
 def _help(*args: str) -> str:
     env = {**os.environ, "COLUMNS": "100", "LMCACHE_TRACK_USAGE": "false"}
-    out = subprocess.run([sys.executable, "-m", "backend.cli", *args, "--help"], capture_output=True, text=True,
-                         cwd=REPO, env=env, timeout=60, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "backend.cli", *args, "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=60,
+        check=True,
+    )
     return out.stdout.rstrip() + "\n"
 
 

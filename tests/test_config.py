@@ -60,9 +60,19 @@ def test_from_url_ignores_surrounding_whitespace() -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("on", True), ("ON", True), ("true", True), ("1", True), ("yes", True),
-     ("off", False), ("Off", False), ("false", False), ("0", False), ("no", False)],
-)  # fmt: skip
+    [
+        ("on", True),
+        ("ON", True),
+        ("true", True),
+        ("1", True),
+        ("yes", True),
+        ("off", False),
+        ("Off", False),
+        ("false", False),
+        ("0", False),
+        ("no", False),
+    ],
+)
 def test_bool_options_accept_every_documented_spelling(text: str, expected: bool) -> None:
     assert PoolConfig.from_url(f"kvpool://h:1/ns?nccl={text}").nccl is expected
 
@@ -652,8 +662,10 @@ def test_nccl_on_without_a_cluster_is_warned_about_when_the_config_is_built(capl
 
 
 def test_mask_secrets_hides_every_secret_written_into_a_url_in_a_text() -> None:
-    dump = ("{'extra_config': {'url': 'kvpool://:tok3n@h:6379/ns?redis_password=pw0rd&replicas=2'}, "
-            "'remote_url': 'external://h:1/m/?connector_name=C&token=tok3n', 'redis': 'redis://u:pw0rd@h:1/0'}")  # fmt: skip
+    dump = (
+        "{'extra_config': {'url': 'kvpool://:tok3n@h:6379/ns?redis_password=pw0rd&replicas=2'}, "
+        "'remote_url': 'external://h:1/m/?connector_name=C&token=tok3n', 'redis': 'redis://u:pw0rd@h:1/0'}"
+    )
     shown = mask_secrets(dump)
     assert "tok3n" not in shown and "pw0rd" not in shown
     assert "kvpool://:***@h:6379/ns?redis_password=***&replicas=2" in shown and "redis://u:***@h:1/0" in shown

@@ -34,9 +34,14 @@ WITHOUT_REDIS_OR_LMCACHE = textwrap.dedent("""
 
 
 def _python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", WITHOUT_REDIS_OR_LMCACHE + textwrap.dedent(code)],
-                          capture_output=True, text=True, cwd=REPO, timeout=120,
-                          env={**os.environ, "LMCACHE_TRACK_USAGE": "false", **(env or {})})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_REDIS_OR_LMCACHE + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**os.environ, "LMCACHE_TRACK_USAGE": "false", **(env or {})},
+    )
 
 
 def test_the_channel_and_its_gpu_tests_import_without_redis_py_or_lmcache():
@@ -55,8 +60,14 @@ def test_the_channel_and_its_gpu_tests_import_without_redis_py_or_lmcache():
 
 def _device_check(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], str]:
     dest = tmp_path / "out"
-    out = subprocess.run(["bash", "bench/device_check.sh"], capture_output=True, text=True, cwd=REPO, timeout=300,
-                         env={**os.environ, "PYTHON": sys.executable, "OUT": str(dest), **env})  # fmt: skip
+    out = subprocess.run(
+        ["bash", "bench/device_check.sh"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env={**os.environ, "PYTHON": sys.executable, "OUT": str(dest), **env},
+    )
     summary = dest / "device_check.txt"
     return out, summary.read_text() if summary.exists() else ""
 

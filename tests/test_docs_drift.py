@@ -111,7 +111,7 @@ def test_every_documented_command_parses(where, argv):
 def _section(text: str, heading: str) -> str:
     start = text.index(heading)
     end = text.find("\n## ", start + len(heading))
-    return text[start:end if end >= 0 else None]
+    return text[start : end if end >= 0 else None]
 
 
 CONFIGURATION = (REPO / "docs" / "configuration.md").read_text()
@@ -147,9 +147,13 @@ def _node_counter_names() -> set[str]:
     names = set(NODE_COUNTERS)
     for path in (REPO / "backend" / "node").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Subscript)
-                    and isinstance(node.target.slice, ast.Constant) and isinstance(node.target.slice.value, str)
-                    and "counters" in ast.unparse(node.target.value)):  # fmt: skip
+            if (
+                isinstance(node, ast.AugAssign)
+                and isinstance(node.target, ast.Subscript)
+                and isinstance(node.target.slice, ast.Constant)
+                and isinstance(node.target.slice.value, str)
+                and "counters" in ast.unparse(node.target.value)
+            ):
                 names.add(node.target.slice.value)
     return names
 
@@ -185,6 +189,9 @@ def test_every_node_flag_has_a_row_in_configuration_and_every_row_is_a_flag():
     flags = {option for action in node._actions for option in action.option_strings if option.startswith("--")}
     flags.discard("--help")
     table = _section(CONFIGURATION, "## Node flags")
-    rows = {flag for cell in re.findall(r"^\| (`--[^|]+)\|", table, re.MULTILINE)
-            for flag in re.findall(r"`(--[a-z-]+)", cell)}  # fmt: skip
+    rows = {
+        flag
+        for cell in re.findall(r"^\| (`--[^|]+)\|", table, re.MULTILINE)
+        for flag in re.findall(r"`(--[a-z-]+)", cell)
+    }
     assert flags == rows, f"flags without a row: {sorted(flags - rows)}; rows of no flag: {sorted(rows - flags)}"

@@ -32,8 +32,17 @@ def _run(command: list[str], cwd: Path = REPO, env: dict[str, str] | None = None
 
 
 def test_node_cli_and_client_modules_import_neither_torch_nor_lmcache():
-    modules = ["backend", "backend.cli", "backend.client", "backend.node.server", "backend.admin", "backend.metrics",
-               "backend.lmcache", "backend.lmcache.config", "nccl_channel"]  # fmt: skip
+    modules = [
+        "backend",
+        "backend.cli",
+        "backend.client",
+        "backend.node.server",
+        "backend.admin",
+        "backend.metrics",
+        "backend.lmcache",
+        "backend.lmcache.config",
+        "nccl_channel",
+    ]
     # Installed here, so an import guarded by try/except would show in sys.modules too.
     code = "import importlib, json, sys\nfor m in " + repr(modules) + ":\n    importlib.import_module(m)\n"
     code += "from backend import PoolClient, SyncPoolClient, PoolConfig\nprint(json.dumps(sorted(sys.modules)))"
@@ -83,8 +92,12 @@ def test_the_lmcache_layer_reaches_the_metadata_only_through_the_client_index():
                 offenders.append(f"{path.name} imports backend.metadata")
             elif isinstance(node, ast.Import) and any(a.name == "backend.metadata" for a in node.names):
                 offenders.append(f"{path.name} imports backend.metadata")
-            elif isinstance(node, ast.Attribute) and node.attr in ("_store", "store", "_meta", "meta") and \
-                    isinstance(node.value, ast.Attribute) and node.value.attr == "client":  # fmt: skip
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("_store", "store", "_meta", "meta")
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "client"
+            ):
                 offenders.append(f"{path.name}:{node.lineno} reaches client.{node.attr}")
     assert offenders == []
 
@@ -92,8 +105,11 @@ def test_the_lmcache_layer_reaches_the_metadata_only_through_the_client_index():
 def test_without_torch_and_lmcache_a_node_serves_and_the_cli_works_but_doctor_names_the_extra(
     redis_server, namespace, pool_url, tmp_path
 ):
-    node = NodeProcess(["--redis", redis_server.url, "--namespace", namespace, "--dram", "16MiB", "--shm-dir", "off"],
-                       dict(os.environ), command=KVPOOL_HIDDEN).start()  # fmt: skip
+    node = NodeProcess(
+        ["--redis", redis_server.url, "--namespace", namespace, "--dram", "16MiB", "--shm-dir", "off"],
+        dict(os.environ),
+        command=KVPOOL_HIDDEN,
+    ).start()
     try:
         with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
             client.put([Chunk("light", b"x" * 4096)])
@@ -114,8 +130,7 @@ def test_without_torch_and_lmcache_a_node_serves_and_the_cli_works_but_doctor_na
 
 @pytest.mark.slow
 @pytest.mark.timeout(INSTALL_TIMEOUT_S + 120)
-def test_core_install_in_a_fresh_venv_runs_a_node_without_torch_or_lmcache(redis_server, namespace, pool_url,
-                                                                           tmp_path):  # fmt: skip
+def test_core_install_in_a_fresh_venv_runs_a_node_without_torch_or_lmcache(redis_server, namespace, pool_url, tmp_path):
     # A copy of the sources: pip builds in the source tree, and this checkout stays untouched.
     source = tmp_path / "src"
     source.mkdir()
@@ -128,22 +143,46 @@ def test_core_install_in_a_fresh_venv_runs_a_node_without_torch_or_lmcache(redis
     python = venv / "bin" / "python"
     # This environment's pip installs into the new venv (--python): no pip bootstrap, and pip's own cache.
     install = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--disable-pip-version-check",
-         "-c", str(REPO / "constraints-cpu.txt"), str(source)],
-        capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "-c",
+            str(REPO / "constraints-cpu.txt"),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=INSTALL_TIMEOUT_S,
+    )
     assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-4000:]
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    probe = _run([str(python), "-c", "import importlib.util as u, json\n"
-                  f"print(json.dumps({{m: u.find_spec(m) is not None for m in {ENGINE_ONLY!r}}}))"],
-                 cwd=tmp_path, env=env)  # fmt: skip
+    probe = _run(
+        [
+            str(python),
+            "-c",
+            "import importlib.util as u, json\n"
+            f"print(json.dumps({{m: u.find_spec(m) is not None for m in {ENGINE_ONLY!r}}}))",
+        ],
+        cwd=tmp_path,
+        env=env,
+    )
     assert probe.returncode == 0, probe.stderr
     assert json.loads(probe.stdout) == {"torch": False, "lmcache": False}
 
     kvpool = str(venv / "bin" / "kvpool")
-    node = NodeProcess(["--redis", redis_server.url, "--namespace", namespace, "--dram", "16MiB", "--shm-dir", "off"],
-                       env, command=[kvpool], cwd=tmp_path).start()  # fmt: skip
+    node = NodeProcess(
+        ["--redis", redis_server.url, "--namespace", namespace, "--dram", "16MiB", "--shm-dir", "off"],
+        env,
+        command=[kvpool],
+        cwd=tmp_path,
+    ).start()
     try:
         status = _run([kvpool, "status", "--url", pool_url, "--json"], cwd=tmp_path, env=env)
         assert status.returncode == 0, status.stderr

@@ -17,19 +17,28 @@ from tests.test_class_sizes import REPO
 # room -> level; a room imports only rooms of a lower level (its own modules excepted)
 LEVELS = {
     "backend.errors": 0,
-    "backend.protocol": 1, "backend.redis_topology": 1, "backend.threads": 1, "backend.embedded": 1,
-    "backend.latency": 1, "backend.iov": 1,
-    "backend.transport": 2, "backend.shm": 2, "backend.config": 2, "backend.metrics": 2,
+    "backend.protocol": 1,
+    "backend.redis_topology": 1,
+    "backend.threads": 1,
+    "backend.embedded": 1,
+    "backend.latency": 1,
+    "backend.iov": 1,
+    "backend.transport": 2,
+    "backend.shm": 2,
+    "backend.config": 2,
+    "backend.metrics": 2,
     "backend.metadata": 3,
     "backend.placement": 4,
-    "backend.node": 5, "backend.client": 5,
+    "backend.node": 5,
+    "backend.client": 5,
     "backend.admin": 6,
     "backend.lmcache": 7,  # the LMCache layer (backend/lmcache/)
     # the module paths LMCache configs name: re-exports of the LMCache layer
-    "backend.lmcache_connector": 8, "backend.lmcache_l2_adapter": 8,
+    "backend.lmcache_connector": 8,
+    "backend.lmcache_l2_adapter": 8,
     "backend": 8,  # the package's own __init__: the public names
     "backend.cli": 9,
-}  # fmt: skip
+}
 # Where MetadataStore may be named: the metadata layer itself and its two users.
 # Everyone else goes through PoolClient.index (backend/client/index.py).
 METADATA_STORE_USERS = ("backend.metadata", "backend.client", "backend.node")

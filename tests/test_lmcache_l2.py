@@ -87,9 +87,16 @@ def memory_obj(tensor: torch.Tensor) -> Any:
     from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 
     raw = tensor.contiguous()
-    metadata = MemoryObjMetadata(shape=raw.shape, dtype=raw.dtype, address=0,
-                                 phy_size=raw.numel() * raw.element_size(), ref_count=1,
-                                 fmt=MemoryFormat.KV_2LTD, shapes=[raw.shape], dtypes=[raw.dtype])  # fmt: skip
+    metadata = MemoryObjMetadata(
+        shape=raw.shape,
+        dtype=raw.dtype,
+        address=0,
+        phy_size=raw.numel() * raw.element_size(),
+        ref_count=1,
+        fmt=MemoryFormat.KV_2LTD,
+        shapes=[raw.shape],
+        dtypes=[raw.dtype],
+    )
     return TensorMemoryObj(raw_data=raw, metadata=metadata, parent_allocator=None)
 
 
@@ -118,8 +125,7 @@ def store(adapter: Any, keys: list[Any], objs: list[Any]) -> Any:
 
 def lookup_and_lock(adapter: Any, keys: list[Any]) -> list[bool]:
     task_id = adapter.submit_lookup_and_lock_task(keys, {})
-    bitmap = await_result(adapter.get_lookup_and_lock_event_fd(),
-                          lambda: adapter.query_lookup_and_lock_result(task_id))  # fmt: skip
+    bitmap = await_result(adapter.get_lookup_and_lock_event_fd(), lambda: adapter.query_lookup_and_lock_result(task_id))
     return [bitmap.test(i) for i in range(len(keys))]
 
 
@@ -137,8 +143,11 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _mp_worker(role: str, url: str, count: int, seed: int) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, "-m", "bench.lmcache_mp_stack", role, url, "--chunks", str(count), "--seed", str(seed)],
-        capture_output=True, text=True, timeout=180, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -159,8 +168,13 @@ def test_the_printed_mp_config_is_what_lmcache_server_parses_and_what_the_quicks
     from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
 
     url = "kvpool://127.0.0.1:6379/default"
-    proc = subprocess.run([sys.executable, "-m", "backend.cli", "lmcache-config", "--mode", "mp", "--url", url],
-                          capture_output=True, text=True, timeout=60, cwd=REPO)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "backend.cli", "lmcache-config", "--mode", "mp", "--url", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == render_mp_command(lmcache_mp_server_args(url))
     words = shlex.split(proc.stdout.replace("\\\n", " "))
@@ -183,8 +197,15 @@ def test_an_l2_adapter_spec_naming_the_kept_module_path_loads_the_package_adapte
     from backend.lmcache.l2 import KVPoolL2Adapter
 
     node_factory()
-    spec = json.dumps({"type": "plugin", "module_path": "backend.lmcache_l2_adapter", "class_name": "KVPoolL2Adapter",
-                       "config_class_name": "KVPoolL2AdapterConfig", "adapter_params": {"url": pool_url}})  # fmt: skip
+    spec = json.dumps(
+        {
+            "type": "plugin",
+            "module_path": "backend.lmcache_l2_adapter",
+            "class_name": "KVPoolL2Adapter",
+            "config_class_name": "KVPoolL2AdapterConfig",
+            "adapter_params": {"url": pool_url},
+        }
+    )
     parser = add_l2_adapters_args(argparse.ArgumentParser())
     config = parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", spec]))
     adapter = create_l2_adapter(config.adapters[0])
@@ -313,8 +334,9 @@ def test_same_chunk_under_two_salts_is_two_entries_and_usage_is_reported_per_sal
     node = node_factory()
     adapter = adapters(pool_url)
     alice, bob, plain = object_key(5, "alice"), object_key(5, "bob"), object_key(5, "")
-    result = store(adapter, [alice, bob, plain], [memory_obj(payload(50)), memory_obj(payload(51)),
-                                                  memory_obj(payload(52))])  # fmt: skip
+    result = store(
+        adapter, [alice, bob, plain], [memory_obj(payload(50)), memory_obj(payload(51)), memory_obj(payload(52))]
+    )
     assert result.is_successful() and result.bytes_transferred() == 3 * CHUNK_BYTES
     hits, got = load(adapter, [bob, alice, plain])
     assert hits == [True, True, True]
@@ -463,8 +485,9 @@ def test_bad_listing_arguments_are_value_errors_naming_the_argument(pool_url, ad
         adapter.submit_store_task([object_key(1), object_key(2)], [memory_obj(payload(1))])
 
 
-def test_a_store_the_busy_pool_refuses_is_skipped_not_failed_and_stores_once_there_is_room(node_factory, pool_url,
-                                                                                           adapters):  # fmt: skip
+def test_a_store_the_busy_pool_refuses_is_skipped_not_failed_and_stores_once_there_is_room(
+    node_factory, pool_url, adapters
+):
     node = node_factory(dram="8MiB")
     adapter = adapters(pool_url + "?timeout_ms=1000")  # a put may wait 0.5 s for room
     in_flight = PutInFlight(node, 8 * MiB)  # all of the node's DRAM, for longer than that
@@ -539,8 +562,16 @@ def hybrid_obj(seed: int | None, groups: tuple[tuple[torch.Size, torch.dtype], .
     else:
         raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
     shapes, dtypes = [shape for shape, _ in groups], [dtype for _, dtype in groups]
-    metadata = MemoryObjMetadata(shape=shapes[0], dtype=dtypes[0], address=0, phy_size=nbytes, ref_count=1,
-                                 fmt=MemoryFormat.KV_2LTD, shapes=shapes, dtypes=dtypes)  # fmt: skip
+    metadata = MemoryObjMetadata(
+        shape=shapes[0],
+        dtype=dtypes[0],
+        address=0,
+        phy_size=nbytes,
+        ref_count=1,
+        fmt=MemoryFormat.KV_2LTD,
+        shapes=shapes,
+        dtypes=dtypes,
+    )
     return TensorMemoryObj(raw_data=raw, metadata=metadata, parent_allocator=None)
 
 
@@ -556,7 +587,9 @@ def test_an_object_of_two_shape_groups_is_stored_as_its_bytes_and_loaded_back_wh
         (stored,) = pool.get([adapter_key(key)])
         assert stored is not None
         assert (stored.meta.dtype, stored.meta.shape, stored.meta.fmt) == (
-            "uint8", (len(source.byte_array),), int(source.get_memory_format().value)
+            "uint8",
+            (len(source.byte_array),),
+            int(source.get_memory_format().value),
         )
     target = hybrid_obj(None)
     task_id = adapter.submit_load_task([key], [target])

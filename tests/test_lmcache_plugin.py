@@ -30,8 +30,11 @@ from tests.test_put_room import MiB, PutInFlight
 def _worker(role: str, url: str, count: int, *extra: str) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "bench.engine", role, url, "--chunks", str(count), *extra],
-        capture_output=True, text=True, timeout=180, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -263,8 +266,9 @@ def test_remote_url_alone_builds_one_remote_backend_and_engine_b_reads_what_engi
     assert read["shape"] == [2, 4, 256, 512] and read["fmt"] == "KV_2LTD"
 
 
-def test_lmcache_remote_url_in_the_environment_alone_reads_what_a_plugin_engine_stored(node_factory, pool_url,
-                                                                                        monkeypatch):  # fmt: skip
+def test_lmcache_remote_url_in_the_environment_alone_reads_what_a_plugin_engine_stored(
+    node_factory, pool_url, monkeypatch
+):
     node_factory()
     _worker("put", pool_url, 4)  # the plugin form, in another process: same keys, same pool
     config = kvpool_lmcache_config(pool_url, form=REMOTE_URL_FORM)
@@ -330,9 +334,16 @@ class HybridEngine:
         kv_caches.append(torch.zeros(2, blocks, 16, 4, 32, dtype=torch.float16))
         normalized, formats = normalize_and_discover_per_layer_formats(kv_caches, [], EngineType.VLLM, None)
         groups = KVLayerGroupsManager(list(normalized), engine_kv_formats=formats, lmcache_tokens_per_chunk=256)
-        self.metadata = LMCacheMetadata(model_name="kvpool-test/hybrid", world_size=1, local_world_size=1,
-                                        worker_id=0, local_worker_id=0, kv_dtype=torch.bfloat16,
-                                        kv_shape=(3, 2, 256, 8, 64), kv_layer_groups_manager=groups)  # fmt: skip
+        self.metadata = LMCacheMetadata(
+            model_name="kvpool-test/hybrid",
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=torch.bfloat16,
+            kv_shape=(3, 2, 256, 8, 64),
+            kv_layer_groups_manager=groups,
+        )
         assert self.metadata.get_num_groups() == 2
         config_path.write_text(yaml.safe_dump(config))
         self.config = load_engine_config_with_overrides(config_file_path=str(config_path))
@@ -363,8 +374,9 @@ class HybridEngine:
         self.loop.stop(5.0, close=False)
 
 
-def test_an_object_of_two_shape_groups_is_stored_and_read_back_whole_by_another_engine(node_factory, pool_url,
-                                                                                        tmp_path):  # fmt: skip
+def test_an_object_of_two_shape_groups_is_stored_and_read_back_whole_by_another_engine(
+    node_factory, pool_url, tmp_path
+):
     from backend import Chunk, PoolConfig, SyncPoolClient
 
     node_factory()
@@ -407,19 +419,29 @@ def test_an_object_of_two_shape_groups_is_stored_and_read_back_whole_by_another_
 # -- the module paths configs name ----------------------------------------------------------
 
 
-def test_configs_naming_the_kept_module_paths_load_the_package_connectors_and_hit(node_factory, pool_url,
-                                                                                  redis_server, namespace):  # fmt: skip
+def test_configs_naming_the_kept_module_paths_load_the_package_connectors_and_hit(
+    node_factory, pool_url, redis_server, namespace
+):
     """Configs written before backend/lmcache/ existed name backend.lmcache_connector: LMCache still loads them."""
     from backend.lmcache.connector import KVPoolConnector, KVPoolRemoteURLConnector
 
     node_factory()
-    plugin = {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 1.0, "remote_serde": "naive",
-              "remote_storage_plugins": ["kvpool"],
-              "extra_config": {"remote_storage_plugin.kvpool.module_path": "backend.lmcache_connector",
-                               "remote_storage_plugin.kvpool.class_name": "KVPoolConnectorAdapter",
-                               "remote_storage_plugin.kvpool.url": pool_url}}  # fmt: skip
-    remote_url = (f"external://127.0.0.1:{redis_server.port}/backend.lmcache_connector/"
-                  f"?connector_name=KVPoolRemoteURLConnector&namespace={namespace}")  # fmt: skip
+    plugin = {
+        "chunk_size": 256,
+        "local_cpu": True,
+        "max_local_cpu_size": 1.0,
+        "remote_serde": "naive",
+        "remote_storage_plugins": ["kvpool"],
+        "extra_config": {
+            "remote_storage_plugin.kvpool.module_path": "backend.lmcache_connector",
+            "remote_storage_plugin.kvpool.class_name": "KVPoolConnectorAdapter",
+            "remote_storage_plugin.kvpool.url": pool_url,
+        },
+    }
+    remote_url = (
+        f"external://127.0.0.1:{redis_server.port}/backend.lmcache_connector/"
+        f"?connector_name=KVPoolRemoteURLConnector&namespace={namespace}"
+    )
     remote = {key: value for key, value in plugin.items() if key not in ("remote_storage_plugins", "extra_config")}
     writer = LMCacheStack(plugin)
     reader = LMCacheStack({**remote, "remote_url": remote_url})
@@ -430,16 +452,18 @@ def test_configs_naming_the_kept_module_paths_load_the_package_connectors_and_hi
         writer.put([writer.key(5)], objs)
         writer.release(objs)
         got = reader.get([reader.key(5)])
-        assert got[0] is not None and torch.equal(got[0].tensor.view(torch.uint8),
-                                                  reader.expected_tensor(5).view(torch.uint8))  # fmt: skip
+        assert got[0] is not None and torch.equal(
+            got[0].tensor.view(torch.uint8), reader.expected_tensor(5).view(torch.uint8)
+        )
         reader.release(got)
     finally:
         writer.close()
         reader.close()
 
 
-def test_lmcaches_own_create_connector_without_metadata_builds_a_connector_that_hits(node_factory, pool_url,
-                                                                                       stack_factory):  # fmt: skip
+def test_lmcaches_own_create_connector_without_metadata_builds_a_connector_that_hits(
+    node_factory, pool_url, stack_factory
+):
     from lmcache.v1.storage_backend.connector import CreateConnector
 
     node_factory()

@@ -93,7 +93,6 @@ async def test_copies_on_a_dead_node_or_of_an_old_epoch_are_misses_and_are_clean
         await meta.close()
 
 
-
 async def test_a_view_that_predates_a_node_restart_is_read_again_and_its_new_copies_hit(redis_server, namespace):
     meta = MetadataStore(redis_server.url, namespace)
     client = PoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{redis_server.port}/{namespace}"))
@@ -113,8 +112,9 @@ async def test_a_view_that_predates_a_node_restart_is_read_again_and_its_new_cop
         await meta.close()
 
 
-def test_a_key_with_one_dead_and_one_live_copy_hits_and_the_get_reads_the_live_one(node_factory, pool_url,
-                                                                                    redis_server, namespace):  # fmt: skip
+def test_a_key_with_one_dead_and_one_live_copy_hits_and_the_get_reads_the_live_one(
+    node_factory, pool_url, redis_server, namespace
+):
     node_factory()
     chunk = Chunk(KEYS[0], os.urandom(8192))
 
@@ -156,8 +156,9 @@ async def test_redis_down_reads_every_lookup_as_misses_with_one_warning(caplog):
         await client.close()
 
 
-async def test_a_lookup_longer_than_one_script_call_is_one_pipeline_and_survives_a_script_flush(redis_server,
-                                                                                                 namespace):  # fmt: skip
+async def test_a_lookup_longer_than_one_script_call_is_one_pipeline_and_survives_a_script_flush(
+    redis_server, namespace
+):
     meta = MetadataStore(redis_server.url, namespace)
     keys = [f"long/{i}" for i in range(2500)]
     try:

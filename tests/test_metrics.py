@@ -223,10 +223,25 @@ def test_a_taken_port_stops_the_node_with_one_clear_line_and_exit_1(redis_server
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "backend.cli", "node", "--redis", redis_server.url, "--namespace", namespace,
-             "--dram", "16MiB", flag, str(port)],
-            capture_output=True, text=True, cwd=REPO, timeout=60,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "backend.cli",
+                "node",
+                "--redis",
+                redis_server.url,
+                "--namespace",
+                namespace,
+                "--dram",
+                "16MiB",
+                flag,
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=60,
+        )
     assert result.returncode == 1  # a runtime error (the flag is fine; the port is taken), naming the option
     last = result.stderr.strip().splitlines()[-1]
     option = flag.removeprefix("--").replace("-", "_")

@@ -37,8 +37,15 @@ async def client(pool_url) -> AsyncIterator[PoolClient]:
 
 
 def _channel(client: PoolClient, transport: CpuTransport | None = None, pipelined: bool = True) -> NcclChannel:
-    return NcclChannel(transport or CpuTransport(), Rendezvous(client.index), "test-endpoint", CLUSTER,
-                       client.channel_request, client.config.timeout_s, pipelined=pipelined)  # fmt: skip
+    return NcclChannel(
+        transport or CpuTransport(),
+        Rendezvous(client.index),
+        "test-endpoint",
+        CLUSTER,
+        client.channel_request,
+        client.config.timeout_s,
+        pipelined=pipelined,
+    )
 
 
 async def _node_info(client: PoolClient, node_id: str):
@@ -93,8 +100,9 @@ async def test_cpu_transport_pairs_two_ends_from_the_published_id_alone(redis_se
     try:
         session = new_session()
         await Rendezvous(store).publish(Offer(session, "cpu", unique_id, "client-x", "node-x", CLUSTER))
-        link, _ = await asyncio.gather(asyncio.to_thread(transport.join, unique_id, 0, state, 5.0),
-                                       server.join(session))  # fmt: skip
+        link, _ = await asyncio.gather(
+            asyncio.to_thread(transport.join, unique_id, 0, state, 5.0), server.join(session)
+        )
         payload = [os.urandom(1000), b"", os.urandom(70_000)]
         received = asyncio.ensure_future(asyncio.to_thread(link.recv, [len(p) for p in payload], 5.0))
         await server.send(session, payload)
@@ -314,8 +322,15 @@ async def test_after_a_channel_failure_the_node_is_read_over_tcp_for_the_backoff
     await client.put(chunks)
     info = await _node_info(client, node.node_id)
     transport = CpuTransport(progress=lambda index: node.pause() if index == 0 else None)
-    channel = NcclChannel(transport, Rendezvous(client.index), "test-endpoint", CLUSTER, client.channel_request,
-                          client.config.timeout_s, backoff_s=3.0)  # fmt: skip
+    channel = NcclChannel(
+        transport,
+        Rendezvous(client.index),
+        "test-endpoint",
+        CLUSTER,
+        client.channel_request,
+        client.config.timeout_s,
+        backoff_s=3.0,
+    )
     try:
         assert channel.serves(info)
         with pytest.raises(NcclError, match="timed out after"):
@@ -336,11 +351,24 @@ def test_a_node_asked_for_the_nccl_channel_without_a_gpu_exits_naming_the_option
 
     if available().ok:
         pytest.skip("this machine can run the NCCL channel")
-    args = ["--redis", redis_server.url, "--namespace", namespace, "--dram", "64MiB", "--shm-dir", "off",
-            "--cluster", CLUSTER, "--channel", "nccl"]  # fmt: skip
+    args = [
+        "--redis",
+        redis_server.url,
+        "--namespace",
+        namespace,
+        "--dram",
+        "64MiB",
+        "--shm-dir",
+        "off",
+        "--cluster",
+        CLUSTER,
+        "--channel",
+        "nccl",
+    ]
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
-    out = subprocess.run([sys.executable, "-m", "backend.cli", "node", *args], capture_output=True, text=True,
-                         timeout=60, env=env)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "backend.cli", "node", *args], capture_output=True, text=True, timeout=60, env=env
+    )
     assert out.returncode == 2, out.stderr[-2000:]  # a ConfigError: a usage error, nothing started
     assert "kvpool: error: --channel: the NCCL channel cannot run here" in out.stderr
 
@@ -354,8 +382,9 @@ async def test_a_channel_batch_stops_at_the_nodes_data_cap_and_the_rest_are_miss
     from backend.protocol import DEFAULT_LIMITS
 
     limits = dataclasses.replace(DEFAULT_LIMITS, max_data_bytes=250_000)
-    node = PoolNode(NodeConfig(redis_server.url, namespace, 64 * 1024 * 1024, cluster=CLUSTER, channel="cpu",
-                               limits=limits))  # fmt: skip
+    node = PoolNode(
+        NodeConfig(redis_server.url, namespace, 64 * 1024 * 1024, cluster=CLUSTER, channel="cpu", limits=limits)
+    )
     await node.start()
     channel = _channel(client)
     try:

@@ -164,8 +164,10 @@ def test_nccl_bandwidth_against_a_device_to_device_copy(lib):
 
     result = measure([2, 32], iters=5)
     for row in result["rows"]:
-        print(f"{row['size_mib']} MiB: torch D2D {row['torch_d2d_gbps']:.1f} GB/s, NCCL {row['nccl_self_gbps']:.1f} GB/s, "
-              f"staging host->GPU {row['staging_h2d_gbps']:.1f} GB/s, GPU->host {row['staging_d2h_gbps']:.1f} GB/s")  # fmt: skip
+        print(
+            f"{row['size_mib']} MiB: torch D2D {row['torch_d2d_gbps']:.1f} GB/s, NCCL {row['nccl_self_gbps']:.1f} GB/s, "
+            f"staging host->GPU {row['staging_h2d_gbps']:.1f} GB/s, GPU->host {row['staging_d2h_gbps']:.1f} GB/s"
+        )
         assert row["torch_d2d_gbps"] > 0 and row["nccl_self_gbps"] > 0
         assert row["staging_h2d_gbps"] > 0 and row["staging_d2h_gbps"] > 0
 
@@ -213,9 +215,16 @@ def test_two_processes_pair_through_redis_and_move_a_batch(lib, redis_server, na
     import uuid
 
     session = uuid.uuid4().hex
-    procs = [subprocess.Popen([sys.executable, "-c", PAIR_WORKER, str(rank), redis_server.url, namespace, session],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PAIR_WORKER, str(rank), redis_server.url, namespace, session],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outputs = []
     for proc in procs:
         try:

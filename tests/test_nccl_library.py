@@ -87,23 +87,30 @@ def test_wheels_come_before_the_system_library_cu12_first_when_torch_has_no_cuda
     cu13 = _fake_wheel(tmp_path, "nvidia-nccl-cu13")
     cu12 = _fake_wheel(tmp_path, "nvidia-nccl-cu12")
     found = candidates({}, system_library=lambda: "libnccl.so.2", cuda_major=lambda: None)
-    assert found == [Candidate(str(cu12), "nvidia-nccl-cu12"), Candidate(str(cu13), "nvidia-nccl-cu13"),
-                     Candidate("libnccl.so.2", "system")]  # fmt: skip
+    assert found == [
+        Candidate(str(cu12), "nvidia-nccl-cu12"),
+        Candidate(str(cu13), "nvidia-nccl-cu13"),
+        Candidate("libnccl.so.2", "system"),
+    ]
     assert find_library({}, system_library=lambda: None, cuda_major=lambda: None) == Candidate(
         str(cu12), "nvidia-nccl-cu12"
     )
 
 
-@pytest.mark.parametrize(("major", "first", "second"), [(13, "nvidia-nccl-cu13", "nvidia-nccl-cu12"),
-                                                        (12, "nvidia-nccl-cu12", "nvidia-nccl-cu13")])  # fmt: skip
-def test_the_wheel_of_torchs_cuda_major_is_tried_first_with_both_installed(tmp_path, monkeypatch, major, first,
-                                                                           second):  # fmt: skip
+@pytest.mark.parametrize(
+    ("major", "first", "second"),
+    [(13, "nvidia-nccl-cu13", "nvidia-nccl-cu12"), (12, "nvidia-nccl-cu12", "nvidia-nccl-cu13")],
+)
+def test_the_wheel_of_torchs_cuda_major_is_tried_first_with_both_installed(tmp_path, monkeypatch, major, first, second):
     """A CUDA 13 torch beside both wheels loads libnccl from nvidia-nccl-cu13, not the cu12 one."""
     monkeypatch.syspath_prepend(str(tmp_path))
     paths = {w: str(_fake_wheel(tmp_path, w)) for w in ("nvidia-nccl-cu12", "nvidia-nccl-cu13")}
     found = candidates({}, system_library=lambda: "libnccl.so.2", cuda_major=lambda: major)
-    assert found == [Candidate(paths[first], first), Candidate(paths[second], second),
-                     Candidate("libnccl.so.2", "system")]  # fmt: skip
+    assert found == [
+        Candidate(paths[first], first),
+        Candidate(paths[second], second),
+        Candidate("libnccl.so.2", "system"),
+    ]
     assert find_library({}, system_library=lambda: None, cuda_major=lambda: major).source == first
     assert find_library({ENV_LIBRARY: paths[second]}, cuda_major=lambda: major).source == ENV_LIBRARY  # still wins
 
@@ -117,9 +124,10 @@ def test_torch_cuda_major_comes_from_a_loaded_torch(monkeypatch):
     assert library.torch_cuda_major() is None
 
 
-@pytest.mark.parametrize(("version_line", "expected"), [("cuda: Optional[str] = '13.0'", "13"),
-                                                        ("cuda = '12.8'", "12"),
-                                                        ("cuda: Optional[str] = None", "None")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("version_line", "expected"),
+    [("cuda: Optional[str] = '13.0'", "13"), ("cuda = '12.8'", "12"), ("cuda: Optional[str] = None", "None")],
+)
 def test_torch_cuda_major_reads_torchs_version_file_without_importing_torch(tmp_path, version_line, expected):
     fake = tmp_path / "torch"
     fake.mkdir()
@@ -129,8 +137,14 @@ def test_torch_cuda_major_reads_torchs_version_file_without_importing_torch(tmp_
     code += "assert 'torch' not in sys.modules\n"
     from tests.conftest import REPO
 
-    proc = subprocess.run([__import__("sys").executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{REPO}"})  # fmt: skip
+    proc = subprocess.run(
+        [__import__("sys").executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{REPO}"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == expected
 
@@ -140,8 +154,9 @@ def test_without_torch_the_order_is_the_default_and_nothing_is_imported():
     code += "assert torch_cuda_major() is None\nprint(wheel_order(None))\n"
     from tests.conftest import REPO
 
-    proc = subprocess.run([__import__("sys").executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [__import__("sys").executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "['nvidia-nccl-cu12', 'nvidia-nccl-cu13']"
 
@@ -241,8 +256,9 @@ def test_the_channel_package_imports_without_touching_a_gpu():
     """)
     from tests.conftest import REPO
 
-    proc = subprocess.run([__import__("sys").executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [__import__("sys").executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
@@ -250,7 +266,20 @@ def test_the_channel_module_still_offers_every_name_its_users_import():
     """The channel is split into modules; ``nccl_channel.channel`` keeps the names backend/, bench/ and tests/ use."""
     from nccl_channel import channel
 
-    names = ["ChannelServer", "CpuTransport", "CpuLink", "NcclChannel", "NcclTransport", "NcclLink", "Link",
-             "Transport", "make_transport", "transfer_timeout", "_copy_and_verify", "BACKOFF_S", "MAX_PAIRS"]  # fmt: skip
+    names = [
+        "ChannelServer",
+        "CpuTransport",
+        "CpuLink",
+        "NcclChannel",
+        "NcclTransport",
+        "NcclLink",
+        "Link",
+        "Transport",
+        "make_transport",
+        "transfer_timeout",
+        "_copy_and_verify",
+        "BACKOFF_S",
+        "MAX_PAIRS",
+    ]
     assert [n for n in names if not hasattr(channel, n)] == []
     assert set(channel.__all__) <= set(dir(channel))

@@ -110,8 +110,9 @@ def _assert_all_fell_back_to_tcp(stack: LMCacheStack, got: list, objs: list, tcp
 
 
 @pytest.mark.parametrize("fault", ["kill", "stall"])
-def test_peer_death_mid_transfer_falls_back_to_tcp_with_correct_bytes(fault, node_factory, pool_url, stack_factory,
-                                                                     caplog):  # fmt: skip
+def test_peer_death_mid_transfer_falls_back_to_tcp_with_correct_bytes(
+    fault, node_factory, pool_url, stack_factory, caplog
+):
     """Node A (same cluster, channel) dies or stalls after the first chunk; node B's replica serves over TCP."""
     caplog.set_level(logging.WARNING)
     near = node_factory("--cluster", CLUSTER, "--channel", "cpu")
@@ -120,8 +121,9 @@ def test_peer_death_mid_transfer_falls_back_to_tcp_with_correct_bytes(fault, nod
     keys, objs = _store(stack, 400, 16)  # 32 MiB: far more than the socket buffers hold
     connector = stack.connector()
     armed = threading.Event()  # a link takes its transport's progress hook when it is made: set it first
-    connector.channel.transport.progress = lambda index: (near.kill() if fault == "kill" else near.pause()) \
-        if index == 0 and armed.is_set() else None  # fmt: skip
+    connector.channel.transport.progress = lambda index: (
+        (near.kill() if fault == "kill" else near.pause()) if index == 0 and armed.is_set() else None
+    )
     _paired(stack, keys[:1], objs[:1])
     tcp_before = connector.counters["get_bytes_tcp"]
     armed.set()
@@ -138,8 +140,9 @@ def test_peer_death_mid_transfer_falls_back_to_tcp_with_correct_bytes(fault, nod
         stack.release(objs)
 
 
-def test_any_exception_in_the_channel_path_falls_back_to_tcp(node_factory, pool_url, stack_factory, monkeypatch,
-                                                            caplog):  # fmt: skip
+def test_any_exception_in_the_channel_path_falls_back_to_tcp(
+    node_factory, pool_url, stack_factory, monkeypatch, caplog
+):
     """A CUDA error in the device copy is a RuntimeError, not a KVPoolError: it must cost a fallback, not the read.
 
     No CPU can make CUDA fail, so the copy and check of a landed chunk (in the pipelined path, and in
@@ -204,8 +207,9 @@ def test_a_pairing_slower_than_the_request_timeout_engages_without_closing_the_s
     (30 s by default), the node answers the pairing request at once, and reads keep using the same
     TCP connections meanwhile."""
     node = node_factory("--cluster", CLUSTER, "--channel", "cpu", env=_slow_join_env(tmp_path / "slow", 3.0))
-    stack = stack_factory(f"{pool_url}?nccl=on&cluster={CLUSTER}&channel_transport=cpu&timeout_ms=1000"
-                          "&connections_per_node=1")  # fmt: skip
+    stack = stack_factory(
+        f"{pool_url}?nccl=on&cluster={CLUSTER}&channel_transport=cpu&timeout_ms=1000&connections_per_node=1"
+    )
     keys, objs = _store(stack, 500, 4)
     connector = stack.connector()
     deadline = time.monotonic() + PAIR_WAIT_S
@@ -229,8 +233,9 @@ def test_a_pairing_slower_than_the_request_timeout_engages_without_closing_the_s
     assert stats["counters"]["connections_accepted"] == 1  # the one connection was never closed and remade
 
 
-def test_nccl_on_reads_over_tcp_from_a_node_that_serves_only_the_cpu_twin(node_factory, pool_url, stack_factory,
-                                                                          caplog):  # fmt: skip
+def test_nccl_on_reads_over_tcp_from_a_node_that_serves_only_the_cpu_twin(
+    node_factory, pool_url, stack_factory, caplog
+):
     """The default transport is NCCL. Without a GPU or libnccl the connector says why, once, and has no
     channel; with them it has one, but a node serving the CPU twin is not reachable over it. TCP either way."""
     caplog.set_level(logging.WARNING)

@@ -86,8 +86,9 @@ def _pair() -> tuple[socket.socket, CpuLink]:
     return sender, CpuLink(receiver)
 
 
-def _send_gated(sock: socket.socket, chunks: list[bytes], before: list[threading.Event | None],
-                stop_after: int | None = None) -> threading.Thread:  # fmt: skip
+def _send_gated(
+    sock: socket.socket, chunks: list[bytes], before: list[threading.Event | None], stop_after: int | None = None
+) -> threading.Thread:
     """A node that sends chunk ``i`` only once ``before[i]`` is set (or stops after ``stop_after`` chunks)."""
 
     def send_chunks() -> None:
@@ -131,8 +132,9 @@ def test_chunk_i_is_verified_while_later_chunks_are_still_on_the_link(monkeypatc
     targets = [memoryview(bytearray(len(c))) for c in chunks]
     verifier = Verifier()
     try:
-        report = receive_batch(link, [len(c) for c in chunks], targets, [checksum(c) for c in chunks], TIMEOUT_S,
-                               verifier)  # fmt: skip
+        report = receive_batch(
+            link, [len(c) for c in chunks], targets, [checksum(c) for c in chunks], TIMEOUT_S, verifier
+        )
     finally:
         verifier.close()
         link.close()
@@ -180,8 +182,14 @@ def test_a_peer_gone_mid_batch_raises_only_after_every_started_check_finished(mo
     verifier = Verifier()
     try:
         with pytest.raises(NcclError, match="closed the channel mid-transfer"):
-            receive_batch(link, [len(c) for c in chunks], [memoryview(bytearray(len(c))) for c in chunks],
-                          [checksum(c) for c in chunks], TIMEOUT_S, verifier)  # fmt: skip
+            receive_batch(
+                link,
+                [len(c) for c in chunks],
+                [memoryview(bytearray(len(c))) for c in chunks],
+                [checksum(c) for c in chunks],
+                TIMEOUT_S,
+                verifier,
+            )
         raised_at = time.monotonic()
     finally:
         verifier.close()

@@ -102,8 +102,14 @@ def test_work_finishing_late_is_seen_within_a_quarter_of_its_time():
     """With a fake clock: whenever the work finishes, the wait notices at most 25 % (or 1 ms) later."""
     for finish_s in (30e-6, 300e-6, 3e-3, 30e-3):
         clock = FakeClock()
-        wait_until(lambda: clock.now >= finish_s, deadline=1.0, timeout_s=1.0, what="w", clock=clock,  # noqa: B023
-                   sleep=clock.sleep)  # fmt: skip
+        wait_until(
+            lambda clock=clock, finish_s=finish_s: clock.now >= finish_s,
+            deadline=1.0,
+            timeout_s=1.0,
+            what="w",
+            clock=clock,
+            sleep=clock.sleep,
+        )
         late_s = clock.now - finish_s
         assert late_s <= max(0.25 * finish_s, DEFAULT_POLICY.first_pause_s) + 5e-6, (finish_s, late_s)
         assert late_s <= DEFAULT_POLICY.max_pause_s + 5e-6
@@ -114,8 +120,13 @@ def test_a_wait_that_never_completes_aborts_and_raises_at_its_deadline():
     event = FakeEvent(3600.0)
     start = time.monotonic()
     with pytest.raises(NcclError, match=r"a group of 1 transfers timed out after 0\.2 s"):
-        wait_until(event.query, deadline=start + 0.2, timeout_s=0.2, what="a group of 1 transfers",
-                   abort=lambda: aborted.append(time.monotonic()))  # fmt: skip
+        wait_until(
+            event.query,
+            deadline=start + 0.2,
+            timeout_s=0.2,
+            what="a group of 1 transfers",
+            abort=lambda: aborted.append(time.monotonic()),
+        )
     took = time.monotonic() - start
     assert 0.2 <= took < 0.2 + 0.1, took  # one capped pause late at most, plus a busy machine's slack
     assert len(aborted) == 1
@@ -137,8 +148,14 @@ def test_abort_requested_from_another_thread_stops_the_wait_long_before_its_dead
     threading.Timer(0.05, flag.set).start()
     start = time.monotonic()
     with pytest.raises(NcclError, match="was cancelled"):
-        wait_until(FakeEvent(3600.0).query, deadline=start + 30.0, timeout_s=30.0, what="a recv", stop=flag.is_set,
-                   abort=lambda: aborted.append(True))  # fmt: skip
+        wait_until(
+            FakeEvent(3600.0).query,
+            deadline=start + 30.0,
+            timeout_s=30.0,
+            what="a recv",
+            stop=flag.is_set,
+            abort=lambda: aborted.append(True),
+        )
     assert time.monotonic() - start < 1.0
     assert aborted == [True]
 

@@ -26,8 +26,9 @@ def _chunks(prefix: str, count: int, size: int, seed: int = 0) -> list[Chunk]:
 def test_put_then_get_returns_identical_bytes_and_layout(node_factory, pool_url):
     node_factory()
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
-        chunks = [Chunk(f"m@1@0@{i}@bfloat16", os.urandom(4096 * (i + 1)), "bfloat16", (2, i + 1, 1024), 1)
-                  for i in range(5)]  # fmt: skip
+        chunks = [
+            Chunk(f"m@1@0@{i}@bfloat16", os.urandom(4096 * (i + 1)), "bfloat16", (2, i + 1, 1024), 1) for i in range(5)
+        ]
         client.put(chunks)
         got = client.get([c.key for c in chunks])
         for chunk, fetched in zip(chunks, got, strict=True):
@@ -179,9 +180,20 @@ def test_node_refuses_to_start_without_redis(tmp_path):
     from backend.embedded import free_port
 
     proc = __import__("subprocess").run(
-        [__import__("sys").executable, "-m", "backend.cli", "node", "--redis", f"redis://127.0.0.1:{free_port()}",
-         "--dram", "1MiB"], capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            __import__("sys").executable,
+            "-m",
+            "backend.cli",
+            "node",
+            "--redis",
+            f"redis://127.0.0.1:{free_port()}",
+            "--dram",
+            "1MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1
     assert "Redis" in proc.stderr and "failed" in proc.stderr
 

@@ -76,8 +76,9 @@ def _my_stages() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob(f"kvpool-{os.getpid()}-*.stage")}
 
 
-def test_the_lmcache_connector_makes_its_put_stage_when_it_starts_not_at_its_first_put(node_factory, pool_url,
-                                                                                        stack_factory):  # fmt: skip
+def test_the_lmcache_connector_makes_its_put_stage_when_it_starts_not_at_its_first_put(
+    node_factory, pool_url, stack_factory
+):
     node_factory(shm=True, dram="64MiB")
     before = _my_stages()
     stack = stack_factory(pool_url)
@@ -97,8 +98,9 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         pytest.skip("mounting a small tmpfs needs root; the refusal path is then untested here")
     where = tmp_path / "shm"
     where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,mode=1777", "tmpfs", str(where)],
-                             capture_output=True, text=True)  # fmt: skip
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=32m,mode=1777", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
@@ -107,8 +109,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-def test_a_node_whose_shm_dir_cannot_hold_the_arena_still_starts_warns_and_serves(small_tmpfs, node_factory,
-                                                                                   pool_url):  # fmt: skip
+def test_a_node_whose_shm_dir_cannot_hold_the_arena_still_starts_warns_and_serves(small_tmpfs, node_factory, pool_url):
     node = node_factory("--prefault", "on", "--shm-dir", str(small_tmpfs), dram="64MiB")
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
         arena = _arena(client)

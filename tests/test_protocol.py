@@ -91,9 +91,17 @@ def item(
 
 
 def raw_header(
-    *, magic: bytes = MAGIC, version: int = VERSION, op: int = Op.PING, status: int = 0, flags: int = 0,
-    meta_len: int = 0, request_id: int = 1, data_len: int = 0, meta_sum: int = 0,
-) -> bytes:  # fmt: skip
+    *,
+    magic: bytes = MAGIC,
+    version: int = VERSION,
+    op: int = Op.PING,
+    status: int = 0,
+    flags: int = 0,
+    meta_len: int = 0,
+    request_id: int = 1,
+    data_len: int = 0,
+    meta_sum: int = 0,
+) -> bytes:
     return HEADER.pack(magic, version, op, status, flags, meta_len, request_id, data_len, meta_sum)
 
 
@@ -132,13 +140,30 @@ def test_header_is_36_little_endian_bytes_in_the_documented_order() -> None:
 
 def test_op_and_status_codes_have_their_wire_values() -> None:
     assert {op.name: int(op) for op in Op} == {
-        "HELLO": 1, "AUTH": 2, "PUT_BATCH": 3, "GET_BATCH": 4,
-        "EXISTS_BATCH": 5, "DELETE_BATCH": 6, "STAT": 7, "PING": 8, "INVENTORY": 9, "VERIFY_BATCH": 10,
-        "LEASE": 11, "RELEASE": 12, "CHANNEL_GET": 13, "PUT_STAGED": 14,
-    }  # fmt: skip
+        "HELLO": 1,
+        "AUTH": 2,
+        "PUT_BATCH": 3,
+        "GET_BATCH": 4,
+        "EXISTS_BATCH": 5,
+        "DELETE_BATCH": 6,
+        "STAT": 7,
+        "PING": 8,
+        "INVENTORY": 9,
+        "VERIFY_BATCH": 10,
+        "LEASE": 11,
+        "RELEASE": 12,
+        "CHANNEL_GET": 13,
+        "PUT_STAGED": 14,
+    }
     assert {s.name: int(s) for s in Status} == {
-        "OK": 0, "PROTOCOL": 1, "AUTH": 2, "CAPACITY": 3, "INTEGRITY": 4, "METADATA": 5, "INTERNAL": 6,
-    }  # fmt: skip
+        "OK": 0,
+        "PROTOCOL": 1,
+        "AUTH": 2,
+        "CAPACITY": 3,
+        "INTEGRITY": 4,
+        "METADATA": 5,
+        "INTERNAL": 6,
+    }
     assert RESPONSE_BIT == 0x80
     assert (PUT_STORED, PUT_INTEGRITY, PUT_NO_CAPACITY) == (0, 1, 2)
 
@@ -313,7 +338,11 @@ def test_put_options_of_another_size_or_out_of_range_are_protocol_errors() -> No
 
 def test_every_put_flag_is_one_outcome_and_an_unknown_flag_is_not_stored() -> None:
     assert [put_outcome(f) for f in (PUT_STORED, PUT_INTEGRITY, PUT_NO_CAPACITY, PUT_BUSY)] == [
-        PutOutcome.STORED, PutOutcome.CORRUPT, PutOutcome.NO_ROOM, PutOutcome.BUSY]  # fmt: skip
+        PutOutcome.STORED,
+        PutOutcome.CORRUPT,
+        PutOutcome.NO_ROOM,
+        PutOutcome.BUSY,
+    ]
     assert put_outcome(200) is PutOutcome.FAILED
 
 
@@ -540,9 +569,14 @@ def test_empty_json_meta_is_an_empty_object() -> None:
 
 @pytest.mark.parametrize(
     ("meta", "fragment"),
-    [(b"[1,2]", "not a JSON object"), (b'"text"', "not a JSON object"), (b"{", "not JSON"),
-     (b"\xff{}", "not JSON"), (b"NaN", "not a JSON object")],
-)  # fmt: skip
+    [
+        (b"[1,2]", "not a JSON object"),
+        (b'"text"', "not a JSON object"),
+        (b"{", "not JSON"),
+        (b"\xff{}", "not JSON"),
+        (b"NaN", "not a JSON object"),
+    ],
+)
 def test_decode_json_rejects_anything_but_a_json_object(meta: bytes, fragment: str) -> None:
     with pytest.raises(ProtocolError, match=fragment):
         decode_json(meta)
@@ -739,15 +773,21 @@ def test_the_node_side_of_inventory_is_the_same_codec() -> None:
 def _stat_body() -> dict[str, object]:
     """A STAT answer as a node of this version sends it (keys as docs/operations.md lists them)."""
     return {
-        "node_id": "n1", "epoch": 3, "uptime_s": 12.5, "counters": {"gets": 4, "hits": 3}, "objects": 2,
+        "node_id": "n1",
+        "epoch": 3,
+        "uptime_s": 12.5,
+        "counters": {"gets": 4, "hits": 3},
+        "objects": 2,
         "leases": 1,
         "arena": {"path": "/dev/shm/a", "size_bytes": 64, "grown_bytes": 32, "allocated_bytes": 16, "fallbacks": 0},
-        "tiers": {"dram": {"capacity_bytes": 64, "used_bytes": 16, "objects": 2},
-                  "nvme": {"capacity_bytes": 128, "used_bytes": 0, "objects": 0, "disk_full": False}},
+        "tiers": {
+            "dram": {"capacity_bytes": 64, "used_bytes": 16, "objects": 2},
+            "nvme": {"capacity_bytes": 128, "used_bytes": 0, "objects": 0, "disk_full": False},
+        },
         "recovery": {"files": 1, "bytes": 100, "quarantined": 0, "temp_removed": 2, "seconds": 0.25},
         "latency": {"bounds_s": [0.001, 1.0], "ops": {"get_batch": {"counts": [1, 0, 0], "sum_s": 0.0005}}},
         "recent": {"window_s": 12.5, "requests_per_s": 0.32, "gets": 4, "hits": 3},
-    }  # fmt: skip
+    }
 
 
 def test_a_stat_answer_decodes_into_a_typed_report_and_encodes_back_to_the_same_json() -> None:

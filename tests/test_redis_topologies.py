@@ -93,8 +93,9 @@ def test_pool_over_a_three_master_cluster_stores_lists_and_deletes_with_the_inde
         assert client.get(keys[:30]) == [None] * 30
 
 
-def test_every_node_republishes_when_one_cluster_shard_restarts_empty(redis_cluster, redis_processes, node_factory,
-                                                                      namespace):  # fmt: skip
+def test_every_node_republishes_when_one_cluster_shard_restarts_empty(
+    redis_cluster, redis_processes, node_factory, namespace
+):
     node = node_factory(redis_url=f"redis+cluster://127.0.0.1:{redis_cluster[0]}")
     url = f"kvpool://127.0.0.1:{redis_cluster[0]}/{namespace}?redis_mode=cluster&timeout_ms=1000"
     chunks = _chunks("sh", 60, 2000)
@@ -103,8 +104,9 @@ def test_every_node_republishes_when_one_cluster_shard_restarts_empty(redis_clus
         client.put(chunks)
         # Empty a shard that does NOT hold the registry and its marker: only its own marker tells.
         registry_slot = _cli(redis_cluster[0], "CLUSTER", "KEYSLOT", f"kvp:{{{namespace}}}:marker").strip()
-        victim = next(port for port in redis_cluster
-                      if _cli(port, "CLUSTER", "COUNTKEYSINSLOT", registry_slot).strip() == "0")  # fmt: skip
+        victim = next(
+            port for port in redis_cluster if _cli(port, "CLUSTER", "COUNTKEYSINSLOT", registry_slot).strip() == "0"
+        )
         lost = _index_keys_on(victim, namespace)
         assert lost > 0
         node.pause()  # hold its heartbeat so the misses can be seen before it republishes
@@ -127,8 +129,10 @@ def test_cluster_master_killed_reads_as_misses_and_restarted_empty_is_republishe
     with SyncPoolClient(PoolConfig.from_url(url)) as client:
         client.put(chunks)
         victim = redis_cluster[1]
-        on_victim = {name[len(f"kvp:{namespace}:k:{{") : -1]
-                     for name in _cli(victim, "--scan", "--pattern", f"kvp:{namespace}:k:*").split()}  # fmt: skip
+        on_victim = {
+            name[len(f"kvp:{namespace}:k:{{") : -1]
+            for name in _cli(victim, "--scan", "--pattern", f"kvp:{namespace}:k:*").split()
+        }
         assert on_victim
         redis_processes.kill(victim)
         # A master without a replica is gone: its keys (and, once the cluster marks
@@ -227,8 +231,9 @@ async def test_metadata_calls_to_a_cluster_recover_from_scripts_lost_on_every_sh
         await store.close()
 
 
-def test_lmcache_misses_while_redis_restarts_empty_then_hits_the_same_bytes(node_factory, redis_factory,
-                                                                            stack_factory, namespace):  # fmt: skip
+def test_lmcache_misses_while_redis_restarts_empty_then_hits_the_same_bytes(
+    node_factory, redis_factory, stack_factory, namespace
+):
     from bench.lmcache_stack import run_with_timeout, same_bytes
 
     redis = EmbeddedRedis().start()
@@ -260,8 +265,11 @@ def test_lmcache_misses_while_redis_restarts_empty_then_hits_the_same_bytes(node
 def test_bench_redis_commands_counts_one_hgetall_per_key_on_both_topologies():
     proc = subprocess.run(
         [sys.executable, "-m", "bench.redis_commands", "--keys", "50", "--rounds", "2"],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("lookup commands: {'hgetall': 50}") == 2
     assert "redis-server paused:" in proc.stdout and "redis-server killed:" in proc.stdout
@@ -403,6 +411,7 @@ async def test_scans_of_a_hung_redis_fail_within_the_timeout_instead_of_retrying
         assert len([key async for key in store.scan_keys()]) == 50
         assert redis.process is not None
         redis.process.send_signal(signal.SIGSTOP)  # accepts connections, never answers
+
         async def scan_all() -> list[str]:
             return [key async for key in store.scan_keys()]
 
@@ -425,8 +434,10 @@ async def test_lookups_on_a_cluster_give_the_answers_one_redis_gives(redis_clust
     keys = [f"spread/{i}" for i in range(300)]
     locations = [(key, Location("n1", 3, "dram", 10, i)) for i, key in enumerate(keys) if i != 200]
     locations += [(keys[7], Location("ghost", 1, "dram", 10, 7)), (keys[250], Location("n1", 2, "dram", 10, 0))]
-    stores = [MetadataStore(f"redis+cluster://127.0.0.1:{redis_cluster[0]}", namespace),
-              MetadataStore(redis_server.url, namespace)]  # fmt: skip
+    stores = [
+        MetadataStore(f"redis+cluster://127.0.0.1:{redis_cluster[0]}", namespace),
+        MetadataStore(redis_server.url, namespace),
+    ]
     try:
         answers = []
         for store in stores:
@@ -450,7 +461,9 @@ async def test_lookups_on_a_cluster_give_the_answers_one_redis_gives(redis_clust
         assert all(_index_keys_on(port, namespace) > 50 for port in redis_cluster)  # every primary was asked
 
         await stores[0].heartbeat(NodeInfo("n1", "127.0.0.1", 1, 3), ttl_ms=60_000, changed=True)
-        client = PoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{redis_cluster[1]}/{namespace}?redis_mode=cluster"))
+        client = PoolClient(
+            PoolConfig.from_url(f"kvpool://127.0.0.1:{redis_cluster[1]}/{namespace}?redis_mode=cluster")
+        )
         try:
             assert await client.hit_prefix(keys) == 200
             assert await client.contains(keys[199:202]) == [True, False, True]

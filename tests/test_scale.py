@@ -216,10 +216,31 @@ def test_a_drain_right_after_another_node_died_still_costs_no_hits(node_factory,
 
 def test_scale_bench_shows_capacity_adding_up_and_the_membership_events(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "bench.scale", "--sizes", "1,4", "--working-set", "12MiB", "--node-dram", "8MiB",
-         "--chunk", "64KiB", "--rounds", "1", "--join-keys", "1000", "--no-redis-benchmark", "--results", str(tmp_path)],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bench.scale",
+            "--sizes",
+            "1,4",
+            "--working-set",
+            "12MiB",
+            "--node-dram",
+            "8MiB",
+            "--chunk",
+            "64KiB",
+            "--rounds",
+            "1",
+            "--join-keys",
+            "1000",
+            "--no-redis-benchmark",
+            "--results",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     (path,) = tmp_path.glob("scale-*.json")
     record = json.loads(path.read_text())

@@ -52,8 +52,14 @@ def secret_files(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _kvpool(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "backend.cli", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=120, env={**os.environ, "LMCACHE_TRACK_USAGE": "false", **(env or {})})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "backend.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**os.environ, "LMCACHE_TRACK_USAGE": "false", **(env or {})},
+    )
 
 
 def _everything(proc: subprocess.CompletedProcess[str]) -> str:
@@ -65,9 +71,24 @@ def test_no_secret_reaches_any_log_line_or_cli_output(acl_redis, secret_files, n
     caplog.set_level(logging.DEBUG)  # every kvpool and LMCache record of this process, whatever its level
     token_file, password_file = secret_files
     seen: list[str] = []
-    up = UpProcess(["--redis", f"redis://{USER}@127.0.0.1:{acl_redis.port}/0", "--redis-password-file",
-                    str(password_file), "--token-file", str(token_file), "--namespace", namespace, "--dram", "64MiB",
-                    "--nvme", "0", "--shm-dir", "off"]).start({**os.environ, "LMCACHE_TRACK_USAGE": "false"})  # fmt: skip
+    up = UpProcess(
+        [
+            "--redis",
+            f"redis://{USER}@127.0.0.1:{acl_redis.port}/0",
+            "--redis-password-file",
+            str(password_file),
+            "--token-file",
+            str(token_file),
+            "--namespace",
+            namespace,
+            "--dram",
+            "64MiB",
+            "--nvme",
+            "0",
+            "--shm-dir",
+            "off",
+        ]
+    ).start({**os.environ, "LMCACHE_TRACK_USAGE": "false"})
     try:
         up.wait_ready(UP_TIMEOUT_S)
         printed, url = up.log, up.url
@@ -89,8 +110,7 @@ def test_no_secret_reaches_any_log_line_or_cli_output(acl_redis, secret_files, n
             stack.close()
 
         inline = f"kvpool://:{TOKEN}@127.0.0.1:{acl_redis.port}/{namespace}?redis_user={USER}&redis_password={PASSWORD}"
-        for fmt in (["--format", "yaml"], ["--format", "env"], ["--mode", "mp", "--format", "json"],
-                    ["--mode", "mp"]):  # fmt: skip
+        for fmt in (["--format", "yaml"], ["--format", "env"], ["--mode", "mp", "--format", "json"], ["--mode", "mp"]):
             out = _kvpool("lmcache-config", "--url", inline, *fmt)
             assert out.returncode == 0, out.stderr
             assert "token was left out" in out.stderr and "redis_password was left out" in out.stderr
@@ -105,31 +125,49 @@ def test_no_secret_reaches_any_log_line_or_cli_output(acl_redis, secret_files, n
             seen.append(_everything(out))
 
         # Errors that name a URL: malformed Redis URLs of every form, an unreachable pool, a bad option.
-        for bad in (f"redis+cluster://{USER}:{PASSWORD}@127.0.0.1:notaport",
-                    f"redis+sentinel://{USER}:{PASSWORD}@127.0.0.1:1",
-                    f"redis+cluster://{USER}:{PASSWORD}@127.0.0.1:1/db",
-                    f"rediss+cluster://{USER}:{PASSWORD}@127.0.0.1:1?x=y",
-                    f"http://{USER}:{PASSWORD}@127.0.0.1:1"):  # fmt: skip
+        for bad in (
+            f"redis+cluster://{USER}:{PASSWORD}@127.0.0.1:notaport",
+            f"redis+sentinel://{USER}:{PASSWORD}@127.0.0.1:1",
+            f"redis+cluster://{USER}:{PASSWORD}@127.0.0.1:1/db",
+            f"rediss+cluster://{USER}:{PASSWORD}@127.0.0.1:1?x=y",
+            f"http://{USER}:{PASSWORD}@127.0.0.1:1",
+        ):
             out = _kvpool("node", "--redis", bad, "--dram", "1MiB")
             assert out.returncode == 2 and "--redis" in out.stderr, out.stderr
             seen.append(_everything(out))
-        out = _kvpool("node", "--redis", f"redis://{USER}:{PASSWORD}@127.0.0.1:{acl_redis.port}/0", "--dram", "1MiB",
-                      "--tls-cert", str(token_file), "--tls-key", str(token_file))  # fmt: skip
+        out = _kvpool(
+            "node",
+            "--redis",
+            f"redis://{USER}:{PASSWORD}@127.0.0.1:{acl_redis.port}/0",
+            "--dram",
+            "1MiB",
+            "--tls-cert",
+            str(token_file),
+            "--tls-key",
+            str(token_file),
+        )
         assert out.returncode == 2 and "rediss://" in out.stderr
         seen.append(_everything(out))
-        out = _kvpool("status", "--url", f"kvpool://:{TOKEN}@127.0.0.1:{free_port()}/x?redis_password={PASSWORD}"
-                      "&timeout_ms=300")  # fmt: skip
+        out = _kvpool(
+            "status", "--url", f"kvpool://:{TOKEN}@127.0.0.1:{free_port()}/x?redis_password={PASSWORD}&timeout_ms=300"
+        )
         assert out.returncode == 1
         seen.append(_everything(out))
-        for broken in (f"kvpool://:{TOKEN}@127.0.0.1:notaport/x?redis_password={PASSWORD}",
-                       f"redis://:{TOKEN}@127.0.0.1:1/x?redis_password={PASSWORD}",
-                       f"kvpool://{USER}:{TOKEN}@127.0.0.1:1/x"):  # fmt: skip
+        for broken in (
+            f"kvpool://:{TOKEN}@127.0.0.1:notaport/x?redis_password={PASSWORD}",
+            f"redis://:{TOKEN}@127.0.0.1:1/x?redis_password={PASSWORD}",
+            f"kvpool://{USER}:{TOKEN}@127.0.0.1:1/x",
+        ):
             with pytest.raises(ConfigError) as error:
                 PoolConfig.from_url(broken)
             seen.append(str(error.value))
         config_with_secrets = PoolConfig.from_url(inline)
-        seen += [repr(config_with_secrets), str(config_with_secrets), config_with_secrets.to_url(with_token=False),
-                 config_with_secrets.redis_url]  # fmt: skip
+        seen += [
+            repr(config_with_secrets),
+            str(config_with_secrets),
+            config_with_secrets.to_url(with_token=False),
+            config_with_secrets.redis_url,
+        ]
     finally:
         up.interrupt()
     seen.append(up.log)
@@ -150,8 +188,13 @@ def test_the_connector_warns_once_and_masked_when_lmcaches_config_carries_a_secr
     """LMCache has logged the URL by then: the warning says so, without repeating the secret, once."""
     caplog.set_level(logging.WARNING)
     token_file, password_file = secret_files
-    node_factory("--token-file", str(token_file), "--redis-password-file", str(password_file),
-                 redis_url=f"redis://{USER}@127.0.0.1:{acl_redis.port}/0")  # fmt: skip
+    node_factory(
+        "--token-file",
+        str(token_file),
+        "--redis-password-file",
+        str(password_file),
+        redis_url=f"redis://{USER}@127.0.0.1:{acl_redis.port}/0",
+    )
     inline = f"kvpool://:{TOKEN}@127.0.0.1:{acl_redis.port}/{namespace}?redis_user={USER}&redis_password={PASSWORD}"
     for seed in (1, 2):  # two engines in one process: still one warning
         stack = stack_factory(inline)
@@ -171,8 +214,9 @@ def test_the_connector_warns_once_and_masked_when_lmcaches_config_carries_a_secr
 
 def test_a_secret_from_a_file_never_appears_in_the_canonical_url(secret_files):
     token_file, password_file = secret_files
-    config = PoolConfig.from_url(f"kvpool://127.0.0.1:6379/ns?token_file={token_file}"
-                                 f"&redis_password_file={password_file}&redis_user={USER}")  # fmt: skip
+    config = PoolConfig.from_url(
+        f"kvpool://127.0.0.1:6379/ns?token_file={token_file}&redis_password_file={password_file}&redis_user={USER}"
+    )
     assert config.token == TOKEN and config.redis_password == PASSWORD
     url = config.to_url()
     assert TOKEN not in url and PASSWORD not in url and f"token_file={token_file}" in url
@@ -187,9 +231,17 @@ def test_a_secret_from_a_file_never_appears_in_the_canonical_url(secret_files):
 
 
 def test_lmcache_config_strips_inline_secrets_and_keeps_everything_else():
-    out = _kvpool("lmcache-config", "--url", f"kvpool://:{TOKEN}@10.0.0.1:6379/prod?replicas=2&redis_password={PASSWORD}"
-                  "&redis_user=u&timeout_ms=500", "--format", "env")  # fmt: skip
+    out = _kvpool(
+        "lmcache-config",
+        "--url",
+        f"kvpool://:{TOKEN}@10.0.0.1:6379/prod?replicas=2&redis_password={PASSWORD}&redis_user=u&timeout_ms=500",
+        "--format",
+        "env",
+    )
     assert out.returncode == 0, out.stderr
     extra = json.loads(re.search(r"LMCACHE_EXTRA_CONFIG='(.*)'", out.stdout).group(1))
-    assert extra["remote_storage_plugin.kvpool.url"] == "kvpool://10.0.0.1:6379/prod?replicas=2&redis_user=u&timeout_ms=500"
+    assert (
+        extra["remote_storage_plugin.kvpool.url"]
+        == "kvpool://10.0.0.1:6379/prod?replicas=2&redis_user=u&timeout_ms=500"
+    )
     assert TOKEN not in out.stdout + out.stderr and PASSWORD not in out.stdout + out.stderr

@@ -169,10 +169,18 @@ def secure_node(node_factory, secure_redis: EmbeddedRedis, pki: Pki, tmp_path: P
     def spawn(*extra: str, tls: bool = True):
         tls_args = ["--tls-cert", str(pki.node_cert), "--tls-key", str(pki.node_key)] if tls else []
         return node_factory(
-            "--host", "localhost", "--token-file", str(token_file), "--redis-ca", str(pki.ca),
-            "--redis-password-file", str(password_file), *tls_args, *extra,
+            "--host",
+            "localhost",
+            "--token-file",
+            str(token_file),
+            "--redis-ca",
+            str(pki.ca),
+            "--redis-password-file",
+            str(password_file),
+            *tls_args,
+            *extra,
             redis_url=f"rediss://{REDIS_USER}@127.0.0.1:{secure_redis.port}/0",
-        )  # fmt: skip
+        )
 
     return spawn
 
@@ -329,10 +337,19 @@ def test_a_wrong_or_missing_redis_password_names_redis_authentication(secure_red
 def test_a_node_with_the_wrong_redis_password_does_not_start(capsys, secure_redis, pki, tmp_path):
     password_file = tmp_path / "redis-password"
     password_file.write_text("guess")
-    code = main([
-        "node", "--shm-dir", "off", "--redis", f"rediss://{REDIS_USER}@127.0.0.1:{secure_redis.port}/0",
-        "--redis-ca", str(pki.ca), "--redis-password-file", str(password_file),
-    ])  # fmt: skip
+    code = main(
+        [
+            "node",
+            "--shm-dir",
+            "off",
+            "--redis",
+            f"rediss://{REDIS_USER}@127.0.0.1:{secure_redis.port}/0",
+            "--redis-ca",
+            str(pki.ca),
+            "--redis-password-file",
+            str(password_file),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1 and "Redis authentication refused" in err and "guess" not in err
 
@@ -421,12 +438,16 @@ def test_node_tls_flags_are_checked_before_anything_starts(capsys, pki, secure_r
     rediss = f"rediss://127.0.0.1:{secure_redis.port}/0"
     cases = [
         (["--redis", rediss, "--tls-cert", str(pki.node_cert)], "TLS needs both --tls-cert and --tls-key"),
-        (["--redis", "redis://127.0.0.1:1/0", "--tls-cert", str(pki.node_cert), "--tls-key", str(pki.node_key)],
-         "a TLS node needs a TLS Redis (rediss://)"),
+        (
+            ["--redis", "redis://127.0.0.1:1/0", "--tls-cert", str(pki.node_cert), "--tls-key", str(pki.node_key)],
+            "a TLS node needs a TLS Redis (rediss://)",
+        ),
         (["--redis", "redis://127.0.0.1:1/0", "--redis-ca", str(pki.ca)], "only matters for a rediss:// Redis"),
-        (["--redis", rediss, "--redis-ca", str(pki.ca), "--tls-cert", str(pki.ca), "--tls-key", str(pki.ca)],
-         "--tls-cert: cannot load"),
-    ]  # fmt: skip
+        (
+            ["--redis", rediss, "--redis-ca", str(pki.ca), "--tls-cert", str(pki.ca), "--tls-key", str(pki.ca)],
+            "--tls-cert: cannot load",
+        ),
+    ]
     for args, message in cases:
         assert main(["node", "--shm-dir", "off", *args]) == 2  # usage errors: nothing was started
         assert message in capsys.readouterr().err

@@ -164,8 +164,10 @@ def test_arenas_and_stages_of_dead_processes_are_removed():
 
 def test_same_host_get_copies_from_the_arena_and_returns_identical_bytes(node_factory, pool_url):
     node_factory(shm=True)
-    chunks = [Chunk(f"m@1@0@{i}@bfloat16", os.urandom(MiB + 4096 * i), "bfloat16", (MiB // 2 + 2048 * i,), 1)
-              for i in range(6)]  # fmt: skip
+    chunks = [
+        Chunk(f"m@1@0@{i}@bfloat16", os.urandom(MiB + 4096 * i), "bfloat16", (MiB // 2 + 2048 * i,), 1)
+        for i in range(6)
+    ]
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
         client.put(chunks)
         got = client.get([c.key for c in chunks] + ["m@1@0@missing@bfloat16"])

@@ -48,8 +48,9 @@ def test_a_same_host_put_goes_through_the_stage_and_reads_back_identical_everywh
         assert stats["counters"]["puts"] == 8
         mapped = client.get([c.key for c in chunks])  # through the arena
         assert [bytes(g.data) for g in mapped] == [c.data for c in chunks]
-        assert [(g.meta.dtype, g.meta.shape, g.meta.fmt) for g in mapped] == [("bfloat16", (c.data.__len__() // 2,), 1)
-                                                                              for c in chunks]  # fmt: skip
+        assert [(g.meta.dtype, g.meta.shape, g.meta.fmt) for g in mapped] == [
+            ("bfloat16", (c.data.__len__() // 2,), 1) for c in chunks
+        ]
         assert len(_stages() - before) == 1  # this client's stage, while it is open
     with SyncPoolClient(PoolConfig.from_url(pool_url + "?shm=off")) as remote:
         over_tcp = remote.get([c.key for c in chunks])  # as another host reads them
@@ -68,8 +69,7 @@ def test_a_put_larger_than_the_stage_goes_through_it_in_parts(node_factory, pool
         assert [bytes(g.data) for g in client.get([c.key for c in chunks])] == [c.data for c in chunks]
 
 
-def test_a_staged_chunk_that_does_not_match_its_checksum_is_refused_and_not_stored(node_factory, pool_url,
-                                                                                   monkeypatch):  # fmt: skip
+def test_a_staged_chunk_that_does_not_match_its_checksum_is_refused_and_not_stored(node_factory, pool_url, monkeypatch):
     node_factory(shm=True)
 
     original = PutStage.write_checked

@@ -57,8 +57,9 @@ def _nvme_node(node_factory, tmp_path: Path, dram: str = "1MiB", nvme: str = "64
 # -- through real node processes ------------------------------------------------------
 
 
-def test_puts_larger_than_dram_spill_to_nvme_and_all_read_back(node_factory, pool_url, redis_server, namespace,
-                                                               tmp_path):  # fmt: skip
+def test_puts_larger_than_dram_spill_to_nvme_and_all_read_back(
+    node_factory, pool_url, redis_server, namespace, tmp_path
+):
     _nvme_node(node_factory, tmp_path)
     chunks = _chunks("spill", 24, 128 * KIB)  # 3 MiB into 1 MiB of DRAM
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
@@ -78,8 +79,9 @@ def test_puts_larger_than_dram_spill_to_nvme_and_all_read_back(node_factory, poo
         assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
 
 
-def test_flipped_byte_on_disk_is_a_miss_quarantined_and_unindexed(node_factory, pool_url, redis_server, namespace,
-                                                                  tmp_path):  # fmt: skip
+def test_flipped_byte_on_disk_is_a_miss_quarantined_and_unindexed(
+    node_factory, pool_url, redis_server, namespace, tmp_path
+):
     _nvme_node(node_factory, tmp_path)
     chunks = _chunks("flip", 16, 128 * KIB)
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:

@@ -34,8 +34,14 @@ def _env() -> dict[str, str]:
 
 
 def _kvpool(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "backend.cli", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=120, env={**_env(), **(env or {})})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "backend.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**_env(), **(env or {})},
+    )
 
 
 class _Up(UpProcess):

@@ -94,8 +94,9 @@ class ArenaReader:
             raise
         return outcomes
 
-    async def _read_leased(self, pool: NodePool, arena: ArenaView, part: Sequence[Wanted],
-                           sink: Sink[Any]) -> list[Outcome]:  # fmt: skip
+    async def _read_leased(
+        self, pool: NodePool, arena: ArenaView, part: Sequence[Wanted], sink: Sink[Any]
+    ) -> list[Outcome]:
         keys = [w.key for w in part]
         trust_until = time.monotonic() + SHM_LEASE_MS / 1000 * SHM_LEASE_TRUST
         try:

@@ -15,9 +15,23 @@ from backend.protocol import ItemMeta, check_item
 from backend.transport import Buffer
 
 __all__ = [
-    "Chunk", "Fetched", "Lock", "Sink", "BytesSink", "Wanted",
-    "Hit", "Miss", "Declined", "Fallback", "Failed", "Outcome", "MISS", "DECLINED", "allocate_view", "release_hits",
-]  # fmt: skip
+    "Chunk",
+    "Fetched",
+    "Lock",
+    "Sink",
+    "BytesSink",
+    "Wanted",
+    "Hit",
+    "Miss",
+    "Declined",
+    "Fallback",
+    "Failed",
+    "Outcome",
+    "MISS",
+    "DECLINED",
+    "allocate_view",
+    "release_hits",
+]
 
 T = TypeVar("T")
 

@@ -107,8 +107,10 @@ class NodeConnection:
                 hello = decode_json(await self.request(Op.HELLO, encode_json({"client": "kvpool"})))
                 if hello.get("auth_required"):
                     if not self.config.token:
-                        raise AuthError(f"node {self.node.node_id} requires a token; give it as token_file=PATH in the pool "
-                                        "URL (or KVPOOL_TOKEN)")  # fmt: skip
+                        raise AuthError(
+                            f"node {self.node.node_id} requires a token; give it as token_file=PATH in the pool "
+                            "URL (or KVPOOL_TOKEN)"
+                        )
                     mac = auth_mac(self.config.token, bytes.fromhex(str(hello.get("nonce", ""))))
                     await self.request(Op.AUTH, encode_json({"mac": mac}))
                 if hello.get("epoch") != self.node.epoch:
@@ -130,8 +132,16 @@ class NodeConnection:
                 pending.future.set_exception(error)
         self._pending.clear()
 
-    async def request(self, op: int, meta: bytes, data: Sequence[Buffer] = (), keys: Sequence[str] = (),
-                      sink: Sink[Any] | None = None, expect_bytes: int = 0, hold_s: float = 0.0) -> Any:  # fmt: skip
+    async def request(
+        self,
+        op: int,
+        meta: bytes,
+        data: Sequence[Buffer] = (),
+        keys: Sequence[str] = (),
+        sink: Sink[Any] | None = None,
+        expect_bytes: int = 0,
+        hold_s: float = 0.0,
+    ) -> Any:
         """Send one request and wait for its response (a GET's: one :data:`Outcome` per key).
 
         Bounded by the pool's ``timeout_ms`` plus the time the request's bytes (sent

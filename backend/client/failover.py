@@ -115,8 +115,12 @@ class Getter:
 
     def _read_early(self, keys: Sequence[str], sink: Sink[Any]) -> _Early | None:
         """Start reading every key from the one node on this host, if there is exactly one."""
-        local = [(node, index) for node in self.registry.known() for index, reader in enumerate(self.readers)
-                 if reader.speculative and reader.serves(node)]  # fmt: skip
+        local = [
+            (node, index)
+            for node in self.registry.known()
+            for index, reader in enumerate(self.readers)
+            if reader.speculative and reader.serves(node)
+        ]
         if len(local) != 1:
             return None
         node, index = local[0]
@@ -124,8 +128,9 @@ class Getter:
         read = self.readers[index].read(node, [Wanted(key, 0) for key in keys], sink)
         return node.node_id, index, asyncio.ensure_future(read)
 
-    def _keep_vouched(self, early: _Early, candidates: list[list[Location]], results: list[Any],
-                      sink: Sink[Any]) -> dict[int, tuple[str, int]]:  # fmt: skip
+    def _keep_vouched(
+        self, early: _Early, candidates: list[list[Location]], results: list[Any], sink: Sink[Any]
+    ) -> dict[int, tuple[str, int]]:
         """Keep each early hit whose checksum a live copy in the index has; hand back the rest.
 
         Returns the keys that reader handed on, with the next reader to try on that node.
@@ -154,8 +159,9 @@ class Getter:
             return task.result()
         if not isinstance(error, KVPoolError):
             raise error
-        self.ctx.warn_once(f"get:{nid}", "kvpool: get from node %s failed; its keys go to replicas, else miss: %s",
-                           nid, error)  # fmt: skip
+        self.ctx.warn_once(
+            f"get:{nid}", "kvpool: get from node %s failed; its keys go to replicas, else miss: %s", nid, error
+        )
         self.registry.suspect(nid)
         return [Failed(error)] * count
 

@@ -86,8 +86,10 @@ class Locker:
             if node is None or node.epoch != epoch:
                 continue  # the node restarted: its leases died with it
             pool = self.connections.pool(node)
-            releases += [pool.request(Op.RELEASE, encode_release(lease_id, names[i : i + MAX_FRAME_ITEMS]))
-                         for i in range(0, len(names), MAX_FRAME_ITEMS)]  # fmt: skip
+            releases += [
+                pool.request(Op.RELEASE, encode_release(lease_id, names[i : i + MAX_FRAME_ITEMS]))
+                for i in range(0, len(names), MAX_FRAME_ITEMS)
+            ]
         outcomes = await asyncio.gather(*releases, return_exceptions=True)
         for outcome in outcomes:
             if isinstance(outcome, BaseException) and not isinstance(outcome, KVPoolError):

@@ -62,9 +62,11 @@ class PutPlanner:
         if not nodes:
             raise CapacityError(f"no live node in namespace {self.ctx.config.namespace!r} can take writes")
         if all(n.draining for n in nodes):
-            raise CapacityError(f"no live node in namespace {self.ctx.config.namespace!r} takes writes: every one is "
-                                f"draining ({', '.join(sorted(n.node_id for n in nodes))}); `kvpool undrain NODE` "
-                                "ends a drain")  # fmt: skip
+            raise CapacityError(
+                f"no live node in namespace {self.ctx.config.namespace!r} takes writes: every one is "
+                f"draining ({', '.join(sorted(n.node_id for n in nodes))}); `kvpool undrain NODE` "
+                "ends a drain"
+            )
         replicas = self.ctx.config.replicas
         plans = {item.key: rank_nodes(item.key, nodes) for item in items}  # every node that may take it, best first
         targets = {item.key: choose_nodes(item.key, nodes, replicas) for item in items}
@@ -111,8 +113,10 @@ class PutPlanner:
         if failed:
             self.ctx.counters["put_failures"] += len(failed)
             # A key never answered for (no node left to try) counts as failed.
-            raise put_error({i.key: refused.get(i.key, PutOutcome.FAILED) if i.key in failed else PutOutcome.STORED
-                             for i in items}, last_error)  # fmt: skip
+            raise put_error(
+                {i.key: refused.get(i.key, PutOutcome.FAILED) if i.key in failed else PutOutcome.STORED for i in items},
+                last_error,
+            )
 
     async def _checksummed(self, layouts: list[ItemMeta], data: dict[str, Buffer], sums: dict[str, int]) -> None:
         """Put each chunk's checksum in ``sums``, hashed on the bulk threads (off the caller's loop)."""
@@ -127,8 +131,9 @@ class PutPlanner:
             digests = await self.ctx.map_in_threads(hashed, todo)
         sums.update({item.key: digest for item, digest in zip(todo, digests)})
 
-    async def _put_on_node(self, node: NodeInfo, group: list[ItemMeta], data: dict[str, Buffer],
-                           sums: dict[str, int], options: PutOptions) -> NodeOutcomes:  # fmt: skip
+    async def _put_on_node(
+        self, node: NodeInfo, group: list[ItemMeta], data: dict[str, Buffer], sums: dict[str, int], options: PutOptions
+    ) -> NodeOutcomes:
         """One node's chunks: through the stage for a node on this host, else striped over its
         connections (the node receives each stripe on its own thread). Returns each chunk's
         outcome (``FAILED`` where its stripe failed) and the node's error, if a stripe failed."""
@@ -145,8 +150,9 @@ class PutPlanner:
             results: list[PutOutcome] = []
             for frame in frames(part):
                 meta = encode_put_batch(frame, options)
-                reply = await pool.request(Op.PUT_BATCH, meta, data=[data[i.key] for i in frame],
-                                           hold_s=options.wait_ms / 1000)  # fmt: skip
+                reply = await pool.request(
+                    Op.PUT_BATCH, meta, data=[data[i.key] for i in frame], hold_s=options.wait_ms / 1000
+                )
                 results.extend(put_outcome(flag) for flag in decode_flags(reply, len(frame)))
             return results
 

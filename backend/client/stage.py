@@ -59,9 +59,13 @@ class StagedWriter:
             return await self._stage(os.path.dirname(node.shm_path)) is not None
 
     async def put(
-        self, node: NodeInfo, group: Sequence[ItemMeta], data: dict[str, Buffer], sums: dict[str, int],
+        self,
+        node: NodeInfo,
+        group: Sequence[ItemMeta],
+        data: dict[str, Buffer],
+        sums: dict[str, int],
         options: PutOptions,
-    ) -> tuple[list[PutOutcome], KVPoolError | None] | None:  # fmt: skip
+    ) -> tuple[list[PutOutcome], KVPoolError | None] | None:
         """Store ``group`` (layouts) on ``node`` through the stage; each chunk's outcome and the node's
         error if a request failed. None when there is no stage: the caller puts over TCP.
 
@@ -84,8 +88,15 @@ class StagedWriter:
             self.ctx.counters["staged_put_bytes"] += sum(item.nbytes for item in group)
             return outcomes, error
 
-    async def _put_part(self, pool: NodePool, stage: PutStage, part: Sequence[ItemMeta], data: dict[str, Buffer],
-                        sums: dict[str, int], options: PutOptions) -> tuple[list[PutOutcome], KVPoolError | None]:  # fmt: skip
+    async def _put_part(
+        self,
+        pool: NodePool,
+        stage: PutStage,
+        part: Sequence[ItemMeta],
+        data: dict[str, Buffer],
+        sums: dict[str, int],
+        options: PutOptions,
+    ) -> tuple[list[PutOutcome], KVPoolError | None]:
         """Chunks that fit in the stage at once: each stripe is copied, then sent while the next is copied."""
         offsets, offset = [], HEADER_BYTES
         for item in part:
@@ -108,8 +119,9 @@ class StagedWriter:
                     digests = await self.ctx.map_in_threads(copy, jobs)
                 items = [dataclasses.replace(item, checksum=d) for item, d in zip(stripe, digests)]
                 sums.update({item.key: item.checksum for item in items})
-                meta = encode_put_staged(stage.name, stage.token, items, [offset_of[i.key] for i in items],
-                                         options=options)  # fmt: skip
+                meta = encode_put_staged(
+                    stage.name, stage.token, items, [offset_of[i.key] for i in items], options=options
+                )
                 requests.append(asyncio.ensure_future(pool.request(Op.PUT_STAGED, meta)))
             await asyncio.wait(requests)
         except BaseException:
@@ -139,8 +151,12 @@ class StagedWriter:
             stage = await asyncio.to_thread(PutStage, directory, STAGE_BYTES)
         except OSError as exc:
             self._failed_at[directory] = time.monotonic()
-            self.ctx.warn_once(f"stage:{directory}", "kvpool: cannot make a put stage in %s (%s); same-host "
-                               "puts go over TCP", directory, exc)  # fmt: skip
+            self.ctx.warn_once(
+                f"stage:{directory}",
+                "kvpool: cannot make a put stage in %s (%s); same-host puts go over TCP",
+                directory,
+                exc,
+            )
             return None
         if self.ctx.closed:
             stage.close()

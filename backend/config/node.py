@@ -14,8 +14,16 @@ from backend.errors import ConfigError
 from backend.protocol import DEFAULT_LIMITS, Limits
 from backend.redis_topology import RedisTarget, mask_url
 
-__all__ = ["NodeConfig", "NodeOption", "NODE_OPTIONS", "NODE_OPTION_NAMES", "NODE_VERB_DEFAULTS", "REDIS_HELP",
-           "node_options", "parse_advertise"]  # fmt: skip
+__all__ = [
+    "NodeConfig",
+    "NodeOption",
+    "NODE_OPTIONS",
+    "NODE_OPTION_NAMES",
+    "NODE_VERB_DEFAULTS",
+    "REDIS_HELP",
+    "node_options",
+    "parse_advertise",
+]
 
 DEFAULT_SHM_DIR = "/dev/shm"
 DEFAULT_NODE_PAIR_TIMEOUT_MS = 60_000  # a node waits longer than a client: it serves many pairings
@@ -149,63 +157,131 @@ def _redis(key: str, value: Any) -> str:
     return text
 
 
-REDIS_HELP = ("the pool's metadata Redis (required): redis://HOST:PORT, redis+cluster://HOST:PORT[,HOST:PORT] or "
-              "redis+sentinel://HOST:PORT[,HOST:PORT]/MASTER; TLS: rediss://, rediss+cluster://, rediss+sentinel://; "
-              "an ACL user as USER@HOST:PORT")  # fmt: skip
+REDIS_HELP = (
+    "the pool's metadata Redis (required): redis://HOST:PORT, redis+cluster://HOST:PORT[,HOST:PORT] or "
+    "redis+sentinel://HOST:PORT[,HOST:PORT]/MASTER; TLS: rediss://, rediss+cluster://, rediss+sentinel://; "
+    "an ACL user as USER@HOST:PORT"
+)
 # Every node setting, in the order of `kvpool node --help`. The help strings of dram, nvme_dir and
 # nvme name {default}: `kvpool up` and `kvpool node` differ there (NODE_VERB_DEFAULTS).
 NODE_OPTIONS: tuple[NodeOption, ...] = (
     NodeOption("redis", _optional(_redis), "", REDIS_HELP, metavar="URL"),
-    NodeOption("namespace", _named(NAMESPACE_RE, "1-64 characters of A-Z a-z 0-9 _ . -"), DEFAULT_NAMESPACE,
-               f"pool namespace (default {DEFAULT_NAMESPACE})"),
+    NodeOption(
+        "namespace",
+        _named(NAMESPACE_RE, "1-64 characters of A-Z a-z 0-9 _ . -"),
+        DEFAULT_NAMESPACE,
+        f"pool namespace (default {DEFAULT_NAMESPACE})",
+    ),
     NodeOption("dram", _size(positive=True), parse_size("4GiB"), "DRAM tier size (default {default})"),
     NodeOption("nvme_dir", _optional(_path), None, "NVMe tier directory ({default})"),
-    NodeOption("nvme", _size(positive=False), parse_size("100GiB"),
-               "NVMe tier size; 0 turns it off (default {default})"),
+    NodeOption(
+        "nvme", _size(positive=False), parse_size("100GiB"), "NVMe tier size; 0 turns it off (default {default})"
+    ),
     NodeOption("host", _text, "127.0.0.1", "address to listen on (default 127.0.0.1)"),
     NodeOption("port", _int_in(0, 65535), 0, "port to listen on (default: any free port)"),
-    NodeOption("advertise", parse_advertise, ("", 0), "address clients should use, published in the registry (default: "
-               "--host, or the hostname for 0.0.0.0; the port defaults to the one listened on)",
-               metavar="HOST[:PORT]"),
+    NodeOption(
+        "advertise",
+        parse_advertise,
+        ("", 0),
+        "address clients should use, published in the registry (default: "
+        "--host, or the hostname for 0.0.0.0; the port defaults to the one listened on)",
+        metavar="HOST[:PORT]",
+    ),
     NodeOption("node_id", _text, "", "stable node id (default: kept in the NVMe dir, else HOSTNAME-PORT)"),
     NodeOption("cluster", _named(CLUSTER_RE, "A-Z a-z 0-9 _ . -"), "", "cluster label for same-cluster reads"),
-    NodeOption("channel", _choice(_CHANNELS), "off", "serve same-cluster clients over the channel: nccl (GPU), "
-               "cpu (its socket twin, for tests) or off (default); needs --cluster", choices=_CHANNELS),
+    NodeOption(
+        "channel",
+        _choice(_CHANNELS),
+        "off",
+        "serve same-cluster clients over the channel: nccl (GPU), "
+        "cpu (its socket twin, for tests) or off (default); needs --cluster",
+        choices=_CHANNELS,
+    ),
     NodeOption("device", _text, "cuda:0", "CUDA device of --channel nccl (default cuda:0)"),
-    NodeOption("pair_timeout_ms", _int_in(1, MAX_NODE_MS), DEFAULT_NODE_PAIR_TIMEOUT_MS,
-               "deadline of one channel pairing; a cold NCCL init takes seconds "
-               f"(default {DEFAULT_NODE_PAIR_TIMEOUT_MS})", metavar="MS"),
-    NodeOption("dead_node_grace_ms", _int_in(1, MAX_NODE_MS), DEFAULT_DEAD_NODE_GRACE_MS,
-               "a node dead this long loses its registry entry and index entries, collected by a live node "
-               f"(default {DEFAULT_DEAD_NODE_GRACE_MS})", metavar="MS"),
-    NodeOption("handshake_timeout_ms", _int_in(1, MAX_NODE_MS), DEFAULT_HANDSHAKE_TIMEOUT_MS,
-               "a connection must finish its handshake (TLS, its first frame, and AUTH where the pool has a "
-               f"token) this soon after it is accepted, or it is closed (default {DEFAULT_HANDSHAKE_TIMEOUT_MS})",
-               metavar="MS"),
-    NodeOption("max_pending_connections", _int_in(1, MAX_PENDING_CONNECTIONS), DEFAULT_MAX_PENDING_CONNECTIONS,
-               "most connections kept before their handshake finished; above it the oldest is closed "
-               f"(default {DEFAULT_MAX_PENDING_CONNECTIONS})", metavar="N"),
+    NodeOption(
+        "pair_timeout_ms",
+        _int_in(1, MAX_NODE_MS),
+        DEFAULT_NODE_PAIR_TIMEOUT_MS,
+        f"deadline of one channel pairing; a cold NCCL init takes seconds (default {DEFAULT_NODE_PAIR_TIMEOUT_MS})",
+        metavar="MS",
+    ),
+    NodeOption(
+        "dead_node_grace_ms",
+        _int_in(1, MAX_NODE_MS),
+        DEFAULT_DEAD_NODE_GRACE_MS,
+        "a node dead this long loses its registry entry and index entries, collected by a live node "
+        f"(default {DEFAULT_DEAD_NODE_GRACE_MS})",
+        metavar="MS",
+    ),
+    NodeOption(
+        "handshake_timeout_ms",
+        _int_in(1, MAX_NODE_MS),
+        DEFAULT_HANDSHAKE_TIMEOUT_MS,
+        "a connection must finish its handshake (TLS, its first frame, and AUTH where the pool has a "
+        f"token) this soon after it is accepted, or it is closed (default {DEFAULT_HANDSHAKE_TIMEOUT_MS})",
+        metavar="MS",
+    ),
+    NodeOption(
+        "max_pending_connections",
+        _int_in(1, MAX_PENDING_CONNECTIONS),
+        DEFAULT_MAX_PENDING_CONNECTIONS,
+        "most connections kept before their handshake finished; above it the oldest is closed "
+        f"(default {DEFAULT_MAX_PENDING_CONNECTIONS})",
+        metavar="N",
+    ),
     NodeOption("token_file", _optional(_path), None, "file holding the pool token (or set KVPOOL_TOKEN)"),
-    NodeOption("tls_cert", _optional(_path), None, "serve the node protocol over TLS only, with this PEM "
-               "certificate chain (it must name the address clients use: --advertise or --host); needs --tls-key",
-               metavar="FILE"),
+    NodeOption(
+        "tls_cert",
+        _optional(_path),
+        None,
+        "serve the node protocol over TLS only, with this PEM "
+        "certificate chain (it must name the address clients use: --advertise or --host); needs --tls-key",
+        metavar="FILE",
+    ),
     NodeOption("tls_key", _optional(_path), None, "the PEM private key of --tls-cert", metavar="FILE"),
-    NodeOption("redis_ca", _optional(_path), None,
-               "CA bundle that verifies a rediss:// Redis (default: the system trust store)", metavar="FILE"),
-    NodeOption("redis_password_file", _optional(_path), None, "file holding the Redis ACL password (or set "
-               "KVPOOL_REDIS_PASSWORD); the user goes in the --redis URL: rediss://USER@HOST:PORT", metavar="FILE"),
-    NodeOption("metrics_port", _optional(_int_in(0, 65535)), None,
-               "serve /metrics and /health on this port (0: any free port; default: off)"),
+    NodeOption(
+        "redis_ca",
+        _optional(_path),
+        None,
+        "CA bundle that verifies a rediss:// Redis (default: the system trust store)",
+        metavar="FILE",
+    ),
+    NodeOption(
+        "redis_password_file",
+        _optional(_path),
+        None,
+        "file holding the Redis ACL password (or set "
+        "KVPOOL_REDIS_PASSWORD); the user goes in the --redis URL: rediss://USER@HOST:PORT",
+        metavar="FILE",
+    ),
+    NodeOption(
+        "metrics_port",
+        _optional(_int_in(0, 65535)),
+        None,
+        "serve /metrics and /health on this port (0: any free port; default: off)",
+    ),
     NodeOption("metrics_host", _text, "127.0.0.1", "address for --metrics-port (default 127.0.0.1)"),
-    NodeOption("shm_dir", _shm_dir, Path(DEFAULT_SHM_DIR) if Path(DEFAULT_SHM_DIR).is_dir() else None,
-               f"keep DRAM in a shared-memory arena here so same-host clients read without TCP "
-               f"(default {DEFAULT_SHM_DIR}; off: private memory)", metavar="DIR|off"),
-    NodeOption("prefault", _switch, True, "take the whole DRAM arena's memory at start, before the node registers "
-               f"(about 1 s per GiB), so the first puts find their pages ready; off: take it as chunks "
-               f"arrive (default on; or {ENV_PREFAULT})", metavar="on|off", env=ENV_PREFAULT),
+    NodeOption(
+        "shm_dir",
+        _shm_dir,
+        Path(DEFAULT_SHM_DIR) if Path(DEFAULT_SHM_DIR).is_dir() else None,
+        f"keep DRAM in a shared-memory arena here so same-host clients read without TCP "
+        f"(default {DEFAULT_SHM_DIR}; off: private memory)",
+        metavar="DIR|off",
+    ),
+    NodeOption(
+        "prefault",
+        _switch,
+        True,
+        "take the whole DRAM arena's memory at start, before the node registers "
+        f"(about 1 s per GiB), so the first puts find their pages ready; off: take it as chunks "
+        f"arrive (default on; or {ENV_PREFAULT})",
+        metavar="on|off",
+        env=ENV_PREFAULT,
+    ),
     NodeOption("token", _text, "", "the pool token clients must prove", env="KVPOOL_TOKEN", flag=False),
     NodeOption("redis_password", _text, "", "the Redis ACL password", env="KVPOOL_REDIS_PASSWORD", flag=False),
-)  # fmt: skip
+)
 NODE_OPTION_NAMES = tuple(option.name for option in NODE_OPTIONS)
 # What `kvpool up` and `kvpool node` default to where they differ, as the user would write it.
 NODE_VERB_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -264,8 +340,9 @@ def _node_yaml(path: str | Path) -> dict[str, Any]:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name in ("token", "redis_password"):
-            raise ConfigError(str(key), f"a secret does not belong in {path}: give {name}_file, or set "
-                              f"KVPOOL_{name.upper()}")  # fmt: skip
+            raise ConfigError(
+                str(key), f"a secret does not belong in {path}: give {name}_file, or set KVPOOL_{name.upper()}"
+            )
         if name not in settable:
             raise ConfigError(str(key), f"unknown option in {path}; known: {', '.join(sorted(settable))}")
         options[name] = value
@@ -314,8 +391,9 @@ class NodeConfig:
 
     def __post_init__(self) -> None:
         if not self.redis_url:
-            raise ConfigError("--redis", "the pool's metadata Redis is required: --redis redis://HOST:PORT "
-                              "(or redis: in --config)")  # fmt: skip
+            raise ConfigError(
+                "--redis", "the pool's metadata Redis is required: --redis redis://HOST:PORT (or redis: in --config)"
+            )
         redis_tls = RedisTarget.parse(self.redis_url, key="--redis").tls
         if not NAMESPACE_RE.match(self.namespace):
             raise ConfigError("--namespace", f"{self.namespace!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
@@ -327,9 +405,11 @@ class NodeConfig:
             raise ConfigError("--channel", f"{self.channel!r} is not one of {', '.join(_CHANNELS)}")
         if self.channel != "off" and not self.cluster:
             raise ConfigError("--channel", "the channel serves clients of the same cluster: give --cluster NAME too")
-        for flag, value in (("--pair-timeout-ms", self.pair_timeout_ms),
-                            ("--dead-node-grace-ms", self.dead_node_grace_ms),
-                            ("--handshake-timeout-ms", self.handshake_timeout_ms)):  # fmt: skip
+        for flag, value in (
+            ("--pair-timeout-ms", self.pair_timeout_ms),
+            ("--dead-node-grace-ms", self.dead_node_grace_ms),
+            ("--handshake-timeout-ms", self.handshake_timeout_ms),
+        ):
             if value <= 0:
                 raise ConfigError(flag, f"{value} is not a positive number of milliseconds")
         if self.max_pending_connections <= 0:
@@ -340,8 +420,9 @@ class NodeConfig:
             # Clients reach a TLS node with tls=on, which also means rediss:// to the registry.
             raise ConfigError("--tls-cert", f"a TLS node needs a TLS Redis (rediss://), not {mask_url(self.redis_url)}")
         if self.redis_ca_file and not redis_tls:
-            raise ConfigError("--redis-ca", f"a CA bundle only matters for a rediss:// Redis, not "
-                              f"{mask_url(self.redis_url)}")  # fmt: skip
+            raise ConfigError(
+                "--redis-ca", f"a CA bundle only matters for a rediss:// Redis, not {mask_url(self.redis_url)}"
+            )
 
     @classmethod
     def from_sources(
@@ -367,20 +448,35 @@ class NodeConfig:
         nvme_bytes = values["nvme"] if values["nvme_dir"] is not None else 0
         advertise_host, advertise_port = values["advertise"]
         return cls(
-            redis_url=values["redis"] or "", namespace=values["namespace"], dram_bytes=values["dram"],
-            nvme_dir=values["nvme_dir"] if nvme_bytes else None, nvme_bytes=nvme_bytes,
-            host=values["host"], port=values["port"], advertise_host=advertise_host, advertise_port=advertise_port,
-            node_id=values["node_id"], token=token, cluster=values["cluster"],
-            metrics_host=values["metrics_host"], metrics_port=values["metrics_port"], shm_dir=values["shm_dir"],
+            redis_url=values["redis"] or "",
+            namespace=values["namespace"],
+            dram_bytes=values["dram"],
+            nvme_dir=values["nvme_dir"] if nvme_bytes else None,
+            nvme_bytes=nvme_bytes,
+            host=values["host"],
+            port=values["port"],
+            advertise_host=advertise_host,
+            advertise_port=advertise_port,
+            node_id=values["node_id"],
+            token=token,
+            cluster=values["cluster"],
+            metrics_host=values["metrics_host"],
+            metrics_port=values["metrics_port"],
+            shm_dir=values["shm_dir"],
             prefault=values["prefault"],
-            channel=values["channel"], device=values["device"], tls_cert=values["tls_cert"], tls_key=values["tls_key"],
-            redis_password=password, redis_ca_file=str(values["redis_ca"] or ""),
-            pair_timeout_ms=values["pair_timeout_ms"], dead_node_grace_ms=values["dead_node_grace_ms"],
+            channel=values["channel"],
+            device=values["device"],
+            tls_cert=values["tls_cert"],
+            tls_key=values["tls_key"],
+            redis_password=password,
+            redis_ca_file=str(values["redis_ca"] or ""),
+            pair_timeout_ms=values["pair_timeout_ms"],
+            dead_node_grace_ms=values["dead_node_grace_ms"],
             handshake_timeout_ms=values["handshake_timeout_ms"],
             max_pending_connections=values["max_pending_connections"],
             token_file=str(token_file.resolve()) if token_file is not None else "",
             redis_password_file=str(password_file.resolve()) if password_file is not None else "",
-        )  # fmt: skip
+        )
 
 
 def _read_node_secret(path: Path, flag: str) -> str:

@@ -14,9 +14,20 @@ from backend.config.values import CLUSTER_RE, NAMESPACE_RE, parse_bool, parse_in
 from backend.errors import ConfigError
 from backend.redis_topology import CLUSTER, REDIS_MODES, SINGLE, RedisTarget, parse_hosts
 
-__all__ = ["PoolConfig", "SCHEME", "DEFAULT_NAMESPACE", "without_inline_secrets", "mask_secrets", "SECRET_NAMES",
-           "OPTION_NAMES",
-           "ENV_URL", "ENV_DEBUG", "warn_unknown_env", "env_flag", "known_env_names"]  # fmt: skip
+__all__ = [
+    "PoolConfig",
+    "SCHEME",
+    "DEFAULT_NAMESPACE",
+    "without_inline_secrets",
+    "mask_secrets",
+    "SECRET_NAMES",
+    "OPTION_NAMES",
+    "ENV_URL",
+    "ENV_DEBUG",
+    "warn_unknown_env",
+    "env_flag",
+    "known_env_names",
+]
 
 logger = logging.getLogger("backend.config")
 
@@ -80,12 +91,15 @@ class PoolConfig:
         if self.redis_mode not in REDIS_MODES:
             raise ConfigError("redis_mode", f"{self.redis_mode!r} is not one of {', '.join(REDIS_MODES)}")
         if self.sentinel and self.redis_mode == CLUSTER:
-            raise ConfigError("sentinel", "Sentinel does not manage a Redis Cluster: give redis_mode=cluster or "
-                              "sentinel=MASTER, not both")  # fmt: skip
+            raise ConfigError(
+                "sentinel",
+                "Sentinel does not manage a Redis Cluster: give redis_mode=cluster or sentinel=MASTER, not both",
+            )
         if self.nccl and not self.cluster and "nccl" not in _warned_options:
             _warned_options.add("nccl")  # once per process: configs are rebuilt (dataclasses.replace)
-            logger.warning("nccl: nccl=on needs cluster=NAME (no node counts as same-cluster without it); "
-                           "every read goes over TCP")  # fmt: skip
+            logger.warning(
+                "nccl: nccl=on needs cluster=NAME (no node counts as same-cluster without it); every read goes over TCP"
+            )
         if self.redis_hosts:
             if self.redis_mode == SINGLE and not self.sentinel:
                 raise ConfigError("redis_hosts", "more Redis hosts need redis_mode=cluster or sentinel=MASTER")
@@ -358,8 +372,9 @@ def warn_unknown_env(environ: Mapping[str, str]) -> list[str]:
     for name in unknown:
         if name not in _warned_env:
             _warned_env.add(name)
-            logger.warning("%s: unknown kvpool environment variable, ignored; known: %s", name,
-                           ", ".join(known_env_names()))  # fmt: skip
+            logger.warning(
+                "%s: unknown kvpool environment variable, ignored; known: %s", name, ", ".join(known_env_names())
+            )
     return unknown
 
 

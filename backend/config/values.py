@@ -14,12 +14,25 @@ NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 CLUSTER_RE = re.compile(r"^[A-Za-z0-9_.-]{0,64}$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
-    "": 1, "B": 1,
-    "K": 1024, "KB": 1000, "KI": 1024, "KIB": 1024,
-    "M": 1024**2, "MB": 1000**2, "MI": 1024**2, "MIB": 1024**2,
-    "G": 1024**3, "GB": 1000**3, "GI": 1024**3, "GIB": 1024**3,
-    "T": 1024**4, "TB": 1000**4, "TI": 1024**4, "TIB": 1024**4,
-}  # fmt: skip
+    "": 1,
+    "B": 1,
+    "K": 1024,
+    "KB": 1000,
+    "KI": 1024,
+    "KIB": 1024,
+    "M": 1024**2,
+    "MB": 1000**2,
+    "MI": 1024**2,
+    "MIB": 1024**2,
+    "G": 1024**3,
+    "GB": 1000**3,
+    "GI": 1024**3,
+    "GIB": 1024**3,
+    "T": 1024**4,
+    "TB": 1000**4,
+    "TI": 1024**4,
+    "TIB": 1024**4,
+}
 
 
 def split_url(url: str, problem: Callable[[str], ConfigError]) -> SplitResult:

@@ -82,8 +82,10 @@ def rebuild_layout(
     token_bytes = sum(s.numel() // s[TOKEN_DIM] * d.itemsize for s, d in zip(engine_shapes, engine_dtypes))
     tokens, left = divmod(meta.nbytes, token_bytes) if token_bytes else (0, meta.nbytes)
     if left or not 0 < tokens <= max((s[TOKEN_DIM] for s in engine_shapes), default=0):
-        raise KVPoolError(f"{meta.key!r} holds {meta.nbytes} bytes, which is no whole number of tokens "
-                          f"({token_bytes} bytes each) of this engine's {len(engine_shapes)} groups")  # fmt: skip
+        raise KVPoolError(
+            f"{meta.key!r} holds {meta.nbytes} bytes, which is no whole number of tokens "
+            f"({token_bytes} bytes each) of this engine's {len(engine_shapes)} groups"
+        )
     shapes = [torch.Size([*s[:TOKEN_DIM], tokens, *s[TOKEN_DIM + 1 :]]) for s in engine_shapes]
     return shapes, list(engine_dtypes)
 
@@ -91,8 +93,13 @@ def rebuild_layout(
 class LMCacheSink:
     """Receives chunks straight into memory objects from LMCache's own allocator (in-process mode)."""
 
-    def __init__(self, local_cpu_backend: Any, engine_shapes: Sequence[torch.Size],
-                 engine_dtypes: Sequence[torch.dtype], misses: MissBoundary) -> None:  # fmt: skip
+    def __init__(
+        self,
+        local_cpu_backend: Any,
+        engine_shapes: Sequence[torch.Size],
+        engine_dtypes: Sequence[torch.dtype],
+        misses: MissBoundary,
+    ) -> None:
         self.local_cpu_backend = local_cpu_backend
         self.engine_shapes = list(engine_shapes)
         self.engine_dtypes = list(engine_dtypes)
@@ -120,13 +127,21 @@ class LMCacheSink:
                 view = obj.byte_array
                 if len(view) != meta.nbytes:
                     obj.ref_count_down()
-                    self.misses.miss("size", "LMCache allocated %d bytes for %r, which holds %d; reading as a miss",
-                                     len(view), meta.key, meta.nbytes)  # fmt: skip
+                    self.misses.miss(
+                        "size",
+                        "LMCache allocated %d bytes for %r, which holds %d; reading as a miss",
+                        len(view),
+                        meta.key,
+                        meta.nbytes,
+                    )
                     return None
                 return obj, view
             if time.monotonic() >= deadline:
-                self.misses.miss("allocate", "LMCache's local buffer stayed full for %.1f s; "
-                                 "reading as a miss (raise max_local_cpu_size)", ALLOCATE_TIMEOUT_S)  # fmt: skip
+                self.misses.miss(
+                    "allocate",
+                    "LMCache's local buffer stayed full for %.1f s; reading as a miss (raise max_local_cpu_size)",
+                    ALLOCATE_TIMEOUT_S,
+                )
                 return None
             await asyncio.sleep(ALLOCATE_RETRY_S)
 

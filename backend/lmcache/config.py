@@ -100,8 +100,11 @@ def warn_if_secrets_inline(url: str, where: str) -> None:
         "kvpool: the pool URL in %s (%s, secrets left out here) carries the %s inline; LMCache logs its whole "
         "configuration at INFO, so it is in this process's log. Give %s instead (`kvpool lmcache-config` prints "
         "such a config)",
-        where, shareable, " and the ".join(found), "; ".join(f"the {n} as {SECRET_SOURCES[n]}" for n in found),
-    )  # fmt: skip
+        where,
+        shareable,
+        " and the ".join(found),
+        "; ".join(f"the {n} as {SECRET_SOURCES[n]}" for n in found),
+    )
 
 
 def pool_config_from(url: object, where: str, environ: Mapping[str, str] | None = None) -> PoolConfig:
@@ -138,8 +141,11 @@ def lmcache_remote_url(url: str) -> str:
     if parts.scheme != SCHEME:
         raise ConfigError("url", f"scheme {parts.scheme or '(none)'!r} is not {SCHEME}://")
     namespace = unquote(parts.path.lstrip("/")) or DEFAULT_NAMESPACE
-    query = [(CONNECTOR_NAME_KEY, REMOTE_URL_CLASS), (NAMESPACE_KEY, namespace),
-             *parse_qsl(parts.query, keep_blank_values=True)]  # fmt: skip
+    query = [
+        (CONNECTOR_NAME_KEY, REMOTE_URL_CLASS),
+        (NAMESPACE_KEY, namespace),
+        *parse_qsl(parts.query, keep_blank_values=True),
+    ]
     return urlunsplit((REMOTE_URL_SCHEME, parts.netloc, f"/{ADAPTER_MODULE}/", _encode_query(query), ""))
 
 
@@ -162,8 +168,10 @@ def remote_url_pool_config(remote_url: str, environ: Mapping[str, str] | None = 
     if parts.scheme != REMOTE_URL_SCHEME:
         raise bad("remote_url", f"scheme {parts.scheme or '(none)'!r} is not {REMOTE_URL_SCHEME}://")
     if "," in text:
-        raise bad("remote_url", "a comma makes LMCache read several hosts, which it refuses; write a comma "
-                  "inside a value as %2C")  # fmt: skip
+        raise bad(
+            "remote_url",
+            "a comma makes LMCache read several hosts, which it refuses; write a comma inside a value as %2C",
+        )
     if parts.username:
         raise bad("remote_url", "a user name is not supported; give the token as token_file=PATH or KVPOOL_TOKEN")
     port = parts.port
@@ -188,8 +196,9 @@ def remote_url_pool_config(remote_url: str, environ: Mapping[str, str] | None = 
             options.append((key, value))
         else:
             raise bad(key, f"unknown option; known: {CONNECTOR_NAME_KEY}, {NAMESPACE_KEY}, {', '.join(OPTION_NAMES)}")
-    pool_url = urlunsplit((SCHEME, parts.netloc, "/" + quote(namespace, safe=""), _encode_query(options),
-                           parts.fragment))  # fmt: skip
+    pool_url = urlunsplit(
+        (SCHEME, parts.netloc, "/" + quote(namespace, safe=""), _encode_query(options), parts.fragment)
+    )
     try:
         return PoolConfig.from_url(pool_url, environ)
     except ConfigError as exc:
@@ -276,11 +285,15 @@ def lmcache_mp_server_args(
     LMCache's L2 eviction stays off for it. ``--eviction-policy`` is L1's.
     """
     return [
-        "--chunk-size", str(chunk_size),
-        "--l1-size-gb", str(l1_size_gib),
-        "--eviction-policy", "LRU",
-        "--l2-adapter", json.dumps(lmcache_mp_adapter(url), separators=(",", ":")),
-    ]  # fmt: skip
+        "--chunk-size",
+        str(chunk_size),
+        "--l1-size-gb",
+        str(l1_size_gib),
+        "--eviction-policy",
+        "LRU",
+        "--l2-adapter",
+        json.dumps(lmcache_mp_adapter(url), separators=(",", ":")),
+    ]
 
 
 def render_mp_command(args: list[str]) -> str:

@@ -53,15 +53,30 @@ from backend.lmcache.config import (
 )
 from backend.metrics import register_connector_metrics, unregister_connector_metrics
 
-__all__ = ["KVPoolConnector", "KVPoolConnectorAdapter", "KVPoolRemoteURLConnector", "ALLOCATE_TIMEOUT_S",
-           "CLIENT_COUNTERS", "FIX_HINT", "REMOTE_URL_FIX_HINT"]  # fmt: skip
+__all__ = [
+    "KVPoolConnector",
+    "KVPoolConnectorAdapter",
+    "KVPoolRemoteURLConnector",
+    "ALLOCATE_TIMEOUT_S",
+    "CLIENT_COUNTERS",
+    "FIX_HINT",
+    "REMOTE_URL_FIX_HINT",
+]
 
 logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 1.0
 # The client's counters a connector reports as its own (the metrics and `kvpool doctor` show them).
-CLIENT_COUNTERS = ("integrity_failures", "stale_entries", "get_failovers", "shm_get_bytes", "get_bytes_tcp",
-                   "get_bytes_channel", "channel_fallbacks", "staged_put_bytes")  # fmt: skip
+CLIENT_COUNTERS = (
+    "integrity_failures",
+    "stale_entries",
+    "get_failovers",
+    "shm_get_bytes",
+    "get_bytes_tcp",
+    "get_bytes_channel",
+    "channel_fallbacks",
+    "staged_put_bytes",
+)
 FIX_HINT = (
     "start a pool with `kvpool up` (it prints the URL), or check "
     "extra_config['remote_storage_plugin.kvpool.url'] / KVPOOL_URL"
@@ -119,14 +134,21 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             await self.client.ping()
             nodes = await self.client.nodes(refresh=True)
         except KVPoolError as exc:
-            logger.error("kvpool: pool %s is unreachable at start (%s); every lookup misses until it is up. "
-                         "Fix: %s", self.pool_config.to_url(with_token=False), exc, FIX_HINT)  # fmt: skip
+            logger.error(
+                "kvpool: pool %s is unreachable at start (%s); every lookup misses until it is up. Fix: %s",
+                self.pool_config.to_url(with_token=False),
+                exc,
+                FIX_HINT,
+            )
             return
         if not nodes:
-            logger.error("kvpool: pool %s has no live node; every lookup misses until one joins. "
-                         "Fix: run `kvpool node --redis %s --namespace %s`",
-                         self.pool_config.to_url(with_token=False), self.pool_config.redis_url,
-                         self.pool_config.namespace)  # fmt: skip
+            logger.error(
+                "kvpool: pool %s has no live node; every lookup misses until one joins. "
+                "Fix: run `kvpool node --redis %s --namespace %s`",
+                self.pool_config.to_url(with_token=False),
+                self.pool_config.redis_url,
+                self.pool_config.namespace,
+            )
         else:
             logger.info(
                 "kvpool: connected to %s (%d live nodes)", self.pool_config.to_url(with_token=False), len(nodes)
@@ -258,9 +280,15 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             logger.warning("kvpool: nccl=on, but %s; chunks move over TCP", exc)
             return None
         endpoint = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        channel = NcclChannel(transport, Rendezvous(self.client.index), endpoint, self.pool_config.cluster,
-                              self.client.channel_request, self.pool_config.timeout_s,
-                              pair_timeout_s=self.pool_config.pair_timeout_ms / 1000)  # fmt: skip
+        channel = NcclChannel(
+            transport,
+            Rendezvous(self.client.index),
+            endpoint,
+            self.pool_config.cluster,
+            self.client.channel_request,
+            self.pool_config.timeout_s,
+            pair_timeout_s=self.pool_config.pair_timeout_ms / 1000,
+        )
         self.client.use_channel(channel)
         logger.info("kvpool: channel endpoint %s (%s, cluster %s)", endpoint, transport.kind, self.pool_config.cluster)
         return channel
@@ -331,11 +359,16 @@ class KVPoolConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
             if metadata is None:
                 metadata = _engine_metadata(context.local_cpu_backend, f"plugin {plugin_name!r}")
         except ConfigError as exc:
-            logger.error("kvpool: plugin %r is misconfigured, LMCache will run without it: %s. Fix: %s",
-                         plugin_name, exc, FIX_HINT)  # fmt: skip
+            logger.error(
+                "kvpool: plugin %r is misconfigured, LMCache will run without it: %s. Fix: %s",
+                plugin_name,
+                exc,
+                FIX_HINT,
+            )
             raise
-        return KVPoolConnector(pool_config, context.loop, context.local_cpu_backend, context.config, metadata,
-                               plugin_name)  # fmt: skip
+        return KVPoolConnector(
+            pool_config, context.loop, context.local_cpu_backend, context.config, metadata, plugin_name
+        )
 
     @staticmethod
     def _pool_config(context: ConnectorContext, plugin_name: str) -> PoolConfig:
@@ -350,8 +383,9 @@ def _engine_metadata(local_cpu_backend: Any, where: str) -> Any:
     """The engine's LMCache metadata, from its local CPU backend (ConfigError naming ``where`` if it has none)."""
     metadata = getattr(local_cpu_backend, "metadata", None)
     if metadata is None:
-        raise ConfigError(where, "LMCache passed no engine metadata and a local CPU backend without it, "
-                          "which the connector needs")  # fmt: skip
+        raise ConfigError(
+            where, "LMCache passed no engine metadata and a local CPU backend without it, which the connector needs"
+        )
     return metadata
 
 
@@ -375,7 +409,10 @@ class KVPoolRemoteURLConnector(KVPoolConnector):
             # which would repeat this): one ERROR per cause.
             if str(exc) not in _reported_remote_url_errors:
                 _reported_remote_url_errors.add(str(exc))
-                logger.error("kvpool: remote_url is misconfigured, LMCache will run without kvpool: %s. Fix: %s",
-                             exc, REMOTE_URL_FIX_HINT)  # fmt: skip
+                logger.error(
+                    "kvpool: remote_url is misconfigured, LMCache will run without kvpool: %s. Fix: %s",
+                    exc,
+                    REMOTE_URL_FIX_HINT,
+                )
             raise
         super().__init__(pool_config, loop, local_cpu_backend, config, metadata)

@@ -92,8 +92,9 @@ def _diagnose(config_path: Path, known: list[str]) -> list[dict[str, Any]]:
     findings: list[dict[str, Any]] = []
 
     def add(ok: bool, check: str, detail: str, fix: str = "") -> bool:
-        findings.append({"ok": ok, "check": check, "detail": mask_secrets(detail, known),
-                         "fix": mask_secrets(fix, known)})  # fmt: skip
+        findings.append(
+            {"ok": ok, "check": check, "detail": mask_secrets(detail, known), "fix": mask_secrets(fix, known)}
+        )
         return ok
 
     try:
@@ -112,9 +113,13 @@ def _diagnose(config_path: Path, known: list[str]) -> list[dict[str, Any]]:
         pool_config = _check_remote_url_form(remote_url, add)
         backend_name, label = "RemoteBackend", "connector loaded"
     else:
-        add(False, "kvpool enabled", f"remote_storage_plugins = {plugins} and remote_url is unset",
+        add(
+            False,
+            "kvpool enabled",
+            f"remote_storage_plugins = {plugins} and remote_url is unset",
             f'set remote_storage_plugins: ["{PLUGIN_NAME}"] (`kvpool lmcache-config` prints the config), or '
-            "remote_url (`kvpool lmcache-config --form remote_url`)")  # fmt: skip
+            "remote_url (`kvpool lmcache-config --form remote_url`)",
+        )
         return findings
     if pool_config is None:
         return findings
@@ -130,8 +135,12 @@ def _diagnose(config_path: Path, known: list[str]) -> list[dict[str, Any]]:
         add(False, "Redis", str(exc), "start the pool (`kvpool up`) or fix the host/port in the URL")
         return findings
     add(True, "Redis", f"reachable ({rtt_ms:.2f} ms)")
-    if not add(live > 0, "nodes", f"{live} live", f"start one: kvpool node --redis {pool_config.redis_url} "
-               f"--namespace {pool_config.namespace}"):  # fmt: skip
+    if not add(
+        live > 0,
+        "nodes",
+        f"{live} live",
+        f"start one: kvpool node --redis {pool_config.redis_url} --namespace {pool_config.namespace}",
+    ):
         return findings
     _round_trip(config, backend_name, label, add)
     return findings
@@ -144,12 +153,17 @@ def _check_plugin_form(config: Any, plugin: str, add: Any) -> PoolConfig | None:
         key = f"remote_storage_plugin.{plugin}.{suffix}"
         add(extra.get(key) in allowed, key, f"is {extra.get(key)!r}", f"set extra_config['{key}'] = {allowed[0]!r}")
     if config.remote_url:
-        add(False, "remote_url", f"is also set ({_shown(str(config.remote_url))}): LMCache builds a second remote "
-            "backend and writes every chunk twice", "remove remote_url (and LMCACHE_REMOTE_URL); the plugin entry "
-            "is enough")  # fmt: skip
+        add(
+            False,
+            "remote_url",
+            f"is also set ({_shown(str(config.remote_url))}): LMCache builds a second remote "
+            "backend and writes every chunk twice",
+            "remove remote_url (and LMCACHE_REMOTE_URL); the plugin entry is enough",
+        )
     try:
-        pool_config = pool_config_from(extra.get(url_config_key(plugin)) or None,
-                                       f"extra_config['{url_config_key(plugin)}']")  # fmt: skip
+        pool_config = pool_config_from(
+            extra.get(url_config_key(plugin)) or None, f"extra_config['{url_config_key(plugin)}']"
+        )
     except ConfigError as exc:
         add(False, "pool URL", str(exc), f"set extra_config['{url_config_key(plugin)}'] = kvpool://HOST:PORT/NAMESPACE")
         return None
@@ -164,9 +178,13 @@ def _check_remote_url_form(remote_url: str, add: Any) -> PoolConfig | None:
     module = parts.path.strip("/")
     connector = dict(parse_qsl(parts.query)).get("connector_name", "")
     named = module in CONNECTOR_MODULES and connector == REMOTE_URL_CLASS
-    add(named, "remote_url connector", f"{source} is {_shown(remote_url)}",
+    add(
+        named,
+        "remote_url connector",
+        f"{source} is {_shown(remote_url)}",
         f"external://HOST:PORT/{ADAPTER_MODULE}/?connector_name={REMOTE_URL_CLASS}&namespace=NS "
-        "(`kvpool lmcache-config --form remote_url` prints it)")  # fmt: skip
+        "(`kvpool lmcache-config --form remote_url` prints it)",
+    )
     try:
         pool_config = remote_url_pool_config(remote_url, os.environ)
     except ConfigError as exc:
@@ -187,17 +205,28 @@ def _round_trip(config: Any, backend_name: str, label: str, add: Any) -> None:
     from lmcache.v1.storage_backend import CreateStorageBackends
 
     chunk = int(config.chunk_size)
-    metadata = LMCacheMetadata(model_name=DOCTOR_MODEL, world_size=1, local_world_size=1, worker_id=0,
-                               local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=(2, 2, chunk, 1, 64))  # fmt: skip
+    metadata = LMCacheMetadata(
+        model_name=DOCTOR_MODEL,
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.bfloat16,
+        kv_shape=(2, 2, chunk, 1, 64),
+    )
     loop = LoopThread("kvpool-doctor")
     backends: dict[str, Any] = {}
     try:
         backends = CreateStorageBackends(config, metadata, loop.loop)
         remote: Any = backends.get(backend_name)
-        if not add(remote is not None and remote.connection is not None, label,
-                   f"LMCache built {backend_name}" if remote is not None and remote.connection is not None
-                   else "LMCache has no working kvpool backend (LMCache hides why: see its log above)",
-                   "check that kvpool is installed in this Python environment (pip install 'kvpool[lmcache]')"):  # fmt: skip
+        if not add(
+            remote is not None and remote.connection is not None,
+            label,
+            f"LMCache built {backend_name}"
+            if remote is not None and remote.connection is not None
+            else "LMCache has no working kvpool backend (LMCache hides why: see its log above)",
+            "check that kvpool is installed in this Python environment (pip install 'kvpool[lmcache]')",
+        ):
             return
         local = backends["LocalCPUBackend"]
         shape = torch.Size([2, 2, chunk, 64])
@@ -219,8 +248,14 @@ def _round_trip(config: Any, backend_name: str, label: str, add: Any) -> None:
         if got is not None:
             got.ref_count_down()
         remote.remove(key)
-        add(same, "round trip", "put and get through LMCache's RemoteBackend, byte-identical" if same
-            else "the probe chunk came back different or not at all", "run `kvpool check --deep`")  # fmt: skip
+        add(
+            same,
+            "round trip",
+            "put and get through LMCache's RemoteBackend, byte-identical"
+            if same
+            else "the probe chunk came back different or not at all",
+            "run `kvpool check --deep`",
+        )
     finally:
         closer = threading.Thread(target=lambda: [b.close() for b in backends.values()], daemon=True)
         closer.start()

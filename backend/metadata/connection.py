@@ -109,8 +109,16 @@ class RedisConnection:
         self._rendezvous_prefix = f"kvp:{tag}:rdv:"
         self._index_prefix = f"kvp:{namespace}:k:"
         self._shard_marker_prefix = f"kvp:{namespace}:m:"
-        self._scripts = (self._commit, self._remove, self._remove_exact, self._move, self._epoch_floor, self._beat,
-                         self._change, self._changes)  # fmt: skip
+        self._scripts = (
+            self._commit,
+            self._remove,
+            self._remove_exact,
+            self._move,
+            self._epoch_floor,
+            self._beat,
+            self._change,
+            self._changes,
+        )
 
     @property
     def is_cluster(self) -> bool:

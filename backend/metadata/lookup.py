@@ -76,8 +76,11 @@ class LiveLookup(RedisConnection):
         for position, name in enumerate(names):
             node = self._redis.get_node_from_key(name)
             groups.setdefault(node.name, ([], node))[0].append(position)
-        return [(positions[i : i + LOOKUP_BATCH], node) for positions, node in groups.values()
-                for i in range(0, len(positions), LOOKUP_BATCH)]  # fmt: skip
+        return [
+            (positions[i : i + LOOKUP_BATCH], node)
+            for positions, node in groups.values()
+            for i in range(0, len(positions), LOOKUP_BATCH)
+        ]
 
     async def _run_parts(self, parts: list[_Part], names: list[bytes], args: list[str]) -> list[_Reply]:
         script = self._live_lookup

@@ -108,8 +108,18 @@ class NodeInfo:
         it, and it moves on every put, far more often than it matters.
         """
         tenth = self.used_bytes * 10 // self.capacity_bytes if self.capacity_bytes else 0
-        return (self.epoch, self.host, self.port, self.cluster, self.channel, self.tls, self.shm_path,
-                self.shm_token, self.capacity_bytes, tenth)  # fmt: skip
+        return (
+            self.epoch,
+            self.host,
+            self.port,
+            self.cluster,
+            self.channel,
+            self.tls,
+            self.shm_path,
+            self.shm_token,
+            self.capacity_bytes,
+            tenth,
+        )
 
     @property
     def address(self) -> str:

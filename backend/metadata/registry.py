@@ -89,9 +89,11 @@ class NodeRegistry(RedisConnection):
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(self.nodes_key, info.node_id, info.to_json())
             pipe.set(self.heartbeat_key(info.node_id), str(info.epoch), px=ttl_ms)
-            await self._beat(keys=[self.beats_key, self.version_key, self.changes_key],
-                             args=[info.node_id, ttl_ms, int(changed), REGISTRY_LOG_MAX, DEAD_PER_BEAT],
-                             client=pipe)  # fmt: skip
+            await self._beat(
+                keys=[self.beats_key, self.version_key, self.changes_key],
+                args=[info.node_id, ttl_ms, int(changed), REGISTRY_LOG_MAX, DEAD_PER_BEAT],
+                client=pipe,
+            )
             for key in markers:
                 pipe.get(key)
             return list(await pipe.execute())
@@ -103,8 +105,10 @@ class NodeRegistry(RedisConnection):
         """The registry version and namespace marker now, and the nodes changed since version ``since``
         under ``marker`` (None: the change log cannot tell, read the whole registry)."""
         async with self._call("registry version"):
-            answer = await self._changes(keys=[self.version_key, self.changes_key, self.marker_key, self.beats_key],
-                                         args=[since, REGISTRY_LOG_MAX, marker, DEAD_PER_BEAT])  # fmt: skip
+            answer = await self._changes(
+                keys=[self.version_key, self.changes_key, self.marker_key, self.beats_key],
+                args=[since, REGISTRY_LOG_MAX, marker, DEAD_PER_BEAT],
+            )
         version, now_marker, changed = int(answer[0]), str(answer[1]), [str(node) for node in answer[2:]]
         return version, now_marker, None if changed == ["*"] else list(dict.fromkeys(changed))
 

@@ -66,8 +66,9 @@ class ConnectorCollector:
                     documentation = CONNECTOR_COUNTERS.get(name, f"Connector counter {name}.")
                     if name.startswith("miss_"):
                         documentation = f"Calls whose {name[5:]} failed and read as misses (or were skipped)."
-                    family = families[name] = CounterMetricFamily(CONNECTOR_PREFIX + name, documentation,
-                                                                  labels=["plugin"])  # fmt: skip
+                    family = families[name] = CounterMetricFamily(
+                        CONNECTOR_PREFIX + name, documentation, labels=["plugin"]
+                    )
                 family.add_metric([plugin], values.get(name, 0))
         return list(families.values())
 

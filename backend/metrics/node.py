@@ -86,10 +86,12 @@ class NodeCollector:
         yield _gauge("leases", "Leases currently held by clients.", node, report.leases)
         arena = report.arena
         if arena is not None:
-            yield _gauge("arena_allocated_bytes", "Bytes of the shared-memory arena in use.", node,
-                         arena.allocated_bytes)  # fmt: skip
-            yield _gauge("arena_grown_bytes", "Bytes of the shared-memory arena backed by memory.", node,
-                         arena.grown_bytes)  # fmt: skip
+            yield _gauge(
+                "arena_allocated_bytes", "Bytes of the shared-memory arena in use.", node, arena.allocated_bytes
+            )
+            yield _gauge(
+                "arena_grown_bytes", "Bytes of the shared-memory arena backed by memory.", node, arena.grown_bytes
+            )
         healthy = 1 if self.health().get("status") == "ok" else 0
         yield _gauge("healthy", "1 while /health answers ok, else 0.", node, healthy)
         yield from _tier_gauges(node, report.tiers)
@@ -113,8 +115,9 @@ def _node_counters(node: str, counters: Mapping[str, int]) -> Iterator[Metric]:
         if not METRIC_NAME.fullmatch(name):
             logger.warning("metrics: node counter %r is not a valid metric name; skipped", name)
             continue
-        family = CounterMetricFamily(NODE_PREFIX + name, NODE_COUNTERS.get(name, f"Node counter {name}."),
-                                     labels=["node"])  # fmt: skip
+        family = CounterMetricFamily(
+            NODE_PREFIX + name, NODE_COUNTERS.get(name, f"Node counter {name}."), labels=["node"]
+        )
         family.add_metric([node], values[name])
         yield family
 
@@ -149,14 +152,18 @@ _RECOVERY_GAUGES = {
 
 def _recovery_gauges(node: str, recovery: RecoveryReport) -> Iterator[Metric]:
     for field, documentation in _RECOVERY_GAUGES.items():
-        yield _gauge("recovery_" + field, documentation, node, float(getattr(recovery, field)))  # RecoveryReport's fields
+        yield _gauge(
+            "recovery_" + field, documentation, node, float(getattr(recovery, field))
+        )  # RecoveryReport's fields
 
 
 def _latency_histogram(node: str, latency: Mapping[str, Any]) -> Metric | None:
     """The node's service time per op since it started, in its fixed buckets (``backend.latency``)."""
-    family = HistogramMetricFamily(NODE_PREFIX + "request_latency_seconds",
-                                   "Service time of successful requests, from header received to reply sent.",
-                                   labels=["node", "op"])  # fmt: skip
+    family = HistogramMetricFamily(
+        NODE_PREFIX + "request_latency_seconds",
+        "Service time of successful requests, from header received to reply sent.",
+        labels=["node", "op"],
+    )
     for op, histogram in sorted(LatencyHistograms.from_json(latency).ops.items()):
         buckets = [("+Inf" if math.isinf(bound) else repr(bound), count) for bound, count in histogram.cumulative()]
         family.add_metric([node, op], buckets, histogram.sum_s)

@@ -47,8 +47,9 @@ class NodeMetricsServer:
     ``port`` is the bound port once ``start()`` returned (useful with port 0).
     """
 
-    def __init__(self, report: Callable[[], NodeReport], health: Callable[[], dict[str, Any]], host: str,
-                 port: int) -> None:  # fmt: skip
+    def __init__(
+        self, report: Callable[[], NodeReport], health: Callable[[], dict[str, Any]], host: str, port: int
+    ) -> None:
         self.report = report
         self.health = health
         self.host = host
@@ -196,15 +197,33 @@ def _parse_headers(lines: list[str]) -> dict[str, str] | None:
 
 _MAY_LEAVE_INPUT = {400, 405, 431}  # answers given before the request was read to its end
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
-            431: "Request Header Fields Too Large", 500: "Internal Server Error",
-            503: "Service Unavailable"}  # fmt: skip
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 
 
-def _response(status: int, body: bytes, content_type: str = "text/plain; charset=utf-8", *, head_only: bool = False,
-              extra: Mapping[str, str] | None = None) -> tuple[int, bytes]:  # fmt: skip
-    headers = {"Content-Type": content_type, "Content-Length": str(len(body)), "Connection": "close",
-               "Cache-Control": "no-store", **(extra or {})}  # fmt: skip
+def _response(
+    status: int,
+    body: bytes,
+    content_type: str = "text/plain; charset=utf-8",
+    *,
+    head_only: bool = False,
+    extra: Mapping[str, str] | None = None,
+) -> tuple[int, bytes]:
+    headers = {
+        "Content-Type": content_type,
+        "Content-Length": str(len(body)),
+        "Connection": "close",
+        "Cache-Control": "no-store",
+        **(extra or {}),
+    }
     head = f"HTTP/1.1 {status} {_REASONS[status]}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     return status, (head + "\r\n").encode("latin-1") + (b"" if head_only else body)
 
@@ -222,4 +241,3 @@ async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
             discarded = 0
             while discarded < LINGER_MAX_BYTES and (data := await reader.read(65536)):
                 discarded += len(data)
-

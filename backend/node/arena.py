@@ -216,8 +216,12 @@ class Arena:
             if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise
             self._refused_at = time.monotonic()
-            logger.warning("%s arena could not grow by %d bytes (%s); new chunks use private memory and "
-                           "are served over TCP", self._where(), step, exc.strerror)  # fmt: skip
+            logger.warning(
+                "%s arena could not grow by %d bytes (%s); new chunks use private memory and are served over TCP",
+                self._where(),
+                step,
+                exc.strerror,
+            )
             return False
         return True
 
@@ -256,8 +260,13 @@ class Arena:
         available = self._available_bytes()
         if available is not None and self._grown + available < end:
             limit = self._grown + max(available, 0) // ALIGN_BYTES * ALIGN_BYTES
-            logger.warning("%s arena: %d bytes to take at start, but only %d can be had there; taking those, "
-                           "the rest as chunks arrive", self._where(), end - self._grown, max(available, 0))  # fmt: skip
+            logger.warning(
+                "%s arena: %d bytes to take at start, but only %d can be had there; taking those, "
+                "the rest as chunks arrive",
+                self._where(),
+                end - self._grown,
+                max(available, 0),
+            )
         before = self._grown
         while self._grow_step(ahead_only=False, until=limit):
             pass
@@ -271,9 +280,13 @@ class Arena:
         with self._lock:
             while self._growing and not ahead_only:  # prefault: let the grower's step finish first
                 self._grow_done.wait(timeout=1.0)
-            if (self._closed or self._growing or self._grown >= end
-                    or (ahead_only and self._tail_room() >= GROW_AHEAD_BYTES)
-                    or time.monotonic() - self._refused_at < GROW_RETRY_S):  # fmt: skip
+            if (
+                self._closed
+                or self._growing
+                or self._grown >= end
+                or (ahead_only and self._tail_room() >= GROW_AHEAD_BYTES)
+                or time.monotonic() - self._refused_at < GROW_RETRY_S
+            ):
                 return False
             start, step = self._grown, min(GROW_STEP_BYTES, end - self._grown)
             self._growing = True
@@ -299,8 +312,13 @@ class Arena:
         """What STAT carries of the arena."""
         with self._lock:
             self._take_back_freed()
-        return ArenaReport(path=self._where(), size_bytes=self.size_bytes, grown_bytes=self.grown_bytes,
-                           allocated_bytes=self.allocated_bytes, fallbacks=self.fallbacks)  # fmt: skip
+        return ArenaReport(
+            path=self._where(),
+            size_bytes=self.size_bytes,
+            grown_bytes=self.grown_bytes,
+            allocated_bytes=self.allocated_bytes,
+            fallbacks=self.fallbacks,
+        )
 
     def close(self) -> None:
         """Stop the grower. Buffers still held keep the mapping alive until they are dropped."""

@@ -83,8 +83,9 @@ class DramTier:
         """The least recently used chunk whose key is not in ``skip`` nor marked by put ``keep_put``,
         without touching recency."""
         put_of = self._put_of
-        return next((c for k, c in self._chunks.items()
-                     if k not in skip and not (keep_put and put_of.get(k) == keep_put)), None)  # fmt: skip
+        return next(
+            (c for k, c in self._chunks.items() if k not in skip and not (keep_put and put_of.get(k) == keep_put)), None
+        )
 
     def put_of(self, key: str) -> int:
         """The id of the put that last stored or found ``key`` here (0: none)."""

@@ -69,8 +69,7 @@ class LeaseTable:
         lease_id = secrets.randbits(63) or 1  # not guessable: one client cannot end another's lease
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1
-        lease = Lease(lease_id, set(keys), {c.meta.key: c for c in chunks},
-                      time.monotonic() + ttl_ms / 1000, owner)  # fmt: skip
+        lease = Lease(lease_id, set(keys), {c.meta.key: c for c in chunks}, time.monotonic() + ttl_ms / 1000, owner)
         self._leases[lease.lease_id] = lease
         if owner is not None:
             self._owned[owner].add(lease_id)

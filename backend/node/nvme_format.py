@@ -59,12 +59,39 @@ _U64 = struct.Struct("<Q")
 # torch dtype name -> safetensors dtype code. Anything else is stored as raw bytes
 # (U8, shape [nbytes]); the original dtype and shape stay in __metadata__.
 SAFETENSORS_DTYPES = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "int32": "I32",
-    "uint32": "U32", "int64": "I64", "uint64": "U64", "float16": "F16", "bfloat16": "BF16",
-    "float32": "F32", "float64": "F64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-}  # fmt: skip
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8,
-             "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "uint16": "U16",
+    "int32": "I32",
+    "uint32": "U32",
+    "int64": "I64",
+    "uint64": "U64",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float32": "F32",
+    "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+_ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "I16": 2,
+    "U16": 2,
+    "I32": 4,
+    "U32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F16": 2,
+    "BF16": 2,
+    "F32": 4,
+    "F64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 class FileCodecError(ValueError):
@@ -209,9 +236,13 @@ def read_header_and_mtime(path: Path | str) -> tuple[NvmeFile, float]:
         tensor = header[TENSOR_NAME]
         nbytes = int(info["nbytes"])
         meta = ItemMeta(
-            key=str(info["key"]), nbytes=nbytes, checksum=int(info["checksum"]), dtype=str(info["dtype"]),
-            shape=tuple(int(d) for d in json.loads(info["shape"])), fmt=int(info["fmt"]),
-        )  # fmt: skip
+            key=str(info["key"]),
+            nbytes=nbytes,
+            checksum=int(info["checksum"]),
+            dtype=str(info["dtype"]),
+            shape=tuple(int(d) for d in json.loads(info["shape"])),
+            fmt=int(info["fmt"]),
+        )
         offsets = tensor["data_offsets"]
     except FileCodecError:
         raise

@@ -93,10 +93,15 @@ class NvmeTier:
         disk = shutil.disk_usage(self.root)
         room = disk.free + self.used_bytes
         if self.capacity_bytes > room:
-            logger.warning("nvme: --nvme %s is more than the disk holding %s can give (%s free, %s total, %s of it "
-                           "this tier's files); the tier will stop at a full disk, not at its size",
-                           format_size(self.capacity_bytes), self.root, format_size(disk.free),
-                           format_size(disk.total), format_size(self.used_bytes))  # fmt: skip
+            logger.warning(
+                "nvme: --nvme %s is more than the disk holding %s can give (%s free, %s total, %s of it "
+                "this tier's files); the tier will stop at a full disk, not at its size",
+                format_size(self.capacity_bytes),
+                self.root,
+                format_size(disk.free),
+                format_size(disk.total),
+                format_size(self.used_bytes),
+            )
 
     def add(self, record: NvmeFile) -> None:
         self.remove(record.meta.key)
@@ -118,8 +123,12 @@ class NvmeTier:
         return record
 
     def report(self) -> TierReport:
-        return TierReport(capacity_bytes=self.capacity_bytes, used_bytes=self.used_bytes, objects=len(self.files),
-                          disk_full=self.disk_full)  # fmt: skip
+        return TierReport(
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=self.used_bytes,
+            objects=len(self.files),
+            disk_full=self.disk_full,
+        )
 
     # -- disk I/O ---------------------------------------------------------------------
     async def run(self, fn: Any, *args: Any) -> Any:
@@ -163,8 +172,11 @@ class NvmeTier:
                 self._disk_full_begins(need, exc)
             else:
                 self.counters["nvme_write_errors"] += 1
-                logger.warning("NVMe tier %s: writing a chunk failed (%s); it is evicted from DRAM instead",
-                               self.root, exc.strerror or exc)  # fmt: skip
+                logger.warning(
+                    "NVMe tier %s: writing a chunk failed (%s); it is evicted from DRAM instead",
+                    self.root,
+                    exc.strerror or exc,
+                )
             raise CapacityError(f"NVMe write failed: {exc.strerror}") from None
         return record
 
@@ -193,8 +205,13 @@ class NvmeTier:
         self.disk_full = True
         self._disk_full_since = time.monotonic()
         self.counters["disk_full"] += 1
-        logger.error("NVMe tier %s: disk full (%s); demotion paused, DRAM evicts its least recently used chunks "
-                     "instead until %d bytes are free", self.root, exc.strerror, self._disk_resume_bytes)  # fmt: skip
+        logger.error(
+            "NVMe tier %s: disk full (%s); demotion paused, DRAM evicts its least recently used chunks "
+            "instead until %d bytes are free",
+            self.root,
+            exc.strerror,
+            self._disk_resume_bytes,
+        )
         self._disk_recheck = asyncio.get_running_loop().create_task(self._wait_for_disk_room())
 
     async def _wait_for_disk_room(self) -> None:
@@ -212,8 +229,12 @@ class NvmeTier:
         self.disk_full = False
         self._disk_resume_bytes = 0
         self._disk_recheck = None
-        logger.warning("NVMe tier %s: %d bytes free again after %.0f s; demotion resumes", root, free,
-                       time.monotonic() - self._disk_full_since)  # fmt: skip
+        logger.warning(
+            "NVMe tier %s: %d bytes free again after %.0f s; demotion resumes",
+            root,
+            free,
+            time.monotonic() - self._disk_full_since,
+        )
         self._on_room()
 
 

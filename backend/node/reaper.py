@@ -97,8 +97,9 @@ class DeadNodeReaper:
             if not node.alive and self._dead_long_enough(node.node_id, now):
                 await self.store.forget_node(node.node_id)
                 self.counters["collected_nodes"] += 1
-                logger.info("node %s: forgot node %s, dead for %.0f s or more", self.node_id, node.node_id,
-                            self.grace_s)  # fmt: skip
+                logger.info(
+                    "node %s: forgot node %s, dead for %.0f s or more", self.node_id, node.node_id, self.grace_s
+                )
 
     def _stale(self, loc: Location, alive: dict[str, NodeInfo], now: float) -> bool:
         node = alive.get(loc.node_id)

@@ -80,8 +80,13 @@ def scan(root: Path) -> tuple[list[NvmeFile], RecoveryReport]:
         temp_removed += removed
     found.sort(key=lambda pair: pair[0])
     records = [record for _, record in found]
-    report = RecoveryReport(files=len(records), bytes=sum(r.file_bytes for r in records), quarantined=quarantined,
-                            temp_removed=temp_removed, seconds=time.perf_counter() - start)  # fmt: skip
+    report = RecoveryReport(
+        files=len(records),
+        bytes=sum(r.file_bytes for r in records),
+        quarantined=quarantined,
+        temp_removed=temp_removed,
+        seconds=time.perf_counter() - start,
+    )
     return records, report
 
 

@@ -54,10 +54,14 @@ SHUTDOWN_TIMEOUT_S = 5.0
 def tier_config(config: NodeConfig) -> TierConfig:
     """The tier manager's part of a node's settings."""
     return TierConfig(
-        dram_bytes=config.dram_bytes, nvme_dir=config.nvme_dir, nvme_bytes=config.nvme_bytes,
-        high_watermark=config.high_watermark, low_watermark=config.low_watermark, shm_dir=config.shm_dir,
+        dram_bytes=config.dram_bytes,
+        nvme_dir=config.nvme_dir,
+        nvme_bytes=config.nvme_bytes,
+        high_watermark=config.high_watermark,
+        low_watermark=config.low_watermark,
+        shm_dir=config.shm_dir,
         prefault=config.prefault,
-    )  # fmt: skip
+    )
 
 
 class PoolNode:
@@ -66,9 +70,12 @@ class PoolNode:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         self._store = MetadataStore(
-            config.redis_url, config.namespace, config.redis_timeout_ms / 1000,
-            password=config.redis_password, ca_file=config.redis_ca_file,
-        )  # fmt: skip
+            config.redis_url,
+            config.namespace,
+            config.redis_timeout_ms / 1000,
+            password=config.redis_password,
+            ca_file=config.redis_ca_file,
+        )
         self.ctx = NodeContext(config, TierManager(tier_config(config)), self._store)
         self.tiers = self.ctx.tiers
         self.counters: Counter[str] = self.ctx.counters
@@ -145,9 +152,15 @@ class PoolNode:
             self.stats.recovery = report
             self.tiers.load_nvme(records)
             await asyncio.to_thread(self.tiers.nvme.warn_if_larger_than_disk)
-            logger.info("node %s: recovered %d NVMe chunks (%d bytes) in %.2f s; %d quarantined, %d temp files removed",
-                        node_id, report.files, report.bytes, report.seconds,
-                        report.quarantined, report.temp_removed)  # fmt: skip
+            logger.info(
+                "node %s: recovered %d NVMe chunks (%d bytes) in %.2f s; %d quarantined, %d temp files removed",
+                node_id,
+                report.files,
+                report.bytes,
+                report.seconds,
+                report.quarantined,
+                report.temp_removed,
+            )
         if not node_id:
             node_id = f"{socket.gethostname()}-{self.port}"
         await self._prefault(node_id)
@@ -159,11 +172,16 @@ class PoolNode:
                 self.report, self.health, self.config.metrics_host, self.config.metrics_port
             )
             await self.metrics.start()
-            logger.info("node %s: metrics at http://%s:%d/metrics", node_id, self.config.metrics_host,
-                        self.metrics.port)  # fmt: skip
+            logger.info(
+                "node %s: metrics at http://%s:%d/metrics", node_id, self.config.metrics_host, self.metrics.port
+            )
         self._start_channel(transport, node_id)
-        advert = Advert(self.advertise_host, self.advertise_port, tls=self.tls is not None,
-                        channel=self.channel.kind if self.channel is not None else "")  # fmt: skip
+        advert = Advert(
+            self.advertise_host,
+            self.advertise_port,
+            tls=self.tls is not None,
+            channel=self.channel.kind if self.channel is not None else "",
+        )
         recovered = self.recovery is not None and self.recovery.files > 0
         await self.publisher.join(node_id, advert, recovered=recovered)
         self.tiers.start()
@@ -172,10 +190,16 @@ class PoolNode:
         nvme = self.tiers.nvme
         logger.info(
             "node %s epoch %d listening on %s:%d, advertised as %s:%d (DRAM %d bytes, NVMe %s, namespace %s)",
-            self.node_id, self.epoch, self.config.host, self.port, self.advertise_host, self.advertise_port,
+            self.node_id,
+            self.epoch,
+            self.config.host,
+            self.port,
+            self.advertise_host,
+            self.advertise_port,
             self.tiers.dram.capacity_bytes,
-            f"{nvme.capacity_bytes} bytes at {nvme.root}" if nvme else "off", self.config.namespace,
-        )  # fmt: skip
+            f"{nvme.capacity_bytes} bytes at {nvme.root}" if nvme else "off",
+            self.config.namespace,
+        )
 
     async def _prefault(self, node_id: str) -> None:
         """With --prefault, take the DRAM arena's pages now, on a worker thread: the node registers (and
@@ -183,13 +207,21 @@ class PoolNode:
         arena = self.tiers.arena
         if not self.config.prefault or arena is None:
             return
-        logger.info("node %s: taking %d bytes of memory for its DRAM arena before it registers (--prefault; "
-                    "about 1 s per GiB)", node_id, arena.size_bytes)  # fmt: skip
+        logger.info(
+            "node %s: taking %d bytes of memory for its DRAM arena before it registers (--prefault; about 1 s per GiB)",
+            node_id,
+            arena.size_bytes,
+        )
         started = time.monotonic()
         self.prefaulted_bytes = await asyncio.to_thread(arena.prefault)
         self.prefault_s = time.monotonic() - started
-        logger.info("node %s: took %d bytes of memory for its DRAM arena (%s) in %.2f s", node_id,
-                    self.prefaulted_bytes, arena.report().path, self.prefault_s)  # fmt: skip
+        logger.info(
+            "node %s: took %d bytes of memory for its DRAM arena (%s) in %.2f s",
+            node_id,
+            self.prefaulted_bytes,
+            arena.report().path,
+            self.prefault_s,
+        )
 
     def _tls_context(self) -> ssl.SSLContext | None:
         cert, key = self.config.tls_cert, self.config.tls_key
@@ -241,9 +273,14 @@ class PoolNode:
         serving = self.listener is not None and not self.ctx.stopping
         redis_ok = self.publisher.redis_ok
         healthy = serving and redis_ok
-        return {"status": "ok" if healthy else "degraded", "node_id": self.node_id, "epoch": self.epoch,
-                "serving": serving, "redis_reachable": redis_ok,
-                "nvme_disk_full": self.tiers.disk_full}  # fmt: skip
+        return {
+            "status": "ok" if healthy else "degraded",
+            "node_id": self.node_id,
+            "epoch": self.epoch,
+            "serving": serving,
+            "redis_reachable": redis_ok,
+            "nvme_disk_full": self.tiers.disk_full,
+        }
 
     # -- channel (nccl_channel) --------------------------------------------------------
     def _channel_transport(self) -> Any:
@@ -253,8 +290,10 @@ class PoolNode:
         try:
             from nccl_channel.channel import make_transport
         except ImportError as exc:  # the core install has no torch
-            raise ConfigError("--channel", f"the channel moves torch tensors, and this install cannot import them "
-                              f"({exc}); install kvpool[nccl]") from None  # fmt: skip
+            raise ConfigError(
+                "--channel",
+                f"the channel moves torch tensors, and this install cannot import them ({exc}); install kvpool[nccl]",
+            ) from None
 
         try:
             return make_transport(self.config.channel, self.config.device)
@@ -268,8 +307,13 @@ class PoolNode:
         from nccl_channel.channel import ChannelServer
         from nccl_channel.rendezvous import Rendezvous
 
-        self.channel = ChannelServer(transport, Rendezvous(self._store), node_id, self.config.cluster,
-                                     self.config.redis_timeout_ms / 1000,
-                                     pair_timeout_s=self.config.pair_timeout_ms / 1000)  # fmt: skip
+        self.channel = ChannelServer(
+            transport,
+            Rendezvous(self._store),
+            node_id,
+            self.config.cluster,
+            self.config.redis_timeout_ms / 1000,
+            pair_timeout_s=self.config.pair_timeout_ms / 1000,
+        )
         self.ops.use_channel(self.channel)
         self.stats.count_also(self.channel.counters)

@@ -161,8 +161,9 @@ class Session:
                 admission.timed_out(conn, ctx.node_id, handshake_timeout_s)
             else:
                 ctx.counters["stalled_connections"] += 1
-                logger.warning("node %s: %s stalled mid-frame for %.0f s; closing", ctx.node_id, conn.peer,
-                               config.frame_timeout_s)  # fmt: skip
+                logger.warning(
+                    "node %s: %s stalled mid-frame for %.0f s; closing", ctx.node_id, conn.peer, config.frame_timeout_s
+                )
         except KVPoolError as exc:
             if isinstance(exc, ProtocolError):
                 ctx.counters["protocol_errors"] += 1
@@ -232,8 +233,14 @@ class Session:
         ctx = self.ctx
         if op == Op.HELLO:
             self._nonce = secrets.token_bytes(32)
-            return encode_json({"node_id": ctx.node_id, "epoch": ctx.epoch, "auth_required": bool(ctx.config.token),
-                                "nonce": self._nonce.hex()})  # fmt: skip
+            return encode_json(
+                {
+                    "node_id": ctx.node_id,
+                    "epoch": ctx.epoch,
+                    "auth_required": bool(ctx.config.token),
+                    "nonce": self._nonce.hex(),
+                }
+            )
         self._authed = self._check_auth(decode_json(meta))
         if not self._authed:
             ctx.counters["auth_failures"] += 1

@@ -73,5 +73,9 @@ class NodeStats:
         now = self._snapshot()
         old = next((s for s in self._snapshots if now[0] - s[0] <= RECENT_WINDOW_S), self._snapshots[-1])
         window = max(now[0] - old[0], 1e-3)
-        return RecentReport(window_s=round(window, 1), requests_per_s=round((now[1] - old[1]) / window, 3),
-                            gets=now[2] - old[2], hits=now[3] - old[3])  # fmt: skip
+        return RecentReport(
+            window_s=round(window, 1),
+            requests_per_s=round((now[1] - old[1]) / window, 3),
+            gets=now[2] - old[2],
+            hits=now[3] - old[3],
+        )

@@ -25,7 +25,6 @@ threads; the event loop never waits on a disk.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections import Counter
@@ -38,6 +37,7 @@ from backend.node.bookkeeping import DRAM, NVME, HeldKeys, IndexChanges
 from backend.node.buffers import BufferFactory, ChunkBuffer
 from backend.node.demotion import Demoter
 from backend.node.dram import DramTier, StoredChunk
+from backend.node.landing import Landing
 from backend.node.leases import LeaseTable
 from backend.node.nvme_format import NvmeFile
 from backend.node.nvme_tier import NvmeTier
@@ -79,22 +79,30 @@ class TierManager:
         self.dram = DramTier(config.dram_bytes, self.held)
         self.nvme: NvmeTier | None = None
         if config.nvme_dir and config.nvme_bytes:
-            self.nvme = NvmeTier(config.nvme_dir, config.nvme_bytes, io_threads=config.io_threads,
-                                 counters=self.counters, held=self.held, on_gone=self._gone_from_nvme,
-                                 on_room=self._wake_demoter)  # fmt: skip
+            self.nvme = NvmeTier(
+                config.nvme_dir,
+                config.nvme_bytes,
+                io_threads=config.io_threads,
+                counters=self.counters,
+                held=self.held,
+                on_gone=self._gone_from_nvme,
+                on_room=self._wake_demoter,
+            )
         self.leases = LeaseTable(on_unpinned=self._wake_demoter)
-        self.demoter = Demoter(self.dram, self.nvme, self.leases, self.changes, self.counters,
-                               high_watermark=config.high_watermark, low_watermark=config.low_watermark)  # fmt: skip
+        self.demoter = Demoter(
+            self.dram,
+            self.nvme,
+            self.leases,
+            self.changes,
+            self.counters,
+            high_watermark=config.high_watermark,
+            low_watermark=config.low_watermark,
+        )
         self.arena: Arena | None = _open_arena(config)  # where DRAM chunks live; None: each its own buffer
         # Pre-faulted private buffers: for every chunk when there is no arena, else for the overflow.
         prefault = 0 if self.arena is not None else min(PREFAULT_BUDGET_BYTES, config.dram_bytes // 4)
         self.buffers = BufferFactory(prefault)
-        self._room = asyncio.Event()  # set when DRAM may have room for a waiting put (see reserve)
-        # Chunks inserted by puts not committed yet: never moved (their put would lose them),
-        # unless their put waits for room itself (see reserve's ``before_wait``).
-        self._landing: dict[int, StoredChunk] = {}  # by id(chunk)
-        self.landing_keys: Counter[str] = Counter()
-        self._landing_bytes = 0
+        self.landing = Landing()  # chunks of puts not committed yet, and the puts waiting for room
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -120,7 +128,7 @@ class TierManager:
             self.nvme.add(record)
 
     def _wake_demoter(self) -> None:
-        self._room.set()  # unpinned chunks may move now
+        self.landing.wake()  # unpinned chunks may move now
         self.demoter.wake()
 
     def _gone_from_nvme(self, key: str) -> None:
@@ -176,8 +184,11 @@ class TierManager:
 
     def tier_reports(self) -> dict[str, TierReport]:
         """Each tier's size and what it holds (STAT, the registry entry)."""
-        tiers = {DRAM: TierReport(capacity_bytes=self.dram.capacity_bytes, used_bytes=self.dram.used_bytes,
-                                  objects=len(self.dram))}  # fmt: skip
+        tiers = {
+            DRAM: TierReport(
+                capacity_bytes=self.dram.capacity_bytes, used_bytes=self.dram.used_bytes, objects=len(self.dram)
+            )
+        }
         if self.nvme is not None:
             tiers[NVME] = self.nvme.report()
         return tiers
@@ -191,8 +202,9 @@ class TierManager:
                 return buffer
         return self.buffers.take(nbytes)
 
-    async def reserve(self, nbytes: int, *, until: float = 0.0, put_id: int = 0,
-                      before_wait: Callable[[], None] | None = None) -> None:  # fmt: skip
+    async def reserve(
+        self, nbytes: int, *, until: float = 0.0, put_id: int = 0, before_wait: Callable[[], None] | None = None
+    ) -> None:
         """Reserve DRAM for an incoming chunk of put ``put_id``, demoting or evicting older ones as needed.
 
         When nothing can move because other puts fill DRAM (reserved, or inserted and not
@@ -212,56 +224,35 @@ class TierManager:
                 f"chunk of {nbytes} bytes is larger than the DRAM tier ({self.dram.capacity_bytes} bytes)"
             )
         while not self.dram.fits(nbytes):
-            await self.demoter.make_room(nbytes, keep_put=put_id, landing=self.landing_keys)
+            await self.demoter.make_room(nbytes, keep_put=put_id, landing=self.landing.keys)
             if self.dram.fits(nbytes):
                 break
             if until and before_wait is not None:
                 before_wait()
                 before_wait = None
                 continue  # what it let go may be what another waiter needs; try again first
-            if self.dram.used_bytes <= self.dram.stored_bytes and not self._landing_bytes:
+            if self.dram.used_bytes <= self.dram.stored_bytes and not self.landing.nbytes:
                 raise CapacityError("DRAM tier is full of leased chunks and this put's own")
-            if not await self._wait_for_room(until):
+            if not await self.landing.wait_for_room(until):
                 raise BusyError("DRAM tier stayed full of puts in flight until the request's deadline")
         self.dram.reserve(nbytes)
         self.demoter.wake()
 
     def settle(self, chunks: list[StoredChunk]) -> None:
         """The puts that inserted ``chunks`` committed, gave up, or wait: the chunks may move now."""
-        for chunk in chunks:
-            if self._landing.pop(id(chunk), None) is not None:
-                key = chunk.meta.key
-                self.landing_keys[key] -= 1
-                if not self.landing_keys[key]:
-                    del self.landing_keys[key]
-                self._landing_bytes -= chunk.meta.nbytes
-        self._room.set()
+        self.landing.settle(chunks)
 
     def release(self, nbytes: int) -> None:
         self.dram.release(nbytes)
-        self._room.set()
-
-    async def _wait_for_room(self, until: float) -> bool:
-        """Wait until room may have come (see ``reserve``); False once the loop time ``until`` passed."""
-        self._room.clear()
-        remaining = until - asyncio.get_running_loop().time()
-        if remaining <= 0:
-            return False
-        try:
-            await asyncio.wait_for(self._room.wait(), remaining)
-        except TimeoutError:
-            return False
-        return True
+        self.landing.wake()
 
     def insert(self, chunk: StoredChunk, put_id: int = 0) -> None:
         """Store a verified chunk of put ``put_id`` (0: none) in reserved DRAM; an NVMe copy with other
         bytes is dropped. A put's chunk is not moved until the put settles it (``settle``)."""
         self.dram.insert(chunk, put_id)
         if put_id:  # a put's chunk: it stays until ``settle``
-            self._landing[id(chunk)] = chunk
-            self.landing_keys[chunk.meta.key] += 1
-            self._landing_bytes += chunk.meta.nbytes
-        self._room.set()
+            self.landing.add(chunk)
+        self.landing.wake()
         if self.nvme is not None:
             old = self.nvme.files.get(chunk.meta.key)
             if old is not None and old.meta.checksum != chunk.meta.checksum:
@@ -359,7 +350,7 @@ class TierManager:
 
     async def delete(self, key: str) -> bool:
         found = self.dram.delete(key) is not None
-        self._room.set()
+        self.landing.wake()
         if self.nvme is not None:
             record = self.nvme.remove(key)
             if record is not None:
@@ -379,6 +370,7 @@ def _open_arena(config: TierConfig) -> Arena | None:
     try:
         return ShmArena(config.shm_dir, size)
     except OSError as exc:
-        logger.warning("no shared-memory arena in %s (%s): same-host clients read over TCP",
-                       config.shm_dir, exc.strerror or exc)  # fmt: skip
+        logger.warning(
+            "no shared-memory arena in %s (%s): same-host clients read over TCP", config.shm_dir, exc.strerror or exc
+        )
         return PrivateArena(size) if config.prefault else None

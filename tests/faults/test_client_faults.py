@@ -35,9 +35,14 @@ HOLDER = textwrap.dedent("""
 
 def test_a_client_killed_while_holding_leases_on_most_of_dram_does_not_block_the_next_put(node_factory, pool_url):
     node_factory(dram="8MiB")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, pool_url, "7", str(MIB), str(LOCK_TTL_MS)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                              env={**os.environ, "LMCACHE_TRACK_USAGE": "false"})  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, pool_url, "7", str(MIB), str(LOCK_TTL_MS)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "LMCACHE_TRACK_USAGE": "false"},
+    )
     try:
         assert holder.stdout is not None
         line = holder.stdout.readline()

@@ -152,11 +152,16 @@ def _raw_header(
     meta_checksum: int | None = None,
 ) -> bytes:
     return HEADER.pack(
-        magic, version, op, 0, 0,
+        magic,
+        version,
+        op,
+        0,
+        0,
         len(meta) if meta_len is None else meta_len,
-        request_id, data_len,
+        request_id,
+        data_len,
         checksum(meta) if meta_checksum is None else meta_checksum,
-    )  # fmt: skip
+    )
 
 
 @dataclass
@@ -366,15 +371,23 @@ def hostile_metas(draw: st.DrawFn) -> bytes:
     """Meta sections: random bytes, valid encodings cut or padded, and huge declared counts."""
     keys = draw(st.lists(fuzz_keys, max_size=12))
     valid = draw(
-        st.sampled_from([
-            encode_keys(keys),
-            encode_json(draw(st.dictionaries(st.text(max_size=8), st.one_of(st.integers(), st.text(max_size=12), st.none()), max_size=4))),
-            encode_lease_request(keys, draw(st.integers(1, 600_000)), draw(st.integers(0, 3))),
-            struct.pack("<Q", draw(st.integers(0, 2**64 - 1))) + encode_keys(keys),  # RELEASE
-            encode_json({"session": draw(st.text(max_size=12)), "keys": keys}),  # CHANNEL_GET
-            encode_json({"after": draw(st.text(max_size=12)), "limit": draw(st.integers(-5, 20_000))}),  # INVENTORY
-        ])
-    )  # fmt: skip
+        st.sampled_from(
+            [
+                encode_keys(keys),
+                encode_json(
+                    draw(
+                        st.dictionaries(
+                            st.text(max_size=8), st.one_of(st.integers(), st.text(max_size=12), st.none()), max_size=4
+                        )
+                    )
+                ),
+                encode_lease_request(keys, draw(st.integers(1, 600_000)), draw(st.integers(0, 3))),
+                struct.pack("<Q", draw(st.integers(0, 2**64 - 1))) + encode_keys(keys),  # RELEASE
+                encode_json({"session": draw(st.text(max_size=12)), "keys": keys}),  # CHANNEL_GET
+                encode_json({"after": draw(st.text(max_size=12)), "limit": draw(st.integers(-5, 20_000))}),  # INVENTORY
+            ]
+        )
+    )
     return draw(
         st.one_of(
             st.binary(max_size=512),
@@ -530,9 +543,14 @@ def test_an_over_long_key_refuses_the_whole_put_naming_max_key_bytes_and_stores_
 
 @pytest.mark.parametrize(
     "bad_key, words",
-    [("", "key of 0 bytes"), ("k" * 1025, "over max_key_bytes"), ("é" * 513, "key of 1026 bytes"),
-     ("bad-\udcff-surrogate", "not valid UTF-8"), (b"bytes-key", "keys are str")],
-)  # fmt: skip
+    [
+        ("", "key of 0 bytes"),
+        ("k" * 1025, "over max_key_bytes"),
+        ("é" * 513, "key of 1026 bytes"),
+        ("bad-\udcff-surrogate", "not valid UTF-8"),
+        (b"bytes-key", "keys are str"),
+    ],
+)
 def test_every_call_refuses_an_unstorable_key_with_a_protocol_error_naming_it(
     target: Target, bad_key: str, words: str
 ) -> None:
@@ -572,9 +590,13 @@ def test_a_value_larger_than_the_dram_tier_is_a_capacity_error_and_nothing_is_st
 
 @pytest.mark.parametrize(
     "chunk, words",
-    [(Chunk("dt", b"x", dtype="d" * 33), "max_dtype_bytes"), (Chunk("dt", b"x", dtype=""), "max_dtype_bytes"),
-     (Chunk("nd", b"x", shape=(1,) * 9), "max_ndim"), (Chunk("neg", b"x", shape=(-1,)), "negative")],
-)  # fmt: skip
+    [
+        (Chunk("dt", b"x", dtype="d" * 33), "max_dtype_bytes"),
+        (Chunk("dt", b"x", dtype=""), "max_dtype_bytes"),
+        (Chunk("nd", b"x", shape=(1,) * 9), "max_ndim"),
+        (Chunk("neg", b"x", shape=(-1,)), "negative"),
+    ],
+)
 def test_a_layout_over_the_limits_is_refused_naming_the_limit(target: Target, chunk: Chunk, words: str) -> None:
     with pytest.raises(ProtocolError, match=words):
         target.client.put([chunk])

@@ -81,9 +81,16 @@ def test_a_node_advertised_behind_a_forwarder_is_reached_through_it(proxied, poo
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("", ("", 0)), ("node1", ("node1", 0)), ("node1:7000", ("node1", 7000)), (":7000", ("", 7000)),
-     ("[fd00::1]:7000", ("fd00::1", 7000)), ("[fd00::1]", ("fd00::1", 0)), ("fd00::1", ("fd00::1", 0))],
-)  # fmt: skip
+    [
+        ("", ("", 0)),
+        ("node1", ("node1", 0)),
+        ("node1:7000", ("node1", 7000)),
+        (":7000", ("", 7000)),
+        ("[fd00::1]:7000", ("fd00::1", 7000)),
+        ("[fd00::1]", ("fd00::1", 0)),
+        ("fd00::1", ("fd00::1", 0)),
+    ],
+)
 def test_advertise_takes_a_host_a_port_or_both(value, expected):
     from backend.config import parse_advertise
 
@@ -94,8 +101,11 @@ def test_advertise_takes_a_host_a_port_or_both(value, expected):
 def test_a_bad_advertise_address_is_refused_naming_the_flag(redis_server, value):
     proc = subprocess.run(
         [sys.executable, "-m", "backend.cli", "node", "--redis", redis_server.url, "--advertise", value],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert proc.returncode == 2 and "--advertise" in proc.stderr, proc.stderr
 
 
@@ -144,11 +154,13 @@ def _fetch_ok(client: SyncPoolClient, info: NodeInfo, chunks: list[Chunk]) -> bo
     return _identical(chunks, got)
 
 
-def test_a_copy_that_fails_is_retried_on_another_host_while_there_is_one(node_factory, pool_url, redis_server,
-                                                                         namespace, tmp_path):  # fmt: skip
+def test_a_copy_that_fails_is_retried_on_another_host_while_there_is_one(
+    node_factory, pool_url, redis_server, namespace, tmp_path
+):
     """Hosts a (two nodes) and b (two nodes, one unreachable: its proxy resets every connection).
     With replicas=2, every key whose first choice on host b fails gets its second copy on the other
     node of host b, never a second copy on host a."""
+
     def on(host: str, *extra: str) -> NodeProcess:
         return node_factory(*extra, dram="64MiB", env=hostname_env(tmp_path / host, host))
 

@@ -213,8 +213,9 @@ def test_redis_killed_mid_commit_loses_no_acknowledged_put_and_the_pool_recovers
 
 def test_replicas_go_to_distinct_hosts_when_the_registry_knows_them():
     def node(node_id: str, hostname: str) -> NodeInfo:
-        return NodeInfo(node_id=node_id, host="10.0.0.1", port=1, epoch=1, hostname=hostname,
-                        capacity_bytes=1 << 30, alive=True)  # fmt: skip
+        return NodeInfo(
+            node_id=node_id, host="10.0.0.1", port=1, epoch=1, hostname=hostname, capacity_bytes=1 << 30, alive=True
+        )
 
     nodes = [node("a1", "host-a"), node("a2", "host-a"), node("a3", "host-a"), node("b1", "host-b")]
     for i in range(200):

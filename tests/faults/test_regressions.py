@@ -86,8 +86,11 @@ def test_every_node_republishes_after_redis_is_flushed(node_factory, redis_facto
         assert holders == {a.node_id, b.node_id}
         subprocess.run(["redis-cli", "-p", str(redis.port), "FLUSHALL"], check=True, capture_output=True)
         assert wait_until(lambda: client.hit_prefix(keys) == len(keys), 10.0)
-        epoch_now = int(subprocess.run(["redis-cli", "-p", str(redis.port), "GET", "kvp:{fl}:epoch"],
-                                       capture_output=True, text=True).stdout)  # fmt: skip
+        epoch_now = int(
+            subprocess.run(
+                ["redis-cli", "-p", str(redis.port), "GET", "kvp:{fl}:epoch"], capture_output=True, text=True
+            ).stdout
+        )
         assert epoch_now >= max(a.epoch, b.epoch)  # new nodes never reuse a live epoch
 
 
@@ -154,8 +157,9 @@ def _stat_ok(client: SyncPoolClient) -> bool:
 
 
 async def test_a_put_that_stalls_mid_frame_is_dropped_and_its_space_released(redis_server, namespace):
-    node = PoolNode(NodeConfig(redis_url=redis_server.url, namespace=namespace, dram_bytes=4 << 20,
-                               frame_timeout_s=0.5))  # fmt: skip
+    node = PoolNode(
+        NodeConfig(redis_url=redis_server.url, namespace=namespace, dram_bytes=4 << 20, frame_timeout_s=0.5)
+    )
     await node.start()
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", node.port)

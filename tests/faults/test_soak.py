@@ -23,8 +23,20 @@ DURATION_S = 120 if FULL else 12
 
 @pytest.mark.timeout(DURATION_S + 240)
 def test_a_soak_of_32_clients_over_twice_the_dram_returns_no_wrong_byte_and_stays_within_memory() -> None:
-    cmd = [sys.executable, "-m", "bench.soak", "--duration", str(DURATION_S), "--clients", "32", "--nodes", "2",
-           "--dram", "32MiB", "--json"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.soak",
+        "--duration",
+        str(DURATION_S),
+        "--clients",
+        "32",
+        "--nodes",
+        "2",
+        "--dram",
+        "32MiB",
+        "--json",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=DURATION_S + 180)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -50,8 +62,14 @@ def test_the_soak_check_catches_a_single_wrong_byte_or_a_version_never_written()
 
 def test_the_soak_verdict_fails_on_wrong_bytes_errors_busy_puts_a_dead_node_or_memory_past_its_bound() -> None:
     node = {"alive": True, "rss_peak_bytes": 100, "bound_bytes": 100}
-    clean = {"wrong_bytes": 0, "errors_total": 0, "errors": {}, "nodes_detail": {"n1": node}, "ops": {"put": 1000},
-             "busy_puts": 10}  # fmt: skip
+    clean = {
+        "wrong_bytes": 0,
+        "errors_total": 0,
+        "errors": {},
+        "nodes_detail": {"n1": node},
+        "ops": {"put": 1000},
+        "busy_puts": 10,
+    }
     assert verdict(clean, max_errors=0) == []
     assert verdict({**clean, "busy_puts": 11}, 0) == ["11 of 1000 puts refused as busy (allowed 1%)"]
     assert verdict({**clean, "wrong_bytes": 1}, 0) == ["1 hits returned wrong bytes"]

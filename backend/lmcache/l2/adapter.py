@@ -79,13 +79,20 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._tasks = TaskRunner("kvpool-l2")
         self.client: PoolClient = self._tasks.call(_make_client(config.pool), CLOSE_TIMEOUT_S)
         self._usage = UsageView(self.client, self._misses)
-        self._prefetch = Prefetcher(self.client, self._tasks, self._misses, self.counters, config.lock_ttl_ms,
-                                    self._notify_keys_accessed)  # fmt: skip
-        self._store = Storer(self.client, self._tasks, self._misses, self.counters, self._usage,
-                             self._notify_keys_stored, self._notify_keys_deleted)  # fmt: skip
+        self._prefetch = Prefetcher(
+            self.client, self._tasks, self._misses, self.counters, config.lock_ttl_ms, self._notify_keys_accessed
+        )
+        self._store = Storer(
+            self.client,
+            self._tasks,
+            self._misses,
+            self.counters,
+            self._usage,
+            self._notify_keys_stored,
+            self._notify_keys_deleted,
+        )
         self._refresher = self._tasks.start(self._usage.refresh_forever(config.usage_refresh_ms / 1000))
-        logger.info("kvpool: L2 adapter for %s (lease %d ms)", config.pool.to_url(with_token=False),
-                    config.lock_ttl_ms)  # fmt: skip
+        logger.info("kvpool: L2 adapter for %s (lease %d ms)", config.pool.to_url(with_token=False), config.lock_ttl_ms)
 
     @property
     def _bound_s(self) -> float:
@@ -132,8 +139,9 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         """Remove keys from the pool (LMCache's L2 eviction); bounded, synchronous by interface."""
         self._store.delete(keys, self._bound_s)
 
-    def list_l2_keys(self, model_name: str | None = None, page_size: int = 500,
-                     cursor: str | None = None) -> KeyListPage:  # fmt: skip
+    def list_l2_keys(
+        self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None
+    ) -> KeyListPage:
         """One page of this adapter's keys in the pool (Redis SCAN; ``cursor`` is opaque)."""
         scan_cursor, skip = parse_cursor(cursor)
         page = list_page(self.client, model_name, check_page_size(page_size), scan_cursor, skip)

@@ -22,8 +22,9 @@ ADAPTER_PARAMS = ("url", "lock_ttl_ms", "usage_refresh_ms")
 class KVPoolL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
     """``adapter_params`` of the kvpool L2 adapter: the pool URL and lease settings."""
 
-    def __init__(self, pool: PoolConfig, lock_ttl_ms: int = DEFAULT_LOCK_TTL_MS,
-                 usage_refresh_ms: int = DEFAULT_USAGE_REFRESH_MS) -> None:  # fmt: skip
+    def __init__(
+        self, pool: PoolConfig, lock_ttl_ms: int = DEFAULT_LOCK_TTL_MS, usage_refresh_ms: int = DEFAULT_USAGE_REFRESH_MS
+    ) -> None:
         super().__init__()
         self.pool = pool
         self.lock_ttl_ms = lock_ttl_ms

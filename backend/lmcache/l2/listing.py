@@ -36,8 +36,9 @@ def parse_cursor(cursor: str | None) -> tuple[int, int]:
     return scan, skip
 
 
-async def list_page(client: PoolClient, model_name: str | None, page_size: int, scan_cursor: int,
-                    skip: int) -> KeyListPage:  # fmt: skip
+async def list_page(
+    client: PoolClient, model_name: str | None, page_size: int, scan_cursor: int, skip: int
+) -> KeyListPage:
     """One page of multiprocess-mode keys (of ``model_name``) that the index still locates, from a parsed cursor."""
     pattern = listing_pattern(model_name)
     names: list[str] = []
@@ -61,6 +62,12 @@ async def list_page(client: PoolClient, model_name: str | None, page_size: int, 
     for name, entry in zip(names, entries):
         key = object_key_from_pool_key(name)
         if key is not None and entry:
-            out.append(KeyEntry(EncodedObjectKey(key.chunk_hash.hex(), key.model_name, key.kv_rank,
-                                                 key.object_group_id, key.cache_salt), entry[0].nbytes))  # fmt: skip
+            out.append(
+                KeyEntry(
+                    EncodedObjectKey(
+                        key.chunk_hash.hex(), key.model_name, key.kv_rank, key.object_group_id, key.cache_salt
+                    ),
+                    entry[0].nbytes,
+                )
+            )
     return KeyListPage(tuple(out), token)

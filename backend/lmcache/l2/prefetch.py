@@ -42,8 +42,13 @@ class BufferSink:
             return None
         if len(view) != meta.nbytes:
             # Another layout under the same key (a different L1 chunk shape): a miss, never a partial copy.
-            self.misses.miss("size", "%s holds %d bytes but LMCache's buffer has %d; reading as a miss",
-                             meta.key, meta.nbytes, len(view))  # fmt: skip
+            self.misses.miss(
+                "size",
+                "%s holds %d bytes but LMCache's buffer has %d; reading as a miss",
+                meta.key,
+                meta.nbytes,
+                len(view),
+            )
             return None
         return meta.key, view
 
@@ -54,8 +59,15 @@ class BufferSink:
 class Prefetcher:
     """Lookup-and-lock, unlock and load for LMCache's prefetch controller; holds the leases it took."""
 
-    def __init__(self, client: PoolClient, tasks: TaskRunner, misses: MissBoundary, counters: Counter[str],
-                 lock_ttl_ms: int, notify_accessed: Callable[[list[ObjectKey]], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: PoolClient,
+        tasks: TaskRunner,
+        misses: MissBoundary,
+        counters: Counter[str],
+        lock_ttl_ms: int,
+        notify_accessed: Callable[[list[ObjectKey]], None],
+    ) -> None:
         self.client = client
         self.tasks = tasks
         self.misses = misses
@@ -124,8 +136,13 @@ class Prefetcher:
                 return
             except KVPoolError as exc:
                 if attempt == UNLOCK_ATTEMPTS - 1:
-                    self.misses.miss("unlock", "unlock of %d chunks failed (%s); their leases end after %d ms",
-                                     len(locks), exc, self.lock_ttl_ms)  # fmt: skip
+                    self.misses.miss(
+                        "unlock",
+                        "unlock of %d chunks failed (%s); their leases end after %d ms",
+                        len(locks),
+                        exc,
+                        self.lock_ttl_ms,
+                    )
                     return
                 await asyncio.sleep(UNLOCK_RETRY_S)
 

@@ -32,8 +32,16 @@ Notify = Callable[[list[ObjectKey], list[int]], None]
 class Storer:
     """Store tasks for LMCache's store controller, and ``delete``; tells LMCache's listeners what changed."""
 
-    def __init__(self, client: PoolClient, tasks: TaskRunner, misses: MissBoundary, counters: Counter[str],
-                 usage: UsageView, notify_stored: Notify, notify_deleted: Notify) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: PoolClient,
+        tasks: TaskRunner,
+        misses: MissBoundary,
+        counters: Counter[str],
+        usage: UsageView,
+        notify_stored: Notify,
+        notify_deleted: Notify,
+    ) -> None:
         self.client = client
         self.tasks = tasks
         self.misses = misses
