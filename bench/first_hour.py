@@ -78,6 +78,10 @@ class FreshPool:
         # The connector makes its stage for a same-host node when it starts (an engine's first put comes
         # later); wait for that here, so that round 1 measures the node and not the client's start.
         asyncio.run_coroutine_threadsafe(stack.connector().client.prepare_puts(), stack.loop).result(30)
+        # An engine's LMCache buffer is pinned memory on a GPU host, resident from its start: warm it here
+        # too, so that round 1 does not time the engine's own page faults (LMCache allocates a buffer
+        # from it for every put and get).
+        stack.warm_local_buffer()
         return stack
 
     def prefault_line(self) -> str:

@@ -91,6 +91,21 @@ def test_the_lmcache_connector_makes_its_put_stage_when_it_starts_not_at_its_fir
     assert client.counters["staged_put_bytes"] == stack.chunk_bytes and len(_my_stages() - before) == 1
 
 
+def test_getting_ready_to_put_opens_every_connection_with_the_stage_mapped(node_factory, pool_url):
+    # Otherwise each of the first connections_per_node puts pays a connect, a handshake and the
+    # node's mapping of the stage: the tail of a fresh client's first puts.
+    node_factory(shm=True, dram="64MiB")
+    with SyncPoolClient(PoolConfig.from_url(pool_url + "?connections_per_node=3")) as client:
+        assert client.prepare_puts() == 1
+        (node,) = client.nodes()
+        opened = client.node_stats(node)["counters"]["connections_accepted"]
+        assert opened == 3
+        _round_trip(client, _chunks("warm", 6, 64 * 1024))  # three stripes, one per connection
+        counters = client.node_stats(node)["counters"]
+        assert counters["connections_accepted"] == opened  # no put opened one
+        assert counters["staged_put_bytes"] == 6 * 64 * 1024
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 32 MiB tmpfs: a /dev/shm that cannot hold a node's whole arena (needs root to mount)."""

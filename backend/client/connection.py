@@ -291,6 +291,20 @@ class NodePool:
             raise
         return await conn.request(op, meta, **kwargs)
 
+    async def open_all(self) -> list[NodeConnection]:
+        """Open now every connection this pool may have (``connections_per_node``), which the first
+        requests would otherwise open one by one, each paying a connect and handshake."""
+        self.connections = [c for c in self.connections if not c.broken]
+        while len(self.connections) < self.config.connections_per_node:
+            self.connections.append(NodeConnection(self.node, self.config, self.tls, self.bulk))
+        for conn in list(self.connections):
+            try:
+                await conn.ensure_open()
+            except BaseException:
+                self.connections.remove(conn)
+                raise
+        return list(self.connections)
+
     def close(self) -> None:
         for conn in self.connections:
             conn.close()

@@ -13,6 +13,7 @@ copies replace two trips through the kernel's TCP stack. A stage that cannot be 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import time
@@ -52,11 +53,23 @@ class StagedWriter:
 
     async def prepare(self, node: NodeInfo) -> bool:
         """Map ``node``'s arena and make the stage for it now, so that the first same-host put does not
-        wait for them (a 128 MiB stage takes ~0.1 s); False if ``node`` is not on this host."""
+        wait for them (a 128 MiB stage takes ~0.1 s); False if ``node`` is not on this host.
+
+        Also opens every connection puts may use, each with the stage already mapped by the
+        node (an empty PUT_STAGED): else each of the first ``connections_per_node`` puts would
+        pay a connect, a handshake and the node's mapping, 10-20 ms against a 2-3 ms put.
+        """
         if not self.serves(node):
             return False
         async with self._lock:
-            return await self._stage(os.path.dirname(node.shm_path)) is not None
+            stage = await self._stage(os.path.dirname(node.shm_path))
+            if stage is None:
+                return False
+            with contextlib.suppress(KVPoolError):  # then the first puts open them, as without this
+                empty = encode_put_staged(stage.name, stage.token, [], [])
+                connections = await self.connections.pool(node).open_all()
+                await asyncio.gather(*(conn.request(Op.PUT_STAGED, empty) for conn in connections))
+            return True
 
     async def put(
         self,

@@ -36,6 +36,9 @@ class SyncPoolClient:
     def counters(self) -> dict[str, int]:
         return dict(self._client.counters)
 
+    def prepare_puts(self) -> int:
+        return self._call(self._client.prepare_puts())
+
     def put(self, chunks: Sequence[Chunk]) -> None:
         self._call(self._client.put(chunks))
 
