@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import io
 import re
@@ -25,6 +24,7 @@ from backend.cli import build_parser
 from backend.config.pool import ENV_PREFIX, OPTION_NAMES, known_env_names
 from backend.metrics import _RECOVERY_GAUGES, _TIER_GAUGES, NODE_COUNTERS, NODE_PREFIX
 from tests.conftest import REPO
+from tests.test_metrics import _source_counters
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 GENERATED = {"cli.md"}  # the --help output, checked byte for byte elsewhere
@@ -142,25 +142,10 @@ def test_the_environment_table_names_every_variable_the_code_reads_and_no_other(
     assert {f"{ENV_PREFIX}{name.upper()}" for name in OPTION_NAMES} <= documented
 
 
-def _node_counter_names() -> set[str]:
-    """Every counter the node's code increments (``counters["NAME"] +=`` anywhere in backend/node)."""
-    names = set(NODE_COUNTERS)
-    for path in (REPO / "backend" / "node").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.AugAssign)
-                and isinstance(node.target, ast.Subscript)
-                and isinstance(node.target.slice, ast.Constant)
-                and isinstance(node.target.slice.value, str)
-                and "counters" in ast.unparse(node.target.value)
-            ):
-                names.add(node.target.slice.value)
-    return names
-
-
 def _node_metric_names() -> set[str]:
     """Every metric name ``backend/metrics/node.py`` can export for a node (counters as ``_total``)."""
-    names = {f"{NODE_PREFIX}{name}_total" for name in _node_counter_names()}
+    node_counters, _ = _source_counters()  # what the node's code (and a channel node's) can count
+    names = {f"{NODE_PREFIX}{name}_total" for name in set(NODE_COUNTERS) | node_counters}
     source = (REPO / "backend" / "metrics" / "node.py").read_text()
     names |= {NODE_PREFIX + name for name in re.findall(r'_gauge\(\s*"([a-z_]*[a-z])",', source)}
     names |= {f"{NODE_PREFIX}tier_{field}" for field in _TIER_GAUGES}
