@@ -54,6 +54,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bench.nodes import NodeProcess
 from bench.processes import REPO, ServerProcess
@@ -105,13 +106,12 @@ def _run(*argv: str, input_text: str | None = None, check: bool = True) -> str:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed but not yet reaped by its parent, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def _namespaces() -> list[str]:
