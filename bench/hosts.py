@@ -52,7 +52,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -321,6 +321,15 @@ class HostBed:
         else:
             self.blocked.discard(frozenset((a, b)))
         self._render_rules()
+
+    @contextlib.contextmanager
+    def blackhole(self, a: str, b: str) -> Iterator[None]:
+        """A partition between ``a`` and ``b`` for the ``with`` block, healed when it ends (also on an error)."""
+        self.partition(a, b)
+        try:
+            yield
+        finally:
+            self.heal(a, b)
 
     def set_loss(self, host: str, one_in: int | None) -> None:
         """Drop one packet in ``one_in`` at random, each way, on ``host``'s link; None: no loss."""
