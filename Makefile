@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvpool-installed
 export LMCACHE_TRACK_USAGE := false
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup redis test faults lint demo bench docs clean
+.PHONY: setup redis hostbed test faults lint demo bench docs clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -26,7 +26,18 @@ redis:
 	  fi; \
 	fi
 
-setup: $(STAMP) redis
+# The host bed (bench/hosts.py, tests/hosts): network namespaces shaped with ip, tc and nft, as root.
+hostbed:
+	@if ! command -v nft >/dev/null || ! command -v tc >/dev/null || ! command -v ip >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing nftables and iproute2 (apt-get)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables iproute2 >/dev/null; \
+	  else \
+	    echo "the host tests need root and nft, tc, ip: run 'sudo apt-get install -y nftables iproute2' and run as root"; \
+	  fi; \
+	fi
+
+setup: $(STAMP) redis hostbed
 
 lint: setup
 	$(VENV)/bin/ruff check backend nccl_channel bench tests
@@ -36,9 +47,9 @@ lint: setup
 test: setup lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# The fault-injection suite in full (make test runs its short version): longer runs, more rounds.
+# The fault-injection and host-bed suites in full (make test runs their short versions): longer runs, more rounds.
 faults: setup
-	KVPOOL_FULL=1 $(PY) -m pytest -q -p no:cacheprovider tests/faults
+	KVPOOL_FULL=1 $(PY) -m pytest -q -p no:cacheprovider tests/faults tests/hosts
 
 docs: setup
 	$(PY) -m tests.test_cli_docs
