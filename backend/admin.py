@@ -327,6 +327,7 @@ class NodeRow:
     """One registered node, as ``kvpool nodes`` shows it: from its STAT answer, or the registry without one."""
 
     node_id: str
+    host: str  # the node machine's hostname, as it registered ("" from a node that did not say)
     address: str
     cluster: str
     epoch: int
@@ -340,6 +341,7 @@ class NodeRow:
     def to_json(self) -> dict[str, Any]:
         return {
             "node_id": self.node_id,
+            "host": self.host,
             "address": self.address,
             "cluster": self.cluster,
             "epoch": self.epoch,
@@ -363,6 +365,7 @@ async def node_rows(client: PoolClient) -> list[NodeRow]:
         rows.append(
             NodeRow(
                 node_id=n.node_id,
+                host=n.hostname,
                 address=n.address,
                 cluster=n.cluster,
                 epoch=n.epoch,
@@ -380,8 +383,9 @@ async def node_rows(client: PoolClient) -> list[NodeRow]:
 async def iter_keys(
     client: PoolClient, *, model: str | None = None, prefix: str | None = None, limit: int | None = None
 ) -> AsyncIterator[dict[str, Any]]:
-    """Stream index entries (SCAN, never KEYS): key, node, tier, size, age."""
+    """Stream index entries (SCAN, never KEYS): key, node, its host, tier, size, age."""
     now = int(time.time())
+    hosts = {n.node_id: n.hostname for n in await client.index.nodes()}
     count = 0
     async for batch in client.index.scan_entries(_match(model, prefix)):
         for key, entry in batch:
@@ -389,6 +393,7 @@ async def iter_keys(
                 yield {
                     "key": key,
                     "node_id": loc.node_id,
+                    "host": hosts.get(loc.node_id, ""),
                     "tier": loc.tier,
                     "nbytes": loc.nbytes,
                     "age_s": max(0, now - loc.written_at),

@@ -456,10 +456,11 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         return 0
     _table(
         None,
-        ["node", "address", "cluster", "epoch", "state", "uptime", "tiers", "req/s", "heartbeat"],
+        ["node", "host", "address", "cluster", "epoch", "state", "uptime", "tiers", "req/s", "heartbeat"],
         [
             [
                 r.node_id,
+                r.host or "-",
                 r.address,
                 r.cluster or "-",
                 r.epoch,
@@ -486,7 +487,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(row), flush=False)
             else:
-                print(f"{row['key']}  {row['node_id']}  {row['tier']}  {format_size(row['nbytes'])}  {row['age_s']} s")
+                print(f"{row['key']}  {row['node_id']}  {row['host'] or '-'}  {row['tier']}  {format_size(row['nbytes'])}  {row['age_s']} s")
         sys.stdout.flush()
         return count
 

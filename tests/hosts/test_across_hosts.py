@@ -68,7 +68,15 @@ def test_replicas_land_on_distinct_hosts_and_kvpool_ls_and_nodes_show_the_hosts(
     copies: dict[str, list[str]] = {}
     for line in listed.stdout.splitlines():
         row = json.loads(line)
-        copies.setdefault(row["key"], []).append(host_of[row["node_id"]])
+        assert row["host"] == host_of[row["node_id"]]  # ls names the host each copy is on
+        copies.setdefault(row["key"], []).append(row["host"])
+    shown = bed.run("client", [sys.executable, "-m", "backend.cli", "nodes", "--json", "--url", url], timeout_s=60)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert {r["node_id"]: r["host"] for r in json.loads(shown.stdout)} == host_of
+    table = bed.run("client", [sys.executable, "-m", "backend.cli", "nodes", "--url", url], timeout_s=60)
+    header = next(line for line in table.stdout.splitlines() if "address" in line)
+    assert [cell.strip() for cell in header.split("┃") if cell.strip()][:3] == ["node", "host", "address"]
+    assert all(h in table.stdout for h in ("hosta", "hostb"))
     assert sorted(copies) == sorted(keys)
     spread = {key: sorted(hosts) for key, hosts in copies.items()}
     assert all(hosts == ["hosta", "hostb"] for hosts in spread.values()), spread  # 2 copies, one per host
