@@ -27,7 +27,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from backend import PoolConfig
+from backend.client import SyncPoolClient
 from backend.embedded import free_port
+from backend.errors import AuthError
 from tests.conftest import REPO, wait_until
 
 IMAGE = os.environ.get("DEPLOY_TEST_IMAGE", "localhost/kvpool-node:dev")
@@ -281,6 +284,11 @@ def test_the_node_container_answers_health_and_metrics_and_its_healthcheck_passe
     assert metric(text, "kvpool_node_healthy") == 1.0
     assert metric(text, "kvpool_node_tier_capacity_bytes", tier="dram") == 8 * 2**20
     assert metric(text, "kvpool_node_tier_capacity_bytes", tier="nvme") == 256 * 2**20
+    # the node read its token from the mounted file: the pool's URL without it is refused
+    without_token = deployment.pool_url.replace(f"token_file={deployment.secrets_dir / 'token'}&", "")
+    with SyncPoolClient(PoolConfig.from_url(without_token)) as client:
+        with pytest.raises(AuthError):
+            client.node_stats(client.nodes()[0])
     # the image's own HEALTHCHECK, run by podman inside the container
     assert podman("healthcheck", "run", deployment.node_container, check=False).returncode == 0
     assert podman("exec", deployment.node_container, "id", "-u").stdout.strip() == str(NODE_UID)
