@@ -49,6 +49,9 @@ CHUNKS = 12  # 2 MiB each (bench.engine's default shape): 24 MiB through 8 MiB o
 NODE_DRAM = "8MiB"
 NODE_START_TIMEOUT_S = 60.0
 
+# The first run builds the Redis image (apt-get inside a container) and each engine imports torch.
+pytestmark = pytest.mark.timeout(600)
+
 
 def podman(*args: str, timeout_s: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
     """One podman command; a failure names the command and shows what podman said."""
