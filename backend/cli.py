@@ -487,7 +487,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(row), flush=False)
             else:
-                print(f"{row['key']}  {row['node_id']}  {row['host'] or '-'}  {row['tier']}  {format_size(row['nbytes'])}  {row['age_s']} s")
+                print(
+                    f"{row['key']}  {row['node_id']}  {row['host'] or '-'}  {row['tier']}  {format_size(row['nbytes'])}  {row['age_s']} s"
+                )
         sys.stdout.flush()
         return count
 
