@@ -581,6 +581,23 @@ def test_node_options_take_a_flag_over_the_environment_over_yaml_over_the_defaul
     assert "from-file" not in repr(config)
 
 
+def test_a_node_reads_the_token_and_password_files_the_engines_variables_name(tmp_path: Path) -> None:
+    """KVPOOL_TOKEN_FILE set on a node (as on an engine) must not leave the node without a token."""
+    from backend.config import NodeConfig
+
+    (tmp_path / "token").write_text("file-token\n")
+    (tmp_path / "password").write_text("file-password\n")
+    environ = {"KVPOOL_TOKEN_FILE": str(tmp_path / "token"), "KVPOOL_REDIS_PASSWORD_FILE": str(tmp_path / "password")}
+    config = NodeConfig.from_sources({"redis": "redis://r:1"}, environ={**environ, "KVPOOL_TOKEN": "env-token"})
+    assert (config.token, config.redis_password) == ("file-token", "file-password")
+    (tmp_path / "flag-token").write_text("flag-token")
+    flags = {"redis": "redis://r:1", "token_file": str(tmp_path / "flag-token")}
+    assert NodeConfig.from_sources(flags, environ=environ).token == "flag-token"  # a flag wins
+    (tmp_path / "token").write_text("")
+    with pytest.raises(ConfigError, match="is empty; a node without a token accepts anyone"):
+        NodeConfig.from_sources({"redis": "redis://r:1"}, environ=environ)
+
+
 def test_prefault_is_on_by_default_and_parses_from_a_flag_the_environment_and_yaml(tmp_path: Path) -> None:
     from backend.config import NodeConfig
 
@@ -637,7 +654,13 @@ def test_node_flags_are_the_option_table(tmp_path: Path) -> None:
         sub = parser._subparsers._group_actions[0].choices[verb]  # type: ignore[union-attr]
         flags = {a.option_strings[0] for a in sub._actions if a.option_strings and a.dest != "help"}
         assert flags == {"--config"} | {o.flag_name for o in NODE_OPTIONS if o.flag}
-    assert {o.env for o in NODE_OPTIONS if o.env} == {"KVPOOL_TOKEN", "KVPOOL_REDIS_PASSWORD", "KVPOOL_PREFAULT"}
+    assert {o.env for o in NODE_OPTIONS if o.env} == {
+        "KVPOOL_TOKEN",
+        "KVPOOL_REDIS_PASSWORD",
+        "KVPOOL_PREFAULT",
+        "KVPOOL_TOKEN_FILE",
+        "KVPOOL_REDIS_PASSWORD_FILE",
+    }
 
 
 def test_an_unknown_kvpool_variable_warns_a_node_and_does_not_stop_it(caplog: pytest.LogCaptureFixture) -> None:

@@ -229,7 +229,13 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
         f"(default {DEFAULT_MAX_PENDING_CONNECTIONS})",
         metavar="N",
     ),
-    NodeOption("token_file", _optional(_path), None, "file holding the pool token (or set KVPOOL_TOKEN)"),
+    NodeOption(
+        "token_file",
+        _optional(_path),
+        None,
+        "file holding the pool token (or set KVPOOL_TOKEN_FILE, as engines do, or KVPOOL_TOKEN)",
+        env="KVPOOL_TOKEN_FILE",
+    ),
     NodeOption(
         "tls_cert",
         _optional(_path),
@@ -250,9 +256,10 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
         "redis_password_file",
         _optional(_path),
         None,
-        "file holding the Redis ACL password (or set "
+        "file holding the Redis ACL password (or set KVPOOL_REDIS_PASSWORD_FILE or "
         "KVPOOL_REDIS_PASSWORD); the user goes in the --redis URL: rediss://USER@HOST:PORT",
         metavar="FILE",
+        env="KVPOOL_REDIS_PASSWORD_FILE",
     ),
     NodeOption(
         "metrics_port",
