@@ -24,6 +24,7 @@ import asyncio
 import select
 import socket
 import ssl
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, TypeVar
@@ -97,6 +98,9 @@ class FrameSocket:
         self.loop = loop
         self.peer = peer
         self.closed = False
+        # time.monotonic() of the last byte received or sent (a recv or send call that moved
+        # bytes, on the loop or on a worker thread): what tells a silent peer from a slow one.
+        self.progress_at = time.monotonic()
         self.send_lock = asyncio.Lock()
         self._waiters: dict[bool, asyncio.Future[None]] = {}  # writable? -> waiting future
         self._header_buf = bytearray(HEADER.size)
@@ -262,6 +266,7 @@ class FrameSocket:
                 raise NodeUnavailable(f"receive from {self.peer} failed: {exc}") from None
             if n == 0:
                 raise NodeUnavailable(f"{self.peer} closed the connection")
+            self.progress_at = time.monotonic()
             view = view[n:]
 
     async def recv_many(self, targets: Sequence[Buffer | int], digest: Callable[[Any], int] | None = None) -> list[int]:
@@ -356,6 +361,7 @@ class FrameSocket:
                 except OSError as exc:
                     self.close()
                     raise NodeUnavailable(f"send to {self.peer} failed: {exc}") from None
+                self.progress_at = time.monotonic()
                 advance(pending, sent)
 
 
@@ -425,6 +431,7 @@ class _ThreadedTransfers:
                 raise NodeUnavailable(f"receive from {peer} failed: {exc}") from None
             if n == 0:
                 raise NodeUnavailable(f"{peer} closed the connection")
+            self.owner.progress_at = time.monotonic()  # one float store: atomic under the GIL
             view = view[n:]
 
     def recv_many(self, targets: Sequence[memoryview | int], digest: Callable[[Any], int] | None) -> list[int]:
@@ -456,6 +463,7 @@ class _ThreadedTransfers:
                 continue
             except OSError as exc:
                 raise NodeUnavailable(f"send to {peer} failed: {exc}") from None
+            self.owner.progress_at = time.monotonic()
             advance(pending, sent)
 
 
