@@ -12,7 +12,9 @@ Errors: a node that is down, slow or answers a miss costs only the keys it held
 (they come back as misses, with one warning per outage). Redis being unreachable
 makes ``contains``/``get`` read as misses too (one warning per outage); ``put``,
 ``delete`` and the listing verbs raise :class:`MetadataError`. Nothing here ever
-waits longer than ``timeout_ms`` for Redis.
+waits longer than ``timeout_ms`` for Redis, and after one timeout nothing waits at all
+until Redis answers a probe (``backend.metadata.breaker``); a node that stopped
+answering is likewise skipped until it answers a probe (``health``).
 """
 
 from __future__ import annotations

@@ -108,7 +108,8 @@ def test_a_silent_node_costs_one_timeout_then_misses_at_once_and_takes_no_puts_u
         assert cut_s < normal_s + TIMEOUT_MS / 1000 + SLACK_S, (cut_s, normal_s)
         later = [_timed(client.get, keys) for _ in range(5)]
         assert all(g == [None] * 8 for g, _ in later)
-        assert max(t for _, t in later) < LATER_CALL_S, [t for _, t in later]
+        times = [t for _, t in later]
+        assert statistics.median(times) < LATER_CALL_S and max(times) < 5 * LATER_CALL_S, times
         assert client.contains(keys) == [False] * 8  # a lookup does not count a down node's copies
 
         more = _chunks("more", 8, 64 * 1024, seed=5)
@@ -193,7 +194,8 @@ def test_a_silent_redis_reads_as_fast_misses_puts_never_half_commit_and_the_clie
         assert got == [None] * 8 and first_s < TIMEOUT_MS / 1000 + SLACK_S, first_s
         later = [_timed(client.contains, keys) for _ in range(5)] + [_timed(client.get, keys) for _ in range(5)]
         assert all(not any(found) for found, _ in later)
-        assert max(t for _, t in later) < LATER_CALL_S, [t for _, t in later]
+        times = [t for _, t in later]
+        assert statistics.median(times) < LATER_CALL_S and max(times) < 5 * LATER_CALL_S, times
 
         # A put while the client cannot reach Redis: the nodes commit it, or it is refused; never half.
         more = _chunks("during", 8, 256 * 1024, seed=8)
