@@ -11,6 +11,8 @@ release the GIL, so the kernel's copies run on the other core while the loop kee
 serving). Such a thread polls the socket itself; closing the socket while a thread
 is in a transfer shuts it down at once, which wakes the thread, and the descriptor
 is closed only when the thread has returned, so its number is never reused under it.
+Every call that moves bytes stamps ``progress_at``: a silent peer is told from a slow
+one by that stamp (``backend.client.connection``), at the cost of one clock read per call.
 
 With TLS the same socket is wrapped by :mod:`ssl` (non-blocking, handshake driven
 by the event loop); ``recv_into`` still lands in the caller's buffer, and sends go
@@ -24,6 +26,7 @@ import asyncio
 import select
 import socket
 import ssl
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, TypeVar
@@ -97,6 +100,9 @@ class FrameSocket:
         self.loop = loop
         self.peer = peer
         self.closed = False
+        # time.monotonic() of the last byte received or sent (a recv or send call that moved
+        # bytes, on the loop or on a worker thread): what tells a silent peer from a slow one.
+        self.progress_at = time.monotonic()
         self.send_lock = asyncio.Lock()
         self._waiters: dict[bool, asyncio.Future[None]] = {}  # writable? -> waiting future
         self._header_buf = bytearray(HEADER.size)
@@ -262,6 +268,7 @@ class FrameSocket:
                 raise NodeUnavailable(f"receive from {self.peer} failed: {exc}") from None
             if n == 0:
                 raise NodeUnavailable(f"{self.peer} closed the connection")
+            self.progress_at = time.monotonic()
             view = view[n:]
 
     async def recv_many(self, targets: Sequence[Buffer | int], digest: Callable[[Any], int] | None = None) -> list[int]:
@@ -356,6 +363,7 @@ class FrameSocket:
                 except OSError as exc:
                     self.close()
                     raise NodeUnavailable(f"send to {self.peer} failed: {exc}") from None
+                self.progress_at = time.monotonic()
                 advance(pending, sent)
 
 
@@ -425,6 +433,7 @@ class _ThreadedTransfers:
                 raise NodeUnavailable(f"receive from {peer} failed: {exc}") from None
             if n == 0:
                 raise NodeUnavailable(f"{peer} closed the connection")
+            self.owner.progress_at = time.monotonic()  # one float store: atomic under the GIL
             view = view[n:]
 
     def recv_many(self, targets: Sequence[memoryview | int], digest: Callable[[Any], int] | None) -> list[int]:
@@ -456,6 +465,7 @@ class _ThreadedTransfers:
                 continue
             except OSError as exc:
                 raise NodeUnavailable(f"send to {peer} failed: {exc}") from None
+            self.owner.progress_at = time.monotonic()
             advance(pending, sent)
 
 

@@ -418,7 +418,10 @@ async def test_scans_of_a_hung_redis_fail_within_the_timeout_instead_of_retrying
         try:
             for name, call in (("scan_keys", scan_all), ("flush_namespace", store.flush_namespace)):
                 started = time.monotonic()
-                with pytest.raises(MetadataError, match="no answer within 1000 ms"):
+                # The first call times out; the next fails at once (the breaker is open since then).
+                with pytest.raises(
+                    MetadataError, match=r"no answer within 1000 ms|has not answered since a call timed"
+                ):
                     await call()
                 assert time.monotonic() - started < 1.7, name
         finally:

@@ -13,9 +13,10 @@ import asyncio
 import dataclasses
 import itertools
 import ssl
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from backend.client.chunks import DECLINED, MISS, Failed, Hit, Outcome, Sink, allocate_view, release_hits
 from backend.config import PoolConfig
@@ -40,6 +41,7 @@ __all__ = [
     "Connections",
     "NodeConnection",
     "NodePool",
+    "NodeWatch",
     "check_tls_agrees",
     "frames",
     "frame_data_budget",
@@ -50,7 +52,9 @@ T = TypeVar("T")
 
 MAX_FRAME_DATA_BYTES = 256 * 1024 * 1024  # split larger batches into several frames
 MAX_FRAME_ITEMS = 1024  # keeps a frame's meta far below the 4 MiB limit even with 1 KiB keys
-MIN_TRANSFER_BYTES_PER_S = 50 * 1024 * 1024  # a request's timeout grows by 20 ms per MiB it moves
+# A request is abandoned when its connection is silent for timeout_ms; one that keeps moving bytes
+# is waited on up to an overall bound of timeout_ms plus its bytes at this rate (256 MiB: ~4 min).
+SLOWEST_TRANSFER_BYTES_PER_S = 1024 * 1024
 
 
 @dataclasses.dataclass
@@ -60,6 +64,38 @@ class _Pending:
     keys: Sequence[str] = ()
     sink: Sink[Any] | None = None
     hold_s: float = 0.0  # how long the node may hold the request back (a put waiting for room)
+
+
+class _SilenceWatch:
+    """Expires a request's deadline once its socket has moved no byte for ``silence_s``.
+
+    Checks the socket's progress timestamp once per ``silence_s`` (not per byte): a timer
+    that re-arms itself for when the silence would reach the limit.
+    """
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, sock: FrameSocket, silence_s: float, deadline: asyncio.Timeout
+    ) -> None:
+        self.loop = loop
+        self.sock = sock
+        self.silence_s = silence_s
+        self.deadline = deadline
+        self.since = time.monotonic()
+        self.silent = False
+        self._timer = loop.call_later(silence_s, self._check)
+
+    def _check(self) -> None:
+        quiet_since = max(self.sock.progress_at, self.since)
+        left_s = quiet_since + self.silence_s - time.monotonic()
+        if left_s > 0:
+            self._timer = self.loop.call_later(left_s, self._check)
+            return
+        self.silent = True
+        if not self.deadline.expired():
+            self.deadline.reschedule(self.loop.time())  # expires now: the request's task is cancelled
+
+    def cancel(self) -> None:
+        self._timer.cancel()
 
 
 def _drop(pending: _Pending, result: Any) -> None:
@@ -144,35 +180,48 @@ class NodeConnection:
     ) -> Any:
         """Send one request and wait for its response (a GET's: one :data:`Outcome` per key).
 
-        Bounded by the pool's ``timeout_ms`` plus the time the request's bytes (sent
-        and expected back) take at ``MIN_TRANSFER_BYTES_PER_S`` (a 256 MiB frame is not
-        a slow node), plus the ``hold_s`` of the requests ahead of it on this connection:
+        Abandoned when the connection moves no byte (sent or received, for any request on
+        it) for the pool's ``timeout_ms`` plus the ``hold_s`` of the requests ahead of it:
         the node reads a connection's frames in order, and may hold a put back that long
-        waiting for room (``hold_s`` of a put is within its own ``timeout_ms``), so the
-        first request on a connection to a dead node still fails within ``timeout_ms``.
+        waiting for room (``hold_s`` of a put is within its own ``timeout_ms``). A dead or
+        silent link is thus found by silence, whatever the request's size, and a slow link
+        that keeps moving bytes is waited on, up to an overall bound of that silence plus
+        the request's bytes at ``SLOWEST_TRANSFER_BYTES_PER_S``.
         """
-        assert self.sock is not None
+        sock = self.sock
+        assert sock is not None
         request_id = next(self._ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
         ahead_s = sum(p.hold_s for p in self._pending.values())
         pending = self._pending[request_id] = _Pending(op, future, keys, sink, hold_s)
         data_len = sum(len(memoryview(b).cast("B")) for b in data)
         sent = False
-        timeout_s = self.config.timeout_s + (data_len + expect_bytes) / MIN_TRANSFER_BYTES_PER_S + ahead_s
+        silence_s = self.config.timeout_s + ahead_s
+        overall_s = silence_s + (data_len + expect_bytes) / SLOWEST_TRANSFER_BYTES_PER_S
+        watch: _SilenceWatch | None = None
         try:
-            async with asyncio.timeout(timeout_s):
-                await self.sock.send([encode_header(op, request_id, meta, data_len), meta, *data])
-                sent = True
-                return await future
+            async with asyncio.timeout(overall_s) as deadline:
+                watch = _SilenceWatch(loop, sock, silence_s, deadline)
+                try:
+                    await sock.send([encode_header(op, request_id, meta, data_len), meta, *data])
+                    sent = True
+                    return await future
+                finally:
+                    watch.cancel()
         except BaseException as exc:
             if future.done() and not future.cancelled() and future.exception() is None:
                 _drop(pending, future.result())  # answered too late
             if not isinstance(exc, TimeoutError):
                 raise
+            if watch is not None and watch.silent:
+                why = f"moved no byte for {silence_s * 1000:.0f} ms"
+            else:
+                why = f"did not finish within {overall_s * 1000:.0f} ms"
             # The stream's state is unknown (maybe mid-frame): never reuse it.
-            self.close(NodeUnavailable(f"node {self.node.node_id} timed out after {timeout_s * 1000:.0f} ms"))
+            self.close(NodeUnavailable(f"node {self.node.node_id} timed out: the connection {why}"))
             raise NodeUnavailable(
-                f"node {self.node.node_id} ({self.node.address}) timed out after {timeout_s * 1000:.0f} ms"
+                f"node {self.node.node_id} ({self.node.address}) timed out: the connection {why}"
             ) from None
         finally:
             answered = future.done() and not future.cancelled()
@@ -264,16 +313,30 @@ def check_tls_agrees(node: NodeInfo, tls: bool) -> None:
         )
 
 
+class NodeWatch(Protocol):
+    """Told how each request to a node went (``backend.client.health.NodeHealth``)."""
+
+    def failed(self, node: NodeInfo, error: BaseException) -> None: ...
+
+    def answered(self, node: NodeInfo) -> None: ...
+
+
 class NodePool:
     """Up to ``connections_per_node`` connections to one node, least-loaded first."""
 
     def __init__(
-        self, node: NodeInfo, config: PoolConfig, tls: ssl.SSLContext | None = None, bulk: Executor | None = None
+        self,
+        node: NodeInfo,
+        config: PoolConfig,
+        tls: ssl.SSLContext | None = None,
+        bulk: Executor | None = None,
+        watch: NodeWatch | None = None,
     ) -> None:
         self.node = node
         self.config = config
         self.tls = tls
         self.bulk = bulk
+        self.watch = watch
         self.connections: list[NodeConnection] = []
 
     async def request(self, op: int, meta: bytes, **kwargs: Any) -> Any:
@@ -285,11 +348,16 @@ class NodePool:
             conn = min(self.connections, key=lambda c: c.load)
         try:
             await conn.ensure_open()
-        except BaseException:
-            if conn in self.connections:
+            result = await conn.request(op, meta, **kwargs)
+        except BaseException as exc:
+            if not conn._ready and conn in self.connections:
                 self.connections.remove(conn)
+            if self.watch is not None:
+                self.watch.failed(self.node, exc)
             raise
-        return await conn.request(op, meta, **kwargs)
+        if self.watch is not None:
+            self.watch.answered(self.node)
+        return result
 
     async def open_all(self) -> list[NodeConnection]:
         """Open now every connection this pool may have (``connections_per_node``), which the first
@@ -337,14 +405,31 @@ class Connections:
         self.config = config
         self.tls = tls
         self._bulk = bulk
+        self.watch: NodeWatch | None = None  # given to every pool made from now on
         self._pools: dict[tuple[str, int], NodePool] = {}
 
     def pool(self, node: NodeInfo) -> NodePool:
         ident = (node.node_id, node.epoch)
         pool = self._pools.get(ident)
         if pool is None:
-            pool = self._pools[ident] = NodePool(node, self.config, self.tls, self._bulk())
+            pool = self._pools[ident] = NodePool(node, self.config, self.tls, self._bulk(), self.watch)
         return pool
+
+    async def probe(self, node: NodeInfo) -> None:
+        """Whether ``node`` answers: connect, HELLO and PING on a connection of its own, each within
+        ``timeout_ms``; raises NodeUnavailable (or another KVPoolError) if it does not."""
+        conn = NodeConnection(node, self.config, self.tls)
+        try:
+            await conn.ensure_open()
+            await conn.request(Op.PING, b"")
+        finally:
+            conn.close()
+
+    def drop(self, node: NodeInfo) -> None:
+        """Close every connection to ``node`` (it stopped answering): requests waiting on them fail now."""
+        pool = self._pools.get((node.node_id, node.epoch))
+        if pool is not None:
+            pool.close()
 
     def pools(self) -> list[NodePool]:
         return list(self._pools.values())

@@ -118,6 +118,7 @@ class Getter:
         local = [
             (node, index)
             for node in self.registry.known()
+            if not self.registry.health.is_down(node.node_id, node.epoch)
             for index, reader in enumerate(self.readers)
             if reader.speculative and reader.serves(node)
         ]

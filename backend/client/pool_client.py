@@ -12,7 +12,9 @@ Errors: a node that is down, slow or answers a miss costs only the keys it held
 (they come back as misses, with one warning per outage). Redis being unreachable
 makes ``contains``/``get`` read as misses too (one warning per outage); ``put``,
 ``delete`` and the listing verbs raise :class:`MetadataError`. Nothing here ever
-waits longer than ``timeout_ms`` for Redis.
+waits longer than ``timeout_ms`` for Redis, and after one timeout nothing waits at all
+until Redis answers a probe (``backend.metadata.breaker``); a node that stopped
+answering is likewise skipped until it answers a probe (``health``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from backend.client.chunks import BytesSink, Chunk, Fetched, Hit, Lock, Sink, Wa
 from backend.client.connection import Connections
 from backend.client.context import ClientContext
 from backend.client.failover import Getter, Reader
+from backend.client.health import NodeHealth
 from backend.client.index import PoolIndex
 from backend.client.locks import Locker
 from backend.client.node_admin import NodeAdmin
@@ -63,11 +66,13 @@ class PoolClient:
         self.index = PoolIndex(self._store)
         self._ctx = ClientContext(config)
         self.counters: defaultdict[str, int] = self._ctx.counters
-        self.registry = RegistryView(self._ctx, self._store)
         self.connections = Connections(config, tls, lambda: self._ctx.bulk)
+        self.health = NodeHealth(self._ctx, self.connections.probe, self.connections.drop)
+        self.connections.watch = self.health
+        self.registry = RegistryView(self._ctx, self._store, self.health)
         self.node_admin = NodeAdmin(self.connections)
         self.arena = ArenaReader(self._ctx, self.connections)
-        self.registry.on_change += [self.connections.prune, self.arena.prune]
+        self.registry.on_change += [self.connections.prune, self.arena.prune, self.health.prune]
         self._locator = Locator(self._ctx, self._store, self.registry)
         self._tcp = TcpReader(self._ctx, self.connections)
         self._getter = Getter(self._ctx, self.registry, self._locator, [self.arena, self._tcp])

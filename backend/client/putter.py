@@ -21,7 +21,7 @@ from backend.client.context import ClientContext
 from backend.client.registry import RegistryView
 from backend.client.stage import StagedWriter
 from backend.client.tcp import stripes
-from backend.errors import BusyError, CapacityError, KVPoolError, PutOutcome
+from backend.errors import BusyError, CapacityError, KVPoolError, NodeUnavailable, PutOutcome
 from backend.metadata import NodeInfo
 from backend.placement import choose_nodes, next_fallback, rank_nodes
 from backend.protocol import ItemMeta, Op, PutOptions, checksum, decode_flags, encode_put_batch, put_outcome
@@ -136,7 +136,13 @@ class PutPlanner:
     ) -> NodeOutcomes:
         """One node's chunks: through the stage for a node on this host, else striped over its
         connections (the node receives each stripe on its own thread). Returns each chunk's
-        outcome (``FAILED`` where its stripe failed) and the node's error, if a stripe failed."""
+        outcome (``FAILED`` where its stripe failed) and the node's error, if a stripe failed.
+        A node marked down is not asked: its chunks fail at once and go to the next nodes."""
+        if self.registry.health.is_down(node.node_id, node.epoch):
+            return [PutOutcome.FAILED] * len(group), NodeUnavailable(
+                f"node {node.node_id} ({node.address}) is marked down: it stopped answering, and is probed until it "
+                "answers again"
+            )
         if self.staged.serves(node):
             staged = await self.staged.put(node, group, data, sums, options)
             if staged is not None:

@@ -6,17 +6,20 @@ hands Redis the view's live node epochs and Redis answers which keys have a copy
 not know re-reads the view if it is older than ``FRESH_VIEW_S`` (and then the keys, if
 the view changed), so a node that just (re)started is not taken for dead.
 Copies are read in order: nodes that just failed a read last, then the client's own
-cluster, then the least loaded.
+cluster, then the least loaded. A node marked down (``health``) is left out: its copies
+are neither read nor counted by a lookup until its probe sees it answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
 from backend.client.context import ClientContext
+from backend.client.health import NodeHealth
 from backend.errors import KVPoolError, MetadataError
 from backend.metadata import IndexEntry, LiveCopies, Location, MetadataStore, NodeInfo
 
@@ -32,9 +35,10 @@ SUSPECT_S = 5.0
 class RegistryView:
     """Live nodes as last read from Redis, and which of a key's copies to read first."""
 
-    def __init__(self, ctx: ClientContext, store: MetadataStore) -> None:
+    def __init__(self, ctx: ClientContext, store: MetadataStore, health: NodeHealth) -> None:
         self.ctx = ctx
         self.store = store
+        self.health = health
         self.on_change: list[Callable[[set[tuple[str, int]]], None]] = []  # told the live (id, epoch) set
         self._nodes: dict[str, NodeInfo] = {}
         self._epochs: dict[str, int] = {}  # node id -> epoch of every live node: what a lookup hands Redis
@@ -92,12 +96,23 @@ class RegistryView:
         """Node id -> epoch of every live node in the view (not a copy: do not change it)."""
         return self._epochs
 
+    def epochs_up(self) -> dict[str, int]:
+        """:meth:`epochs` without the nodes marked down: what a lookup counts copies on."""
+        if not self.health.any_down():
+            return self._epochs
+        return {nid: epoch for nid, epoch in self._epochs.items() if not self.health.is_down(nid, epoch)}
+
     def alive(self, loc: Location) -> bool:
         node = self._nodes.get(loc.node_id)
         return node is not None and node.epoch == loc.epoch
 
+    def down(self, loc: Location) -> bool:
+        """A copy on a live node that is marked down: not read, not stale either."""
+        return self.health.is_down(loc.node_id, loc.epoch) and self.alive(loc)
+
     def ordered(self, entry: Sequence[Location]) -> list[Location]:
-        """Live copies: nodes that just failed a read last, then same cluster first, then least loaded."""
+        """Live copies not on a node marked down: nodes that just failed a read last, then same
+        cluster first, then least loaded."""
         now = time.monotonic()
         cluster = self.ctx.config.cluster
 
@@ -108,7 +123,10 @@ class RegistryView:
             load = node.used_bytes / node.capacity_bytes if node.capacity_bytes else 1.0
             return (suspect, -same, load)
 
-        return sorted((loc for loc in entry if self.alive(loc)), key=rank)
+        health = self.health
+        return sorted(
+            (loc for loc in entry if self.alive(loc) and not health.is_down(loc.node_id, loc.epoch)), key=rank
+        )
 
     def suspect(self, node_id: str) -> None:
         """``node_id`` failed a read: read its copies last for ``SUSPECT_S``."""
@@ -152,12 +170,12 @@ class Locator:
         registry = self.registry
         try:
             await registry.nodes()
-            found = await self.store.lookup_live(keys, registry.epochs(), prefix=prefix, copies=copies)
+            found = await self._lookup(keys, prefix, copies)
             if found.others and registry.age_s > FRESH_VIEW_S:
                 seen = registry.epochs()
                 await registry.refresh()
                 if registry.epochs() != seen:
-                    found = await self.store.lookup_live(keys, registry.epochs(), prefix=prefix, copies=copies)
+                    found = await self._lookup(keys, prefix, copies)
         except MetadataError as exc:
             self.ctx.warn_once("redis", "kvpool: Redis lookup failed, reading as misses until it is back: %s", exc)
             self.ctx.counters["lookup_failures"] += 1
@@ -165,6 +183,13 @@ class Locator:
         self.ctx.recovered("redis")
         if found.others:
             self.clean_later([(keys[i], loc) for i, loc in found.others], confirmed=False)
+        return found
+
+    async def _lookup(self, keys: Sequence[str], prefix: bool, copies: bool) -> LiveCopies:
+        """One lookup against the nodes that are up; a copy on a node marked down is neither a hit nor stale."""
+        found = await self.store.lookup_live(keys, self.registry.epochs_up(), prefix=prefix, copies=copies)
+        if found.others and self.registry.health.any_down():
+            found = dataclasses.replace(found, others=[o for o in found.others if not self.registry.down(o[1])])
         return found
 
     def clean_later(self, stale: Sequence[tuple[str, Location]], *, confirmed: bool) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from redis import exceptions as redis_exceptions
 
 from backend.errors import MetadataError
+from backend.metadata.breaker import RedisBreaker
 from backend.metadata.scripts import (
     BEAT_LUA,
     CHANGE_LUA,
@@ -26,7 +27,7 @@ from backend.metadata.scripts import (
     REMOVE_EXACT_LUA,
     REMOVE_LUA,
 )
-from backend.redis_topology import CLUSTER, CLUSTER_HINT, RedisTarget, connect
+from backend.redis_topology import CLUSTER, CLUSTER_HINT, RedisTarget, connect, mask_url
 
 __all__ = ["RedisConnection"]
 
@@ -46,9 +47,13 @@ def _auth_refused(action: str, exc: Exception) -> MetadataError:
 
 
 @contextlib.contextmanager
-def _redis_errors(action: str) -> Iterator[None]:
+def _redis_errors(action: str, breaker: RedisBreaker | None = None) -> Iterator[None]:
     try:
         yield
+    except (redis_exceptions.TimeoutError, TimeoutError) as exc:  # redis-py's socket_timeout: no answer
+        if breaker is not None:
+            breaker.timed_out()
+        raise MetadataError(f"Redis {action} failed: no answer ({exc or 'timed out'})") from None
     except (redis_exceptions.AuthenticationError, redis_exceptions.NoPermissionError) as exc:
         raise _auth_refused(action, exc) from None
     except redis_exceptions.RedisError as exc:
@@ -60,18 +65,24 @@ def _redis_errors(action: str) -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def _bounded(action: str, timeout_s: float) -> AsyncIterator[None]:
+async def _bounded(action: str, timeout_s: float, breaker: RedisBreaker | None = None) -> AsyncIterator[None]:
     """Redis errors as MetadataError, and the whole call within ``timeout_s``.
 
     redis-py retries and, on a cluster, re-reads the topology; this deadline is what
     keeps a Redis that is down or failing over from costing a caller more than its
     timeout. redis-py drops a connection whose command was cancelled mid-reply.
+    A call that times out opens ``breaker``: later calls fail at once until Redis
+    answers its probe (``backend.metadata.breaker``).
     """
+    if breaker is not None:
+        breaker.check(action)
     try:
         async with asyncio.timeout(timeout_s):
-            with _redis_errors(action):
+            with _redis_errors(action, breaker):
                 yield
     except TimeoutError:
+        if breaker is not None:
+            breaker.timed_out()
         raise MetadataError(f"Redis {action} failed: no answer within {timeout_s * 1000:.0f} ms") from None
 
 
@@ -89,6 +100,7 @@ class RedisConnection:
         self.timeout_s = timeout_s
         # redis.asyncio Redis or RedisCluster
         self._redis: Any = connect(self.target, timeout_s, password=password, ca_file=ca_file)
+        self.breaker = RedisBreaker(self._redis.ping, mask_url(redis_url), timeout_s)
         self._commit = self._redis.register_script(COMMIT_LUA)
         self._remove = self._redis.register_script(REMOVE_LUA)
         self._remove_exact = self._redis.register_script(REMOVE_EXACT_LUA)
@@ -125,7 +137,7 @@ class RedisConnection:
         return self.target.mode == CLUSTER
 
     def _call(self, action: str) -> contextlib.AbstractAsyncContextManager[None]:
-        return _bounded(action, self.timeout_s)
+        return _bounded(action, self.timeout_s, self.breaker)
 
     # -- keys -------------------------------------------------------------------------
     def index_key(self, key: str) -> str:
@@ -139,6 +151,7 @@ class RedisConnection:
 
     # -- lifecycle --------------------------------------------------------------------
     async def close(self) -> None:
+        self.breaker.close()
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self.timeout_s):  # a hung Redis must not hold up a shutdown
                 await self._redis.aclose()

@@ -8,7 +8,12 @@
   the generation it published under; when the marker is missing or different at a
   heartbeat, or its registry entry was gone (collected as dead while away), it
   recreates what is needed and republishes everything it holds.
-* Redis unreachable: the node keeps serving what it holds and says so once.
+* Redis unreachable: the node keeps serving what it holds and says so once. A Redis
+  that stops answering costs one ``redis_timeout_ms``; then calls fail at once while a
+  PING probes it (``backend.metadata.breaker``), so a put is refused fast. The first
+  heartbeat after the outage moves the registry version, so that clients which dropped
+  this node while its heartbeat had lapsed see it again, and if it had lapsed the node
+  republishes what it holds (a reader may have cleaned its entries as a dead node's).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class IndexPublisher:
         self._advert: Advert | None = None  # set by join
         self._generation = ""  # the namespace marker this node last published under
         self._published_view: tuple[Any, ...] = ()  # what clients keep of this node, as last published
+        self._beat_ok_at = time.monotonic()  # the last heartbeat Redis took
 
     async def join(self, node_id: str, advert: Advert, *, recovered: bool = False) -> None:
         """First publication: take an epoch (this node's identity from now on), publish what recovery found
@@ -72,12 +78,20 @@ class IndexPublisher:
             await asyncio.sleep(interval)
             ctx.tiers.leases.expire()
             self.stats.tick()
+            lapsed = time.monotonic() - self._beat_ok_at > ctx.config.heartbeat_ttl_ms / 1000
+            if not self.redis_ok:
+                # Clients whose view dropped this node (its beat lapsed) re-read it only when the
+                # registry version moves: the first beat after an outage always moves it.
+                self._published_view = ()
             try:
                 beat = await self.heartbeat()
                 if beat.generation != self._generation:
                     await self._republish("the namespace was missing in Redis")
                 elif beat.registered_anew:
                     await self._republish("this node's registry entry was gone (collected as dead while away)")
+                elif lapsed:
+                    # Dead to readers meanwhile: one may have cleaned this node's entries as stale.
+                    await self._republish("its heartbeat had lapsed while Redis did not answer")
                 await self.flush_index()
                 if reaper is not None:
                     await reaper.step()
@@ -96,6 +110,7 @@ class IndexPublisher:
         changed = view != self._published_view
         beat = await self.ctx.index.heartbeat(info, self.ctx.config.heartbeat_ttl_ms, changed=changed)
         self._published_view = view
+        self._beat_ok_at = time.monotonic()
         return beat
 
     def info(self) -> NodeInfo:
