@@ -112,6 +112,18 @@ class FrameSocket:
     def tls(self) -> bool:
         return isinstance(self.sock, ssl.SSLSocket)
 
+    def held_up_here(self) -> bool:
+        """Whether a silence on this connection is this side's: bytes have arrived that nobody
+        has read yet, or a transfer waits for a worker thread (busy with other sockets). A
+        peer is silent only when neither holds. One poll; called when a silence is suspected."""
+        if self.closed:
+            return False
+        if self._threads is not None and self._threads.queued():
+            return True
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+
     def _threaded(self, nbytes: int) -> bool:
         return self._threads is not None and nbytes >= BULK_BYTES and not self.tls
 
@@ -382,6 +394,13 @@ class _ThreadedTransfers:
         self.executor = executor
         self.busy = 0  # threads in a transfer on this socket
         self._fd = owner.sock.fileno()
+        # One flag per transfer handed to the executor, set by its thread when it starts: the
+        # loop adds and removes them, a worker only stores True (atomic under the GIL).
+        self._started: dict[int, list[bool]] = {}
+
+    def queued(self) -> bool:
+        """A transfer of this socket is waiting for a worker thread."""
+        return not all(flag[0] for flag in list(self._started.values()))
 
     async def run(self, fn: Callable[..., T], *args: Any, stop: int = socket.SHUT_RDWR) -> T:
         """Run a blocking transfer on the executor; the loop stays free meanwhile.
@@ -393,8 +412,16 @@ class _ThreadedTransfers:
         owner = self.owner
         if owner.closed:
             raise NodeUnavailable(f"connection to {owner.peer} is closed")
-        future = owner.loop.run_in_executor(self.executor, fn, *args)
+        flag = [False]
+        self._started[id(flag)] = flag
+
+        def started() -> T:
+            flag[0] = True
+            return fn(*args)
+
+        future = owner.loop.run_in_executor(self.executor, started)
         self.busy += 1
+        future.add_done_callback(lambda _: self._started.pop(id(flag), None))
         future.add_done_callback(self._returned)
         try:
             return await asyncio.shield(future)

@@ -55,6 +55,7 @@ MAX_FRAME_ITEMS = 1024  # keeps a frame's meta far below the 4 MiB limit even wi
 # A request is abandoned when its connection is silent for timeout_ms; one that keeps moving bytes
 # is waited on up to an overall bound of timeout_ms plus its bytes at this rate (256 MiB: ~4 min).
 SLOWEST_TRANSFER_BYTES_PER_S = 1024 * 1024
+HELD_UP_RECHECK_S = 0.05  # how soon a silence found to be this side's is looked at again
 
 
 @dataclasses.dataclass
@@ -89,6 +90,9 @@ class _SilenceWatch:
         left_s = quiet_since + self.silence_s - time.monotonic()
         if left_s > 0:
             self._timer = self.loop.call_later(left_s, self._check)
+            return
+        if self.sock.held_up_here():  # the peer sent; this side has not read yet: not its silence
+            self._timer = self.loop.call_later(min(self.silence_s, HELD_UP_RECHECK_S), self._check)
             return
         self.silent = True
         if not self.deadline.expired():

@@ -1,10 +1,9 @@
 """Blackholes across hosts: a link that drops everything silently (no RST, no FIN), then heals.
 
 Every test ends with 0 wrong bytes, nothing lost on the nodes that stayed up, and full
-service within ``HEAL_S`` of the heal. The time bounds of the issue (a silent peer costs
-the first call at most ``timeout_ms`` of silence, later calls <= 10 ms) need the client's
-progress timeout and Redis circuit, merged separately: those tests are marked xfail
-(``NEEDS_TIMEOUTS``) until then.
+service within ``HEAL_S`` of the heal. The time bounds (a silent peer costs the first
+call at most ``timeout_ms`` of silence, later calls <= 10 ms: the client's progress
+timeout, down marks and Redis circuit) are checked under ``make faults``.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from tests.hosts.conftest import FULL
 TIMEOUT_MS = 1000
 HEAL_S = 10.0
 LATER_CALL_S = 0.010
-NEEDS_TIMEOUTS = pytest.mark.xfail(strict=False, reason="needs progress timeout/circuit: merged separately")
 full_only = pytest.mark.skipif(not FULL, reason="bound tests run under `make faults` (KVPOOL_FULL=1)")
 MiB = 1 << 20
 
@@ -102,7 +100,6 @@ def test_blackholed_node_mid_batch_get_never_returns_a_wrong_byte_and_is_read_ag
     _full_service(seen["bed"], seen["driver"], ("node1", "node2"), f"after-{replicas}")
 
 
-@NEEDS_TIMEOUTS
 @full_only
 def test_blackholed_node_mid_batch_get_returns_within_the_timeout_and_later_calls_fail_fast(bed_factory):
     seen = _mid_get_blackhole(bed_factory, replicas=2)
@@ -165,7 +162,6 @@ def test_client_cut_from_redis_reads_misses_commits_no_half_put_and_recovers_aft
     _full_service(seen["bed"], seen["driver"], ("node1",), "after-client-redis")
 
 
-@NEEDS_TIMEOUTS
 @full_only
 def test_client_cut_from_redis_pays_one_timeout_then_fails_fast(bed_factory):
     seen = _client_cut_from_redis(bed_factory)
