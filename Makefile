@@ -64,10 +64,12 @@ bench: setup
 
 # The node image (docs/image.md), built by podman on a local Debian base made with
 # debootstrap from Debian's packages: no image registry has to be reachable.
-IMAGE ?= localhost/kvpool-node:dev
+# Tagged with the package's version: the Kubernetes manifests (deploy/k8s) name kvpool-node:VERSION.
+KVPOOL_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= localhost/kvpool-node:$(KVPOOL_VERSION)
 BASE_IMAGE ?= localhost/kvpool-base:bookworm
 DEBIAN_SUITE ?= bookworm
-DEBIAN_MIRROR ?= http://deb.debian.org/debian
+DEBIAN_MIRROR ?=  # empty: debootstrap's default Debian mirror
 # crun refuses hybrid cgroups, and podman's default ulimits can exceed what the host allows.
 PODMAN_FLAGS ?= --runtime runc --ulimit nofile=16384:16384 --ulimit nproc=16384:16384
 # The CA bundle pip trusts inside the build (a build secret, not kept in the image): the

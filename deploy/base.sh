@@ -6,13 +6,13 @@ set -euo pipefail
 
 image=${1:?usage: deploy/base.sh IMAGE [SUITE] [MIRROR]}
 suite=${2:-bookworm}
-mirror=${3:-http://deb.debian.org/debian}
+mirror=${3:-}  # empty: debootstrap's default mirror
 
 rootfs=$(mktemp -d /var/tmp/kvpool-base.XXXXXX)
 trap 'rm -rf "$rootfs"' EXIT
 
 echo "debootstrap $suite (minbase + python3) into $rootfs"
-debootstrap --variant=minbase --include=python3,python3-venv "$suite" "$rootfs" "$mirror" >"$rootfs.log" 2>&1 \
+debootstrap --variant=minbase --include=python3,python3-venv "$suite" "$rootfs" ${mirror:+"$mirror"} >"$rootfs.log" 2>&1 \
   || { tail -20 "$rootfs.log"; echo "debootstrap failed (log: $rootfs.log)"; exit 1; }
 rm -f "$rootfs.log"
 

@@ -33,7 +33,7 @@ from backend.embedded import free_port
 from backend.errors import AuthError
 from tests.conftest import REPO, wait_until
 
-IMAGE = os.environ.get("DEPLOY_TEST_IMAGE", "localhost/kvpool-node:dev")
+IMAGE = os.environ.get("DEPLOY_TEST_IMAGE", "localhost/kvpool-node:0.1.0")
 BASE = os.environ.get("DEPLOY_TEST_BASE", "localhost/kvpool-base:bookworm")
 # crun refuses this kind of host's hybrid cgroups, and podman's default ulimits may exceed the host's.
 PODMAN_FLAGS = shlex.split(
