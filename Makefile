@@ -45,7 +45,7 @@ lint: setup
 	$(VENV)/bin/mypy backend nccl_channel
 
 test: setup lint
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20
 
 # The fault-injection and host-bed suites in full (make test runs their short versions): longer runs, more rounds.
 faults: setup

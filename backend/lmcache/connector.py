@@ -76,6 +76,8 @@ CLIENT_COUNTERS = (
     "get_bytes_channel",
     "channel_fallbacks",
     "staged_put_bytes",
+    "nodes_marked_down",
+    "nodes_restored",
 )
 FIX_HINT = (
     "start a pool with `kvpool up` (it prints the URL), or check "
