@@ -24,6 +24,7 @@ __all__ = ["DramState", "FullPool", "FILLER_PREFIX"]
 FILLER_PREFIX = "kvpool-bench-filler"
 FILL_BATCH_BYTES = 256 << 20  # bytes per filler put call: large enough to pipeline
 FILL_BATCH_SHARE = 4  # ... and at most a quarter of DRAM: a call's chunks are all in flight (reserved) at once
+TOP_UPS = 8  # rounds of extra fillers after the first pass, for pools of several nodes
 DRAM_TIER = "dram"  # the node's name for its DRAM tier in STAT
 
 
@@ -74,6 +75,16 @@ class FullPool:
             keys = (f"{FILLER_PREFIX}/{fill_no}/{chunk_bytes}/{i}" for i in range(start, min(count, start + per_call)))
             self.client.put([Chunk(key, data) for key in keys])
         after = self.state()
+        # With several nodes, placement spreads the fillers unevenly: one node may still have room when the
+        # fillers have passed the pool's capacity. Top up, a node's worth of chunks at a time, until none has.
+        for _ in range(TOP_UPS):
+            if after.free_bytes < chunk_bytes:
+                break
+            top_up = 2 * (after.free_bytes // chunk_bytes) + 1  # half may land on nodes already full
+            keys = (f"{FILLER_PREFIX}/{fill_no}/{chunk_bytes}/{i}" for i in range(count, count + top_up))
+            self.client.put([Chunk(key, data) for key in keys])
+            count += top_up
+            after = self.state()
         if after.free_bytes >= chunk_bytes:
             raise RuntimeError(
                 f"DRAM not full after {count} filler chunks of {chunk_bytes} bytes: "
