@@ -44,6 +44,7 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -203,8 +204,8 @@ class Services:
 
         host = self.bed.hosts["server"]
         delay = self.condition.delay_ms
-        listen = "127.0.0.1" if delay is not None else host.address
-        argv = [sys.executable, "-m", "lmcache.v1.server", listen, str(LM_PORT), "cpu"]
+        # Every address of the host: the proxy (if any) reaches it on the loopback, the client on the host's.
+        argv = [sys.executable, "-m", "lmcache.v1.server", "0.0.0.0", str(LM_PORT), "cpu"]
         self.lm = ServerProcess("lmcache.v1.server on server", self.bed.command("server", argv))
         self.lm.start(env={**os.environ, "LMCACHE_TRACK_USAGE": "false"})
         self.bed.processes.append(self.lm)
@@ -635,12 +636,17 @@ def main(argv: list[str] | None = None) -> int:
         "hosts": list(HOSTS),
         "conditions": [],
     }
+    broken = []
     for condition in conditions(args.rtts, not args.no_rate):
-        run["conditions"].append(run_condition(condition, plan, backends, dram_bytes, args.smoke))
+        try:
+            run["conditions"].append(run_condition(condition, plan, backends, dram_bytes, args.smoke))
+        except Exception as exc:  # one condition that cannot run must not lose the others' figures
+            traceback.print_exc()
+            broken.append(f"{condition.name}: {exc!r}")
     run["seconds"] = round(time.monotonic() - started, 1)
     run["load_average"] = {"before": load_before, "after": os.getloadavg()}
     run["targets"] = targets(run)
-    run["failures"] = failures(run)
+    run["failures"] = broken + failures(run)
     run["ok"] = not run["failures"]
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"hosts-{stamp}.json"
