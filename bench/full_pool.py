@@ -24,6 +24,8 @@ __all__ = ["DramState", "FullPool", "FILLER_PREFIX"]
 FILLER_PREFIX = "kvpool-bench-filler"
 FILL_BATCH_BYTES = 256 << 20  # bytes per filler put call: large enough to pipeline
 FILL_BATCH_SHARE = 4  # ... and at most a quarter of DRAM: a call's chunks are all in flight (reserved) at once
+MULTI_NODE_EXTRA_PERCENT = 30  # fillers beyond the pool's capacity when it has several nodes
+TOP_UPS = 8  # rounds of extra fillers after the first pass, for pools of several nodes
 DRAM_TIER = "dram"  # the node's name for its DRAM tier in STAT
 
 
@@ -34,6 +36,7 @@ class DramState:
     capacity_bytes: int
     used_bytes: int
     evictions: int
+    nodes: int = 1
 
     @property
     def free_bytes(self) -> int:
@@ -49,8 +52,9 @@ class FullPool:
 
     def state(self) -> DramState:
         """Capacity, use and evictions of every live node's DRAM tier (``STAT``, not the registry's heartbeat)."""
-        capacity = used = evictions = 0
+        capacity = used = evictions = nodes = 0
         for node in self.client.nodes(refresh=True):
+            nodes += 1
             stats = self.client.node_stats(node)
             dram = stats["tiers"][DRAM_TIER]
             capacity += int(dram["capacity_bytes"])
@@ -58,7 +62,7 @@ class FullPool:
             evictions += int(stats["counters"].get("evictions", 0))
         if capacity == 0:
             raise RuntimeError("the pool has no live node with a DRAM tier")
-        return DramState(capacity, used, evictions)
+        return DramState(capacity, used, evictions, nodes)
 
     def evictions(self) -> int:
         return self.state().evictions
@@ -67,6 +71,8 @@ class FullPool:
         """Put ``chunk_bytes`` fillers until they alone exceed DRAM; raises if room for a chunk is left."""
         before = self.state()
         count = before.capacity_bytes // chunk_bytes + 1
+        if before.nodes > 1:  # placement spreads keys unevenly: every node must get more fillers than it holds
+            count += count * MULTI_NODE_EXTRA_PERCENT // 100
         data = memoryview(bytearray(chunk_bytes))  # the bytes do not matter: the keys are fresh
         fill_no = next(self._fill_no)
         per_call = max(1, min(FILL_BATCH_BYTES, before.capacity_bytes // FILL_BATCH_SHARE) // chunk_bytes)
@@ -74,6 +80,15 @@ class FullPool:
             keys = (f"{FILLER_PREFIX}/{fill_no}/{chunk_bytes}/{i}" for i in range(start, min(count, start + per_call)))
             self.client.put([Chunk(key, data) for key in keys])
         after = self.state()
+        # Should a node still have room (placement is uneven), top up until none has.
+        for _ in range(TOP_UPS):
+            if after.free_bytes < chunk_bytes:
+                break
+            top_up = 2 * (after.free_bytes // chunk_bytes) + 1  # half may land on nodes already full
+            keys = (f"{FILLER_PREFIX}/{fill_no}/{chunk_bytes}/{i}" for i in range(count, count + top_up))
+            self.client.put([Chunk(key, data) for key in keys])
+            count += top_up
+            after = self.state()
         if after.free_bytes >= chunk_bytes:
             raise RuntimeError(
                 f"DRAM not full after {count} filler chunks of {chunk_bytes} bytes: "

@@ -4,6 +4,7 @@
     python -m bench.harness                      # full sweep, 3 rounds (long)
     python -m bench.harness --quick              # 4 MiB chunks, batch 1 and 8, one client, 3 rounds
     python -m bench.harness --smoke              # tiny chunks, one round (the tests run --quick --smoke --rounds 2)
+    python -m bench.harness --hosts              # across hosts of the bed: RTT 0/0.2/1 ms, 10 Gb/s (bench.hosts_harness)
     python -m bench.harness --lookups            # lookups only: 16/128/1,000 keys, hit/half/miss (bench.lookups)
     python -m bench.harness --backends kvpool,resp --chunks 4MiB --batches 8 --clients 1 --rounds 5
 
@@ -759,6 +760,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
     )
     parser.add_argument("--quick", action="store_true", help="4 MiB chunks, batch 1 and 8, one client")
     parser.add_argument(
+        "--hosts",
+        action="store_true",
+        help="across hosts of the bed (bench.hosts_harness, as root): client, servers and Redis on separate "
+        "hosts, RTT 0/0.2/1 ms and 10 Gb/s; its own flags: python -m bench.harness --hosts --help",
+    )
+    parser.add_argument(
         "--lookups",
         action="store_true",
         help="lookups only (bench.lookups): 16, 128 and 1,000 keys; hit, half and miss; "
@@ -820,6 +827,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--hosts" in (argv if argv is not None else sys.argv[1:]):
+        from bench.hosts_harness import main as hosts_main
+
+        return hosts_main(argv)
     args, plan = parse_args(argv)
     # Before LMCache is imported: its per-stack deprecation warnings would drown the table.
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")

@@ -45,6 +45,7 @@ import contextlib
 import ipaddress
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -458,6 +459,10 @@ class HostBed:
             self.expose(host, port, delay_ms, public_port=port + 1)
         return node.start()
 
+    def wait_port(self, host: str, port: int, timeout_s: float = REDIS_START_TIMEOUT_S) -> bool:
+        """Whether ``port`` on ``host``'s loopback accepts a connection within ``timeout_s``."""
+        return _wait_port_on(self, host, port, timeout_s)
+
     def expose(self, host: str, port: int, delay_ms: float, *, public_port: int | None = None) -> int:
         """Serve ``host``'s loopback ``port`` on its address through a :class:`DelayProxy`; the public port."""
         public = public_port or port + 1
@@ -524,61 +529,132 @@ class DelayProxy:
 
 
 # -- the delay proxy itself (runs on a host: python -m bench.hosts delay LISTEN UPSTREAM --delay-ms D) --------
-RECV_BYTES = 1 << 20
-QUEUE_LIMIT_BYTES = 64 << 20  # a direction holds at most this much in flight, then stops reading (backpressure)
+# Bytes move with splice(2): socket -> pipe -> socket, in the kernel, never copied into Python. A direction's
+# pipes are its in-flight store: a delayed piece waits in one until it is due, so their room bounds what is in
+# flight (backpressure: the reader waits for room) and the rate (PIPES x PIPE_BYTES per delay, above any link here).
+PIPE_BYTES = 1 << 20  # /proc/sys/fs/pipe-max-size's default; a pipe that cannot grow keeps its 64 KiB
+PIPES = 8  # pieces go to the pipes in turn, so the writer finds them in order
+SPLICE_BYTES = 4 << 20  # the most one splice moves in: fewer calls, fewer wake-ups
+F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, named here for Pythons whose fcntl lacks it
+WAKE_S = 0.1
+PR_SET_TIMERSLACK = 29  # prctl(2)
+
+
+def _pipe() -> tuple[int, int]:
+    import fcntl
+
+    read_fd, write_fd = os.pipe()
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(write_fd, F_SETPIPE_SZ, PIPE_BYTES)
+    return read_fd, write_fd
+
+
+def _splice_all(src: int, dst: int, count: int) -> None:
+    """Move exactly ``count`` bytes from the pipe ``src`` to the socket ``dst``."""
+    while count:
+        moved = os.splice(src, dst, count)
+        if moved == 0:
+            raise ConnectionError("splice moved nothing")
+        count -= moved
 
 
 class _Direction:
-    """Bytes from ``src`` to ``dst``, each chunk sent ``delay_s`` after it arrived: a reader and a writer thread."""
+    """Bytes from ``src`` to ``dst``, each piece sent ``delay_s`` after it arrived.
+
+    Without a delay, one thread splices each piece through at once. With one, a reader
+    splices pieces into the pipe and notes when each is due; a writer sends each on
+    time, without waiting for the previous one to be acknowledged (a delay, not a cap).
+    """
 
     def __init__(self, src: socket.socket, dst: socket.socket, delay_s: float, done: threading.Event) -> None:
         self.src, self.dst, self.delay_s, self.done = src, dst, delay_s, done  # done: the link broke
         self.finished = threading.Event()  # the FIN went through
-        self.queue: collections.deque[tuple[float, bytes]] = collections.deque()
-        self.queued = 0
+        self.pipes = [_pipe() for _ in range(PIPES if delay_s > 0 else 1)]  # (read end, write end)
+        self.queue: collections.deque[tuple[float, int, int]] = collections.deque()  # (due, pipe, bytes; 0: FIN)
         self.cond = threading.Condition()
-        for target in (self._read, self._write):
-            threading.Thread(target=target, daemon=True).start()
+        targets = [self._forward] if delay_s <= 0 else [self._read, self._write]
+        self.threads = [threading.Thread(target=t, daemon=True) for t in targets]
+        for thread in self.threads:
+            thread.start()
 
-    def _read(self) -> None:
+    def close(self) -> None:
+        """Close the pipe once both threads are gone (a thread still in a splice keeps it: a rare leak, no reuse)."""
+        for thread in self.threads:
+            thread.join(10 * WAKE_S)
+        if any(thread.is_alive() for thread in self.threads):
+            return
+        for fd in (fd for pipe in self.pipes for fd in pipe):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _broken(self) -> None:
+        self.done.set()
+        with self.cond:
+            self.cond.notify_all()
+
+    def _forward(self) -> None:
+        src, dst = self.src.fileno(), self.dst.fileno()
+        read_fd, write_fd = self.pipes[0]
         try:
             while not self.done.is_set():
-                data = self.src.recv(RECV_BYTES)
-                due = time.monotonic() + self.delay_s
-                with self.cond:
-                    while self.queued > QUEUE_LIMIT_BYTES and not self.done.is_set():
-                        self.cond.wait(0.1)
-                    self.queue.append((due, data))
-                    self.queued += len(data)
-                    self.cond.notify_all()
-                if not data:
+                moved = os.splice(src, write_fd, SPLICE_BYTES)
+                if moved == 0:  # the sender closed its side: pass the FIN on
+                    self.dst.shutdown(socket.SHUT_WR)
+                    self.finished.set()
                     return
+                _splice_all(read_fd, dst, moved)
+        except (OSError, ConnectionError):
+            self._broken()
+
+    def _read(self) -> None:
+        # A splice from a socket holds the pipe's lock while it waits for data, which would stall the writer's
+        # splice out of the same pipe (a request that waits for its answer would never be sent): wait with
+        # poll, outside the lock, and splice only what is there (SPLICE_F_NONBLOCK).
+        src = self.src.fileno()
+        readable = select.poll()
+        readable.register(src, select.POLLIN)
+        writable = []
+        for _, write_fd in self.pipes:
+            writable.append(select.poll())
+            writable[-1].register(write_fd, select.POLLOUT)
+        turn = 0
+        try:
+            while not self.done.is_set():
+                if not writable[turn].poll(WAKE_S * 1000) or not readable.poll(WAKE_S * 1000):
+                    continue
+                try:
+                    moved = os.splice(src, self.pipes[turn][1], SPLICE_BYTES, flags=os.SPLICE_F_NONBLOCK)
+                except BlockingIOError:
+                    continue
+                with self.cond:
+                    self.queue.append((time.monotonic() + self.delay_s, turn, moved))
+                    self.cond.notify()
+                if moved == 0:
+                    return
+                turn = (turn + 1) % len(self.pipes)
         except OSError:
-            self.done.set()
-            with self.cond:
-                self.cond.notify_all()
+            self._broken()
 
     def _write(self) -> None:
+        dst = self.dst.fileno()
         try:
             while not self.done.is_set():
                 with self.cond:
                     while not self.queue and not self.done.is_set():
-                        self.cond.wait(0.1)
+                        self.cond.wait(WAKE_S)
                     if not self.queue:
                         return
-                    due, data = self.queue.popleft()
-                    self.queued -= len(data)
-                    self.cond.notify_all()
+                    due, pipe, count = self.queue.popleft()
                 wait = due - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
-                if not data:  # the sender closed its side: pass the FIN on
+                if count == 0:  # the sender closed its side: pass the FIN on
                     self.dst.shutdown(socket.SHUT_WR)
                     self.finished.set()
                     return
-                self.dst.sendall(data)
-        except OSError:
-            self.done.set()
+                _splice_all(self.pipes[pipe][0], dst, count)
+        except (OSError, ConnectionError):
+            self._broken()
 
 
 def _link(client: socket.socket, upstream_addr: tuple[str, int], delay_s: float) -> None:
@@ -598,6 +674,8 @@ def _link(client: socket.socket, upstream_addr: tuple[str, int], delay_s: float)
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
         sock.close()
+    for way in ways:
+        way.close()
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -605,8 +683,17 @@ def _address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _fine_timers() -> None:
+    """Sleeps that end on time: the default 50 us timer slack would add itself to every delayed piece."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
+
+
 def serve_delay(listen: str, upstream: str, delay_ms: float) -> None:
     """Accept on ``listen`` and forward each connection to ``upstream``, ``delay_ms`` each way."""
+    _fine_timers()
     listener = socket.create_server(_address(listen), backlog=512)
     print(f"listening on {listen} -> {upstream} (+{delay_ms} ms each way)", flush=True)
     target = _address(upstream)
