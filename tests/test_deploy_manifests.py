@@ -1,19 +1,27 @@
 """The Kubernetes manifests in deploy/k8s/ are valid Kubernetes and agree with the code.
 
-Rendering: kustomize is not installed here, so ``render`` below builds an overlay itself,
-implementing only what our kustomizations use (``resources``, ``namespace``, ``images``,
-``secretGenerator`` from files with a fixed name, ``patches`` of JSON 6902 operations);
-anything else in a kustomization.yaml fails the test, naming the field, rather than being
-rendered wrongly. The overlay's Secret files are git-ignored, so the test supplies them.
+Rendering, twice. ``render`` below builds a kustomization itself, implementing only what
+ours use (``resources``, ``namespace``, ``images``, ``secretGenerator`` from files with a
+fixed name, ``patches`` of JSON 6902 operations); anything else in a kustomization.yaml
+fails the test, naming the field, rather than being rendered wrongly. It is kept because it
+needs nothing installed, so the schema validation and the checks against the code run on
+every machine. The real kustomize (``kubectl kustomize``, built into kubectl) renders base
+and overlay too, in a temporary copy of deploy/k8s; its objects are validated like the
+hand-rendered ones, and ``test_kubectl_kustomize_renders_what_the_test_renders`` asserts
+both renderers give the same objects, so neither drifts. Without kubectl that comparison is
+skipped with a reason naming the package to install (run pytest with ``-rs`` to see it);
+nothing else is. The overlay's Secret files are git-ignored, so the test supplies them
+(``SECRET_FILES``: in memory for ``render``, written into the temporary copy for kubectl,
+never into the checkout).
 
-Then every object of the base and of the rendered overlay is validated against the
-Kubernetes JSON schemas of ``KUBERNETES_VERSION`` (kubernetes-validate, strict: unknown
-fields are errors), except the custom resources of ``NOT_SCHEMA_VALIDATED`` (no schema
-of theirs ships in a package we install), which get the structural checks below only.
+Then every object of the base and of the rendered overlays is validated: built-in kinds
+against the Kubernetes JSON schemas of ``KUBERNETES_VERSION`` (kubernetes-validate,
+strict: unknown fields are errors), custom resources against the openAPIV3Schema of their
+CRD vendored in tests/data (``CRDS``; ``validate_custom_resource`` says what it checks).
 
 Each ``check_*`` raises AssertionError when the manifests and the code disagree;
 ``test_each_check_catches_its_breakage`` breaks the rendered manifests one way per check
-and proves the check notices.
+and proves the check notices; the schema and comparison tests are broken on purpose too.
 """
 
 from __future__ import annotations
@@ -23,11 +31,15 @@ import contextlib
 import copy
 import io
 import re
+import shutil
+import subprocess
+import tempfile
 import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -43,7 +55,14 @@ K8S = REPO / "deploy" / "k8s"
 BASE = K8S / "base"
 OVERLAY = K8S / "overlays" / "example"
 KUBERNETES_VERSION = "1.33.0"  # schemas shipped by kubernetes-validate; the manifests use only GA APIs
-NOT_SCHEMA_VALIDATED = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+# Custom resources: the CRD whose schema each is validated against (tests/data/*: source, version, license inside).
+CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"): REPO / "tests" / "data" / "servicemonitor-crd-v0.93.0.yaml"}
+KUBECTL = shutil.which("kubectl")
+KUBECTL_MISSING = (
+    "kubectl is not installed, so NO real kustomize rendered deploy/k8s (only the test's own renderer did): "
+    "install the `kubectl` package (Kubernetes apt repository pkgs.k8s.io, or Google Cloud SDK's kubectl); "
+    "kustomize is built into it"
+)
 # What a node process needs beside its DRAM arena. Measured: 56 MiB idle, 120 MiB after 640 MiB of
 # puts through a 256 MiB DRAM tier with NVMe (docs/deploy.md#sizing); 512 MiB leaves room.
 NODE_OVERHEAD_BYTES = 512 * 1024**2
@@ -150,6 +169,116 @@ def _set_image(objects: list[Obj], image: Obj) -> None:
             name, _, tag = container["image"].partition(":")
             if name == image["name"]:
                 container["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
+
+
+def kubectl_render(directory: Path, secret_files: dict[str, bytes] | None = None) -> list[Obj]:
+    """``kubectl kustomize directory``: the real kustomize, on a temporary copy of deploy/k8s.
+
+    The copy leaves out whatever secret files this checkout has and holds ``secret_files``
+    instead (paths relative to ``directory``), so neither is read from nor written to the
+    checkout. Raises AssertionError with kustomize's message when it refuses to build.
+    """
+    assert KUBECTL is not None, KUBECTL_MISSING
+    with tempfile.TemporaryDirectory() as tmp:
+        copy_root = Path(tmp) / "k8s"
+        shutil.copytree(
+            K8S,
+            copy_root,
+            ignore=lambda folder, names: [n for n in names if Path(folder).name == "secrets" and n != ".gitignore"],
+        )
+        target = copy_root / directory.relative_to(K8S)
+        for path, content in (secret_files or {}).items():
+            (target / path).write_bytes(content)
+        built = subprocess.run(
+            [KUBECTL, "kustomize", str(target)], capture_output=True, text=True, timeout=60, check=False
+        )
+    assert built.returncode == 0, f"kubectl kustomize {directory.relative_to(REPO)}: {built.stderr.strip()}"
+    return [doc for doc in yaml.safe_load_all(built.stdout) if doc]
+
+
+def _identity(obj: Obj) -> tuple[str, str, str, str]:
+    return obj["apiVersion"], obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
+
+
+def check_same_objects(ours: list[Obj], kustomize: list[Obj]) -> None:
+    """The same objects, field for field, in any order (kustomize sorts them by kind)."""
+    by_ours, by_kustomize = {_identity(o): o for o in ours}, {_identity(o): o for o in kustomize}
+    assert len(by_ours) == len(ours) and len(by_kustomize) == len(kustomize), "two objects of the same identity"
+    assert by_ours.keys() == by_kustomize.keys(), (
+        f"only the test renders {sorted(by_ours.keys() - by_kustomize.keys())}, "
+        f"only kustomize renders {sorted(by_kustomize.keys() - by_ours.keys())}"
+    )
+    differ = [key for key in by_ours if by_ours[key] != by_kustomize[key]]
+    assert not differ, f"the test's renderer and kustomize disagree on {differ}"
+
+
+# --- custom resources against their CRD ------------------------------------------------
+
+
+def _crd(api_version: str, kind: str) -> tuple[Obj, Obj]:
+    """(the CRD, its version entry) for ``apiVersion``/``kind``, from the file ``CRDS`` names."""
+    crd = next(d for d in yaml.safe_load_all(CRDS[(api_version, kind)].read_text()) if d)
+    group, _, version = api_version.rpartition("/")
+    assert (crd["spec"]["group"], crd["spec"]["names"]["kind"]) == (group, kind), f"{CRDS[(api_version, kind)]}"
+    versions = [v for v in crd["spec"]["versions"] if v["name"] == version and v["served"]]
+    assert versions, f"the {kind} CRD serves no version {version}"
+    return crd, versions[0]
+
+
+def _as_api_server(schema: Obj) -> Obj:
+    """A CRD structural schema as a Draft 4 JSON schema that refuses what the API server would.
+
+    An object schema without ``additionalProperties`` nor ``x-kubernetes-preserve-unknown-fields``
+    gets ``additionalProperties: false``: the API server prunes such unknown fields, and
+    kubectl's default field validation (Strict) refuses the object. ``nullable`` admits null,
+    ``x-kubernetes-int-or-string`` an integer or a string, ``x-kubernetes-list-type: set``
+    unique items. Not checked: ``format``, ``x-kubernetes-list-map-keys`` uniqueness,
+    ``x-kubernetes-validations`` (CEL; this CRD has none), defaulting.
+    """
+    out = dict(schema)
+    if "properties" in out:
+        out["properties"] = {name: _as_api_server(sub) for name, sub in out["properties"].items()}
+    for key in ("additionalProperties", "items", "not"):
+        if isinstance(out.get(key), dict):
+            out[key] = _as_api_server(out[key])
+    for key in ("allOf", "anyOf", "oneOf"):
+        if key in out:
+            out[key] = [_as_api_server(sub) for sub in out[key]]
+    if (
+        out.get("type") == "object"
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    if out.get("x-kubernetes-int-or-string"):
+        out.setdefault("type", ["integer", "string"])
+    if out.get("nullable") and isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]
+    if out.get("x-kubernetes-list-type") == "set":
+        out["uniqueItems"] = True
+    return out
+
+
+def validate_custom_resource(obj: Obj) -> None:
+    """``obj`` against its CRD's openAPIV3Schema (``_as_api_server``) and its metadata as an ObjectMeta.
+
+    Raises jsonschema.ValidationError. The root ``metadata`` is only ``type: object`` in a CRD:
+    the API server checks it as an ObjectMeta, so here kubernetes-validate does (strict).
+    """
+    _, version = _crd(obj["apiVersion"], obj["kind"])
+    schema = _as_api_server(version["schema"]["openAPIV3Schema"])
+    schema["properties"]["metadata"] = {"type": "object"}
+    jsonschema.Draft4Validator(schema).validate(obj)
+    holder = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj["metadata"]}
+    kubernetes_validate.validate(holder, KUBERNETES_VERSION, strict=True)
+
+
+def validate(obj: Obj) -> None:
+    """Any object of ours: a custom resource against its CRD, the rest against Kubernetes' schemas."""
+    if (obj["apiVersion"], obj["kind"]) in CRDS:
+        validate_custom_resource(obj)
+    else:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
 
 
 # --- reading the objects ---------------------------------------------------------------
@@ -425,11 +554,16 @@ CHECKS: list[Callable[[list[Obj], Path], None]] = [
 
 
 def _rendered() -> dict[str, list[Obj]]:
+    """The objects of base and overlay by the test's renderer and, with kubectl, by kustomize."""
+    renders = {"base": render(BASE), "overlay": render(OVERLAY, SECRET_FILES)}
+    if KUBECTL is not None:
+        renders |= {"kubectl-base": kubectl_render(BASE), "kubectl-overlay": kubectl_render(OVERLAY, SECRET_FILES)}
     # The base names the Secret the overlay makes: give it the same one to check it on its own.
-    base = render(BASE)
-    overlay = render(OVERLAY, SECRET_FILES)
-    secret = _one(overlay, "Secret", "kvpool-secrets")
-    return {"base": [*base, copy.deepcopy(secret)], "overlay": overlay}
+    secret = _one(renders["overlay"], "Secret", "kvpool-secrets")
+    for where in ("base", "kubectl-base"):
+        if where in renders:
+            renders[where].append(copy.deepcopy(secret))
+    return renders
 
 
 @pytest.fixture(scope="module")
@@ -447,19 +581,45 @@ def _schema_cases() -> Iterator[Any]:
 
 
 @pytest.mark.parametrize("obj", _schema_cases())
-def test_every_manifest_validates_against_the_kubernetes_schema(obj: Obj) -> None:
-    if (obj["apiVersion"], obj["kind"]) in NOT_SCHEMA_VALIDATED:
-        pytest.skip(f"{obj['kind']}: custom resource, its schema is not shipped here (structural checks only)")
-    kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+def test_every_manifest_validates_against_its_schema(obj: Obj) -> None:
+    validate(obj)
 
 
-def test_only_listed_custom_resources_go_unvalidated(rendered: dict[str, list[Obj]]) -> None:
+def test_every_custom_resource_has_its_crd(rendered: dict[str, list[Obj]]) -> None:
     kinds = {(o["apiVersion"], o["kind"]) for objects in rendered.values() for o in objects}
-    for api_version, kind in kinds - NOT_SCHEMA_VALIDATED:
+    for api_version, kind in kinds - CRDS.keys():
         group = api_version.rpartition("/")[0]
         builtin = "." not in group or group.endswith(".k8s.io")
-        assert builtin, f"{kind} ({api_version}) is a custom resource: list it in NOT_SCHEMA_VALIDATED"
-    assert NOT_SCHEMA_VALIDATED <= kinds, "NOT_SCHEMA_VALIDATED names a kind no manifest has"
+        assert builtin, f"{kind} ({api_version}) is a custom resource: vendor its CRD in tests/data, name it in CRDS"
+    assert CRDS.keys() <= kinds, "CRDS names a kind no manifest has"
+
+
+@pytest.mark.parametrize("kind", sorted(CRDS), ids=lambda k: k[1])
+def test_vendored_crd_is_a_valid_crd(kind: tuple[str, str]) -> None:
+    crd, version = _crd(*kind)
+    kubernetes_validate.validate(crd, KUBERNETES_VERSION, strict=True)
+    assert version["storage"] and "openAPIV3Schema" in version["schema"]
+
+
+@pytest.mark.parametrize("where", ["base", "overlay"])
+def test_kubectl_kustomize_renders_what_the_test_renders(where: str) -> None:
+    if KUBECTL is None:
+        pytest.skip(KUBECTL_MISSING)
+    directory, secret_files = {"base": (BASE, None), "overlay": (OVERLAY, SECRET_FILES)}[where]
+    ours, kustomize = render(directory, secret_files), kubectl_render(directory, secret_files)
+    check_same_objects(ours, kustomize)
+    # The comparison bites: one changed field anywhere fails it.
+    changed = copy.deepcopy(ours)
+    _one(changed, "StatefulSet", "kvpool-node")["spec"]["replicas"] += 1
+    with pytest.raises(AssertionError, match="kvpool-node"):
+        check_same_objects(changed, kustomize)
+
+
+def test_kubectl_kustomize_refuses_the_overlay_without_its_secret_files() -> None:
+    if KUBECTL is None:
+        pytest.skip(KUBECTL_MISSING)
+    with pytest.raises(AssertionError, match="secrets/token"):
+        kubectl_render(OVERLAY)
 
 
 @pytest.mark.parametrize("where", ["base", "overlay"])
@@ -575,4 +735,32 @@ def test_schema_validation_catches_an_unknown_field(rendered: dict[str, list[Obj
     objects = copy.deepcopy(rendered["overlay"])
     _unknown_field(objects)
     with pytest.raises(kubernetes_validate.ValidationError, match="livenesProbe"):
-        kubernetes_validate.validate(_one(objects, "StatefulSet", "kvpool-node"), KUBERNETES_VERSION, strict=True)
+        validate(_one(objects, "StatefulSet", "kvpool-node"))
+
+
+def _monitor_set(pointer: str, value: Any) -> Callable[[Obj], None]:
+    def breakage(monitor: Obj) -> None:
+        _json_patch(monitor, {"op": "add", "path": pointer, "value": value})
+
+    return breakage
+
+
+SERVICE_MONITOR_BREAKAGES = {
+    "unknown endpoint field": (_monitor_set("/spec/endpoints/0/intervall", "30s"), "'intervall' was unexpected"),
+    "unknown spec field": (_monitor_set("/spec/endpoint", [{"port": "metrics"}]), "'endpoint' was unexpected"),
+    "interval not a duration": (_monitor_set("/spec/endpoints/0/interval", "30 seconds"), "does not match"),
+    "scheme not http(s)": (_monitor_set("/spec/endpoints/0/scheme", "ftp"), "ftp"),
+    "port not a string": (_monitor_set("/spec/endpoints/0/port", 9400), "is not of type 'string'"),
+    "no spec": (lambda monitor: monitor.pop("spec"), "'spec' is a required property"),
+    "unknown metadata field": (_monitor_set("/metadata/label", {"a": "b"}), "'label' was unexpected"),
+}
+
+
+@pytest.mark.parametrize("name", list(SERVICE_MONITOR_BREAKAGES))
+def test_service_monitor_validation_catches(rendered: dict[str, list[Obj]], name: str) -> None:
+    breakage, message = SERVICE_MONITOR_BREAKAGES[name]
+    monitor = copy.deepcopy(_one(rendered["overlay"], "ServiceMonitor", "kvpool-node"))
+    validate(monitor)  # passes before
+    breakage(monitor)
+    with pytest.raises(jsonschema.ValidationError, match=message):
+        validate(monitor)
