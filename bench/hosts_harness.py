@@ -35,6 +35,7 @@ every chunk read back is compared byte for byte. Results go to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -45,6 +46,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -125,9 +127,10 @@ def make_plan(smoke: bool, chunks: Sequence[str] | None, rounds: int | None) -> 
 class Worker:
     """``python -m bench.hosts_harness worker`` on the client host: one JSON command in, one JSON answer out."""
 
-    def __init__(self, bed: Any, host: str, plan: Any) -> None:
+    def __init__(self, bed: Any, host: str, plan: Any, probe: bool = False) -> None:
         plan_json = json.dumps({**asdict(plan), "shapes": {k: list(v) for k, v in plan.shapes.items()}})
-        self.process = bed.popen(host, [sys.executable, "-m", "bench.hosts_harness", "worker", plan_json])
+        argv = [sys.executable, "-m", "bench.hosts_harness", "worker", plan_json, *(["--probe"] if probe else [])]
+        self.process = bed.popen(host, argv)
         self.answers: queue.Queue[dict[str, Any]] = queue.Queue()
         self.log: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
@@ -247,7 +250,9 @@ def stream_ceilings(bed: Any, worker: Worker, condition: Condition, nbytes: int)
     return found
 
 
-def run_condition(condition: Condition, plan: Any, backends: Sequence[str], dram_bytes: int, smoke: bool) -> dict:
+def run_condition(
+    condition: Condition, plan: Any, backends: Sequence[str], dram_bytes: int, smoke: bool, probe: bool = False
+) -> dict:
     from bench.hosts import HostBed
     from bench.rounds import combine_cells
 
@@ -260,7 +265,7 @@ def run_condition(condition: Condition, plan: Any, backends: Sequence[str], dram
             for host in HOSTS:
                 bed.set_rate(host, condition.rate_gbit)
         services = Services(bed, condition, backends, dram_bytes)
-        worker = Worker(bed, "client", plan)
+        worker = Worker(bed, "client", plan, probe)
         try:
             out["ceilings"] = stream_ceilings(bed, worker, condition, SMOKE_STREAM_BYTES if smoke else STREAM_BYTES)
             print(f"[hosts] {condition.name}: ceilings {_fmt_ceilings(out['ceilings'])}", flush=True)
@@ -459,6 +464,8 @@ def worker_round(plan: Any, bases: dict[str, Any], spec: dict[str, Any], round_n
     from bench import harness
 
     peer = _worker_peer(spec)
+    _probe_spec.clear()
+    _probe_spec.update(spec)
     out: dict[str, Any] = {"round_cells": [], "fills": [], "errors": [], "seconds": 0.0}
     try:
         harness._run_cells(peer, plan, bases, round_no, out)
@@ -541,7 +548,7 @@ def serve_sink(address: str, port: int) -> None:
         threading.Thread(target=_serve_one, args=(conn,), daemon=True).start()
 
 
-def serve_worker(plan_json: str) -> None:
+def serve_worker(plan_json: str, probe: bool = False) -> None:
     """Answer the parent's commands (JSON lines on stdin) with one JSON line each on stdout."""
     import logging
 
@@ -555,6 +562,8 @@ def serve_worker(plan_json: str) -> None:
         fields[name] = tuple(fields[name])
     plan = harness.Plan(**fields)
     bases = {size: harness.base_bytes(shape) for size, shape in plan.shapes.items()}
+    if probe:
+        install_probe()
     real_stdout = sys.stdout
     sys.stdout = sys.stderr  # the harness's progress lines go to the log; stdout carries answers only
     real_stdout.write(json.dumps({"ready": True}) + "\n")
@@ -574,6 +583,168 @@ def serve_worker(plan_json: str) -> None:
         real_stdout.flush()
 
 
+# -- the probe (``--probe``): what a cell's puts and gets cost, per process and in round trips ---------------
+# Diagnostic, not for the table: it reads /proc around every timed call (about 0.1 ms) and Redis's
+# commandstats around every cell.
+def _proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process, all its threads, in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine spent busy (every core and process, interrupts included)."""
+    with open("/proc/stat") as f:
+        cpu = [int(v) for v in f.readline().split()[1:]]
+    return (sum(cpu) - cpu[3] - cpu[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+def _process_name(argv: list[str]) -> str | None:
+    """What a process the parent started on the bed is, from its command line (None: not one of ours)."""
+    text = " ".join(argv)
+    if argv and "redis-server" in argv[0]:  # redis-server rewrites its command line to "redis-server ADDR:PORT"
+        return f"redis {text.split()[-1]}"
+    if "bench.hosts" in text and "delay" in argv:
+        return f"proxy {argv[argv.index('delay') + 1]}"
+    if "backend.cli" in text and "node" in argv:
+        where = argv[argv.index("--advertise") + 1] if "--advertise" in argv else argv[argv.index("--host") + 1]
+        return f"node {where} ({argv[argv.index('--namespace') + 1]})"
+    if "lmcache.v1.server" in text:
+        return "lmcache.v1.server"
+    return None
+
+
+def bed_processes() -> dict[int, str]:
+    """The worker and its siblings (what the parent started on the bed's hosts), by pid."""
+    parent = os.getppid()
+    found = {os.getpid(): "client (LMCache + the backend's client)"}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline") as f:
+                argv = f.read().split("\0")[:-1]
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and (name := _process_name(argv)) is not None:
+            found[int(entry)] = name
+    return found
+
+
+class Probe:
+    """Per phase (put, get) of a cell: CPU seconds per bed process, the machine's busy cores, node requests."""
+
+    active: Probe | None = None
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.pids = bed_processes()
+        self.wall_s: Counter[str] = Counter()
+        self.busy_s: Counter[str] = Counter()
+        self.cpu_s: dict[str, Counter[str]] = {"put": Counter(), "get": Counter()}
+        self.requests: dict[str, Counter[str]] = {"put": Counter(), "get": Counter()}
+        self.request_s: dict[str, Counter[str]] = {"put": Counter(), "get": Counter()}
+        self.phase = "put"
+        self.commands = self._redis_commands()
+
+    def _redis_commands(self) -> dict[str, int]:
+        if self.spec["kind"] != "kvpool":
+            return {}
+        import redis
+
+        from backend.config import PoolConfig
+        from bench.harness import command_calls
+
+        with redis.Redis.from_url(PoolConfig.from_url(self.spec["url"]).redis_url, socket_timeout=30) as client:
+            return command_calls(client)
+
+    def timed(self, phase: str, call: Any) -> Any:
+        """Run one timed call of the harness (a put or a get) and charge what it cost to ``phase``."""
+        self.phase = phase
+        cpu = {pid: _proc_cpu_s(pid) for pid in self.pids}
+        busy, start = _machine_busy_s(), time.perf_counter()
+        try:
+            return call()
+        finally:
+            self.wall_s[phase] += time.perf_counter() - start
+            self.busy_s[phase] += _machine_busy_s() - busy
+            for pid, name in self.pids.items():
+                with contextlib.suppress(OSError):
+                    self.cpu_s[phase][name] += _proc_cpu_s(pid) - cpu[pid]
+
+    def report(self, calls: int) -> dict[str, Any]:
+        after = self._redis_commands()
+        skip = {"info", "client|setinfo", "client|setname", "hello"}
+        out: dict[str, Any] = {
+            "redis_commands_per_put_and_get": {
+                k: round((v - self.commands.get(k, 0)) / calls, 2)
+                for k, v in sorted(after.items())
+                if v != self.commands.get(k, 0) and k not in skip
+            }
+        }
+        for phase in ("put", "get"):
+            wall = self.wall_s[phase] or 1e-9
+            out[phase] = {
+                "ms_per_call": round(wall / calls * 1000, 1),
+                "machine_busy_cores": round(self.busy_s[phase] / wall, 2),
+                "bed_cpu_cores": round(sum(self.cpu_s[phase].values()) / wall, 2),
+                "cpu_ms_per_call": {n: round(s / calls * 1000, 1) for n, s in sorted(self.cpu_s[phase].items())},
+                "node_requests_per_call": {k: round(v / calls, 2) for k, v in sorted(self.requests[phase].items())},
+                "node_request_ms": {
+                    k: round(self.request_s[phase][k] / v * 1000, 2) for k, v in sorted(self.requests[phase].items())
+                },
+            }
+        return out
+
+
+def install_probe() -> None:
+    """Wrap the harness's cells, the stack's put and get, and the client's node requests with :class:`Probe`."""
+    from backend.client.connection import NodePool
+    from backend.protocol import Op
+    from bench import harness
+    from bench.lmcache_stack import LMCacheStack
+
+    run_cell, put, get, request = harness.run_cell, LMCacheStack.put, LMCacheStack.get, NodePool.request
+
+    def probed_put(stack: Any, *args: Any, **kwargs: Any) -> Any:
+        if Probe.active is None:
+            return put(stack, *args, **kwargs)
+        return Probe.active.timed("put", lambda: put(stack, *args, **kwargs))
+
+    def probed_get(stack: Any, *args: Any, **kwargs: Any) -> Any:
+        if Probe.active is None:
+            return get(stack, *args, **kwargs)
+        return Probe.active.timed("get", lambda: get(stack, *args, **kwargs))
+
+    async def probed_request(pool: Any, op: int, meta: bytes, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return await request(pool, op, meta, **kwargs)
+        finally:
+            if (probe := Probe.active) is not None:
+                probe.requests[probe.phase][Op(op).name] += 1
+                probe.request_s[probe.phase][Op(op).name] += time.perf_counter() - start
+
+    def probed_cell(stacks: Any, base: Any, round_no: int, cell_no: int, batch: int, clients: int, calls: int) -> Any:
+        Probe.active = Probe(_probe_spec)
+        try:
+            cell, keys = run_cell(stacks, base, round_no, cell_no, batch, clients, calls)
+            cell["probe"] = Probe.active.report(calls * clients)
+        finally:
+            Probe.active = None
+        print(f"[probe] {_probe_spec['name']} {json.dumps(cell['probe'])}", flush=True)
+        return cell, keys
+
+    harness.run_cell = probed_cell
+    LMCacheStack.put = probed_put  # type: ignore[method-assign]
+    LMCacheStack.get = probed_get  # type: ignore[method-assign]
+    NodePool.request = probed_request  # type: ignore[method-assign]
+
+
+_probe_spec: dict[str, Any] = {}  # the backend the worker's current round measures
+
+
 # -- the command -------------------------------------------------------------------------------------------
 def parse_rtts(text: str) -> list[float]:
     try:
@@ -588,7 +759,7 @@ def parse_rtts(text: str) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["worker"]:
-        serve_worker(argv[1])
+        serve_worker(argv[1], probe="--probe" in argv[2:])
         return 0
     if argv[:1] == ["sink"]:
         serve_sink(argv[1], int(argv[2]))
@@ -603,6 +774,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=parse_rounds, help="interleaved rounds (default 3; 1 with --smoke)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help=f"subset of {','.join(BACKENDS)}")
     parser.add_argument("--smoke", action="store_true", help="tiny chunks, one round (for tests)")
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="per cell: CPU per bed process, Redis commands and node requests per put and get (diagnostic)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"results directory (default {RESULTS})")
     args = parser.parse_args(argv)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -639,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
     broken = []
     for condition in conditions(args.rtts, not args.no_rate):
         try:
-            run["conditions"].append(run_condition(condition, plan, backends, dram_bytes, args.smoke))
+            run["conditions"].append(run_condition(condition, plan, backends, dram_bytes, args.smoke, args.probe))
         except Exception as exc:  # one condition that cannot run must not lose the others' figures
             traceback.print_exc()
             broken.append(f"{condition.name}: {exc!r}")

@@ -142,3 +142,29 @@ def test_a_namespace_lost_in_redis_makes_clients_read_the_registry_again(redis_s
             await client.close()
 
     asyncio.run(scenario())
+
+
+def test_an_index_commit_and_a_removal_are_one_redis_round_trip_each(redis_server: EmbeddedRedis, namespace: str):
+    """A node's commit (before every put's ack) and its eviction flush: one pipeline each, no SCRIPT EXISTS first."""
+    with CountingProxy(redis_server.port) as proxy, redis.Redis(port=redis_server.port) as info:
+
+        async def run() -> tuple[int, int]:
+            store = MetadataStore(f"redis://127.0.0.1:{proxy.port}/0", namespace)
+            try:
+                await store.commit([(KEYS[8], Location("n1", 1, "dram", 4096, 0))])  # scripts loaded, connected
+                before = proxy.counts()["round_trips"]
+                await store.commit([(key, Location("n1", 1, "dram", 4096, i)) for i, key in enumerate(KEYS[:8])])
+                committed = proxy.counts()["round_trips"] - before
+                before = proxy.counts()["round_trips"]
+                await store.remove("n1", 1, KEYS[:8])
+                removed = proxy.counts()["round_trips"] - before
+                info.script_flush()  # Redis lost the scripts (restart, flush): loaded again, the commit lands
+                await store.commit([(KEYS[9], Location("n1", 1, "dram", 4096, 0))])
+                return committed, removed
+            finally:
+                await store.close()
+
+        exists_before = _calls(info, "script|exists")
+        assert asyncio.run(run()) == (1, 1)
+        assert _calls(info, "script|exists") == exists_before
+        assert len(info.keys(f"kvp:{namespace}:k:{{{KEYS[9]}}}")) == 1

@@ -33,16 +33,18 @@ class KeyIndex(RedisConnection):
                 try:
                     await self._run_batch(script, batch)
                 except redis_exceptions.NoScriptError:
-                    # A cluster pipeline does not load scripts (a single-server one does):
-                    # load them on every primary and run the batch again. Every script
-                    # is idempotent, so the calls that already ran may run twice.
+                    # Redis lost the script (restarted, flushed): load it on every primary
+                    # and run the batch again. Every script is idempotent, so the calls that
+                    # already ran may run twice.
                     await self._load_scripts()
                     await self._run_batch(script, batch)
 
     async def _run_batch(self, script: Any, batch: Sequence[tuple[str, list[str]]]) -> None:
+        # EVALSHA straight into the pipeline: a Script object on a pipeline makes redis-py send
+        # SCRIPT EXISTS first, one more round trip before every commit (and so before every put's ack).
         async with self._redis.pipeline(transaction=False) as pipe:
             for key, args in batch:
-                await script(keys=[self.index_key(key)], args=args, client=pipe)
+                pipe.evalsha(script.sha, 1, self.index_key(key), *args)
             await pipe.execute()
 
     async def commit(self, locations: Sequence[tuple[str, Location]]) -> None:

@@ -2,8 +2,8 @@
 
 Crash ordering: receive every byte into space reserved in the tier -> verify each
 chunk's checksum -> insert into the tier -> commit the index entries to Redis in one
-pipeline -> ack. A key becomes visible only at the commit, after its bytes are
-complete; a put that fails anywhere before the commit leaves nothing behind. If the
+pipeline (side by side with the removals of what the batch evicted: one round trip) ->
+ack. A key becomes visible only at the commit, after its bytes are complete; a put that fails anywhere before the commit leaves nothing behind. If the
 commit itself fails the chunks are dropped again and the client is told, so nothing
 is acknowledged that readers cannot find.
 
@@ -185,6 +185,10 @@ class PutReceiver:
         for chunk in chunks:
             await self.ctx.tiers.discard(chunk)
 
+    async def _flush_evictions(self) -> None:
+        with contextlib.suppress(MetadataError):
+            await self.publisher.flush_index()
+
     async def commit(self, received: Received) -> tuple[bytes, list[Buffer]]:
         """Make the stored chunks visible in the index, then answer each item's outcome."""
         ctx, tiers, counters = self.ctx, self.ctx.tiers, self.ctx.counters
@@ -200,15 +204,21 @@ class PutReceiver:
         counters["put_rejected_busy"] += flags.count(PUT_BUSY)
         counters["integrity_failures"] += flags.count(PUT_INTEGRITY)
         try:
-            await ctx.index.commit(visible)
+            # The commit and what the batch evicted go to Redis side by side: one round trip before
+            # the ack, not two. They touch different keys (an evicted key is not held, a committed one
+            # is). The evictions are kept for the heartbeat if their flush fails.
+            committed, flushed = await asyncio.gather(
+                ctx.index.commit(visible), self._flush_evictions(), return_exceptions=True
+            )
+            for outcome in (committed, flushed):  # the flush answers only errors other than Redis's
+                if isinstance(outcome, BaseException):
+                    raise outcome
         except MetadataError:
             # Not visible, so not kept: a put is acknowledged only once readers can find it.
             await self._discard_uncommitted([c for _, _, c in received if c is not None])
             raise
         finally:
             tiers.settle([c for _, _, c in received if c is not None])  # committed or dropped: they may move now
-        with contextlib.suppress(MetadataError):
-            await self.publisher.flush_index()  # what the batch evicted; kept for the heartbeat if this fails
         counters["puts"] += len(visible)
         counters["put_bytes"] += sum(loc.nbytes for _, loc in visible)
         return encode_flags(flags), []
