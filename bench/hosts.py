@@ -43,7 +43,9 @@ import atexit
 import collections
 import contextlib
 import ipaddress
+import json
 import os
+import queue
 import re
 import select
 import shutil
@@ -56,6 +58,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.nodes import NodeProcess
 from bench.processes import REPO, ServerProcess
@@ -498,6 +501,57 @@ class HostBed:
     def leftovers(self) -> list[str]:
         """This bed's namespaces that still exist (empty after close)."""
         return [n for n in _namespaces() if n.startswith(self.owner)]
+
+
+class JsonLines:
+    """A process on a host of the bed that answers one JSON line per JSON line it is sent (the
+    tests' driver, the harness's worker). Lines not starting with ``{`` are its log."""
+
+    def __init__(self, process: subprocess.Popen[str], *, echo: bool = False, close_wait_s: float = 10.0) -> None:
+        self.process = process
+        self.echo = echo  # print the log lines as they come
+        self.close_wait_s = close_wait_s
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                self.lines.put(line)
+                continue
+            self.log.append(line)
+            if self.echo:
+                print(line, end="", flush=True)
+
+    def tail(self, lines: int = 30) -> str:
+        return "".join(self.log[-lines:])
+
+    def send(self, op: str, **args: Any) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.process.stdin.flush()
+
+    def receive(self, timeout_s: float) -> dict[str, Any]:
+        """The next answer (of a command sent with ``send``)."""
+        try:
+            return dict(json.loads(self.lines.get(timeout=timeout_s)))
+        except queue.Empty:
+            raise RuntimeError(f"{self.process.args!r} gave no answer within {timeout_s} s:\n{self.tail()}") from None
+
+    def call(self, op: str, timeout_s: float, **args: Any) -> dict[str, Any]:
+        self.send(op, **args)
+        return self.receive(timeout_s)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+            try:
+                self.process.wait(self.close_wait_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
 
 
 def _wait_port_on(bed: HostBed, host: str, port: int, timeout_s: float) -> bool:

@@ -39,7 +39,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import queue
 import socket
 import statistics
 import sys
@@ -51,6 +50,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from bench.hosts import JsonLines
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
@@ -124,47 +125,17 @@ def make_plan(smoke: bool, chunks: Sequence[str] | None, rounds: int | None) -> 
 
 
 # -- the parent: beds, services, the worker ----------------------------------------------------------------
-class Worker:
+class Worker(JsonLines):
     """``python -m bench.hosts_harness worker`` on the client host: one JSON command in, one JSON answer out."""
 
     def __init__(self, bed: Any, host: str, plan: Any, probe: bool = False) -> None:
         plan_json = json.dumps({**asdict(plan), "shapes": {k: list(v) for k, v in plan.shapes.items()}})
         argv = [sys.executable, "-m", "bench.hosts_harness", "worker", plan_json, *(["--probe"] if probe else [])]
-        self.process = bed.popen(host, argv)
-        self.answers: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        self._answer(WORKER_START_TIMEOUT_S)
-
-    def _pump(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            if line.startswith("{"):
-                self.answers.put(json.loads(line))
-            else:
-                self.log.append(line)
-                print(line, end="", flush=True)
-
-    def _answer(self, timeout_s: float) -> dict[str, Any]:
-        try:
-            return self.answers.get(timeout=timeout_s)
-        except queue.Empty:
-            raise RuntimeError(f"the worker gave no answer in {timeout_s} s:\n{''.join(self.log[-30:])}") from None
+        super().__init__(bed.popen(host, argv), echo=True, close_wait_s=30.0)
+        self.receive(WORKER_START_TIMEOUT_S)
 
     def call(self, op: str, timeout_s: float = ROUND_TIMEOUT_S, **args: Any) -> dict[str, Any]:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.process.stdin.flush()
-        return self._answer(timeout_s)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            assert self.process.stdin is not None
-            self.process.stdin.close()
-            try:
-                self.process.wait(30)
-            except Exception:
-                self.process.kill()
+        return super().call(op, timeout_s, **args)
 
 
 class Services:

@@ -2,70 +2,31 @@
 
 from __future__ import annotations
 
-import json
 import os
-import queue
-import subprocess
 import sys
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
 
-from bench.hosts import BedUnavailable, HostBed, missing
+from bench.hosts import BedUnavailable, HostBed, JsonLines, missing
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: the longer runs
 DRIVER_TIMEOUT_S = 120.0
 
 
-class Driver:
+class Driver(JsonLines):
     """``tests.hosts.driver`` on a host: ``call(op, **args)`` sends one command and returns its answer."""
 
     def __init__(self, bed: HostBed, host: str, url: str) -> None:
-        self.process = bed.popen(host, [sys.executable, "-m", "tests.hosts.driver", url])
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        assert self._answer(60).get("ready"), self.tail()
-
-    def _pump(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.log.append(line)
-            if line.startswith("{"):
-                self.lines.put(line)
-
-    def _answer(self, timeout_s: float) -> dict[str, Any]:
-        try:
-            return dict(json.loads(self.lines.get(timeout=timeout_s)))
-        except queue.Empty:
-            raise AssertionError(f"the driver gave no answer within {timeout_s} s:\n{self.tail()}") from None
-
-    def tail(self, lines: int = 30) -> str:
-        return "".join(self.log[-lines:])
-
-    def send(self, op: str, **args: Any) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.process.stdin.flush()
+        super().__init__(bed.popen(host, [sys.executable, "-m", "tests.hosts.driver", url]))
+        assert self.receive(60).get("ready"), self.tail()
 
     def call(self, op: str, timeout_s: float = DRIVER_TIMEOUT_S, **args: Any) -> dict[str, Any]:
-        self.send(op, **args)
-        return self._answer(timeout_s)
+        return super().call(op, timeout_s, **args)
 
     def receive(self, timeout_s: float = DRIVER_TIMEOUT_S) -> dict[str, Any]:
-        """The answer of a command sent with ``send``."""
-        return self._answer(timeout_s)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            assert self.process.stdin is not None
-            self.process.stdin.close()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        return super().receive(timeout_s)
 
 
 @pytest.fixture
