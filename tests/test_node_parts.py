@@ -27,6 +27,7 @@ from backend.node.stats import NodeStats
 from backend.node.tiers import DRAM, TierConfig, TierManager
 from backend.protocol import (
     LEASE_MAP,
+    PUT_BUSY,
     PUT_INTEGRITY,
     PUT_NO_CAPACITY,
     PUT_STORED,
@@ -197,6 +198,26 @@ async def test_a_chunk_larger_than_dram_is_refused_and_its_bytes_are_read_past(p
     assert [flag for flag, _, _ in received] == [PUT_NO_CAPACITY, PUT_STORED]
     got = await parts.ctx.tiers.get("small")
     assert got is not None and bytes(got.buffer) == small  # the stream stayed in step past the refused bytes
+
+
+async def test_a_chunk_evicted_before_its_commit_is_answered_busy_and_not_indexed(parts, wire):
+    # A request that waited for room let its received chunks move; other puts in flight may evict
+    # them. Such a chunk is never acknowledged, and the answer is busy (the pressure passes), not
+    # no room: a soak of 32 clients once failed on the no-room answer.
+    conn, client = wire
+    kept, evicted = b"k" * 1000, b"e" * 1000
+    client.sendall(kept + evicted)
+    received = await parts.puts.receive(conn, [_item("kept", kept), _item("evicted", evicted)], PutOptions())
+    gone = next(chunk for _, item, chunk in received if item.key == "evicted")
+    assert gone is not None
+    parts.ctx.tiers.settle([gone])
+    await parts.ctx.tiers.discard(gone)  # stands in for an eviction by another put during the wait
+
+    meta, _ = await parts.puts.commit(received)
+
+    assert decode_flags(meta, 2) == [PUT_STORED, PUT_BUSY]
+    assert [k for k, _ in parts.index.committed] == ["kept"]
+    assert parts.ctx.counters["put_rejected_busy"] == 1 and parts.ctx.counters["put_rejected_capacity"] == 0
 
 
 async def test_a_put_whose_index_commit_fails_leaves_nothing_behind(parts, wire):

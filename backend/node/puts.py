@@ -196,7 +196,9 @@ class PutReceiver:
         visible: list[tuple[str, Location]] = []
         for flag, item, _ in received:
             if flag == PUT_STORED and not tiers.holds(item.key, item.checksum):
-                flag = PUT_NO_CAPACITY  # evicted while its request waited for room: never acknowledge it
+                # Evicted while its request waited for room (DRAM full of puts in flight): never
+                # acknowledge it. Busy, not no room: the pressure passes, a later put is stored.
+                flag = PUT_BUSY
             if flag == PUT_STORED:
                 visible.append((item.key, ctx.location(item, tiers.tier_of(item.key) or DRAM)))
             flags.append(flag)
