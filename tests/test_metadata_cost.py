@@ -168,3 +168,27 @@ def test_an_index_commit_and_a_removal_are_one_redis_round_trip_each(redis_serve
         assert asyncio.run(run()) == (1, 1)
         assert _calls(info, "script|exists") == exists_before
         assert len(info.keys(f"kvp:{namespace}:k:{{{KEYS[9]}}}")) == 1
+
+
+def test_a_heartbeat_is_one_redis_round_trip_and_survives_a_script_flush(redis_server: EmbeddedRedis, namespace: str):
+    """A node's beat: one pipeline, no SCRIPT EXISTS first; a lost script is loaded again and the beat lands."""
+    with CountingProxy(redis_server.port) as proxy, redis.Redis(port=redis_server.port) as info:
+        node = NodeInfo("n1", "127.0.0.1", 1, 1)
+
+        async def run() -> int:
+            store = MetadataStore(f"redis://127.0.0.1:{proxy.port}/0", namespace)
+            try:
+                await store.heartbeat(node, ttl_ms=60_000, changed=True)  # scripts loaded, connected
+                before = proxy.counts()["round_trips"]
+                await store.heartbeat(node, ttl_ms=60_000)
+                beat = proxy.counts()["round_trips"] - before
+                info.script_flush()  # Redis lost the scripts: loaded again, the beat lands
+                await store.heartbeat(node, ttl_ms=60_000)
+                return beat
+            finally:
+                await store.close()
+
+        exists_before = _calls(info, "script|exists")
+        assert asyncio.run(run()) == 1
+        assert _calls(info, "script|exists") == exists_before
+        assert info.zscore(f"kvp:{{{namespace}}}:beats", "n1") is not None

@@ -78,7 +78,7 @@ class NodeRegistry(RedisConnection):
             try:
                 results = await self._beat_pipeline(info, ttl_ms, changed, markers)
             except redis_exceptions.NoScriptError:
-                await self._load_scripts()  # a cluster pipeline does not load scripts
+                await self._load_scripts()  # Redis lost the script (restarted, flushed)
                 results = await self._beat_pipeline(info, ttl_ms, changed, markers)
         generations = results[3:]
         generation = None if None in generations else "/".join(str(value) for value in generations)
@@ -89,10 +89,12 @@ class NodeRegistry(RedisConnection):
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(self.nodes_key, info.node_id, info.to_json())
             pipe.set(self.heartbeat_key(info.node_id), str(info.epoch), px=ttl_ms)
-            await self._beat(
-                keys=[self.beats_key, self.version_key, self.changes_key],
-                args=[info.node_id, ttl_ms, int(changed), REGISTRY_LOG_MAX, DEAD_PER_BEAT],
-                client=pipe,
+            # EVALSHA straight into the pipeline, as the index does (a Script object there makes redis-py
+            # send SCRIPT EXISTS first: one more round trip per beat); a lost script is loaded and the
+            # beat run again, which only logs its changes twice.
+            keys = [self.beats_key, self.version_key, self.changes_key]
+            pipe.evalsha(
+                self._beat.sha, len(keys), *keys, info.node_id, ttl_ms, int(changed), REGISTRY_LOG_MAX, DEAD_PER_BEAT
             )
             for key in markers:
                 pipe.get(key)
