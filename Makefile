@@ -47,9 +47,9 @@ lint: setup
 test: setup lint
 	$(PY) -m pytest -q -p no:cacheprovider --durations=20
 
-# The fault-injection and host-bed suites in full (make test runs their short versions): longer runs, more rounds.
+# The fault-injection, host-bed and hostile-peer suites in full (make test runs their short versions): longer runs, more rounds.
 faults: setup
-	KVPOOL_FULL=1 $(PY) -m pytest -q -p no:cacheprovider tests/faults tests/hosts
+	KVPOOL_FULL=1 $(PY) -m pytest -q -p no:cacheprovider tests/faults tests/hosts tests/security
 
 docs: setup
 	$(PY) -m tests.test_cli_docs

@@ -4,7 +4,7 @@ Raw sockets against real node processes (started with a 1 s handshake deadline, 
 test waits about a second, not the default ten). After each fault the node must still
 serve a well-behaved client, and a client's pooled connections, once admitted, must
 stay open however long they idle. What is promised: docs/protocol.md, "Connection
-limits"; the TLS cases are in tests/test_security.py.
+limits"; the TLS cases are in tests/security/test_tls_and_tokens.py.
 """
 
 from __future__ import annotations
