@@ -16,8 +16,6 @@ set; a non-zero status makes the meta a UTF-8 error message.
 from __future__ import annotations
 
 import enum
-import hashlib
-import hmac
 import json
 import struct
 from collections.abc import Sequence
@@ -58,7 +56,6 @@ __all__ = [
     "PUT_BUSY",
     "put_outcome",
     "MAX_PUT_WAIT_MS",
-    "auth_mac",
     "verify_meta",
     "encode_header",
     "decode_header",
@@ -82,6 +79,7 @@ __all__ = [
     "NO_OFFSET",
     "error_for_status",
     "status_for_error",
+    "ChannelRequest",
     "encode_channel_request",
     "decode_channel_request",
     "encode_channel_response",
@@ -213,11 +211,6 @@ class ItemMeta:
     dtype: str
     shape: tuple[int, ...]
     fmt: int
-
-
-def auth_mac(token: str, nonce: bytes) -> str:
-    """The HMAC-SHA256 a client proves its token with; the token never crosses the wire."""
-    return hmac.new(token.encode("utf-8"), nonce, hashlib.sha256).hexdigest()
 
 
 def checksum(data: Any) -> int:
@@ -684,20 +677,35 @@ def status_for_error(exc: BaseException) -> Status:
 # The request and response are JSON metas with no data section: the bytes travel over
 # the channel's communicator, in the order of the keys that were found.
 MAX_SESSION_BYTES = 64
+MAX_OFFER_DIGEST_CHARS = 128
 
 
-def encode_channel_request(session: str, keys: Sequence[str], limits: Limits = DEFAULT_LIMITS) -> bytes:
-    """Meta of a CHANNEL_GET: the rendezvous session of the pair and the keys wanted (may be none)."""
+@dataclass(frozen=True)
+class ChannelRequest:
+    """A CHANNEL_GET: the pair's rendezvous session, the keys wanted, and, when it pairs (no keys), the
+    digest of the offer the client published (``nccl_channel.rendezvous.Offer.digest``)."""
+
+    session: str
+    keys: list[str]
+    offer: str = ""
+
+
+def encode_channel_request(
+    session: str, keys: Sequence[str], offer: str = "", limits: Limits = DEFAULT_LIMITS
+) -> bytes:
+    """Meta of a CHANNEL_GET: the rendezvous session of the pair and the keys wanted (none: pair, naming
+    ``offer``, the digest of the offer published for it)."""
     if len(keys) > limits.max_items:
         raise ProtocolError(f"{len(keys)} keys exceed the limit of {limits.max_items}")
-    return _bounded(bytearray(encode_json({"session": session, "keys": list(keys)})), limits)
+    body: dict[str, Any] = {"session": session, "keys": list(keys)}
+    if offer:
+        body["offer"] = offer
+    return _bounded(bytearray(encode_json(body)), limits)
 
 
-def decode_channel_request(
-    meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
-) -> tuple[str, list[str]]:
+def decode_channel_request(meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> ChannelRequest:
     body = decode_json(meta)
-    session, keys = body.get("session"), body.get("keys")
+    session, keys, offer = body.get("session"), body.get("keys"), body.get("offer", "")
     if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_BYTES or not session.isascii():
         raise ProtocolError(f"CHANNEL_GET session must be 1..{MAX_SESSION_BYTES} ASCII characters")
     if not isinstance(keys, list) or len(keys) > limits.max_items:
@@ -705,7 +713,9 @@ def decode_channel_request(
     for key in keys:
         if not isinstance(key, str) or not 0 < len(key.encode("utf-8")) <= limits.max_key_bytes:
             raise ProtocolError(f"CHANNEL_GET key outside 1..{limits.max_key_bytes} bytes")
-    return session, keys
+    if not isinstance(offer, str) or len(offer) > MAX_OFFER_DIGEST_CHARS or not offer.isascii():
+        raise ProtocolError(f"CHANNEL_GET offer must be at most {MAX_OFFER_DIGEST_CHARS} ASCII characters")
+    return ChannelRequest(session, keys, offer)
 
 
 def encode_channel_response(found: Sequence[ItemMeta | None], limits: Limits = DEFAULT_LIMITS) -> bytes:

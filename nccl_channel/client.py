@@ -135,7 +135,7 @@ class NcclChannel:
             )
             try:
                 # Answered as soon as the node took the offer; its join runs on in the background.
-                await self._request(node, encode_channel_request(session, []))
+                await self._request(node, encode_channel_request(session, [], offer.digest()))
             except BaseException:
                 self.transport.discard(state)  # a CPU accept fails at once instead of at its deadline
                 joining.add_done_callback(abort_joined)

@@ -44,8 +44,9 @@ class ChannelServer:
     def kind(self) -> str:
         return self.transport.kind
 
-    async def start_join(self, session: str) -> None:
-        """Take the offer of ``session`` and join its pair in the background; NcclError if there is no offer.
+    async def start_join(self, session: str, digest: str) -> None:
+        """Take the offer of ``session`` (the one whose digest is ``digest``) and join its pair in the
+        background; NcclError if there is no such offer.
 
         Returns once the offer is taken, so the pairing request is answered at once: the
         join itself (a cold NCCL init takes seconds) is bounded by ``pair_timeout_s``,
@@ -53,7 +54,11 @@ class ChannelServer:
         """
         if self._pairs.live(session) is not None or session in self._joins:
             return
-        offer = await self.rendezvous.take(session, target=self.node_id, cluster=self.cluster, transport=self.kind)
+        if not digest:
+            raise NcclError(f"pairing session {session} names no offer digest (a client of an older release?)")
+        offer = await self.rendezvous.take(
+            session, target=self.node_id, cluster=self.cluster, transport=self.kind, digest=digest
+        )
         if session in self._joins:  # a concurrent request for the same session took it first
             return
         task = asyncio.ensure_future(self._join(session, offer))
@@ -83,16 +88,15 @@ class ChannelServer:
         logger.info("channel: node %s paired with %s over %s", self.node_id, offer.initiator, self.kind)
 
     async def join(self, session: str) -> None:
-        """Make sure the pair of ``session`` exists: wait for its join, starting it if needed. NcclError on failure."""
+        """Make sure the pair of ``session`` exists: wait for its join (started by the pairing request). NcclError
+        on failure."""
         if self._pairs.live(session) is not None:
             return
-        if session not in self._joins:
-            await self.start_join(session)
         task = self._joins.get(session)
         if task is not None:
             await asyncio.shield(task)
         if self._pairs.live(session) is None:
-            raise NcclError(f"session {session} has no pair on node {self.node_id} (its join failed)")
+            raise NcclError(f"session {session} has no pair on node {self.node_id} (never paired, or its join failed)")
 
     async def send(self, session: str, buffers: Sequence[Buffer]) -> None:
         """Send ``buffers`` as one batch over the pair of ``session``; a failure drops the pair."""

@@ -4,13 +4,19 @@ each other's id can build a communicator.
 The side that starts a pair (rank 0, the client) makes the transport's unique id
 and publishes an :class:`Offer` under a fresh session id, as a Redis key with a TTL
 (``kvp:{NS}:rdv:<session>``). It then tells the peer the session id over the node's
-TCP protocol; the peer takes the offer (read and delete: it is joined once), checks
-that it is meant for it, and joins as rank 1. An offer nobody takes expires.
+TCP protocol, with the offer's digest; the peer takes the offer (read and delete: it is
+joined once), checks that it is meant for it and that it is the offer the client made
+(the digest came over the authenticated connection: an offer rewritten in Redis by
+someone holding the Redis password but not the pool token is refused, so they cannot
+make the node join their own communicator and send them chunks), and joins as rank 1.
+An offer nobody takes expires.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import uuid
 from typing import Protocol
@@ -45,6 +51,10 @@ class Offer:
         body = dataclasses.asdict(self)
         body["unique_id"] = self.unique_id.hex()
         return json.dumps(body, sort_keys=True)
+
+    def digest(self) -> str:
+        """What the client tells the node of its offer, so that the node joins this offer and no other."""
+        return hashlib.sha256(self.encode().encode("utf-8")).hexdigest()
 
     @classmethod
     def decode(cls, text: str) -> Offer:
@@ -81,8 +91,12 @@ class Rendezvous:
         except MetadataError as exc:
             raise NcclError(f"cannot publish rendezvous {offer.session}: {exc}") from None
 
-    async def take(self, session: str, *, target: str, cluster: str, transport: str) -> Offer:
-        """The offer for ``session``, checked to be meant for this endpoint; NcclError otherwise."""
+    async def take(
+        self, session: str, *, target: str, cluster: str, transport: str, digest: str | None = None
+    ) -> Offer:
+        """The offer for ``session``, checked to be meant for this endpoint and (unless ``digest`` is None:
+        two ranks of one test that share no connection) to be the one whose :meth:`Offer.digest` is
+        ``digest``; NcclError otherwise."""
         try:
             text = await self.store.take_rendezvous(session)
         except MetadataError as exc:
@@ -90,6 +104,12 @@ class Rendezvous:
         if text is None:
             raise NcclError(f"rendezvous {session} is missing or expired")
         offer = Offer.decode(text)
+        if digest is not None and not hmac.compare_digest(
+            offer.digest().encode("ascii"), digest.encode("ascii", "replace")
+        ):
+            raise NcclError(
+                f"rendezvous {session} is not the offer the client made (rewritten in Redis?): refusing to join it"
+            )
         if offer.session != session or offer.target != target:
             raise NcclError(f"rendezvous {session} is meant for {offer.target!r}, not {target!r}")
         if offer.cluster != cluster:

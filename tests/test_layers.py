@@ -18,6 +18,7 @@ from tests.test_class_sizes import REPO
 LEVELS = {
     "backend.errors": 0,
     "backend.protocol": 1,
+    "backend.handshake": 1,
     "backend.redis_topology": 1,
     "backend.threads": 1,
     "backend.embedded": 1,

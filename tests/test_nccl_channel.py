@@ -8,6 +8,7 @@ peer death mid-transfer, and the fallback to TCP.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import AsyncIterator
 
@@ -62,7 +63,7 @@ async def test_an_offer_is_taken_once_and_only_by_its_target(redis_server, names
         with pytest.raises(NcclError, match="meant for 'node-1', not 'node-2'"):
             await rdv.take(offer.session, target="node-2", cluster=CLUSTER, transport="cpu")
         await rdv.publish(offer)
-        got = await rdv.take(offer.session, target="node-1", cluster=CLUSTER, transport="cpu")
+        got = await rdv.take(offer.session, target="node-1", cluster=CLUSTER, transport="cpu", digest=offer.digest())
         assert got == offer
         with pytest.raises(NcclError, match="missing or expired"):
             await rdv.take(offer.session, target="node-1", cluster=CLUSTER, transport="cpu")
@@ -72,6 +73,12 @@ async def test_an_offer_is_taken_once_and_only_by_its_target(redis_server, names
         await rdv.publish(offer)
         with pytest.raises(NcclError, match="wants transport 'cpu'; this side has 'nccl'"):
             await rdv.take(offer.session, target="node-1", cluster=CLUSTER, transport="nccl")
+        # Someone with the Redis password but not the token rewrites the offer (their own unique id):
+        # the node, told the offer's digest over its authenticated connection, refuses to join it.
+        forged = dataclasses.replace(offer, unique_id=b"\x66" * 2, initiator="intruder")
+        await rdv.publish(forged)
+        with pytest.raises(NcclError, match="not the offer the client made"):
+            await rdv.take(offer.session, target="node-1", cluster=CLUSTER, transport="cpu", digest=offer.digest())
     finally:
         await store.close()
 
@@ -99,7 +106,9 @@ async def test_cpu_transport_pairs_two_ends_from_the_published_id_alone(redis_se
     unique_id, state = transport.prepare()
     try:
         session = new_session()
-        await Rendezvous(store).publish(Offer(session, "cpu", unique_id, "client-x", "node-x", CLUSTER))
+        offer = Offer(session, "cpu", unique_id, "client-x", "node-x", CLUSTER)
+        await Rendezvous(store).publish(offer)
+        await server.start_join(session, offer.digest())
         link, _ = await asyncio.gather(
             asyncio.to_thread(transport.join, unique_id, 0, state, 5.0), server.join(session)
         )
@@ -170,8 +179,12 @@ async def test_a_node_of_another_cluster_or_without_channel_is_not_served(node_f
 async def test_a_node_refuses_an_unknown_session_and_a_malformed_request(node_factory, client):
     node = node_factory("--cluster", CLUSTER, "--channel", "cpu")
     info = await _node_info(client, node.node_id)
-    with pytest.raises(KVPoolError, match="missing or expired"):
+    with pytest.raises(KVPoolError, match="never paired"):
         await client.channel_request(info, encode_channel_request(new_session(), ["k"]))
+    with pytest.raises(KVPoolError, match="missing or expired"):
+        await client.channel_request(info, encode_channel_request(new_session(), [], "d" * 64))
+    with pytest.raises(KVPoolError, match="names no offer digest"):
+        await client.channel_request(info, encode_channel_request(new_session(), []))
     with pytest.raises(ProtocolError, match="session must be"):
         await client.channel_request(info, encode_json({"keys": []}))
     assert node.alive()
@@ -219,10 +232,17 @@ async def test_a_stalled_peer_times_out_instead_of_hanging(node_factory, client)
 
 
 def test_channel_messages_round_trip_and_reject_what_is_malformed():
-    from backend.protocol import ItemMeta, decode_channel_request, decode_channel_response, encode_channel_response
+    from backend.protocol import (
+        ChannelRequest,
+        ItemMeta,
+        decode_channel_request,
+        decode_channel_response,
+        encode_channel_response,
+    )
 
     assert Op.CHANNEL_GET == 13  # 11 and 12 belong to other ops
-    assert decode_channel_request(encode_channel_request("s1", ["a", "b"])) == ("s1", ["a", "b"])
+    assert decode_channel_request(encode_channel_request("s1", ["a", "b"])) == ChannelRequest("s1", ["a", "b"])
+    assert decode_channel_request(encode_channel_request("s1", [], "d" * 64)) == ChannelRequest("s1", [], "d" * 64)
     item = ItemMeta("b", 10, 99, "bfloat16", (2, 5), 1)
     meta = encode_channel_response([None, item])
     assert decode_channel_response(meta, ["a", "b"]) == [None, item]

@@ -14,8 +14,9 @@ import pytest
 from backend import AuthError, CapacityError, Chunk, MetadataError, PoolClient, PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis
 from backend.metadata import MetadataStore
-from backend.protocol import HEADER, Op, Status, decode_header, encode_header, encode_json, encode_keys
+from backend.protocol import HEADER, Op, Status, decode_header, encode_header, encode_keys
 from tests.conftest import wait_until
+from tests.support.handshake import hello_frame
 
 
 def _chunks(prefix: str, count: int, size: int, seed: int = 0) -> list[Chunk]:
@@ -272,7 +273,7 @@ def test_malformed_frame_gets_an_error_frame_and_only_that_connection_closes(nod
 def test_other_connections_keep_working_while_one_sends_garbage(node_factory, pool_url):
     node = node_factory()
     good = _raw(node)
-    good.sendall(encode_header(Op.HELLO, 1, encode_json({})) + encode_json({}))
+    good.sendall(hello_frame(node, "")[1])
     assert _read_frame(good)[0].status == Status.OK
     bad = _raw(node)
     bad.sendall(os.urandom(4096))
@@ -288,7 +289,7 @@ def test_other_connections_keep_working_while_one_sends_garbage(node_factory, po
 def test_error_for_an_unparsable_header_answers_request_id_zero(node_factory):
     node = node_factory()
     sock = _raw(node)
-    sock.sendall(encode_header(Op.HELLO, 41, encode_json({})) + encode_json({}))
+    sock.sendall(hello_frame(node, "", 41)[1])
     assert _read_frame(sock)[0].request_id == 41
     sock.sendall(b"XX" + bytes(HEADER.size - 2))
     header, message = _read_frame(sock)

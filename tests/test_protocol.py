@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import re
 import struct
 import tracemalloc
@@ -51,7 +49,6 @@ from backend.protocol import (
     RecoveryReport,
     Status,
     TierReport,
-    auth_mac,
     checksum,
     decode_flags,
     decode_get_response,
@@ -629,27 +626,6 @@ def test_error_for_unmapped_status_is_a_plain_kvpool_error(status: int) -> None:
 )
 def test_status_for_other_errors_is_internal(exc: BaseException) -> None:
     assert status_for_error(exc) is Status.INTERNAL
-
-
-# -- auth ----------------------------------------------------------------------------
-
-
-def test_auth_mac_is_hmac_sha256_hex_of_the_nonce_keyed_by_the_token() -> None:
-    nonce = bytes(range(32))
-
-    mac = auth_mac("s3cret", nonce)
-
-    assert mac == hmac.new(b"s3cret", nonce, hashlib.sha256).hexdigest()
-    assert len(mac) == 64
-    assert "s3cret" not in mac
-    assert auth_mac("s3cret", nonce) == mac
-
-
-def test_auth_mac_differs_per_token_and_per_nonce() -> None:
-    nonce_a, nonce_b = b"\x00" * 32, b"\x00" * 31 + b"\x01"
-
-    assert auth_mac("token-1", nonce_a) != auth_mac("token-2", nonce_a)
-    assert auth_mac("token-1", nonce_a) != auth_mac("token-1", nonce_b)
 
 
 # -- hostile input: decode or ProtocolError, never anything else ----------------------------------

@@ -20,14 +20,14 @@ from typing import Any, Protocol, TypeVar
 
 from backend.client.chunks import DECLINED, MISS, Failed, Hit, Outcome, Sink, allocate_view, release_hits
 from backend.config import PoolConfig
-from backend.errors import AuthError, IntegrityError, KVPoolError, NodeUnavailable, ProtocolError
+from backend.errors import IntegrityError, KVPoolError, NodeUnavailable, ProtocolError
+from backend.handshake import ClientHello
 from backend.metadata import NodeInfo
 from backend.protocol import (
     DEFAULT_LIMITS,
     ItemMeta,
     Op,
     Status,
-    auth_mac,
     checksum,
     decode_get_response,
     decode_json,
@@ -144,15 +144,11 @@ class NodeConnection:
             self.sock = sock
             self._reader = asyncio.get_running_loop().create_task(self._read_loop(sock))
             try:
-                hello = decode_json(await self.request(Op.HELLO, encode_json({"client": "kvpool"})))
-                if hello.get("auth_required"):
-                    if not self.config.token:
-                        raise AuthError(
-                            f"node {self.node.node_id} requires a token; give it as token_file=PATH in the pool "
-                            "URL (or KVPOOL_TOKEN)"
-                        )
-                    mac = auth_mac(self.config.token, bytes.fromhex(str(hello.get("nonce", ""))))
-                    await self.request(Op.AUTH, encode_json({"mac": mac}))
+                handshake = ClientHello(self.node.node_id, self.node.address, self.config.token)
+                hello = decode_json(await self.request(Op.HELLO, encode_json(handshake.request())))
+                auth = handshake.answer(hello)  # the node proved the token (or the pool has none)
+                if auth is not None:
+                    await self.request(Op.AUTH, encode_json(auth))
                 if hello.get("epoch") != self.node.epoch:
                     raise NodeUnavailable(f"node {self.node.node_id} restarted (epoch {hello.get('epoch')})")
                 self._ready = True

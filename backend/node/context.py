@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from backend.config import NodeConfig
+from backend.handshake import KeyRing
 from backend.metadata import Beat, Location, NodeInfo
 from backend.node.tiers import DRAM, TierManager
 from backend.protocol import ItemMeta
@@ -46,10 +47,12 @@ class NodeIndex(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Identity:
-    """Who this node is in the index: its id, and the epoch its entries carry (0 until it joined)."""
+    """Who this node is in the index: its id, the epoch its entries carry (0 until it joined), and the
+    address its registry entry gives clients ("host:port"), which its handshake proofs name."""
 
     node_id: str
     epoch: int = 0
+    address: str = ""
 
 
 class NodeContext:
@@ -61,6 +64,7 @@ class NodeContext:
         self.index = index
         self.counters: Counter[str] = Counter()
         self.identity = Identity(config.node_id)
+        self.keys = KeyRing([config.token])  # the tokens a client may prove (one; two during a rotation)
         self.bulk = ThreadPoolExecutor(BULK_THREADS, thread_name_prefix="kvpool-node-bulk")
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = asyncio.Event()
@@ -73,9 +77,14 @@ class NodeContext:
     def epoch(self) -> int:
         return self.identity.epoch
 
-    def joined(self, node_id: str, epoch: int) -> None:
-        """The node took ``epoch`` under ``node_id`` (``IndexPublisher.join``): the one place identity is set."""
-        self.identity = Identity(node_id, epoch)
+    @property
+    def address(self) -> str:
+        return self.identity.address
+
+    def joined(self, node_id: str, epoch: int, address: str) -> None:
+        """The node took ``epoch`` under ``node_id``, reached at ``address`` (``IndexPublisher.join``): the one
+        place identity is set."""
+        self.identity = Identity(node_id, epoch, address)
 
     def location(self, meta: ItemMeta, tier: str = DRAM) -> Location:
         """Where ``meta``'s chunk is, as this node publishes it in the index."""

@@ -200,11 +200,12 @@ class OpHandlers:
         ctx, channel = self.ctx, self.channel
         if channel is None:
             raise ProtocolError(f"node {ctx.node_id} serves no channel (start it with --channel)")
-        pair, keys = decode_channel_request(meta, ctx.config.limits)
+        request = decode_channel_request(meta, ctx.config.limits)
+        pair, keys = request.session, request.keys
         if not keys:
             # Pairing: answered once the offer is taken; the join runs on with its own deadline,
             # so a slow NCCL init never holds this request (and the client's connection) open.
-            await channel.start_join(pair)
+            await channel.start_join(pair, request.offer)
             return encode_channel_response([], ctx.config.limits), []
         await channel.join(pair)  # NcclError: answered as an error; the client falls back to TCP
         found, buffers = await self._fetch(keys, channel=True)  # keys past the limit are read over TCP

@@ -46,6 +46,11 @@ class Advert:
     tls: bool = False
     channel: str = ""  # the channel's kind; "" when it serves none
 
+    @property
+    def address(self) -> str:
+        """``host:port``, as clients read it from the registry (``NodeInfo.address``)."""
+        return f"{self.host}:{self.port}"
+
 
 class IndexPublisher:
     """The node's side of the registry and the index, beyond the put and delete paths."""
@@ -65,7 +70,7 @@ class IndexPublisher:
         (``recovered``), beat once."""
         self._advert = advert
         self._generation = await self.ctx.index.ensure_marker()
-        self.ctx.joined(node_id, await self.ctx.index.new_epoch())
+        self.ctx.joined(node_id, await self.ctx.index.new_epoch(), advert.address)
         if recovered:
             await self.publish_inventory()  # the old epoch's entries are overwritten
         await self.heartbeat()

@@ -1,8 +1,9 @@
 """Client connections to a node: the accept loop, and one session per connection.
 
 A session sniffs TLS (a node with a certificate serves TLS only, and tells a
-plaintext kvpool client so in a plaintext error frame), authenticates (HELLO gives
-a nonce, AUTH answers its HMAC with the pool token), then runs the frame loop:
+plaintext kvpool client so in a plaintext error frame), runs the mutual handshake
+(``backend.handshake``: HELLO and its answer carry both sides' nonces and the node's
+proof of the token, AUTH the client's), then runs the frame loop:
 requests are received in stream order, and each is answered by its handler
 (``ops.py``) while the next one is received, up to 32 in flight. Once a header has
 arrived the rest of its frame must follow within ``frame_timeout_s``; a reply the
@@ -23,15 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
-import secrets
 import socket
 import ssl
 import time
 from typing import Any
 
 from backend.errors import AuthError, KVPoolError, NodeUnavailable, ProtocolError
+from backend.handshake import NodeHello
 from backend.node.admission import Admission
 from backend.node.context import NodeContext
 from backend.node.ops import OpHandlers
@@ -42,7 +42,6 @@ from backend.protocol import (
     RESPONSE_BIT,
     Header,
     Op,
-    auth_mac,
     decode_json,
     decode_put_batch,
     encode_header,
@@ -131,9 +130,9 @@ class Session:
         self.served = served
         self.conn = conn
         self.stages: dict[tuple[str, str], ArenaView] = {}  # its client's stages: mapped for this connection only
-        self._authed = not ctx.config.token
+        self._authed = not ctx.keys
         self._admitted = False  # past the handshake: no deadline, full limits (admission.py)
-        self._nonce = b""
+        self._hello = NodeHello(ctx.keys, ctx.node_id, ctx.address)
         self._in_flight = asyncio.Semaphore(MAX_REQUESTS_IN_FLIGHT_PER_CONNECTION)
 
     async def serve(self) -> None:
@@ -229,23 +228,17 @@ class Session:
             self.served.admission.admitted(self.conn)
 
     def _handshake(self, op: int, meta: bytearray) -> bytes:
-        """HELLO: this node and a fresh nonce. AUTH: the nonce's HMAC with the token, or AuthError."""
-        ctx = self.ctx
-        if op == Op.HELLO:
-            self._nonce = secrets.token_bytes(32)
-            return encode_json(
-                {
-                    "node_id": ctx.node_id,
-                    "epoch": ctx.epoch,
-                    "auth_required": bool(ctx.config.token),
-                    "nonce": self._nonce.hex(),
-                }
-            )
-        self._authed = self._check_auth(decode_json(meta))
-        if not self._authed:
-            ctx.counters["auth_failures"] += 1
-            raise AuthError("wrong or missing token")
-        return encode_json({"ok": True})
+        """HELLO: this node, a fresh nonce and its proof of the token. AUTH: the client's proof, or AuthError."""
+        try:
+            if op == Op.HELLO:
+                return encode_json(self._hello.answer(decode_json(meta), self.ctx.epoch))
+            if self.ctx.keys:
+                self._hello.check(decode_json(meta))
+                self._authed = True
+            return encode_json({"ok": True})
+        except AuthError:
+            self.ctx.counters["auth_failures"] += 1
+            raise
 
     async def _start_tls(self, context: ssl.SSLContext) -> bool:
         """Complete a TLS handshake; False (counted, logged) if it fails. The handshake deadline bounds it.
@@ -270,17 +263,6 @@ class Session:
                     async with asyncio.timeout(1.0):
                         await self._reply_error(header, exc)
             return False
-
-    def _check_auth(self, body: dict[str, Any]) -> bool:
-        token = self.ctx.config.token
-        if not token:
-            return True
-        mac = body.get("mac")
-        if not self._nonce or not isinstance(mac, str):
-            return False
-        # As bytes: compare_digest refuses str with non-ASCII characters (a TypeError, not a refusal).
-        given = mac.encode("utf-8", "surrogatepass")
-        return hmac.compare_digest(given, auth_mac(token, self._nonce).encode("ascii"))
 
     def stage(self, name: str, token: str) -> ArenaView:
         """The client's stage named in a PUT_STAGED, mapped read-only once per connection.

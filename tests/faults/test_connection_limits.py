@@ -25,14 +25,13 @@ from backend.protocol import (
     Header,
     Op,
     Status,
-    auth_mac,
     decode_header,
     decode_json,
     encode_header,
-    encode_json,
     encode_keys,
 )
 from tests.conftest import wait_until
+from tests.support.handshake import auth_frame, hello_frame
 
 TOKEN = "limits-token-42"
 HANDSHAKE_MS = 1000
@@ -77,10 +76,10 @@ def _read_frame(sock: socket.socket) -> tuple[Header, bytes]:
     return header, meta
 
 
-def _authenticate(sock: socket.socket) -> None:
-    sock.sendall(_frame(Op.HELLO, 1, encode_json({"client": "test"})))
-    nonce = bytes.fromhex(decode_json(_read_frame(sock)[1])["nonce"])
-    sock.sendall(_frame(Op.AUTH, 2, encode_json({"mac": auth_mac(TOKEN, nonce)})))
+def _authenticate(sock: socket.socket, node) -> None:
+    handshake, hello = hello_frame(node, TOKEN)
+    sock.sendall(hello)
+    sock.sendall(auth_frame(handshake, _read_frame(sock)[1]))
     assert decode_json(_read_frame(sock)[1]) == {"ok": True}
 
 
@@ -122,7 +121,7 @@ def _counters(client: SyncPoolClient) -> dict[str, int]:
 # -- the deadline --------------------------------------------------------------------------
 def test_connections_that_do_not_finish_the_handshake_are_closed_at_the_deadline_and_counted(node_factory, pool_url):
     node = _node(node_factory, "--handshake-timeout-ms", str(HANDSHAKE_MS))
-    hello = _frame(Op.HELLO, 1, encode_json({"client": "test"}))
+    hello = hello_frame(node, TOKEN)[1]
     sends = {
         "silent": b"",
         "one byte": b"K",
@@ -156,9 +155,9 @@ def test_admitted_connections_idle_past_the_deadline_stay_open(node_factory, poo
     node = _node(node_factory, "--handshake-timeout-ms", str(HANDSHAKE_MS), token=token)
     raw = _connect(node)
     if token:
-        _authenticate(raw)
+        _authenticate(raw, node)
     else:
-        raw.sendall(_frame(Op.HELLO, 1, encode_json({"client": "test"})))  # a kvpool client's first frame
+        raw.sendall(hello_frame(node, "")[1])  # a kvpool client's first frame
         _read_frame(raw)
     silent, silent_opened_at = _connect(node), time.monotonic()
     with raw, silent, _client(pool_url, token=token) as client:
@@ -183,7 +182,7 @@ def test_a_meta_over_the_handshake_limit_is_refused_from_the_header(node_factory
     node = _node(node_factory)
     with _connect(node) as sock:
         if authed:
-            _authenticate(sock)
+            _authenticate(sock, node)
             # Admitted, a connection may send a meta of any size up to max_meta_bytes.
             keys = encode_keys([f"k{i:04d}-{'x' * 40}" for i in range(200)])
             assert len(keys) > HANDSHAKE_META

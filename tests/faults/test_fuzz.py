@@ -38,7 +38,6 @@ from backend.protocol import (
     ItemMeta,
     Op,
     Status,
-    auth_mac,
     checksum,
     decode_flags,
     decode_header,
@@ -51,6 +50,7 @@ from backend.protocol import (
     verify_meta,
 )
 from tests.conftest import NodeProcess
+from tests.support.handshake import auth_frame, hello_frame
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))
 EXAMPLES = 2000 if FULL else 60
@@ -221,18 +221,16 @@ def _half_close(sock: socket.socket) -> None:
 def _connect(target: Target, *, authed: bool) -> socket.socket:
     sock = socket.create_connection((target.node.host, target.node.port), timeout=REPLY_WAIT_S)
     if authed:
-        sock.sendall(encode_header(Op.HELLO, 1, encode_json({"client": "fuzz"})) + encode_json({"client": "fuzz"}))
-        hello = _read(sock, stop_at_id=1)
-        nonce = bytes.fromhex(decode_json(hello.frames[-1][1])["nonce"])
-        auth = encode_json({"mac": auth_mac(TOKEN, nonce)})
-        sock.sendall(encode_header(Op.AUTH, 2, auth) + auth)
+        handshake, hello = hello_frame(target.node, TOKEN)
+        sock.sendall(hello)
+        sock.sendall(auth_frame(handshake, _read(sock, stop_at_id=1).frames[-1][1]))
         assert decode_json(_read(sock, stop_at_id=2).frames[-1][1]) == {"ok": True}
     return sock
 
 
-def _still_serving(sock: socket.socket) -> bool:
+def _still_serving(sock: socket.socket, target: Target) -> bool:
     """True if this connection still answers a HELLO (HELLO is allowed before AUTH too)."""
-    _send(sock, encode_header(Op.HELLO, SENTINEL_ID))
+    _send(sock, hello_frame(target.node, TOKEN, SENTINEL_ID)[1])
     reply = _read(sock, stop_at_id=SENTINEL_ID)
     return not reply.closed
 
@@ -341,22 +339,22 @@ def test_any_op_before_auth_is_refused_with_an_auth_error_and_a_close(
     sock = socket.create_connection((target.node.host, target.node.port), timeout=REPLY_WAIT_S)
     with sock:
         if hello_first:
-            assert _still_serving(sock)  # HELLO is answered before AUTH; it grants nothing
+            assert _still_serving(sock, target)  # HELLO is answered before AUTH; it grants nothing
         _send(sock, encode_header(op, 9, meta) + meta)
         _assert_refused(_read(sock), Status.AUTH, "send HELLO and AUTH first", op | RESPONSE_BIT, 9)
     target.check_healthy()
 
 
 @FUZZ_SETTINGS
-@given(mac=st.one_of(st.text(max_size=80), st.none()), hello_first=st.booleans())
+@given(proof=st.one_of(st.text(max_size=80), st.none()), hello_first=st.booleans())
 def test_a_wrong_token_is_refused_with_an_auth_error_and_a_close(
-    target: Target, mac: str | None, hello_first: bool
+    target: Target, proof: str | None, hello_first: bool
 ) -> None:
     sock = socket.create_connection((target.node.host, target.node.port), timeout=REPLY_WAIT_S)
     with sock:
         if hello_first:
-            assert _still_serving(sock)
-        body = encode_json({} if mac is None else {"mac": mac})
+            assert _still_serving(sock, target)
+        body = encode_json({} if proof is None else {"proof": proof})
         _send(sock, encode_header(Op.AUTH, 3, body) + body)
         _assert_refused(_read(sock), Status.AUTH, "wrong or missing token", Op.AUTH | RESPONSE_BIT, 3)
     target.check_healthy()
@@ -416,13 +414,14 @@ def test_a_request_with_hostile_meta_is_answered_or_refused_never_an_internal_er
         assert reply.frames, "the node closed without a word on a complete frame"
         header, body = reply.frames[-1]
         assert header.request_id == rid and header.op == op | RESPONSE_BIT  # type: ignore[attr-defined]
-        refusals = (Status.PROTOCOL, Status.AUTH) if op == Op.AUTH else (Status.PROTOCOL,)  # a hostile AUTH: wrong MAC
+        # A hostile AUTH: a wrong proof. A hostile HELLO: no valid nonce, or a token this node does not hold.
+        refusals = (Status.PROTOCOL, Status.AUTH) if op in (Op.AUTH, Op.HELLO) else (Status.PROTOCOL,)
         assert header.status in (Status.OK, *refusals), (header, body)  # type: ignore[attr-defined]
         if header.status != Status.OK:  # type: ignore[attr-defined]
             assert body, "an error frame names what was wrong"
             assert _read(sock).closed  # a malformed request ends its connection
         else:
-            assert _still_serving(sock)  # a good request leaves the connection open
+            assert _still_serving(sock, target)  # a good request leaves the connection open
     target.check_healthy()
 
 
@@ -462,7 +461,7 @@ def test_a_raw_put_stores_exactly_the_items_whose_checksums_match(
             assert header.status == Status.OK, body  # type: ignore[attr-defined]
             expected = [PUT_STORED if good else PUT_INTEGRITY for _, _, good in values]
             assert decode_flags(body, len(values)) == expected
-            assert _still_serving(sock)
+            assert _still_serving(sock, target)
     got = target.client.get([key for key, _, _ in values])
     for (key, data, good), fetched in zip(values, got):
         if not good or skew:
