@@ -1,22 +1,16 @@
-"""The raw protocol the hostile-peer tests speak, in one place: the handshake's frames and a frame reader.
+"""What the hostile-peer tests read off a bare socket: a node's frames, without a client.
 
-A test that talks to a node over a bare socket builds its HELLO here, so that a change
-of the handshake is made once, for every such test.
+(The handshake these tests would send is not here: they send none. A test that needs one
+takes it from the one place that builds it for every raw-protocol test.)
 """
 
 from __future__ import annotations
 
 import socket
 
-from backend.protocol import HEADER, Header, Op, decode_header, encode_header, encode_json
+from backend.protocol import HEADER, Header, decode_header
 
-__all__ = ["hello_frame", "read_frame"]
-
-
-def hello_frame(request_id: int = 1) -> bytes:
-    """A client's first frame: HELLO."""
-    meta = encode_json({"client": "test"})
-    return encode_header(Op.HELLO, request_id, meta) + meta
+__all__ = ["read_frame"]
 
 
 def read_frame(sock: socket.socket) -> tuple[Header, bytes] | None:
