@@ -73,6 +73,9 @@ class DrainReport:
     already_elsewhere: int
     unreadable: int
     draining: bool = True  # the node stays marked draining: placement sends it nothing new
+    # `kvpool undrain` cleared the mark while this drain ran: it stopped after the batch it was on,
+    # and what is left of the node's chunks stays there (the node takes writes again).
+    stopped_by_undrain: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -520,7 +523,9 @@ async def drain(
 
     The mark belongs to this run: a drain that stops before the end (an error, Ctrl-C)
     clears the mark it set, so the node takes writes again. A finished drain leaves it
-    until the node stops (deregistering clears it) or ``undrain``.
+    until the node stops (deregistering clears it) or ``undrain``. A drain whose mark
+    ``undrain`` clears while it runs sees it before its next batch and stops there, every
+    batch it took either moved whole or not started (``stopped_by_undrain``).
     """
     source = await client.node(node_id)
     await _check_targets(client, source, to)
@@ -576,8 +581,11 @@ async def _move_all(
     moved = already = lost = 0
     async for page in client.node_admin.inventory_pages(source):
         for group in _groups(page, batch):
-            entries = await client.index.lookup([row.key for row in group])
             live = {n.node_id: n for n in await client.nodes(refresh=True)}
+            if node_id in live and not live[node_id].draining:  # `kvpool undrain` ended this drain
+                logger.info("kvpool: drain of %s stopped: its draining mark was cleared (kvpool undrain)", node_id)
+                return DrainReport(node_id, moved, already, lost, draining=False, stopped_by_undrain=True)
+            entries = await client.index.lookup([row.key for row in group])
             claimed: dict[str, list[str]] = defaultdict(list)  # node id -> keys the index says it holds
             for row, entry in zip(group, entries):
                 for loc in entry:
@@ -603,7 +611,8 @@ async def _move_all(
 
 
 async def undrain(client: PoolClient, node_id: str) -> bool:
-    """End a drain: placement sends ``node_id`` writes again. Whether it was marked draining."""
+    """End a drain: placement sends ``node_id`` writes again, and a drain still running on it
+    stops after the batch it is on. Whether it was marked draining."""
     return await client.index.set_draining(node_id, False)
 
 

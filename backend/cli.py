@@ -550,12 +550,22 @@ def cmd_drain(args: argparse.Namespace) -> int:
         result = _run(args, lambda c: admin.drain(c, args.node_id, to=args.to, batch=args.batch, progress=update))
     if args.json:
         _print_json(result.to_json())
-    else:
+    elif not result.stopped_by_undrain:
         print(
             f"drained {args.node_id}: {result.moved} chunks moved, {result.already_elsewhere} were already "
             f"elsewhere, {result.unreadable} unreadable; the node stays marked draining until it stops "
             f"(or `kvpool undrain {args.node_id}`)"
         )
+    if result.stopped_by_undrain:
+        # Not finished: a script that stops the node after a drain must not take this for done.
+        print(
+            f"kvpool: error: the drain of {args.node_id} was stopped by `kvpool undrain {args.node_id}` after "
+            f"{result.moved} chunks moved ({result.already_elsewhere} already elsewhere, {result.unreadable} "
+            f"unreadable); the rest stays on the node, which takes writes again (`kvpool drain {args.node_id}` "
+            "resumes)",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
     return 0
 
 
@@ -564,7 +574,10 @@ def cmd_undrain(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"node_id": args.node_id, "was_draining": changed})
     elif changed:
-        print(f"undrained {args.node_id}: placement sends it writes again")
+        print(
+            f"undrained {args.node_id}: placement sends it writes again; a drain still running on it stops "
+            "after the batch it is moving"
+        )
     else:
         print(f"{args.node_id} was not draining")
     return 0

@@ -30,6 +30,7 @@ from backend.errors import (
     IntegrityError,
     KVPoolError,
     MetadataError,
+    NodeUnavailable,
     ProtocolError,
     PutOutcome,
 )
@@ -140,6 +141,7 @@ class Status(enum.IntEnum):
     INTEGRITY = 4
     METADATA = 5
     INTERNAL = 6
+    UNAVAILABLE = 7  # the node is closing this connection (shed, handshake deadline): request id 0, the reason
 
 
 # LEASE request flags, and the offset of a leased chunk that has no arena region.
@@ -662,6 +664,8 @@ _STATUS_ERRORS: dict[int, type[KVPoolError]] = {
 
 def error_for_status(status: int, message: str) -> KVPoolError:
     """The exception a client raises for an error frame from a node."""
+    if status == Status.UNAVAILABLE:  # sent by the node only, never for an exception it caught
+        return NodeUnavailable(message)
     return _STATUS_ERRORS.get(status, KVPoolError)(f"node: {message}")
 
 

@@ -144,8 +144,14 @@ class FrameSocket:
                 except BaseException:
                     sock.close()
                     raise
-        except (OSError, TimeoutError) as exc:
-            raise NodeUnavailable(f"cannot connect to {host}:{port}: {exc or 'timed out'}") from None
+        except TimeoutError:
+            # (asyncio's TimeoutError has no text: say what happened)
+            raise NodeUnavailable(
+                f"cannot connect to {host}:{port}: no answer within {timeout_s * 1000:.0f} ms (its accept queue is "
+                "full: a node under a connection flood, or one that stopped accepting; or the host is unreachable)"
+            ) from None
+        except OSError as exc:
+            raise NodeUnavailable(f"cannot connect to {host}:{port}: {exc}") from None
         conn = cls(sock, loop, f"{host}:{port}", bulk)
         if tls is None:
             return conn

@@ -362,7 +362,7 @@ def test_drain_copies_a_chunk_whose_other_copy_is_on_a_dead_node(pool):
 
 # -- Round 3: drains have an owner and an end; auth failures are failures -----------------------------
 
-TOKEN = "r3-token-8c1f"
+TOKEN = "r3-token-8c1f-0123456789abcdef01"
 
 
 @pytest.fixture
@@ -386,7 +386,7 @@ def _one_line(out: subprocess.CompletedProcess[str]) -> str:
 
 def test_a_drain_the_node_refuses_marks_nothing_and_puts_still_land(token_pool):
     url, _, a, _ = token_pool
-    wrong = url.replace(TOKEN, "not-the-token")
+    wrong = url.replace(TOKEN, "not-the-token-0123456789abcdef01")
     out = kvpool("drain", a.node_id, "--url", wrong)
     assert out.returncode == 1
     line = _one_line(out)
@@ -480,7 +480,7 @@ def test_a_drained_node_that_stops_and_comes_back_under_its_id_takes_writes(node
 
 def test_stats_with_a_wrong_or_no_token_fails_naming_the_node(token_pool):
     url, bare, a, b = token_pool
-    for shown_url in (bare, url.replace(TOKEN, "not-the-token")):
+    for shown_url in (bare, url.replace(TOKEN, "not-the-token-0123456789abcdef01")):
         for verb in ("stats", "status", "nodes"):
             out = kvpool(verb, "--url", shown_url)
             assert out.returncode == 1, (verb, out.stdout)

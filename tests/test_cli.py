@@ -80,8 +80,8 @@ def test_lmcache_config_remote_url_env_is_one_lmcache_remote_url_naming_the_same
 
 
 def test_lmcache_config_remote_url_form_leaves_inline_secrets_out_and_refuses_mp_mode():
-    out = kvpool("lmcache-config", "--url", "kvpool://:tok3n@h:6379/ns", "--form", "remote_url")
-    assert out.returncode == 0 and "tok3n" not in out.stdout and "KVPOOL_TOKEN" in out.stderr
+    out = kvpool("lmcache-config", "--url", "kvpool://:tok3n-0123456789abcdef@h:6379/ns", "--form", "remote_url")
+    assert out.returncode == 0 and "tok3n-0123456789abcdef" not in out.stdout and "KVPOOL_TOKEN" in out.stderr
     mp = kvpool("lmcache-config", "--url", "kvpool://h:6379/ns", "--mode", "mp", "--form", "remote_url")
     assert mp.returncode == 2 and "--form" in mp.stderr and mp.stderr.strip().count("\n") == 0
 
@@ -294,7 +294,7 @@ def test_admin_verbs_keep_stderr_for_warnings_and_errors(node_factory, pool_url)
 
 def test_a_token_pool_tells_a_client_without_the_token_how_to_give_it(node_factory, pool_url, tmp_path):
     token = tmp_path / "token"
-    token.write_text("s3cret-token\n")
+    token.write_text("s3cret-token-0123456789abcdef0123\n")
     node_factory("--token-file", str(token))
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as client, pytest.raises(KVPoolError) as refused:
         client.put([Chunk("k@0", b"x")])

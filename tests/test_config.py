@@ -22,14 +22,14 @@ MiB = 1024**2
 
 def test_from_url_reads_host_port_namespace_token_and_options() -> None:
     config = PoolConfig.from_url(
-        "kvpool://:s3cret@redis.example:6380/team-a?replicas=2&timeout_ms=750"
+        "kvpool://:s3cret-5b8e1f0c9d2a4e67@redis.example:6380/team-a?replicas=2&timeout_ms=750"
         "&connections_per_node=4&nccl=on&cluster=rack_1&tls=off"
     )
 
     assert config.redis_host == "redis.example"
     assert config.redis_port == 6380
     assert config.namespace == "team-a"
-    assert config.token == "s3cret"
+    assert config.token == "s3cret-5b8e1f0c9d2a4e67"
     assert config.replicas == 2
     assert config.timeout_ms == 750
     assert config.connections_per_node == 4
@@ -51,7 +51,7 @@ def test_from_url_without_a_path_uses_the_default_namespace(url: str) -> None:
 
 
 def test_from_url_percent_decodes_the_token() -> None:
-    assert PoolConfig.from_url("kvpool://:a%40b%3Ac%2Fd@h:1/ns").token == "a@b:c/d"
+    assert PoolConfig.from_url("kvpool://:a%40b%3Ac%2Fd-0123456789@h:1/ns").token == "a@b:c/d-0123456789"
 
 
 def test_from_url_ignores_surrounding_whitespace() -> None:
@@ -91,10 +91,10 @@ def test_timeout_s_is_timeout_ms_in_seconds() -> None:
 
 
 def test_redis_url_points_at_db_0_and_never_carries_the_token() -> None:
-    config = PoolConfig.from_url("kvpool://:s3cret@redis.example:6380/ns")
+    config = PoolConfig.from_url("kvpool://:s3cret-5b8e1f0c9d2a4e67@redis.example:6380/ns")
 
     assert config.redis_url == "redis://redis.example:6380/0"
-    assert "s3cret" not in config.redis_url
+    assert "s3cret-5b8e1f0c9d2a4e67" not in config.redis_url
 
 
 # -- bad URLs and options: ConfigError names the offending part -------------------------
@@ -111,7 +111,7 @@ def test_redis_url_points_at_db_0_and_never_carries_the_token() -> None:
         ("kvpool://h/ns", "url", "missing Redis port"),
         ("kvpool://h:abc/ns", "url", "port is not a number"),
         ("kvpool://[::1/default", "url", "malformed URL kvpool://[::1/default: an unclosed '['"),
-        ("kvpool://:s3cret@[::1/default", "url", "malformed URL kvpool://:***@[::1/default"),
+        ("kvpool://:s3cret-5b8e1f0c9d2a4e67@[::1/default", "url", "malformed URL kvpool://:***@[::1/default"),
         ("kvpool://h:0/ns", "url", "Redis port 0 is out of range"),
         ("kvpool://user:tok@h:6379/ns", "url", "user names are not supported"),
         ("kvpool://user@h:6379/ns", "url", "user names are not supported"),
@@ -223,13 +223,13 @@ def test_env_option_overrides_the_url() -> None:
 
 
 def test_env_token_overrides_the_url_token() -> None:
-    config = PoolConfig.from_url("kvpool://:from-url@h:1/ns", {"KVPOOL_TOKEN": "from-env"})
-    assert config.token == "from-env"
+    config = PoolConfig.from_url("kvpool://:from-url-0123456789ab@h:1/ns", {"KVPOOL_TOKEN": "from-env-0123456789ab"})
+    assert config.token == "from-env-0123456789ab"
 
 
 def test_empty_env_token_clears_the_url_token() -> None:
     # A set-but-empty KVPOOL_TOKEN still wins over the URL: the documented precedence.
-    config = PoolConfig.from_url("kvpool://:from-url@h:1/ns", {"KVPOOL_TOKEN": ""})
+    config = PoolConfig.from_url("kvpool://:from-url-0123456789ab@h:1/ns", {"KVPOOL_TOKEN": ""})
     assert config.token == ""
 
 
@@ -284,10 +284,21 @@ def test_from_url_reads_no_process_environment_unless_given_one(monkeypatch: pyt
 
 def test_from_mapping_takes_url_plus_typed_options() -> None:
     config = PoolConfig.from_mapping(
-        {"url": "kvpool://:tok@h:7000/ns", "replicas": 2, "timeout_ms": 900, "nccl": True, "cluster": "east"}
+        {
+            "url": "kvpool://:tok-0123456789abcdef@h:7000/ns",
+            "replicas": 2,
+            "timeout_ms": 900,
+            "nccl": True,
+            "cluster": "east",
+        }
     )
 
-    assert (config.redis_host, config.redis_port, config.namespace, config.token) == ("h", 7000, "ns", "tok")
+    assert (config.redis_host, config.redis_port, config.namespace, config.token) == (
+        "h",
+        7000,
+        "ns",
+        "tok-0123456789abcdef",
+    )
     assert (config.replicas, config.timeout_ms, config.nccl, config.cluster) == (2, 900, True, "east")
 
 
@@ -329,7 +340,7 @@ def test_from_mapping_validates_option_values() -> None:
 def test_from_yaml_reads_a_real_file(tmp_path: Path) -> None:
     path = tmp_path / "kvpool.yaml"
     path.write_text(
-        "url: kvpool://:tok@redis.internal:6379/prod\n"
+        "url: kvpool://:tok-0123456789abcdef@redis.internal:6379/prod\n"
         "replicas: 2\n"
         "connections_per_node: 8\n"
         "nccl: on\n"
@@ -340,7 +351,7 @@ def test_from_yaml_reads_a_real_file(tmp_path: Path) -> None:
 
     assert config.redis_host == "redis.internal"
     assert config.namespace == "prod"
-    assert config.token == "tok"
+    assert config.token == "tok-0123456789abcdef"
     assert (config.replicas, config.connections_per_node, config.nccl, config.cluster) == (2, 8, True, "gpu-rack-3")
 
 
@@ -399,8 +410,8 @@ def test_from_yaml_unknown_key_is_named(tmp_path: Path) -> None:
     [
         "kvpool://127.0.0.1:6379/default",
         "kvpool://redis.example:6380/team-a?replicas=3",
-        "kvpool://:tok@h:1/ns?replicas=2&timeout_ms=500&connections_per_node=16&nccl=on&cluster=east",
-        "kvpool://:p%40ss%2Fw%3Ard@h:1/ns",
+        "kvpool://:tok-0123456789abcdef@h:1/ns?replicas=2&timeout_ms=500&connections_per_node=16&nccl=on&cluster=east",
+        "kvpool://:p%40ss%2Fw%3Ard-0123456789@h:1/ns",
     ],
 )
 def test_to_url_round_trips_through_from_url(url: str) -> None:
@@ -416,17 +427,17 @@ def test_to_url_lists_only_options_that_differ_from_defaults() -> None:
 
 
 def test_to_url_without_token_masks_it() -> None:
-    config = PoolConfig.from_url("kvpool://:s3cret@h:1/ns")
+    config = PoolConfig.from_url("kvpool://:s3cret-5b8e1f0c9d2a4e67@h:1/ns")
 
     assert config.to_url(with_token=False) == "kvpool://:***@h:1/ns"
     assert PoolConfig.from_url("kvpool://h:1/ns").to_url(with_token=False) == "kvpool://h:1/ns"
 
 
 def test_repr_and_str_mask_the_token() -> None:
-    config = PoolConfig.from_url("kvpool://:s3cret@h:1/ns?replicas=2")
+    config = PoolConfig.from_url("kvpool://:s3cret-5b8e1f0c9d2a4e67@h:1/ns?replicas=2")
 
     for text in (repr(config), str(config), f"{config}", repr([config])):
-        assert "s3cret" not in text
+        assert "s3cret-5b8e1f0c9d2a4e67" not in text
         assert "token='***'" in text
     assert "replicas=2" in repr(config)
     assert "token=''" in repr(PoolConfig())
@@ -511,13 +522,13 @@ def test_remote_url_names_the_same_pool_as_the_pool_url(url: str) -> None:
 
 def test_remote_url_reads_secrets_from_files_and_kvpool_env_like_a_pool_url(tmp_path: Path) -> None:
     token = tmp_path / "token"
-    token.write_text("s3cret\n")
+    token.write_text("s3cret-5b8e1f0c9d2a4e67\n")
     remote_url = lmcache_remote_url(f"kvpool://h:6379/ns?token_file={token}")
 
     config = remote_url_pool_config(remote_url, {"KVPOOL_REPLICAS": "3", "KVPOOL_REDIS_PASSWORD": "pw"})
 
-    assert (config.token, config.replicas, config.redis_password) == ("s3cret", 3, "pw")
-    assert "s3cret" not in remote_url
+    assert (config.token, config.replicas, config.redis_password) == ("s3cret-5b8e1f0c9d2a4e67", 3, "pw")
+    assert "s3cret-5b8e1f0c9d2a4e67" not in remote_url
 
 
 REMOTE = "external://h:6379/backend.lmcache_connector/?connector_name=KVPoolRemoteURLConnector&namespace=ns"
@@ -554,10 +565,12 @@ def test_bad_remote_url_raises_naming_the_bad_part_and_shows_the_url(remote_url:
 
 def test_remote_url_errors_never_echo_a_secret() -> None:
     with pytest.raises(ConfigError) as caught:
-        remote_url_pool_config(REMOTE.replace("//h", "//:tok3n@h") + "&redis_password=pw5ecret&replicas=0")
+        remote_url_pool_config(
+            REMOTE.replace("//h", "//:tok3n-0123456789abcdef@h") + "&redis_password=pw5ecret&replicas=0"
+        )
 
     assert caught.value.key == "replicas"
-    assert "tok3n" not in str(caught.value) and "pw5ecret" not in str(caught.value)
+    assert "tok3n-0123456789abcdef" not in str(caught.value) and "pw5ecret" not in str(caught.value)
 
 
 # -- NodeConfig: flags, environment and YAML through one table --------------------------
@@ -567,32 +580,36 @@ def test_node_options_take_a_flag_over_the_environment_over_yaml_over_the_defaul
     from backend.config import NodeConfig
 
     token_file = tmp_path / "token"
-    token_file.write_text("from-file\n")
+    token_file.write_text("from-file-0123456789ab\n")
     yaml_file = tmp_path / "node.yaml"
     yaml_file.write_text("redis: redis://r:1\ndram: 8MiB\nnode-id: from-yaml\nshm_dir: off\nport: 7001\n")
-    config = NodeConfig.from_sources({"dram": "16MiB"}, config_file=yaml_file, environ={"KVPOOL_TOKEN": "env"})
+    config = NodeConfig.from_sources(
+        {"dram": "16MiB"}, config_file=yaml_file, environ={"KVPOOL_TOKEN": "env-0123456789abcdef"}
+    )
     assert (config.redis_url, config.dram_bytes, config.node_id) == ("redis://r:1", 16 << 20, "from-yaml")
-    assert (config.port, config.shm_dir, config.token, config.token_file) == (7001, None, "env", "")
+    assert (config.port, config.shm_dir, config.token, config.token_file) == (7001, None, "env-0123456789abcdef", "")
     assert config.nvme_dir is None and config.pair_timeout_ms == 60_000  # the table's defaults
 
     yaml_file.write_text(f"redis: redis://r:1\ntoken_file: {token_file}\n")
-    config = NodeConfig.from_sources({}, config_file=yaml_file, environ={"KVPOOL_TOKEN": "env"})
-    assert (config.token, config.token_file) == ("from-file", str(token_file.resolve()))  # a file wins
-    assert "from-file" not in repr(config)
+    config = NodeConfig.from_sources({}, config_file=yaml_file, environ={"KVPOOL_TOKEN": "env-0123456789abcdef"})
+    assert (config.token, config.token_file) == ("from-file-0123456789ab", str(token_file.resolve()))  # a file wins
+    assert "from-file-0123456789ab" not in repr(config)
 
 
 def test_a_node_reads_the_token_and_password_files_the_engines_variables_name(tmp_path: Path) -> None:
     """KVPOOL_TOKEN_FILE set on a node (as on an engine) must not leave the node without a token."""
     from backend.config import NodeConfig
 
-    (tmp_path / "token").write_text("file-token\n")
+    (tmp_path / "token").write_text("file-token-0123456789ab\n")
     (tmp_path / "password").write_text("file-password\n")
     environ = {"KVPOOL_TOKEN_FILE": str(tmp_path / "token"), "KVPOOL_REDIS_PASSWORD_FILE": str(tmp_path / "password")}
-    config = NodeConfig.from_sources({"redis": "redis://r:1"}, environ={**environ, "KVPOOL_TOKEN": "env-token"})
-    assert (config.token, config.redis_password) == ("file-token", "file-password")
-    (tmp_path / "flag-token").write_text("flag-token")
+    config = NodeConfig.from_sources(
+        {"redis": "redis://r:1"}, environ={**environ, "KVPOOL_TOKEN": "env-token-0123456789ab"}
+    )
+    assert (config.token, config.redis_password) == ("file-token-0123456789ab", "file-password")
+    (tmp_path / "flag-token").write_text("flag-token-0123456789ab")
     flags = {"redis": "redis://r:1", "token_file": str(tmp_path / "flag-token")}
-    assert NodeConfig.from_sources(flags, environ=environ).token == "flag-token"  # a flag wins
+    assert NodeConfig.from_sources(flags, environ=environ).token == "flag-token-0123456789ab"  # a flag wins
     (tmp_path / "token").write_text("")
     with pytest.raises(ConfigError, match="is empty; a node without a token accepts anyone"):
         NodeConfig.from_sources({"redis": "redis://r:1"}, environ=environ)
@@ -686,11 +703,11 @@ def test_nccl_on_without_a_cluster_is_warned_about_when_the_config_is_built(capl
 
 def test_mask_secrets_hides_every_secret_written_into_a_url_in_a_text() -> None:
     dump = (
-        "{'extra_config': {'url': 'kvpool://:tok3n@h:6379/ns?redis_password=pw0rd&replicas=2'}, "
-        "'remote_url': 'external://h:1/m/?connector_name=C&token=tok3n', 'redis': 'redis://u:pw0rd@h:1/0'}"
+        "{'extra_config': {'url': 'kvpool://:tok3n-0123456789abcdef@h:6379/ns?redis_password=pw0rd&replicas=2'}, "
+        "'remote_url': 'external://h:1/m/?connector_name=C&token=tok3n-0123456789abcdef', 'redis': 'redis://u:pw0rd@h:1/0'}"
     )
     shown = mask_secrets(dump)
-    assert "tok3n" not in shown and "pw0rd" not in shown
+    assert "tok3n-0123456789abcdef" not in shown and "pw0rd" not in shown
     assert "kvpool://:***@h:6379/ns?redis_password=***&replicas=2" in shown and "redis://u:***@h:1/0" in shown
     assert mask_secrets("read from a file: f1le-secret", ["f1le-secret"]) == "read from a file: ***"
     assert mask_secrets("kvpool://h:6379/ns and user@example.com") == "kvpool://h:6379/ns and user@example.com"

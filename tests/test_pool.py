@@ -200,15 +200,15 @@ def test_node_refuses_to_start_without_redis(tmp_path):
 
 
 def test_token_is_required_and_checked(node_factory, redis_server, namespace):
-    node_factory(env={"KVPOOL_TOKEN": "right-token"})
+    node_factory(env={"KVPOOL_TOKEN": "right-token-0123456789abcdef01234"})
     base = f"127.0.0.1:{redis_server.port}/{namespace}"
     with SyncPoolClient(PoolConfig.from_url(f"kvpool://{base}")) as client:
         with pytest.raises(AuthError, match="requires a token"):
             client.put(_chunks("a", 1, 10))
-    with SyncPoolClient(PoolConfig.from_url(f"kvpool://:wrong@{base}")) as client:
+    with SyncPoolClient(PoolConfig.from_url(f"kvpool://:wrong-0123456789abcdef0123456789a@{base}")) as client:
         with pytest.raises(AuthError):
             client.put(_chunks("a", 1, 10))
-    with SyncPoolClient(PoolConfig.from_url(f"kvpool://:right-token@{base}")) as client:
+    with SyncPoolClient(PoolConfig.from_url(f"kvpool://:right-token-0123456789abcdef01234@{base}")) as client:
         client.put(_chunks("a", 1, 10))
         assert client.contains(["a@0"]) == [True]
 

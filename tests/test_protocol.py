@@ -160,6 +160,7 @@ def test_op_and_status_codes_have_their_wire_values() -> None:
         "INTEGRITY": 4,
         "METADATA": 5,
         "INTERNAL": 6,
+        "UNAVAILABLE": 7,
     }
     assert RESPONSE_BIT == 0x80
     assert (PUT_STORED, PUT_INTEGRITY, PUT_NO_CAPACITY) == (0, 1, 2)

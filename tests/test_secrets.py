@@ -29,7 +29,7 @@ from bench.lmcache_stack import LMCacheStack, same_bytes
 from bench.nodes import UpProcess
 from tests.conftest import REPO
 
-TOKEN = "tok-5f1c9a0e7d2b"
+TOKEN = "tok-5f1c9a0e7d2b" * 2
 PASSWORD = "pw-8e3b61a4c7f0"
 USER = "kvpool"
 UP_TIMEOUT_S = 60.0

@@ -155,6 +155,7 @@ def test_arenas_and_stages_of_dead_processes_are_removed():
         live = [Path(directory) / f"kvpool-{os.getpid()}-cafecafe{suffix}" for suffix in (".arena", ".stage")]
         for path in stale + live:
             path.write_bytes(b"x")
+            os.utime(path, (time.time() - 60, time.time() - 60))  # past STAGE_MIN_AGE_S
         assert remove_stale_arenas(Path(directory)) == 2
         assert not any(p.exists() for p in stale) and all(p.exists() for p in live)
 

@@ -23,7 +23,7 @@ from bench.nodes import UpProcess
 from tests.conftest import REPO, wait_until
 
 UP_TIMEOUT_S = 60.0
-TOKEN = "tok-3b9d0c51e7a2"
+TOKEN = "tok-3b9d0c51e7a2" * 2  # 32 characters: no "weak token" warning in the CLI's one-line errors
 PASSWORD = "pw-c40e9a7b1f36"
 DEATH_DEADLINE_S = 5.0  # how soon a redis-server must follow its killed `kvpool up`
 
@@ -116,6 +116,7 @@ def _without_password(url: str) -> str:
 def test_a_token_pools_redis_refuses_a_client_without_the_password_and_serves_one_with_it(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
+    token_file.chmod(0o600)  # not readable by others: no warning either
     up = _Up("--token-file", str(token_file))
     try:
         url, password_file = up.url, up.password_file

@@ -126,6 +126,8 @@ class NodeConnection:
         self._connect_lock = asyncio.Lock()
         self._ready = False  # set once HELLO/AUTH succeeded; nothing else is sent before
         self.broken = False
+        self._closed_by: BaseException | None = None  # why it was closed: what a later request raises
+        self._told = False  # the node said why it closes this connection (an error frame for request id 0)
 
     @property
     def load(self) -> int:
@@ -163,6 +165,8 @@ class NodeConnection:
         if self._reader is not None and self._reader is not asyncio.current_task():
             self._reader.cancel()
         error = reason or NodeUnavailable(f"connection to {self.node.node_id} closed")
+        if self._closed_by is None:
+            self._closed_by = error
         for pending in self._pending.values():
             if not pending.future.done():
                 pending.future.set_exception(error)
@@ -190,6 +194,8 @@ class NodeConnection:
         """
         sock = self.sock
         assert sock is not None
+        if self.broken and self._closed_by is not None:
+            raise self._closed_by  # (e.g. the node's reason for closing it, read meanwhile)
         request_id = next(self._ids)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
@@ -234,6 +240,10 @@ class NodeConnection:
         try:
             while True:
                 header, meta = await sock.recv_frame_head(DEFAULT_LIMITS)
+                if header.request_id == 0 and header.status != Status.OK:
+                    # Request id 0 is the connection's: the node's reason for closing it (shed, deadline).
+                    self._told = True
+                    raise error_for_status(header.status, bytes(meta).decode("utf-8", "replace"))
                 if header.request_id in self._abandoned:
                     self._abandoned.discard(header.request_id)
                     await sock.discard(header.data_len)
@@ -260,7 +270,14 @@ class NodeConnection:
         except asyncio.CancelledError:
             pass
         except (KVPoolError, OSError) as exc:
-            self.close(exc if isinstance(exc, KVPoolError) else NodeUnavailable(str(exc)))
+            error = exc if isinstance(exc, KVPoolError) else NodeUnavailable(str(exc) or type(exc).__name__)
+            if isinstance(error, NodeUnavailable) and not self._ready and not self._told:
+                error = NodeUnavailable(
+                    f"node {self.node.node_id} ({self.node.address}) ended the connection during the handshake "
+                    f"without a reason: {error} (a node closes connections that have not finished their handshake "
+                    "when a connection flood passes its --max-pending-connections, and all of them when it stops)"
+                )
+            self.close(error)
         except BaseException as exc:  # a sink bug must not leave waiters hanging
             self.close(NodeUnavailable(f"reader failed: {exc!r}"))
             raise

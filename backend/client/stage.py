@@ -7,7 +7,9 @@ LMCache connector calls for every node on its host when it starts), hashing it a
 it copies, and sends PUT_STAGED with the offsets; the node copies the chunks into its DRAM tier and verifies them. Two memory
 copies replace two trips through the kernel's TCP stack. A stage that cannot be made
 (``/dev/shm`` full, not writable) leaves the puts to TCP, and is tried again after
-``STAGE_RETRY_S``.
+``STAGE_RETRY_S``. The stage is removed at :meth:`StagedWriter.close`; its file stays
+locked while this process lives, so if the process dies first the node removes it
+(``backend.node.stages``).
 """
 
 from __future__ import annotations
@@ -179,7 +181,9 @@ class StagedWriter:
         return stage
 
     def forget(self) -> None:
-        """After a fork: the stage belongs to the parent (it removes it)."""
+        """After a fork: the stage belongs to the parent (it removes it, and holds its lock)."""
+        for stage in self._stages.values():
+            stage.forget()
         self._stages = {}
 
     def close(self) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.config.pool import DEFAULT_NAMESPACE, warn_unknown_env
-from backend.config.values import CLUSTER_RE, NAMESPACE_RE, parse_int, parse_size
+from backend.config.values import CLUSTER_RE, NAMESPACE_RE, check_token, parse_int, parse_size, read_secret_file
 from backend.errors import ConfigError
 from backend.protocol import DEFAULT_LIMITS, Limits
 from backend.redis_topology import RedisTarget, mask_url
@@ -402,6 +402,10 @@ class NodeConfig:
                 "--redis", "the pool's metadata Redis is required: --redis redis://HOST:PORT (or redis: in --config)"
             )
         redis_tls = RedisTarget.parse(self.redis_url, key="--redis").tls
+        if self.token_file:
+            check_token(self.token, "--token-file", self.token_file)
+        else:
+            check_token(self.token, "KVPOOL_TOKEN", "KVPOOL_TOKEN")
         if not NAMESPACE_RE.match(self.namespace):
             raise ConfigError("--namespace", f"{self.namespace!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
         if not CLUSTER_RE.match(self.cluster):
@@ -487,13 +491,5 @@ class NodeConfig:
 
 
 def _read_node_secret(path: Path, flag: str) -> str:
-    try:
-        secret = path.read_text().strip()
-    except OSError as exc:
-        raise ConfigError(flag, f"cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(flag, f"{path} is not text") from None
-    if not secret:
-        why = "; a node without a token accepts anyone" if flag == "--token-file" else ""
-        raise ConfigError(flag, f"{path} is empty{why}")
-    return secret
+    why = "; a node without a token accepts anyone" if flag == "--token-file" else ""
+    return read_secret_file(path, flag, if_empty=why)

@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 
-from backend.config.values import CLUSTER_RE, NAMESPACE_RE, parse_bool, parse_int, split_url
+from backend.config.values import (
+    CLUSTER_RE,
+    NAMESPACE_RE,
+    check_token,
+    parse_bool,
+    parse_int,
+    read_secret_file,
+    split_url,
+)
 from backend.errors import ConfigError
 from backend.redis_topology import CLUSTER, REDIS_MODES, SINGLE, RedisTarget, parse_hosts
 
@@ -80,6 +88,10 @@ class PoolConfig:
             raise ConfigError("url", f"Redis port {self.redis_port} is out of range")
         if not CLUSTER_RE.match(self.cluster):
             raise ConfigError("cluster", f"{self.cluster!r} must be A-Z a-z 0-9 _ . -")
+        if self.token_file:
+            check_token(self.token, "token_file", self.token_file)
+        else:
+            check_token(self.token, "token", "KVPOOL_TOKEN or the URL's :TOKEN@")
         if self.tls_ca and not self.tls:
             raise ConfigError("tls_ca", "a CA bundle only matters with TLS: add tls=on")
         if self.channel_transport not in CHANNEL_TRANSPORTS:
@@ -283,17 +295,8 @@ def _read_secret_files(values: dict[str, Any]) -> dict[str, Any]:
     """Fill ``token`` / ``redis_password`` from the files ``token_file`` / ``redis_password_file`` name."""
     for option, secret in _SECRET_FILES.items():
         path = values.get(option)
-        if not path:
-            continue
-        try:
-            text = Path(path).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(option, f"cannot read {path}: {exc.strerror}") from None
-        except UnicodeDecodeError:
-            raise ConfigError(option, f"{path} is not text") from None
-        if not text:
-            raise ConfigError(option, f"{path} is empty")
-        values[secret] = text
+        if path:
+            values[secret] = read_secret_file(path, option)
     return values
 
 

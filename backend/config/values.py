@@ -1,14 +1,44 @@
-"""The values every kvpool setting is made of: sizes, on/off, bounded integers, names."""
+"""The values every kvpool setting is made of: sizes, on/off, bounded integers, names, secrets.
+
+Secrets (the pool token, the Redis password) are read from files by one function for the
+client and the node alike, :func:`read_secret_file`, which warns about a file that other
+users can read; the pool token, wherever it comes from, is held to a minimum length by
+:func:`check_token`.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import stat
 from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import SplitResult, urlsplit
 
 from backend.errors import ConfigError
 
-__all__ = ["NAMESPACE_RE", "CLUSTER_RE", "format_size", "parse_bool", "parse_int", "parse_size", "split_url"]
+__all__ = [
+    "NAMESPACE_RE",
+    "CLUSTER_RE",
+    "MIN_TOKEN_CHARS",
+    "GOOD_TOKEN_CHARS",
+    "check_token",
+    "format_size",
+    "parse_bool",
+    "parse_int",
+    "parse_size",
+    "read_secret_file",
+    "split_url",
+]
+
+logger = logging.getLogger("backend.config")
+
+# A pool token shorter than this is refused: a few characters can be guessed, and a token is
+# never rotated by itself. Below GOOD_TOKEN_CHARS it is accepted with a warning.
+MIN_TOKEN_CHARS = 16
+GOOD_TOKEN_CHARS = 32
+MAKE_TOKEN = "openssl rand -hex 32"  # 64 hex characters: 256 random bits
 
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 CLUSTER_RE = re.compile(r"^[A-Za-z0-9_.-]{0,64}$")
@@ -86,3 +116,74 @@ def parse_int(key: str, text: str, low: int, high: int) -> int:
     if not low <= value <= high:
         raise ConfigError(key, f"{value} is out of range [{low}, {high}]")
     return value
+
+
+_warned_secrets: set[tuple[str, str]] = set()  # (what, where): configs are rebuilt, each warning is said once
+
+
+def _warn_once(what: str, where: str, message: str, *args: object) -> None:
+    if (what, where) not in _warned_secrets:
+        _warned_secrets.add((what, where))
+        logger.warning(message, *args)
+
+
+def read_secret_file(path: str | Path, key: str, *, if_empty: str = "") -> str:
+    """The secret held in the file at ``path``, surrounding whitespace stripped.
+
+    ConfigError naming ``key`` (the option or flag that named the file) if it cannot be
+    read or is empty (``if_empty`` is added to that message). A file that users other than its owner can read is warned about
+    once per process, with the fix: readable by everyone, or by its group when it is this
+    user's own file (a file of another owner that this user reads through its group, as a
+    Kubernetes secret volume with ``defaultMode: 0440`` and an ``fsGroup``, is how it must be).
+    """
+    try:
+        with open(path, encoding="utf-8") as file:
+            info = os.fstat(file.fileno())
+            text = file.read().strip()
+    except OSError as exc:
+        raise ConfigError(key, f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(key, f"{path} is not text") from None
+    if not text:
+        raise ConfigError(key, f"{path} is empty{if_empty}")
+    mode = stat.S_IMODE(info.st_mode)
+    others = bool(mode & stat.S_IROTH)
+    group = bool(mode & stat.S_IRGRP) and info.st_uid == os.getuid()
+    if others or group:
+        who = "every user of this host" if others else "its group"
+        _warn_once(
+            "readable",
+            str(path),
+            "%s: %s is readable by %s (mode %04o): whoever reads it holds the secret; run `chmod 600 %s`",
+            key,
+            path,
+            who,
+            mode,
+            path,
+        )
+    return text
+
+
+def check_token(token: str, key: str, source: str) -> None:
+    """Refuse a pool token shorter than :data:`MIN_TOKEN_CHARS`; warn (once) about one shorter
+    than :data:`GOOD_TOKEN_CHARS`. ``key`` is what a ConfigError names, ``source`` where the token came
+    from (a file, a variable), for the message. An empty token is no token: the pool is open."""
+    if not token:
+        return
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ConfigError(
+            key,
+            f"the pool token from {source} is {len(token)} characters; at least {MIN_TOKEN_CHARS} are required "
+            f"(make one with `{MAKE_TOKEN}`)",
+        )
+    if len(token) < GOOD_TOKEN_CHARS:
+        _warn_once(
+            "weak",
+            source,
+            "%s: the pool token from %s is %d characters, a weak one; %d or more are recommended (make one with `%s`)",
+            key,
+            source,
+            len(token),
+            GOOD_TOKEN_CHARS,
+            MAKE_TOKEN,
+        )

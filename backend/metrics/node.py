@@ -60,6 +60,7 @@ NODE_COUNTERS: dict[str, str] = {
     "requests": "Requests answered successfully (HELLO and AUTH not counted).",
     "shm_get_bytes": "Payload bytes same-host clients copied from the shared-memory arena (not sent).",
     "staged_put_bytes": "Payload bytes of staged puts: copied in from same-host clients' stages (not received).",
+    "stages_removed": "Put stages of same-host clients that died without closing them, removed by the node.",
     "leases_granted": "Leases granted (same-host reads and locks).",
     "leases_released": "Leases ended by their client.",
     "leases_expired": "Leases ended by their deadline (client gone or slow).",

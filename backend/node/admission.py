@@ -16,24 +16,39 @@ arrived (a kvpool client's HELLO). Until then it has proven nothing, so it gets 
 Both events are counted one by one but logged at most once a minute, with the number
 since the last line: a flood must not become a flood of log lines too.
 
+A connection closed for either reason is first told why (:func:`say_why`): an error
+frame with request id 0 and status ``UNAVAILABLE`` whose message is the reason, e.g.
+``node N shed this connection: over 1024 connections without a finished handshake``,
+which a kvpool client raises as its NodeUnavailable. It is written only if it can go
+at once (one non-blocking send into the socket's empty buffer, never waited on), so a
+peer that reads nothing holds nothing of the node's; what the peer sent and nobody will
+read is dropped first, so that the close reaches it as a FIN after the frame rather
+than a reset. A connection the node could not accept (out of file descriptors) is
+never spoken to: the client says it was closed without a reason.
+
 Admitted connections are not limited here: a client keeps its pooled connections
 open and idle as long as it likes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
+import ssl
 import time
 from collections import Counter
 from typing import Any
 
+from backend.protocol import RESPONSE_BIT, Op, Status, encode_header
 from backend.transport import FrameSocket
 
-__all__ = ["Admission", "ThrottledWarning"]
+__all__ = ["Admission", "ThrottledWarning", "say_why"]
 
 logger = logging.getLogger(__name__)
 
 WARNING_INTERVAL_S = 60.0
+UNREAD_DROP_BYTES = 256 * 1024  # at most this much of a closing peer's unread bytes is read and dropped
 
 
 class ThrottledWarning:
@@ -77,6 +92,12 @@ class Admission:
         while len(self._pending) >= self.max_pending:
             oldest = next(iter(self._pending))
             del self._pending[oldest]
+            say_why(
+                oldest,
+                f"node {node_id} shed this connection: over {self.max_pending} connections without a finished "
+                "handshake (the oldest are closed first: a connection flood, or a burst of clients above "
+                "--max-pending-connections)",
+            )
             oldest.close()
             self.counters["connections_shed"] += 1
             self._shed_warning.warn(
@@ -92,8 +113,47 @@ class Admission:
         self._pending.pop(conn, None)
 
     def timed_out(self, conn: FrameSocket, node_id: str, timeout_s: float) -> None:
-        """``conn`` missed the handshake deadline; its session closes it."""
+        """``conn`` missed the handshake deadline: told so here, closed by its session."""
+        say_why(
+            conn,
+            f"node {node_id} closed this connection: its handshake did not finish within {timeout_s:.1f} s of the "
+            "connect (--handshake-timeout-ms)",
+        )
         self.counters["handshake_timeouts"] += 1
         self._timeout_warning.warn(
             "node %s: %s did not finish its handshake within %.1f s; closed", node_id, conn.peer, timeout_s
         )
+
+
+def say_why(conn: FrameSocket, reason: str) -> bool:
+    """Tell the peer of ``conn``, which the node is about to close, why: an ``UNAVAILABLE`` error
+    frame for request id 0. Whether it went out whole.
+
+    Never waits: one non-blocking send, skipped when a frame of the session is half-sent
+    (the stream would be cut) or when TLS is not set up yet. Then what the peer sent and
+    nobody will read is dropped (up to ``UNREAD_DROP_BYTES``, without waiting), so that
+    the close that follows is a FIN behind the frame, not a reset.
+    """
+    if conn.closed or conn.send_lock.locked():
+        return False
+    sock = conn.sock
+    message = reason.encode("utf-8", "replace")[:4096]
+    frame = encode_header(Op.PING | RESPONSE_BIT, 0, message, 0, Status.UNAVAILABLE) + message
+    try:
+        if isinstance(sock, ssl.SSLSocket):
+            if sock.version() is None:
+                return False  # the TLS handshake is not done: nothing can be said in it
+            sent = sock.send(frame)
+        else:
+            sent = sock.send(frame, socket.MSG_DONTWAIT)
+    except (OSError, ValueError):  # (ssl.SSLError is an OSError: a write that would block, a closed peer)
+        return False
+    if not isinstance(sock, ssl.SSLSocket):
+        with contextlib.suppress(OSError):
+            dropped = 0
+            while dropped < UNREAD_DROP_BYTES:
+                piece = sock.recv(65536, socket.MSG_DONTWAIT)
+                if not piece:
+                    break
+                dropped += len(piece)
+    return sent == len(frame)

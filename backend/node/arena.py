@@ -60,8 +60,9 @@ from backend.shm import (
     HEADER,
     HEADER_BYTES,
     MADV_POPULATE_WRITE,
-    STAGE_SUFFIX,
     madvise,
+    pid_alive,
+    remove_abandoned_stages,
 )
 
 __all__ = ["Arena", "PrivateArena", "ShmArena", "remove_stale_arenas"]
@@ -409,28 +410,18 @@ def _memory_available_bytes() -> int | None:
 
 
 def remove_stale_arenas(directory: Path) -> int:
-    """Delete the arenas of nodes and the put stages of clients whose processes no longer exist
-    (killed without cleanup)."""
-    removed = 0
+    """Delete the arenas of nodes whose processes no longer exist (killed without cleanup), and
+    the put stages no live client holds (``backend.shm.remove_abandoned_stages``)."""
+    removed = remove_abandoned_stages(directory)
     with contextlib.suppress(OSError):
         for entry in os.scandir(directory):
             name = entry.name
-            if not (name.startswith(FILE_PREFIX) and name.endswith((ARENA_SUFFIX, STAGE_SUFFIX))):
+            if not (name.startswith(FILE_PREFIX) and name.endswith(ARENA_SUFFIX)):
                 continue
             pid_text = name[len(FILE_PREFIX) :].split("-", 1)[0]
-            if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+            if not pid_text.isdigit() or pid_alive(int(pid_text)):
                 continue
             with contextlib.suppress(OSError):
                 os.unlink(entry.path)
                 removed += 1
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True

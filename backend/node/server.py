@@ -5,7 +5,8 @@ The parts, one module each:
 * ``tiers.py`` (with ``dram.py``, ``nvme_tier.py`` and its file format ``nvme_format.py``,
   ``demotion.py``, ``arena.py``, ``leases.py``): where chunks live; ``recovery.py``: the NVMe scan at start;
 * ``session.py``: the accept loop and one session per connection (TLS, auth, frames);
-  ``admission.py``: what a connection gets before its handshake is done;
+  ``admission.py``: what a connection gets before its handshake is done; ``stages.py``: the
+  same-host clients' put stages, swept when their client is gone;
 * ``ops.py``: what each request op does; ``puts.py``: the put path and its crash ordering;
 * ``publisher.py``: heartbeat, index flush, republish after Redis loss; ``reaper.py``: what dead
   nodes left in Redis, removed by one live node;
@@ -39,6 +40,7 @@ from backend.node.puts import PutReceiver
 from backend.node.reaper import DeadNodeReaper
 from backend.node.recovery import RecoveryReport, node_identity, scan
 from backend.node.session import Acceptor
+from backend.node.stages import sweep_stages
 from backend.node.stats import NodeStats
 from backend.node.tiers import TierConfig, TierManager
 from backend.protocol import NodeReport
@@ -187,6 +189,8 @@ class PoolNode:
         self.tiers.start()
         self.ctx.spawn(self.acceptor.accept_loop(listener, self.tls))
         self.ctx.spawn(self.publisher.heartbeat_loop(self.reaper))
+        if self.tiers.shm_arena is not None:  # clients on this host stage their puts next to it
+            self.ctx.spawn(sweep_stages(self.ctx, self.tiers.shm_arena.path.parent))
         nvme = self.tiers.nvme
         logger.info(
             "node %s epoch %d listening on %s:%d, advertised as %s:%d (DRAM %d bytes, NVMe %s, namespace %s)",

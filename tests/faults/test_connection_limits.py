@@ -33,7 +33,7 @@ from backend.protocol import (
 from tests.conftest import wait_until
 from tests.support.handshake import auth_frame, hello_frame
 
-TOKEN = "limits-token-42"
+TOKEN = "limits-token-42-0123456789abcdef"
 HANDSHAKE_MS = 1000
 DEADLINE_S = HANDSHAKE_MS / 1000
 # A close is "at the deadline" between 0.8 of it and this much after it: the shared

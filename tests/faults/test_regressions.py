@@ -105,8 +105,10 @@ async def _lookup(redis_url: str, ns: str, keys: list[str]):
 
 
 async def test_requests_issued_during_the_handshake_wait_for_it(node_factory, redis_server, namespace):
-    node_factory(env={"KVPOOL_TOKEN": "tok"})
-    config = PoolConfig.from_url(f"kvpool://:tok@127.0.0.1:{redis_server.port}/{namespace}?connections_per_node=1")
+    node_factory(env={"KVPOOL_TOKEN": "tok-0123456789abcdef0123456789abcd"})
+    config = PoolConfig.from_url(
+        f"kvpool://:tok-0123456789abcdef0123456789abcd@127.0.0.1:{redis_server.port}/{namespace}?connections_per_node=1"
+    )
     async with PoolClient(config) as client:
         node = (await client.nodes())[0]
         first = asyncio.ensure_future(client.node_stats(node))
@@ -177,10 +179,14 @@ async def test_a_put_that_stalls_mid_frame_is_dropped_and_its_space_released(red
 
 
 def test_wrong_token_gets_nothing(node_factory, redis_server, namespace):
-    node_factory(env={"KVPOOL_TOKEN": "secret"})
-    with SyncPoolClient(PoolConfig.from_url(f"kvpool://:secret@127.0.0.1:{redis_server.port}/{namespace}")) as good:
+    node_factory(env={"KVPOOL_TOKEN": "secret-0123456789abcdef0123456789"})
+    with SyncPoolClient(
+        PoolConfig.from_url(f"kvpool://:secret-0123456789abcdef0123456789@127.0.0.1:{redis_server.port}/{namespace}")
+    ) as good:
         good.put([Chunk("t", b"private")])
-    with SyncPoolClient(PoolConfig.from_url(f"kvpool://:guess@127.0.0.1:{redis_server.port}/{namespace}")) as bad:
+    with SyncPoolClient(
+        PoolConfig.from_url(f"kvpool://:guess-0123456789abcdef0123456789a@127.0.0.1:{redis_server.port}/{namespace}")
+    ) as bad:
         with pytest.raises(AuthError):
             bad.node_stats(bad.nodes()[0])
         assert bad.get(["t"]) == [None]

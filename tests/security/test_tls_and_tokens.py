@@ -41,7 +41,7 @@ from backend.transport import FrameSocket, client_tls_context
 
 REDIS_USER = "kvpool"
 REDIS_PASSWORD = "s3cret-redis"
-TOKEN = "pool-token-7d1e"
+TOKEN = "pool-token-7d1e-0123456789abcdef"
 TIMEOUT_S = 10.0
 
 
@@ -361,7 +361,9 @@ def test_wrong_and_missing_tokens_over_tls_get_auth_errors_and_are_counted(secur
         good.put([Chunk("private", b"for token holders")])
         info = good.nodes()[0]
         before = good.node_stats(info)["counters"].get("auth_failures", 0)
-    with SyncPoolClient(PoolConfig.from_url(_secure_url(pki, secure_redis, namespace, token="guess"))) as bad:
+    with SyncPoolClient(
+        PoolConfig.from_url(_secure_url(pki, secure_redis, namespace, token="guess-0123456789abcdef0123456789a"))
+    ) as bad:
         with pytest.raises(AuthError):
             bad.node_stats(bad.nodes()[0])
         assert bad.get(["private"]) == [None]
