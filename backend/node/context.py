@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from backend.config import NodeConfig
-from backend.metadata import Beat, Location, NodeInfo
+from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, RedisMemory
 from backend.node.tiers import DRAM, TierManager
 from backend.protocol import ItemMeta
 
@@ -29,7 +29,7 @@ BULK_THREADS = 4
 class NodeIndex(Protocol):
     """What the node's parts ask of the index (``backend.metadata.MetadataStore`` in a node process)."""
 
-    async def commit(self, locations: Sequence[tuple[str, Location]]) -> None: ...
+    async def commit(self, locations: Sequence[tuple[str, Location]], timeout_s: float | None = None) -> None: ...
 
     async def remove(self, node_id: str, epoch: int, keys: Sequence[str]) -> None: ...
 
@@ -41,7 +41,11 @@ class NodeIndex(Protocol):
 
     async def new_epoch(self) -> int: ...
 
-    async def heartbeat(self, info: NodeInfo, ttl_ms: int, changed: bool = False) -> Beat: ...
+    async def heartbeat(
+        self, info: NodeInfo, ttl_ms: int, changed: bool = False, holder: ClaimHolder | None = None
+    ) -> Beat: ...
+
+    async def memory(self) -> RedisMemory: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +78,7 @@ class NodeContext:
         return self.identity.epoch
 
     def joined(self, node_id: str, epoch: int) -> None:
-        """The node took ``epoch`` under ``node_id`` (``IndexPublisher.join``): the one place identity is set."""
+        """The node claimed ``node_id`` under ``epoch`` (``PoolNode.start``): the one place identity is set."""
         self.identity = Identity(node_id, epoch)
 
     def location(self, meta: ItemMeta, tier: str = DRAM) -> Location:
