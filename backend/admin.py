@@ -23,9 +23,9 @@ from typing import Any
 
 from backend.client import Chunk, PoolClient
 from backend.client.index import glob_escape
-from backend.errors import AuthError, CapacityError, ConfigError, KVPoolError
+from backend.errors import AuthError, CapacityError, ConfigError, KVPoolError, MetadataError
 from backend.latency import Histogram, LatencyHistograms
-from backend.metadata import Location, NodeInfo
+from backend.metadata import Location, NodeInfo, RedisMemory
 from backend.protocol import InventoryRow, NodeReport, TierReport, Verified, tiers_from_json
 
 __all__ = [
@@ -240,14 +240,23 @@ class PoolStatus:
     hits: int
     recent: RecentHits
     node_list: tuple[StatusNode, ...]
+    redis_memory: RedisMemory | None = None  # None: Redis did not say (INFO not allowed to this user)
 
     @property
     def hit_rate(self) -> float | None:
         return round(self.hits / self.gets, 4) if self.gets else None
 
     def to_json(self) -> dict[str, Any]:
+        redis: dict[str, Any] = {"url": self.redis_url, "reachable": True, "rtt_ms": self.rtt_ms}
+        if self.redis_memory is not None:
+            redis.update(
+                full=self.redis_memory.full,
+                used_memory_bytes=self.redis_memory.used_bytes,
+                maxmemory_bytes=self.redis_memory.max_bytes,
+                maxmemory_policy=self.redis_memory.policy,
+            )
         return {
-            "redis": {"url": self.redis_url, "reachable": True, "rtt_ms": self.rtt_ms},
+            "redis": redis,
             "namespace": self.namespace,
             "nodes": {"alive": self.alive, "dead": self.dead, "draining": self.draining},
             "capacity_bytes": self.capacity_bytes,
@@ -271,9 +280,18 @@ class PoolStatus:
         }
 
 
+async def redis_memory(client: PoolClient) -> RedisMemory | None:
+    """Redis's memory (whether it is full), or None where Redis does not say (an ACL user without INFO)."""
+    try:
+        return await client.index.memory()
+    except MetadataError:
+        return None
+
+
 async def pool_status(client: PoolClient) -> PoolStatus:
     """Redis, nodes, capacity, objects and hit rate: what ``kvpool status`` shows."""
     rtt_ms = await client.index.ping()
+    memory = await redis_memory(client)
     nodes = await client.index.nodes()
     stats = await _stats_of(client, nodes)
     alive = [n for n in nodes if n.alive]
@@ -322,6 +340,7 @@ async def pool_status(client: PoolClient) -> PoolStatus:
             )
             for n in nodes
         ),
+        redis_memory=memory,
     )
 
 

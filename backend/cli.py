@@ -256,11 +256,14 @@ def _stop_on_signals(node: PoolNode) -> None:
 
 
 async def _serve(node: PoolNode) -> None:
+    """Serve until a signal (or until the node stops itself: it lost its id, and then exits 1)."""
     _stop_on_signals(node)
     try:
         await node.wait_stopped()
     finally:
         await node.stop()
+    if node.lost_claim is not None:
+        raise node.lost_claim
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -422,6 +425,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     hit_rate = "n/a" if status.hit_rate is None else f"{status.hit_rate * 100:.1f}%"
     recent_rate = "n/a" if recent.hit_rate is None else f"{recent.hit_rate * 100:.1f}%"
     print(f"Redis       {status.redis_url} reachable ({status.rtt_ms:.2f} ms)")
+    if status.redis_memory is not None and status.redis_memory.full:
+        print(f"            Redis is full: {status.redis_memory.describe()}: puts are refused until it has room")
     print(f"Namespace   {status.namespace}")
     print(f"Nodes       {status.alive} alive, {status.dead} dead, {status.draining} draining")
     print(

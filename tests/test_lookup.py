@@ -99,6 +99,7 @@ async def test_a_view_that_predates_a_node_restart_is_read_again_and_its_new_cop
     try:
         await _live_node(meta, "n1", 1)
         await client.nodes(refresh=True)  # the view: n1 at epoch 1
+        await (await meta.raw()).delete(meta.heartbeat_key("n1"))  # n1 crashed: its beat lapsed
         await _live_node(meta, "n1", 2)  # n1 restarts and stores a key under its new epoch
         await meta.commit([(KEYS[0], _loc("n1", 2, 7))])
         await asyncio.sleep(FRESH_VIEW_S * 1.5)  # the view is now too old to call epoch 2 dead

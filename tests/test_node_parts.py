@@ -18,7 +18,7 @@ import pytest
 
 from backend.config import NodeConfig
 from backend.errors import MetadataError
-from backend.metadata import Beat, Location, NodeInfo
+from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, RedisMemory
 from backend.node.context import NodeContext
 from backend.node.ops import OpHandlers
 from backend.node.publisher import Advert, IndexPublisher
@@ -60,7 +60,7 @@ class FakeIndex:
         self.fail = False
         self.fail_removes = False
 
-    async def commit(self, locations: Sequence[tuple[str, Location]]) -> None:
+    async def commit(self, locations: Sequence[tuple[str, Location]], timeout_s: float | None = None) -> None:
         if self.fail:
             raise MetadataError("index commit failed: Redis is away (injected)")
         self.committed += locations
@@ -87,9 +87,14 @@ class FakeIndex:
         self.epochs += 1
         return self.epochs
 
-    async def heartbeat(self, info: NodeInfo, ttl_ms: int, changed: bool = False) -> Beat:
+    async def heartbeat(
+        self, info: NodeInfo, ttl_ms: int, changed: bool = False, holder: ClaimHolder | None = None
+    ) -> Beat:
         self.beats.append(info)
         return Beat("generation-1", registered_anew=False)
+
+    async def memory(self) -> RedisMemory:
+        return RedisMemory(0, 0, "noeviction")
 
 
 @dataclass
@@ -123,7 +128,8 @@ async def parts(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     publisher = IndexPublisher(ctx, stats)
     puts = PutReceiver(ctx, publisher)
     ops = OpHandlers(ctx, stats, publisher, puts)
-    await publisher.join(NODE_ID, Advert("127.0.0.1", 7000))
+    ctx.joined(NODE_ID, await index.new_epoch(), "127.0.0.1:1")  # as PoolNode.start does once it claimed the id
+    await publisher.join(Advert("127.0.0.1", 7000))
     yield Parts(ctx, index, stats, publisher, puts, ops)
     await ctx.cancel_tasks()
     await ctx.tiers.close()

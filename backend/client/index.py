@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
-from backend.metadata import LOOKUP_BATCH, IndexEntry, Location, MetadataStore, NodeInfo
+from backend.metadata import LOOKUP_BATCH, IndexEntry, Location, MetadataStore, NodeInfo, RedisMemory
 
 __all__ = ["PoolIndex", "glob_escape"]
 
@@ -35,6 +35,10 @@ class PoolIndex:
     async def ping(self) -> float:
         """Redis round trip in ms."""
         return await self._store.ping()
+
+    async def memory(self) -> RedisMemory:
+        """Redis's memory use and limit (``INFO memory``): whether it is full and refuses writes."""
+        return await self._store.memory()
 
     async def nodes(self) -> list[NodeInfo]:
         """Every registered node, alive or not (``NodeInfo.alive`` says which)."""

@@ -9,7 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from backend.config.pool import DEFAULT_NAMESPACE, warn_unknown_env
-from backend.config.values import CLUSTER_RE, NAMESPACE_RE, check_token, parse_int, parse_size, read_secret_file
+from backend.config.values import (
+    CLUSTER_RE,
+    NAMESPACE_RE,
+    NODE_ID_RULE,
+    check_node_id,
+    check_token,
+    parse_int,
+    parse_size,
+    read_secret_file,
+)
 from backend.errors import ConfigError
 from backend.protocol import DEFAULT_LIMITS, Limits
 from backend.redis_topology import RedisTarget, mask_url
@@ -83,6 +92,12 @@ def _named(pattern: re.Pattern[str], rule: str) -> Callable[[str, Any], str]:
         return text
 
     return parse
+
+
+def _node_id(key: str, value: Any) -> str:
+    """A node id (``NODE_ID_RULE``), or "" for the default."""
+    text = "" if value is None else _text(key, value)
+    return check_node_id(text, key) if text else ""
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
@@ -187,7 +202,13 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
         "--host, or the hostname for 0.0.0.0; the port defaults to the one listened on)",
         metavar="HOST[:PORT]",
     ),
-    NodeOption("node_id", _text, "", "stable node id (default: kept in the NVMe dir, else HOSTNAME-PORT)"),
+    NodeOption(
+        "node_id",
+        _node_id,
+        "",
+        f"stable node id, {NODE_ID_RULE}; refused while a live node holds it "
+        "(default: kept in the NVMe dir, else HOSTNAME-PORT)",
+    ),
     NodeOption("cluster", _named(CLUSTER_RE, "A-Z a-z 0-9 _ . -"), "", "cluster label for same-cluster reads"),
     NodeOption(
         "channel",
@@ -408,6 +429,8 @@ class NodeConfig:
             check_token(self.token, "KVPOOL_TOKEN", "KVPOOL_TOKEN")
         if not NAMESPACE_RE.match(self.namespace):
             raise ConfigError("--namespace", f"{self.namespace!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
+        if self.node_id:
+            check_node_id(self.node_id, "--node-id")
         if not CLUSTER_RE.match(self.cluster):
             raise ConfigError("--cluster", f"{self.cluster!r} must be A-Z a-z 0-9 _ . -")
         if self.dram_bytes <= 0:

@@ -24,6 +24,10 @@ __all__ = [
     "MIN_TOKEN_CHARS",
     "GOOD_TOKEN_CHARS",
     "check_token",
+    "NODE_ID_RE",
+    "NODE_ID_RULE",
+    "check_node_id",
+    "default_node_id",
     "format_size",
     "parse_bool",
     "parse_int",
@@ -42,6 +46,12 @@ MAKE_TOKEN = "openssl rand -hex 32"  # 64 hex characters: 256 random bits
 
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 CLUSTER_RE = re.compile(r"^[A-Za-z0-9_.-]{0,64}$")
+# A node id names Redis keys, index fields (whose values use '|' as a separator), metrics
+# labels, log lines and the NVMe directory's node_id file: a short name, nothing to escape.
+NODE_ID_MAX_CHARS = 128
+NODE_ID_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{NODE_ID_MAX_CHARS - 1}}}")
+NODE_ID_RULE = f"1-{NODE_ID_MAX_CHARS} characters of A-Z a-z 0-9 _ . -, the first a letter or digit"
+_NOT_IN_NODE_ID = re.compile(r"[^A-Za-z0-9_.-]")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
     "": 1,
@@ -63,6 +73,22 @@ _SIZE_UNITS = {
     "TI": 1024**4,
     "TIB": 1024**4,
 }
+
+
+def check_node_id(node_id: str, source: str) -> str:
+    """``node_id`` if it follows the node id rule (``NODE_ID_RULE``); else ConfigError naming ``source``."""
+    if not NODE_ID_RE.fullmatch(node_id):
+        raise ConfigError(source, f"{node_id!r} is not a valid node id: a node id is {NODE_ID_RULE}")
+    return node_id
+
+
+def default_node_id(hostname: str, suffix: str) -> str:
+    """``HOSTNAME-SUFFIX`` made to follow the node id rule: other characters become '-', the
+    hostname is cut to fit, and a hostname that starts with no letter or digit gets an 'n' first."""
+    host = _NOT_IN_NODE_ID.sub("-", hostname)
+    if not host[:1].isalnum():  # ASCII by now
+        host = "n" + host
+    return check_node_id(f"{host[: NODE_ID_MAX_CHARS - len(suffix) - 1]}-{suffix}", "node id")
 
 
 def split_url(url: str, problem: Callable[[str], ConfigError]) -> SplitResult:

@@ -16,6 +16,7 @@ from urllib.parse import parse_qsl, urlsplit
 import torch
 from lmcache.v1.memory_management import MemoryFormat
 
+from backend.admin import redis_memory
 from backend.client import PoolClient
 from backend.config import PoolConfig, mask_secrets, without_inline_secrets
 from backend.errors import ConfigError, KVPoolError
@@ -29,6 +30,7 @@ from backend.lmcache.config import (
     url_config_key,
 )
 from backend.lmcache.connector import REMOTE_URL_FIX_HINT
+from backend.metadata import RedisMemory, RedisSlowError
 from backend.threads import LoopThread
 
 __all__ = ["diagnose"]
@@ -39,6 +41,14 @@ CONNECTOR_MODULES = (ADAPTER_MODULE, "backend.lmcache.connector")
 
 DOCTOR_MODEL = "kvpool-doctor/probe"
 DOCTOR_TIMEOUT_S = 30.0
+REDIS_SLOW_FIX = (
+    "Redis is paused (CLIENT PAUSE), stopped, overloaded or cut off: nodes keep serving what they hold and "
+    "lookups read as misses meanwhile; see Redis's log and `redis-cli --latency`"
+)
+REDIS_FULL_FIX = (
+    "raise maxmemory (CONFIG SET maxmemory, and in redis.conf) or free memory: puts are refused meanwhile, "
+    "nodes stay alive and serve what they hold (docs/reliability.md)"
+)
 MIN_MASKED = 4  # a shorter secret is not searched for in text (it would mask ordinary words); URLs are masked anyway
 
 
@@ -125,14 +135,20 @@ def _diagnose(config_path: Path, known: list[str]) -> list[dict[str, Any]]:
         return findings
     known += [secret for secret in (pool_config.token, pool_config.redis_password) if len(secret) >= MIN_MASKED]
 
-    async def probe_pool() -> tuple[float, int]:
+    async def probe_pool() -> tuple[float, RedisMemory | None, int]:
         async with PoolClient(pool_config) as client:
-            return await client.ping(), len(await client.nodes(refresh=True))
+            return await client.ping(), await redis_memory(client), len(await client.nodes(refresh=True))
 
     try:
-        rtt_ms, live = asyncio.run(probe_pool())
+        rtt_ms, memory, live = asyncio.run(probe_pool())
+    except RedisSlowError as exc:
+        add(False, "Redis", str(exc), REDIS_SLOW_FIX)
+        return findings
     except KVPoolError as exc:
         add(False, "Redis", str(exc), "start the pool (`kvpool up`) or fix the host/port in the URL")
+        return findings
+    if memory is not None and memory.full:
+        add(False, "Redis", f"reachable ({rtt_ms:.2f} ms), but Redis is full: {memory.describe()}", REDIS_FULL_FIX)
         return findings
     add(True, "Redis", f"reachable ({rtt_ms:.2f} ms)")
     if not add(

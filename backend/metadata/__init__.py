@@ -10,7 +10,9 @@ Key schema (``NS`` is the namespace)::
     kvp:NS:m:{NS.<n>}        Redis Cluster only: the same, on each other primary (see marker_keys)
     kvp:{NS}:epoch           counter; every node start takes a new epoch from it
     kvp:{NS}:nodes           hash node_id -> NodeInfo JSON (the registry)
-    kvp:{NS}:hb:<node_id>    liveness; value = epoch, expires after the heartbeat TTL
+    kvp:{NS}:hb:<node_id>    liveness and the id's claim; value = the epoch of the run holding the id,
+                             expires after the heartbeat TTL; renewed only by that run (registry.py)
+    kvp:{NS}:holder:<node_id> that run's address and pid (ClaimHolder JSON), expiring with the beat
     kvp:{NS}:draining        set of node ids placement skips (kvpool drain)
     kvp:{NS}:beats           sorted set node_id -> when its heartbeat expires (Redis server time, ms)
     kvp:{NS}:regv            registry version: bumped whenever what clients keep of a node changes
@@ -36,8 +38,32 @@ slot, SCAN walks every primary. Every call is bounded by ``timeout_s``: a Redis 
 is down, paused or failing over costs at most that long, then raises MetadataError.
 """
 
-from backend.metadata.records import Beat, IndexEntry, LiveCopies, Location, NodeInfo
+from backend.metadata.connection import RedisFullError, RedisSlowError
+from backend.metadata.records import (
+    Beat,
+    ClaimHeld,
+    ClaimHolder,
+    IndexEntry,
+    LiveCopies,
+    Location,
+    NodeInfo,
+    RedisMemory,
+)
 from backend.metadata.scripts import COMMIT_LUA, LOOKUP_BATCH
 from backend.metadata.store import MetadataStore
 
-__all__ = ["Beat", "COMMIT_LUA", "IndexEntry", "LOOKUP_BATCH", "LiveCopies", "Location", "MetadataStore", "NodeInfo"]
+__all__ = [
+    "Beat",
+    "COMMIT_LUA",
+    "ClaimHeld",
+    "ClaimHolder",
+    "IndexEntry",
+    "LOOKUP_BATCH",
+    "LiveCopies",
+    "Location",
+    "MetadataStore",
+    "NodeInfo",
+    "RedisFullError",
+    "RedisMemory",
+    "RedisSlowError",
+]

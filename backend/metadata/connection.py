@@ -2,7 +2,13 @@
 
 The registry (``registry.py``) and the index (``index.py``) build on it; every call
 goes through ``_call``, which turns Redis errors into MetadataError and bounds the
-call by ``timeout_s``.
+call by ``timeout_s`` (or a shorter deadline its caller owes someone else). Two kinds of
+trouble are named, so that logs and answers say what is wrong rather than "dead":
+
+* :class:`RedisFullError`: Redis refused a write for lack of memory (``OOM``: at
+  ``maxmemory`` under ``maxmemory-policy noeviction``).
+* :class:`RedisSlowError`: no answer in time (Redis paused by ``CLIENT PAUSE``, stopped,
+  overloaded, or cut off by the network: from here they look the same).
 """
 
 from __future__ import annotations
@@ -17,11 +23,14 @@ from redis import exceptions as redis_exceptions
 
 from backend.errors import MetadataError
 from backend.metadata.breaker import RedisBreaker
+from backend.metadata.records import RedisMemory
 from backend.metadata.scripts import (
     BEAT_LUA,
     CHANGE_LUA,
     CHANGES_LUA,
+    CLAIM_LUA,
     COMMIT_LUA,
+    DEREGISTER_LUA,
     EPOCH_FLOOR_LUA,
     MOVE_LUA,
     REMOVE_EXACT_LUA,
@@ -29,7 +38,21 @@ from backend.metadata.scripts import (
 )
 from backend.redis_topology import CLUSTER, CLUSTER_HINT, RedisTarget, connect, mask_url
 
-__all__ = ["RedisConnection"]
+__all__ = ["RedisConnection", "RedisFullError", "RedisSlowError"]
+
+
+class RedisFullError(MetadataError):
+    """Redis refused a write for lack of memory: it is at ``maxmemory`` and its policy evicts nothing."""
+
+
+class RedisSlowError(MetadataError):
+    """Redis gave no answer in time: paused, stopped, overloaded or cut off."""
+
+
+FULL_HINT = (
+    "Redis is full: it refuses writes that need memory (used_memory above maxmemory, "
+    "maxmemory-policy noeviction); raise maxmemory or free memory"
+)
 
 
 # What Redis answers a client that gave no password (RESP2 NOAUTH, or RESP3's HELLO refusal).
@@ -53,9 +76,11 @@ def _redis_errors(action: str, breaker: RedisBreaker | None = None) -> Iterator[
     except (redis_exceptions.TimeoutError, TimeoutError) as exc:  # redis-py's socket_timeout: no answer
         if breaker is not None:
             breaker.timed_out()
-        raise MetadataError(f"Redis {action} failed: no answer ({exc or 'timed out'})") from None
+        raise RedisSlowError(f"Redis slow: {action} got no answer ({exc or 'timed out'})") from None
     except (redis_exceptions.AuthenticationError, redis_exceptions.NoPermissionError) as exc:
         raise _auth_refused(action, exc) from None
+    except redis_exceptions.OutOfMemoryError:
+        raise RedisFullError(f"Redis {action} refused: {FULL_HINT}") from None
     except redis_exceptions.RedisError as exc:
         raise MetadataError(f"Redis {action} failed: {exc}") from None
     except redis_exceptions.RedisClusterException as exc:  # not a RedisError: raised while finding the cluster
@@ -65,25 +90,32 @@ def _redis_errors(action: str, breaker: RedisBreaker | None = None) -> Iterator[
 
 
 @contextlib.asynccontextmanager
-async def _bounded(action: str, timeout_s: float, breaker: RedisBreaker | None = None) -> AsyncIterator[None]:
+async def _bounded(
+    action: str, timeout_s: float, breaker: RedisBreaker | None = None, *, opens_breaker: bool = True
+) -> AsyncIterator[None]:
     """Redis errors as MetadataError, and the whole call within ``timeout_s``.
 
     redis-py retries and, on a cluster, re-reads the topology; this deadline is what
     keeps a Redis that is down or failing over from costing a caller more than its
     timeout. redis-py drops a connection whose command was cancelled mid-reply.
-    A call that times out opens ``breaker``: later calls fail at once until Redis
-    answers its probe (``backend.metadata.breaker``).
+    A call that times out opens ``breaker`` (unless ``opens_breaker`` is False: a deadline
+    shorter than Redis's own timeout says the caller could wait no longer, not that Redis
+    stopped answering): later calls fail at once until Redis answers its probe
+    (``backend.metadata.breaker``).
     """
     if breaker is not None:
         breaker.check(action)
+    opened = breaker if opens_breaker else None
     try:
         async with asyncio.timeout(timeout_s):
-            with _redis_errors(action, breaker):
+            with _redis_errors(action, opened):
                 yield
     except TimeoutError:
-        if breaker is not None:
-            breaker.timed_out()
-        raise MetadataError(f"Redis {action} failed: no answer within {timeout_s * 1000:.0f} ms") from None
+        if opened is not None:
+            opened.timed_out()
+        raise RedisSlowError(
+            f"Redis slow: {action} got no answer within {timeout_s * 1000:.0f} ms (Redis paused, overloaded or cut off)"
+        ) from None
 
 
 class RedisConnection:
@@ -107,6 +139,8 @@ class RedisConnection:
         self._move = self._redis.register_script(MOVE_LUA)
         self._epoch_floor = self._redis.register_script(EPOCH_FLOOR_LUA)
         self._beat = self._redis.register_script(BEAT_LUA)
+        self._claim = self._redis.register_script(CLAIM_LUA)
+        self._deregister = self._redis.register_script(DEREGISTER_LUA)
         self._change = self._redis.register_script(CHANGE_LUA)
         self._changes = self._redis.register_script(CHANGES_LUA)
         tag = "{" + namespace + "}"
@@ -118,6 +152,7 @@ class RedisConnection:
         self.version_key = f"kvp:{tag}:regv"
         self.changes_key = f"kvp:{tag}:regchanges"
         self._hb_prefix = f"kvp:{tag}:hb:"
+        self._holder_prefix = f"kvp:{tag}:holder:"
         self._rendezvous_prefix = f"kvp:{tag}:rdv:"
         self._index_prefix = f"kvp:{namespace}:k:"
         self._shard_marker_prefix = f"kvp:{namespace}:m:"
@@ -128,6 +163,8 @@ class RedisConnection:
             self._move,
             self._epoch_floor,
             self._beat,
+            self._claim,
+            self._deregister,
             self._change,
             self._changes,
         )
@@ -136,8 +173,11 @@ class RedisConnection:
     def is_cluster(self) -> bool:
         return self.target.mode == CLUSTER
 
-    def _call(self, action: str) -> contextlib.AbstractAsyncContextManager[None]:
-        return _bounded(action, self.timeout_s, self.breaker)
+    def _call(self, action: str, timeout_s: float | None = None) -> contextlib.AbstractAsyncContextManager[None]:
+        """Bound a call by Redis's timeout, or by ``timeout_s`` when the caller owes an answer sooner."""
+        if timeout_s is None or timeout_s >= self.timeout_s:
+            return _bounded(action, self.timeout_s, self.breaker)
+        return _bounded(action, timeout_s, self.breaker, opens_breaker=False)
 
     # -- keys -------------------------------------------------------------------------
     def index_key(self, key: str) -> str:
@@ -148,6 +188,10 @@ class RedisConnection:
 
     def heartbeat_key(self, node_id: str) -> str:
         return self._hb_prefix + node_id
+
+    def holder_key(self, node_id: str) -> str:
+        """Who holds ``node_id``'s claim (``ClaimHolder``): written with its heartbeat, expiring with it."""
+        return self._holder_prefix + node_id
 
     # -- lifecycle --------------------------------------------------------------------
     async def close(self) -> None:
@@ -162,6 +206,18 @@ class RedisConnection:
         async with self._call("PING"):
             await self._redis.ping()
         return (time.perf_counter() - start) * 1000
+
+    async def memory(self) -> RedisMemory:
+        """Redis's ``used_memory``, ``maxmemory`` and policy (``INFO memory``): says whether it is full."""
+        async with self._call("INFO memory"):
+            if self.is_cluster:  # one answer per primary: the fullest speaks for all
+                answers = await self._redis.info("memory", target_nodes=self._redis.PRIMARIES)
+                info = max(answers.values(), key=lambda a: int(a["used_memory"]) / max(int(a["maxmemory"]), 1))
+            else:
+                info = await self._redis.info("memory")
+        return RedisMemory(
+            int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)), str(info.get("maxmemory_policy", ""))
+        )
 
     async def _load_scripts(self) -> None:
         """SCRIPT LOAD every script (on a cluster redis-py sends it to every primary)."""

@@ -21,15 +21,18 @@ logger = logging.getLogger("backend.metadata")
 class KeyIndex(RedisConnection):
     """The index: ``kvp:NS:k:{key}`` hashes of node id -> location, one per pool key."""
 
-    async def _run_per_key(self, action: str, script: Any, calls: Sequence[tuple[str, list[str]]]) -> None:
+    async def _run_per_key(
+        self, action: str, script: Any, calls: Sequence[tuple[str, list[str]]], timeout_s: float | None = None
+    ) -> None:
         """Run a one-key Lua script for each ``(key, args)``, pipelined in batches.
 
         One script per key keeps every call inside one Redis Cluster slot. Each batch
-        has its own deadline, so publishing a large inventory is not cut short.
+        has its own deadline (``timeout_s``, else Redis's timeout), so publishing a large
+        inventory is not cut short.
         """
         for start in range(0, len(calls), LOOKUP_BATCH):
             batch = calls[start : start + LOOKUP_BATCH]
-            async with self._call(action):
+            async with self._call(action, timeout_s):
                 try:
                     await self._run_batch(script, batch)
                 except redis_exceptions.NoScriptError:
@@ -47,10 +50,14 @@ class KeyIndex(RedisConnection):
                 pipe.evalsha(script.sha, 1, self.index_key(key), *args)
             await pipe.execute()
 
-    async def commit(self, locations: Sequence[tuple[str, Location]]) -> None:
-        """Make ``(key, location)`` pairs visible, in one pipelined round trip per batch."""
+    async def commit(self, locations: Sequence[tuple[str, Location]], timeout_s: float | None = None) -> None:
+        """Make ``(key, location)`` pairs visible, in one pipelined round trip per batch.
+
+        ``timeout_s``: how long each batch may wait for Redis, when less than its timeout (a
+        put's commit answers its client before the client gives up on the node).
+        """
         calls = [(key, [loc.node_id, loc.encode(), str(loc.checksum)]) for key, loc in locations]
-        await self._run_per_key("index commit", self._commit, calls)
+        await self._run_per_key("index commit", self._commit, calls, timeout_s)
 
     async def remove(self, node_id: str, epoch: int, keys: Sequence[str]) -> None:
         """Drop this node epoch's locations for ``keys`` (eviction, delete, shutdown)."""

@@ -1,4 +1,5 @@
-"""What the metadata layer stores: a key's locations, a node's registry record, a heartbeat's answer."""
+"""What the metadata layer stores: a key's locations, a node's registry record, its id's claim, a heartbeat's
+answer, and what Redis says of its memory."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import json
 import time
 from typing import Any
 
+from backend.config.values import format_size
 from backend.errors import MetadataError
 
-__all__ = ["Beat", "IndexEntry", "LiveCopies", "Location", "NodeInfo"]
+__all__ = ["Beat", "ClaimHolder", "ClaimHeld", "IndexEntry", "LiveCopies", "Location", "NodeInfo", "RedisMemory"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +67,77 @@ class LiveCopies:
 
 
 @dataclasses.dataclass(frozen=True)
+class ClaimHolder:
+    """Which process holds a node id: written beside the id's heartbeat, expiring with it, so that a
+    node refused the id can say who holds it."""
+
+    epoch: int
+    host: str = ""
+    port: int = 0
+    pid: int = 0
+    hostname: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, epoch: int, text: str) -> ClaimHolder:
+        """The holder of ``epoch`` as ``text`` describes it; only the epoch when ``text`` is missing,
+        malformed, or describes another epoch."""
+        try:
+            data = json.loads(text) if text else {}
+            holder = cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+        except (ValueError, TypeError):
+            return cls(epoch)
+        return holder if holder.epoch == epoch else cls(epoch)
+
+    def describe(self) -> str:
+        if not self.host:
+            return f"epoch {self.epoch}"
+        return f"epoch {self.epoch} at {self.host}:{self.port} (pid {self.pid} on {self.hostname or 'an unknown host'})"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimHeld:
+    """A node id's claim as another process holds it: its holder, and how long its heartbeat has left."""
+
+    holder: ClaimHolder
+    ttl_left_ms: int  # the heartbeat key's PTTL: a renewal makes it grow
+
+
+@dataclasses.dataclass(frozen=True)
 class Beat:
-    """What a heartbeat found: the namespace marker's generation (None if missing), and
-    whether the node's registry entry had to be created (a live node collected it as dead)."""
+    """What a heartbeat found: the namespace marker's generation (None if missing), whether the
+    node's registry entry had to be created (a live node collected it as dead), and, when another
+    process holds the node's id (its beat lapsed and the id was claimed anew), that process:
+    the beat then wrote nothing."""
 
     generation: str | None
     registered_anew: bool
+    lost_to: ClaimHolder | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RedisMemory:
+    """Redis's memory as ``INFO memory`` reports it, and whether it is full: at ``maxmemory`` under a
+    policy that evicts nothing (``noeviction``), so that it refuses writes that need memory."""
+
+    used_bytes: int
+    max_bytes: int  # 0: no limit
+    policy: str
+
+    @property
+    def full(self) -> bool:
+        return 0 < self.max_bytes <= self.used_bytes and self.policy == "noeviction"
+
+    def describe(self) -> str:
+        """The figures, e.g. ``used_memory 3.2 MiB of maxmemory 3.0 MiB (maxmemory-policy noeviction)``."""
+        if not self.max_bytes:
+            return f"used_memory {format_size(self.used_bytes)}, no maxmemory"
+        return (
+            f"used_memory {format_size(self.used_bytes)} of maxmemory {format_size(self.max_bytes)} "
+            f"(maxmemory-policy {self.policy})"
+        )
 
 
 @dataclasses.dataclass

@@ -1,4 +1,10 @@
-"""NodeRegistry: the namespace marker, epochs, heartbeats and the registry's change log."""
+"""NodeRegistry: the namespace marker, epochs, node id claims, heartbeats and the registry's change log.
+
+A node id is held by one process at a time: its heartbeat key holds the epoch of the run
+that claimed it (epochs are unique: one ``INCR`` per start), and only that run renews it
+(``CLAIM_LUA``, ``BEAT_LUA``: compare and set in one script). Another process may take the
+id only once that key expired: its holder stopped beating for a whole TTL.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ from redis import exceptions as redis_exceptions
 
 from backend.errors import MetadataError
 from backend.metadata.connection import RedisConnection
-from backend.metadata.records import Beat, NodeInfo
+from backend.metadata.records import Beat, ClaimHeld, ClaimHolder, NodeInfo
 from backend.metadata.scripts import DEAD_PER_BEAT, MARKER_TAG_SEARCH, REGISTRY_LOG_MAX
 
 __all__ = ["NodeRegistry"]
@@ -67,35 +73,64 @@ class NodeRegistry(RedisConnection):
         async with self._call("INCR epoch"):
             return int(await self._redis.incr(self.epoch_key))
 
-    async def heartbeat(self, info: NodeInfo, ttl_ms: int, changed: bool = False) -> Beat:
-        """Publish ``info`` and refresh liveness; says whether the marker and the registry entry were there.
+    async def claim(self, node_id: str, holder: ClaimHolder, ttl_ms: int) -> ClaimHeld | None:
+        """Take ``node_id`` for ``holder.epoch`` (or renew it) for ``ttl_ms``; None when it is this epoch's now.
+
+        Held by another epoch whose heartbeat has not expired: nothing is written, and the
+        answer says who holds it and how long its heartbeat has left (a renewal makes that
+        grow: ``backend.node.claim`` watches it to tell a live holder from a crashed one).
+        """
+        keys = [self.heartbeat_key(node_id), self.holder_key(node_id)]
+        async with self._call("node id claim"):
+            answer = await self._claim(keys=keys, args=[str(holder.epoch), ttl_ms, holder.to_json()])
+        if int(answer[0]) == 1:
+            return None
+        epoch = int(answer[1])
+        return ClaimHeld(ClaimHolder.from_json(epoch, str(answer[3])), ttl_left_ms=int(answer[2]))
+
+    async def heartbeat(
+        self, info: NodeInfo, ttl_ms: int, changed: bool = False, holder: ClaimHolder | None = None
+    ) -> Beat:
+        """Publish ``info`` and renew this node's claim on its id; says whether the marker and the registry
+        entry were there, or that another process holds the id now (then nothing was written).
 
         ``changed``: what clients keep of this node changed (``NodeInfo.view``); they are
         told through the registry version, as they are of nodes that join, come back or die.
+        ``holder``: what the claim says of this node (its epoch, address, pid).
         """
+        holder = holder or ClaimHolder(info.epoch, info.host, info.port, info.pid, info.hostname)
         async with self._call("heartbeat"):
             markers = await self.marker_keys()
             try:
-                results = await self._beat_pipeline(info, ttl_ms, changed, markers)
+                results = await self._beat_pipeline(info, ttl_ms, changed, holder, markers)
             except redis_exceptions.NoScriptError:
                 await self._load_scripts()  # Redis lost the script (restarted, flushed)
-                results = await self._beat_pipeline(info, ttl_ms, changed, markers)
-        generations = results[3:]
+                results = await self._beat_pipeline(info, ttl_ms, changed, holder, markers)
+        beat, generations = results[0], results[1:]
         generation = None if None in generations else "/".join(str(value) for value in generations)
+        if int(beat[0]) == -1:
+            return Beat(generation, False, lost_to=ClaimHolder.from_json(int(beat[1]), str(beat[2])))
         # HSET answers 1 for a field it created: the entry was missing (first beat, or collected as dead)
-        return Beat(generation, registered_anew=int(results[0]) == 1)
+        return Beat(generation, registered_anew=int(beat[0]) == 1)
 
-    async def _beat_pipeline(self, info: NodeInfo, ttl_ms: int, changed: bool, markers: list[str]) -> list[Any]:
+    async def _beat_pipeline(
+        self, info: NodeInfo, ttl_ms: int, changed: bool, holder: ClaimHolder, markers: list[str]
+    ) -> list[Any]:
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.hset(self.nodes_key, info.node_id, info.to_json())
-            pipe.set(self.heartbeat_key(info.node_id), str(info.epoch), px=ttl_ms)
-            # EVALSHA straight into the pipeline, as the index does (a Script object there makes redis-py
-            # send SCRIPT EXISTS first: one more round trip per beat); a lost script is loaded and the
-            # beat run again, which only logs its changes twice.
-            keys = [self.beats_key, self.version_key, self.changes_key]
-            pipe.evalsha(
-                self._beat.sha, len(keys), *keys, info.node_id, ttl_ms, int(changed), REGISTRY_LOG_MAX, DEAD_PER_BEAT
-            )
+            # Every write of the beat in one script (allow-oom: it lands on a full Redis too). EVALSHA
+            # straight into the pipeline, as the index does (a Script object there makes redis-py send
+            # SCRIPT EXISTS first: one more round trip per beat); a lost script is loaded and the beat
+            # run again, which only logs its changes twice.
+            keys = [
+                self.heartbeat_key(info.node_id),
+                self.holder_key(info.node_id),
+                self.nodes_key,
+                self.beats_key,
+                self.version_key,
+                self.changes_key,
+            ]
+            args = [info.node_id, info.epoch, ttl_ms, int(changed), REGISTRY_LOG_MAX, DEAD_PER_BEAT]
+            pipe.evalsha(self._beat.sha, len(keys), *keys, *args, info.to_json(), holder.to_json())
             for key in markers:
                 pipe.get(key)
             return list(await pipe.execute())
@@ -114,16 +149,20 @@ class NodeRegistry(RedisConnection):
         version, now_marker, changed = int(answer[0]), str(answer[1]), [str(node) for node in answer[2:]]
         return version, now_marker, None if changed == ["*"] else list(dict.fromkeys(changed))
 
-    async def deregister(self, node_id: str) -> None:
-        """Remove a node that stops cleanly; a drain of it ends with it (the flag does not outlive the node)."""
+    async def deregister(self, node_id: str, epoch: int | None = None) -> bool:
+        """Remove a node that stops cleanly; a drain of it ends with it (the flag does not outlive the node).
+
+        With ``epoch``, only while the id's claim is still that epoch's (or nobody's): a node
+        whose id another process took meanwhile leaves that process's entries alone.
+        Returns whether the node was removed.
+        """
+        keys = [self.heartbeat_key(node_id), self.holder_key(node_id)]
+        keys += [self.nodes_key, self.draining_key, self.beats_key]
         async with self._call("deregister"):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.hdel(self.nodes_key, node_id)
-                pipe.delete(self.heartbeat_key(node_id))
-                pipe.srem(self.draining_key, node_id)
-                pipe.zrem(self.beats_key, node_id)
-                await pipe.execute()
-            await self._log_change(node_id)
+            left = await self._deregister(keys=keys, args=[node_id, "" if epoch is None else str(epoch)])
+            if int(left):
+                await self._log_change(node_id)
+        return bool(int(left))
 
     async def set_draining(self, node_id: str, draining: bool) -> bool:
         """Mark a node draining (placement skips it) or not; kept apart from its heartbeats.
@@ -146,11 +185,14 @@ class NodeRegistry(RedisConnection):
         return bool(changed)
 
     async def forget_node(self, node_id: str) -> None:
-        """Remove a dead node from the registry (``kvpool check --fix``)."""
+        """Remove a dead node from the registry (``kvpool check --fix``, the dead-node reaper).
+
+        Its heartbeat key is left to expire: a run that claimed the id since (its beat not yet
+        in the registry) keeps its claim.
+        """
         async with self._call("forget node"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hdel(self.nodes_key, node_id)
-                pipe.delete(self.heartbeat_key(node_id))
                 pipe.srem(self.draining_key, node_id)
                 pipe.zrem(self.beats_key, node_id)
                 await pipe.execute()

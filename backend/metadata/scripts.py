@@ -58,25 +58,71 @@ return 0
 """
 
 
-# A heartbeat's liveness part, atomic: refresh this node's beat (expiry by Redis's clock,
-# so node clocks may differ), collect beats that expired, and log a registry change for
-# this node (new, back, or ARGV[3] == '1') and for each dead one.
-BEAT_LUA = """
+# A node id's claim (``NodeRegistry.claim``): KEYS = {heartbeat, claim holder}, ARGV = {epoch, ttl ms,
+# holder JSON}. The id is taken when its heartbeat key is missing (or already this epoch's): the
+# key is set to the epoch for one TTL, and the holder beside it. Held by another epoch: nothing is
+# written, and the answer is {0, that epoch, the heartbeat's PTTL, its holder JSON}. One script,
+# so two nodes claiming one id at once cannot both win. allow-oom: a full Redis (noeviction)
+# must not stop a node renewing what it holds.
+CLAIM_LUA = """#!lua flags=allow-oom
+local held = redis.call('GET', KEYS[1])
+if held == false or held == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+  return {1}
+end
+return {0, held, redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[2]) or ''}
+"""
+
+# A heartbeat, every write of it in one script: KEYS = {heartbeat, claim holder, registry, beats,
+# registry version, registry change log}, ARGV = {node id, epoch, ttl ms, changed, log max, dead
+# per beat, registry entry JSON, holder JSON}.
+# * Only the id's own claim is renewed: a heartbeat key holding another epoch means another process
+#   took the id (this node's beat lapsed first); then nothing is written and the answer is
+#   {-1, that epoch, its holder JSON}. A missing key is taken again (Redis lost it, or the beat lapsed
+#   and nobody claimed the id meanwhile).
+# * The registry entry is rewritten; liveness expires by Redis's clock (node clocks may differ);
+#   beats that expired are collected, and a registry change is logged for this node (new, back,
+#   or ARGV[4] == '1') and for each dead one.
+# Answers {1 if the registry entry was created, changes logged}. allow-oom: a Redis at maxmemory
+# under noeviction refuses every other write, and a node must not look dead for it.
+BEAT_LUA = """#!lua flags=allow-oom
+local held = redis.call('GET', KEYS[1])
+if held and held ~= ARGV[2] then
+  return {-1, held, redis.call('GET', KEYS[2]) or ''}
+end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+redis.call('SET', KEYS[2], ARGV[8], 'PX', ARGV[3])
+local created = redis.call('HSET', KEYS[3], ARGV[1], ARGV[7])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local changed = {}
-if redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) == 1 or ARGV[3] == '1' then
+if redis.call('ZADD', KEYS[4], now + tonumber(ARGV[3]), ARGV[1]) == 1 or ARGV[4] == '1' then
   changed[1] = ARGV[1]
 end
-for _, dead in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now, 'LIMIT', 0, tonumber(ARGV[5]))) do
-  redis.call('ZREM', KEYS[1], dead)
+for _, dead in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', '(' .. now, 'LIMIT', 0, tonumber(ARGV[6]))) do
+  redis.call('ZREM', KEYS[4], dead)
   changed[#changed + 1] = dead
 end
 for _, node in ipairs(changed) do
-  redis.call('LPUSH', KEYS[3], redis.call('INCR', KEYS[2]) .. '|' .. node)
+  redis.call('LPUSH', KEYS[6], redis.call('INCR', KEYS[5]) .. '|' .. node)
 end
-if #changed > 0 then redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) - 1) end
-return #changed
+if #changed > 0 then redis.call('LTRIM', KEYS[6], 0, tonumber(ARGV[5]) - 1) end
+return {created, #changed}
+"""
+
+# A node that stops cleanly leaves: KEYS = {heartbeat, claim holder, registry, draining, beats},
+# ARGV = {node id, epoch or ''}. Only while the id is still this epoch's (or nobody's; '': whoever's):
+# a process that took the id since keeps its registry entry, claim and drain mark. Answers 1 if it
+# left, else 0.
+DEREGISTER_LUA = """
+local held = redis.call('GET', KEYS[1])
+if held and ARGV[2] ~= '' and held ~= ARGV[2] then return 0 end
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('SREM', KEYS[4], ARGV[1])
+redis.call('ZREM', KEYS[5], ARGV[1])
+return 1
 """
 
 # A registry change not seen by a heartbeat (deregister, forget, drain): log it for ARGV[1].

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from backend.config import NodeConfig
 from backend.handshake import KeyRing
-from backend.metadata import Beat, Location, NodeInfo
+from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, RedisMemory
 from backend.node.tiers import DRAM, TierManager
 from backend.protocol import ItemMeta
 
@@ -30,7 +30,7 @@ BULK_THREADS = 4
 class NodeIndex(Protocol):
     """What the node's parts ask of the index (``backend.metadata.MetadataStore`` in a node process)."""
 
-    async def commit(self, locations: Sequence[tuple[str, Location]]) -> None: ...
+    async def commit(self, locations: Sequence[tuple[str, Location]], timeout_s: float | None = None) -> None: ...
 
     async def remove(self, node_id: str, epoch: int, keys: Sequence[str]) -> None: ...
 
@@ -42,7 +42,11 @@ class NodeIndex(Protocol):
 
     async def new_epoch(self) -> int: ...
 
-    async def heartbeat(self, info: NodeInfo, ttl_ms: int, changed: bool = False) -> Beat: ...
+    async def heartbeat(
+        self, info: NodeInfo, ttl_ms: int, changed: bool = False, holder: ClaimHolder | None = None
+    ) -> Beat: ...
+
+    async def memory(self) -> RedisMemory: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +86,8 @@ class NodeContext:
         return self.identity.address
 
     def joined(self, node_id: str, epoch: int, address: str) -> None:
-        """The node took ``epoch`` under ``node_id``, reached at ``address`` (``IndexPublisher.join``): the one
-        place identity is set."""
+        """The node claimed ``node_id`` under ``epoch``, reached at ``address`` as its registry entry says
+        (``PoolNode.start``): the one place identity is set."""
         self.identity = Identity(node_id, epoch, address)
 
     def location(self, meta: ItemMeta, tier: str = DRAM) -> Location:

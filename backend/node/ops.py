@@ -193,7 +193,8 @@ class OpHandlers:
 
     async def put_staged(self, meta: bytearray, session: Session) -> Reply:
         puts = self.puts
-        return await puts.commit(await puts.receive_staged(meta, session))
+        received, options = await puts.receive_staged(meta, session)
+        return await puts.commit(received, options)
 
     async def channel_get(self, meta: bytearray, session: Session) -> Reply:
         """CHANNEL_GET: join the pair if new, answer which keys are held, send their bytes over the pair."""

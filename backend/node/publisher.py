@@ -8,17 +8,24 @@
   the generation it published under; when the marker is missing or different at a
   heartbeat, or its registry entry was gone (collected as dead while away), it
   recreates what is needed and republishes everything it holds.
-* Redis unreachable: the node keeps serving what it holds and says so once. A Redis
-  that stops answering costs one ``redis_timeout_ms``; then calls fail at once while a
-  PING probes it (``backend.metadata.breaker``), so a put is refused fast. The first
-  heartbeat after the outage moves the registry version, so that clients which dropped
-  this node while its heartbeat had lapsed see it again, and if it had lapsed the node
-  republishes what it holds (a reader may have cleaned its entries as a dead node's).
+* Redis unreachable, slow or full: the node keeps serving what it holds and says which,
+  once per change: "Redis unreachable" (refused or reset), "Redis slow" (no answer within
+  ``redis_timeout_ms``: paused, stopped, overloaded or cut off; then calls fail at once
+  while a PING probes it, ``backend.metadata.breaker``, so a put is refused fast), or
+  "Redis is full" (at ``maxmemory`` under ``noeviction``: it refuses index writes, so
+  puts are refused, but every write of a heartbeat is in one script allowed to run on a
+  full Redis, so the node stays alive to the pool). The first heartbeat after an outage
+  moves the registry version, so that clients which dropped this node while its heartbeat
+  had lapsed see it again, and if it had lapsed the node republishes what it holds (a
+  reader may have cleaned its entries as a dead node's).
+* Its id taken: a beat that finds another run's epoch on this node's id (``claim.py``)
+  writes nothing; the node logs an ERROR and stops (``lost_claim``), rather than fight.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -27,7 +34,8 @@ import time
 from typing import Any
 
 from backend.errors import MetadataError
-from backend.metadata import Beat, NodeInfo
+from backend.metadata import Beat, ClaimHolder, NodeInfo, RedisFullError, RedisSlowError
+from backend.node.claim import ClaimLost
 from backend.node.context import NodeContext
 from backend.node.reaper import DeadNodeReaper
 from backend.node.stats import NodeStats
@@ -35,6 +43,8 @@ from backend.node.stats import NodeStats
 __all__ = ["Advert", "IndexPublisher"]
 
 logger = logging.getLogger(__name__)
+
+SLOW_PUT_LOG_S = 60.0  # a put's commit that Redis did not answer in time is logged at most this often
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,19 +68,21 @@ class IndexPublisher:
     def __init__(self, ctx: NodeContext, stats: NodeStats) -> None:
         self.ctx = ctx
         self.stats = stats
-        self.redis_ok = True
+        self.redis_ok = True  # the last heartbeat landed
+        self.redis_trouble = ""  # what the last Redis failure was: "full", "slow", "unreachable"; "" while none
+        self.lost_claim: ClaimLost | None = None  # set when another process took this node's id
+        self._slow_said_at = -SLOW_PUT_LOG_S  # when a put last said Redis was slow
         self.started_at = time.time()
         self._advert: Advert | None = None  # set by join
         self._generation = ""  # the namespace marker this node last published under
         self._published_view: tuple[Any, ...] = ()  # what clients keep of this node, as last published
         self._beat_ok_at = time.monotonic()  # the last heartbeat Redis took
 
-    async def join(self, node_id: str, advert: Advert, *, recovered: bool = False) -> None:
-        """First publication: take an epoch (this node's identity from now on), publish what recovery found
-        (``recovered``), beat once."""
+    async def join(self, advert: Advert, *, recovered: bool = False) -> None:
+        """First publication, under the id and epoch the node claimed (``claim.py``): publish what recovery
+        found (``recovered``), beat once."""
         self._advert = advert
         self._generation = await self.ctx.index.ensure_marker()
-        self.ctx.joined(node_id, await self.ctx.index.new_epoch(), advert.address)
         if recovered:
             await self.publish_inventory()  # the old epoch's entries are overwritten
         await self.heartbeat()
@@ -90,6 +102,15 @@ class IndexPublisher:
                 self._published_view = ()
             try:
                 beat = await self.heartbeat()
+            except ClaimLost as exc:
+                self._give_up_id(exc)
+                return
+            except MetadataError as exc:
+                self.redis_ok = False
+                await self._trouble(exc)
+                continue
+            self.redis_ok = True
+            try:
                 if beat.generation != self._generation:
                     await self._republish("the namespace was missing in Redis")
                 elif beat.registered_anew:
@@ -100,20 +121,89 @@ class IndexPublisher:
                 await self.flush_index()
                 if reaper is not None:
                     await reaper.step()
-                if not self.redis_ok:
-                    logger.warning("node %s: Redis reachable again", ctx.node_id)
-                    self.redis_ok = True
+            except ClaimLost as exc:
+                self._give_up_id(exc)
+                return
             except MetadataError as exc:
-                if self.redis_ok:
-                    logger.warning("node %s: Redis unreachable, serving what is held: %s", ctx.node_id, exc)
-                    self.redis_ok = False
+                await self._trouble(exc)
+                continue
+            if self.redis_trouble:
+                await self._trouble_over()
+
+    async def _trouble_over(self) -> None:
+        """A beat and its flush landed: Redis answers again (while it was full: once it has room again)."""
+        if self.redis_trouble == "full":
+            try:
+                memory = await self.ctx.index.memory()
+            except MetadataError:
+                return
+            if memory.full:
+                return
+        logger.warning("node %s: Redis answers and takes writes again", self.ctx.node_id)
+        self.redis_trouble = ""
+
+    def refused(self, exc: MetadataError) -> None:
+        """A put's commit failed. A full Redis is said at once: puts notice it first, since a beat is allowed
+        to write on it. A slow one is said at most once a minute: a put's commit waits less than a beat
+        (``puts.commit_wait_s``), so beats may land meanwhile."""
+        if isinstance(exc, RedisFullError) and self.redis_trouble != "full":
+            self.ctx.spawn(self._trouble(exc))
+        elif isinstance(exc, RedisSlowError) and time.monotonic() - self._slow_said_at > SLOW_PUT_LOG_S:
+            self._slow_said_at = time.monotonic()
+            logger.warning(
+                "node %s: Redis slow: %s; the put was refused (its client told why, in time), puts go on being "
+                "refused while Redis does not answer",
+                self.ctx.node_id,
+                exc,
+            )
+
+    @staticmethod
+    def _kind(exc: MetadataError) -> str:
+        return (
+            "full" if isinstance(exc, RedisFullError) else "slow" if isinstance(exc, RedisSlowError) else "unreachable"
+        )
+
+    async def _trouble(self, exc: MetadataError) -> None:
+        """Say once what is wrong with Redis (full, slow or unreachable), and again when that changes."""
+        kind = self._kind(exc)
+        if kind == self.redis_trouble:
+            return
+        self.redis_trouble = kind
+        node_id = self.ctx.node_id
+        if kind == "full":
+            detail = "it refuses writes that need memory"
+            with contextlib.suppress(MetadataError):  # INFO is answered on a full Redis
+                detail = (await self.ctx.index.memory()).describe()
+            logger.error(
+                "node %s: Redis is full: %s. Heartbeats still land and what is held is served; puts are refused "
+                "(nothing is acknowledged unindexed) until Redis has room",
+                node_id,
+                detail,
+            )
+        elif kind == "slow":
+            logger.warning("node %s: Redis slow, serving what is held: %s", node_id, exc)
+        else:
+            logger.warning("node %s: Redis unreachable, serving what is held: %s", node_id, exc)
+
+    def _give_up_id(self, exc: ClaimLost) -> None:
+        """Another process holds this node's id: stop serving under it rather than fight over it."""
+        logger.error("node %s: %s; this node stops serving under the id", self.ctx.node_id, exc)
+        self.lost_claim = exc
+        self.ctx.request_stop()
 
     async def heartbeat(self) -> Beat:
-        """One heartbeat; clients are told (registry version) when what they keep of this node changed."""
+        """One heartbeat; clients are told (registry version) when what they keep of this node changed.
+        ClaimLost if another process holds this node's id now (the beat wrote nothing)."""
         info = self.info()
         view = info.view()
         changed = view != self._published_view
-        beat = await self.ctx.index.heartbeat(info, self.ctx.config.heartbeat_ttl_ms, changed=changed)
+        holder = ClaimHolder(info.epoch, info.host, info.port, info.pid, info.hostname)
+        beat = await self.ctx.index.heartbeat(info, self.ctx.config.heartbeat_ttl_ms, changed=changed, holder=holder)
+        if beat.lost_to is not None:
+            raise ClaimLost(
+                f"node id {info.node_id!r} is held by {beat.lost_to.describe()}: this node's heartbeat lapsed "
+                "for a whole TTL (frozen, or cut off from Redis) and another process claimed the id"
+            )
         self._published_view = view
         self._beat_ok_at = time.monotonic()
         return beat
@@ -177,7 +267,7 @@ class IndexPublisher:
         try:
             await ctx.index.remove(ctx.node_id, ctx.epoch, gone)
             await ctx.index.move(moves)
-        except MetadataError:
+        except BaseException:  # MetadataError, or cancelled (a put's commit could wait no longer)
             # Keep them for the next flush; an index entry that outlives its bytes reads as a miss.
             tiers.changes.put_back(set(gone), {key: loc.tier for key, loc in moves})
             raise

@@ -7,6 +7,11 @@ ack. A key becomes visible only at the commit, after its bytes are complete; a p
 commit itself fails the chunks are dropped again and the client is told, so nothing
 is acknowledged that readers cannot find.
 
+The commit waits for Redis at most half the put's ``wait_ms`` (:func:`commit_wait_s`):
+the client waits twice ``wait_ms`` (its ``timeout_ms``) for the answer, so a paused or
+slow Redis costs the put an answer in time (``METADATA``, "Redis slow"), never the
+node its place among the client's live nodes.
+
 Bytes come off the socket (PUT_BATCH) or out of the client's shared-memory stage
 (PUT_STAGED); both go through :meth:`PutReceiver.take_chunks`.
 """
@@ -43,12 +48,24 @@ from backend.transport import BULK_BYTES, Buffer, FrameSocket
 if TYPE_CHECKING:
     from backend.node.session import Session
 
-__all__ = ["PutReceiver", "Received"]
+__all__ = ["PutReceiver", "Received", "commit_wait_s"]
 
 BULK_COPY_THREADS = 2  # threads one staged put copies on (two cores' worth)
 PUT_WINDOW_BYTES = 64 * 1024 * 1024  # a put's chunks are received this many bytes at a time
+COMMIT_WAIT_SHARE = 0.5  # of a put's wait_ms, how long its index commit may wait for Redis
+MIN_COMMIT_WAIT_S = 0.05  # even a put that asks for no wait gets this long for its commit
 
 Received = list[tuple[int, ItemMeta, StoredChunk | None]]  # per item: PUT outcome, item, chunk inserted
+
+
+def commit_wait_s(options: PutOptions) -> float:
+    """How long a put's index commit may wait for Redis (and never longer than Redis's own timeout).
+
+    A client waits ``timeout_ms`` = 2 x ``wait_ms`` for a node's answer (docs/protocol.md), and
+    the node may hold the put ``wait_ms`` for room: half of ``wait_ms`` for the commit leaves a
+    quarter of the client's timeout for the bytes and the reply.
+    """
+    return max(options.wait_ms * COMMIT_WAIT_SHARE / 1000, MIN_COMMIT_WAIT_S)
 
 
 class PutReceiver:
@@ -67,8 +84,8 @@ class PutReceiver:
 
         return await self.take_chunks(items, fill, conn.discard, options)
 
-    async def receive_staged(self, meta: bytearray, session: Session) -> Received:
-        """Copy a PUT_STAGED's chunks out of the client's stage (see :meth:`take_chunks`)."""
+    async def receive_staged(self, meta: bytearray, session: Session) -> tuple[Received, PutOptions]:
+        """Copy a PUT_STAGED's chunks out of the client's stage (see :meth:`take_chunks`); with its options."""
         name, token, items, offsets, options = decode_put_staged(meta, self.ctx.config.limits)
         stage = session.stage(name, token)
         offset_of = {id(item): offset for item, offset in zip(items, offsets)}
@@ -89,7 +106,7 @@ class PutReceiver:
             pass  # nothing to read off a socket
 
         self.ctx.counters["staged_put_bytes"] += sum(item.nbytes for item in items)
-        return await self.take_chunks(items, fill, drop, options)
+        return await self.take_chunks(items, fill, drop, options), options
 
     async def take_chunks(
         self,
@@ -185,12 +202,15 @@ class PutReceiver:
         for chunk in chunks:
             await self.ctx.tiers.discard(chunk)
 
-    async def _flush_evictions(self) -> None:
-        with contextlib.suppress(MetadataError):
-            await self.publisher.flush_index()
+    async def _flush_evictions(self, timeout_s: float) -> None:
+        # Within the commit's wait too: an answer late for the flush's sake marks the node down.
+        with contextlib.suppress(MetadataError, TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self.publisher.flush_index()
 
-    async def commit(self, received: Received) -> tuple[bytes, list[Buffer]]:
-        """Make the stored chunks visible in the index, then answer each item's outcome."""
+    async def commit(self, received: Received, options: PutOptions = PutOptions()) -> tuple[bytes, list[Buffer]]:
+        """Make the stored chunks visible in the index (waiting for Redis at most :func:`commit_wait_s`),
+        then answer each item's outcome."""
         ctx, tiers, counters = self.ctx, self.ctx.tiers, self.ctx.counters
         flags: list[int] = []
         visible: list[tuple[str, Location]] = []
@@ -209,15 +229,17 @@ class PutReceiver:
             # The commit and what the batch evicted go to Redis side by side: one round trip before
             # the ack, not two. They touch different keys (an evicted key is not held, a committed one
             # is). The evictions are kept for the heartbeat if their flush fails.
+            wait_s = commit_wait_s(options)
             committed, flushed = await asyncio.gather(
-                ctx.index.commit(visible), self._flush_evictions(), return_exceptions=True
+                ctx.index.commit(visible, wait_s), self._flush_evictions(wait_s), return_exceptions=True
             )
             for outcome in (committed, flushed):  # the flush answers only errors other than Redis's
                 if isinstance(outcome, BaseException):
                     raise outcome
-        except MetadataError:
+        except MetadataError as exc:
             # Not visible, so not kept: a put is acknowledged only once readers can find it.
             await self._discard_uncommitted([c for _, _, c in received if c is not None])
+            self.publisher.refused(exc)  # a full Redis is logged by the first put it refuses
             raise
         finally:
             tiers.settle([c for _, _, c in received if c is not None])  # committed or dropped: they may move now

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
-import uuid
 from pathlib import Path
 
+from backend.errors import ConfigError
 from backend.node.nvme_format import (
     CHUNKS_DIR,
     SUFFIX,
@@ -31,7 +30,7 @@ from backend.node.nvme_format import (
 from backend.node.nvme_tier import quarantine_file
 from backend.protocol import RecoveryReport  # what STAT carries of a scan
 
-__all__ = ["RecoveryReport", "scan", "node_identity"]
+__all__ = ["RecoveryReport", "scan", "stored_node_id", "keep_node_id", "NODE_ID_FILE"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,20 +89,24 @@ def scan(root: Path) -> tuple[list[NvmeFile], RecoveryReport]:
     return records, report
 
 
-def node_identity(root: Path, given: str = "") -> str:
-    """The node id kept in ``root/node_id``, so a restarted node owns its files again."""
+def stored_node_id(root: Path) -> str:
+    """The node id kept in ``root/node_id`` ("" if none). Reads only: the id is claimed before the
+    directory is touched (``backend.node.claim``), since another process may be using it."""
+    path = root / NODE_ID_FILE
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return ""
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("--nvme-dir", f"cannot read the node id kept in {path}: {exc}") from None
+
+
+def keep_node_id(root: Path, node_id: str) -> None:
+    """Keep ``node_id`` in ``root/node_id`` (once it is claimed), so a restarted node owns its files again."""
     root.mkdir(parents=True, exist_ok=True)
     path = root / NODE_ID_FILE
-    if given:
-        stored = path.read_text().strip() if path.exists() else ""
-        if stored and stored != given:
-            logger.warning("NVMe dir %s belonged to node %s; it now belongs to %s", root, stored, given)
-        path.write_text(given + "\n")
-        return given
-    if path.exists():
-        stored = path.read_text().strip()
-        if stored:
-            return stored
-    node_id = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
-    path.write_text(node_id + "\n")
-    return node_id
+    stored = stored_node_id(root)
+    if stored and stored != node_id:
+        logger.warning("NVMe dir %s belonged to node %s; it now belongs to %s", root, stored, node_id)
+    if stored != node_id:
+        path.write_text(node_id + "\n")

@@ -14,14 +14,15 @@ The parts, one module each:
 
 Each part is given a :class:`~backend.node.context.NodeContext` (config, tiers, index,
 counters, identity, worker threads, tasks) and the parts it uses; none holds this
-object. Only :meth:`PoolNode.start` (through ``IndexPublisher.join``) sets the node's
-id and epoch.
+object. Only :meth:`PoolNode.start` sets the node's id and epoch, once it claimed the id
+(``claim.py``: one process per node id).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import ssl
 import time
@@ -30,15 +31,16 @@ from typing import Any
 
 from backend.config import NodeConfig
 from backend.errors import ConfigError, KVPoolError, NcclError, NodeUnavailable
-from backend.metadata import MetadataStore, NodeInfo
+from backend.metadata import ClaimHolder, MetadataStore, NodeInfo
 from backend.metrics import NodeMetricsServer
 from backend.node.admission import Admission
+from backend.node.claim import IdClaim, chosen_node_id
 from backend.node.context import NodeContext
 from backend.node.ops import OpHandlers
 from backend.node.publisher import Advert, IndexPublisher
 from backend.node.puts import PutReceiver
 from backend.node.reaper import DeadNodeReaper
-from backend.node.recovery import RecoveryReport, node_identity, scan
+from backend.node.recovery import RecoveryReport, keep_node_id, scan
 from backend.node.session import Acceptor
 from backend.node.stages import sweep_stages
 from backend.node.stats import NodeStats
@@ -135,8 +137,19 @@ class PoolNode:
     def stopping(self) -> bool:
         return self.ctx.stopping
 
+    @property
+    def lost_claim(self) -> KVPoolError | None:
+        """Why the node stopped itself: another process took its id (None otherwise)."""
+        return self.publisher.lost_claim
+
     async def start(self) -> None:
-        """Bind, take an epoch, register. Raises MetadataError if Redis is unreachable."""
+        """Bind, claim the node id, recover, register. Raises MetadataError if Redis is unreachable, and
+        ConfigError if a live node holds the id (``claim.py``): then nothing of that node was touched.
+
+        The order: the listener (its port may be in the default id); the id's claim, with a new
+        epoch; then, renewing the claim, the NVMe directory (id file, recovery), the DRAM arena's
+        pages (``--prefault``; the arena is made with the tiers), metrics, channel, publication.
+        """
         transport = self._channel_transport()  # a ConfigError here leaves no port bound
         self.tls = self._tls_context()
         try:
@@ -146,10 +159,49 @@ class PoolNode:
             raise NodeUnavailable(f"port: cannot listen on {where}: {exc.strerror or exc}") from None
         listener.setblocking(False)
         self.listener = listener
-        node_id = self.config.node_id  # this node's identity once it joined (publisher.join)
+        claim: IdClaim | None = None
+        try:
+            claim = await self._claim_id()
+            async with claim.kept():
+                await self._start_claimed(transport, claim.node_id)
+        except BaseException:  # give back what it took: a retry need not wait out a heartbeat TTL
+            await self._release(withdraw=claim is not None)
+            raise
+        self.tiers.start()
+        self.ctx.spawn(self.acceptor.accept_loop(listener, self.tls))
+        self.ctx.spawn(self.publisher.heartbeat_loop(self.reaper))
+        if self.tiers.shm_arena is not None:  # clients on this host stage their puts next to it
+            self.ctx.spawn(sweep_stages(self.ctx, self.tiers.shm_arena.path.parent))
+        nvme = self.tiers.nvme
+        logger.info(
+            "node %s epoch %d listening on %s:%d, advertised as %s:%d (DRAM %d bytes, NVMe %s, namespace %s)",
+            self.node_id,
+            self.epoch,
+            self.config.host,
+            self.port,
+            self.advertise_host,
+            self.advertise_port,
+            self.tiers.dram.capacity_bytes,
+            f"{nvme.capacity_bytes} bytes at {nvme.root}" if nvme else "off",
+            self.config.namespace,
+        )
+
+    async def _claim_id(self) -> IdClaim:
+        """This node's id claimed with a new epoch (``claim.py``): from here on its identity."""
+        nvme = self.tiers.nvme
+        node_id, source = await chosen_node_id(self.config.node_id, nvme.root if nvme else None, self.port)
+        epoch = await self._store.new_epoch()
+        holder = ClaimHolder(epoch, self.advertise_host, self.advertise_port, os.getpid(), socket.gethostname())
+        claim = IdClaim(self._store, node_id, holder, self.config, source)
+        await claim.take()
+        self.ctx.joined(node_id, epoch, f"{self.advertise_host}:{self.advertise_port}")
+        return claim
+
+    async def _start_claimed(self, transport: Any, node_id: str) -> None:
+        """Everything of the start that the id names or that takes time, once the id is this node's."""
         if self.tiers.nvme is not None:
             root = self.tiers.nvme.root
-            node_id = await asyncio.to_thread(node_identity, root, node_id)
+            await asyncio.to_thread(keep_node_id, root, node_id)
             records, report = await asyncio.to_thread(scan, root)
             self.stats.recovery = report
             self.tiers.load_nvme(records)
@@ -163,8 +215,6 @@ class PoolNode:
                 report.quarantined,
                 report.temp_removed,
             )
-        if not node_id:
-            node_id = f"{socket.gethostname()}-{self.port}"
         await self._prefault(node_id)
         self.reaper = DeadNodeReaper(self._store, node_id, self.config.dead_node_grace_ms / 1000)
         self.stats.count_also(self.reaper.counters)
@@ -185,25 +235,7 @@ class PoolNode:
             channel=self.channel.kind if self.channel is not None else "",
         )
         recovered = self.recovery is not None and self.recovery.files > 0
-        await self.publisher.join(node_id, advert, recovered=recovered)
-        self.tiers.start()
-        self.ctx.spawn(self.acceptor.accept_loop(listener, self.tls))
-        self.ctx.spawn(self.publisher.heartbeat_loop(self.reaper))
-        if self.tiers.shm_arena is not None:  # clients on this host stage their puts next to it
-            self.ctx.spawn(sweep_stages(self.ctx, self.tiers.shm_arena.path.parent))
-        nvme = self.tiers.nvme
-        logger.info(
-            "node %s epoch %d listening on %s:%d, advertised as %s:%d (DRAM %d bytes, NVMe %s, namespace %s)",
-            self.node_id,
-            self.epoch,
-            self.config.host,
-            self.port,
-            self.advertise_host,
-            self.advertise_port,
-            self.tiers.dram.capacity_bytes,
-            f"{nvme.capacity_bytes} bytes at {nvme.root}" if nvme else "off",
-            self.config.namespace,
-        )
+        await self.publisher.join(advert, recovered=recovered)
 
     async def _prefault(self, node_id: str) -> None:
         """With --prefault, take the DRAM arena's pages now, on a worker thread: the node registers (and
@@ -245,13 +277,22 @@ class PoolNode:
         """Stop serving, withdraw this node's index entries, deregister. Bounded in time."""
         self.ctx.request_stop()
         if self.listener is not None:
-            self.listener.close()
+            self.listener.close()  # first: no connection is accepted while the node stops
         self.acceptor.close()
         await self.ctx.cancel_tasks()
+        await self._release(withdraw=True)
+        logger.info("node %s stopped", self.node_id)
+
+    async def _release(self, *, withdraw: bool) -> None:
+        """Give back what the node took: its port, index entries and registry entry (``withdraw``: only
+        while its id is still this run's claim), metrics port, channel, tiers, Redis connection."""
+        if self.listener is not None:
+            self.listener.close()
         try:
             async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
-                await self._store.remove(self.node_id, self.epoch, self.tiers.held.all())
-                await self._store.deregister(self.node_id)
+                if withdraw:
+                    await self._store.remove(self.node_id, self.epoch, self.tiers.held.all())
+                    await self._store.deregister(self.node_id, self.epoch)  # leaves a new holder's entries
         except (KVPoolError, TimeoutError) as exc:
             logger.warning("node %s: could not deregister cleanly: %s", self.node_id, exc)
         if self.metrics is not None:
@@ -261,7 +302,6 @@ class PoolNode:
         await self.tiers.close()
         await self._store.close()
         self.ctx.bulk.shutdown(wait=False)
-        logger.info("node %s stopped", self.node_id)
 
     # -- what the node says about itself ----------------------------------------------
     def info(self) -> NodeInfo:
@@ -276,13 +316,15 @@ class PoolNode:
         """What ``/health`` answers: ok while serving with Redis reachable."""
         serving = self.listener is not None and not self.ctx.stopping
         redis_ok = self.publisher.redis_ok
-        healthy = serving and redis_ok
+        trouble = self.publisher.redis_trouble
+        healthy = serving and redis_ok and not trouble
         return {
             "status": "ok" if healthy else "degraded",
             "node_id": self.node_id,
             "epoch": self.epoch,
             "serving": serving,
             "redis_reachable": redis_ok,
+            "redis": trouble or "ok",  # "full", "slow" or "unreachable" since its last failure
             "nvme_disk_full": self.tiers.disk_full,
         }
 

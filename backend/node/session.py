@@ -215,7 +215,7 @@ class Session:
             async with asyncio.timeout(config.frame_timeout_s):
                 received = await served.puts.receive(conn, items, options)
             await self._in_flight.acquire()
-            ctx.spawn(self._finish(header, served.puts.commit(received), started))
+            ctx.spawn(self._finish(header, served.puts.commit(received, options), started))
             return
         await self._in_flight.acquire()
         ctx.spawn(self._finish(header, served.ops.handle(op, meta, self), started))

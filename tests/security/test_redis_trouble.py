@@ -1,0 +1,154 @@
+"""Redis trouble is named and survived: a full Redis, a paused Redis.
+
+The attacks (issue 33): a Redis at ``maxmemory`` under ``noeviction`` refused the heartbeat's
+writes, so the node was declared dead with a log line that did not say Redis was full; a
+``CLIENT PAUSE`` of 2 s made clients mark healthy nodes down, because the node's put commit
+waited on Redis as long as the client waited for the node's answer. Each test runs real node
+processes against a private redis-server that it fills or pauses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+
+import pytest
+import redis
+
+from backend import Chunk, MetadataError, PoolConfig, SyncPoolClient
+from backend.embedded import EmbeddedRedis
+from tests.conftest import wait_until
+from tests.test_cli import kvpool
+
+FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: the 30 s form
+KIB = 1024
+MIB = 1024 * KIB
+# Longer than one heartbeat TTL (5 s): a node whose beats Redis refused would be declared dead within it.
+FULL_FOR_S = 30.0 if FULL else 7.0
+PAUSE_MS = 2000  # as long as the client's timeout_ms (2000 by default)
+
+
+def _chunks(prefix: str, count: int, size: int, seed: int = 0) -> list[Chunk]:
+    rng = random.Random(seed)
+    return [Chunk(f"{prefix}@1@0@{i}@bfloat16", rng.randbytes(size)) for i in range(count)]
+
+
+def _all_read_back(client: SyncPoolClient, chunks: list[Chunk]) -> bool:
+    got = client.get([c.key for c in chunks])
+    return [None if g is None else bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
+
+
+def _private_redis(redis_factory: list[EmbeddedRedis]) -> EmbeddedRedis:
+    server = EmbeddedRedis().start()
+    redis_factory.append(server)
+    return server
+
+
+def _fill(raw: redis.Redis) -> int:
+    """Make Redis full: ``maxmemory`` a little above what it uses, ``noeviction``, then junk until it
+    refuses a write (OOM), then the limit a little below what it uses: at the limit itself a small
+    write may still fit. Returns how many junk keys it took."""
+    raw.config_set("maxmemory-policy", "noeviction")
+    raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) + 2 * MIB)
+    for i in range(10_000):
+        try:
+            raw.set(f"junk:{i}", b"x" * (64 * KIB))
+        except redis.exceptions.OutOfMemoryError:
+            raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) - 256 * KIB)
+            return i
+    raise AssertionError("Redis never refused a write")
+
+
+def test_a_full_redis_never_declares_the_node_dead_its_chunks_hit_and_puts_say_redis_is_full(
+    node_factory, redis_factory, namespace
+):
+    server = _private_redis(redis_factory)
+    node = node_factory(redis_url=server.url)
+    url = f"kvpool://127.0.0.1:{server.port}/{namespace}"
+    chunks = _chunks("full", 16, 16 * KIB)
+    with SyncPoolClient(PoolConfig.from_url(url)) as client, redis.Redis(port=server.port) as raw:
+        client.put(chunks)
+        assert _fill(raw) > 0
+        full_until = time.monotonic() + FULL_FOR_S
+        while time.monotonic() < full_until:  # the registry's view of the node, every quarter second
+            assert [(n.node_id, n.epoch) for n in client.nodes(refresh=True)] == [(node.node_id, node.epoch)]
+            time.sleep(0.25)
+        assert raw.info("memory")["used_memory"] >= int(raw.config_get("maxmemory")["maxmemory"])  # still full
+        assert _all_read_back(client, chunks)
+        with pytest.raises(MetadataError, match="Redis is full") as refused:
+            client.put(_chunks("refused", 1, 16 * KIB))
+        assert refused.value.not_stored()  # nothing acknowledged that is not indexed
+        assert wait_until(lambda: "Redis is full: used_memory" in node.log, 5.0), node.tail()
+        assert "dead" not in node.log and "unreachable" not in node.log, node.tail()
+
+        status = kvpool("status", "--url", url)
+        assert status.returncode == 0 and "Redis is full: used_memory" in status.stdout, status.stdout
+        assert json.loads(kvpool("status", "--url", url, "--json").stdout)["redis"]["full"] is True
+
+        raw.config_set("maxmemory", 0)  # room again: puts are stored, the node says so
+        more = _chunks("room-again", 4, 16 * KIB)
+        client.put(more)
+        assert _all_read_back(client, more)
+        assert wait_until(lambda: "Redis answers and takes writes again" in node.log, 5.0), node.tail()
+
+
+@pytest.mark.parametrize("mode", ["WRITE", "ALL"])
+def test_a_redis_pause_as_long_as_the_client_timeout_marks_no_node_down_and_loses_nothing(
+    node_factory, redis_factory, namespace, mode
+):
+    server = _private_redis(redis_factory)
+    nodes = [node_factory(redis_url=server.url), node_factory(redis_url=server.url)]
+    url = f"kvpool://127.0.0.1:{server.port}/{namespace}"
+    acked: list[Chunk] = []
+    refused: list[str] = []
+    with SyncPoolClient(PoolConfig.from_url(url)) as client, redis.Redis(port=server.port) as raw:
+        first = _chunks("before", 8, 64 * KIB)
+        client.put(first)
+        acked += first
+        raw.execute_command("CLIENT", "PAUSE", PAUSE_MS, mode)
+        paused_at = time.monotonic()
+        batch = 0
+        while time.monotonic() - paused_at < PAUSE_MS / 1000 + 0.5:  # puts and gets through the pause
+            chunks = _chunks(f"during-{batch}", 4, 64 * KIB, seed=batch)
+            batch += 1
+            try:
+                client.put(chunks)
+                acked += chunks
+            except MetadataError as exc:  # answered in time: not stored, and the node is not taken for dead
+                refused.append(str(exc))
+            client.get([c.key for c in acked[-8:]])  # misses while Redis does not answer lookups
+        assert client.counters.get("nodes_marked_down", 0) == 0, refused
+        assert refused and all("Redis slow" in text for text in refused), refused
+        assert _all_read_back(client, acked)  # nothing acknowledged is lost; gets after the pause hit
+        after = _chunks("after", 4, 64 * KIB)
+        client.put(after)
+        assert _all_read_back(client, after)
+    assert any("Redis slow" in node.log for node in nodes)
+    assert not any("dead" in node.log or "unreachable" in node.log for node in nodes)
+
+
+@pytest.mark.skipif(
+    not FULL, reason="runs `kvpool doctor` twice (LMCache's loader): under `make faults` (KVPOOL_FULL=1)"
+)
+def test_doctor_says_redis_is_full_or_slow_rather_than_unreachable(node_factory, redis_factory, namespace, tmp_path):
+    server = _private_redis(redis_factory)
+    node_factory(redis_url=server.url)
+    config = tmp_path / "lmcache.yaml"
+    config.write_text(kvpool("lmcache-config", "--url", f"kvpool://127.0.0.1:{server.port}/{namespace}").stdout)
+    with redis.Redis(port=server.port) as raw:
+        _fill(raw)
+        full = kvpool("doctor", "--lmcache-config", str(config), timeout=180)
+        assert full.returncode == 1 and "[FAIL] Redis: reachable" in full.stdout, full.stdout
+        assert "Redis is full: used_memory" in full.stdout and "raise maxmemory" in full.stdout, full.stdout
+        raw.config_set("maxmemory", 0)
+    assert server.process is not None
+    server.process.send_signal(signal.SIGSTOP)  # a Redis that answers nothing: paused, stopped, cut off
+    try:
+        slow = kvpool("doctor", "--lmcache-config", str(config), timeout=180)
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+    assert slow.returncode == 1 and "[FAIL] Redis: Redis slow:" in slow.stdout, slow.stdout
+    assert "no answer within" in slow.stdout and "unreachable" not in slow.stdout, slow.stdout
