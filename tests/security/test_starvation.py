@@ -33,17 +33,15 @@ from backend.protocol import (
     ItemMeta,
     Op,
     Status,
-    auth_mac,
     checksum,
     decode_header,
-    decode_json,
     encode_header,
     encode_items,
-    encode_json,
     encode_keys,
 )
 from backend.transport import FrameSocket
 from tests.conftest import wait_until
+from tests.support.handshake import auth_frame, hello_frame
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))
 TOKEN = "starvation-token-9f2c"
@@ -71,11 +69,11 @@ def _read_frame(sock: socket.socket) -> tuple[int, int, bytes]:
     return header.status, header.request_id, _read_exactly(sock, header.meta_len)
 
 
-def _authenticate(sock: socket.socket) -> None:
+def _authenticate(sock: socket.socket, node) -> None:
     """The pool's handshake, as a client holding the token does it (the one place that knows it)."""
-    sock.sendall(_frame(Op.HELLO, 1, encode_json({"client": "hostile"})))
-    nonce = bytes.fromhex(decode_json(_read_frame(sock)[2])["nonce"])
-    sock.sendall(_frame(Op.AUTH, 2, encode_json({"mac": auth_mac(TOKEN, nonce)})))
+    handshake, hello = hello_frame(node, TOKEN)
+    sock.sendall(hello)
+    sock.sendall(auth_frame(handshake, _read_frame(sock)[2]))
     status, _, meta = _read_frame(sock)
     assert status == Status.OK, meta
 
@@ -87,7 +85,7 @@ def _connect(node, source: str = OTHER_HOST, rcvbuf: int = 0) -> socket.socket:
     sock.bind((source, 0))
     sock.settimeout(10)
     sock.connect((node.host, node.port))
-    _authenticate(sock)
+    _authenticate(sock, node)
     return sock
 
 
