@@ -224,7 +224,7 @@ async def test_a_chunk_larger_than_dram_is_refused_before_anything_is_reserved(p
     with pytest.raises(
         CapacityError, match=rf"'huge' is {DRAM_BYTES + 1} bytes, larger than .* \({DRAM_BYTES} bytes\)"
     ):
-        await parts.puts.receive(conn, [_item("huge", huge), _item("small", small)], PutOptions())
+        await asyncio.wait_for(parts.puts.receive(conn, [_item("huge", huge), _item("small", small)], PutOptions()), 10)
 
     assert parts.ctx.tiers.dram.used_bytes == 0 and len(parts.ctx.tiers) == 0  # nothing reserved, nothing read
     received = await parts.puts.receive(conn, [_item("small", small)], PutOptions())
@@ -276,7 +276,7 @@ async def test_one_hosts_puts_share_one_bound_of_room_ahead_and_another_host_nev
     bounds = AheadBounds.for_dram(ROOMY_DRAM_BYTES)  # 8 MiB a connection, 16 MiB a host
     peers = ["10.0.0.1:1", "10.0.0.1:2", "10.0.0.1:3", "10.0.0.2:1"]
     pairs = [_pair(peer, roomy.ctx.bulk) for peer in peers]
-    tiers, ahead = roomy.ctx.tiers, roomy.puts.ahead
+    tiers = roomy.ctx.tiers
     tasks = []
     for n, (conn, client) in enumerate(pairs):
         item = ItemMeta(f"stalled-{n}", 40 << 20, 0, "uint8", (40 << 20,), 0)
@@ -286,6 +286,7 @@ async def test_one_hosts_puts_share_one_bound_of_room_ahead_and_another_host_nev
     await asyncio.sleep(0.1)
     # 10.0.0.1: two windows (its bound), its third request waits holding nothing; 10.0.0.2: its own window.
     assert tiers.dram.used_bytes == 3 * bounds.connection_bytes
+    ahead = roomy.puts.ahead
     assert (ahead.held("10.0.0.1"), ahead.held("10.0.0.2")) == (bounds.host_bytes, bounds.connection_bytes)
     for _, client in pairs:
         client.close()
