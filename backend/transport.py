@@ -8,9 +8,14 @@ a single connection approach the loopback ceiling.
 Bulk transfers can leave the event loop: a socket given an executor moves any
 transfer of ``BULK_BYTES`` or more on a worker thread (``recv_into``/``sendmsg``
 release the GIL, so the kernel's copies run on the other core while the loop keeps
-serving). Such a thread polls the socket itself; closing the socket while a thread
-is in a transfer shuts it down at once, which wakes the thread, and the descriptor
-is closed only when the thread has returned, so its number is never reused under it.
+serving). A thread moves bytes while the socket has them and waits for more at most
+``THREAD_WAIT_MS`` in all per turn; then it hands the rest of the transfer back to
+the event loop, which waits for the socket without a thread and gives the transfer a
+thread again (at the back of the executor's queue) once bytes can move. So a silent
+or slow peer holds no thread while it is quiet, and a few of them cannot take every
+thread from the node's other connections. Closing the socket while a thread is in a
+transfer shuts it down at once, which wakes the thread, and the descriptor is closed
+only when the thread has returned, so its number is never reused under it.
 Every call that moves bytes stamps ``progress_at``: a silent peer is told from a slow
 one by that stamp (``backend.client.connection``), at the cost of one clock read per call.
 
@@ -23,6 +28,8 @@ the loop: one SSL object must not be read and written from two threads at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import select
 import socket
 import ssl
@@ -52,7 +59,11 @@ _TLS_SMALL_BYTES = 16 * 1024  # buffers below this are copied together before a 
 # A transfer at least this large goes through the socket's executor, when it has one:
 # below it, the hop to a thread costs more than the copy it moves off the loop.
 BULK_BYTES = 1024 * 1024
-_POLL_SLICE_MS = 200  # a worker thread waiting on the socket checks this often whether it was closed
+# A worker thread waits on its socket at most this long in all per turn, then hands the transfer back
+# to the event loop. Long enough that a stream a little slower than the copy keeps its thread (the
+# waits between segments are microseconds), short enough that peers dribbling a byte now and then
+# hold a thread only for this long each time before the next transfer in the queue gets it.
+THREAD_WAIT_MS = 5
 
 
 def client_tls_context(ca_file: str = "") -> ssl.SSLContext:
@@ -300,7 +311,7 @@ class FrameSocket:
         total = sum(t if isinstance(t, int) else len(t) for t in views)
         if self._threaded(total):
             assert self._threads is not None
-            return await self._threads.run(self._threads.recv_many, views, digest, stop=socket.SHUT_RD)
+            return await self._threads.recv_many(views, digest)
         out = []
         for target in views:
             if isinstance(target, int):
@@ -355,7 +366,7 @@ class FrameSocket:
             if self._threaded(sum(len(b) for b in pending)):
                 assert self._threads is not None
                 try:
-                    await self._threads.run(self._threads.send, pending)
+                    await self._threads.send(pending)
                 except BaseException:
                     self.close()  # a frame cut short leaves the stream unusable
                     raise
@@ -386,27 +397,52 @@ class FrameSocket:
 
 
 class _ThreadedTransfers:
-    """The transfers of one :class:`FrameSocket` that run on worker threads.
+    """The transfers of one :class:`FrameSocket` that run on worker threads, a turn at a time.
 
-    A thread polls the socket itself (the event loop is not watching it for that
-    direction meanwhile). While any thread is in a transfer the socket's descriptor
-    stays open: ``FrameSocket.close`` only shuts it down, which wakes the thread, and
-    the descriptor is closed when the last thread has returned, so its number is never
-    reused under a thread.
+    A turn (:meth:`run`) moves bytes on a worker thread while the socket has them, waiting
+    for it at most ``THREAD_WAIT_MS`` in all; a transfer left unfinished then waits for the
+    socket on the event loop (no thread held) and takes its next turn once bytes can move.
+    While any thread is in a turn the socket's descriptor stays open: ``FrameSocket.close``
+    only shuts it down, which wakes the thread, and the descriptor is closed when the last
+    thread has returned, so its number is never reused under a thread.
     """
 
     def __init__(self, owner: FrameSocket, executor: Executor) -> None:
         self.owner = owner
         self.executor = executor
-        self.busy = 0  # threads in a transfer on this socket
+        self.busy = 0  # threads in a turn on this socket
         self._fd = owner.sock.fileno()
-        # One flag per transfer handed to the executor, set by its thread when it starts: the
+        # One flag per turn handed to the executor, set by its thread when it starts: the
         # loop adds and removes them, a worker only stores True (atomic under the GIL).
         self._started: dict[int, list[bool]] = {}
 
     def queued(self) -> bool:
-        """A transfer of this socket is waiting for a worker thread."""
+        """A turn of this socket is waiting for a worker thread."""
         return not all(flag[0] for flag in list(self._started.values()))
+
+    async def recv_many(self, targets: Sequence[memoryview | int], digest: Callable[[Any], int] | None) -> list[int]:
+        """``FrameSocket.recv_many``, in turns on worker threads."""
+        receiving = _Receiving(self, targets, digest)
+        await self._turns(receiving.turn, writable=False, stop=socket.SHUT_RD)
+        return receiving.out
+
+    async def send(self, pending: list[memoryview]) -> None:
+        """Send every buffer, in order, in turns on worker threads."""
+        sending = _Sending(self, pending)
+        await self._turns(sending.turn, writable=True, stop=socket.SHUT_RDWR)
+
+    async def _turns(self, turn: Callable[[], bool], *, writable: bool, stop: int) -> None:
+        """Run ``turn`` on a worker thread until it reports the transfer done, waiting on the loop between turns.
+
+        Cancelled while it waits on the loop, the stream is cut off as in :meth:`run`.
+        """
+        while not await self.run(turn, stop=stop):
+            try:
+                await self.owner._wait(writable)
+            except asyncio.CancelledError:
+                with contextlib.suppress(OSError):
+                    self.owner.sock.shutdown(stop)
+                raise
 
     async def run(self, fn: Callable[..., T], *args: Any, stop: int = socket.SHUT_RDWR) -> T:
         """Run a blocking transfer on the executor; the loop stays free meanwhile.
@@ -446,60 +482,117 @@ class _ThreadedTransfers:
         if self.owner.closed and not self.busy:
             self.owner._close_fd()
 
-    def _wait(self, events: int) -> None:
-        """In a worker thread: wait until the socket is ready; NodeUnavailable once it was closed."""
-        poller = select.poll()
-        poller.register(self._fd, events)
-        while not poller.poll(_POLL_SLICE_MS):
-            if self.owner.closed:
-                raise NodeUnavailable(f"connection to {self.owner.peer} closed")
-
-    def _recv(self, view: memoryview) -> None:
+    def recv_some(self, view: memoryview, clock: _TurnClock) -> int:
+        """In a worker thread: receive into ``view``; the bytes received, 0 once the turn may wait no longer."""
         sock, peer = self.owner.sock, self.owner.peer
-        while view:
+        while True:
             try:
                 n = sock.recv_into(view)
             except BlockingIOError:
-                self._wait(select.POLLIN)
+                if not clock.ready(select.POLLIN):
+                    return 0
                 continue
             except OSError as exc:
                 raise NodeUnavailable(f"receive from {peer} failed: {exc}") from None
             if n == 0:
                 raise NodeUnavailable(f"{peer} closed the connection")
             self.owner.progress_at = time.monotonic()  # one float store: atomic under the GIL
-            view = view[n:]
+            return n
 
-    def recv_many(self, targets: Sequence[memoryview | int], digest: Callable[[Any], int] | None) -> list[int]:
-        """In a worker thread: ``FrameSocket.recv_many``."""
-        out = []
-        scratch: memoryview | None = None
-        for target in targets:
-            if isinstance(target, int):
-                scratch = scratch or memoryview(bytearray(DISCARD_PIECE_BYTES))
-                left = target
-                while left:
-                    piece = scratch[: min(left, len(scratch))]
-                    self._recv(piece)
-                    left -= len(piece)
-                out.append(0)
-                continue
-            self._recv(target)
-            out.append(digest(target) if digest is not None else 0)
-        return out
-
-    def send(self, pending: list[memoryview]) -> None:
-        """In a worker thread: send every buffer, in order."""
+    def send_some(self, pending: list[memoryview], clock: _TurnClock) -> int:
+        """In a worker thread: send from ``pending``; the bytes sent, 0 once the turn may wait no longer."""
         sock, peer = self.owner.sock, self.owner.peer
-        while pending:
+        while True:
             try:
                 sent = sock.sendmsg(pending[:IOV_MAX])
             except BlockingIOError:
-                self._wait(select.POLLOUT)
+                if not clock.ready(select.POLLOUT):
+                    return 0
                 continue
             except OSError as exc:
                 raise NodeUnavailable(f"send to {peer} failed: {exc}") from None
             self.owner.progress_at = time.monotonic()
-            advance(pending, sent)
+            return sent
+
+    def check_open(self) -> None:
+        """In a worker thread: NodeUnavailable once the socket was closed."""
+        if self.owner.closed:
+            raise NodeUnavailable(f"connection to {self.owner.peer} closed")
+
+
+class _TurnClock:
+    """How long one worker turn may still wait on its socket (``THREAD_WAIT_MS`` in all)."""
+
+    def __init__(self, transfers: _ThreadedTransfers) -> None:
+        self.transfers = transfers
+        self.left_s = THREAD_WAIT_MS / 1000
+
+    def ready(self, events: int) -> bool:
+        """Wait until the socket is ready for ``events``; False once the turn's waiting time is spent."""
+        if self.left_s <= 0:
+            return False
+        poller = select.poll()
+        poller.register(self.transfers._fd, events)
+        started = time.monotonic()
+        ready = bool(poller.poll(math.ceil(self.left_s * 1000)))
+        self.left_s -= time.monotonic() - started
+        self.transfers.check_open()
+        return ready
+
+
+class _Receiving:
+    """One ``recv_many`` on worker threads: where it stands between turns."""
+
+    def __init__(
+        self, transfers: _ThreadedTransfers, targets: Sequence[memoryview | int], digest: Callable[[Any], int] | None
+    ) -> None:
+        self.transfers = transfers
+        self.targets = targets
+        self.digest = digest
+        self.out: list[int] = []  # per target done: its digest (0 for drops and without digest)
+        self.offset = 0  # bytes of the current target received
+        self._scratch: memoryview | None = None
+
+    def turn(self) -> bool:
+        """In a worker thread: receive until every target is full (True) or the turn may wait no longer."""
+        clock = _TurnClock(self.transfers)
+        while len(self.out) < len(self.targets):
+            target = self.targets[len(self.out)]
+            size = target if isinstance(target, int) else len(target)
+            while self.offset < size:
+                if isinstance(target, int):  # dropped bytes land in a bounded scratch buffer
+                    self._scratch = self._scratch or memoryview(bytearray(min(size, DISCARD_PIECE_BYTES)))
+                    piece = self._scratch[: min(size - self.offset, len(self._scratch))]
+                else:
+                    piece = target[self.offset :]
+                n = self.transfers.recv_some(piece, clock)
+                if not n:
+                    return False
+                self.offset += n
+            if isinstance(target, int) or self.digest is None:
+                self.out.append(0)
+            else:
+                self.out.append(self.digest(target))  # hashed here, while the bytes are in this core's cache
+            self.offset = 0
+        return True
+
+
+class _Sending:
+    """One bulk send on worker threads: what is left of it between turns."""
+
+    def __init__(self, transfers: _ThreadedTransfers, pending: list[memoryview]) -> None:
+        self.transfers = transfers
+        self.pending = pending
+
+    def turn(self) -> bool:
+        """In a worker thread: send until nothing is left (True) or the turn may wait no longer."""
+        clock = _TurnClock(self.transfers)
+        while self.pending:
+            sent = self.transfers.send_some(self.pending, clock)
+            if not sent:
+                return False
+            advance(self.pending, sent)
+        return True
 
 
 def _coalesce_small(buffers: list[memoryview]) -> list[memoryview]:

@@ -8,18 +8,22 @@ the parts it uses, never the node process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import socket
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from backend.config import NodeConfig
-from backend.errors import MetadataError
+from backend.errors import CapacityError, MetadataError, NodeUnavailable
 from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, RedisMemory
 from backend.node.context import NodeContext
+from backend.node.intake import AheadBounds
 from backend.node.ops import OpHandlers
 from backend.node.publisher import Advert, IndexPublisher
 from backend.node.puts import PutReceiver
@@ -29,7 +33,6 @@ from backend.protocol import (
     LEASE_MAP,
     PUT_BUSY,
     PUT_INTEGRITY,
-    PUT_NO_CAPACITY,
     PUT_STORED,
     ItemMeta,
     Op,
@@ -114,16 +117,12 @@ class FakeSession:
     conn: FrameSocket
 
 
-@pytest.fixture(params=["private", "arena"])
-async def parts(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Parts]:
-    """A node's parts, wired as ``PoolNode.__init__`` wires them, joined as node ``NODE_ID``.
-
-    Its DRAM is private memory, or a shared-memory arena (in ``tmp_path``) clients on the host map.
-    """
-    config = NodeConfig(redis_url="redis://unused:1", namespace="unit", dram_bytes=DRAM_BYTES)
+@contextlib.asynccontextmanager
+async def _wired(dram_bytes: int, shm_dir: Path | None) -> AsyncIterator[Parts]:
+    """A node's parts, wired as ``PoolNode.__init__`` wires them, joined as node ``NODE_ID``."""
+    config = NodeConfig(redis_url="redis://unused:1", namespace="unit", dram_bytes=dram_bytes)
     index = FakeIndex()
-    shm_dir = tmp_path if request.param == "arena" else None
-    ctx = NodeContext(config, TierManager(TierConfig(dram_bytes=DRAM_BYTES, shm_dir=shm_dir)), index)
+    ctx = NodeContext(config, TierManager(TierConfig(dram_bytes=dram_bytes, shm_dir=shm_dir)), index)
     stats = NodeStats(ctx)
     publisher = IndexPublisher(ctx, stats)
     puts = PutReceiver(ctx, publisher)
@@ -136,16 +135,45 @@ async def parts(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     ctx.bulk.shutdown(wait=False)
 
 
+@pytest.fixture(params=["private", "arena"])
+async def parts(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Parts]:
+    """A node's parts. Its DRAM is private memory, or a shared-memory arena (in ``tmp_path``) clients on the host map."""
+    async with _wired(DRAM_BYTES, tmp_path if request.param == "arena" else None) as wired:
+        yield wired
+
+
+ROOMY_DRAM_BYTES = 64 << 20  # windows of 8 MiB ahead of the bytes, 16 MiB per client host (AheadBounds)
+
+
 @pytest.fixture
-async def wire() -> AsyncIterator[tuple[FrameSocket, socket.socket]]:
-    """A loopback TCP connection: the node's end as a FrameSocket, and the client's raw socket."""
+async def roomy() -> AsyncIterator[Parts]:
+    """The parts of a node with 64 MiB of DRAM in private memory, with bulk worker threads."""
+    async with _wired(ROOMY_DRAM_BYTES, None) as wired:
+        yield wired
+
+
+def _pair(peer: str, bulk: Executor | None = None) -> tuple[FrameSocket, socket.socket]:
+    """A loopback TCP connection: the node's end as a FrameSocket (its peer named ``peer``), and the client's raw socket."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         client_end = socket.create_connection(listener.getsockname())
         node_end, _ = listener.accept()
-    conn = FrameSocket(node_end, asyncio.get_running_loop(), "unit-peer")
+    return FrameSocket(node_end, asyncio.get_running_loop(), peer, bulk), client_end
+
+
+@pytest.fixture
+async def wire() -> AsyncIterator[tuple[FrameSocket, socket.socket]]:
+    """A loopback TCP connection: the node's end as a FrameSocket, and the client's raw socket."""
+    conn, client_end = _pair("unit-peer")
     yield conn, client_end
     conn.close()
     client_end.close()
+
+
+async def _until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "the condition never came"
+        await asyncio.sleep(0.01)
 
 
 def _item(key: str, payload: bytes) -> ItemMeta:
@@ -194,16 +222,85 @@ async def test_a_chunk_whose_bytes_fail_their_checksum_is_refused_and_not_kept(p
     assert parts.ctx.tiers.dram.used_bytes == len(good)  # the refused chunk's reservation is released
 
 
-async def test_a_chunk_larger_than_dram_is_refused_and_its_bytes_are_read_past(parts, wire):
+async def test_a_chunk_larger_than_dram_is_refused_before_anything_is_reserved(parts, wire):
     conn, client = wire
     huge, small = bytes(DRAM_BYTES + 1), b"s" * 100
-    client.sendall(huge + small)
+    client.sendall(small)
 
-    received = await parts.puts.receive(conn, [_item("huge", huge), _item("small", small)], PutOptions())
+    with pytest.raises(
+        CapacityError, match=rf"'huge' is {DRAM_BYTES + 1} bytes, larger than .* \({DRAM_BYTES} bytes\)"
+    ):
+        await asyncio.wait_for(parts.puts.receive(conn, [_item("huge", huge), _item("small", small)], PutOptions()), 10)
 
-    assert [flag for flag, _, _ in received] == [PUT_NO_CAPACITY, PUT_STORED]
-    got = await parts.ctx.tiers.get("small")
-    assert got is not None and bytes(got.buffer) == small  # the stream stayed in step past the refused bytes
+    assert parts.ctx.tiers.dram.used_bytes == 0 and len(parts.ctx.tiers) == 0  # nothing reserved, nothing read
+    received = await parts.puts.receive(conn, [_item("small", small)], PutOptions())
+    assert [flag for flag, _, _ in received] == [PUT_STORED]
+
+
+async def test_a_put_holds_room_for_at_most_one_window_beyond_the_bytes_it_received(roomy):
+    window = AheadBounds.for_dram(ROOMY_DRAM_BYTES).connection_bytes
+    payload = os.urandom(5 * window)  # declared 40 MiB: it comes in five parts
+    conn, client = _pair("10.0.0.1:5000", roomy.ctx.bulk)
+    tiers = roomy.ctx.tiers
+    try:
+        task = asyncio.ensure_future(roomy.puts.receive(conn, [_item("large", payload)], PutOptions()))
+        client.sendall(payload[:1])
+        await _until(lambda: tiers.dram.used_bytes > 0)
+        await asyncio.sleep(0.05)
+        assert tiers.dram.used_bytes == window  # one part's room, not the 40 MiB declared
+        await asyncio.to_thread(client.sendall, payload[1 : window + 1])  # the first part, and a byte of the next
+        await _until(lambda: tiers.dram.used_bytes == 2 * window)
+        await asyncio.sleep(0.05)
+        assert tiers.dram.used_bytes == 2 * window and roomy.puts.ahead.held("10.0.0.1") == window
+        await asyncio.to_thread(client.sendall, payload[window + 1 :])
+        received = await asyncio.wait_for(task, 10)
+    finally:
+        conn.close()
+        client.close()
+    assert [flag for flag, _, _ in received] == [PUT_STORED]  # verified whole, over its parts
+    assert tiers.dram.used_bytes == len(payload) and roomy.puts.ahead.held("10.0.0.1") == 0
+    got = await tiers.get("large")
+    assert got is not None and bytes(got.buffer) == payload
+
+
+async def test_a_chunk_received_in_parts_is_verified_whole_and_a_mismatch_gives_its_room_back(roomy):
+    payload = os.urandom(3 * AheadBounds.for_dram(ROOMY_DRAM_BYTES).connection_bytes)
+    item = ItemMeta("bad", len(payload), checksum(payload) ^ 1, "uint8", (len(payload),), 0)
+    conn, client = _pair("10.0.0.1:5000", roomy.ctx.bulk)
+    try:
+        sending = asyncio.ensure_future(asyncio.to_thread(client.sendall, payload))
+        received = await asyncio.wait_for(roomy.puts.receive(conn, [item], PutOptions()), 10)
+        await sending
+    finally:
+        conn.close()
+        client.close()
+    assert [flag for flag, _, _ in received] == [PUT_INTEGRITY]
+    assert roomy.ctx.tiers.dram.used_bytes == 0 and len(roomy.ctx.tiers) == 0
+
+
+async def test_one_hosts_puts_share_one_bound_of_room_ahead_and_another_host_never_waits_on_it(roomy):
+    bounds = AheadBounds.for_dram(ROOMY_DRAM_BYTES)  # 8 MiB a connection, 16 MiB a host
+    peers = ["10.0.0.1:1", "10.0.0.1:2", "10.0.0.1:3", "10.0.0.2:1"]
+    pairs = [_pair(peer, roomy.ctx.bulk) for peer in peers]
+    tiers = roomy.ctx.tiers
+    tasks = []
+    for n, (conn, client) in enumerate(pairs):
+        item = ItemMeta(f"stalled-{n}", 40 << 20, 0, "uint8", (40 << 20,), 0)
+        tasks.append(asyncio.ensure_future(roomy.puts.receive(conn, [item], PutOptions(wait_ms=10_000))))
+        client.sendall(b"x")  # one byte, then silence
+    await _until(lambda: tiers.dram.used_bytes == 3 * bounds.connection_bytes)
+    await asyncio.sleep(0.1)
+    # 10.0.0.1: two windows (its bound), its third request waits holding nothing; 10.0.0.2: its own window.
+    assert tiers.dram.used_bytes == 3 * bounds.connection_bytes
+    ahead = roomy.puts.ahead
+    assert (ahead.held("10.0.0.1"), ahead.held("10.0.0.2")) == (bounds.host_bytes, bounds.connection_bytes)
+    for _, client in pairs:
+        client.close()
+    outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+    assert all(isinstance(outcome, NodeUnavailable) for outcome in outcomes)  # the peers went away mid-frame
+    assert tiers.dram.used_bytes == 0 and ahead.held("10.0.0.1") == ahead.held("10.0.0.2") == 0
+    for conn, _ in pairs:
+        conn.close()
 
 
 async def test_a_chunk_evicted_before_its_commit_is_answered_busy_and_not_indexed(parts, wire):

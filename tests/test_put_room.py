@@ -26,19 +26,22 @@ def _chunks(prefix: str, count: int, size: int) -> list[Chunk]:
 
 
 class PutInFlight:
-    """A put of one chunk (raw frames) that holds its DRAM reservation until it lands or aborts."""
+    """A put of one chunk (raw frames) whose bytes have all come but the last: it holds its DRAM until it
+    lands or aborts. (Room is reserved as bytes arrive, so a put holds DRAM for the bytes it sent.) It
+    comes from another client host (127.0.0.2), so the puts it holds back wait for DRAM, not for their
+    host's room ahead of its bytes."""
 
     def __init__(self, node: NodeProcess, nbytes: int) -> None:
         self.payload = bytes(nbytes)
         item = ItemMeta(f"in-flight-{uuid.uuid4().hex}", nbytes, checksum(self.payload), "uint8", (nbytes,), 0)
         meta = encode_items([item])
-        self.sock = socket.create_connection((node.host, node.port))
-        self.sock.sendall(encode_header(Op.PUT_BATCH, 1, meta, nbytes) + meta + self.payload[:1])
-        time.sleep(0.3)  # the node has read the header and reserved the chunk's room
+        self.sock = socket.create_connection((node.host, node.port), source_address=("127.0.0.2", 0))
+        self.sock.sendall(encode_header(Op.PUT_BATCH, 1, meta, nbytes) + meta + self.payload[:-1])
+        time.sleep(0.5)  # the node has received all but the last byte, into the chunk's reserved room
 
     def land(self) -> None:
-        """Send the rest of the bytes and wait for the answer: the chunk is stored."""
-        self.sock.sendall(self.payload[1:])
+        """Send the last byte and wait for the answer: the chunk is stored."""
+        self.sock.sendall(self.payload[-1:])
         self.sock.recv(1)
         self.sock.close()
 

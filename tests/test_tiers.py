@@ -380,18 +380,20 @@ def test_buffer_factory_hands_out_prefaulted_buffers_of_recent_sizes_within_budg
         factory.close()
 
 
-def test_a_batch_larger_than_dram_never_acknowledges_what_it_evicted(node_factory, pool_url):
-    node_factory(dram="1MiB")  # no NVMe tier: the batch's first chunks are evicted by its last
-    chunks = _chunks("self-evict", 8, 256 * KIB)
-    # One connection: the batch reaches the node as one stream, so its last chunks evict its first.
+def test_a_batch_larger_than_the_node_is_refused_whole_naming_the_sizes_and_evicts_nothing(node_factory, pool_url):
+    node_factory(dram="1MiB")  # no NVMe tier: 1 MiB is all the node can ever hold
+    earlier = _chunks("earlier", 1, 256 * KIB)
+    chunks = _chunks("too-large", 8, 256 * KIB)
+    # One connection: the batch reaches the node as one request of 2 MiB.
     with SyncPoolClient(PoolConfig.from_url(f"{pool_url}?connections_per_node=1")) as client:
-        with pytest.raises(CapacityError, match="not stored"):
+        client.put(earlier)
+        with pytest.raises(CapacityError, match=r"8 chunks, 2097152 bytes in all, is larger than .* \(1048576 bytes"):
             client.put(chunks)
-        present = client.contains([c.key for c in chunks])
-        got = client.get([c.key for c in chunks])
-        assert present == [g is not None for g in got]  # the index promises only what is there
-        assert sum(present) == 4
-        assert all(bytes(g.data) == bytes(c.data) for c, g in zip(chunks, got, strict=True) if g is not None)
+        assert client.contains([c.key for c in chunks]) == [False] * 8  # none stored, none acknowledged
+        got = client.get([earlier[0].key])[0]
+        assert got is not None and bytes(got.data) == bytes(earlier[0].data)  # nothing evicted for it
+        client.put(chunks[:3])  # the connection stayed in step: the next put is stored
+        assert client.contains([c.key for c in chunks[:3]]) == [True] * 3
 
 
 async def test_a_delete_during_an_nvme_read_is_not_undone_by_promotion(tmp_path, monkeypatch):

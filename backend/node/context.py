@@ -24,6 +24,8 @@ __all__ = ["BULK_THREADS", "Identity", "NodeContext", "NodeIndex"]
 
 # Threads that move large replies and puts (``backend.transport``): with one per busy
 # connection, two clients' GETs are sent by both cores instead of the event loop's one.
+# A thread works a transfer in turns and hands it back to the loop while its peer is
+# silent, so stalled peers, however many, hold none of them.
 BULK_THREADS = 4
 
 

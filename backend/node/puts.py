@@ -13,7 +13,10 @@ slow Redis costs the put an answer in time (``METADATA``, "Redis slow"), never t
 node its place among the client's live nodes.
 
 Bytes come off the socket (PUT_BATCH) or out of the client's shared-memory stage
-(PUT_STAGED); both go through :meth:`PutReceiver.take_chunks`.
+(PUT_STAGED); both go through :meth:`PutReceiver.take_chunks`, which reserves room as
+the bytes arrive, never far ahead of them (``intake.py``). A request that declares more
+than this node can ever hold is refused before anything is reserved
+(:meth:`PutReceiver.refuse_oversized`).
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from backend.errors import BusyError, CapacityError, MetadataError, ProtocolError
+from backend.errors import CapacityError, MetadataError, ProtocolError
 from backend.metadata import Location
 from backend.node.buffers import ChunkBuffer
 from backend.node.context import NodeContext
 from backend.node.dram import StoredChunk
+from backend.node.intake import STAGED_WINDOW_BYTES, AheadBounds, ChunkSource, Intake, Received, RoomAhead
 from backend.node.publisher import IndexPublisher
 from backend.node.tiers import DRAM
 from backend.protocol import (
@@ -42,6 +46,7 @@ from backend.protocol import (
     decode_put_staged,
     encode_flags,
 )
+from backend.shm import HEADER_BYTES, ArenaView
 from backend.threads import map_in_threads
 from backend.transport import BULK_BYTES, Buffer, FrameSocket
 
@@ -51,11 +56,8 @@ if TYPE_CHECKING:
 __all__ = ["PutReceiver", "Received", "commit_wait_s"]
 
 BULK_COPY_THREADS = 2  # threads one staged put copies on (two cores' worth)
-PUT_WINDOW_BYTES = 64 * 1024 * 1024  # a put's chunks are received this many bytes at a time
 COMMIT_WAIT_SHARE = 0.5  # of a put's wait_ms, how long its index commit may wait for Redis
 MIN_COMMIT_WAIT_S = 0.05  # even a put that asks for no wait gets this long for its commit
-
-Received = list[tuple[int, ItemMeta, StoredChunk | None]]  # per item: PUT outcome, item, chunk inserted
 
 
 def commit_wait_s(options: PutOptions) -> float:
@@ -74,128 +76,79 @@ class PutReceiver:
     def __init__(self, ctx: NodeContext, publisher: IndexPublisher) -> None:
         self.ctx = ctx
         self.publisher = publisher
+        self.ahead = RoomAhead(AheadBounds.for_dram(ctx.tiers.dram.capacity_bytes), on_freed=ctx.tiers.wake_waiters)
         self._own_ids = itertools.count(1)  # for requests that name no put: negative, unlike a client's
+
+    def refuse_oversized(self, items: Sequence[ItemMeta]) -> None:
+        """CapacityError, naming the sizes, for a request this node can never hold: a chunk larger
+        than its DRAM tier, or chunks larger in all than every tier together. Nothing is reserved."""
+        tiers = self.ctx.tiers
+        dram_bytes = tiers.dram.capacity_bytes
+        for item in items:
+            if item.nbytes > dram_bytes:
+                raise CapacityError(
+                    f"chunk {item.key[:80]!r} is {item.nbytes} bytes, larger than node {self.ctx.node_id}'s DRAM "
+                    f"tier ({dram_bytes} bytes): it can never be stored there"
+                )
+        total = sum(item.nbytes for item in items)
+        if total > tiers.capacity_bytes:
+            raise CapacityError(
+                f"a put of {len(items)} chunks, {total} bytes in all, is larger than node {self.ctx.node_id} can "
+                f"ever hold ({tiers.capacity_bytes} bytes, {dram_bytes} of them DRAM)"
+            )
 
     async def receive(self, conn: FrameSocket, items: list[ItemMeta], options: PutOptions) -> Received:
         """Receive a PUT_BATCH's chunks off the socket (see :meth:`take_chunks`)."""
-
-        async def fill(window: list[tuple[ItemMeta, ChunkBuffer]]) -> list[int]:
-            return await conn.recv_many([buffer for _, buffer in window], checksum)
-
-        return await self.take_chunks(items, fill, conn.discard, options)
+        source = _FromSocket(conn, self.ahead.bounds.connection_bytes)
+        return await self.take_chunks(items, source, options)
 
     async def receive_staged(self, meta: bytearray, session: Session) -> tuple[Received, PutOptions]:
         """Copy a PUT_STAGED's chunks out of the client's stage (see :meth:`take_chunks`); with its options."""
         name, token, items, offsets, options = decode_put_staged(meta, self.ctx.config.limits)
+        self.refuse_oversized(items)  # (take_chunks checks again: before the stage is even mapped)
         stage = session.stage(name, token)
-        offset_of = {id(item): offset for item, offset in zip(items, offsets)}
-
-        def copy(job: tuple[ItemMeta, ChunkBuffer]) -> int:
-            item, buffer = job
-            try:
-                return stage.copy_checked(buffer, offset_of[id(item)])
-            except ValueError as exc:
-                raise ProtocolError(f"PUT_STAGED offset of {item.key!r}: {exc}") from None
-
-        async def fill(window: list[tuple[ItemMeta, ChunkBuffer]]) -> list[int]:
-            if sum(item.nbytes for item, _ in window) < BULK_BYTES:
-                return [copy(job) for job in window]
-            return await map_in_threads(self.ctx.bulk, BULK_COPY_THREADS, copy, window)
-
-        async def drop(nbytes: int) -> None:
-            pass  # nothing to read off a socket
-
+        for item, offset in zip(items, offsets):  # before anything is reserved for them
+            if offset < HEADER_BYTES or offset + item.nbytes > stage.size_bytes:
+                raise ProtocolError(
+                    f"PUT_STAGED offset of {item.key!r}: {offset}+{item.nbytes} is outside the stage "
+                    f"({stage.size_bytes} bytes)"
+                )
         self.ctx.counters["staged_put_bytes"] += sum(item.nbytes for item in items)
-        return await self.take_chunks(items, fill, drop, options), options
+        return await self.take_chunks(items, _FromStage(self.ctx, stage, items, offsets), options), options
 
-    async def take_chunks(
-        self,
-        items: list[ItemMeta],
-        fill: Callable[[list[tuple[ItemMeta, ChunkBuffer]]], Awaitable[list[int]]],
-        drop: Callable[[int], Awaitable[None]],
-        options: PutOptions,
-    ) -> Received:
+    async def take_chunks(self, items: list[ItemMeta], source: ChunkSource, options: PutOptions) -> Received:
         """Bring each chunk into reserved DRAM and verify it; returns a PUT outcome per item.
 
-        Chunks come in windows of up to ``PUT_WINDOW_BYTES``: space for each is reserved
-        first, then ``fill`` brings the window's bytes (from the socket in one transfer,
-        or from a stage; on worker threads, checksums included) and answers each chunk's
-        checksum. A verified chunk enters the tiers at once (so a batch larger than DRAM
-        can demote its own first chunks to NVMe), but is not visible to readers before the
-        index commit. A chunk this node already holds with the same bytes is not stored
-        twice (and so cannot be lost if this put fails). Every chunk is marked with the
-        put's id (``options.put_id``, shared by the stripes of one client put), so no stripe
-        of the put evicts another's chunks. An item with no room is dropped (``drop``
-        reads its bytes off the socket): at once when nothing could make room
-        (``PUT_NO_CAPACITY``), else once DRAM stayed full of other puts in flight until
-        ``options.wait_ms`` after the request came (``PUT_BUSY``).
+        Room is reserved as the bytes arrive (``intake.py``): a window of chunks at a time,
+        then ``source`` brings the window's bytes (from the socket in one transfer, or from
+        a stage; on worker threads, checksums included); a chunk larger than a window comes
+        in parts. A verified chunk enters the tiers at once (so a batch larger than DRAM can
+        demote its own first chunks to NVMe), but is not visible to readers before the index
+        commit. A chunk this node already holds with the same bytes is not stored twice (and
+        so cannot be lost if this put fails). Every chunk is marked with the put's id
+        (``options.put_id``, shared by the stripes of one client put), so no stripe of the
+        put evicts another's chunks. An item with no room is dropped (``source`` reads its
+        bytes past): at once when nothing could make room (``PUT_NO_CAPACITY``), else once
+        DRAM stayed full of other puts in flight until ``options.wait_ms`` after the request
+        came (``PUT_BUSY``). A request larger than this node can ever hold raises
+        CapacityError before anything is reserved (:meth:`refuse_oversized`).
         """
-        tiers = self.ctx.tiers
+        self.refuse_oversized(items)
         put_id = options.put_id or -next(self._own_ids)
         # The session gives a frame's bytes frame_timeout_s: the wait leaves half of it for them.
         wait_s = min(options.wait_ms / 1000, self.ctx.config.frame_timeout_s / 2)
         until = asyncio.get_running_loop().time() + wait_s
-        received: Received = []
-        window: list[tuple[ItemMeta, ChunkBuffer]] = []  # reserved, bytes not brought yet
-
-        def let_go() -> None:  # about to wait for room: what this request inserted may move meanwhile
-            tiers.settle([chunk for _, _, chunk in received if chunk is not None])
-
-        async def receive_window() -> None:
-            try:
-                digests = await fill(window)
-            except BaseException:
-                for item, _ in window:
-                    tiers.release(item.nbytes)
-                window.clear()
-                raise
-            for (item, buffer), digest in zip(window, digests):
-                if digest != item.checksum:
-                    tiers.release(item.nbytes)
-                    received.append((PUT_INTEGRITY, item, None))
-                elif tiers.holds(item.key, item.checksum):
-                    tiers.release(item.nbytes)
-                    tiers.claim(item.key, put_id)
-                    received.append((PUT_STORED, item, None))
-                else:
-                    chunk = StoredChunk(item, buffer)
-                    tiers.insert(chunk, put_id)
-                    received.append((PUT_STORED, item, chunk))
-            window.clear()
-
-        async def reserve(item: ItemMeta) -> int:
-            """Reserve room for ``item``: PUT_STORED if it has some, else the refusal's flag."""
-            try:
-                if window:  # holding reservations, it may not wait: another waiter may wait for them
-                    try:
-                        await tiers.reserve(item.nbytes, put_id=put_id)
-                        return PUT_STORED
-                    except CapacityError:
-                        await receive_window()  # the window's chunks land: they can make room for others
-                await tiers.reserve(item.nbytes, until=until, put_id=put_id, before_wait=let_go)
-            except BusyError:
-                return PUT_BUSY
-            except CapacityError:
-                return PUT_NO_CAPACITY
-            return PUT_STORED
-
+        intake = Intake(self.ctx.tiers, self.ahead, source, put_id=put_id, until=until)
         try:
             for item in items:
-                flag = await reserve(item)
-                if flag != PUT_STORED:
-                    await drop(item.nbytes)
-                    received.append((flag, item, None))
-                    continue
-                window.append((item, tiers.take_buffer(item.nbytes)))
-                if sum(i.nbytes for i, _ in window) >= PUT_WINDOW_BYTES:
-                    await receive_window()
-            if window:
-                await receive_window()
+                await intake.take(item)
+            await intake.flush()
         except BaseException:
             # The frame never completed (peer gone, stalled): nothing of it stays.
-            await self._discard_uncommitted([c for _, _, c in received if c is not None])
+            intake.abandon()
+            await self._discard_uncommitted(intake.inserted())
             raise
-        return received
+        return intake.received
 
     async def _discard_uncommitted(self, chunks: list[StoredChunk]) -> None:
         self.ctx.tiers.settle(chunks)
@@ -246,3 +199,56 @@ class PutReceiver:
         counters["puts"] += len(visible)
         counters["put_bytes"] += sum(loc.nbytes for _, loc in visible)
         return encode_flags(flags), []
+
+
+class _FromSocket:
+    """A PUT_BATCH's chunk bytes, off its connection: room ahead of them counted for the client's host."""
+
+    def __init__(self, conn: FrameSocket, window_bytes: int) -> None:
+        self.conn = conn
+        self.host = conn.peer.rpartition(":")[0] or conn.peer  # "ADDRESS:PORT": its host is ADDRESS
+        self.window_bytes = window_bytes
+
+    async def fill(self, window: list[tuple[ItemMeta, ChunkBuffer]]) -> list[int]:
+        return await self.conn.recv_many([buffer for _, buffer in window], checksum)
+
+    async def fill_part(self, item: ItemMeta, start: int, view: memoryview, running: Any) -> None:
+        def hashed(part: memoryview) -> int:
+            running.update(part)  # on the worker thread that received it, as fill's checksums are
+            return 0
+
+        await self.conn.recv_many([view], hashed)
+
+    async def drop(self, nbytes: int) -> None:
+        await self.conn.recv_many([nbytes])  # a large drop is read on a worker thread, not the loop
+
+
+class _FromStage:
+    """A PUT_STAGED's chunk bytes, copied out of the client's stage: all there already, nothing held ahead."""
+
+    host = ""
+    window_bytes = STAGED_WINDOW_BYTES
+
+    def __init__(self, ctx: NodeContext, stage: ArenaView, items: list[ItemMeta], offsets: list[int]) -> None:
+        self.ctx = ctx
+        self.stage = stage
+        self.offset_of = {id(item): offset for item, offset in zip(items, offsets)}
+
+    def _copy(self, job: tuple[ItemMeta, ChunkBuffer]) -> int:
+        item, buffer = job
+        try:
+            return self.stage.copy_checked(buffer, self.offset_of[id(item)])
+        except ValueError as exc:
+            raise ProtocolError(f"PUT_STAGED offset of {item.key!r}: {exc}") from None
+
+    async def fill(self, window: list[tuple[ItemMeta, ChunkBuffer]]) -> list[int]:
+        if sum(item.nbytes for item, _ in window) < BULK_BYTES:
+            return [self._copy(job) for job in window]
+        return await map_in_threads(self.ctx.bulk, BULK_COPY_THREADS, self._copy, window)
+
+    async def fill_part(self, item: ItemMeta, start: int, view: memoryview, running: Any) -> None:
+        self.stage.copy_into(view, self.offset_of[id(item)] + start)
+        running.update(view)
+
+    async def drop(self, nbytes: int) -> None:
+        pass  # nothing to read off a socket

@@ -30,7 +30,7 @@ import ssl
 import time
 from typing import Any
 
-from backend.errors import AuthError, KVPoolError, NodeUnavailable, ProtocolError
+from backend.errors import AuthError, CapacityError, KVPoolError, NodeUnavailable, ProtocolError
 from backend.handshake import NodeHello
 from backend.node.admission import Admission
 from backend.node.context import NodeContext
@@ -212,6 +212,16 @@ class Session:
             # Bytes must leave the socket in order, so the receive happens here;
             # verification, commit and reply overlap with the next request.
             items, options = decode_put_batch(meta, header.data_len, config.limits)
+            try:
+                served.puts.refuse_oversized(items)
+            except CapacityError as exc:
+                # Answered at once, before any room is taken; its bytes are read past, so the
+                # connection stays in step.
+                await self._in_flight.acquire()
+                ctx.spawn(self._finish(header, _raise(exc), started))
+                async with asyncio.timeout(config.frame_timeout_s):
+                    await conn.recv_many([header.data_len])
+                return
             async with asyncio.timeout(config.frame_timeout_s):
                 received = await served.puts.receive(conn, items, options)
             await self._in_flight.acquire()
@@ -323,3 +333,8 @@ class Session:
         op = (header.base_op if header is not None else Op.PING) | RESPONSE_BIT
         request_id = header.request_id if header is not None else 0
         await self.conn.send([encode_header(op, request_id, message, 0, status_for_error(exc)), message])
+
+
+async def _raise(exc: KVPoolError) -> tuple[bytes, list[Buffer]]:
+    """A request's work that is its refusal (``Session._finish`` answers the error)."""
+    raise exc

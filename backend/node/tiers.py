@@ -3,9 +3,9 @@
 * A put reserves DRAM space. If DRAM is full, its least recently used chunks are
   demoted to NVMe (or, with no NVMe tier, evicted) until the chunk fits
   (``demotion.py``, which also keeps DRAM between its watermarks in the background).
-  A put never evicts its own chunks. A DRAM tier full of other puts in flight holds
-  the put back until they land or its deadline passes (then BusyError); one full of
-  leased chunks and the put's own gives it CapacityError at once.
+  A put never evicts its own chunks. A DRAM tier full of other puts in flight gives
+  the put BusyError (the put path waits for them to land, until its deadline:
+  ``intake.py``); one full of leased chunks and the put's own gives it CapacityError.
 * The NVMe tier's files, its disk I/O and its disk-full episodes are ``nvme_tier.py``.
 * A hit on NVMe is read back in a worker thread, verified, and promoted to DRAM;
   the file stays, so a later demotion of the same chunk costs nothing.
@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 from backend.errors import BusyError, CapacityError, IntegrityError
@@ -194,49 +193,47 @@ class TierManager:
         return tiers
 
     # -- put path ---------------------------------------------------------------------
-    def take_buffer(self, nbytes: int) -> ChunkBuffer:
-        """A buffer for a chunk entering DRAM: in the arena when it has room."""
-        if self.arena is not None:
+    def take_buffer(self, nbytes: int, *, shared: bool = True) -> ChunkBuffer:
+        """A buffer for a chunk entering DRAM: in the arena when it has room (and ``shared``), else private."""
+        if shared and self.arena is not None:
             buffer = self.arena.alloc(nbytes)
             if buffer is not None:
                 return buffer
         return self.buffers.take(nbytes)
 
-    async def reserve(
-        self, nbytes: int, *, until: float = 0.0, put_id: int = 0, before_wait: Callable[[], None] | None = None
-    ) -> None:
+    async def reserve(self, nbytes: int, *, put_id: int = 0) -> None:
         """Reserve DRAM for an incoming chunk of put ``put_id``, demoting or evicting older ones as needed.
 
-        When nothing can move because other puts fill DRAM (reserved, or inserted and not
-        committed yet: a burst of puts, or a put striped over several connections), wait
-        for them to land and commit (then their chunks can move) until the loop time
-        ``until``, then raise BusyError. Raise CapacityError at once when no put in flight
-        could make room: the chunk is larger than DRAM, or the rest is leased or this same
-        put's (``Demoter.make_room``). A caller must hold no reservation when it may wait
-        (else two could wait for each other), and ``before_wait`` runs before it waits
-        (the caller lets its own uncommitted chunks move: ``settle``). The wait is outside
-        the demoter's lock, so others can demote meanwhile, and it is woken whenever a
-        reservation lands or is given back, a put commits or gives up, or a chunk leaves
-        or is unpinned.
+        Raise BusyError when nothing can move because other puts fill DRAM (reserved, or
+        inserted and not committed yet: a burst of puts, or a put striped over several
+        connections): the caller may wait for them to land and commit (``wait_for_room``),
+        holding no reservation another waiter may need meanwhile, and try again
+        (``backend.node.intake``). Raise CapacityError when no put in flight could make room:
+        the chunk is larger than DRAM, or the rest is leased or this same put's
+        (``Demoter.make_room``).
         """
         if nbytes > self.dram.capacity_bytes:
             raise CapacityError(
                 f"chunk of {nbytes} bytes is larger than the DRAM tier ({self.dram.capacity_bytes} bytes)"
             )
-        while not self.dram.fits(nbytes):
+        if not self.dram.fits(nbytes):
             await self.demoter.make_room(nbytes, keep_put=put_id, landing=self.landing.keys)
-            if self.dram.fits(nbytes):
-                break
-            if until and before_wait is not None:
-                before_wait()
-                before_wait = None
-                continue  # what it let go may be what another waiter needs; try again first
+        if not self.dram.fits(nbytes):
             if self.dram.used_bytes <= self.dram.stored_bytes and not self.landing.nbytes:
                 raise CapacityError("DRAM tier is full of leased chunks and this put's own")
-            if not await self.landing.wait_for_room(until):
-                raise BusyError("DRAM tier stayed full of puts in flight until the request's deadline")
+            raise BusyError("DRAM tier is full of puts in flight")
         self.dram.reserve(nbytes)
         self.demoter.wake()
+
+    async def wait_for_room(self, until: float) -> bool:
+        """Wait until DRAM may have room for a put: a reservation landed or was given back, a put committed
+        or gave up, a chunk left or was unpinned, or room ahead of a put's bytes was given back (the
+        demoter's lock is not held meanwhile). False once the loop time ``until`` passed."""
+        return await self.landing.wait_for_room(until)
+
+    def wake_waiters(self) -> None:
+        """Room may have come for the puts in :meth:`wait_for_room`."""
+        self.landing.wake()
 
     def settle(self, chunks: list[StoredChunk]) -> None:
         """The puts that inserted ``chunks`` committed, gave up, or wait: the chunks may move now."""
