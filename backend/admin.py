@@ -29,6 +29,8 @@ from backend.metadata import Location, NodeInfo, RedisMemory
 from backend.protocol import InventoryRow, NodeReport, TierReport, Verified, tiers_from_json
 
 __all__ = [
+    "RedisMemory",
+    "redis_memory",
     "pool_status",
     "node_rows",
     "iter_keys",

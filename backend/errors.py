@@ -5,6 +5,8 @@
     KVPoolError
     ├── ConfigError          bad URL / option, with the offending key named
     ├── MetadataError        Redis unreachable or inconsistent
+    │   ├── RedisFullError   ... Redis refused a write: at maxmemory, evicting nothing
+    │   └── RedisSlowError   ... Redis gave no answer in time (paused, stopped, overloaded)
     ├── NodeUnavailable      connect / timeout / node gone
     ├── ProtocolError        malformed or unexpected frame
     ├── AuthError            missing or wrong token
@@ -32,6 +34,8 @@ __all__ = [
     "KVPoolError",
     "ConfigError",
     "MetadataError",
+    "RedisFullError",
+    "RedisSlowError",
     "NodeUnavailable",
     "ProtocolError",
     "AuthError",
@@ -39,6 +43,7 @@ __all__ = [
     "BusyError",
     "IntegrityError",
     "NcclError",
+    "refused_outcome",
 ]
 
 
@@ -85,6 +90,14 @@ class MetadataError(KVPoolError):
     """The metadata Redis is unreachable or holds something inconsistent."""
 
 
+class RedisFullError(MetadataError):
+    """Redis refused a write for lack of memory: it is at ``maxmemory`` and its policy evicts nothing."""
+
+
+class RedisSlowError(MetadataError):
+    """Redis gave no answer in time: paused, stopped, overloaded or cut off."""
+
+
 class NodeUnavailable(KVPoolError):
     """A pool node could not be reached, timed out, or has left the pool."""
 
@@ -121,3 +134,9 @@ class NcclError(KVPoolError):
         super().__init__(f"{message}{detail}")
         self.result = result
         self.result_string = result_string
+
+
+def refused_outcome(error: KVPoolError) -> PutOutcome:
+    """What became of each chunk of a put request the node refused whole with ``error``: ``NO_ROOM`` when
+    it can never hold the request (a ``CapacityError``: larger than the node), else ``FAILED``."""
+    return PutOutcome.NO_ROOM if isinstance(error, CapacityError) else PutOutcome.FAILED

@@ -54,7 +54,7 @@ from backend.lmcache.chunks import LMCacheSink
 from backend.lmcache.connector import KVPoolConnector
 from backend.protocol import Op
 from backend.shm import ArenaView
-from backend.transport import FrameSocket, _ThreadedTransfers
+from backend.transport import FrameSocket, _Receiving, _TurnClock
 from bench.ceilings import memcpy_gbps, tcp_loopback_gbps
 from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
 from bench.nodes import NodeProcess
@@ -120,8 +120,8 @@ def _instrument() -> None:
     CLOCK.wrap(ClientContext, "map_in_threads", "copy (wall)")
     CLOCK.wrap(FrameSocket, "recv_many", "receive (wall)")
     CLOCK.wrap(ArenaView, "copy_checked", "thread busy")
-    CLOCK.wrap(_ThreadedTransfers, "recv_many", "thread busy")
-    CLOCK.wrap(_ThreadedTransfers, "_wait", "thread waiting for data")
+    CLOCK.wrap(_Receiving, "turn", "thread busy")  # a worker's turn of a bulk receive (transport.py)
+    CLOCK.wrap(_TurnClock, "ready", "thread waiting for data")
     CLOCK.wrap(TcpReader, "read", "tcp read")
 
 

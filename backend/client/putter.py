@@ -21,7 +21,7 @@ from backend.client.context import ClientContext
 from backend.client.registry import RegistryView
 from backend.client.stage import StagedWriter
 from backend.client.tcp import stripes
-from backend.errors import BusyError, CapacityError, KVPoolError, NodeUnavailable, PutOutcome
+from backend.errors import BusyError, CapacityError, KVPoolError, NodeUnavailable, PutOutcome, refused_outcome
 from backend.metadata import NodeInfo
 from backend.placement import choose_nodes, next_fallback, rank_nodes
 from backend.protocol import ItemMeta, Op, PutOptions, checksum, decode_flags, encode_put_batch, put_outcome
@@ -169,7 +169,7 @@ class PutPlanner:
         for part, answer in zip(parts, answers):
             if isinstance(answer, KVPoolError):
                 error = answer
-                answer = [PutOutcome.FAILED] * len(part)
+                answer = [refused_outcome(answer)] * len(part)
             elif isinstance(answer, BaseException):
                 raise answer
             results.extend(answer)
@@ -181,7 +181,8 @@ def put_error(outcomes: dict[str, PutOutcome], last_error: KVPoolError | None) -
     """The error of a put that did not store every chunk: exact counts by outcome, ``outcomes`` attached.
 
     Its type: the failed request's error if a chunk failed; BusyError if every chunk not
-    stored met only busy nodes (the pool was saturated, nothing went wrong); else CapacityError.
+    stored met only busy nodes (the pool was saturated, nothing went wrong); else CapacityError
+    (with the node's reason when a node refused a request whole: larger than it can ever hold).
     """
     missing = Counter(o for o in outcomes.values() if o is not PutOutcome.STORED)
     counts = ", ".join(f"{n} {outcome.value}" for outcome, n in sorted(missing.items(), key=lambda x: -x[1]))
@@ -192,6 +193,8 @@ def put_error(outcomes: dict[str, PutOutcome], last_error: KVPoolError | None) -
         message += f" ({last_error})" if last_error is not None else ""
     elif set(missing) == {PutOutcome.BUSY}:
         error_type = BusyError
+    elif isinstance(last_error, CapacityError):
+        message += f" ({last_error})"
     error = error_type(message)
     error.outcomes = MappingProxyType(outcomes)
     return error

@@ -25,7 +25,7 @@ from backend.client.arena import ArenaReader
 from backend.client.connection import MAX_FRAME_ITEMS, Connections, NodePool
 from backend.client.context import ClientContext, logger
 from backend.client.tcp import stripes
-from backend.errors import KVPoolError, PutOutcome
+from backend.errors import KVPoolError, PutOutcome, refused_outcome
 from backend.metadata import NodeInfo
 from backend.protocol import ItemMeta, Op, PutOptions, decode_flags, encode_put_staged, put_outcome
 from backend.shm import HEADER_BYTES, PutStage
@@ -149,7 +149,7 @@ class StagedWriter:
             failure = request.exception()
             if isinstance(failure, KVPoolError):
                 error = failure
-                outcomes += [PutOutcome.FAILED] * len(stripe)
+                outcomes += [refused_outcome(failure)] * len(stripe)
             elif failure is not None:
                 raise failure
             else:

@@ -16,10 +16,10 @@ from urllib.parse import parse_qsl, urlsplit
 import torch
 from lmcache.v1.memory_management import MemoryFormat
 
-from backend.admin import redis_memory
+from backend.admin import RedisMemory, redis_memory
 from backend.client import PoolClient
 from backend.config import PoolConfig, mask_secrets, without_inline_secrets
-from backend.errors import ConfigError, KVPoolError
+from backend.errors import ConfigError, KVPoolError, RedisSlowError
 from backend.lmcache.config import (
     ADAPTER_CLASS,
     ADAPTER_MODULE,
@@ -30,7 +30,6 @@ from backend.lmcache.config import (
     url_config_key,
 )
 from backend.lmcache.connector import REMOTE_URL_FIX_HINT
-from backend.metadata import RedisMemory, RedisSlowError
 from backend.threads import LoopThread
 
 __all__ = ["diagnose"]

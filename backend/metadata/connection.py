@@ -21,7 +21,7 @@ from typing import Any
 
 from redis import exceptions as redis_exceptions
 
-from backend.errors import MetadataError
+from backend.errors import MetadataError, RedisFullError, RedisSlowError
 from backend.metadata.breaker import RedisBreaker
 from backend.metadata.records import RedisMemory
 from backend.metadata.scripts import (
@@ -39,14 +39,6 @@ from backend.metadata.scripts import (
 from backend.redis_topology import CLUSTER, CLUSTER_HINT, RedisTarget, connect, mask_url
 
 __all__ = ["RedisConnection", "RedisFullError", "RedisSlowError"]
-
-
-class RedisFullError(MetadataError):
-    """Redis refused a write for lack of memory: it is at ``maxmemory`` and its policy evicts nothing."""
-
-
-class RedisSlowError(MetadataError):
-    """Redis gave no answer in time: paused, stopped, overloaded or cut off."""
 
 
 FULL_HINT = (

@@ -143,6 +143,18 @@ def test_a_client_without_a_token_is_told_one_is_required_and_can_prove_nothing(
         node.check({"proof": "00" * 32})
 
 
+def test_a_captured_proof_replayed_on_another_connection_is_refused() -> None:
+    """Whoever watched one connection's handshake cannot replay its AUTH: the node's nonce is new each time."""
+    client, node = _pair()
+    auth = client.answer(node.answer(client.request(), epoch=1))
+    assert auth is not None
+    node.check(auth)
+    for replay_node in (node, _pair()[1]):  # a second HELLO on the same connection, or a new connection
+        replay_node.answer(client.request(), epoch=1)
+        with pytest.raises(AuthError, match="wrong or missing token proof"):
+            replay_node.check(auth)
+
+
 def test_an_auth_before_any_hello_is_refused() -> None:
     with pytest.raises(AuthError, match="AUTH before HELLO"):
         NodeHello(KeyRing([TOKEN]), "node-a", "10.0.0.1:7000").check({"proof": "00"})

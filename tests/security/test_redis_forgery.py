@@ -1,0 +1,51 @@
+"""Someone who holds the Redis password but not the pool token rewrites the index.
+
+They can make readers miss (deny service); they can never make a reader return bytes other
+than the ones stored under the key it asked for, nor make it talk to a node that cannot prove
+the token (tests/security/test_handshake.py covers forged registry entries). A real node, a
+real redis-server written to directly, a real client.
+"""
+
+from __future__ import annotations
+
+import os
+
+import redis
+
+from backend import Chunk, PoolConfig, SyncPoolClient
+from backend.metadata import Location
+
+TOKEN = "forgery-token-0123456789abcdef01"
+
+
+def _index_key(namespace: str, key: str) -> str:
+    """Where the index keeps ``key``'s copies (``RedisConnection.index_key``)."""
+    return f"kvp:{namespace}:k:{{{key}}}"
+
+
+def test_forged_index_entries_make_misses_never_another_keys_bytes(node_factory, redis_server, pool_url, namespace):
+    node_factory(env={"KVPOOL_TOKEN": TOKEN})
+    url = pool_url.replace("kvpool://", f"kvpool://:{TOKEN}@")
+    a, b = os.urandom(64 * 1024), os.urandom(64 * 1024)
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        client.put([Chunk("a", a), Chunk("b", b)])
+        live = client.nodes()[0]
+        raw = redis.Redis.from_url(redis_server.url, decode_responses=True)
+        b_loc = Location.decode(live.node_id, raw.hget(_index_key(namespace, "b"), live.node_id))
+        forged = {
+            # "a" claims to be b's copy (b's size and checksum) on the live node
+            "a": {live.node_id: b_loc.encode()},
+            # a key never stored, pointed at the live node with b's location
+            "never-stored": {live.node_id: b_loc.encode()},
+            # copies on a node that does not exist, and a value that does not parse
+            "ghost": {"no-such-node": f"{live.epoch}|dram|65536|1|0"},
+            "garbage": {live.node_id: "not|a|location"},
+        }
+        for key, fields in forged.items():
+            raw.delete(_index_key(namespace, key))
+            raw.hset(_index_key(namespace, key), mapping=fields)
+        got = client.get(["a", "never-stored", "ghost", "garbage", "b"])
+        raw.close()
+    assert got[0] is None or bytes(got[0].data) == a  # a's own bytes or a miss: never b's
+    assert got[1:4] == [None, None, None]
+    assert got[4] is not None and bytes(got[4].data) == b  # the untouched key still reads
