@@ -10,6 +10,7 @@ impostor answering HELLO itself), the victim a real kvpool client, the node a re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -296,6 +297,30 @@ def _token_url(pool_url: str, token: str = TOKEN) -> str:
     return pool_url.replace("kvpool://", f"kvpool://:{token}@")
 
 
+SECRET = Chunk("secret-chunk", b"only for token holders")
+
+
+@contextlib.contextmanager
+def _owner_and_relay(
+    node_factory: Any, pool_url: str, listeners: Callable[[Callable[[socket.socket], None]], Listener]
+) -> Iterator[tuple[SyncPoolClient, NodeInfo, Relay, Listener]]:
+    """A node with a token holding SECRET, its owner (a client with the token), and a relay to the node."""
+    node = node_factory(env={"KVPOOL_TOKEN": TOKEN})
+    with SyncPoolClient(PoolConfig.from_url(_token_url(pool_url))) as owner:
+        owner.put([SECRET])
+        relay = Relay((node.host, node.port), SECRET.key)
+        yield owner, owner.nodes()[0], relay, listeners(relay.serve)
+
+
+def _assert_the_relay_got_nothing(relay: Relay, owner: SyncPoolClient) -> None:
+    """The relay's own list and delete were refused as unauthenticated, and SECRET is still there."""
+    assert relay.done.wait(WAIT_S)
+    assert relay.answers["inventory"][0] in (Status.AUTH, -1), relay.answers
+    assert relay.answers["delete"][0] in (Status.AUTH, -1), relay.answers
+    got = owner.get([SECRET.key])[0]
+    assert got is not None and bytes(got.data) == bytes(SECRET.data)  # nothing deleted
+
+
 def test_a_relayed_handshake_is_refused_and_the_relay_gets_nothing(node_factory, pool_url, listeners):
     """The relay attack of trust round 4: a listener the client dials relays the real node's handshake.
 
@@ -304,13 +329,7 @@ def test_a_relayed_handshake_is_refused_and_the_relay_gets_nothing(node_factory,
     (its proof names the node's own address, not the one the victim dialled), sends no
     AUTH, and the relay's own requests are refused as unauthenticated.
     """
-    node = node_factory(env={"KVPOOL_TOKEN": TOKEN})
-    with SyncPoolClient(PoolConfig.from_url(_token_url(pool_url))) as owner:
-        owner.put([Chunk("secret-chunk", b"only for token holders")])
-        real = owner.nodes()[0]
-        relay = Relay((node.host, node.port), "secret-chunk")
-        listener = listeners(relay.serve)
-
+    with _owner_and_relay(node_factory, pool_url, listeners) as (owner, real, relay, listener):
         # The victim dials the relay as the registry told it: a forged entry (real node id, the relay's address).
         forged = NodeInfo(real.node_id, "127.0.0.1", listener.port, real.epoch)
 
@@ -323,23 +342,14 @@ def test_a_relayed_handshake_is_refused_and_the_relay_gets_nothing(node_factory,
 
         with pytest.raises(AuthError, match="could not prove it holds the pool token"):
             asyncio.run(victim())
-        assert relay.done.wait(WAIT_S)
+        _assert_the_relay_got_nothing(relay, owner)
         assert relay.seen_from_victim == [Op.HELLO]  # no AUTH: the victim proved nothing for the relay
-        assert relay.answers["inventory"][0] in (Status.AUTH, -1), relay.answers
-        assert relay.answers["delete"][0] in (Status.AUTH, -1), relay.answers
-        got = owner.get(["secret-chunk"])[0]
-        assert got is not None and bytes(got.data) == b"only for token holders"  # nothing deleted
         assert owner.node_stats(real)["counters"]["auth_failures"] >= 1
 
 
 def test_a_proof_a_fooled_client_made_for_the_relay_is_refused_by_the_node(node_factory, pool_url, listeners):
     """Even a client that skipped its check proves only what it meant (the relay's address): useless at the node."""
-    node = node_factory(env={"KVPOOL_TOKEN": TOKEN})
-    with SyncPoolClient(PoolConfig.from_url(_token_url(pool_url))) as owner:
-        owner.put([Chunk("secret-chunk", b"only for token holders")])
-        real = owner.nodes()[0]
-        relay = Relay((node.host, node.port), "secret-chunk")
-        listener = listeners(relay.serve)
+    with _owner_and_relay(node_factory, pool_url, listeners) as (owner, real, relay, listener):
         with socket.create_connection(("127.0.0.1", listener.port), timeout=WAIT_S) as sock:
             fooled = ClientHello(real.node_id, f"127.0.0.1:{listener.port}", TOKEN)
             sock.sendall(frame(Op.HELLO, 1, fooled.request()))
@@ -359,11 +369,7 @@ def test_a_proof_a_fooled_client_made_for_the_relay_is_refused_by_the_node(node_
             assert refused is not None and refused[0].status == Status.AUTH
             assert b"wrong or missing token proof" in refused[1]
             assert f"127.0.0.1:{listener.port}".encode() in refused[1]  # the node says whom the client meant
-        assert relay.done.wait(WAIT_S)
-        assert relay.answers["inventory"][0] in (Status.AUTH, -1), relay.answers
-        assert relay.answers["delete"][0] in (Status.AUTH, -1), relay.answers
-        got = owner.get(["secret-chunk"])[0]
-        assert got is not None and bytes(got.data) == b"only for token holders"
+        _assert_the_relay_got_nothing(relay, owner)
 
 
 @dataclass

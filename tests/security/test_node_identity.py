@@ -9,14 +9,13 @@ good while it kept running. Each test runs real node processes against a real re
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from backend import Chunk, PoolConfig, SyncPoolClient
+from backend import PoolConfig, SyncPoolClient
 from backend.config import NodeConfig
 from backend.config.node import ENV_PREFAULT
 from backend.config.values import NODE_ID_RULE, check_node_id, default_node_id
@@ -25,22 +24,13 @@ from backend.errors import ConfigError
 from backend.node.nvme_format import chunk_path
 from bench.nodes import NodeProcess
 from tests.conftest import wait_until
+from tests.support.chunks import all_read_back, seeded_chunks
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: more rounds, and the long kill orders
 KIB = 1024
 TTL_S = NodeConfig.heartbeat_ttl_ms / 1000  # a node's heartbeat TTL (5 s): how long a crashed run's beat stays
 START_S = 20.0  # a node process's start on a busy 2-core machine, with margin
 REFUSED = 2  # the exit code of a ConfigError: a live node holds the id
-
-
-def _chunks(prefix: str, count: int, size: int, seed: int = 0) -> list[Chunk]:
-    rng = random.Random(seed)
-    return [Chunk(f"{prefix}@1@0@{i}@bfloat16", rng.randbytes(size)) for i in range(count)]
-
-
-def _all_read_back(client: SyncPoolClient, chunks: list[Chunk]) -> bool:
-    got = client.get([c.key for c in chunks])
-    return [None if g is None else bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
 
 
 def _live(client: SyncPoolClient) -> dict[str, int]:
@@ -79,7 +69,7 @@ def test_a_duplicate_node_id_is_refused_while_the_original_lives_and_nothing_of_
     node_factory, spawn, pool_url
 ):
     original = node_factory("--node-id", "orig")
-    chunks = _chunks("dup", 16, 64 * KIB)
+    chunks = seeded_chunks("dup", 16, 64 * KIB)
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
         client.put(chunks)
         duplicate = spawn("--node-id", "orig")
@@ -94,7 +84,7 @@ def test_a_duplicate_node_id_is_refused_while_the_original_lives_and_nothing_of_
         assert _live(client) == {"orig": original.epoch}
         beat_at = client.nodes(refresh=True)[0].heartbeat_at
         assert wait_until(lambda: client.nodes(refresh=True)[0].heartbeat_at > beat_at + 1.5, 10.0)
-        assert _all_read_back(client, chunks)
+        assert all_read_back(client, chunks)
         assert original.alive()
 
 
@@ -102,7 +92,7 @@ def test_a_duplicate_killed_while_it_waits_out_a_frozen_original_leaves_every_ch
     node_factory, spawn, pool_url
 ):
     original = node_factory("--node-id", "frozen-orig")
-    chunks = _chunks("frozen", 16, 64 * KIB)
+    chunks = seeded_chunks("frozen", 16, 64 * KIB)
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
         client.put(chunks)
         duplicate = spawn("--node-id", "frozen-orig")
@@ -118,7 +108,7 @@ def test_a_duplicate_killed_while_it_waits_out_a_frozen_original_leaves_every_ch
         assert waiting, duplicate.tail()
         assert "ready at" not in duplicate.log
         assert wait_until(lambda: _live(client) == {"frozen-orig": original.epoch}, 10.0)
-        assert _all_read_back(client, chunks)
+        assert all_read_back(client, chunks)
 
 
 def test_two_nodes_started_at_once_under_one_id_exactly_one_wins(spawn, pool_url):
@@ -142,7 +132,7 @@ def test_a_node_killed_and_restarted_at_once_waits_out_its_last_beat_and_recover
 ):
     nvme = ["--nvme-dir", str(tmp_path / "nvme"), "--nvme", "64MiB"]  # the id is kept in the directory
     first = node_factory(*nvme, dram="1MiB")
-    chunks = _chunks("crash", 24, 128 * KIB)  # 3 MiB into 1 MiB of DRAM: most are demoted to NVMe
+    chunks = seeded_chunks("crash", 24, 128 * KIB)  # 3 MiB into 1 MiB of DRAM: most are demoted to NVMe
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
         for chunk in chunks:
             client.put([chunk])
@@ -156,7 +146,7 @@ def test_a_node_killed_and_restarted_at_once_waits_out_its_last_beat_and_recover
         assert "lapsed; this node takes the id over" in second.log, second.tail()
         assert took_s < TTL_S + START_S
         assert len(on_disk) >= 16 and client.contains([c.key for c in on_disk]) == [True] * len(on_disk)
-        assert _all_read_back(client, on_disk)
+        assert all_read_back(client, on_disk)
 
 
 def test_a_node_frozen_past_its_ttl_whose_id_was_taken_stops_instead_of_fighting_for_it(node_factory, spawn, pool_url):
@@ -165,7 +155,7 @@ def test_a_node_frozen_past_its_ttl_whose_id_was_taken_stops_instead_of_fighting
         original.pause()  # frozen past its TTL: dead to the pool, and its id free again
         try:
             successor = spawn("--node-id", "taken").wait_ready(TTL_S + START_S)
-            chunks = _chunks("successor", 8, 64 * KIB)
+            chunks = seeded_chunks("successor", 8, 64 * KIB)
             client.put(chunks)
         finally:
             original.resume()
@@ -173,7 +163,7 @@ def test_a_node_frozen_past_its_ttl_whose_id_was_taken_stops_instead_of_fighting
         assert "this node stops serving under the id" in original.log
         # It left the successor's registry entry, claim and index entries alone.
         assert _live(client) == {"taken": successor.epoch}
-        assert _all_read_back(client, chunks)
+        assert all_read_back(client, chunks)
         assert successor.alive()
 
 
@@ -186,7 +176,7 @@ def test_every_kill_order_of_original_and_duplicate_leaves_the_originals_nvme_ch
     recovers every chunk it had on NVMe."""
     nvme = ["--node-id", "orig-nvme", "--nvme-dir", str(tmp_path / "nvme"), "--nvme", "64MiB"]
     original = node_factory(*nvme, dram="1MiB")
-    chunks = _chunks("order", 24, 128 * KIB)
+    chunks = seeded_chunks("order", 24, 128 * KIB)
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
         for chunk in chunks:
             client.put([chunk])
@@ -205,7 +195,7 @@ def test_every_kill_order_of_original_and_duplicate_leaves_the_originals_nvme_ch
         restarted = node_factory(*nvme, dram="1MiB")
         assert "lapsed; this node takes the id over" in restarted.log
         assert len(on_disk) >= 16 and client.contains([c.key for c in on_disk]) == [True] * len(on_disk)
-        assert _all_read_back(client, on_disk)
+        assert all_read_back(client, on_disk)
 
 
 # -- node ids are validated ---------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import time
 
@@ -21,6 +20,7 @@ import redis
 from backend import Chunk, MetadataError, PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis
 from tests.conftest import wait_until
+from tests.support.chunks import all_read_back, seeded_chunks
 from tests.test_cli import kvpool
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: the 30 s form
@@ -29,16 +29,6 @@ MIB = 1024 * KIB
 # Longer than one heartbeat TTL (5 s): a node whose beats Redis refused would be declared dead within it.
 FULL_FOR_S = 30.0 if FULL else 7.0
 PAUSE_MS = 2000  # as long as the client's timeout_ms (2000 by default)
-
-
-def _chunks(prefix: str, count: int, size: int, seed: int = 0) -> list[Chunk]:
-    rng = random.Random(seed)
-    return [Chunk(f"{prefix}@1@0@{i}@bfloat16", rng.randbytes(size)) for i in range(count)]
-
-
-def _all_read_back(client: SyncPoolClient, chunks: list[Chunk]) -> bool:
-    got = client.get([c.key for c in chunks])
-    return [None if g is None else bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
 
 
 def _private_redis(redis_factory: list[EmbeddedRedis]) -> EmbeddedRedis:
@@ -68,7 +58,7 @@ def test_a_full_redis_never_declares_the_node_dead_its_chunks_hit_and_puts_say_r
     server = _private_redis(redis_factory)
     node = node_factory(redis_url=server.url)
     url = f"kvpool://127.0.0.1:{server.port}/{namespace}"
-    chunks = _chunks("full", 16, 16 * KIB)
+    chunks = seeded_chunks("full", 16, 16 * KIB)
     with SyncPoolClient(PoolConfig.from_url(url)) as client, redis.Redis(port=server.port) as raw:
         client.put(chunks)
         assert _fill(raw) > 0
@@ -77,9 +67,9 @@ def test_a_full_redis_never_declares_the_node_dead_its_chunks_hit_and_puts_say_r
             assert [(n.node_id, n.epoch) for n in client.nodes(refresh=True)] == [(node.node_id, node.epoch)]
             time.sleep(0.25)
         assert raw.info("memory")["used_memory"] >= int(raw.config_get("maxmemory")["maxmemory"])  # still full
-        assert _all_read_back(client, chunks)
+        assert all_read_back(client, chunks)
         with pytest.raises(MetadataError, match="Redis is full") as refused:
-            client.put(_chunks("refused", 1, 16 * KIB))
+            client.put(seeded_chunks("refused", 1, 16 * KIB))
         assert refused.value.not_stored()  # nothing acknowledged that is not indexed
         assert wait_until(lambda: "Redis is full: used_memory" in node.log, 5.0), node.tail()
         assert "dead" not in node.log and "unreachable" not in node.log, node.tail()
@@ -89,9 +79,9 @@ def test_a_full_redis_never_declares_the_node_dead_its_chunks_hit_and_puts_say_r
         assert json.loads(kvpool("status", "--url", url, "--json").stdout)["redis"]["full"] is True
 
         raw.config_set("maxmemory", 0)  # room again: puts are stored, the node says so
-        more = _chunks("room-again", 4, 16 * KIB)
+        more = seeded_chunks("room-again", 4, 16 * KIB)
         client.put(more)
-        assert _all_read_back(client, more)
+        assert all_read_back(client, more)
         assert wait_until(lambda: "Redis answers and takes writes again" in node.log, 5.0), node.tail()
 
 
@@ -105,14 +95,14 @@ def test_a_redis_pause_as_long_as_the_client_timeout_marks_no_node_down_and_lose
     acked: list[Chunk] = []
     refused: list[str] = []
     with SyncPoolClient(PoolConfig.from_url(url)) as client, redis.Redis(port=server.port) as raw:
-        first = _chunks("before", 8, 64 * KIB)
+        first = seeded_chunks("before", 8, 64 * KIB)
         client.put(first)
         acked += first
         raw.execute_command("CLIENT", "PAUSE", PAUSE_MS, mode)
         paused_at = time.monotonic()
         batch = 0
         while time.monotonic() - paused_at < PAUSE_MS / 1000 + 0.5:  # puts and gets through the pause
-            chunks = _chunks(f"during-{batch}", 4, 64 * KIB, seed=batch)
+            chunks = seeded_chunks(f"during-{batch}", 4, 64 * KIB, seed=batch)
             batch += 1
             try:
                 client.put(chunks)
@@ -122,10 +112,10 @@ def test_a_redis_pause_as_long_as_the_client_timeout_marks_no_node_down_and_lose
             client.get([c.key for c in acked[-8:]])  # misses while Redis does not answer lookups
         assert client.counters.get("nodes_marked_down", 0) == 0, refused
         assert refused and all("Redis slow" in text for text in refused), refused
-        assert _all_read_back(client, acked)  # nothing acknowledged is lost; gets after the pause hit
-        after = _chunks("after", 4, 64 * KIB)
+        assert all_read_back(client, acked)  # nothing acknowledged is lost; gets after the pause hit
+        after = seeded_chunks("after", 4, 64 * KIB)
         client.put(after)
-        assert _all_read_back(client, after)
+        assert all_read_back(client, after)
     assert any("Redis slow" in node.log for node in nodes)
     assert not any("dead" in node.log or "unreachable" in node.log for node in nodes)
 
