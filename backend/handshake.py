@@ -2,25 +2,31 @@
 
 ::
 
-    client                                               node
-      HELLO {proto, nonce: Nc, node_id, address, key_id} ->
-                                                          <- {proto, node_id, epoch, auth_required,
-                                                              nonce: Nn, key_id, proof: MAC(NODE_PROVES)}
-      checks: the node id is the one the index names,
-      the node's proof over what *this side* meant
-      AUTH {proof: MAC(CLIENT_PROVES)}                   ->
-                                                          <- {ok: true}    checks the proof over its own id,
-                                                                           its own address, both nonces
+    client                                                  node
+      HELLO {proto, nonce: Nc, node_id, address}        ->
+                                                        <- {proto, node_id, epoch, auth_required, nonce: Nn}
+      checks: the node id is the one the index names
+      AUTH {key_id, proof: MAC(CLIENT_PROVES)}          ->
+                                                           checks the proof over its own id and address
+                                                        <- {ok: true, proof: MAC(NODE_PROVES)}
+      checks the node's proof over what *it* dialled,
+      before it sends anything else
 
-Both proofs are HMAC-SHA256 keyed by the token over one :class:`Transcript`: a
-direction label, the handshake version, the key id (which token is proven), the node id
-and address the client meant, and both nonces. Each side computes the proof it checks
-from what *it* knows: the client from the node it dialled (id and address from the
-registry), the node from its own id and advertised address. So a listener that relays a
-real node's handshake gains nothing: the client meant the relay's address (or id), the
-node proves and checks its own, the proofs disagree and both sides refuse. The direction
-label keeps one side's proof from being played back as the other's; fresh nonces on
-both sides keep a proof from being replayed on another connection.
+Both proofs are HMAC-SHA256 over one :class:`Transcript` (a direction label, the handshake
+version, the key id, the node id and address, both nonces), keyed by the *handshake key*:
+the token stretched with PBKDF2 (:func:`handshake_key`), so that whoever gets a proof to
+guess against pays for every guess. Each side computes the proof it checks from what *it*
+knows: the client from the node it dialled (id and address from the registry), the node
+from its own id and advertised address. So a listener that relays a real node's handshake
+gains nothing: the client's proof names the relay's address, the node checks its own, and
+the node refuses it; a listener without the token cannot make the node's proof, and the
+client refuses it. The direction label keeps one side's proof from being played back as
+the other's; fresh nonces on both sides keep a proof to its connection.
+
+The client proves first, so a peer that only connects to a node learns nothing it could
+guess the token against (the node names no key and proves nothing before the client
+has); only a listener a client dials gets the client's proof, bound to that listener's
+own address, and the stretching makes it costly to guess from.
 
 A pure codec and checker: no I/O. The session (``backend.node.session``) and the
 client's connection (``backend.client.connection``) send what it encodes.
@@ -29,6 +35,7 @@ client's connection (``backend.client.connection``) send what it encodes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import secrets
@@ -41,9 +48,11 @@ from backend.errors import AuthError, NodeUnavailable, ProtocolError
 __all__ = [
     "HANDSHAKE_VERSION",
     "NONCE_BYTES",
+    "STRETCH_ITERATIONS",
     "CLIENT_PROVES",
     "NODE_PROVES",
     "Transcript",
+    "handshake_key",
     "key_id",
     "prove",
     "ClientHello",
@@ -54,7 +63,11 @@ __all__ = [
 
 HANDSHAKE_VERSION = 2  # 1: the node's nonce only, the client proved and the node did not
 NONCE_BYTES = 32
-KEY_ID_HEX = 16  # 64 bits of HMAC(token, KEY_ID_LABEL): names a token without revealing it
+# PBKDF2-HMAC-SHA256 rounds from the token to the handshake key: ~50 ms once per process and
+# token, and as much for every guess of whoever tries tokens against a proof they obtained.
+STRETCH_ITERATIONS = 100_000
+STRETCH_SALT = b"kvpool handshake key|"  # + the namespace: no table of guesses serves two pools
+KEY_ID_HEX = 16  # 64 bits of HMAC(key, KEY_ID_LABEL): names a token without revealing it
 KEY_ID_LABEL = b"kvpool key id"
 NODE_PROVES = b"kvpool node->client"
 CLIENT_PROVES = b"kvpool client->node"
@@ -62,9 +75,17 @@ MEANT_CHARS = 128  # of the node id and address a client says it meant, quoted i
 _FIELD = struct.Struct("<H")  # every transcript field is length-prefixed: no two transcripts encode alike
 
 
-def key_id(token: str) -> str:
-    """The name of ``token`` in a handshake: which token a side proves (rotation, tenants), not the token."""
-    return hmac.new(token.encode("utf-8"), KEY_ID_LABEL, hashlib.sha256).hexdigest()[:KEY_ID_HEX]
+@functools.lru_cache(maxsize=16)
+def handshake_key(token: str, namespace: str) -> bytes:
+    """The key a pool's handshakes are proven with: ``token`` stretched (PBKDF2-HMAC-SHA256, salted
+    with the namespace). Slow on purpose (about 50 ms); computed once per process, token and namespace."""
+    salt = STRETCH_SALT + namespace.encode("utf-8")
+    return hashlib.pbkdf2_hmac("sha256", token.encode("utf-8"), salt, STRETCH_ITERATIONS)
+
+
+def key_id(key: bytes) -> str:
+    """The name of a handshake key: which token a client proves (rotation, tenants), not the token."""
+    return hmac.new(key, KEY_ID_LABEL, hashlib.sha256).hexdigest()[:KEY_ID_HEX]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,16 +113,16 @@ class Transcript:
         return b"".join(_FIELD.pack(len(field)) + field for field in fields)
 
 
-def prove(token: str, label: bytes, transcript: Transcript) -> str:
-    """The proof (lowercase hex HMAC-SHA256) that the side speaking ``label`` holds ``token``."""
-    return hmac.new(token.encode("utf-8"), transcript.message(label), hashlib.sha256).hexdigest()
+def prove(key: bytes, label: bytes, transcript: Transcript) -> str:
+    """The proof (lowercase hex HMAC-SHA256) that the side speaking ``label`` holds ``key``."""
+    return hmac.new(key, transcript.message(label), hashlib.sha256).hexdigest()
 
 
-def _proof_matches(token: str, label: bytes, transcript: Transcript, given: object) -> bool:
+def _proof_matches(key: bytes, label: bytes, transcript: Transcript, given: object) -> bool:
     if not isinstance(given, str):
         return False
     # As bytes: compare_digest refuses str with non-ASCII characters (a TypeError, not a refusal).
-    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), prove(token, label, transcript).encode("ascii"))
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), prove(key, label, transcript).encode("ascii"))
 
 
 def _nonce(body: Mapping[str, Any], who: str) -> bytes:
@@ -121,20 +142,16 @@ def _version(body: Mapping[str, Any]) -> int:
 
 
 class KeyRing:
-    """The tokens a node accepts, by key id (one today; two during a rotation)."""
+    """The handshake keys a node accepts, by key id (one today; two during a rotation)."""
 
-    def __init__(self, tokens: list[str]) -> None:
-        self._tokens = {key_id(token): token for token in tokens if token}
+    def __init__(self, keys: list[bytes]) -> None:
+        self._keys = {key_id(key): key for key in keys if key}
 
     def __bool__(self) -> bool:
-        return bool(self._tokens)
+        return bool(self._keys)
 
-    def get(self, kid: str) -> str | None:
-        return self._tokens.get(kid)
-
-    @property
-    def key_ids(self) -> list[str]:
-        return sorted(self._tokens)
+    def get(self, kid: str) -> bytes | None:
+        return self._keys.get(kid)
 
 
 class WrongNode(NodeUnavailable):
@@ -142,13 +159,21 @@ class WrongNode(NodeUnavailable):
 
 
 class ClientHello:
-    """The client's side of one handshake with the node it meant (``node_id`` at ``address``)."""
+    """The client's side of one handshake with the node it meant (``node_id`` at ``address``).
 
-    def __init__(self, node_id: str, address: str, token: str) -> None:
+    ``key``: the pool's handshake key (:func:`handshake_key`), None for a pool without a token.
+    """
+
+    def __init__(self, node_id: str, address: str, key: bytes | None) -> None:
         self.node_id = node_id
         self.address = address
-        self.token = token
+        self.key = key
         self.nonce = secrets.token_bytes(NONCE_BYTES)
+        self._transcript: Transcript | None = None  # set by answer(), for check()
+
+    @property
+    def where(self) -> str:
+        return f"node {self.node_id} ({self.address})"
 
     def request(self) -> dict[str, Any]:
         """The HELLO request's body."""
@@ -158,55 +183,53 @@ class ClientHello:
             "nonce": self.nonce.hex(),
             "node_id": self.node_id,
             "address": self.address,
-            "key_id": key_id(self.token) if self.token else "",
         }
 
     def answer(self, reply: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Check the node's HELLO answer; the AUTH body to send (None: the node asks for no token).
+        """Check the node's HELLO answer; the AUTH body to send (None: the pool has no token).
 
-        Raises ProtocolError for another handshake version, AuthError for a node that
-        cannot prove the token (or asks for none from a client that has one), and
-        :class:`WrongNode` for a node that is not the one meant.
+        Raises ProtocolError for another handshake version, :class:`WrongNode` for a node
+        that is not the one meant, AuthError for a node that asks for no token from a
+        client that has one (or for one from a client that has none).
         """
-        where = f"node {self.node_id} ({self.address})"
         version = _version(reply)
         if version != HANDSHAKE_VERSION:
             raise ProtocolError(
-                f"{where} speaks handshake version {version}, this client {HANDSHAKE_VERSION}: "
+                f"{self.where} speaks handshake version {version}, this client {HANDSHAKE_VERSION}: "
                 "run the same kvpool release on nodes and clients (upgrade nodes first, docs/operations.md)"
             )
         answered = reply.get("node_id")
         if answered != self.node_id:
             raise WrongNode(
-                f"dialled {where}, but node {answered!r} answered: the registry entry is stale or forged, "
+                f"dialled {self.where}, but node {answered!r} answered: the registry entry is stale or forged, "
                 "or something relays the connection; refusing it"
             )
         if not reply.get("auth_required"):
-            if self.token:
+            if self.key is not None:
                 raise AuthError(
-                    f"{where} does not ask for the pool token, but this client has one: refusing a node that "
+                    f"{self.where} does not ask for the pool token, but this client has one: refusing a node that "
                     "cannot prove it holds the token (every node of a pool with a token runs with --token-file)"
                 )
             return None
-        if not self.token:
+        if self.key is None:
             raise AuthError(
                 f"node {self.node_id} requires a token; give it as token_file=PATH in the pool URL (or KVPOOL_TOKEN)"
             )
-        mine = key_id(self.token)
-        if reply.get("key_id") != mine:
-            raise AuthError(
-                f"{where} holds a token with key id {reply.get('key_id')!r}, this client's is {mine!r}: "
-                "the client and the node were given different tokens"
-            )
-        transcript = Transcript(
-            HANDSHAKE_VERSION, mine, self.node_id, self.address, self.nonce, _nonce(reply, f"{where}")
+        kid = key_id(self.key)
+        self._transcript = Transcript(
+            HANDSHAKE_VERSION, kid, self.node_id, self.address, self.nonce, _nonce(reply, self.where)
         )
-        if not _proof_matches(self.token, NODE_PROVES, transcript, reply.get("proof")):
+        return {"key_id": kid, "proof": prove(self.key, CLIENT_PROVES, self._transcript)}
+
+    def check(self, reply: Mapping[str, Any]) -> None:
+        """The node's AUTH answer must carry its proof over what this client dialled; AuthError if not."""
+        if self.key is None or self._transcript is None:
+            raise AuthError(f"{self.where}: no AUTH was sent to check an answer of")
+        if not _proof_matches(self.key, NODE_PROVES, self._transcript, reply.get("proof")):
             raise AuthError(
-                f"{where} could not prove it holds the pool token: refusing it (a listener posing as the node, "
+                f"{self.where} could not prove it holds the pool token: refusing it (a listener posing as the node, "
                 "or a relay; see docs/security.md)"
             )
-        return {"proof": prove(self.token, CLIENT_PROVES, transcript)}
 
 
 class NodeHello:
@@ -216,16 +239,14 @@ class NodeHello:
         self.keys = keys
         self.node_id = node_id
         self.address = address
-        self._transcript: Transcript | None = None  # set by a HELLO, for the AUTH that follows
-        self._token = ""
-        self._meant = ""  # whom the client said it meant, for the refusal's message
+        self._nonces: tuple[bytes, bytes] | None = None  # (client's, node's), set by a HELLO
+        self._meant = ""  # whom the client said it meant, for a refusal's message
 
     def answer(self, request: Mapping[str, Any], epoch: int) -> dict[str, Any]:
-        """The HELLO answer: this node, a fresh nonce and, with a token, this node's proof.
+        """The HELLO answer: this node, whether it asks for a token, and a fresh nonce. It proves nothing
+        yet: the client proves first (see the module's docstring).
 
-        Raises ProtocolError for a client of another handshake version, AuthError for a
-        client that proves a token this node does not hold. A client that names no token gets
-        no proof (it has nothing to check it with) and no AUTH of it can succeed.
+        Raises ProtocolError for a client of another handshake version or without a nonce.
         """
         version = _version(request)
         if version != HANDSHAKE_VERSION:
@@ -235,41 +256,36 @@ class NodeHello:
             )
         client_nonce = _nonce(request, "the client")
         node_nonce = secrets.token_bytes(NONCE_BYTES)
+        self._nonces = (client_nonce, node_nonce)
         # Only for the refusal's message: what the client said it meant proves nothing.
-        self._meant = (
-            f"node {str(request.get('node_id'))[:MEANT_CHARS]!r} at {str(request.get('address'))[:MEANT_CHARS]!r}"
-        )
-        body: dict[str, Any] = {
+        node_id, address = str(request.get("node_id"))[:MEANT_CHARS], str(request.get("address"))[:MEANT_CHARS]
+        self._meant = f"node {node_id!r} at {address!r}"
+        return {
             "proto": HANDSHAKE_VERSION,
             "node_id": self.node_id,
             "epoch": epoch,
             "auth_required": bool(self.keys),
             "nonce": node_nonce.hex(),
         }
-        if not self.keys:
-            return body
-        kid = request.get("key_id")
-        if not kid:
-            return body  # a client without a token: it stops here, telling its user how to give one
-        token = self.keys.get(kid) if isinstance(kid, str) else None
-        if token is None:
-            raise AuthError(
-                f"the client proves a token with key id {kid!r}; this node holds {', '.join(self.keys.key_ids)}: "
-                "the client and the node were given different tokens"
-            )
-        self._token = token
-        self._transcript = Transcript(HANDSHAKE_VERSION, str(kid), self.node_id, self.address, client_nonce, node_nonce)
-        body["key_id"] = kid
-        body["proof"] = prove(token, NODE_PROVES, self._transcript)
-        return body
 
-    def check(self, request: Mapping[str, Any]) -> None:
-        """AUTH: the client's proof over this node's own id and address and both nonces, or AuthError."""
-        if self._transcript is None:
-            why = "AUTH before HELLO" if not self._meant else "the client's HELLO named no token"
-            raise AuthError(f"wrong or missing token proof: {why}")
-        if not _proof_matches(self._token, CLIENT_PROVES, self._transcript, request.get("proof")):
+    def check(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """AUTH: the client's proof over this node's own id and address and both nonces; the answer, with
+        this node's proof. AuthError if the proof is wrong or missing, or proves a key this node lacks."""
+        if self._nonces is None:
+            raise AuthError("wrong or missing token proof: AUTH before HELLO")
+        kid = request.get("key_id")
+        if not isinstance(kid, str) or not kid:
+            raise AuthError("wrong or missing token proof: the AUTH names no key id")
+        key = self.keys.get(kid)
+        if key is None:
+            raise AuthError(
+                "the client proves a token this node does not hold: the client and the node were given different "
+                "tokens (or namespaces)"
+            )
+        transcript = Transcript(HANDSHAKE_VERSION, str(kid), self.node_id, self.address, *self._nonces)
+        if not _proof_matches(key, CLIENT_PROVES, transcript, request.get("proof")):
             raise AuthError(
                 f"wrong or missing token proof (the client said it meant {self._meant}; this is node "
                 f"{self.node_id!r} at {self.address!r})"
             )
+        return {"ok": True, "proof": prove(key, NODE_PROVES, transcript)}

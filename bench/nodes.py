@@ -53,6 +53,11 @@ class NodeProcess(ServerProcess):
         self.port = 0
         self.epoch = 0
 
+    @property
+    def namespace(self) -> str:
+        """The namespace the node was started in (``--namespace``; else the default)."""
+        return self.args[self.args.index("--namespace") + 1] if "--namespace" in self.args else "default"
+
     def start(self, timeout_s: float = NODE_START_TIMEOUT_S) -> NodeProcess:  # type: ignore[override]
         """Start the node and wait until it is ready (RuntimeError with its last lines if it is not)."""
         return self.spawn().wait_ready(timeout_s)

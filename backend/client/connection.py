@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 from backend.client.chunks import DECLINED, MISS, Failed, Hit, Outcome, Sink, allocate_view, release_hits
 from backend.config import PoolConfig
 from backend.errors import IntegrityError, KVPoolError, NodeUnavailable, ProtocolError
-from backend.handshake import ClientHello
+from backend.handshake import ClientHello, handshake_key
 from backend.metadata import NodeInfo
 from backend.protocol import (
     DEFAULT_LIMITS,
@@ -146,17 +146,24 @@ class NodeConnection:
             self.sock = sock
             self._reader = asyncio.get_running_loop().create_task(self._read_loop(sock))
             try:
-                handshake = ClientHello(self.node.node_id, self.node.address, self.config.token)
+                handshake = ClientHello(self.node.node_id, self.node.address, await self._handshake_key())
                 hello = decode_json(await self.request(Op.HELLO, encode_json(handshake.request())))
-                auth = handshake.answer(hello)  # the node proved the token (or the pool has none)
+                auth = handshake.answer(hello)  # the node is the one meant (None: the pool has no token)
                 if auth is not None:
-                    await self.request(Op.AUTH, encode_json(auth))
+                    handshake.check(decode_json(await self.request(Op.AUTH, encode_json(auth))))
                 if hello.get("epoch") != self.node.epoch:
                     raise NodeUnavailable(f"node {self.node.node_id} restarted (epoch {hello.get('epoch')})")
                 self._ready = True
             except BaseException:
                 self.close(NodeUnavailable("handshake failed"))
                 raise
+
+    async def _handshake_key(self) -> bytes | None:
+        """The pool's handshake key (None without a token): stretched once per process, on a worker thread
+        (about 50 ms: not on the caller's loop, which may be LMCache's)."""
+        if not self.config.token:
+            return None
+        return await asyncio.to_thread(handshake_key, self.config.token, self.config.namespace)
 
     def close(self, reason: BaseException | None = None) -> None:
         self.broken = True

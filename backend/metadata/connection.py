@@ -73,6 +73,13 @@ def _redis_errors(action: str, breaker: RedisBreaker | None = None) -> Iterator[
         raise _auth_refused(action, exc) from None
     except redis_exceptions.OutOfMemoryError:
         raise RedisFullError(f"Redis {action} refused: {FULL_HINT}") from None
+    except redis_exceptions.ResponseError as exc:
+        if "compiling script" in str(exc) or "shebang" in str(exc):  # Redis 6 knows no `#!lua flags=...`
+            raise MetadataError(
+                f"Redis {action} failed: Redis could not compile a kvpool script ({exc}): kvpool needs Redis 7.0 or "
+                "newer (its scripts declare flags)"
+            ) from None
+        raise MetadataError(f"Redis {action} failed: {exc}") from None
     except redis_exceptions.RedisError as exc:
         raise MetadataError(f"Redis {action} failed: {exc}") from None
     except redis_exceptions.RedisClusterException as exc:  # not a RedisError: raised while finding the cluster
@@ -202,9 +209,10 @@ class RedisConnection:
     async def memory(self) -> RedisMemory:
         """Redis's ``used_memory``, ``maxmemory`` and policy (``INFO memory``): says whether it is full."""
         async with self._call("INFO memory"):
-            if self.is_cluster:  # one answer per primary: the fullest speaks for all
-                answers = await self._redis.info("memory", target_nodes=self._redis.PRIMARIES)
-                info = max(answers.values(), key=lambda a: int(a["used_memory"]) / max(int(a["maxmemory"]), 1))
+            if self.is_cluster:  # one answer per primary: the fullest of those with a limit speaks for all
+                answers = list((await self._redis.info("memory", target_nodes=self._redis.PRIMARIES)).values())
+                limited = [a for a in answers if int(a.get("maxmemory", 0))] or answers
+                info = max(limited, key=lambda a: int(a["used_memory"]) / max(int(a["maxmemory"]), 1))
             else:
                 info = await self._redis.info("memory")
         return RedisMemory(

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from backend.config import NodeConfig
-from backend.handshake import KeyRing
+from backend.handshake import KeyRing, handshake_key
 from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, RedisMemory
 from backend.node.tiers import DRAM, TierManager
 from backend.protocol import ItemMeta
@@ -70,7 +70,8 @@ class NodeContext:
         self.index = index
         self.counters: Counter[str] = Counter()
         self.identity = Identity(config.node_id)
-        self.keys = KeyRing([config.token])  # the tokens a client may prove (one; two during a rotation)
+        # The handshake keys a client may prove (one; two during a rotation): the token, stretched once here.
+        self.keys = KeyRing([handshake_key(config.token, config.namespace)] if config.token else [])
         self.bulk = ThreadPoolExecutor(BULK_THREADS, thread_name_prefix="kvpool-node-bulk")
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = asyncio.Event()

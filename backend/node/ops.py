@@ -16,7 +16,7 @@ from backend.errors import ProtocolError
 from backend.node.context import NodeContext
 from backend.node.dram import StoredChunk
 from backend.node.leases import MAX_LEASE_TTL_MS
-from backend.node.publisher import IndexPublisher
+from backend.node.publisher import ANSWER_FLUSH_S, IndexPublisher
 from backend.node.puts import PutReceiver
 from backend.node.stats import NodeStats
 from backend.protocol import (
@@ -125,7 +125,10 @@ class OpHandlers:
         ctx = self.ctx
         keys = decode_keys(meta, ctx.config.limits)
         deleted = [key for key in keys if await ctx.tiers.delete(key)]
-        await ctx.index.remove(ctx.node_id, ctx.epoch, deleted)
+        # Their index entries go with the next flush, now if Redis answers in time: the client's answer never
+        # waits out a paused Redis (an entry that outlives its bytes reads as a miss meanwhile).
+        ctx.tiers.changes.put_back(set(deleted), {})
+        await self.publisher.flush_index_within(ANSWER_FLUSH_S)
         ctx.counters["deletes"] += len(deleted)
         gone = set(deleted)
         return encode_flags([int(key in gone) for key in keys]), []
@@ -140,8 +143,8 @@ class OpHandlers:
     async def verify_batch(self, meta: bytearray, session: Session) -> Reply:
         tiers = self.ctx.tiers
         flags = [Verified[(await tiers.verify(k)).upper()] for k in decode_keys(meta, self.ctx.config.limits)]
-        if any(flags):
-            await self.publisher.flush_index()  # a dropped corrupt copy leaves the index now, not at the beat
+        if any(flags):  # a dropped corrupt copy leaves the index now (if Redis answers in time), not at the beat
+            await self.publisher.flush_index_within(ANSWER_FLUSH_S)
         return encode_flags(flags), []
 
     async def lease(self, meta: bytearray, session: Session) -> Reply:

@@ -40,11 +40,16 @@ from backend.node.context import NodeContext
 from backend.node.reaper import DeadNodeReaper
 from backend.node.stats import NodeStats
 
-__all__ = ["Advert", "IndexPublisher"]
+__all__ = ["ANSWER_FLUSH_S", "Advert", "IndexPublisher"]
 
 logger = logging.getLogger(__name__)
 
 SLOW_PUT_LOG_S = 60.0  # a put's commit that Redis did not answer in time is logged at most this often
+
+# How long a request that owes a client its answer (a delete, a verify) waits for the index before it
+# answers anyway, leaving the rest to the heartbeat's flush: a quarter of the clients' default
+# timeout_ms, so that a paused Redis never makes a healthy node look dead.
+ANSWER_FLUSH_S = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +136,8 @@ class IndexPublisher:
                 await self._trouble_over()
 
     async def _trouble_over(self) -> None:
-        """A beat and its flush landed: Redis answers again (while it was full: once it has room again)."""
+        """A beat and its flush landed: Redis answers again (while it was full: once it has room again; where
+        INFO is not allowed to this node's Redis user, once a put's commit lands: :meth:`took_writes`)."""
         if self.redis_trouble == "full":
             try:
                 memory = await self.ctx.index.memory()
@@ -139,6 +145,14 @@ class IndexPublisher:
                 return
             if memory.full:
                 return
+        self._trouble_is_over()
+
+    def took_writes(self) -> None:
+        """A put's index commit landed: whatever Redis's trouble was, it takes writes that need memory now."""
+        if self.redis_trouble:
+            self._trouble_is_over()
+
+    def _trouble_is_over(self) -> None:
         logger.warning("node %s: Redis answers and takes writes again", self.ctx.node_id)
         self.redis_trouble = ""
 
@@ -253,6 +267,14 @@ class IndexPublisher:
         await self.ctx.index.commit(held)
         self.ctx.counters["republished"] += len(held)
         return len(held)
+
+    async def flush_index_within(self, timeout_s: float) -> None:
+        """:meth:`flush_index`, for a request that owes a client its answer: waits for Redis at most
+        ``timeout_s``; what did not land is kept for the heartbeat's flush (an index entry that outlives its
+        bytes reads as a miss meanwhile), so a paused Redis never makes the answer late."""
+        with contextlib.suppress(MetadataError, TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self.flush_index()
 
     async def flush_index(self) -> None:
         """Publish what the tiers did since the last flush: evictions, drops and tier moves."""

@@ -22,7 +22,6 @@ than this node can ever hold is refused before anything is reserved
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -157,9 +156,7 @@ class PutReceiver:
 
     async def _flush_evictions(self, timeout_s: float) -> None:
         # Within the commit's wait too: an answer late for the flush's sake marks the node down.
-        with contextlib.suppress(MetadataError, TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self.publisher.flush_index()
+        await self.publisher.flush_index_within(timeout_s)
 
     async def commit(self, received: Received, options: PutOptions = PutOptions()) -> tuple[bytes, list[Buffer]]:
         """Make the stored chunks visible in the index (waiting for Redis at most :func:`commit_wait_s`),
@@ -196,6 +193,8 @@ class PutReceiver:
             raise
         finally:
             tiers.settle([c for _, _, c in received if c is not None])  # committed or dropped: they may move now
+        if visible:
+            self.publisher.took_writes()  # a commit that needed memory landed: Redis is not full (any more)
         counters["puts"] += len(visible)
         counters["put_bytes"] += sum(loc.nbytes for _, loc in visible)
         return encode_flags(flags), []

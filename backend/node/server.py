@@ -36,6 +36,7 @@ from backend.metrics import NodeMetricsServer
 from backend.node.admission import Admission
 from backend.node.claim import IdClaim, chosen_node_id
 from backend.node.context import NodeContext
+from backend.node.dirlock import DirectoryLock
 from backend.node.ops import OpHandlers
 from backend.node.publisher import Advert, IndexPublisher
 from backend.node.puts import PutReceiver
@@ -92,6 +93,7 @@ class PoolNode:
         # Made by start():
         self.tls: ssl.SSLContext | None = None
         self.listener: socket.socket | None = None
+        self._dir_lock: DirectoryLock | None = None  # the NVMe directory's, held while the node runs
         self.metrics: NodeMetricsServer | None = None
         self.channel: Any = None  # nccl_channel.channel.ChannelServer, if configured
         self.reaper: DeadNodeReaper | None = None  # made once the node id is known
@@ -187,8 +189,11 @@ class PoolNode:
         )
 
     async def _claim_id(self) -> IdClaim:
-        """This node's id claimed with a new epoch (``claim.py``): from here on its identity."""
+        """This node's id claimed with a new epoch (``claim.py``): from here on its identity. Its NVMe
+        directory is locked first (``dirlock.py``): the id it keeps there is read only under the lock."""
         nvme = self.tiers.nvme
+        if nvme is not None:
+            self._dir_lock = DirectoryLock(nvme.root)
         node_id, source = await chosen_node_id(self.config.node_id, nvme.root if nvme else None, self.port)
         epoch = await self._store.new_epoch()
         holder = ClaimHolder(epoch, self.advertise_host, self.advertise_port, os.getpid(), socket.gethostname())
@@ -300,6 +305,8 @@ class PoolNode:
         if self.channel is not None:
             await self.channel.close()
         await self.tiers.close()
+        if self._dir_lock is not None:
+            self._dir_lock.release()  # after the tiers: nothing of this node touches the directory any more
         await self._store.close()
         self.ctx.bulk.shutdown(wait=False)
 

@@ -238,14 +238,16 @@ class Session:
             self.served.admission.admitted(self.conn)
 
     def _handshake(self, op: int, meta: bytearray) -> bytes:
-        """HELLO: this node, a fresh nonce and its proof of the token. AUTH: the client's proof, or AuthError."""
+        """HELLO: this node and a fresh nonce. AUTH: the client's proof checked, answered with this node's
+        proof; AuthError if it is wrong."""
         try:
             if op == Op.HELLO:
                 return encode_json(self._hello.answer(decode_json(meta), self.ctx.epoch))
-            if self.ctx.keys:
-                self._hello.check(decode_json(meta))
-                self._authed = True
-            return encode_json({"ok": True})
+            if not self.ctx.keys:
+                return encode_json({"ok": True})
+            answer = self._hello.check(decode_json(meta))
+            self._authed = True
+            return encode_json(answer)
         except AuthError:
             self.ctx.counters["auth_failures"] += 1
             raise

@@ -26,12 +26,11 @@ from backend.protocol import (
     Op,
     Status,
     decode_header,
-    decode_json,
     encode_header,
     encode_keys,
 )
 from tests.conftest import wait_until
-from tests.support.handshake import auth_frame, hello_frame
+from tests.support.handshake import auth_frame, check_auth_answer, hello_frame
 
 TOKEN = "limits-token-42-0123456789abcdef"
 HANDSHAKE_MS = 1000
@@ -80,7 +79,7 @@ def _authenticate(sock: socket.socket, node) -> None:
     handshake, hello = hello_frame(node, TOKEN)
     sock.sendall(hello)
     sock.sendall(auth_frame(handshake, _read_frame(sock)[1]))
-    assert decode_json(_read_frame(sock)[1]) == {"ok": True}
+    check_auth_answer(handshake, _read_frame(sock)[1])
 
 
 def _closed_at(sock: socket.socket, opened_at: float, wait_s: float) -> float | None:

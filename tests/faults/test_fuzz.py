@@ -41,7 +41,6 @@ from backend.protocol import (
     checksum,
     decode_flags,
     decode_header,
-    decode_json,
     encode_header,
     encode_items,
     encode_json,
@@ -50,7 +49,7 @@ from backend.protocol import (
     verify_meta,
 )
 from tests.conftest import NodeProcess
-from tests.support.handshake import auth_frame, hello_frame
+from tests.support.handshake import auth_frame, check_auth_answer, hello_frame
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))
 EXAMPLES = 2000 if FULL else 60
@@ -224,7 +223,7 @@ def _connect(target: Target, *, authed: bool) -> socket.socket:
         handshake, hello = hello_frame(target.node, TOKEN)
         sock.sendall(hello)
         sock.sendall(auth_frame(handshake, _read(sock, stop_at_id=1).frames[-1][1]))
-        assert decode_json(_read(sock, stop_at_id=2).frames[-1][1]) == {"ok": True}
+        check_auth_answer(handshake, _read(sock, stop_at_id=2).frames[-1][1])
     return sock
 
 

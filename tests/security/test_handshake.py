@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import socket
 import threading
 import time
@@ -24,13 +25,14 @@ from backend import AuthError, Chunk, NodeUnavailable, PoolConfig, ProtocolError
 from backend.client.connection import NodeConnection
 from backend.handshake import (
     CLIENT_PROVES,
-    HANDSHAKE_VERSION,
     NODE_PROVES,
+    STRETCH_ITERATIONS,
     ClientHello,
     KeyRing,
     NodeHello,
     Transcript,
     WrongNode,
+    handshake_key,
     key_id,
     prove,
 )
@@ -55,93 +57,134 @@ WAIT_S = 10.0
 
 
 # -- the checks themselves (no I/O) ----------------------------------------------------------
-def _pair(token: str = TOKEN, node_token: str | None = None) -> tuple[ClientHello, NodeHello]:
-    client = ClientHello("node-a", "10.0.0.1:7000", token)
-    node = NodeHello(KeyRing([TOKEN if node_token is None else node_token]), "node-a", "10.0.0.1:7000")
+NAMESPACE = "ns"
+KEY = handshake_key(TOKEN, NAMESPACE)
+OTHER_KEY = handshake_key(OTHER_TOKEN, NAMESPACE)
+
+
+def _pair(key: bytes | None = KEY, node_key: bytes = KEY) -> tuple[ClientHello, NodeHello]:
+    client = ClientHello("node-a", "10.0.0.1:7000", key)
+    node = NodeHello(KeyRing([node_key]), "node-a", "10.0.0.1:7000")
     return client, node
 
 
 def test_a_client_and_a_node_with_one_token_prove_it_to_each_other() -> None:
     client, node = _pair()
-    answer = node.answer(client.request(), epoch=3)
-    auth = client.answer(answer)
-    assert auth is not None
-    node.check(auth)  # no AuthError
-    assert answer["epoch"] == 3 and answer["key_id"] == key_id(TOKEN)
-    assert TOKEN not in repr(answer) + repr(auth) + repr(client.request())
+    hello = node.answer(client.request(), epoch=3)
+    auth = client.answer(hello)
+    assert auth is not None and auth["key_id"] == key_id(KEY)
+    answer = node.check(auth)  # no AuthError
+    client.check(answer)  # no AuthError
+    assert hello["epoch"] == 3 and answer["ok"] is True
+    said = repr(hello) + repr(auth) + repr(answer) + repr(client.request())
+    assert TOKEN not in said and KEY.hex() not in said
+
+
+def test_the_node_says_nothing_to_guess_the_token_against_before_the_client_proved_it() -> None:
+    """A peer that only connects gets no key id and no proof: nothing to try tokens on offline."""
+    client, node = _pair()
+    hello = node.answer(client.request(), epoch=1)
+    assert set(hello) == {"proto", "node_id", "epoch", "auth_required", "nonce"}
+    with pytest.raises(AuthError) as refused:
+        node.check({"key_id": "0" * 16, "proof": "00" * 32})
+    assert key_id(KEY) not in str(refused.value)  # a wrong key id is not told the right one
+
+
+def test_the_token_is_stretched_per_namespace_before_it_keys_anything() -> None:
+    assert handshake_key(TOKEN, NAMESPACE) == KEY != handshake_key(TOKEN, "other-ns")
+    assert len(KEY) == 32 and TOKEN.encode() not in KEY
+    assert hashlib.pbkdf2_hmac("sha256", TOKEN.encode(), b"kvpool handshake key|ns", STRETCH_ITERATIONS) == KEY
+    assert STRETCH_ITERATIONS >= 100_000
 
 
 def test_the_transcript_is_length_prefixed_so_no_two_fields_can_trade_bytes() -> None:
     one = Transcript(2, "k", "node-a", "10.0.0.1:7000", b"\x01" * 32, b"\x02" * 32)
     shifted = Transcript(2, "k", "node-a1", "0.0.1:7000", b"\x01" * 32, b"\x02" * 32)
     assert one.message(CLIENT_PROVES) != shifted.message(CLIENT_PROVES)
-    assert prove(TOKEN, CLIENT_PROVES, one) != prove(TOKEN, CLIENT_PROVES, shifted)
+    assert prove(KEY, CLIENT_PROVES, one) != prove(KEY, CLIENT_PROVES, shifted)
     # The direction is part of what is proven: the node's proof is not the client's.
-    assert prove(TOKEN, NODE_PROVES, one) != prove(TOKEN, CLIENT_PROVES, one)
+    assert prove(KEY, NODE_PROVES, one) != prove(KEY, CLIENT_PROVES, one)
 
 
-def test_the_key_id_names_a_token_without_revealing_it() -> None:
-    assert key_id(TOKEN) == key_id(TOKEN) != key_id(OTHER_TOKEN)
-    assert len(key_id(TOKEN)) == 16 and TOKEN not in key_id(TOKEN)
+def test_the_key_id_names_a_key_without_revealing_it() -> None:
+    assert key_id(KEY) == key_id(KEY) != key_id(OTHER_KEY)
+    assert len(key_id(KEY)) == 16 and key_id(KEY) not in KEY.hex()
 
 
 @pytest.mark.parametrize(
     ("change", "error", "words"),
     [
-        (lambda a: a.update(proof="00" * 32), AuthError, "could not prove it holds the pool token"),
-        (lambda a: a.pop("proof"), AuthError, "could not prove it holds the pool token"),
         (lambda a: a.update(node_id="node-b"), WrongNode, "but node 'node-b' answered"),
         (lambda a: a.update(proto=1), ProtocolError, "speaks handshake version 1"),
         (lambda a: a.pop("proto"), ProtocolError, "speaks handshake version 1"),
         (lambda a: a.update(auth_required=False), AuthError, "does not ask for the pool token"),
-        (lambda a: a.update(key_id="0" * 16), AuthError, "were given different tokens"),
     ],
-    ids=["wrong proof", "no proof", "another node", "old node", "no version", "no token asked", "other key"],
+    ids=["another node", "old node", "no version", "no token asked"],
 )
-def test_the_client_refuses_a_node_answer_that_proves_nothing(
+def test_the_client_refuses_a_hello_answer_from_the_wrong_node(
     change: Callable[[dict[str, Any]], Any], error: type[Exception], words: str
 ) -> None:
     client, node = _pair()
-    answer = node.answer(client.request(), epoch=1)
-    change(answer)
+    hello = node.answer(client.request(), epoch=1)
+    change(hello)
     with pytest.raises(error, match=words):
-        client.answer(answer)
+        client.answer(hello)
+
+
+@pytest.mark.parametrize(
+    "change", [lambda a: a.update(proof="00" * 32), lambda a: a.pop("proof")], ids=["wrong proof", "no proof"]
+)
+def test_the_client_refuses_a_node_that_cannot_prove_the_token_back(change: Callable[[dict[str, Any]], Any]) -> None:
+    client, node = _pair()
+    auth = client.answer(node.answer(client.request(), epoch=1))
+    assert auth is not None
+    answer = node.check(auth)
+    change(answer)
+    with pytest.raises(AuthError, match="could not prove it holds the pool token"):
+        client.check(answer)
 
 
 def test_the_node_refuses_a_proof_made_for_another_address_or_node() -> None:
     """What a relay has to offer: a real client's proof, made for the relay (what the client dialled)."""
     for meant in (("node-a", "10.0.0.9:7000"), ("node-z", "10.0.0.1:7000")):
-        client = ClientHello(*meant, TOKEN)
-        node = NodeHello(KeyRing([TOKEN]), "node-a", "10.0.0.1:7000")
-        answer = node.answer(client.request(), epoch=1)
-        transcript = Transcript(HANDSHAKE_VERSION, key_id(TOKEN), *meant, client.nonce, bytes.fromhex(answer["nonce"]))
+        client = ClientHello(*meant, KEY)
+        node = NodeHello(KeyRing([KEY]), "node-a", "10.0.0.1:7000")
+        hello = node.answer(client.request(), epoch=1)
+        hello["node_id"] = meant[0]  # the relay shows the client the id it expects
+        auth = client.answer(hello)
+        assert auth is not None
         with pytest.raises(AuthError, match="wrong or missing token proof"):
-            node.check({"proof": prove(TOKEN, CLIENT_PROVES, transcript)})
+            node.check(auth)
 
 
 @pytest.mark.parametrize(
-    ("request_body", "error", "words"),
+    ("request_body", "words"),
     [
-        ({"client": "kvpool"}, ProtocolError, "this node speaks handshake version 2, the client 1"),
-        ({"proto": 2, "nonce": "ab"}, ProtocolError, "no nonce of 32 bytes"),
-        ({"proto": 2, "nonce": "ab" * 32, "key_id": key_id(OTHER_TOKEN)}, AuthError, "given different tokens"),
+        ({"client": "kvpool"}, "this node speaks handshake version 2, the client 1"),
+        ({"proto": 2, "nonce": "ab"}, "no nonce of 32 bytes"),
     ],
-    ids=["old client", "short nonce", "other token"],
+    ids=["old client", "short nonce"],
 )
-def test_the_node_refuses_a_hello_it_cannot_answer(request_body: dict[str, Any], error: type, words: str) -> None:
-    node = NodeHello(KeyRing([TOKEN]), "node-a", "10.0.0.1:7000")
-    with pytest.raises(error, match=words):
+def test_the_node_refuses_a_hello_it_cannot_answer(request_body: dict[str, Any], words: str) -> None:
+    node = NodeHello(KeyRing([KEY]), "node-a", "10.0.0.1:7000")
+    with pytest.raises(ProtocolError, match=words):
         node.answer(request_body, epoch=1)
 
 
-def test_a_client_without_a_token_is_told_one_is_required_and_can_prove_nothing() -> None:
-    node = NodeHello(KeyRing([TOKEN]), "node-a", "10.0.0.1:7000")
-    answer = node.answer({"proto": 2, "nonce": "ab" * 32, "key_id": ""}, epoch=1)
-    assert answer["auth_required"] is True and "proof" not in answer
+def test_the_node_refuses_a_client_proving_another_token() -> None:
+    client, node = _pair(key=OTHER_KEY)
+    auth = client.answer(node.answer(client.request(), epoch=1))
+    assert auth is not None
+    with pytest.raises(AuthError, match="were given different tokens"):
+        node.check(auth)
+
+
+def test_a_client_without_a_token_is_told_one_is_required() -> None:
+    client, node = _pair(key=None)
+    hello = node.answer(client.request(), epoch=1)
+    assert hello["auth_required"] is True
     with pytest.raises(AuthError, match="requires a token; give it as token_file=PATH"):
-        ClientHello("node-a", "10.0.0.1:7000", "").answer(answer)
-    with pytest.raises(AuthError, match="wrong or missing token proof"):
-        node.check({"proof": "00" * 32})
+        client.answer(hello)
 
 
 def test_a_captured_proof_replayed_on_another_connection_is_refused() -> None:
@@ -158,7 +201,7 @@ def test_a_captured_proof_replayed_on_another_connection_is_refused() -> None:
 
 def test_an_auth_before_any_hello_is_refused() -> None:
     with pytest.raises(AuthError, match="AUTH before HELLO"):
-        NodeHello(KeyRing([TOKEN]), "node-a", "10.0.0.1:7000").check({"proof": "00"})
+        NodeHello(KeyRing([KEY]), "node-a", "10.0.0.1:7000").check({"key_id": key_id(KEY), "proof": "00"})
 
 
 # -- raw frames over blocking sockets (the attacker's tools) -------------------------------------
@@ -325,9 +368,9 @@ def test_a_relayed_handshake_is_refused_and_the_relay_gets_nothing(node_factory,
     """The relay attack of trust round 4: a listener the client dials relays the real node's handshake.
 
     Before the mutual handshake the victim signed the node's nonce for the relay, and the
-    relay listed, read and deleted chunks. Now the victim refuses the relayed node answer
-    (its proof names the node's own address, not the one the victim dialled), sends no
-    AUTH, and the relay's own requests are refused as unauthenticated.
+    relay listed, read and deleted chunks. Now the victim's proof names the address it
+    dialled (the relay's): the node, which checks its own, refuses it, and the relay's own
+    requests on its connection are refused as unauthenticated.
     """
     with _owner_and_relay(node_factory, pool_url, listeners) as (owner, real, relay, listener):
         # The victim dials the relay as the registry told it: a forged entry (real node id, the relay's address).
@@ -340,41 +383,18 @@ def test_a_relayed_handshake_is_refused_and_the_relay_gets_nothing(node_factory,
             finally:
                 conn.close()
 
-        with pytest.raises(AuthError, match="could not prove it holds the pool token"):
+        # The victim's proof names the relay's address: the node refuses it, and says whom the victim meant.
+        with pytest.raises(AuthError, match=f"wrong or missing token proof .*127.0.0.1:{listener.port}"):
             asyncio.run(victim())
         _assert_the_relay_got_nothing(relay, owner)
-        assert relay.seen_from_victim == [Op.HELLO]  # no AUTH: the victim proved nothing for the relay
+        assert relay.seen_from_victim == [Op.HELLO, Op.AUTH]
         assert owner.node_stats(real)["counters"]["auth_failures"] >= 1
-
-
-def test_a_proof_a_fooled_client_made_for_the_relay_is_refused_by_the_node(node_factory, pool_url, listeners):
-    """Even a client that skipped its check proves only what it meant (the relay's address): useless at the node."""
-    with _owner_and_relay(node_factory, pool_url, listeners) as (owner, real, relay, listener):
-        with socket.create_connection(("127.0.0.1", listener.port), timeout=WAIT_S) as sock:
-            fooled = ClientHello(real.node_id, f"127.0.0.1:{listener.port}", TOKEN)
-            sock.sendall(frame(Op.HELLO, 1, fooled.request()))
-            answered = _read_frame(sock)
-            assert answered is not None and answered[0].status == Status.OK
-            answer = decode_json(answered[1])
-            transcript = Transcript(
-                HANDSHAKE_VERSION,
-                key_id(TOKEN),
-                real.node_id,
-                f"127.0.0.1:{listener.port}",
-                fooled.nonce,
-                bytes.fromhex(answer["nonce"]),
-            )
-            sock.sendall(frame(Op.AUTH, 2, {"proof": prove(TOKEN, CLIENT_PROVES, transcript)}))
-            refused = _read_frame(sock)
-            assert refused is not None and refused[0].status == Status.AUTH
-            assert b"wrong or missing token proof" in refused[1]
-            assert f"127.0.0.1:{listener.port}".encode() in refused[1]  # the node says whom the client meant
-        _assert_the_relay_got_nothing(relay, owner)
 
 
 @dataclass
 class Impostor:
-    """A listener posing as a node without the token: answers HELLO with ``answer`` and records every frame."""
+    """A listener posing as a node without the token: answers HELLO with ``answer``, any AUTH with a
+    guessed proof, and records every frame."""
 
     answer: Callable[[dict[str, Any]], dict[str, Any]]
     frames: list[tuple[int, int]] = field(default_factory=list)  # (op, data_len) of every frame received
@@ -385,6 +405,8 @@ class Impostor:
             self.frames.append((header.base_op, header.data_len))
             if header.base_op == Op.HELLO:
                 conn.sendall(_answer(header, encode_json(self.answer(decode_json(meta)))))
+            elif header.base_op == Op.AUTH:
+                conn.sendall(_answer(header, encode_json({"ok": True, "proof": "ef" * 32})))
 
 
 def _answer(request: Header, meta: bytes) -> bytes:
@@ -405,8 +427,6 @@ IMPOSTOR_ANSWERS = {
         "epoch": 1,
         "auth_required": True,
         "nonce": "cd" * 32,
-        "key_id": req["key_id"],
-        "proof": "ef" * 32,
     },
     "speaks the old handshake": lambda req: {
         "node_id": req["node_id"],
@@ -421,7 +441,8 @@ IMPOSTOR_ANSWERS = {
 def test_a_client_refuses_a_listener_without_the_token_before_sending_it_anything(
     redis_server, namespace, pool_url, listeners, behaviour
 ):
-    """An impostor registered as the pool's only node: the client's put fails naming why, no byte of it is sent."""
+    """An impostor registered as the pool's only node: the client's put fails naming why, and the impostor
+    gets nothing but a HELLO and at most an AUTH (a proof bound to the impostor's own address): no chunk."""
     impostor = Impostor(IMPOSTOR_ANSWERS[behaviour])
     listener = listeners(impostor.serve)
 
@@ -441,7 +462,7 @@ def test_a_client_refuses_a_listener_without_the_token_before_sending_it_anythin
         assert "impostor" in str(refused.value)
         assert client.get(["for-the-pool"]) == [None]
     assert impostor.frames, "the client never dialled the impostor"
-    assert {op for op, _ in impostor.frames} == {Op.HELLO}  # nothing but HELLOs: no AUTH, no PUT
+    assert {op for op, _ in impostor.frames} <= {Op.HELLO, Op.AUTH}  # no PUT, no other request
     assert all(data_len == 0 for _, data_len in impostor.frames)
 
 

@@ -149,6 +149,27 @@ def test_a_node_killed_and_restarted_at_once_waits_out_its_last_beat_and_recover
         assert all_read_back(client, on_disk)
 
 
+def test_a_second_node_on_a_live_nodes_nvme_directory_is_refused_under_any_id(node_factory, spawn, pool_url, tmp_path):
+    """The id's claim guards the id; the directory needs its own guard: before it, a node started with another
+    --node-id on the same --nvme-dir took the live node's files as its own (and removed its temp files)."""
+    nvme = ["--nvme-dir", str(tmp_path / "nvme"), "--nvme", "64MiB"]
+    original = node_factory("--node-id", "dir-owner", *nvme, dram="1MiB")
+    chunks = seeded_chunks("dir", 24, 128 * KIB)  # most are demoted to the directory
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        for chunk in chunks:
+            client.put([chunk])
+        for other in (["--node-id", "dir-thief"], []):  # another id, and a made-up one
+            intruder = spawn(*other, *nvme, dram="1MiB")
+            assert _exit_code(intruder, START_S) == REFUSED, intruder.tail()
+            assert "is in use by another node process" in intruder.log, intruder.tail()
+            assert f"pid {original.pid}" in intruder.log, intruder.tail()
+        assert (tmp_path / "nvme" / "node_id").read_text().strip() == "dir-owner"
+        assert all_read_back(client, chunks)
+        original.kill()  # kill -9: the kernel lets the lock go, and a restart under the id takes the directory
+        restarted = node_factory("--node-id", "dir-owner", *nvme, dram="1MiB")
+        assert restarted.alive()
+
+
 def test_a_node_frozen_past_its_ttl_whose_id_was_taken_stops_instead_of_fighting_for_it(node_factory, spawn, pool_url):
     original = node_factory("--node-id", "taken")
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:

@@ -9,19 +9,24 @@ processes against a private redis-server that it fills or pauses.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import time
+import urllib.error
+import urllib.request
+from typing import Any
 
 import pytest
 import redis
 
-from backend import Chunk, MetadataError, PoolConfig, SyncPoolClient
+from backend import Chunk, MetadataError, PoolClient, PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis
 from tests.conftest import wait_until
 from tests.support.chunks import all_read_back, seeded_chunks
 from tests.test_cli import kvpool
+from tests.test_metrics import _metrics_port
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: the 30 s form
 KIB = 1024
@@ -120,6 +125,37 @@ def test_a_redis_pause_as_long_as_the_client_timeout_marks_no_node_down_and_lose
     assert not any("dead" in node.log or "unreachable" in node.log for node in nodes)
 
 
+def test_a_delete_on_a_node_during_a_redis_pause_is_answered_in_time(node_factory, redis_factory, namespace):
+    """`kvpool evict` deletes on the nodes first: a node's DELETE used to wait out a paused Redis (as long as
+    the client's timeout) and be taken for dead. It answers now, and the index forgets the keys after the pause."""
+    server = _private_redis(redis_factory)
+    node_factory(redis_url=server.url)
+    url = f"kvpool://127.0.0.1:{server.port}/{namespace}"
+    gone = [c.key for c in seeded_chunks("gone", 4, 16 * KIB)]
+
+    async def main() -> tuple[list[bool], float, int, list[bool]]:
+        async with PoolClient(PoolConfig.from_url(url)) as client:
+            await client.put(seeded_chunks("gone", 4, 16 * KIB))
+            node = (await client.nodes(refresh=True))[0]
+            with redis.Redis(port=server.port) as raw:
+                raw.execute_command("CLIENT", "PAUSE", PAUSE_MS, "WRITE")
+                started = time.monotonic()
+                deleted = await client.node_admin.delete_on(node, gone)
+                took_s = time.monotonic() - started
+            await asyncio.sleep(PAUSE_MS / 1000)
+            for _ in range(100):  # the heartbeat's flush removes the entries once Redis takes writes
+                if await client.contains(gone) == [False] * len(gone):
+                    break
+                await asyncio.sleep(0.1)
+            return deleted, took_s, client.counters.get("nodes_marked_down", 0), await client.contains(gone)
+
+    deleted, took_s, marked_down, still_indexed = asyncio.run(main())
+    assert deleted == [True] * len(gone)
+    assert took_s < 0.75 * PAUSE_MS / 1000, took_s  # answered before the client's timeout (PAUSE_MS)
+    assert marked_down == 0
+    assert still_indexed == [False] * len(gone)
+
+
 @pytest.mark.skipif(
     not FULL, reason="runs `kvpool doctor` twice (LMCache's loader): under `make faults` (KVPOOL_FULL=1)"
 )
@@ -142,3 +178,63 @@ def test_doctor_says_redis_is_full_or_slow_rather_than_unreachable(node_factory,
         server.process.send_signal(signal.SIGCONT)
     assert slow.returncode == 1 and "[FAIL] Redis: Redis slow:" in slow.stdout, slow.stdout
     assert "no answer within" in slow.stdout and "unreachable" not in slow.stdout, slow.stdout
+
+
+def test_a_node_whose_redis_user_may_not_run_info_says_the_full_redis_is_over_once_a_put_lands(
+    node_factory, redis_factory, namespace, tmp_path
+):
+    """Hardened ACLs often take INFO away (it is in @dangerous): then the node cannot ask Redis whether it has
+    room again, and learns it from the first put whose commit lands (before: /health stayed 'full')."""
+    server = _private_redis(redis_factory)
+    password = tmp_path / "node-redis-password"
+    password.write_text("node-redis-password-0123456789\n")
+    password.chmod(0o600)
+    with redis.Redis(port=server.port) as raw:
+        raw.execute_command("ACL", "SETUSER", "kvnode", "on", ">node-redis-password-0123456789", "~*", "&*")
+        raw.execute_command("ACL", "SETUSER", "kvnode", "+@all", "-info")
+    node = node_factory(
+        "--redis-password-file",
+        str(password),
+        "--metrics-port",
+        "0",
+        redis_url=f"redis://kvnode@127.0.0.1:{server.port}/0",
+    )
+    port = _metrics_port(node)
+    url = f"kvpool://127.0.0.1:{server.port}/{namespace}"
+    with SyncPoolClient(PoolConfig.from_url(url)) as client, redis.Redis(port=server.port) as raw:
+        client.put(seeded_chunks("before", 4, 16 * KIB))
+        _fill(raw)
+        with pytest.raises(MetadataError, match="Redis is full"):
+            client.put(seeded_chunks("refused", 1, 16 * KIB))
+        assert wait_until(lambda: _health(port)["redis"] == "full", 5.0)
+        raw.config_set("maxmemory", 0)
+        time.sleep(2.0)  # beats land meanwhile; without INFO they cannot tell that Redis has room
+        assert _health(port)["redis"] == "full"
+        client.put(seeded_chunks("room-again", 2, 16 * KIB))
+        assert wait_until(lambda: _health(port)["redis"] == "ok", 5.0), _health(port)
+        assert "Redis answers and takes writes again" in node.log
+
+
+def _health(port: int) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as answer:
+            return dict(json.loads(answer.read()))
+    except urllib.error.HTTPError as error:  # 503 while degraded: the body says why
+        return dict(json.loads(error.read()))
+
+
+def test_a_redis_that_cannot_compile_kvpools_scripts_is_named_with_the_version_kvpool_needs(redis_server):
+    """Redis 6 knows no script flags: kvpool's claim and heartbeat fail to compile there. The error says which
+    Redis kvpool needs (the same compile error, caused on this Redis 7 by a script with a shebang it rejects)."""
+    from backend.metadata import MetadataStore
+
+    async def compile_a_flagged_script_redis_rejects() -> None:
+        store = MetadataStore(redis_server.url, "ns")
+        try:
+            async with store._call("node id claim"):
+                await store._redis.eval("#!lua flags=no-such-flag\nreturn 1", 0)
+        finally:
+            await store.close()
+
+    with pytest.raises(MetadataError, match=r"kvpool needs Redis 7\.0 or newer"):
+        asyncio.run(compile_a_flagged_script_redis_rejects())

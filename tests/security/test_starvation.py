@@ -41,7 +41,7 @@ from backend.protocol import (
 )
 from backend.transport import FrameSocket
 from tests.conftest import wait_until
-from tests.support.handshake import auth_frame, hello_frame
+from tests.support.handshake import auth_frame, check_auth_answer, hello_frame
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))
 TOKEN = "starvation-token-9f2c"
@@ -76,6 +76,7 @@ def _authenticate(sock: socket.socket, node) -> None:
     sock.sendall(auth_frame(handshake, _read_frame(sock)[2]))
     status, _, meta = _read_frame(sock)
     assert status == Status.OK, meta
+    check_auth_answer(handshake, meta)
 
 
 def _connect(node, source: str = OTHER_HOST, rcvbuf: int = 0) -> socket.socket:
