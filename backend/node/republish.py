@@ -137,6 +137,7 @@ class Republisher:
         while self._walk is not None:
             try:
                 await self._step()
+                await asyncio.sleep(0)  # the node's other tasks run between batches, whatever the index is
             except MetadataError as exc:
                 if not self._retry_said:
                     self._retry_said = True

@@ -277,17 +277,22 @@ class PoolNode:
         logger.info("node %s stopped", self.node_id)
 
     async def _release(self, *, withdraw: bool) -> None:
-        """Give back what the node took: its port, index entries and registry entry (``withdraw``: only
-        while its id is still this run's claim), metrics port, channel, tiers, Redis connection."""
+        """Give back what the node took: its registry entry and index entries (``withdraw``: only while its id
+        is still this run's claim), port, metrics port, channel, tiers, Redis connection.
+
+        The registry entry goes first: once it is gone readers take the node's entries for a dead node's
+        (misses), so a node of a million chunks, whose entries take longer to withdraw than the stop may,
+        still leaves the pool at once; what it could not withdraw in time the dead-node reaper removes.
+        """
         if self.listener is not None:
             self.listener.close()
         try:
             async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
                 if withdraw:
-                    await self._store.remove(self.node_id, self.epoch, self.tiers.held.all())
                     await self._store.deregister(self.node_id, self.epoch)  # leaves a new holder's entries
+                    await self._store.remove(self.node_id, self.epoch, self.tiers.held.all())
         except (KVPoolError, TimeoutError) as exc:
-            logger.warning("node %s: could not deregister cleanly: %s", self.node_id, exc)
+            logger.warning("node %s: could not withdraw its index entries cleanly: %s", self.node_id, exc)
         if self.metrics is not None:
             await self.metrics.stop()
         if self.channel is not None:
