@@ -8,7 +8,7 @@ Each figure is printed beside its target. Three measurements, each a function re
 (``python -m bench.scale`` composes them):
 
 * :func:`republish`: a ``kvpool node`` process (DRAM only, the default 5 s heartbeat TTL) filled
-  with N tiny chunks through the real put path (8-byte values, 5,000 per put), then FLUSHALL:
+  with N tiny chunks through the real put path (8-byte values, 2,000 per put), then FLUSHALL:
   seconds until 99 % of a 1,000-key sample hits byte-identical again, until the republish is over
   (STAT), the longest the node's heartbeat key went without a beat (its PTTL read every 10 ms)
   and whether it was ever missing; then a flush, another once a third of the sample hits again
@@ -56,7 +56,8 @@ __all__ = ["republish", "restart", "files_vs_segments", "run", "TARGETS", "chunk
 RESULTS = Path(__file__).resolve().parent / "results"
 NAMESPACE = "scale"
 SAMPLE = 1000
-PUT_BATCH = 5000
+PUT_BATCH = 2000
+FILL_TIMEOUT_MS = 10_000  # the fill's puts may wait for a busy Redis: the put commits as in a pool under load
 HEARTBEAT_TTL_S = 5.0  # the node's default heartbeat_ttl_ms
 NODE_START_TIMEOUT_S = 120.0
 SEGMENT_BYTES = 64 * 1024 * 1024
@@ -113,7 +114,8 @@ class BeatMonitor(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
-        self.join(5)
+        if self.is_alive():
+            self.join(5)
         self.redis.close()
 
 
@@ -148,7 +150,8 @@ def republish(chunks: int, sample_size: int = SAMPLE) -> dict[str, Any]:
         node = NodeProcess(args, _node_env()).start(NODE_START_TIMEOUT_S)
         monitor = BeatMonitor(server.port, f"kvp:{{{NAMESPACE}}}:hb:{node.node_id}")
         try:
-            with SyncPoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{server.port}/{NAMESPACE}")) as client:
+            url = f"kvpool://127.0.0.1:{server.port}/{NAMESPACE}?timeout_ms={FILL_TIMEOUT_MS}"
+            with SyncPoolClient(PoolConfig.from_url(url)) as client:
                 began = time.monotonic()
                 for start in range(0, chunks, PUT_BATCH):
                     client.put(
@@ -437,8 +440,16 @@ def _workdir(where: Path | None) -> Iterator[Path]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def run(chunks: int, only: str = "", where: Path | None = None, cold: bool = False) -> dict[str, Any]:
-    """Every measurement (or ``only`` one) at ``chunks``; the figures with the targets."""
+def run(
+    chunks: int,
+    only: str = "",
+    where: Path | None = None,
+    cold: bool = False,
+    payload_bytes: int = 16,
+    fsync_chunks: int = FSYNC_SAMPLE,
+) -> dict[str, Any]:
+    """Every measurement (or ``only`` one) at ``chunks``; the figures with the targets. ``payload_bytes`` and
+    ``fsync_chunks``: the disk measurement's chunk size and how many chunks it writes with fsync."""
     result: dict[str, Any] = {"chunks": chunks, "targets": TARGETS, "load": os.getloadavg()}
     with _workdir(where) as base:
         if only in ("", "republish"):
@@ -446,7 +457,7 @@ def run(chunks: int, only: str = "", where: Path | None = None, cold: bool = Fal
         if only in ("", "restart"):
             result["restart"] = restart(chunks, base, cold=cold)
         if only in ("", "disk"):
-            result["disk"] = files_vs_segments(chunks, base)
+            result["disk"] = files_vs_segments(chunks, base, payload_bytes, fsync_chunks)
     return result
 
 
@@ -489,7 +500,7 @@ def _print(result: dict[str, Any]) -> None:
         )
     if "disk" in result:
         d = result["disk"]
-        print(f"\n{d['chunks']:,} chunks of {d['payload_bytes']} bytes on disk: one file each beside packed segments")
+        print(f"\n{d['chunks']:,} chunks of {d['payload_bytes']:,} bytes on disk: one file each beside packed segments")
         print(f"{'':12}{'put/s':>12}{'put/s fsync':>13}{'scan s':>9}{'scan/s':>11}{'disk B/chunk':>14}{'files':>10}")
         for kind in ("files", "segments"):
             k = d[kind]
@@ -506,8 +517,10 @@ def main() -> int:
     parser.add_argument("--only", choices=("republish", "restart", "disk"), default="")
     parser.add_argument("--dir", type=Path, default=None, help="where the NVMe files go (default: a temp dir)")
     parser.add_argument("--cold", action="store_true", help="drop the page cache before the restart (root)")
+    parser.add_argument("--payload", type=int, default=16, help="bytes per chunk of the disk measurement")
+    parser.add_argument("--fsync-chunks", type=int, default=FSYNC_SAMPLE, help="chunks it writes with fsync")
     args = parser.parse_args()
-    result = run(args.chunks, args.only, args.dir, args.cold)
+    result = run(args.chunks, args.only, args.dir, args.cold, args.payload, args.fsync_chunks)
     _print(result)
     RESULTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y-%m-%dT%H%M%S")
