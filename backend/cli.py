@@ -69,6 +69,8 @@ GENERATED_PASSWORD_FILE = "redis-password"
 
 SERVER_VERBS = ("up", "node")  # long-running: they log their progress at INFO
 FORMATS = {"inproc": ("yaml", "env"), "mp": ("args", "json")}  # lmcache-config --format, per --mode
+RECOVERY_BAR_STEPS = 1000  # the recovery bar moves by tenths of a percent of the shard directories
+RECOVERY_BAR_S = 0.2  # how often it is redrawn
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -266,6 +268,19 @@ async def _serve(node: PoolNode) -> None:
         raise node.lost_claim
 
 
+async def _recovery_bar(node: PoolNode) -> None:
+    """A progress bar of the NVMe tier's recovery, which goes on while the node serves (terminals only)."""
+    report = node.recovery
+    if report is None or report.done:
+        return
+    bar, update = _progress(f"node {node.node_id}: recovering its NVMe chunks", quiet=False)
+    with bar:
+        while report is not None and not report.done and not node.stopping:
+            update(round(report.progress * RECOVERY_BAR_STEPS), RECOVERY_BAR_STEPS)
+            await asyncio.sleep(RECOVERY_BAR_S)
+            report = node.recovery
+
+
 def cmd_node(args: argparse.Namespace) -> int:
     config = NodeConfig.from_options(_node_settings(args))  # --redis is required there: --config may supply it
 
@@ -276,7 +291,12 @@ def cmd_node(args: argparse.Namespace) -> int:
             f"kvpool node {node.node_id} ready at {node.advertise_host}:{node.advertise_port} (epoch {node.epoch})",
             flush=True,
         )
-        await _serve(node)
+        bar = asyncio.ensure_future(_recovery_bar(node)) if sys.stderr.isatty() else None
+        try:
+            await _serve(node)
+        finally:
+            if bar is not None:
+                bar.cancel()
 
     asyncio.run(run())
     return 0

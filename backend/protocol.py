@@ -97,6 +97,7 @@ __all__ = [
     "tiers_from_json",
     "ArenaReport",
     "RecoveryReport",
+    "RepublishReport",
     "RecentReport",
     "NodeReport",
     "encode_node_report",
@@ -927,18 +928,30 @@ class ArenaReport:
 
 @dataclass(frozen=True)
 class RecoveryReport:
-    """What the NVMe scan found at a node's start: files kept, their bytes, files set aside, time taken."""
+    """The NVMe tier's recovery at a node's start, so far: files adopted, their bytes, files set aside, time taken.
+
+    Recovery runs in the background while the node serves (``backend.node.recovery``):
+    ``progress`` is the fraction of the tier's shard directories scanned, ``indexed`` the
+    adopted chunks whose index entries are written, ``done`` whether it has finished. A node
+    of an earlier version recovered before it served: absent, they read as finished.
+    """
 
     files: int = 0
     bytes: int = 0
     quarantined: int = 0
     temp_removed: int = 0
     seconds: float = 0.0
+    indexed: int = 0
+    progress: float = 1.0
+    done: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return {
             "bytes": self.bytes,
+            "done": self.done,
             "files": self.files,
+            "indexed": self.indexed,
+            "progress": self.progress,
             "quarantined": self.quarantined,
             "seconds": self.seconds,
             "temp_removed": self.temp_removed,
@@ -947,11 +960,43 @@ class RecoveryReport:
     @classmethod
     def from_json(cls, body: Any) -> RecoveryReport:
         what = "a node's recovery"
+        files = _field(body, "files", int, what)
         return cls(
-            _field(body, "files", int, what),
+            files,
             _field(body, "bytes", int, what),
             _field(body, "quarantined", int, what),
             _field(body, "temp_removed", int, what),
+            float(_field(body, "seconds", _NUMBER, what)),
+            _field(body, "indexed", int, what) if "indexed" in body else files,
+            float(_field(body, "progress", _NUMBER, what)) if "progress" in body else 1.0,
+            _field(body, "done", bool, what) if "done" in body else True,
+        )
+
+
+@dataclass(frozen=True)
+class RepublishReport:
+    """A node's republish of its holdings after Redis lost them (``backend.node.republish``).
+
+    ``running`` while a walk is under way; ``pending``: chunks it has yet to publish (an
+    estimate: those held when it began, less those published since); ``published`` and
+    ``seconds``: the current (else the last) walk's chunks published and time taken.
+    """
+
+    running: bool = False
+    pending: int = 0
+    published: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pending": self.pending, "published": self.published, "running": self.running, "seconds": self.seconds}
+
+    @classmethod
+    def from_json(cls, body: Any) -> RepublishReport:
+        what = "a node's republish"
+        return cls(
+            _field(body, "running", bool, what),
+            _field(body, "pending", int, what),
+            _field(body, "published", int, what),
             float(_field(body, "seconds", _NUMBER, what)),
         )
 
@@ -981,7 +1026,7 @@ class RecentReport:
 
 @dataclass(frozen=True)
 class NodeReport:
-    """STAT's answer: a node's identity, counters, tiers, arena, recovery, recent rates and latency.
+    """STAT's answer: a node's identity, counters, tiers, arena, recovery, republish, recent rates and latency.
 
     ``latency`` is ``backend.latency.LatencyHistograms.to_json()`` as it is (read it with
     ``LatencyHistograms.from_json``, which checks it); None from a node that keeps none.
@@ -998,6 +1043,7 @@ class NodeReport:
     arena: ArenaReport | None = None
     recovery: RecoveryReport | None = None
     latency: dict[str, Any] | None = None
+    republish: RepublishReport | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -1012,6 +1058,7 @@ class NodeReport:
             "recovery": self.recovery.to_json() if self.recovery is not None else None,
             "latency": self.latency,
             "recent": self.recent.to_json(),
+            "republish": self.republish.to_json() if self.republish is not None else None,
         }
 
     @classmethod
@@ -1021,6 +1068,7 @@ class NodeReport:
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in counters.values()):
             raise ProtocolError(f"{what}: a counter is not an integer")
         arena, recovery, latency = body.get("arena"), body.get("recovery"), body.get("latency")
+        republish = body.get("republish")
         if latency is not None and not isinstance(latency, dict):
             raise ProtocolError(f"{what}: 'latency' is {str(latency)[:80]}, not an object")
         return cls(
@@ -1035,6 +1083,7 @@ class NodeReport:
             arena=ArenaReport.from_json(arena) if arena is not None else None,
             recovery=RecoveryReport.from_json(recovery) if recovery is not None else None,
             latency=latency,
+            republish=RepublishReport.from_json(republish) if republish is not None else None,
         )
 
 

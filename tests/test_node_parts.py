@@ -23,10 +23,12 @@ from backend.config import NodeConfig
 from backend.errors import CapacityError, MetadataError, NodeUnavailable
 from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, RedisMemory
 from backend.node.context import NodeContext
+from backend.node.dram import StoredChunk
 from backend.node.intake import AheadBounds
 from backend.node.ops import OpHandlers
 from backend.node.publisher import Advert, IndexPublisher
 from backend.node.puts import PutReceiver
+from backend.node.republish import Republisher
 from backend.node.stats import NodeStats
 from backend.node.tiers import DRAM, TierConfig, TierManager
 from backend.protocol import (
@@ -79,6 +81,9 @@ class FakeIndex:
 
     async def move(self, locations: Sequence[tuple[str, Location]]) -> None:
         self.moved += locations
+
+    async def remove_stale(self, stale: Sequence[tuple[str, Location]]) -> None:
+        self.removed.append(("", 0, [key for key, _ in stale]))
 
     async def ensure_marker(self) -> str:
         return "generation-1"
@@ -449,3 +454,35 @@ async def test_an_eviction_whose_index_flush_fails_is_withdrawn_by_the_next_flus
     await parts.publisher.flush_index()
 
     assert parts.index.withdrawn() == [(NODE_ID, 42, ["old"])]
+
+
+async def test_a_loss_during_a_republish_resumes_the_walk_where_it_stands_and_round_to_it(roomy):
+    """The walk, 4 keys a batch: Redis is lost again while its third batch is in flight. Every key is then
+    published again, once each, from the key where the walk stood (that batch again: it may have landed
+    before the loss), round past the last key and back to it."""
+    tiers, index = roomy.ctx.tiers, roomy.index
+    keys = [f"k{i:02d}" for i in range(25)]
+    for key in keys:
+        await tiers.reserve(1)
+        tiers.insert(StoredChunk(_item(key, b"x"), memoryview(bytearray(b"x"))))
+    in_flight, go_on = asyncio.Event(), asyncio.Event()
+    commit = index.commit
+
+    async def third_batch_waits(locations: Sequence[tuple[str, Location]], timeout_s: float | None = None) -> None:
+        await commit(locations, timeout_s)
+        if len(index.committed) == 12:
+            in_flight.set()
+            await go_on.wait()
+
+    index.commit = third_batch_waits  # type: ignore[method-assign]
+    walk = Republisher(roomy.ctx, roomy.stats, batch_keys=4)
+    index.committed.clear()
+    walk.restart("the namespace was missing in Redis")
+    await asyncio.wait_for(in_flight.wait(), 5)
+    walk.restart("the namespace was missing in Redis")  # lost again, k08..k11 in flight
+    go_on.set()
+    await _until(lambda: not walk.running)
+    again = [key for key, _ in index.committed[12:]]
+    assert again == keys[8:] + keys[:8]  # every key once, from where it stood, round to it
+    assert roomy.stats.republish.published == len(keys) and not roomy.stats.republish.running
+    assert roomy.ctx.counters["republished"] == 8 + len(keys)  # the batch in flight counted once, after

@@ -47,6 +47,7 @@ from backend.protocol import (
     PutOptions,
     RecentReport,
     RecoveryReport,
+    RepublishReport,
     Status,
     TierReport,
     checksum,
@@ -761,9 +762,19 @@ def _stat_body() -> dict[str, object]:
             "dram": {"capacity_bytes": 64, "used_bytes": 16, "objects": 2},
             "nvme": {"capacity_bytes": 128, "used_bytes": 0, "objects": 0, "disk_full": False},
         },
-        "recovery": {"files": 1, "bytes": 100, "quarantined": 0, "temp_removed": 2, "seconds": 0.25},
+        "recovery": {
+            "files": 1,
+            "bytes": 100,
+            "quarantined": 0,
+            "temp_removed": 2,
+            "seconds": 0.25,
+            "indexed": 1,
+            "progress": 0.5,
+            "done": False,
+        },
         "latency": {"bounds_s": [0.001, 1.0], "ops": {"get_batch": {"counts": [1, 0, 0], "sum_s": 0.0005}}},
         "recent": {"window_s": 12.5, "requests_per_s": 0.32, "gets": 4, "hits": 3},
+        "republish": {"running": True, "pending": 7, "published": 3, "seconds": 0.5},
     }
 
 
@@ -773,7 +784,8 @@ def test_a_stat_answer_decodes_into_a_typed_report_and_encodes_back_to_the_same_
     assert report.tiers["nvme"] == TierReport(128, 0, 0, disk_full=False)
     assert report.tiers["dram"].disk_full is None  # NVMe only
     assert report.arena == ArenaReport("/dev/shm/a", 64, 32, 16, 0)
-    assert report.recovery == RecoveryReport(files=1, bytes=100, quarantined=0, temp_removed=2, seconds=0.25)
+    assert report.recovery == RecoveryReport(1, 100, 0, 2, 0.25, indexed=1, progress=0.5, done=False)
+    assert report.republish == RepublishReport(running=True, pending=7, published=3, seconds=0.5)
     assert report.recent == RecentReport(12.5, 0.32, 4, 3)
     assert encode_node_report(report) == meta  # the wire is unchanged, byte for byte
     assert list(report.tiers["nvme"].to_json()) == ["capacity_bytes", "disk_full", "objects", "used_bytes"]
@@ -782,10 +794,18 @@ def test_a_stat_answer_decodes_into_a_typed_report_and_encodes_back_to_the_same_
 def test_a_stat_answer_of_a_node_without_arena_recovery_or_latency_decodes_with_none() -> None:
     body = _stat_body()
     body.update(arena=None, recovery=None)
-    del body["latency"], body["leases"]
+    del body["latency"], body["leases"], body["republish"]
     report = decode_node_report(encode_json(body))
-    assert (report.arena, report.recovery, report.latency, report.leases) == (None, None, None, 0)
+    assert (report.arena, report.recovery, report.latency, report.leases, report.republish) == (None,) * 3 + (0, None)
     assert isinstance(report, NodeReport)
+
+
+def test_the_recovery_of_a_node_that_recovered_before_serving_decodes_as_finished() -> None:
+    """A node of an earlier version sends no progress: it recovered everything before it served."""
+    body = _stat_body()
+    body["recovery"] = {"files": 4, "bytes": 100, "quarantined": 0, "temp_removed": 0, "seconds": 0.25}
+    recovery = decode_node_report(encode_json(body)).recovery
+    assert recovery is not None and (recovery.indexed, recovery.progress, recovery.done) == (4, 1.0, True)
 
 
 @pytest.mark.parametrize(
@@ -802,6 +822,9 @@ def test_a_stat_answer_of_a_node_without_arena_recovery_or_latency_decodes_with_
         {"recent": {"window_s": 1.0}},
         {"arena": {"path": 1}},
         {"recovery": {"files": 1}},
+        {"recovery": {"files": 1, "bytes": 1, "quarantined": 0, "temp_removed": 0, "seconds": 0, "done": 1}},
+        {"republish": {"running": True, "pending": 1}},
+        {"republish": {"running": 1, "pending": 1, "published": 0, "seconds": 0}},
         {"latency": [1]},
     ],
 )

@@ -98,6 +98,20 @@ class NodeCollector:
         yield from _tier_gauges(node, report.tiers)
         if report.recovery is not None:
             yield from _recovery_gauges(node, report.recovery)
+        republish = report.republish
+        if republish is not None:
+            yield _gauge(
+                "republish_running",
+                "1 while the node republishes what it holds after Redis lost its index entries, else 0.",
+                node,
+                float(republish.running),
+            )
+            yield _gauge(
+                "republish_pending",
+                "Chunks the republish under way has yet to publish (estimated from those held when it began).",
+                node,
+                republish.pending,
+            )
         latency = report.latency
         histograms = _latency_histogram(node, latency) if latency else None
         if histograms is not None:
@@ -143,11 +157,14 @@ def _tier_gauges(node: str, tiers: Mapping[str, TierReport]) -> Iterator[Metric]
 
 
 _RECOVERY_GAUGES = {
-    "files": "Chunk files found on NVMe at the last start.",
+    "files": "Chunk files found on NVMe at the last start and adopted so far.",
     "bytes": "Bytes of those files.",
+    "indexed": "Of those, chunks whose index entries are written (hits from then on).",
+    "progress": "Fraction of the NVMe tier's shard directories scanned (1 once the scan is over).",
+    "done": "1 once the last start's recovery is over (every file scanned, adopted and indexed), else 0.",
     "quarantined": "Files quarantined by the last start's scan.",
     "temp_removed": "Temporary files (crash debris) removed by the last start's scan.",
-    "seconds": "Duration of the last start's scan.",
+    "seconds": "Duration of the last start's recovery (so far, while it runs).",
 }
 
 

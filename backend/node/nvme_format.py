@@ -40,6 +40,7 @@ __all__ = [
     "NvmeFile",
     "FileCodecError",
     "chunk_path",
+    "header_bytes",
     "write_chunk",
     "read_header",
     "read_payload",
@@ -130,7 +131,8 @@ def chunk_path(root: Path, key: str) -> Path:
     return root / CHUNKS_DIR / shard / name
 
 
-def _header_bytes(meta: ItemMeta) -> bytes:
+def header_bytes(meta: ItemMeta) -> bytes:
+    """A chunk file's header: the u64 length and the JSON (space padded to 8 bytes) before the payload."""
     st_dtype = SAFETENSORS_DTYPES.get(meta.dtype)
     shape = list(meta.shape)
     numel = 1
@@ -165,7 +167,7 @@ def write_chunk(
     path = chunk_path(root, meta.key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(TMP_SUFFIX)
-    head = _header_bytes(meta)
+    head = header_bytes(meta)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         write_all(fd, [head, payload])

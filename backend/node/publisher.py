@@ -7,7 +7,8 @@
 * Redis loss: the namespace marker holds a random *generation*. The node remembers
   the generation it published under; when the marker is missing or different at a
   heartbeat, or its registry entry was gone (collected as dead while away), it
-  recreates what is needed and republishes everything it holds.
+  recreates what is needed, beats, and has everything it holds republished in bounded
+  batches beside the heartbeat (``republish.py``): the heartbeat never waits for it.
 * Redis unreachable, slow or full: the node keeps serving what it holds and says which,
   once per change: "Redis unreachable" (refused or reset), "Redis slow" (no answer within
   ``redis_timeout_ms``: paused, stopped, overloaded or cut off; then calls fail at once
@@ -38,6 +39,7 @@ from backend.metadata import Beat, ClaimHolder, NodeInfo, RedisFullError, RedisS
 from backend.node.claim import ClaimLost
 from backend.node.context import NodeContext
 from backend.node.reaper import DeadNodeReaper
+from backend.node.republish import Republisher
 from backend.node.stats import NodeStats
 
 __all__ = ["ANSWER_FLUSH_S", "Advert", "IndexPublisher"]
@@ -82,14 +84,13 @@ class IndexPublisher:
         self._generation = ""  # the namespace marker this node last published under
         self._published_view: tuple[Any, ...] = ()  # what clients keep of this node, as last published
         self._beat_ok_at = time.monotonic()  # the last heartbeat Redis took
+        self.republisher = Republisher(ctx, stats)
 
-    async def join(self, advert: Advert, *, recovered: bool = False) -> None:
-        """First publication, under the id and epoch the node claimed (``claim.py``): publish what recovery
-        found (``recovered``), beat once."""
+    async def join(self, advert: Advert) -> None:
+        """First publication, under the id and epoch the node claimed (``claim.py``): beat once. What the
+        NVMe tier held is published as recovery adopts it (``recovery.py``)."""
         self._advert = advert
         self._generation = await self.ctx.index.ensure_marker()
-        if recovered:
-            await self.publish_inventory()  # the old epoch's entries are overwritten
         await self.heartbeat()
 
     async def heartbeat_loop(self, reaper: DeadNodeReaper | None = None) -> None:
@@ -117,12 +118,12 @@ class IndexPublisher:
             self.redis_ok = True
             try:
                 if beat.generation != self._generation:
-                    await self._republish("the namespace was missing in Redis")
+                    await self._lost("the namespace was missing in Redis")
                 elif beat.registered_anew:
-                    await self._republish("this node's registry entry was gone (collected as dead while away)")
+                    await self._lost("this node's registry entry was gone (collected as dead while away)")
                 elif lapsed:
                     # Dead to readers meanwhile: one may have cleaned this node's entries as stale.
-                    await self._republish("its heartbeat had lapsed while Redis did not answer")
+                    await self._lost("its heartbeat had lapsed while Redis did not answer")
                 await self.flush_index()
                 if reaper is not None:
                     await reaper.step()
@@ -247,26 +248,20 @@ class IndexPublisher:
             shm_token=tiers.shm_arena.token if tiers.shm_arena is not None else "",
         )
 
-    async def _republish(self, why: str) -> None:
-        """Redis lost what we published (restart, flush, or we were collected as dead): publish it again.
+    async def _lost(self, why: str) -> None:
+        """Redis lost what we published (restart, flush, or we were collected as dead): recreate the marker
+        and the epoch floor, beat, and have everything republished beside the heartbeat (``republish.py``).
 
-        Every node does this once per new marker generation, whichever node
-        recreated the marker first.
+        Every node does this once per new marker generation, whichever node recreated the marker
+        first. The generation is the walk's from now on: a further loss begins it again.
         """
         ctx = self.ctx
         generation = await ctx.index.ensure_marker()
         await ctx.index.ensure_epoch_at_least(ctx.epoch)
         self._published_view = ()  # Redis lost the registry: clients re-read it all anyway
         await self.heartbeat()
-        count = await self.publish_inventory()
         self._generation = generation
-        logger.warning("node %s: %s; republished %d chunks", ctx.node_id, why, count)
-
-    async def publish_inventory(self) -> int:
-        held = [(meta.key, self.ctx.location(meta, tier)) for meta, tier in self.ctx.tiers.inventory()]
-        await self.ctx.index.commit(held)
-        self.ctx.counters["republished"] += len(held)
-        return len(held)
+        self.republisher.restart(why)
 
     async def flush_index_within(self, timeout_s: float) -> None:
         """:meth:`flush_index`, for a request that owes a client its answer: waits for Redis at most

@@ -41,7 +41,7 @@ from backend.node.ops import OpHandlers
 from backend.node.publisher import Advert, IndexPublisher
 from backend.node.puts import PutReceiver
 from backend.node.reaper import DeadNodeReaper
-from backend.node.recovery import RecoveryReport, keep_node_id, scan
+from backend.node.recovery import NvmeRecovery, RecoveryReport, keep_node_id
 from backend.node.session import Acceptor
 from backend.node.stages import sweep_stages
 from backend.node.stats import NodeStats
@@ -99,6 +99,7 @@ class PoolNode:
         self.reaper: DeadNodeReaper | None = None  # made once the node id is known
         self.prefaulted_bytes = 0  # DRAM arena memory taken at start (--prefault), and how long it took
         self.prefault_s = 0.0
+        self.started_at = time.time()  # set again by start(): NVMe files older than it are the last run's
 
     # -- lifecycle --------------------------------------------------------------------
     @property
@@ -111,7 +112,7 @@ class PoolNode:
 
     @property
     def recovery(self) -> RecoveryReport | None:
-        """What the NVMe scan found at start (None without NVMe)."""
+        """The NVMe tier's recovery so far (None without NVMe): it runs in the background from the start."""
         return self.stats.recovery
 
     @property
@@ -149,9 +150,12 @@ class PoolNode:
         ConfigError if a live node holds the id (``claim.py``): then nothing of that node was touched.
 
         The order: the listener (its port may be in the default id); the id's claim, with a new
-        epoch; then, renewing the claim, the NVMe directory (id file, recovery), the DRAM arena's
-        pages (``--prefault``; the arena is made with the tiers), metrics, channel, publication.
+        epoch; then, renewing the claim, the NVMe directory's id file, the DRAM arena's pages
+        (``--prefault``; the arena is made with the tiers), metrics, channel, the NVMe tier's
+        recovery (begun, it goes on in the background: ``recovery.py``), publication. The node
+        serves and takes puts while recovery runs; a recovered key is a hit once it is indexed.
         """
+        self.started_at = time.time()  # before anything of this run can write a file
         transport = self._channel_transport()  # a ConfigError here leaves no port bound
         self.tls = self._tls_context()
         try:
@@ -167,6 +171,7 @@ class PoolNode:
             async with claim.kept():
                 await self._start_claimed(transport, claim.node_id)
         except BaseException:  # give back what it took: a retry need not wait out a heartbeat TTL
+            await self.ctx.cancel_tasks()  # the recovery, if it began
             await self._release(withdraw=claim is not None)
             raise
         self.tiers.start()
@@ -204,22 +209,9 @@ class PoolNode:
 
     async def _start_claimed(self, transport: Any, node_id: str) -> None:
         """Everything of the start that the id names or that takes time, once the id is this node's."""
-        if self.tiers.nvme is not None:
-            root = self.tiers.nvme.root
-            await asyncio.to_thread(keep_node_id, root, node_id)
-            records, report = await asyncio.to_thread(scan, root)
-            self.stats.recovery = report
-            self.tiers.load_nvme(records)
-            await asyncio.to_thread(self.tiers.nvme.warn_if_larger_than_disk)
-            logger.info(
-                "node %s: recovered %d NVMe chunks (%d bytes) in %.2f s; %d quarantined, %d temp files removed",
-                node_id,
-                report.files,
-                report.bytes,
-                report.seconds,
-                report.quarantined,
-                report.temp_removed,
-            )
+        nvme = self.tiers.nvme
+        if nvme is not None:
+            await asyncio.to_thread(keep_node_id, nvme.root, node_id)
         await self._prefault(node_id)
         self.reaper = DeadNodeReaper(self._store, node_id, self.config.dead_node_grace_ms / 1000)
         self.stats.count_also(self.reaper.counters)
@@ -239,8 +231,9 @@ class PoolNode:
             tls=self.tls is not None,
             channel=self.channel.kind if self.channel is not None else "",
         )
-        recovered = self.recovery is not None and self.recovery.files > 0
-        await self.publisher.join(advert, recovered=recovered)
+        if nvme is not None:
+            NvmeRecovery(self.ctx, self.stats, nvme.root, written_before=self.started_at).start()
+        await self.publisher.join(advert)
 
     async def _prefault(self, node_id: str) -> None:
         """With --prefault, take the DRAM arena's pages now, on a worker thread: the node registers (and
@@ -289,17 +282,22 @@ class PoolNode:
         logger.info("node %s stopped", self.node_id)
 
     async def _release(self, *, withdraw: bool) -> None:
-        """Give back what the node took: its port, index entries and registry entry (``withdraw``: only
-        while its id is still this run's claim), metrics port, channel, tiers, Redis connection."""
+        """Give back what the node took: its registry entry and index entries (``withdraw``: only while its id
+        is still this run's claim), port, metrics port, channel, tiers, Redis connection.
+
+        The registry entry goes first: once it is gone readers take the node's entries for a dead node's
+        (misses), so a node of a million chunks, whose entries take longer to withdraw than the stop may,
+        still leaves the pool at once; what it could not withdraw in time the dead-node reaper removes.
+        """
         if self.listener is not None:
             self.listener.close()
         try:
             async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
                 if withdraw:
-                    await self._store.remove(self.node_id, self.epoch, self.tiers.held.all())
                     await self._store.deregister(self.node_id, self.epoch)  # leaves a new holder's entries
+                    await self._store.remove(self.node_id, self.epoch, self.tiers.held.all())
         except (KVPoolError, TimeoutError) as exc:
-            logger.warning("node %s: could not deregister cleanly: %s", self.node_id, exc)
+            logger.warning("node %s: could not withdraw its index entries cleanly: %s", self.node_id, exc)
         if self.metrics is not None:
             await self.metrics.stop()
         if self.channel is not None:

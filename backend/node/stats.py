@@ -8,7 +8,7 @@ from collections import Counter
 
 from backend.latency import LatencyHistograms
 from backend.node.context import NodeContext
-from backend.protocol import NodeReport, RecentReport, RecoveryReport
+from backend.protocol import NodeReport, RecentReport, RecoveryReport, RepublishReport
 
 __all__ = ["NodeStats"]
 
@@ -26,7 +26,8 @@ class NodeStats:
     def __init__(self, ctx: NodeContext) -> None:
         self.ctx = ctx
         self.counters: Counter[str] = ctx.counters
-        self.recovery: RecoveryReport | None = None  # what the NVMe scan found at start
+        self.recovery: RecoveryReport | None = None  # the NVMe tier's recovery at start, so far (recovery.py)
+        self.republish = RepublishReport()  # the republish under way, else the last one (republish.py)
         self._others: list[Counter[str]] = []
         self._started_monotonic = time.monotonic()
         self._snapshots: collections.deque[tuple[float, int, int, int]] = collections.deque(maxlen=RECENT_SNAPSHOTS)
@@ -62,6 +63,7 @@ class NodeStats:
             recovery=self.recovery,
             latency=self.latency.to_json(),
             recent=self._recent(),
+            republish=self.republish,
         )
 
     def _snapshot(self) -> tuple[float, int, int, int]:

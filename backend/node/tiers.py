@@ -102,6 +102,7 @@ class TierManager:
         prefault = 0 if self.arena is not None else min(PREFAULT_BUDGET_BYTES, config.dram_bytes // 4)
         self.buffers = BufferFactory(prefault)
         self.landing = Landing()  # chunks of puts not committed yet, and the puts waiting for room
+        self.recovering: set[str] | None = None  # while NVMe recovery runs: the keys stored or deleted since
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -120,11 +121,18 @@ class TierManager:
         """The arena same-host clients may map (published in the registry), if DRAM is in one."""
         return self.arena if isinstance(self.arena, ShmArena) else None
 
-    def load_nvme(self, records: list[NvmeFile]) -> None:
-        """Adopt files found by recovery, oldest first (so LRU order follows file age)."""
+    def load_nvme(self, records: list[NvmeFile]) -> list[NvmeFile]:
+        """Adopt files found by recovery, oldest first (so LRU order follows file age); returns those adopted.
+
+        Recovery runs while the node serves (``recovery.py``): a key this run stored or deleted since it
+        began (``recovering``) is newer than any file of it found on disk, which is not adopted.
+        """
         assert self.nvme is not None
-        for record in records:
+        newer = self.recovering if self.recovering is not None else ()
+        adopted = [r for r in records if r.meta.key not in newer and r.meta.key not in self.held]
+        for record in adopted:
             self.nvme.add(record)
+        return adopted
 
     def _wake_demoter(self) -> None:
         self.landing.wake()  # unpinned chunks may move now
@@ -247,6 +255,8 @@ class TierManager:
         """Store a verified chunk of put ``put_id`` (0: none) in reserved DRAM; an NVMe copy with other
         bytes is dropped. A put's chunk is not moved until the put settles it (``settle``)."""
         self.dram.insert(chunk, put_id)
+        if self.recovering is not None:
+            self.recovering.add(chunk.meta.key)
         if put_id:  # a put's chunk: it stays until ``settle``
             self.landing.add(chunk)
         self.landing.wake()
@@ -346,6 +356,8 @@ class TierManager:
         return "ok"
 
     async def delete(self, key: str) -> bool:
+        if self.recovering is not None:
+            self.recovering.add(key)
         found = self.dram.delete(key) is not None
         self.landing.wake()
         if self.nvme is not None:

@@ -25,6 +25,7 @@ from backend.node.nvme_format import chunk_path
 from bench.nodes import NodeProcess
 from tests.conftest import wait_until
 from tests.support.chunks import all_read_back, seeded_chunks
+from tests.support.recovery import wait_recovered
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: more rounds, and the long kill orders
 KIB = 1024
@@ -145,6 +146,7 @@ def test_a_node_killed_and_restarted_at_once_waits_out_its_last_beat_and_recover
         assert second.node_id == first.node_id and second.epoch > first.epoch
         assert "lapsed; this node takes the id over" in second.log, second.tail()
         assert took_s < TTL_S + START_S
+        assert wait_recovered(client)  # it serves while recovery runs: keys become hits as they are indexed
         assert len(on_disk) >= 16 and client.contains([c.key for c in on_disk]) == [True] * len(on_disk)
         assert all_read_back(client, on_disk)
 
@@ -215,6 +217,7 @@ def test_every_kill_order_of_original_and_duplicate_leaves_the_originals_nvme_ch
         duplicate.kill()
         restarted = node_factory(*nvme, dram="1MiB")
         assert "lapsed; this node takes the id over" in restarted.log
+        assert wait_recovered(client)
         assert len(on_disk) >= 16 and client.contains([c.key for c in on_disk]) == [True] * len(on_disk)
         assert all_read_back(client, on_disk)
 
