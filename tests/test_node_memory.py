@@ -296,3 +296,21 @@ def test_the_eviction_structure_takes_another_order():
     assert dram.coldest() == "o2"
     dram.delete("o2")
     assert dram.coldest() == "o1" and len(dram) == 2
+
+
+def test_a_node_that_only_serves_reads_keeps_no_record_of_the_views_it_handed_out():
+    from backend.node.arena import PrivateArena
+
+    arena = PrivateArena(1 << 20, populate=False)
+    try:
+        buffer = arena.alloc(100)
+        assert buffer is not None
+        offset = arena.adopt(buffer)
+        assert offset is not None
+        del buffer
+        for _ in range(10_000):  # a GET each: the view is sent, then dropped
+            view = arena.view(offset, 100)
+            del view
+        assert len(arena._watched) <= 2 and len(arena._views) <= 1
+    finally:
+        arena.close()

@@ -367,6 +367,7 @@ class Arena(PageSpace):
     def view(self, offset: int, nbytes: int) -> memoryview:
         """A view of the adopted region at ``offset``: the region outlives the tier's hold while the view lives."""
         with self._lock:
+            self._count_gone_views()  # a node that only serves reads still counts its views off
             return self._view(offset, nbytes)
 
     def disown(self, offset: int, nbytes: int) -> None:
