@@ -3,7 +3,7 @@
     python -m bench.scale_node                      # N = 100,000 (about a minute)
     python -m bench.scale_node --chunks 1000000     # the issue's figure (a few minutes)
 
-Two measurements, each a function whose figures come back as a dict (``bench.scale`` folds
+Three measurements, each a function whose figures come back as a dict (``bench.scale`` folds
 them into its report) and are printed beside the issue's targets:
 
 * :func:`measure_rss`: a real ``kvpool node`` process (DRAM only, no shared memory, no
@@ -24,19 +24,29 @@ them into its report) and are printed beside the issue's targets:
   each must evict one chunk: the time per put (reserve, evict, insert), p50 and p99; and
   lookups of 1,000 random held keys (contains, get). The same at 10^4 chunks; each N
   figure beside 1.2 times the 10^4 one.
+* :func:`measure_nvme_records`: what an NVMe file costs the node's memory: N records
+  handed to ``TierManager.load_nvme`` in batches of 10,000 as recovery does (records made
+  in this process, no file written: the structures are what is measured), RSS growth per
+  record less the key's length, and the time per record.
 
-Nothing here is simulated: every chunk went through a real put (RSS) or the tier
-manager's own reserve and insert (eviction). Results: docs/scale-node.md.
+What is simulated: the NVMe records (made in this process rather than read from 10^6
+files: the scan is measured by ``bench.scale_nvme``; the node's cost per record is what
+is measured here). Every DRAM chunk went through a real put (RSS) or the tier manager's
+own reserve and insert (eviction). Results: docs/scale-node.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import os
 import random
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from backend import Chunk, PoolClient, PoolConfig
@@ -45,11 +55,20 @@ from backend.embedded import EmbeddedRedis
 from backend.metadata import NodeInfo
 from backend.node.arena import room_of
 from backend.node.dram import StoredChunk
+from backend.node.nvme_format import NvmeFile
 from backend.node.tiers import TierConfig, TierManager
 from backend.protocol import ItemMeta, Op, checksum, encode_keys
 from bench.nodes import NodeProcess
 
-__all__ = ["measure_eviction", "measure_rss", "run", "TARGET_OVERHEAD_BYTES", "TARGET_RATIO", "SMALL_CHUNKS"]
+__all__ = [
+    "measure_eviction",
+    "measure_nvme_records",
+    "measure_rss",
+    "run",
+    "TARGET_OVERHEAD_BYTES",
+    "TARGET_RATIO",
+    "SMALL_CHUNKS",
+]
 
 TARGET_OVERHEAD_BYTES = 256  # node bookkeeping per chunk beyond the key (issue #34)
 TARGET_RATIO = 1.2  # eviction and lookup at N held, against 10^4 held
@@ -241,6 +260,43 @@ def measure_eviction(chunks: int = DEFAULT_CHUNKS) -> dict[str, Any]:
     }
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure_nvme_records(chunks: int = DEFAULT_CHUNKS, batch: int = 10_000) -> dict[str, Any]:
+    """What an NVMe file costs the node: ``chunks`` records handed to ``TierManager.load_nvme`` in batches, as
+    recovery does (records made here, no file written: only the node's structures are measured); this
+    process's RSS growth per record less the key's length, and the time per record."""
+    with tempfile.TemporaryDirectory() as root:
+        tiers = TierManager(TierConfig(dram_bytes=1 << 20, nvme_dir=Path(root), nvme_bytes=1 << 50))
+        key_bytes = statistics.fmean(len(layerwise_key(i)) for i in range(0, chunks, max(1, chunks // 1000)))
+        gc.collect()
+        before = _rss_bytes()
+        spent = 0.0
+        for start in range(0, chunks, batch):
+            records = [
+                NvmeFile("", ItemMeta(layerwise_key(i), 1 << 20, i, "bfloat16", (2, 8, 256, 128), 1), 256)
+                for i in range(start, min(start + batch, chunks))
+            ]
+            started = time.perf_counter()
+            tiers.load_nvme(records)
+            spent += time.perf_counter() - started
+        del records
+        gc.collect()
+        grown = _rss_bytes() - before
+        assert tiers.nvme is not None and tiers.nvme.files == chunks
+        asyncio.run(tiers.close())
+    return {
+        "records": chunks,
+        "overhead_per_record_bytes": grown / chunks - key_bytes,
+        "load_us_per_record": spent / chunks * 1e6,
+        "batch": batch,
+        "batch_ms": spent / -(-chunks // batch) * 1000,
+    }
+
+
 # -- the report --------------------------------------------------------------------------
 
 
@@ -252,6 +308,7 @@ def run(chunks: int = DEFAULT_CHUNKS) -> dict[str, Any]:
     """Both measurements at ``chunks``, printed beside the targets; the figures as a dict."""
     rss = measure_rss(chunks)
     eviction = measure_eviction(chunks)
+    nvme = measure_nvme_records(chunks)
     n, s = f"{chunks:,}", f"{SMALL_CHUNKS:,}"
     print(f"node memory and eviction at {n} chunks ({VALUE_BYTES}-byte values, layerwise LMCache keys)")
     print(
@@ -289,7 +346,13 @@ def run(chunks: int = DEFAULT_CHUNKS) -> dict[str, Any]:
                 big <= TARGET_RATIO * small,
             )
         )
-    return {"rss": rss, "eviction": eviction}
+    records = nvme["overhead_per_record_bytes"]
+    print(_row(f"an NVMe file's record (beyond the key), {n} files", f"{records:.0f} B", "<= 256 B", records <= 256))
+    print(
+        f"  (recovery's records adopted at {nvme['load_us_per_record']:.1f} us each: "
+        f"{nvme['batch_ms']:.0f} ms of the node's loop per batch of {nvme['batch']:,})"
+    )
+    return {"rss": rss, "eviction": eviction, "nvme_records": nvme}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

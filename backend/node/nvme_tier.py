@@ -133,6 +133,12 @@ class NvmeTier:
         slot = table.slot(key)
         if slot != NO_SLOT and not table.same_bytes(slot, record.meta):
             return False
+        self._index(record)
+        return True
+
+    def _index(self, record: NvmeFile) -> None:
+        """Index a file whose key this tier does not hold (and DRAM holds, if at all, with the same bytes)."""
+        table = self.table
         slot = table.enter(record.meta, ON_NVME)
         if slot >= len(self._data_offset):
             self._data_offset = grown(self._data_offset, slot + 1)
@@ -141,7 +147,6 @@ class NvmeTier:
             self.order.add(slot)
         self._count += 1
         self.used_bytes += record.file_bytes
-        return True
 
     def load(self, records: Iterable[NvmeFile]) -> list[NvmeFile]:
         """Adopt files found by recovery, oldest first (so eviction order follows file age); returns those adopted.
@@ -152,7 +157,8 @@ class NvmeTier:
         """
         adopted = []
         for record in records:
-            if record.meta.key not in self.table and self.add(record):
+            if record.meta.key not in self.table:
+                self._index(record)
                 adopted.append(record)
         return adopted
 
