@@ -106,7 +106,7 @@ class ChunkTable:
     *pinned* (a lease or a put in flight holds it: no eviction order lists it meanwhile).
 
     Per chunk, beyond the key string: its place in the slot -> key list (8 bytes) and in
-    the sorted buckets (about 9), the key index (12 to 20, ``keys.py``) and 15 bytes of
+    the sorted buckets (about 9), the key index (16 to 32, ``keys.py``) and 15 bytes of
     columns here; the DRAM tier adds 24 and the NVMe tier 12 (docs/scale-node.md has the
     measured total).
     """

@@ -2,9 +2,10 @@
 
 :class:`KeyIndex` maps a key to its slot (``bookkeeping.ChunkTable``) without a Python
 object per key: a dict of str -> int would cost its entry and a 32-byte int per key on
-top of the key. It is open addressing with linear probing over a table of 4-byte slot
-numbers, at most half full, plus each slot's 32-bit hash (to place it and to skip most
-key comparisons): 12 to 20 bytes a key. The hash is Python's own for strings (cached in
+top of the key. It is open addressing with linear probing over a table of 8-byte entries
+(a slot number and the low 32 bits of its key's hash, which places the entry and skips
+most key comparisons without touching the key), at most half full: 16 to 32 bytes a
+key. The hash is Python's own for strings (cached in
 the key, and keyed per process, so a client cannot choose keys that collide). A removal
 shifts the entries after it back (no tombstones), so lookups stay short however many
 keys come and go. Growing rebuilds the table with numpy (about 0.1 s at 10^6 keys, once
@@ -21,7 +22,7 @@ from bisect import bisect_left, bisect_right, insort
 
 import numpy as np
 
-from backend.node.columns import column, grown
+from backend.node.columns import column
 
 __all__ = ["BUCKET_KEYS", "KeyIndex", "NO_SLOT", "SortedKeys"]
 
@@ -36,9 +37,10 @@ class KeyIndex:
 
     def __init__(self, keys: list[str | None]) -> None:
         self._keys = keys  # slot -> key (the owner's list: read here, never written)
-        self._table = column("I", _MIN_TABLE)  # position -> slot + 1 (0: empty)
+        # position -> the low 32 bits of its key's hash << 32 | its slot + 1 (0: empty): the hash places an
+        # entry and skips most key comparisons without touching the key
+        self._table = column("Q", _MIN_TABLE)
         self._mask = _MIN_TABLE - 1
-        self._hash = column("I")  # slot -> the low 32 bits of its key's hash
         self._count = 0
 
     def __len__(self) -> int:
@@ -47,41 +49,40 @@ class KeyIndex:
     def get(self, key: str) -> int:
         """``key``'s slot, or NO_SLOT."""
         h = hash(key) & _HASH_MASK
-        table, hashes, keys, mask = self._table, self._hash, self._keys, self._mask
+        table, keys, mask = self._table, self._keys, self._mask
         i = h & mask
         while True:
             entry = table[i]
             if not entry:
                 return NO_SLOT
-            if hashes[entry - 1] == h and keys[entry - 1] == key:
-                return entry - 1
+            if entry >> 32 == h:
+                slot = (entry & _HASH_MASK) - 1
+                if keys[slot] == key:
+                    return slot
             i = (i + 1) & mask
 
     def add(self, key: str, slot: int) -> None:
         """Index ``key`` (not indexed yet; already at ``slot`` in the shared list) at ``slot``."""
         if 2 * (self._count + 1) > len(self._table):
             self._rebuild(2 * len(self._table))
-        if slot >= len(self._hash):
-            self._hash = grown(self._hash, slot + 1)
         h = hash(key) & _HASH_MASK
-        self._hash[slot] = h
         table, mask = self._table, self._mask
         i = h & mask
         while table[i]:
             i = (i + 1) & mask
-        table[i] = slot + 1
+        table[i] = h << 32 | (slot + 1)
         self._count += 1
 
     def remove(self, key: str) -> int:
         """Forget ``key`` (still at its slot in the shared list); its slot, or NO_SLOT if it was not indexed."""
         h = hash(key) & _HASH_MASK
-        table, hashes, keys, mask = self._table, self._hash, self._keys, self._mask
+        table, keys, mask = self._table, self._keys, self._mask
         i = h & mask
         while True:
             entry = table[i]
             if not entry:
                 return NO_SLOT
-            if hashes[entry - 1] == h and keys[entry - 1] == key:
+            if entry >> 32 == h and keys[(entry & _HASH_MASK) - 1] == key:
                 break
             i = (i + 1) & mask
         # Shift back each later entry of the run whose home is not between the hole and it.
@@ -91,26 +92,26 @@ class KeyIndex:
             moved = table[j]
             if not moved:
                 break
-            home = hashes[moved - 1] & mask
+            home = (moved >> 32) & mask
             if (j - home) & mask >= (j - hole) & mask:
                 table[hole] = moved
                 hole = j
         table[hole] = 0
         self._count -= 1
-        return entry - 1
+        return (entry & _HASH_MASK) - 1
 
     def _rebuild(self, size: int) -> None:
         """A table of ``size`` entries holding every entry: by home position, each run laid out in one pass."""
-        entries = np.frombuffer(self._table, dtype=np.uint32)
-        entries = entries[entries != 0].astype(np.int64)
-        homes = np.frombuffer(self._hash, dtype=np.uint32)[entries - 1].astype(np.int64) & (size - 1)
+        entries = np.frombuffer(self._table, dtype=np.uint64)
+        entries = entries[entries != 0]
+        homes = ((entries >> np.uint64(32)) & np.uint64(size - 1)).astype(np.int64)
         order = np.argsort(homes, kind="stable")
         entries, homes = entries[order], homes[order]
         steps = np.arange(len(entries), dtype=np.int64)
         places = np.maximum.accumulate(homes - steps) + steps if len(entries) else steps  # linear probing's places
-        table = column("I", size)
+        table = column("Q", size)
         fits = places < size
-        np.frombuffer(table, dtype=np.uint32)[places[fits]] = entries[fits]
+        np.frombuffer(table, dtype=np.uint64)[places[fits]] = entries[fits]
         self._table, self._mask = table, size - 1
         for entry in entries[~fits].tolist():  # runs past the end wrap to the start
             i = 0
