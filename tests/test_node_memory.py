@@ -315,3 +315,15 @@ def test_a_node_that_only_serves_reads_keeps_no_record_of_the_views_it_handed_ou
         assert len(arena._watched) <= 2 and len(arena._views) <= 1
     finally:
         arena.close()
+
+
+def test_a_chunks_meta_made_from_its_slot_is_the_item_meta_it_was_stored_with():
+    from backend.node.bookkeeping import item_meta
+
+    made = item_meta("k@1", 32, 7, "bfloat16", (2, 8), 1)
+    assert made == ItemMeta("k@1", 32, 7, "bfloat16", (2, 8), 1) and hash(made) == hash(
+        ItemMeta("k@1", 32, 7, "bfloat16", (2, 8), 1)
+    )
+    assert type(made) is ItemMeta and made.shape == (2, 8)
+    with pytest.raises(AttributeError):
+        made.nbytes = 3  # still frozen

@@ -365,10 +365,16 @@ class Arena(PageSpace):
         return offset
 
     def view(self, offset: int, nbytes: int) -> memoryview:
-        """A view of the adopted region at ``offset``: the region outlives the tier's hold while the view lives."""
-        with self._lock:
-            self._count_gone_views()  # a node that only serves reads still counts its views off
-            return self._view(offset, nbytes)
+        """A view of the adopted region at ``offset``: the region outlives the tier's hold while the view lives.
+
+        The views' records are only ever touched on the node's event loop (the lock guards the free
+        lists, which the grower thread shares): the lock is taken only to count off dropped views, which
+        a node that only serves reads must do too.
+        """
+        if self._gone:
+            with self._lock:
+                self._count_gone_views()
+        return self._view(offset, nbytes)
 
     def disown(self, offset: int, nbytes: int) -> None:
         """The tier no longer holds the region at ``offset``: freed now, or when its last view is dropped."""
@@ -388,7 +394,7 @@ class Arena(PageSpace):
         return None
 
     def _view(self, offset: int, nbytes: int) -> memoryview:
-        """A new view of a region, counted until it is dropped. Caller holds the lock."""
+        """A new view of a region, counted until it is dropped. Event loop only."""
         owner = self._array[offset : offset + nbytes]  # a fresh array: its end is the view's end
         ref = _ViewRef(owner, self._gone.append)
         ref.offset = offset

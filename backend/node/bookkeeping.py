@@ -28,7 +28,18 @@ from backend.node.eviction import EvictionOrder
 from backend.node.keys import NO_SLOT, KeyIndex, SortedKeys
 from backend.protocol import ItemMeta
 
-__all__ = ["ChunkTable", "IndexChanges", "Layouts", "DRAM", "NVME", "IN_DRAM", "ON_NVME", "PINNED", "NO_SLOT"]
+__all__ = [
+    "ChunkTable",
+    "IndexChanges",
+    "Layouts",
+    "item_meta",
+    "DRAM",
+    "NVME",
+    "IN_DRAM",
+    "ON_NVME",
+    "PINNED",
+    "NO_SLOT",
+]
 
 DRAM = "dram"  # tier names, as the index records them
 NVME = "nvme"
@@ -39,6 +50,24 @@ MAX_LAYOUTS = 65_535  # distinct layouts with an id (2 bytes a slot) ...
 OWN_LAYOUT = MAX_LAYOUTS  # ... beyond them, a slot keeps its layout beside the table
 
 Layout = tuple[str, tuple[int, ...], int]  # dtype, shape, memory format
+
+
+def item_meta(key: str, nbytes: int, checksum: int, dtype: str, shape: tuple[int, ...], fmt: int) -> ItemMeta:
+    """``ItemMeta(key, nbytes, checksum, dtype, shape, fmt)``, made in a third of the time.
+
+    ItemMeta is a frozen dataclass: its ``__init__`` sets each field through ``object.__setattr__``
+    (1.3 us here), and a read makes one per chunk from its slot. The fields go straight into the
+    instance's dict instead (0.4-0.5 us); ``tests/test_node_memory.py`` checks that both make equal values.
+    """
+    meta = object.__new__(ItemMeta)
+    fields = meta.__dict__
+    fields["key"] = key
+    fields["nbytes"] = nbytes
+    fields["checksum"] = checksum
+    fields["dtype"] = dtype
+    fields["shape"] = shape
+    fields["fmt"] = fmt
+    return meta
 
 
 class Layouts:
@@ -145,7 +174,7 @@ class ChunkTable:
         """The chunk in ``slot`` as the protocol describes it (made now: slots keep no objects)."""
         layout_id = self.layout[slot]
         dtype, shape, fmt = self._own_layouts[slot] if layout_id == OWN_LAYOUT else self.layouts.get(layout_id)
-        return ItemMeta(self.key(slot), self.nbytes[slot], self.checksum[slot], dtype, shape, fmt)
+        return item_meta(self.key(slot), self.nbytes[slot], self.checksum[slot], dtype, shape, fmt)
 
     def tier_of(self, key: str) -> str | None:
         """The tier serving ``key`` (DRAM before NVMe), or None."""
