@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterator
+from collections.abc import Container
 from typing import NamedTuple
 
 from backend.errors import CapacityError
@@ -13,7 +13,7 @@ from backend.node.columns import column, grown
 from backend.node.eviction import EvictionOrder, LruOrder
 from backend.protocol import ItemMeta
 
-__all__ = ["DramTier", "StoredChunk", "room_of"]
+__all__ = ["DramTier", "StoredChunk"]
 
 TIER_NAME = "dram"
 PRIVATE = -1  # a slot's region when its bytes are a buffer of their own (``DramTier._private``)
@@ -73,24 +73,11 @@ class DramTier:
     def stored_bytes(self) -> int:
         return self._stored_bytes
 
-    @property
-    def private_chunks(self) -> int:
-        """Chunks whose bytes are a buffer of their own, not in the arena."""
-        return len(self._private)
-
     def __len__(self) -> int:
         return self._count
 
     def __contains__(self, key: str) -> bool:
         return self._slot(key) != NO_SLOT
-
-    def keys(self) -> list[str]:
-        table = self.table
-        return [table.key(slot) for slot in table.slots() if table.where[slot] & IN_DRAM]
-
-    def metas(self) -> Iterator[ItemMeta]:
-        table = self.table
-        return (table.meta(slot) for slot in table.slots() if table.where[slot] & IN_DRAM)
 
     def fits(self, room: int) -> bool:
         return self.used_bytes + room <= self.capacity_bytes

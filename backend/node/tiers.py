@@ -67,8 +67,8 @@ class TierConfig:
     high_watermark: float = 0.90
     low_watermark: float = 0.80
     io_threads: int = 4
-    shm_dir: Path | None = None  # where the shared-memory arena lives; None: private memory only
-    prefault: bool = False  # DRAM in an arena whose pages the node takes at start (private without shm_dir)
+    shm_dir: Path | None = None  # where the shared-memory arena lives; None: the arena is private memory
+    prefault: bool = False  # the arena's pages are taken at start (else as chunks need them)
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark < self.high_watermark <= 1:
