@@ -50,7 +50,7 @@ def cell_room(nbytes: int) -> int:
 
 def _lazy_array(count: int, code: Literal["B", "I", "Q"], itemsize: int) -> memoryview[int]:
     """A zeroed array of ``count`` items whose pages the kernel gives only when written."""
-    return memoryview(mmap.mmap(-1, max(count, 1) * itemsize)).cast(code)
+    return memoryview(mmap.mmap(-1, max(count, 1) * itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)).cast(code)
 
 
 class Cells:

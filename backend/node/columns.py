@@ -24,12 +24,13 @@ __all__ = ["Code", "column", "grown"]
 Code = Literal["B", "H", "I", "i", "Q", "q"]
 _ITEM_BYTES = {"B": 1, "H": 2, "I": 4, "i": 4, "Q": 8, "q": 8}
 MIN_ITEMS = 1024
+_PRIVATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # this process's own, zero until written
 
 
 def column(code: Code, items: int = MIN_ITEMS, fill: int = 0) -> memoryview[int]:
     """A column of ``items`` (at least MIN_ITEMS) integers of type ``code``, each ``fill``."""
     items = max(items, MIN_ITEMS)
-    view = memoryview(mmap.mmap(-1, items * _ITEM_BYTES[code])).cast(code)
+    view = memoryview(mmap.mmap(-1, items * _ITEM_BYTES[code], flags=_PRIVATE)).cast(code)
     if fill:
         view[:] = array(code, [fill]) * items
     return view
