@@ -327,3 +327,18 @@ def test_a_chunks_meta_made_from_its_slot_is_the_item_meta_it_was_stored_with():
     assert type(made) is ItemMeta and made.shape == (2, 8)
     with pytest.raises(AttributeError):
         made.nbytes = 3  # still frozen
+
+
+def test_past_the_table_of_layouts_a_chunk_keeps_its_own_and_it_goes_with_the_chunk(monkeypatch):
+    """A client inventing a shape per chunk cannot grow the shared table of layouts without bound."""
+    from backend.node import bookkeeping
+    from backend.node.bookkeeping import IN_DRAM, ChunkTable
+
+    monkeypatch.setattr(bookkeeping, "MAX_LAYOUTS", 2)
+    table = ChunkTable()
+    slots = [table.enter(ItemMeta(f"s{i}", 8, i, "uint8", (i + 1,), 0), IN_DRAM) for i in range(4)]
+    assert len(table.layouts) == 2 and len(table._own_layouts) == 2
+    assert [table.meta(s).shape for s in slots] == [(1,), (2,), (3,), (4,)]
+    for slot in slots[2:]:
+        table.leave(slot, IN_DRAM)
+    assert not table._own_layouts and len(table) == 2
