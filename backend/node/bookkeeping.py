@@ -176,6 +176,11 @@ class ChunkTable:
         dtype, shape, fmt = self._own_layouts[slot] if layout_id == OWN_LAYOUT else self.layouts.get(layout_id)
         return item_meta(self.key(slot), self.nbytes[slot], self.checksum[slot], dtype, shape, fmt)
 
+    def meta_of(self, key: str) -> ItemMeta | None:
+        """The chunk ``key`` names, as the protocol describes it, or None."""
+        slot = self._index.get(key)
+        return self.meta(slot) if slot != NO_SLOT else None
+
     def tier_of(self, key: str) -> str | None:
         """The tier serving ``key`` (DRAM before NVMe), or None."""
         slot = self._index.get(key)

@@ -171,10 +171,7 @@ class TierManager:
     def disk_full(self) -> bool:
         return self.nvme is not None and self.nvme.disk_full
 
-    @staticmethod
-    def room_of(nbytes: int) -> int:
-        """The DRAM a chunk of ``nbytes`` occupies, and is reserved and counted at (``arena.room_of``)."""
-        return room_of(nbytes)
+    room_of = staticmethod(room_of)  # the DRAM a chunk of N bytes occupies, is reserved and counted at
 
     def __len__(self) -> int:
         """Keys held in any tier (O(1): the heartbeat asks every second)."""
@@ -187,12 +184,7 @@ class TierManager:
         return self.table.tier_of(key)
 
     def meta_of(self, key: str) -> ItemMeta | None:
-        slot = self.table.slot(key)
-        return self.table.meta(slot) if slot != NO_SLOT else None
-
-    def inventory(self) -> list[tuple[ItemMeta, str]]:
-        """Every chunk held and the tier serving it (for republishing the index)."""
-        return [self.table.chunk(slot) for slot in self.table.slots()]
+        return self.table.meta_of(key)
 
     def page(self, after: str, limit: int) -> tuple[list[tuple[ItemMeta, str]], bool]:
         """Up to ``limit`` chunks with keys after ``after``, in key order, and whether more follow."""
