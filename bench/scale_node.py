@@ -355,13 +355,14 @@ def measure_nvme_records(chunks: int = DEFAULT_CHUNKS, batch: int = 10_000) -> d
 
 
 def nvme_records_here(chunks: int, batch: int) -> dict[str, Any]:
-    """:func:`measure_nvme_records` in this process."""
+    """:func:`measure_nvme_records` in this process. RSS is read once the first batch is in (a batch's
+    records and their objects leave their high-water mark, whatever the tier then holds) and at the end."""
+    assert chunks > batch, f"--chunks must be more than a batch of {batch:,} records"
     with tempfile.TemporaryDirectory() as root:
         tiers = TierManager(TierConfig(dram_bytes=1 << 20, nvme_dir=Path(root), nvme_bytes=1 << 50))
         key_bytes = statistics.fmean(len(layerwise_key(i)) for i in range(0, chunks, max(1, chunks // 1000)))
-        gc.collect()
-        before = _rss_bytes()
         spent = 0.0
+        before = 0
         for start in range(0, chunks, batch):
             records = [
                 NvmeFile("", ItemMeta(layerwise_key(i), 1 << 20, i, "bfloat16", (2, 8, 256, 128), 1), 256)
@@ -370,6 +371,9 @@ def nvme_records_here(chunks: int, batch: int) -> dict[str, Any]:
             started = time.perf_counter()
             tiers.load_nvme(records)
             spent += time.perf_counter() - started
+            if not start:
+                gc.collect()
+                before = _rss_bytes()
         del records
         gc.collect()
         grown = _rss_bytes() - before
@@ -377,7 +381,7 @@ def nvme_records_here(chunks: int, batch: int) -> dict[str, Any]:
         asyncio.run(tiers.close())
     return {
         "records": chunks,
-        "overhead_per_record_bytes": grown / chunks - key_bytes,
+        "overhead_per_record_bytes": grown / (chunks - batch) - key_bytes,
         "load_us_per_record": spent / chunks * 1e6,
         "batch": batch,
         "batch_ms": spent / -(-chunks // batch) * 1000,
