@@ -520,6 +520,7 @@ def test_a_lock_never_unlocked_ends_with_its_lease(node_factory, pool_url, adapt
     adapter = adapters(pool_url, lock_ttl_ms=1000)
     key = object_key(30)
     assert store(adapter, [key], [memory_obj(payload(30))]).is_successful()
+    locked_at = time.monotonic()
     assert lookup_and_lock(adapter, [key]) == [True]  # and LMCache never unlocks it
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as pool:
 
@@ -528,6 +529,13 @@ def test_a_lock_never_unlocked_ends_with_its_lease(node_factory, pool_url, adapt
             return pool.contains([adapter_key(key)]) == [False]
 
         assert wait_until(evicted_after_more_pressure, WAIT_S, interval_s=0.2)
+    # Nor does the adapter keep it: a lease whose ttl ended is forgotten at a later lookup, so what it
+    # holds is bounded by the lookups of the last ttl, however many chunks LMCache never unlocks.
+    time.sleep(max(0.0, locked_at + 1.0 - time.monotonic()))
+    other = object_key(32)
+    assert store(adapter, [other], [memory_obj(payload(32))]).is_successful()
+    assert lookup_and_lock(adapter, [other]) == [True]
+    assert adapter.report_status()["locked_keys"] == 1
 
 
 def test_close_returns_the_leases_it_still_holds(node_factory, pool_url):

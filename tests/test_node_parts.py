@@ -22,6 +22,7 @@ import pytest
 from backend.config import NodeConfig
 from backend.errors import CapacityError, MetadataError, NodeUnavailable
 from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, RedisMemory
+from backend.node.arena import room_of
 from backend.node.context import NodeContext
 from backend.node.dram import StoredChunk
 from backend.node.intake import AheadBounds
@@ -224,7 +225,8 @@ async def test_a_chunk_whose_bytes_fail_their_checksum_is_refused_and_not_kept(p
     assert decode_flags(meta, 2) == [PUT_STORED, PUT_INTEGRITY]
     assert not parts.ctx.tiers.contains("bad") and [k for k, _ in parts.index.committed] == ["good"]
     assert parts.ctx.counters["integrity_failures"] == 1
-    assert parts.ctx.tiers.dram.used_bytes == len(good)  # the refused chunk's reservation is released
+    # The refused chunk's reservation is released; the good one is counted at the room it occupies.
+    assert parts.ctx.tiers.dram.used_bytes == room_of(len(good)) == 512
 
 
 async def test_a_chunk_larger_than_dram_is_refused_before_anything_is_reserved(parts, wire):
@@ -380,7 +382,7 @@ async def test_a_mapped_lease_answers_the_chunks_offset_in_the_arena_and_counts_
 
     _, found = decode_lease_response(meta, ["k", "absent"])
     assert found[0] is not None and found[1] is None
-    arena = parts.ctx.tiers.arena
+    arena = parts.ctx.tiers.shm_arena
     if arena is None:
         assert found[0][1] is None  # private memory: read it over TCP
     else:
@@ -463,7 +465,7 @@ async def test_a_loss_during_a_republish_resumes_the_walk_where_it_stands_and_ro
     tiers, index = roomy.ctx.tiers, roomy.index
     keys = [f"k{i:02d}" for i in range(25)]
     for key in keys:
-        await tiers.reserve(1)
+        await tiers.reserve(tiers.room_of(1))  # DRAM counts a chunk at the room it occupies
         tiers.insert(StoredChunk(_item(key, b"x"), memoryview(bytearray(b"x"))))
     in_flight, go_on = asyncio.Event(), asyncio.Event()
     commit = index.commit

@@ -301,7 +301,7 @@ async def test_lru_demotes_the_least_recently_used_and_promotes_an_nvme_hit(tmp_
         assert chunk is not None and bytes(chunk.buffer) == bytes(_stored("B", 64 * KIB, seed=1).buffer)
         assert [tiers.tier_of(k) for k in "ABCDE"] == [DRAM, DRAM, NVME, DRAM, DRAM]
         assert tiers.counters["promotions"] == 1 and tiers.counters["demotions"] == 2
-        assert tiers.nvme is not None and "B" in tiers.nvme.files  # the file stays: re-demotion is free
+        assert tiers.nvme is not None and "B" in tiers.nvme  # the file stays: re-demotion is free
         assert len(tiers) == 5  # B is in DRAM and on disk: one key
         page, more = tiers.page("", 3)
         assert [(item.key, tier) for item, tier in page] == [("A", DRAM), ("B", DRAM), ("C", NVME)] and more
@@ -465,40 +465,46 @@ def test_a_put_striped_over_two_connections_fills_a_small_dram_without_refusals(
         assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
 
 
-def test_held_keys_count_in_o1_and_page_in_key_order_through_adds_and_removes():
+def test_the_chunk_table_counts_in_o1_and_pages_in_key_order_through_adds_and_removes():
     """A reference set of the same operations, sorted from scratch, gives every page: the incremental
-    order never drifts, even across bucket splits and emptied buckets, and a key in two tiers counts once."""
+    order never drifts, even across bucket splits, emptied buckets and reused slots, and a key in two
+    tiers counts once."""
     import random
 
-    from backend.node import bookkeeping
-    from backend.node.bookkeeping import IN_DRAM, ON_NVME, HeldKeys
+    from backend.node.bookkeeping import IN_DRAM, NO_SLOT, ON_NVME, ChunkTable
+    from backend.node.keys import BUCKET_KEYS
 
     rng = random.Random(7)
-    held, where = HeldKeys(), {}
-    for _ in range(20 * bookkeeping.BUCKET_KEYS):
-        key = f"k{rng.randrange(4 * bookkeeping.BUCKET_KEYS):05d}"
+    table, where = ChunkTable(), {}
+    for _ in range(20 * BUCKET_KEYS):
+        key = f"k{rng.randrange(4 * BUCKET_KEYS):05d}"
         tier = rng.choice((IN_DRAM, ON_NVME))
         if rng.random() < 0.6:
-            held.add(key, tier)
+            table.enter(ItemMeta(key, 8, hash(key) & 0xFFFF, "uint8", (8,), 0), tier)
             where[key] = where.get(key, 0) | tier
         else:
-            held.remove(key, tier)
+            slot = table.slot(key)
+            if slot != NO_SLOT and table.where[slot] & tier:
+                table.leave(slot, tier)
             if where.get(key, 0) & ~tier:
                 where[key] &= ~tier
             else:
                 where.pop(key, None)
-    assert len(held) == len(where)
+    assert len(table) == len(where)
+    assert {key: table.where[table.slot(key)] for key in where} == where
+    assert all(table.meta(table.slot(key)).checksum == hash(key) & 0xFFFF for key in where)
+    assert len(table.layouts) == 1  # one layout, shared by every slot
     expected = sorted(where)
     cursor, seen = "", []
     while True:
-        page, more = held.page(cursor, 97)
+        page, more = table.page(cursor, 97)
         seen += page
         if not more:
             break
         cursor = page[-1]
     assert seen == expected
-    assert held.page(expected[len(expected) // 2], 3)[0] == expected[len(expected) // 2 + 1 : len(expected) // 2 + 4]
-    assert held.page(expected[-1], 10) == ([], False)
+    assert table.page(expected[len(expected) // 2], 3)[0] == expected[len(expected) // 2 + 1 : len(expected) // 2 + 4]
+    assert table.page(expected[-1], 10) == ([], False)
 
 
 def test_an_empty_value_neither_wedges_demotion_nor_stops_sigterm(node_factory, pool_url, tmp_path):

@@ -6,7 +6,7 @@ each chunk's offset and a *lease* (``backend.node.leases``), the client copies f
 its mapping straight into LMCache's buffer, verifies the checksum, and releases the
 lease. Chunks are immutable, so the only hazard is the node reusing a region while a
 client still copies from it; that cannot happen because a region is freed only when
-the last reference to its buffer is gone, and a lease holds one.
+the tier no longer holds it *and* no view of it is left (a lease holds one).
 
 Layout: a 4 KiB header (magic, a random token that the node also publishes in the
 registry, the arena size), then the chunk regions. The file is sized up front but
@@ -23,15 +23,25 @@ it does not take the core the event loop needs. An allocation that still finds n
 waiting for a step the thread has under way.
 
 A node started with ``--prefault`` (the default) takes every step at start instead
-(:meth:`Arena.prefault`, on a worker thread, before the node registers), up to what
+(:meth:`PageSpace.prefault`, on a worker thread, before the node registers), up to what
 the directory and the machine can give; the grower then has nothing left to do. A
-prefaulting node without shared memory keeps DRAM in a :class:`PrivateArena`
-(anonymous memory, the same allocator), so freed regions keep their pages.
+node without shared memory keeps DRAM in a :class:`PrivateArena` (anonymous memory,
+the same allocator), so freed regions keep their pages; without ``--prefault`` its
+pages come from the kernel as chunks are first written there.
 
-Allocation is first-fit over an offset-ordered free list with coalescing; chunks are
-mostly of one size, so the list stays short. A region is returned to the list by a
-finalizer on the numpy array behind the chunk's memoryview, which runs when the
-last view of it (tier, lease, a reply still being sent) is dropped.
+Allocation is first-fit over an offset-ordered free list of page-aligned regions, with
+coalescing; chunks are mostly of one size, so the list stays short. A chunk of at most
+2 KiB takes a cell of a page shared with chunks of its size class instead
+(``cells.py``). Every chunk is counted at what it occupies (:func:`room_of`): its cell,
+or its region rounded up to pages; the DRAM tier counts the same, so ``--dram`` bounds
+what the arena holds for the tier.
+
+Who may free a region: a buffer from :meth:`Arena.alloc` is *unowned* (freed when its
+last view is dropped) until the DRAM tier adopts it (:meth:`Arena.adopt`); from then
+on the tier holds it by its offset alone, with no object per chunk, hands out views
+of it (:meth:`Arena.view`), and gives it up with :meth:`Arena.disown`, which frees it
+at once, or once the last view still out (a reply being sent, a lease) is dropped.
+A view's end is seen through a weak reference to the array behind it.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ from pathlib import Path
 
 import numpy as np
 
+from backend.node.cells import PAGE_BYTES, SMALL_MAX_BYTES, Cells, cell_room
 from backend.protocol import ArenaReport
 from backend.shm import (
     ARENA_MAGIC,
@@ -65,11 +76,11 @@ from backend.shm import (
     remove_abandoned_stages,
 )
 
-__all__ = ["Arena", "PrivateArena", "ShmArena", "remove_stale_arenas"]
+__all__ = ["Arena", "PageSpace", "PrivateArena", "ShmArena", "remove_stale_arenas", "room_of"]
 
 logger = logging.getLogger(__name__)
 
-ALIGN_BYTES = 4096  # page-aligned regions: memcpy at full speed, no false sharing
+ALIGN_BYTES = PAGE_BYTES  # page-aligned regions: memcpy at full speed, no false sharing
 GROW_STEP_BYTES = 64 * 1024 * 1024
 GROW_AHEAD_BYTES = 256 * 1024 * 1024  # free room kept ready at the grown end, once the arena is in use
 GROWER_NICE = 19  # the grower runs when the node's loop and its clients leave a core idle
@@ -77,18 +88,34 @@ GROW_RETRY_S = 5.0  # after /dev/shm refused pages, do not ask again for this lo
 # A prefault leaves this much of the machine's available memory (MemAvailable) untaken: past it the
 # kernel would not refuse pages cleanly but reclaim the page cache and then call the OOM killer.
 PREFAULT_KEEP_FREE_BYTES = 512 * 1024 * 1024
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python's mmap names it from 3.12
 
 
 def _align(nbytes: int) -> int:
     return (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
-class Arena:
-    """Allocates chunk buffers inside one mapping, taking its pages as needed (or all at once: prefault).
+def room_of(nbytes: int) -> int:
+    """What a chunk of ``nbytes`` occupies in the arena, and is counted at in the DRAM tier: its cell
+    (at most SMALL_MAX_BYTES, ``cells.py``), or its region of whole pages."""
+    return cell_room(nbytes) if nbytes <= SMALL_MAX_BYTES else _align(nbytes)
+
+
+class _ViewRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to the array behind a view of a region, naming the region."""
+
+    __slots__ = ("offset",)
+    offset: int
+
+
+class PageSpace:
+    """The arena's mapping as page-aligned regions: a free list, and pages taken as needed (or all at once).
 
     The backing is a subclass's: :class:`ShmArena` (a shared-memory file clients on this
     host map) or :class:`PrivateArena` (anonymous memory, for a node without one).
     """
+
+    grows_ahead = True  # keep GROW_AHEAD_BYTES of pages ready once in use (False: the kernel gives them lazily)
 
     def __init__(self, mapping: mmap.mmap, size_bytes: int) -> None:
         self.size_bytes = size_bytes
@@ -96,10 +123,6 @@ class Arena:
         self._array = np.frombuffer(self._map, dtype=np.uint8)
         self._base_address = int(self._array.ctypes.data)
         self._lock = threading.Lock()
-        # Finalizers may run on any thread, and even inside alloc() while the lock is held
-        # (a garbage collection triggered there): they only queue the region; the
-        # allocator takes it back under its lock.
-        self._freed: collections.deque[tuple[int, int]] = collections.deque()
         self._free_starts: list[int] = []  # offset-ordered starts of free regions
         self._free_size: dict[int, int] = {}  # start -> size
         self._free_end: dict[int, int] = {}  # end -> start, to coalesce with the left neighbour
@@ -111,41 +134,20 @@ class Arena:
         self._closed = False
         self._grower = threading.Thread(target=self._grow_ahead, name="kvpool-arena-grow", daemon=True)
         self._grower.start()
-        self.allocated_bytes = 0
-        self.allocations = 0
-        self.fallbacks = 0  # allocations the arena could not serve (caller used private memory)
 
-    # -- allocation -------------------------------------------------------------------
-    def alloc(self, nbytes: int) -> memoryview | None:
-        """A writable buffer of exactly ``nbytes`` inside the arena, or None if there is no room."""
-        need = _align(max(nbytes, 1))
-        with self._lock:
-            self._take_back_freed()
+    def _alloc_region(self, need: int) -> int | None:
+        """The start of a free region of ``need`` bytes (a multiple of pages), growing if needed. Caller holds
+        the lock."""
+        start = self._first_fit(need)
+        if start is None and self._grow(need):
             start = self._first_fit(need)
-            if start is None and self._grow(need):
-                start = self._first_fit(need)
-            if start is None:
-                self.fallbacks += 1
-                return None
-            self._take(start, need)
-            self.allocated_bytes += need
-            self.allocations += 1
-            if self._tail_room() < GROW_AHEAD_BYTES and self._grown < HEADER_BYTES + self.size_bytes:
-                self._wake_grower.set()
-        array = self._array[start : start + nbytes]
-        owner = np.frombuffer(array, dtype=np.uint8)  # a fresh object the finalizer can watch
-        finalizer = weakref.finalize(owner, self._free, start, need)
-        finalizer.atexit = False
-        return owner.data
-
-    def offset_of(self, view: memoryview) -> int | None:
-        """Where ``view`` starts in the arena file, or None if it is not an arena buffer."""
-        with contextlib.suppress(ValueError, TypeError):
-            address = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-            offset = address - self._base_address
-            if HEADER_BYTES <= offset and offset + len(view) <= HEADER_BYTES + self.size_bytes:
-                return offset
-        return None
+        if start is None:
+            return None
+        self._take(start, need)
+        end = HEADER_BYTES + self.size_bytes
+        if self.grows_ahead and self._tail_room() < GROW_AHEAD_BYTES and self._grown < end:
+            self._wake_grower.set()
+        return start
 
     def _first_fit(self, need: int) -> int | None:
         for start in self._free_starts:
@@ -157,16 +159,6 @@ class Arena:
         size = self._remove_free(start)
         if size > need:
             self._add_free(start + need, size - need)
-
-    def _free(self, start: int, size: int) -> None:
-        self._freed.append((start, size))  # deque.append is atomic; no lock here (see __init__)
-
-    def _take_back_freed(self) -> None:
-        """Return queued regions to the free list. Caller holds the lock."""
-        while self._freed:
-            start, size = self._freed.popleft()
-            self.allocated_bytes -= size
-            self._release_region(start, size)
 
     def _release_region(self, start: int, size: int) -> None:
         left = self._free_end.get(start)
@@ -309,10 +301,133 @@ class Arena:
     def grown_bytes(self) -> int:
         return self._grown - HEADER_BYTES
 
+    def close(self) -> None:
+        """Stop the grower. Buffers still held keep the mapping alive until they are dropped."""
+        self._closed = True
+        self._wake_grower.set()
+        self._grower.join(timeout=5.0)
+
+
+class Arena(PageSpace):
+    """Chunk buffers inside one mapping: who holds each region (the DRAM tier, views of it), and small cells."""
+
+    def __init__(self, mapping: mmap.mmap, size_bytes: int) -> None:
+        super().__init__(mapping, size_bytes)
+        self._cells = Cells(
+            (HEADER_BYTES + size_bytes) // ALIGN_BYTES,
+            take_page=lambda: self._alloc_region(ALIGN_BYTES),
+            give_page=lambda start: self._release_region(start, ALIGN_BYTES),
+        )
+        # Views may be dropped on any thread, and even inside alloc() while the lock is held (a
+        # garbage collection triggered there): their weak references' callback only queues the
+        # reference; the allocator counts it off under its lock.
+        self._gone: collections.deque[_ViewRef] = collections.deque()
+        self._watched: dict[int, _ViewRef] = {}  # id -> a weak reference to each live view's array
+        self._views: dict[int, int] = {}  # offset -> views of that region still alive (only regions with some)
+        self._unowned: dict[
+            int, int
+        ] = {}  # offset -> nbytes: regions the tier does not hold (freed with their last view)
+        self.allocated_bytes = 0
+        self.allocations = 0
+        self.fallbacks = 0  # allocations the arena could not serve (caller used private memory)
+
+    # -- allocation -------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> memoryview | None:
+        """A writable buffer of exactly ``nbytes`` inside the arena, or None if there is no room.
+
+        The region is freed when the buffer (and every view of it) is dropped, unless the DRAM
+        tier adopts it first (:meth:`adopt`).
+        """
+        with self._lock:
+            self._count_gone_views()
+            if nbytes <= SMALL_MAX_BYTES:
+                start = self._cells.alloc(nbytes)
+            else:
+                start = self._alloc_region(_align(nbytes))
+            if start is None:
+                self.fallbacks += 1
+                return None
+            self.allocated_bytes += room_of(nbytes)
+            self.allocations += 1
+            self._unowned[start] = nbytes
+            return self._view(start, nbytes)
+
+    def adopt(self, buffer: memoryview) -> int | None:
+        """The DRAM tier keeps ``buffer``'s region (from :meth:`alloc`) by its offset, returned; None when
+        ``buffer`` is not a whole region of this arena that nothing holds yet (the tier then keeps the buffer)."""
+        offset = self.offset_of(buffer)
+        if offset is None:
+            return None
+        with self._lock:
+            if self._unowned.get(offset) != len(buffer):
+                return None
+            del self._unowned[offset]
+        return offset
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """A view of the adopted region at ``offset``: the region outlives the tier's hold while the view lives.
+
+        The views' records are only ever touched on the node's event loop (the lock guards the free
+        lists, which the grower thread shares): the lock is taken only to count off dropped views, which
+        a node that only serves reads must do too.
+        """
+        if self._gone:
+            with self._lock:
+                self._count_gone_views()
+        return self._view(offset, nbytes)
+
+    def disown(self, offset: int, nbytes: int) -> None:
+        """The tier no longer holds the region at ``offset``: freed now, or when its last view is dropped."""
+        with self._lock:
+            self._count_gone_views()
+            if offset in self._views:
+                self._unowned[offset] = nbytes
+            else:
+                self._free_region(offset, nbytes)
+
+    def offset_of(self, view: memoryview) -> int | None:
+        """Where ``view`` starts in the arena file, or None if it is not an arena buffer."""
+        with contextlib.suppress(ValueError, TypeError):
+            offset = _address_of(view) - self._base_address
+            if HEADER_BYTES <= offset and offset + len(view) <= HEADER_BYTES + self.size_bytes:
+                return offset
+        return None
+
+    def _view(self, offset: int, nbytes: int) -> memoryview:
+        """A new view of a region, counted until it is dropped. Event loop only."""
+        owner = self._array[offset : offset + nbytes]  # a fresh array: its end is the view's end
+        ref = _ViewRef(owner, self._gone.append)
+        ref.offset = offset
+        self._watched[id(ref)] = ref
+        self._views[offset] = self._views.get(offset, 0) + 1
+        return owner.data
+
+    def _count_gone_views(self) -> None:
+        """Count off the views dropped since; free the unowned regions they were the last of. Caller holds the lock."""
+        while self._gone:
+            ref = self._gone.popleft()
+            del self._watched[id(ref)]
+            offset = ref.offset
+            left = self._views[offset] - 1
+            if left:
+                self._views[offset] = left
+                continue
+            del self._views[offset]
+            nbytes = self._unowned.pop(offset, None)
+            if nbytes is not None:
+                self._free_region(offset, nbytes)
+
+    def _free_region(self, offset: int, nbytes: int) -> None:
+        self.allocated_bytes -= room_of(nbytes)
+        if self._cells.owns(offset):
+            self._cells.free(offset)
+        else:
+            self._release_region(offset, _align(nbytes))
+
     def report(self) -> ArenaReport:
         """What STAT carries of the arena."""
         with self._lock:
-            self._take_back_freed()
+            self._count_gone_views()
         return ArenaReport(
             path=self._where(),
             size_bytes=self.size_bytes,
@@ -320,12 +435,6 @@ class Arena:
             allocated_bytes=self.allocated_bytes,
             fallbacks=self.fallbacks,
         )
-
-    def close(self) -> None:
-        """Stop the grower. Buffers still held keep the mapping alive until they are dropped."""
-        self._closed = True
-        self._wake_grower.set()
-        self._grower.join(timeout=5.0)
 
 
 class ShmArena(Arena):
@@ -377,17 +486,27 @@ class ShmArena(Arena):
 
 
 class PrivateArena(Arena):
-    """DRAM in anonymous memory, for a node without a shared-memory arena that prefaults: chunks are
-    read over TCP as before, but freed regions are reused with their pages, which stay mapped."""
+    """DRAM in anonymous memory, for a node without a shared-memory arena: chunks are read over TCP, and
+    freed regions are reused with their pages, which stay mapped.
 
-    def __init__(self, size_bytes: int) -> None:
+    With ``populate`` (a node that prefaults) pages are taken in steps as in a shared arena;
+    without, the whole range is reserved (no memory yet) and the kernel gives each page when
+    a chunk is first written there, as it would for a private buffer.
+    """
+
+    def __init__(self, size_bytes: int, *, populate: bool = True) -> None:
         if size_bytes <= 0:
             raise ValueError("arena size must be positive")
         size_bytes = _align(size_bytes)
-        mapping = mmap.mmap(-1, HEADER_BYTES + size_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (0 if populate else MAP_NORESERVE)
+        mapping = mmap.mmap(-1, HEADER_BYTES + size_bytes, flags=flags)
+        self.populate = populate
+        self.grows_ahead = populate
         super().__init__(mapping, size_bytes)
 
     def _back(self, start: int, step: int) -> None:
+        if not self.populate:
+            return  # the pages come at first write
         if madvise(self._base_address + start, step, MADV_POPULATE_WRITE) != 0:
             code = ctypes.get_errno()
             if code != errno.EINVAL:  # EINVAL: a kernel before 5.14, the pages come at first write
@@ -398,6 +517,14 @@ class PrivateArena(Arena):
 
     def _available_bytes(self) -> int | None:
         return _memory_available_bytes()
+
+
+def _address_of(view: memoryview) -> int:
+    """Where ``view``'s bytes start in memory (ValueError or TypeError if it has none to give)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))  # writable and not empty: the quick way
+    except (TypeError, ValueError):
+        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def _memory_available_bytes() -> int | None:

@@ -140,23 +140,24 @@ class Intake:
     async def take(self, item: ItemMeta) -> None:
         """Bring ``item`` in (in the current window, or in parts), or read past it with the refusal's flag."""
         source = self.source
-        if source.host and item.nbytes > source.window_bytes:
+        room = self.tiers.room_of(item.nbytes)
+        if source.host and room > source.window_bytes:
             await self.flush()
-            await self._take_in_parts(item)
+            await self._take_in_parts(item, room)
             return
-        if self._window and self._window_bytes + item.nbytes > source.window_bytes:
+        if self._window and self._window_bytes + room > source.window_bytes:
             await self.flush()
-        flag = await self._reserve(item.nbytes)
+        flag = await self._reserve(room)
         if flag != PUT_STORED:
             await source.drop(item.nbytes)
             self.received.append((flag, item, None))
             return
         self._window.append((item, self.tiers.take_buffer(item.nbytes)))
-        self._window_bytes += item.nbytes
+        self._window_bytes += room
 
     async def flush(self) -> None:
         """Receive the window's bytes; each verified chunk enters DRAM."""
-        window, nbytes = self._window, self._window_bytes
+        window, room = self._window, self._window_bytes
         if not window:
             return
         self._window, self._window_bytes = [], 0
@@ -164,42 +165,45 @@ class Intake:
             digests = await self.source.fill(window)
         except BaseException:
             for item, _ in window:
-                self.tiers.release(item.nbytes)
+                self.tiers.release(self.tiers.room_of(item.nbytes))
             raise
         finally:
-            self._give_back(nbytes)
+            self._give_back(room)
         for (item, buffer), digest in zip(window, digests):
             self._landed(item, buffer, digest)
 
     def abandon(self) -> None:
         """The request failed before its window's bytes came: give back what the window holds."""
         for item, _ in self._window:
-            self.tiers.release(item.nbytes)
+            self.tiers.release(self.tiers.room_of(item.nbytes))
         self._give_back(self._window_bytes)
         self._window, self._window_bytes = [], 0
 
-    async def _take_in_parts(self, item: ItemMeta) -> None:
-        """A chunk larger than a window: its room is taken a part at a time, as the bytes before it arrive."""
+    async def _take_in_parts(self, item: ItemMeta, room: int) -> None:
+        """A chunk larger than a window: its room is taken a part at a time, as the bytes before it arrive
+        (the parts' rooms add up to the chunk's, ``room``)."""
         tiers, source = self.tiers, self.source
         buffer = tiers.take_buffer(item.nbytes, shared=False)  # private: its pages come as bytes land
         running = checksum_stream()
         reserved = received = 0
         try:
-            while received < item.nbytes:
-                nbytes = min(source.window_bytes, item.nbytes - received)
+            while reserved < room:
+                part = min(source.window_bytes, room - reserved)
                 # Holding the earlier parts' room, a later part may not wait for DRAM.
-                flag = await self._reserve(nbytes, wait_for_dram=not received)
+                flag = await self._reserve(part, wait_for_dram=not reserved)
                 if flag != PUT_STORED:
                     tiers.release(reserved)
                     reserved = 0
                     await source.drop(item.nbytes - received)
                     self.received.append((flag, item, None))
                     return
-                reserved += nbytes
+                reserved += part
+                nbytes = min(part, item.nbytes - received)
                 try:
-                    await source.fill_part(item, received, buffer[received : received + nbytes], running)
+                    if nbytes:
+                        await source.fill_part(item, received, buffer[received : received + nbytes], running)
                 finally:
-                    self._give_back(nbytes)
+                    self._give_back(part)
                 received += nbytes
         except BaseException:
             tiers.release(reserved)
@@ -210,10 +214,10 @@ class Intake:
         """``item``'s bytes are in ``buffer`` (its room reserved): verified, it enters DRAM."""
         tiers = self.tiers
         if digest != item.checksum:
-            tiers.release(item.nbytes)
+            tiers.release(tiers.room_of(item.nbytes))
             self.received.append((PUT_INTEGRITY, item, None))
         elif tiers.holds(item.key, item.checksum):  # the same bytes are here already: not stored twice
-            tiers.release(item.nbytes)
+            tiers.release(tiers.room_of(item.nbytes))
             tiers.claim(item.key, self.put_id)
             self.received.append((PUT_STORED, item, None))
         else:
@@ -222,7 +226,8 @@ class Intake:
             self.received.append((PUT_STORED, item, chunk))
 
     async def _reserve(self, nbytes: int, *, wait_for_dram: bool = True) -> int:
-        """Hold room for ``nbytes`` about to arrive: PUT_STORED, or the refusal's flag."""
+        """Hold ``nbytes`` of room (``TierManager.room_of`` a chunk, or a part of one) for bytes about to
+        arrive: PUT_STORED, or the refusal's flag."""
         try:
             if self._window:  # holding a window's room, it may not wait: another waiter may wait for it
                 try:

@@ -2,7 +2,7 @@
 
 A put inserts each verified chunk into DRAM at once, but readers find it only after
 the put's index commit. Until then the chunk *lands*: it is never moved (demoted or
-evicted), since its put would then acknowledge a chunk it lost, unless its own put
+evicted: it is out of the eviction orders, as a leased chunk is), since its put would then acknowledge a chunk it lost, unless its own put
 waits for room itself (then it lets its chunks go: see ``TierManager.reserve``). A
 put that finds DRAM full of landing chunks and reservations waits here until one of
 them settles, lands, is given back, or a chunk leaves DRAM, bounded by its deadline.
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Callable
 
+from backend.node.arena import room_of
 from backend.node.dram import StoredChunk
 
 __all__ = ["Landing"]
@@ -21,17 +23,21 @@ __all__ = ["Landing"]
 class Landing:
     """The chunks inserted by puts not committed yet, and the waiters for room. Event loop only."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_pin: Callable[[str], None] | None = None) -> None:
         self._chunks: dict[int, StoredChunk] = {}  # by id(chunk)
         self.keys: Counter[str] = Counter()  # what the demoter must not move
-        self.nbytes = 0
+        self._on_pin = on_pin  # told of each key that starts or stops landing
+        self.nbytes = 0  # the DRAM room they occupy
         self._room = asyncio.Event()  # set when DRAM may have room for a waiting put
 
     def add(self, chunk: StoredChunk) -> None:
         """``chunk`` was inserted by a put that has not committed: it stays until ``settle``."""
         self._chunks[id(chunk)] = chunk
-        self.keys[chunk.meta.key] += 1
-        self.nbytes += chunk.meta.nbytes
+        key = chunk.meta.key
+        self.keys[key] += 1
+        self.nbytes += room_of(chunk.meta.nbytes)
+        if self.keys[key] == 1 and self._on_pin is not None:
+            self._on_pin(key)
 
     def settle(self, chunks: list[StoredChunk]) -> None:
         """The puts that inserted ``chunks`` committed, gave up, or wait: the chunks may move now."""
@@ -41,7 +47,9 @@ class Landing:
                 self.keys[key] -= 1
                 if not self.keys[key]:
                     del self.keys[key]
-                self.nbytes -= chunk.meta.nbytes
+                    if self._on_pin is not None:
+                        self._on_pin(key)
+                self.nbytes -= room_of(chunk.meta.nbytes)
         self.wake()
 
     def wake(self) -> None:

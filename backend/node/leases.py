@@ -1,7 +1,7 @@
 """Leases: a client's promise from the node that some chunks stay put for a while.
 
-A lease *pins* its keys (the tier manager neither demotes nor evicts a pinned chunk,
-see ``backend.node.tiers``) and, for a same-host read, holds the chunk objects
+A lease *pins* its keys (the tier manager neither demotes nor evicts a pinned chunk:
+it is out of the eviction orders while pinned, see ``backend.node.tiers``) and, for a same-host read, holds the chunk objects
 themselves, so the shared-memory regions a client is copying from cannot be freed
 and reused even if the key is deleted or replaced meanwhile. Every lease ends: by
 RELEASE from the client, when the connection that took it closes (its client
@@ -41,9 +41,15 @@ class Lease:
 class LeaseTable:
     """The node's live leases and the pin count of every key under one."""
 
-    def __init__(self, on_unpinned: Callable[[], None] | None = None, max_leases: int = MAX_LEASES) -> None:
+    def __init__(
+        self,
+        on_pin: Callable[[str], None] | None = None,
+        on_unpinned: Callable[[], None] | None = None,
+        max_leases: int = MAX_LEASES,
+    ) -> None:
         self.max_leases = max_leases
-        self.pinned: Counter[str] = Counter()
+        self.pinned: Counter[str] = Counter()  # key -> leases holding it (keys under none are absent)
+        self._on_pin = on_pin  # told of each key that becomes pinned, or unpinned
         self.counters: Counter[str] = Counter()
         self._leases: dict[int, Lease] = {}
         self._deadlines: list[tuple[float, int]] = []
@@ -73,7 +79,8 @@ class LeaseTable:
         self._leases[lease.lease_id] = lease
         if owner is not None:
             self._owned[owner].add(lease_id)
-        self.pinned.update(lease.keys)
+        for key in lease.keys:
+            self._pin(key)
         heapq.heappush(self._deadlines, (lease.expires_at, lease.lease_id))
         self.counters["leases_granted"] += 1
         return lease.lease_id
@@ -123,6 +130,12 @@ class LeaseTable:
             if not owned:
                 del self._owned[lease.owner]
 
+    def _pin(self, key: str) -> None:
+        held = self.pinned[key]
+        self.pinned[key] = held + 1
+        if not held and self._on_pin is not None:
+            self._on_pin(key)
+
     def _unpin(self, lease: Lease, keys: set[str]) -> None:
         for key in keys:
             lease.keys.discard(key)
@@ -130,5 +143,7 @@ class LeaseTable:
             self.pinned[key] -= 1
             if self.pinned[key] <= 0:
                 del self.pinned[key]
+                if self._on_pin is not None:
+                    self._on_pin(key)
         if keys and self._on_unpinned is not None:
             self._on_unpinned()  # pinned chunks may have held up a demotion

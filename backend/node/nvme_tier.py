@@ -1,7 +1,7 @@
-"""The NVMe tier as the tier manager sees it: which files exist (LRU), and every disk I/O on them.
+"""The NVMe tier as the tier manager sees it: which files exist (in eviction order), and every disk I/O on them.
 
 The file format and its crash ordering are in ``nvme_format.py``; this module keeps the
-index of files this node holds, least recently used first, with the bytes they take,
+index of files this node holds (packed: no object per file), in eviction order, with the bytes they take,
 and runs every read, write, unlink and quarantine on its own worker threads, so the
 event loop never waits on a disk.
 
@@ -27,18 +27,20 @@ import logging
 import os
 import shutil
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Container
+from collections import Counter
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from backend.config.values import format_size
 from backend.errors import CapacityError
-from backend.node.bookkeeping import ON_NVME, HeldKeys
+from backend.node.bookkeeping import NO_SLOT, ON_NVME, PINNED, ChunkTable
 from backend.node.buffers import ChunkBuffer
+from backend.node.columns import column, grown
 from backend.node.dram import StoredChunk
-from backend.node.nvme_format import NvmeFile, read_payload, write_chunk
+from backend.node.eviction import EvictionOrder, LruOrder
+from backend.node.nvme_format import CHUNKS_DIR, NvmeFile, chunk_name, read_payload, write_chunk
 from backend.protocol import TierReport
 
 __all__ = ["NvmeTier", "quarantine_file", "QUARANTINE_DIR", "DISK_RECHECK_S", "DISK_RESUME_MARGIN_BYTES"]
@@ -53,7 +55,14 @@ QUARANTINE_DIR = "quarantine"
 
 
 class NvmeTier:
-    """The files of one NVMe tier, least recently used first. Use from the node's event loop only."""
+    """The files of one NVMe tier, in eviction order (LRU unless another is given). Use from the node's event
+    loop only.
+
+    A file's record is its key's slot in the node's ``ChunkTable`` (size, checksum, layout),
+    where its payload starts (4 bytes here) and its place in the order (8): its path is its
+    key's (``nvme_format.chunk_path``), so no record object is kept per file; one is made
+    (:class:`NvmeFile`) when a file is read, written or removed.
+    """
 
     def __init__(
         self,
@@ -62,17 +71,21 @@ class NvmeTier:
         *,
         io_threads: int,
         counters: Counter[str],
-        held: HeldKeys,
+        table: ChunkTable,
         on_gone: Callable[[str], None],
         on_room: Callable[[], None],
+        order: EvictionOrder | None = None,
     ) -> None:
         self.root = root
         self.capacity_bytes = capacity_bytes
-        self.files: OrderedDict[str, NvmeFile] = OrderedDict()
+        self.table = table
+        self.order: EvictionOrder = order if order is not None else LruOrder()
+        table.orders[ON_NVME] = self.order
+        self._data_offset = column("I")  # slot -> where the payload starts in its file
+        self._count = 0
         self.used_bytes = 0
         self.counters = counters
         self.disk_full = False
-        self._held = held
         self._on_gone = on_gone
         self._on_room = on_room
         self._disk_resume_bytes = 0  # free bytes that end the current disk-full episode
@@ -103,32 +116,108 @@ class NvmeTier:
                 format_size(self.used_bytes),
             )
 
-    def add(self, record: NvmeFile) -> None:
-        self.remove(record.meta.key)
-        self.files[record.meta.key] = record
+    @property
+    def files(self) -> int:
+        """How many files this tier holds (no ``__len__``: an empty tier is still a tier)."""
+        return self._count
+
+    def __contains__(self, key: str) -> bool:
+        return self._slot(key) != NO_SLOT
+
+    def add(self, record: NvmeFile) -> bool:
+        """Index a file (replacing the key's older one); False, and nothing indexed, when DRAM holds the key
+        with other bytes (the file is then out of date: the caller removes it)."""
+        key = record.meta.key
+        self.remove(key)
+        table = self.table
+        slot = table.slot(key)
+        if slot != NO_SLOT and not table.same_bytes(slot, record.meta):
+            return False
+        self._index(record)
+        return True
+
+    def _index(self, record: NvmeFile) -> None:
+        """Index a file whose key this tier does not hold (and DRAM holds, if at all, with the same bytes)."""
+        table = self.table
+        slot = table.enter(record.meta, ON_NVME)
+        if slot >= len(self._data_offset):
+            self._data_offset = grown(self._data_offset, slot + 1)
+        self._data_offset[slot] = record.data_offset
+        if not table.where[slot] & PINNED:
+            self.order.add(slot)
+        self._count += 1
         self.used_bytes += record.file_bytes
-        self._held.add(record.meta.key, ON_NVME)
+
+    def load(self, records: Iterable[NvmeFile]) -> list[NvmeFile]:
+        """Adopt files found by recovery, oldest first (so eviction order follows file age); returns those adopted.
+
+        Cheap per record and callable many times while the node serves (recovery may hand its
+        files over in batches): a key the node holds already is skipped, since what a put
+        brought meanwhile is newer than any file found on disk.
+        """
+        adopted = []
+        for record in records:
+            if record.meta.key not in self.table:
+                self._index(record)
+                adopted.append(record)
+        return adopted
+
+    def record(self, key: str) -> NvmeFile | None:
+        """The file of ``key``, if this tier holds one (without touching its recency)."""
+        slot = self._slot(key)
+        return self._record(slot) if slot != NO_SLOT else None
 
     def remove(self, key: str) -> NvmeFile | None:
-        record = self.files.pop(key, None)
-        if record is not None:
-            self.used_bytes -= record.file_bytes
-            self._held.remove(key, ON_NVME)
+        """Drop ``key``'s file from the index (the caller removes it from the disk)."""
+        slot = self._slot(key)
+        if slot == NO_SLOT:
+            return None
+        record = self._record(slot)
+        if not self.table.where[slot] & PINNED:
+            self.order.remove(slot)
+        self._count -= 1
+        self.used_bytes -= record.file_bytes
+        self.table.leave(slot, ON_NVME)
         return record
 
     def touch(self, key: str) -> NvmeFile | None:
-        record = self.files.get(key)
-        if record is not None:
-            self.files.move_to_end(key)
-        return record
+        """The file of ``key``, marked as read."""
+        slot = self._slot(key)
+        if slot == NO_SLOT:
+            return None
+        if not self.table.where[slot] & PINNED:
+            self.order.touch(slot)
+        return self._record(slot)
+
+    def is_current(self, record: NvmeFile) -> bool:
+        """Whether ``record`` is still the file this tier holds for its key."""
+        slot = self._slot(record.meta.key)
+        return (
+            slot != NO_SLOT
+            and self.table.same_bytes(slot, record.meta)
+            and self._data_offset[slot] == record.data_offset
+        )
+
+    def coldest(self) -> NvmeFile | None:
+        """The first file to leave (pinned ones are in no order)."""
+        return next((self._record(slot) for slot in self.order.coldest()), None)
 
     def report(self) -> TierReport:
         return TierReport(
             capacity_bytes=self.capacity_bytes,
             used_bytes=self.used_bytes,
-            objects=len(self.files),
+            objects=self._count,
             disk_full=self.disk_full,
         )
+
+    def _slot(self, key: str) -> int:
+        slot = self.table.slot(key)
+        return slot if slot != NO_SLOT and self.table.where[slot] & ON_NVME else NO_SLOT
+
+    def _record(self, slot: int) -> NvmeFile:
+        meta = self.table.meta(slot)
+        shard, name = chunk_name(meta.key)
+        return NvmeFile(os.path.join(self.root, CHUNKS_DIR, shard, name), meta, self._data_offset[slot])
 
     # -- disk I/O ---------------------------------------------------------------------
     async def run(self, fn: Any, *args: Any) -> Any:
@@ -141,8 +230,8 @@ class NvmeTier:
     async def unlink(self, path: str) -> None:
         await self.run(_unlink, path)
 
-    async def write(self, chunk: StoredChunk, pinned: Container[str]) -> NvmeFile:
-        """Write a chunk's file, dropping unpinned LRU files for room; the caller indexes it.
+    async def write(self, chunk: StoredChunk) -> NvmeFile:
+        """Write a chunk's file, dropping the coldest unpinned files for room; the caller indexes it.
 
         CapacityError when the chunk cannot go to disk (too large, full of leased files,
         disk full, write failed).
@@ -154,7 +243,7 @@ class NvmeTier:
             self._disk_resume_bytes = max(self._disk_resume_bytes, _resume_bytes(need))
             raise CapacityError("NVMe tier: the disk is full; demotion is paused")
         while self.used_bytes + need > self.capacity_bytes:
-            oldest = next((r for k, r in self.files.items() if k not in pinned), None)
+            oldest = self.coldest()
             if oldest is None:
                 raise CapacityError("NVMe tier is full of leased chunks")
             self.forget(oldest)
@@ -182,7 +271,7 @@ class NvmeTier:
 
     def forget(self, record: NvmeFile) -> None:
         """Drop a file from the index now and from the disk in the background."""
-        if self.files.get(record.meta.key) is record:
+        if self.is_current(record):
             self.remove(record.meta.key)
         self._on_gone(record.meta.key)
         asyncio.get_running_loop().run_in_executor(self._io, _unlink, record.path)
@@ -191,7 +280,7 @@ class NvmeTier:
         self.counters["integrity_failures"] += 1
         self.counters["quarantined"] += 1
         logger.error("NVMe tier: %s; quarantining %s", exc, os.path.basename(record.path))
-        if self.files.get(record.meta.key) is record:
+        if self.is_current(record):
             self.remove(record.meta.key)
         self._on_gone(record.meta.key)
         await self.run(quarantine_file, self.root, record.path)

@@ -12,15 +12,22 @@
 * A file whose checksum fails is moved to ``quarantine/`` and reads as a miss.
 * A chunk under a lease (``leases.py``) is pinned: neither demoted nor evicted until
   the lease ends. Explicit deletes still remove it from the index at once.
-* With a shared-memory arena (``arena.py``), DRAM chunks live in it, so clients on
-  this host can copy them without a socket; when the arena has no room, a chunk
-  lives in private memory and is served over TCP.
+* DRAM chunks live in an arena (``arena.py``): shared memory, so clients on this host
+  can copy them without a socket, or private memory without one. When the arena has no
+  room (or a chunk is larger than a connection's window, see ``intake.py``), a chunk
+  lives in a buffer of its own and is served over TCP.
 
-The manager never talks to Redis. Both tiers tell ``held`` (``bookkeeping.py``) which
-keys they hold, so the node counts its keys in O(1) and pages through them in key
-order; ``changes`` records which keys this node stopped holding and which moved
-tier, and the node's publisher sends them in batches. All disk I/O runs on worker
-threads; the event loop never waits on a disk.
+The manager never talks to Redis. Both tiers keep their chunks in one packed table
+(``bookkeeping.ChunkTable``: a slot per key, no object per chunk), so the node counts
+its keys in O(1) and pages through them in key order; ``changes`` records which keys
+this node stopped holding and which moved tier, and the node's publisher sends them in
+batches. All disk I/O runs on worker threads; the event loop never waits on a disk.
+
+Memory: every chunk is counted at the room it occupies (``arena.room_of``: its cell,
+or its pages), so ``--dram`` bounds the bytes, and the bookkeeping per chunk is bounded
+and measured (docs/scale-node.md). A pinned chunk (under a lease, or landing) is out
+of its tiers' eviction orders until it is unpinned, so finding a victim never walks
+past pinned chunks: O(1) however many there are.
 """
 
 from __future__ import annotations
@@ -28,11 +35,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 from backend.errors import BusyError, CapacityError, IntegrityError
-from backend.node.arena import Arena, PrivateArena, ShmArena, remove_stale_arenas
-from backend.node.bookkeeping import DRAM, NVME, HeldKeys, IndexChanges
+from backend.node.arena import Arena, PrivateArena, ShmArena, remove_stale_arenas, room_of
+from backend.node.bookkeeping import DRAM, NO_SLOT, NVME, ChunkTable, IndexChanges
 from backend.node.buffers import BufferFactory, ChunkBuffer
 from backend.node.demotion import Demoter
 from backend.node.dram import DramTier, StoredChunk
@@ -59,8 +67,8 @@ class TierConfig:
     high_watermark: float = 0.90
     low_watermark: float = 0.80
     io_threads: int = 4
-    shm_dir: Path | None = None  # where the shared-memory arena lives; None: private memory only
-    prefault: bool = False  # DRAM in an arena whose pages the node takes at start (private without shm_dir)
+    shm_dir: Path | None = None  # where the shared-memory arena lives; None: the arena is private memory
+    prefault: bool = False  # the arena's pages are taken at start (else as chunks need them)
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark < self.high_watermark <= 1:
@@ -73,9 +81,10 @@ class TierManager:
     def __init__(self, config: TierConfig) -> None:
         self.config = config
         self.counters: Counter[str] = Counter()
-        self.held = HeldKeys()
+        self.table = ChunkTable(pinned=self._pinned)
         self.changes = IndexChanges()
-        self.dram = DramTier(config.dram_bytes, self.held)
+        self.arena: Arena | None = _open_arena(config)  # where DRAM chunks live; None: each its own buffer
+        self.dram = DramTier(config.dram_bytes, self.table, self.arena)
         self.nvme: NvmeTier | None = None
         if config.nvme_dir and config.nvme_bytes:
             self.nvme = NvmeTier(
@@ -83,25 +92,25 @@ class TierManager:
                 config.nvme_bytes,
                 io_threads=config.io_threads,
                 counters=self.counters,
-                held=self.held,
+                table=self.table,
                 on_gone=self._gone_from_nvme,
                 on_room=self._wake_demoter,
             )
-        self.leases = LeaseTable(on_unpinned=self._wake_demoter)
+        self.leases = LeaseTable(on_pin=self.table.repin, on_unpinned=self._wake_demoter)
         self.demoter = Demoter(
             self.dram,
             self.nvme,
-            self.leases,
             self.changes,
             self.counters,
             high_watermark=config.high_watermark,
             low_watermark=config.low_watermark,
         )
-        self.arena: Arena | None = _open_arena(config)  # where DRAM chunks live; None: each its own buffer
-        # Pre-faulted private buffers: for every chunk when there is no arena, else for the overflow.
+        # Private buffers, pre-faulted: for every chunk when there is no arena (else only for the
+        # chunks that do not go into it, which are few: no pool kept ready for them).
         prefault = 0 if self.arena is not None else min(PREFAULT_BUDGET_BYTES, config.dram_bytes // 4)
         self.buffers = BufferFactory(prefault)
-        self.landing = Landing()  # chunks of puts not committed yet, and the puts waiting for room
+        # Chunks of puts not committed yet, and the puts waiting for room.
+        self.landing = Landing(on_pin=self.table.repin)
         self.recovering: set[str] | None = None  # while NVMe recovery runs: the keys stored or deleted since
 
     # -- lifecycle --------------------------------------------------------------------
@@ -121,18 +130,21 @@ class TierManager:
         """The arena same-host clients may map (published in the registry), if DRAM is in one."""
         return self.arena if isinstance(self.arena, ShmArena) else None
 
-    def load_nvme(self, records: list[NvmeFile]) -> list[NvmeFile]:
-        """Adopt files found by recovery, oldest first (so LRU order follows file age); returns those adopted.
+    @property
+    def held(self) -> ChunkTable:
+        """Every key held, in any tier: counted, listed (``all()``) and paged in key order."""
+        return self.table
 
-        Recovery runs while the node serves (``recovery.py``): a key this run stored or deleted since it
-        began (``recovering``) is newer than any file of it found on disk, which is not adopted.
+    def load_nvme(self, records: Iterable[NvmeFile]) -> list[NvmeFile]:
+        """Adopt files found by recovery, oldest first (so eviction order follows file age); returns those adopted.
+
+        Recovery runs while the node serves (``recovery.py``), handing files over in batches
+        (``NvmeTier.load``: cheap per record): a key this run stored or deleted since it began
+        (``recovering``), or holds now, is newer than any file of it found on disk, which is not adopted.
         """
         assert self.nvme is not None
         newer = self.recovering if self.recovering is not None else ()
-        adopted = [r for r in records if r.meta.key not in newer and r.meta.key not in self.held]
-        for record in adopted:
-            self.nvme.add(record)
-        return adopted
+        return self.nvme.load(r for r in records if r.meta.key not in newer)
 
     def _wake_demoter(self) -> None:
         self.landing.wake()  # unpinned chunks may move now
@@ -141,6 +153,10 @@ class TierManager:
     def _gone_from_nvme(self, key: str) -> None:
         if key not in self.dram:
             self.changes.removed.add(key)  # the node no longer holds it anywhere
+
+    def _pinned(self, key: str) -> bool:
+        """Whether a lease or a landing put holds ``key`` (its chunk then stays out of the eviction orders)."""
+        return key in self.leases.pinned or key in self.landing.keys
 
     # -- accounting -------------------------------------------------------------------
     @property
@@ -155,39 +171,25 @@ class TierManager:
     def disk_full(self) -> bool:
         return self.nvme is not None and self.nvme.disk_full
 
+    room_of = staticmethod(room_of)  # the DRAM a chunk of N bytes occupies, is reserved and counted at
+
     def __len__(self) -> int:
         """Keys held in any tier (O(1): the heartbeat asks every second)."""
-        return len(self.held)
+        return len(self.table)
 
     def contains(self, key: str) -> bool:
-        return key in self.held
+        return key in self.table
 
     def tier_of(self, key: str) -> str | None:
-        if key in self.dram:
-            return DRAM
-        if self.nvme is not None and key in self.nvme.files:
-            return NVME
-        return None
+        return self.table.tier_of(key)
 
     def meta_of(self, key: str) -> ItemMeta | None:
-        chunk = self.dram.peek(key)
-        if chunk is not None:
-            return chunk.meta
-        record = self.nvme.files.get(key) if self.nvme is not None else None
-        return record.meta if record is not None else None
-
-    def inventory(self) -> list[tuple[ItemMeta, str]]:
-        """Every chunk held and the tier serving it (for republishing the index)."""
-        held = [(chunk.meta, DRAM) for _, chunk in self.dram.items()]
-        if self.nvme is not None:
-            held += [(r.meta, NVME) for k, r in self.nvme.files.items() if k not in self.dram]
-        return held
+        return self.table.meta_of(key)
 
     def page(self, after: str, limit: int) -> tuple[list[tuple[ItemMeta, str]], bool]:
         """Up to ``limit`` chunks with keys after ``after``, in key order, and whether more follow."""
-        keys, more = self.held.page(after, limit)
-        found = [(self.meta_of(key), self.tier_of(key)) for key in keys]
-        return [(meta, tier) for meta, tier in found if meta is not None and tier is not None], more
+        keys, more = self.table.page(after, limit)
+        return [self.table.chunk(self.table.slot(key)) for key in keys], more
 
     def tier_reports(self) -> dict[str, TierReport]:
         """Each tier's size and what it holds (STAT, the registry entry)."""
@@ -209,8 +211,9 @@ class TierManager:
                 return buffer
         return self.buffers.take(nbytes)
 
-    async def reserve(self, nbytes: int, *, put_id: int = 0) -> None:
-        """Reserve DRAM for an incoming chunk of put ``put_id``, demoting or evicting older ones as needed.
+    async def reserve(self, room: int, *, put_id: int = 0) -> None:
+        """Reserve ``room`` bytes of DRAM (``room_of`` a chunk, or a part of one) for put ``put_id``,
+        demoting or evicting older chunks as needed.
 
         Raise BusyError when nothing can move because other puts fill DRAM (reserved, or
         inserted and not committed yet: a burst of puts, or a put striped over several
@@ -220,17 +223,17 @@ class TierManager:
         the chunk is larger than DRAM, or the rest is leased or this same put's
         (``Demoter.make_room``).
         """
-        if nbytes > self.dram.capacity_bytes:
+        if room > self.dram.capacity_bytes:
             raise CapacityError(
-                f"chunk of {nbytes} bytes is larger than the DRAM tier ({self.dram.capacity_bytes} bytes)"
+                f"chunk of {room} bytes is larger than the DRAM tier ({self.dram.capacity_bytes} bytes)"
             )
-        if not self.dram.fits(nbytes):
-            await self.demoter.make_room(nbytes, keep_put=put_id, landing=self.landing.keys)
-        if not self.dram.fits(nbytes):
+        if not self.dram.fits(room):
+            await self.demoter.make_room(room, keep_put=put_id)
+        if not self.dram.fits(room):
             if self.dram.used_bytes <= self.dram.stored_bytes and not self.landing.nbytes:
                 raise CapacityError("DRAM tier is full of leased chunks and this put's own")
             raise BusyError("DRAM tier is full of puts in flight")
-        self.dram.reserve(nbytes)
+        self.dram.reserve(room)
         self.demoter.wake()
 
     async def wait_for_room(self, until: float) -> bool:
@@ -247,44 +250,42 @@ class TierManager:
         """The puts that inserted ``chunks`` committed, gave up, or wait: the chunks may move now."""
         self.landing.settle(chunks)
 
-    def release(self, nbytes: int) -> None:
-        self.dram.release(nbytes)
+    def release(self, room: int) -> None:
+        """Give back ``room`` bytes reserved by :meth:`reserve` (the chunk did not come, or is not kept)."""
+        self.dram.release(room)
         self.landing.wake()
 
     def insert(self, chunk: StoredChunk, put_id: int = 0) -> None:
         """Store a verified chunk of put ``put_id`` (0: none) in reserved DRAM; an NVMe copy with other
-        bytes is dropped. A put's chunk is not moved until the put settles it (``settle``)."""
+        bytes is dropped first. A put's chunk is not moved until the put settles it (``settle``)."""
+        if self.nvme is not None:
+            old = self.nvme.record(chunk.meta.key)
+            if old is not None and old.meta.checksum != chunk.meta.checksum:
+                self.nvme.forget(old)
         self.dram.insert(chunk, put_id)
         if self.recovering is not None:
             self.recovering.add(chunk.meta.key)
         if put_id:  # a put's chunk: it stays until ``settle``
             self.landing.add(chunk)
         self.landing.wake()
-        if self.nvme is not None:
-            old = self.nvme.files.get(chunk.meta.key)
-            if old is not None and old.meta.checksum != chunk.meta.checksum:
-                self.nvme.forget(old)
 
     def claim(self, key: str, put_id: int) -> None:
         """A put found ``key`` already held with its bytes: that put will not evict it either."""
         self.dram.claim(key, put_id)
 
     def holds(self, key: str, item_checksum: int) -> bool:
-        """Whether this node holds ``key`` with exactly these bytes (DRAM or NVMe)."""
-        chunk = self.dram.peek(key)
-        if chunk is not None:
-            return chunk.meta.checksum == item_checksum
-        record = self.nvme.files.get(key) if self.nvme is not None else None
-        return record is not None and record.meta.checksum == item_checksum
+        """Whether this node holds ``key`` with exactly these bytes (DRAM or NVMe: both hold the same)."""
+        slot = self.table.slot(key)
+        return slot != NO_SLOT and self.table.checksum[slot] == item_checksum
 
     async def discard(self, chunk: StoredChunk) -> None:
         """Undo ``insert`` (the put was not committed), unless the key was replaced since."""
         key = chunk.meta.key
-        if self.dram.peek(key) is chunk:
+        if self.dram.is_current(chunk):
             self.dram.delete(key)
-        elif self.dram.peek(key) is not None:
+        elif key in self.dram:
             return  # a newer put of the key owns it now
-        record = self.nvme.files.get(key) if self.nvme is not None else None
+        record = self.nvme.record(key) if self.nvme is not None else None
         if record is not None and record.meta.checksum == chunk.meta.checksum:
             assert self.nvme is not None
             self.nvme.remove(key)
@@ -302,8 +303,9 @@ class TierManager:
         if record is None:
             return None
         nbytes = record.meta.nbytes
+        room = room_of(nbytes)
         try:
-            await self.reserve(nbytes)
+            await self.reserve(room)
             promote = True
         except CapacityError:
             promote = False  # serve from disk without keeping a DRAM copy
@@ -312,24 +314,25 @@ class TierManager:
             await self.nvme.read(record, buffer)
         except (IntegrityError, OSError) as exc:
             if promote:
-                self.release(nbytes)
-            if self.nvme.files.get(key) is record:  # not if a newer file replaced it meanwhile
+                self.release(room)
+            if self.nvme.is_current(record):  # not if a newer file replaced it meanwhile
                 await self.nvme.quarantine(record, exc)
             return None
-        if self.nvme.files.get(key) is not record:
+        if not self.nvme.is_current(record):
             # Deleted, or replaced by other bytes, while we read: what we hold is history.
             if promote:
-                self.release(nbytes)
+                self.release(room)
             return None
         chunk = StoredChunk(record.meta, buffer)
         if promote:
-            current = self.dram.peek(key)
-            if current is None:
+            if key not in self.dram:
                 self.dram.insert(chunk)
                 self.changes.moved[key] = DRAM
                 self.counters["promotions"] += 1
             else:  # a put of the same key landed while we read
-                self.release(nbytes)
+                self.release(room)
+                current = self.dram.peek(key)
+                assert current is not None
                 chunk = current
         self.counters["nvme_reads"] += 1
         return chunk
@@ -342,7 +345,7 @@ class TierManager:
                 return "ok"
             self.dram.delete(key)  # memory went bad: never serve it
             self.counters["integrity_failures"] += 1
-            if self.nvme is None or key not in self.nvme.files:
+            if self.nvme is None or key not in self.nvme:
                 self.changes.removed.add(key)
         record = self.nvme.touch(key) if self.nvme is not None else None
         if record is None:
@@ -358,7 +361,7 @@ class TierManager:
     async def delete(self, key: str) -> bool:
         if self.recovering is not None:
             self.recovering.add(key)
-        found = self.dram.delete(key) is not None
+        found = self.dram.delete(key)
         self.landing.wake()
         if self.nvme is not None:
             record = self.nvme.remove(key)
@@ -369,17 +372,23 @@ class TierManager:
 
 
 def _open_arena(config: TierConfig) -> Arena | None:
-    """The arena for DRAM: shared memory, else (prefault only) private; None (logged) when there is none."""
+    """The arena for DRAM: shared memory, else private (its pages taken at start with prefault, else as
+    chunks are written); None (logged) when even a private one cannot be mapped."""
     size = config.dram_bytes + max(int(config.dram_bytes * ARENA_SLACK), ARENA_MIN_SLACK_BYTES)
-    if config.shm_dir is None:
-        return PrivateArena(size) if config.prefault else None
-    stale = remove_stale_arenas(config.shm_dir)
-    if stale:
-        logger.info("removed %d shared-memory arena(s) of nodes that no longer run", stale)
+    if config.shm_dir is not None:
+        stale = remove_stale_arenas(config.shm_dir)
+        if stale:
+            logger.info("removed %d shared-memory arena(s) of nodes that no longer run", stale)
+        try:
+            return ShmArena(config.shm_dir, size)
+        except OSError as exc:
+            logger.warning(
+                "no shared-memory arena in %s (%s): same-host clients read over TCP",
+                config.shm_dir,
+                exc.strerror or exc,
+            )
     try:
-        return ShmArena(config.shm_dir, size)
+        return PrivateArena(size, populate=config.prefault)
     except OSError as exc:
-        logger.warning(
-            "no shared-memory arena in %s (%s): same-host clients read over TCP", config.shm_dir, exc.strerror or exc
-        )
-        return PrivateArena(size) if config.prefault else None
+        logger.warning("no private arena of %d bytes (%s): each chunk is a buffer of its own", size, exc.strerror)
+        return None

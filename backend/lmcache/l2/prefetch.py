@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -75,7 +76,9 @@ class Prefetcher:
         self.lock_ttl_ms = lock_ttl_ms
         self._notify_accessed = notify_accessed
         self._lock = threading.Lock()
-        self._held: defaultdict[ObjectKey, list[Lock]] = defaultdict(list)  # one lease per successful lookup
+        # One lease per successful lookup, with the monotonic time its ttl ends; oldest first.
+        self._held: defaultdict[ObjectKey, list[tuple[float, Lock]]] = defaultdict(list)
+        self._next_prune = 0.0
         self.lookups: Completed[Bitmap] = Completed()
         self.loads: Completed[Bitmap] = Completed()
 
@@ -90,15 +93,31 @@ class Prefetcher:
         try:
             # One Redis round trip, then one LEASE per node: a hit is also a lease.
             locks = await self.client.lock([pool_key(k) for k in keys], self.lock_ttl_ms)
+            now = time.monotonic()
+            ends = now + self.lock_ttl_ms / 1000
             with self._lock:
                 for i, (key, lock) in enumerate(zip(keys, locks)):
                     if lock is not None:
                         bitmap.set(i)
-                        self._held[key].append(lock)
+                        self._held[key].append((ends, lock))
+                if now >= self._next_prune:
+                    self._prune(now)
             self.misses.recovered("lookup")
         except Exception as exc:  # the task must complete, or LMCache waits on it forever
             self.misses.failed("lookup", "L2 lookup failed, reading as misses", exc)
         self.lookups.finish(task_id, bitmap)
+
+    def _prune(self, now: float) -> None:
+        """Forget leases whose ttl has ended (LMCache never unlocked them; their nodes ended them): what is
+        held stays bounded by the lookups of the last ttl and a half, however many chunks LMCache looks up.
+        Caller holds the lock; runs at most twice per ttl."""
+        for key in list(self._held):
+            live = [(ends, lock) for ends, lock in self._held[key] if ends > now]
+            if live:
+                self._held[key] = live
+            else:
+                del self._held[key]
+        self._next_prune = now + self.lock_ttl_ms / 2000
 
     @property
     def held_count(self) -> int:
@@ -108,7 +127,7 @@ class Prefetcher:
     def take_all_held(self) -> list[Lock]:
         """Every lease still held, now no longer tracked (for close)."""
         with self._lock:
-            held = [lock for locks in self._held.values() for lock in locks]
+            held = [lock for locks in self._held.values() for _, lock in locks]
             self._held.clear()
         return held
 
@@ -123,7 +142,7 @@ class Prefetcher:
         held = self._held.get(key)
         if not held:
             return None
-        lock = held.pop(0)
+        _, lock = held.pop(0)
         if not held:
             del self._held[key]
         return lock

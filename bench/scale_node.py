@@ -1,0 +1,461 @@
+"""A node's memory per chunk, and what eviction and lookups cost, at 10^4 and at N chunks held.
+
+    python -m bench.scale_node                      # N = 100,000 (about a minute)
+    python -m bench.scale_node --chunks 1000000     # the issue's figure (a few minutes)
+
+Three measurements, each a function whose figures come back as a dict (``bench.scale`` folds
+them into its report) and are printed beside the issue's targets:
+
+* :func:`measure_node`: real ``kvpool node`` processes (DRAM only, no shared memory, no
+  prefault: their arenas' pages come as chunks are written, so RSS grows with what they
+  hold) and a real redis-server. Two nodes, one of 10^4 chunks and one of N, each with
+  ``--dram`` exactly its chunks' rooms, filled through the real put path (4,096 chunks a
+  request) with tiny values (32 bytes: the values cost next to nothing, so what grows is
+  the bookkeeping) under LMCache's layerwise key strings
+  (``MODEL@WORLD@WORKER@HASH@DTYPE@LAYER``, 70-odd characters). The large node's VmRSS
+  (``/proc``) is read once 16,384 chunks are in (the puts in flight have left their
+  high-water mark) and at N: the growth per chunk, less the room the DRAM tier counts for
+  the value (its 64-byte cell, within ``--dram``) and less the key's own length, is the
+  bookkeeping per chunk, beside the 256-byte budget. Then the oldest 10 % of each node's
+  chunks are leased, and in interleaved rounds (both sizes see the same machine) each node
+  takes a put of 16 new chunks (each evicts one) and answers EXISTS_BATCH and GET_BATCH of
+  1,000 held keys sent straight to it (no Redis in the way): p50 at N beside 1.2 times
+  the p50 at 10^4.
+* :func:`measure_nvme_records`: what an NVMe file costs the node's memory: N records
+  handed to ``TierManager.load_nvme`` in batches of 10,000 as recovery does (records made
+  in this process, no file written: the structures are what is measured), RSS growth per
+  record less the key's length, and the time per record.
+* :func:`measure_eviction`: the tier manager in this process (no socket: only the node's
+  own structures are timed), two of them, filled with 10^4 and N chunks to exactly their
+  DRAM size, 10 % pinned (half by leases, half landing: inserted by a put that has not
+  committed), and those the *oldest*, where a walk from the coldest end meets them first.
+  In interleaved rounds, puts that each evict one chunk (reserve, evict, insert) and
+  lookups of 1,000 held keys (contains, get): p50 at N beside 1.2 times the p50 at 10^4.
+  This is where memory latency shows: at N the structures are hundreds of MB, so every
+  operation's few touches of a chunk's slot miss the CPU caches that hold all of 10^4.
+
+What is simulated: the NVMe records (made in this process rather than read from 10^6
+files: the scan is measured by ``bench.scale_nvme``; the node's cost per record is what
+is measured here). Every DRAM chunk went through a real put (RSS) or the tier manager's
+own reserve and insert (eviction). Results: docs/scale-node.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from backend import Chunk, PoolClient, PoolConfig
+from backend.client.chunks import BytesSink, Hit
+from backend.embedded import EmbeddedRedis
+from backend.metadata import NodeInfo
+from backend.node.arena import room_of
+from backend.node.dram import StoredChunk
+from backend.node.nvme_format import NvmeFile
+from backend.node.tiers import TierConfig, TierManager
+from backend.protocol import ItemMeta, Op, checksum, encode_keys
+from bench.nodes import NodeProcess
+from bench.processes import REPO
+
+__all__ = [
+    "measure_eviction",
+    "measure_nvme_records",
+    "measure_node",
+    "run",
+    "TARGET_OVERHEAD_BYTES",
+    "TARGET_RATIO",
+    "SMALL_CHUNKS",
+]
+
+TARGET_OVERHEAD_BYTES = 256  # node bookkeeping per chunk beyond the key (issue #34)
+TARGET_RATIO = 1.2  # eviction and lookup at N held, against 10^4 held
+SMALL_CHUNKS = 10_000
+DEFAULT_CHUNKS = 100_000
+VALUE_BYTES = 32
+PUT_BATCH = 4096  # the protocol's max_items per request
+PUTS_IN_FLIGHT = 4
+LOOKUP_KEYS = 1000
+EVICTION_PUTS = 3000
+ROUNDS = 30  # interleaved rounds on the real nodes, so both sizes see the same machine
+EVICT_BATCH = 16  # chunks of a put into a full node (each evicts one)
+LEASE_TTL_MS = 600_000
+PINNED_SHARE = 0.10
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+LAYERS = 32
+
+
+def layerwise_key(i: int) -> str:
+    """The i-th chunk's key as LMCache's layerwise mode spells it (``LayerCacheEngineKey.to_string``)."""
+    chunk, layer = divmod(i, LAYERS)
+    return f"{MODEL}@8@{chunk % 8}@{(chunk * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF:x}@bfloat16@{layer}"
+
+
+def value_of(i: int) -> bytes:
+    return i.to_bytes(8, "little") * (VALUE_BYTES // 8)
+
+
+def _pcts(samples: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {"p50": statistics.median(ordered), "p99": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]}
+
+
+# -- real node processes ------------------------------------------------------------------
+
+
+async def fill(
+    client: PoolClient, start: int, stop: int, *, node_id: str = "", in_flight: int = PUTS_IN_FLIGHT
+) -> None:
+    """Put chunks ``start``..``stop`` (to ``node_id`` alone, if named) in requests of PUT_BATCH, ``in_flight``
+    at a time."""
+    batches = [range(b, min(b + PUT_BATCH, stop)) for b in range(start, stop, PUT_BATCH)]
+    queue = iter(batches)
+    only = [node_id] if node_id else None
+
+    async def worker() -> None:
+        for batch in queue:
+            await client.put([Chunk(layerwise_key(i), value_of(i)) for i in batch], only=only)
+
+    await asyncio.gather(*(worker() for _ in range(in_flight)))
+
+
+class _Held:
+    """A node filled with ``held`` chunks, the oldest PINNED_SHARE of them under leases: which keys it holds
+    while ROUNDS x EVICT_BATCH new chunks evict the oldest unpinned ones."""
+
+    def __init__(self, info: NodeInfo, first: int, held: int, in_flight: int) -> None:
+        self.info = info
+        self.first = first  # its keys are layerwise_key(first) .. layerwise_key(first + held - 1)
+        self.held = held
+        self.pinned = int(held * PINNED_SHARE)
+        # Requests in flight land in any order: past them, and past what the rounds evict, every key stays.
+        self.first_kept = self.pinned + in_flight * PUT_BATCH + ROUNDS * EVICT_BATCH
+        assert self.first_kept < held, f"{held} chunks are too few to measure"
+        self.rng = random.Random(held)
+        self.new = 0
+
+    def sample(self) -> list[str]:
+        """LOOKUP_KEYS keys the node holds: pinned ones and ones no round can have evicted, at random."""
+        kept = self.pinned + (self.held - self.first_kept)
+        picks = self.rng.sample(range(kept), LOOKUP_KEYS)  # distinct: a key asked twice is answered once
+        return [self.key(i if i < self.pinned else i - self.pinned + self.first_kept) for i in picks]
+
+    def key(self, i: int) -> str:
+        return layerwise_key(self.first + i)
+
+    def fresh(self) -> list[Chunk]:
+        """EVICT_BATCH chunks the node never held: each one it takes evicts one."""
+        self.new += EVICT_BATCH
+        return [Chunk(f"fresh@{self.held}@{n}", value_of(n)) for n in range(self.new - EVICT_BATCH, self.new)]
+
+
+async def _round(client: PoolClient, node: _Held, times: dict[str, list[float]]) -> None:
+    """One put that evicts EVICT_BATCH chunks, then EXISTS_BATCH and GET_BATCH of LOOKUP_KEYS held keys sent
+    straight to the node (no Redis in the way): milliseconds each."""
+    started = time.perf_counter()
+    await client.put(node.fresh(), only=[node.info.node_id])
+    times["put_evicting"].append((time.perf_counter() - started) * 1000)
+    keys = node.sample()
+    meta = encode_keys(keys)
+    pool = client.connections.pool(node.info)
+    started = time.perf_counter()
+    flags = await pool.request(Op.EXISTS_BATCH, meta)
+    times["exists"].append((time.perf_counter() - started) * 1000)
+    started = time.perf_counter()
+    got = await pool.request(Op.GET_BATCH, meta, keys=keys, sink=BytesSink(), expect_bytes=VALUE_BYTES * len(keys))
+    times["get"].append((time.perf_counter() - started) * 1000)
+    assert all(isinstance(outcome, Hit) for outcome in got) and len(flags), "a held key was not found"
+
+
+def measure_node(chunks: int = DEFAULT_CHUNKS) -> dict[str, Any]:
+    """Real nodes full of tiny chunks, one of SMALL_CHUNKS and one of ``chunks``: the large one's RSS per chunk
+    (bookkeeping beyond each value's room and its key), and on both, with the oldest 10 % leased, puts that
+    evict and EXISTS/GET of 1,000 keys, in interleaved rounds."""
+    room = room_of(VALUE_BYTES)
+    redis = EmbeddedRedis().start()
+    nodes: list[NodeProcess] = []
+    try:
+        for node_id, held in (("small", SMALL_CHUNKS), ("large", chunks)):
+            args = ["--redis", redis.url, "--namespace", "scale-node", "--dram", str(held * room), "--nvme", "0"]
+            nodes.append(NodeProcess([*args, "--shm-dir", "off", "--prefault", "off", "--node-id", node_id]).start())
+        config = PoolConfig.from_url(f"kvpool://127.0.0.1:{redis.port}/scale-node?shm=off&timeout_ms=60000")
+        return asyncio.run(_node_scenario(config, nodes[0], nodes[1], chunks))
+    finally:
+        for node in nodes:
+            node.stop()
+        redis.cleanup()
+
+
+async def _node_scenario(config: PoolConfig, small: NodeProcess, large: NodeProcess, chunks: int) -> dict[str, Any]:
+    room = room_of(VALUE_BYTES)
+    key_bytes = statistics.fmean(len(layerwise_key(i)) for i in range(0, chunks, max(1, chunks // 1000)))
+    async with PoolClient(config) as client:
+        infos = {info.node_id: info for info in await client.nodes()}
+        await fill(client, chunks, chunks + SMALL_CHUNKS, node_id="small", in_flight=1)  # keys of its own
+        warm = PUTS_IN_FLIGHT * PUT_BATCH  # the requests in flight leave their high-water mark: before the baseline
+        await fill(client, 0, warm, node_id="large")
+        rss_warm = large.memory()["VmRSS"]
+        started = time.perf_counter()
+        await fill(client, warm, chunks, node_id="large")
+        fill_s = time.perf_counter() - started
+        rss_full = large.memory()["VmRSS"]
+        held = [_Held(infos["small"], chunks, SMALL_CHUNKS, 1), _Held(infos["large"], 0, chunks, PUTS_IN_FLIGHT)]
+        leases = []
+        for node in held:
+            pinned = [node.key(i) for i in range(node.pinned)]
+            for start in range(0, len(pinned), PUT_BATCH):
+                leases += await client.lock(pinned[start : start + PUT_BATCH], LEASE_TTL_MS)
+        assert all(lease is not None for lease in leases), "a chunk to pin was not found"
+        times: list[dict[str, list[float]]] = [{"put_evicting": [], "exists": [], "get": []} for _ in held]
+        for r in range(ROUNDS):  # interleaved, each size first in every other round
+            for node, samples in list(zip(held, times))[:: 1 if r % 2 else -1]:
+                await _round(client, node, samples)
+        stats = await client.node_stats(infos["large"])
+        await client.unlock([lease for lease in leases if lease is not None])
+    dram = stats["tiers"]["dram"]
+    assert dram["objects"] == chunks and stats["counters"]["evictions"] == ROUNDS * EVICT_BATCH
+    growth = (rss_full - rss_warm) / (chunks - warm)
+    figures = {name: (_pcts(times[0][name]), _pcts(times[1][name])) for name in times[0]}
+    return {
+        "chunks": chunks,
+        "value_bytes": VALUE_BYTES,
+        "value_room_bytes": room,
+        "key_bytes_mean": key_bytes,
+        "fill_chunks_per_s": (chunks - warm) / fill_s,
+        "rss_small_node_bytes": small.memory()["VmRSS"],
+        "rss_warm_bytes": rss_warm,
+        "rss_bytes": rss_full,
+        "rss_growth_per_chunk_bytes": growth,
+        "overhead_per_chunk_bytes": growth - room - key_bytes,  # beyond the value's room and the key
+        "overhead_beyond_value_bytes": growth - VALUE_BYTES - key_bytes,  # the cell's slack counted in
+        "dram_used_bytes": dram["used_bytes"],
+        "small_ms": {name: small_figures for name, (small_figures, _) in figures.items()},
+        "large_ms": {name: large_figures for name, (_, large_figures) in figures.items()},
+    }
+
+
+# -- the tier manager in this process ---------------------------------------------------
+
+
+async def _filled(held: int) -> tuple[TierManager, list[str]]:
+    """A tier manager holding ``held`` chunks (DRAM exactly full), the oldest PINNED_SHARE pinned."""
+    room = room_of(VALUE_BYTES)
+    tiers = TierManager(TierConfig(dram_bytes=held * room))
+    keys = [layerwise_key(i) for i in range(held)]
+    landing = int(held * PINNED_SHARE / 2)
+    leased = int(held * PINNED_SHARE) - landing
+    for i, key in enumerate(keys):
+        await tiers.reserve(room)
+        buffer = tiers.take_buffer(VALUE_BYTES)
+        buffer[:] = value_of(i)
+        meta = ItemMeta(key, VALUE_BYTES, checksum(buffer), "uint8", (VALUE_BYTES,), 1)
+        tiers.insert(StoredChunk(meta, buffer), put_id=1 if i < landing else 0)  # put 1 never commits
+    for start in range(landing, landing + leased, 100):  # leases of 100 keys, as a prefetch takes them
+        tiers.leases.grant(keys[start : min(start + 100, landing + leased)], [], 600_000)
+    return tiers, keys
+
+
+async def _evicting_puts(tiers: TierManager, start: int, count: int, times: list[float]) -> None:
+    """``count`` puts into a full DRAM, each evicting one chunk (reserve, evict, insert): microseconds each."""
+    room = room_of(VALUE_BYTES)
+    for n in range(start, start + count):
+        buffer = memoryview(bytearray(value_of(n)))
+        meta = ItemMeta(f"new@{n}", VALUE_BYTES, checksum(buffer), "uint8", (VALUE_BYTES,), 1)
+        started = time.perf_counter()
+        await tiers.reserve(room)
+        tiers.insert(StoredChunk(meta, buffer))
+        times.append((time.perf_counter() - started) * 1e6)
+
+
+async def _lookups(tiers: TierManager, keys: list[str], rng: random.Random, times: dict[str, list[float]]) -> None:
+    """contains() and get() of LOOKUP_KEYS of ``keys`` (all held) at random: milliseconds per 1,000."""
+    sample = rng.sample(keys, LOOKUP_KEYS)
+    started = time.perf_counter()
+    found = sum(tiers.contains(key) for key in sample)
+    times["contains"].append((time.perf_counter() - started) * 1000)
+    started = time.perf_counter()
+    for key in sample:
+        await tiers.get(key)
+    times["get"].append((time.perf_counter() - started) * 1000)
+    assert found == LOOKUP_KEYS, "a held key was not found"
+
+
+async def _eviction_scenario(chunks: int) -> dict[str, Any]:
+    sizes = (SMALL_CHUNKS, chunks)
+    managers = [await _filled(held) for held in sizes]
+    try:
+        pinned = [int(held * PINNED_SHARE) for held in sizes]
+        # The puts evict the oldest unpinned chunks, in order: past them, every key stays.
+        kept = [keys[:p] + keys[p + EVICTION_PUTS :] for (_, keys), p in zip(managers, pinned)]
+        rngs = [random.Random(held) for held in sizes]
+        puts: list[list[float]] = [[], []]
+        lookups: list[dict[str, list[float]]] = [{"contains": [], "get": []}, {"contains": [], "get": []}]
+        per_round = EVICTION_PUTS // ROUNDS
+        for r in range(ROUNDS):  # interleaved, each size first in every other round: both see the same machine
+            for i in (0, 1) if r % 2 else (1, 0):
+                tiers = managers[i][0]
+                await _evicting_puts(tiers, r * per_round, per_round, puts[i])
+                await _lookups(tiers, kept[i], rngs[i], lookups[i])
+        for (tiers, _), held in zip(managers, sizes):
+            assert tiers.counters["evictions"] == per_round * ROUNDS and len(tiers) == held  # each put evicted one
+        figures = [
+            {
+                "held": held,
+                "pinned": p,
+                "put_evicting_us": _pcts(puts[i]),
+                "contains_1000_ms": _pcts(lookups[i]["contains"]),
+                "get_1000_ms": _pcts(lookups[i]["get"]),
+            }
+            for i, (held, p) in enumerate(zip(sizes, pinned))
+        ]
+    finally:
+        for tiers, _ in managers:
+            await tiers.close()
+    small, large = figures
+    return {
+        "small": small,
+        "large": large,
+        "put_evicting_ratio": large["put_evicting_us"]["p50"] / small["put_evicting_us"]["p50"],
+        "contains_ratio": large["contains_1000_ms"]["p50"] / small["contains_1000_ms"]["p50"],
+        "get_ratio": large["get_1000_ms"]["p50"] / small["get_1000_ms"]["p50"],
+    }
+
+
+def measure_eviction(chunks: int = DEFAULT_CHUNKS) -> dict[str, Any]:
+    """A put's eviction cost and lookups of 1,000 keys in the tier manager at SMALL_CHUNKS and ``chunks`` held,
+    10 % pinned (the oldest), measured in interleaved rounds; the ratios beside TARGET_RATIO."""
+    return asyncio.run(_eviction_scenario(chunks))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure_nvme_records(chunks: int = DEFAULT_CHUNKS, batch: int = 10_000) -> dict[str, Any]:
+    """What an NVMe file costs the node: ``chunks`` records handed to ``TierManager.load_nvme`` in batches, as
+    recovery does (records made there, no file written: only the node's structures are measured), in a fresh
+    Python process (one whose heap held other things would grow less); its RSS growth per record less the
+    key's length, and the time per record."""
+    code = f"import json, bench.scale_node as b; print(json.dumps(b.nvme_records_here({chunks}, {batch})))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    figures: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return figures
+
+
+def nvme_records_here(chunks: int, batch: int) -> dict[str, Any]:
+    """:func:`measure_nvme_records` in this process. RSS is read once the first batch is in (a batch's
+    records and their objects leave their high-water mark, whatever the tier then holds) and at the end."""
+    assert chunks > batch, f"--chunks must be more than a batch of {batch:,} records"
+    with tempfile.TemporaryDirectory() as root:
+        tiers = TierManager(TierConfig(dram_bytes=1 << 20, nvme_dir=Path(root), nvme_bytes=1 << 50))
+        key_bytes = statistics.fmean(len(layerwise_key(i)) for i in range(0, chunks, max(1, chunks // 1000)))
+        spent = 0.0
+        before = 0
+        for start in range(0, chunks, batch):
+            records = [
+                NvmeFile("", ItemMeta(layerwise_key(i), 1 << 20, i, "bfloat16", (2, 8, 256, 128), 1), 256)
+                for i in range(start, min(start + batch, chunks))
+            ]
+            started = time.perf_counter()
+            tiers.load_nvme(records)
+            spent += time.perf_counter() - started
+            if not start:
+                gc.collect()
+                before = _rss_bytes()
+        del records
+        gc.collect()
+        grown = _rss_bytes() - before
+        assert tiers.nvme is not None and tiers.nvme.files == chunks
+        asyncio.run(tiers.close())
+    return {
+        "records": chunks,
+        "overhead_per_record_bytes": grown / (chunks - batch) - key_bytes,
+        "load_us_per_record": spent / chunks * 1e6,
+        "batch": batch,
+        "batch_ms": spent / -(-chunks // batch) * 1000,
+    }
+
+
+# -- the report --------------------------------------------------------------------------
+
+
+def _row(name: str, measured: str, target: str, ok: bool) -> str:
+    return f"  {name:<48} {measured:>22}   target {target:<14} {'ok' if ok else 'OVER'}"
+
+
+def _ratio_row(label: str, small: float, large: float, unit: str, n: str) -> str:
+    return _row(
+        f"{label} at {n}",
+        f"{large:.2f} {unit} ({large / small:.2f}x)",
+        f"<= 1.2x {small:.2f}",
+        large <= TARGET_RATIO * small,
+    )
+
+
+def run(chunks: int = DEFAULT_CHUNKS) -> dict[str, Any]:
+    """The three measurements at ``chunks``, printed beside the targets; the figures as a dict."""
+    node = measure_node(chunks)
+    nvme = measure_nvme_records(chunks)  # in this process while its heap is still small: what it grows is the records
+    eviction = measure_eviction(chunks)
+    n, s = f"{chunks:,}", f"{SMALL_CHUNKS:,}"
+    print(f"node memory and eviction at {n} chunks ({VALUE_BYTES}-byte values, layerwise LMCache keys)")
+    print(
+        f"  fill through the put path: {node['fill_chunks_per_s']:,.0f} chunks/s; node RSS "
+        f"{node['rss_small_node_bytes'] / 2**20:.0f} MiB holding {s}, {node['rss_bytes'] / 2**20:.0f} MiB holding {n}"
+    )
+    overhead = node["overhead_per_chunk_bytes"]
+    print(_row("node bookkeeping per chunk (beyond room + key)", f"{overhead:.0f} B", "<= 256 B", overhead <= 256))
+    print(
+        f"  (RSS growth {node['rss_growth_per_chunk_bytes']:.0f} B/chunk = value room {node['value_room_bytes']} B "
+        f"+ key {node['key_bytes_mean']:.0f} B + bookkeeping; beyond the raw value "
+        f"{node['overhead_beyond_value_bytes']:.0f} B)"
+    )
+    records = nvme["overhead_per_record_bytes"]
+    print(_row(f"an NVMe file's record (beyond the key), {n} files", f"{records:.0f} B", "<= 256 B", records <= 256))
+    print(
+        f"  (recovery's records adopted at {nvme['load_us_per_record']:.1f} us each: "
+        f"{nvme['batch_ms']:.0f} ms of the node's loop per batch of {nvme['batch']:,})"
+    )
+    print(
+        f"  real nodes full at {s} and {n}, the oldest {PINNED_SHARE:.0%} leased, p50 of {ROUNDS} interleaved rounds:"
+    )
+    for label, name in (
+        (f"a put of {EVICT_BATCH} chunks that evicts {EVICT_BATCH}", "put_evicting"),
+        ("EXISTS_BATCH of 1,000 keys, to the node", "exists"),
+        ("GET_BATCH of 1,000 keys, from the node", "get"),
+    ):
+        print(_ratio_row(label, node["small_ms"][name]["p50"], node["large_ms"][name]["p50"], "ms", n))
+    print(f"  the tier manager alone (no socket), the oldest {PINNED_SHARE:.0%} pinned (leases and landing puts):")
+    for label, name, unit in (
+        ("a put that evicts one chunk", "put_evicting_us", "us"),
+        ("contains() of 1,000 keys", "contains_1000_ms", "ms"),
+        ("get() of 1,000 keys", "get_1000_ms", "ms"),
+    ):
+        small, large = eviction["small"][name]["p50"], eviction["large"][name]["p50"]
+        print(_ratio_row(label, small, large, unit, n))
+    return {"node": node, "eviction": eviction, "nvme_records": nvme}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--chunks", type=int, default=DEFAULT_CHUNKS, help="chunks held at the large size")
+    args = parser.parse_args(argv)
+    if args.chunks <= SMALL_CHUNKS:
+        parser.error(f"--chunks must be more than {SMALL_CHUNKS:,}")
+    run(args.chunks)
+
+
+if __name__ == "__main__":
+    main()
