@@ -15,6 +15,7 @@ import redis
 
 from backend import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from tests.conftest import wait_until
+from tests.support.index import index_key, slots
 
 RESTARTS = 50
 AT_ONCE = 5  # nodes started (and killed) together, to keep the test short
@@ -27,13 +28,14 @@ def _namespace_footprint(r: redis.Redis, namespace: str) -> tuple[int, int, int,
     """(registry entries, index fields, bytes of every key of the namespace, node ids the index names)."""
     registry = r.hlen(f"kvp:{{{namespace}}}:nodes")
     fields, memory, named = 0, 0, set()
-    for pattern in (f"kvp:{namespace}:*", f"kvp:{{{namespace}}}:*"):
+    by_slot = {str(slot): node for node, slot in slots(r, namespace).items()}
+    for pattern in (f"kvp:{namespace}*", f"kvp:{{{namespace}}}:*"):
         for key in r.scan_iter(match=pattern, count=1000):
             memory += r.memory_usage(key, samples=0) or 0
-            if key.startswith(f"kvp:{namespace}:k:"):
+            if key.startswith(index_key(namespace, "")):
                 holders = r.hkeys(key)
                 fields += len(holders)
-                named.update(holders)
+                named.update(by_slot.get(slot, f"#{slot}") for slot in holders)
     return registry, fields, memory, named
 
 
