@@ -8,6 +8,9 @@ tier move by an ended run changes nothing, a slot is kept across restarts -- on 
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
 import redis
 
@@ -15,9 +18,13 @@ from backend import Chunk, PoolConfig, SyncPoolClient
 from backend.errors import MetadataError
 from backend.metadata import Location, MetadataStore, NodeInfo
 from backend.metadata.records import varint
+from backend.node.nvme_format import chunk_path
+from backend.protocol import checksum
 from bench.scale_redis import TARGET_BEYOND_KEY, inprocess_keys, layerwise_keys, measure_case
 from tests.conftest import wait_until
-from tests.support.index import copies, index_key, slots
+from tests.support.chunks import all_read_back, seeded_chunks
+from tests.support.index import copies, index_key, legacy_index_key, slots
+from tests.test_cli import kvpool
 
 # 16,000 keys fill Redis's key table (16,384 buckets) as 10^6 keys fill theirs (2^20): the
 # bucket array costs the same 8 bytes per key in both, so the figure is the one at 10^6.
@@ -156,3 +163,46 @@ async def test_the_index_key_is_the_namespace_and_the_pool_key_after_a_slash():
         assert store.key_from_index("kvp:ns/a{b}c") == "a{b}c"
     finally:
         await store.close()
+
+
+def test_an_index_left_by_the_previous_release_is_never_read_and_check_fix_deletes_it(
+    node_factory, pool_url, namespace, tmp_path
+):
+    """An upgrade: Redis still holds the previous schema (``kvp:NS:k:{key}``, node ids, text values).
+    Nothing reads it -- a key indexed only there is a miss, never an error -- the upgraded node
+    republishes what its NVMe tier holds in the current schema, and ``kvpool check --fix`` deletes the
+    old keys (``flush`` does too)."""
+    nvme = tmp_path / "nvme"
+    args = ("--node-id", "upgraded", "--nvme-dir", str(nvme), "--nvme", "64MiB")
+    node = node_factory(*args, dram="1MiB")
+    chunks = seeded_chunks("upgrade", 12, 256 * 1024)
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        client.put(chunks)
+        epoch = client.nodes()[0].epoch
+    assert wait_until(lambda: sum(chunk_path(nvme, c.key).exists() for c in chunks) >= 6, 10.0)
+    node.stop()  # withdraws its entries; what is on NVMe stays
+    on_disk = [c for c in chunks if chunk_path(nvme, c.key).exists()]
+    r = redis.Redis.from_url(PoolConfig.from_url(pool_url).redis_url)
+    for c in [*chunks, Chunk("upgrade-ghost", b"")]:  # as the previous release left them, and one never stored
+        value = f"{epoch}|dram|{len(c.data)}|{checksum(c.data)}|1790000000"
+        r.hset(legacy_index_key(namespace, c.key), "upgraded", value)
+
+    node_factory(*args, dram="1MiB")  # the new release, on the same NVMe directory
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        assert wait_until(lambda: client.hit_prefix([c.key for c in on_disk]) == len(on_disk), 10.0)
+        assert all_read_back(client, on_disk)
+        assert client.get(["upgrade-ghost"]) == [None]  # only the old schema names it: a miss
+        report = _check_json(pool_url)
+        assert report["legacy_entries"] == len(chunks) + 1
+        fixed = _check_json(pool_url, "--fix")["fixed"]
+        assert fixed["legacy_entries_removed"] == len(chunks) + 1
+        assert not list(r.scan_iter(match=legacy_index_key(namespace, "*")))
+        assert _check_json(pool_url)["legacy_entries"] == 0
+        assert all_read_back(client, on_disk)  # the current entries were left alone
+    r.close()
+
+
+def _check_json(pool_url: str, *extra: str) -> dict[str, Any]:
+    out = kvpool("check", "--url", pool_url, "--json", *extra)
+    assert out.returncode in (0, 3), out.stderr  # 3: problems found
+    return dict(json.loads(out.stdout))
