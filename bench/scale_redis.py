@@ -25,13 +25,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import redis
 
-from backend.embedded import EmbeddedRedis
+from backend.embedded import EmbeddedRedis, free_port
 from backend.metadata import LOOKUP_BATCH, Location, MetadataStore
 
 __all__ = ["MODEL", "LAYERS", "TARGET_BEYOND_KEY", "inprocess_keys", "layerwise_keys", "measure", "main"]
@@ -126,8 +128,9 @@ def _fill_legacy(r: redis.Redis, keys: list[str], copies: int) -> None:
     pipe.execute()
 
 
-def measure_case(keys: list[str], copies: int, *, legacy: bool = False) -> dict[str, Any]:
-    """One fresh redis-server filled with ``keys`` (``copies`` each): bytes of ``used_memory`` per chunk."""
+def measure_case(keys: list[str], copies: int, *, legacy: bool = False, rdb: bool = False) -> dict[str, Any]:
+    """One fresh redis-server filled with ``keys`` (``copies`` each): bytes of ``used_memory`` per chunk;
+    ``rdb``: also what a snapshot costs (``SAVE``'s time and file, and a restart's load of it)."""
     server = EmbeddedRedis().start()
     try:
         with redis.Redis(port=server.port) as r:
@@ -144,6 +147,7 @@ def measure_case(keys: list[str], copies: int, *, legacy: bool = False) -> dict[
             after = settled_used_memory(r)
             assert r.dbsize() >= len(keys), "not every key was indexed"
             version = str(r.info("server")["redis_version"])
+            snapshot = _snapshot(r) if rdb else {}
     finally:
         server.cleanup()
     per_chunk = (after - before) / len(keys)
@@ -156,6 +160,40 @@ def measure_case(keys: list[str], copies: int, *, legacy: bool = False) -> dict[
         "key_chars": round(key_chars, 1),
         "fill_chunks_per_s": round(len(keys) * copies / fill_s),
         "redis_version": version,
+        **snapshot,
+    }
+
+
+def _snapshot(r: redis.Redis) -> dict[str, Any]:
+    """``SAVE`` into the server's directory, then a second redis-server started on that file: how long
+    until it answers with every key loaded (what a restart from an RDB snapshot costs)."""
+    directory = Path(str(r.config_get("dir")["dir"]))  # the server's private directory (a protected config)
+    started = time.perf_counter()
+    r.save()
+    save_s = time.perf_counter() - started
+    path = directory / str(r.config_get("dbfilename")["dbfilename"])
+    port = free_port()
+    started = time.perf_counter()
+    args = ["redis-server", "--port", str(port), "--dir", str(directory), "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with redis.Redis(port=port) as copy:
+            while True:
+                try:
+                    if copy.info("persistence")["loading"] == 0:
+                        break
+                except (redis.ConnectionError, redis.BusyLoadingError):
+                    pass
+                time.sleep(0.01)
+            load_s = time.perf_counter() - started
+            loaded = int(copy.dbsize())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return {
+        "rdb_bytes_per_chunk": round(path.stat().st_size / loaded, 1),
+        "rdb_save_s": round(save_s, 2),
+        "rdb_restart_s": round(load_s, 2),
     }
 
 
@@ -164,13 +202,14 @@ def measure(chunks: int = 10_000, *, legacy: bool = True) -> dict[str, dict[str,
     out: dict[str, dict[str, Any]] = {}
     for kind, keys in (("inprocess", list(inprocess_keys(chunks))), ("layerwise", list(layerwise_keys(chunks)))):
         for copies in (1, 2):
-            out[f"{kind}/{copies}copy"] = measure_case(keys, copies)
+            out[f"{kind}/{copies}copy"] = measure_case(keys, copies, rdb=kind == "inprocess" and copies == 1)
         if legacy:
             out[f"{kind}/1copy/previous-release"] = measure_case(keys, 1, legacy=True)
     return out
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
+    """The figures beside the target; a snapshot's cost under the table where it was measured."""
     print(f"{'case':<34} {'chunks':>9} {'B/chunk':>8} {'beyond key':>10} {'target':>6} {'key chars':>9} {'fill/s':>9}")
     for case, r in results.items():
         mark = (
@@ -182,6 +221,12 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
             f"{case:<34} {r['chunks']:>9,} {r['bytes_per_chunk']:>8} {r['beyond_key']:>10} "
             f"{TARGET_BEYOND_KEY:>6} {r['key_chars']:>9} {r['fill_chunks_per_s']:>9,}{mark}"
         )
+    for case, r in results.items():
+        if "rdb_restart_s" in r:
+            print(
+                f"{case}: RDB {r['rdb_bytes_per_chunk']} B/chunk, SAVE {r['rdb_save_s']} s, "
+                f"a restart loads it in {r['rdb_restart_s']} s"
+            )
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
