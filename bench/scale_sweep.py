@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,22 +111,30 @@ def mass_insert(port: int, commands: Iterable[bytes]) -> int:
     return int(found.group(2))
 
 
-def fill_index(port: int, keys: Iterable[str], copies: list[tuple[int, int]], *, every: list[int] | None = None) -> int:
-    """Write an index entry per key directly: copy ``j`` (slot, epoch) on every ``every[j]``-th key (default all).
-    Values are what a node's commit writes (``Location.encode``); the checksum is the key's number."""
-    every = every or [1] * len(copies)
+def fill_index(
+    port: int, keys: Iterable[str], copies: list[tuple[int, int]], *, on: list[Callable[[int], bool]] | None = None
+) -> int:
+    """Write an index entry per key directly: copy ``j`` (slot, epoch) on the keys whose number ``on[j]``
+    takes (default all); a key no copy takes is left out. Values are what a node's commit writes
+    (``Location.encode``); the checksum is the key's number."""
+    takers = on or [_always] * len(copies)
     prefix = f"kvp:{NAMESPACE}/".encode()
     heads = [(str(slot).encode(), Location("n", epoch, "dram", CHUNK_BYTES, 0).encode()[:-8]) for slot, epoch in copies]
 
     def commands() -> Iterator[bytes]:
         for i, key in enumerate(keys):
             fields: list[bytes] = []
-            for (slot, head), step in zip(heads, every):
-                if i % step == 0:
+            for (slot, head), takes in zip(heads, takers):
+                if takes(i):
                     fields += [slot, head + i.to_bytes(8, "big")]
-            yield _resp(b"HSET", prefix + key.encode(), *fields)
+            if fields:
+                yield _resp(b"HSET", prefix + key.encode(), *fields)
 
     return mass_insert(port, commands())
+
+
+def _always(_: int) -> bool:
+    return True
 
 
 class _Probe:
@@ -198,17 +206,27 @@ def _next_slot_and_epoch(r: redis.Redis) -> tuple[int, int]:
     return int(r.get(f"kvp:{{{NAMESPACE}}}:slotseq") or 0) + 1, int(r.get(f"kvp:{{{NAMESPACE}}}:epoch") or 0) + 1
 
 
-def sweep(chunks: int = 100_000, *, grace_ms: int = GRACE_MS) -> dict[str, Any]:
-    """A dead node's ``chunks`` copies over a pool of ``chunks`` keys, swept by a live node (module docstring)."""
+def sweep(chunks: int = 100_000, *, pool: int = 0, grace_ms: int = GRACE_MS) -> dict[str, Any]:
+    """A dead node's ``chunks`` copies spread over a pool of ``pool`` keys (default: as many), half of them
+    also on the live node that sweeps them (module docstring)."""
+    pool = max(pool, chunks)
+    spread = pool // chunks
     server = EmbeddedRedis().start()
     node: NodeProcess | None = None
     try:
         r = redis.Redis(port=server.port)
         dead_slot, _ = asyncio.run(_register(server.url, "dead-node", ttl_ms=1))  # its beat lapses at once
         live_slot, live_epoch = _next_slot_and_epoch(r)
-        keys = list(inprocess_keys(chunks))
+        keys = list(inprocess_keys(pool))
         started = time.perf_counter()
-        fill_index(server.port, keys, [(dead_slot, 1), (live_slot, live_epoch)], every=[1, 2])
+
+        def dead_on(i: int) -> bool:
+            return i % spread == 0
+
+        def live_on(i: int) -> bool:
+            return i % spread != 0 or i % 2 == 0  # every key keeps an entry
+
+        fill_index(server.port, keys, [(dead_slot, 1), (live_slot, live_epoch)], on=[dead_on, live_on])
         fill_s = time.perf_counter() - started
         used = int(r.info("memory")["used_memory"])
         probe = _Probe(server.port)
@@ -227,21 +245,21 @@ def sweep(chunks: int = 100_000, *, grace_ms: int = GRACE_MS) -> dict[str, Any]:
             counters = client.node_stats(me)["counters"]
         seen = probe.stop()
         walk = re.findall(r"swept the index in ([\d.]+) s", node.log)
-        sample = random.Random(1).sample(range(chunks), min(CHECK_SAMPLE, chunks))
+        sample = random.Random(1).sample(range(pool), min(CHECK_SAMPLE, pool))
         left = [r.hgetall(f"kvp:{NAMESPACE}/{keys[i]}") for i in sample]
         dead_left = sum(1 for fields in left if str(dead_slot).encode() in fields)
-        live_kept = sum(1 for i, fields in zip(sample, left) if (str(live_slot).encode() in fields) == (i % 2 == 0))
+        live_kept = sum(1 for i, fields in zip(sample, left) if (str(live_slot).encode() in fields) == live_on(i))
         walk_s = float(walk[-1]) if walk else float("nan")
         return {
             "chunks": chunks,
             "dead_fields": chunks,
-            "pool_keys": chunks,
+            "pool_keys": pool,
             "fill_s": round(fill_s, 1),
             "redis_used_memory_mib": round(used / 2**20, 1),
             "grace_s": grace_ms / 1000,
             "sweep_walk_s": walk_s,
             "dead_gone_after_start_s": round(total_s, 1),
-            "keys_per_s": round(chunks / walk_s) if walk else None,
+            "keys_per_s": round(pool / walk_s) if walk else None,
             "fields_removed": counters.get("collected_index_fields", 0),
             "sample_dead_fields_left": dead_left,
             "sample_live_fields_kept": f"{live_kept}/{len(sample)}",
@@ -413,14 +431,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--chunks", type=int, default=100_000, help="index size N (default 100000)")
     parser.add_argument("--parts", default="sweep,admin,lookup", help="which parts (default all)")
     parser.add_argument("--grace-ms", type=int, default=GRACE_MS, help="the reaper's --dead-node-grace-ms")
+    parser.add_argument("--pool", type=int, default=0, help="sweep: keys in the pool (default --chunks)")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
     results: dict[str, Any] = {"load_before": os.getloadavg()[0]}
     if "sweep" in parts:
-        results["sweep"] = sweep(args.chunks, grace_ms=args.grace_ms)
+        results["sweep"] = sweep(args.chunks, pool=args.pool, grace_ms=args.grace_ms)
         s = results["sweep"]
         print(
-            f"sweep of a dead node's {s['dead_fields']:,} fields: walk {s['sweep_walk_s']} s (target <= {SWEEP_TARGET_S:.0f} s), "
+            f"sweep of a dead node's {s['dead_fields']:,} fields in {s['pool_keys']:,} keys: walk {s['sweep_walk_s']} s "
+            f"(target <= {SWEEP_TARGET_S:.0f} s), "
             f"{s['keys_per_s']} keys/s; slowest Redis call {s['redis_slowest_call_ms']} ms (target < {CALL_TARGET_MS:.0f}), "
             f"{s['redis_calls_over_10ms']} over 10 ms; probe PING p99 {s['probe_ping_p99_ms']} ms, max {s['probe_ping_max_ms']} ms"
         )

@@ -120,22 +120,23 @@ class RegistryView:
         return self.health.is_down(loc.node_id, loc.epoch) and self.alive(loc)
 
     def ordered(self, entry: Sequence[Location]) -> list[Location]:
-        """Live copies not on a node marked down: nodes that just failed a read last, then same
-        cluster first, then least loaded."""
+        """Live copies not on a node marked down, each naming its node: nodes that just failed a read
+        last, then same cluster first, then least loaded."""
         now = time.monotonic()
         cluster = self.ctx.config.cluster
-
-        def rank(loc: Location) -> tuple[bool, int, float]:
-            node = self._nodes[loc.node_id]  # a live copy from a lookup names its node (the view gave its slot)
-            suspect = self._suspect_until.get(loc.node_id, 0.0) > now
+        ranked: list[tuple[tuple[bool, int, float], Location]] = []
+        for loc in entry:
+            node = self._node_of(loc)
+            if node is None or node.epoch != loc.epoch or self.health.is_down(node.node_id, loc.epoch):
+                continue
+            if not loc.attributed:  # read before the view knew its slot's node
+                loc = dataclasses.replace(loc, node_id=node.node_id)
+            suspect = self._suspect_until.get(node.node_id, 0.0) > now
             same = int(bool(cluster) and node.cluster == cluster)
             load = node.used_bytes / node.capacity_bytes if node.capacity_bytes else 1.0
-            return (suspect, -same, load)
-
-        health = self.health
-        return sorted(
-            (loc for loc in entry if self.alive(loc) and not health.is_down(loc.node_id, loc.epoch)), key=rank
-        )
+            ranked.append(((suspect, -same, load), loc))
+        ranked.sort(key=lambda pair: pair[0])
+        return [loc for _, loc in ranked]
 
     def suspect(self, node_id: str) -> None:
         """``node_id`` failed a read: read its copies last for ``SUSPECT_S``."""

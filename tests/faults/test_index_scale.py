@@ -26,12 +26,12 @@ ADMIN_KEYS = 1_000_000 if FULL else 50_000
 def test_a_dead_nodes_entries_are_swept_in_seconds_and_no_redis_call_takes_10ms():
     figures = sweep(SWEEP_CHUNKS, grace_ms=500)
     print(figures)
-    assert figures["fields_removed"] == SWEEP_CHUNKS
-    assert figures["sample_dead_fields_left"] == 0
-    assert figures["sample_live_fields_kept"] == "1000/1000"  # the live node's copies, and only the dead ones, went
+    assert figures["fields_removed"] == SWEEP_CHUNKS, figures
+    assert figures["sample_dead_fields_left"] == 0, figures
+    assert figures["sample_live_fields_kept"] == "1000/1000", figures  # only the dead node's copies went
     assert figures["sweep_walk_s"] <= SWEEP_WALK_BOUND_S, figures
     assert figures["redis_calls_over_10ms"] == 0, figures  # SLOWLOG: Redis's own time per command
-    assert figures["redis_slowest_call_ms"] < CALL_TARGET_MS
+    assert figures["redis_slowest_call_ms"] < CALL_TARGET_MS, figures
 
 
 @pytest.mark.timeout(900 if FULL else 120)
