@@ -210,7 +210,7 @@ def measure(chunks: int = 10_000, *, legacy: bool = True) -> dict[str, dict[str,
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
     """The figures beside the target; a snapshot's cost under the table where it was measured."""
-    print(f"{'case':<34} {'chunks':>9} {'B/chunk':>8} {'beyond key':>10} {'target':>6} {'key chars':>9} {'fill/s':>9}")
+    print(f"{'case':<42} {'chunks':>9} {'B/chunk':>8} {'beyond key':>10} {'target':>6} {'key chars':>9} {'fill/s':>9}")
     for case, r in results.items():
         mark = (
             ""
@@ -218,7 +218,7 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
             else (" ok" if r["beyond_key"] <= TARGET_BEYOND_KEY else " OVER")
         )
         print(
-            f"{case:<34} {r['chunks']:>9,} {r['bytes_per_chunk']:>8} {r['beyond_key']:>10} "
+            f"{case:<42} {r['chunks']:>9,} {r['bytes_per_chunk']:>8} {r['beyond_key']:>10} "
             f"{TARGET_BEYOND_KEY:>6} {r['key_chars']:>9} {r['fill_chunks_per_s']:>9,}{mark}"
         )
     for case, r in results.items():

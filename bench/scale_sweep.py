@@ -65,6 +65,7 @@ CHUNK_BYTES = 2 * 1024 * 1024
 PIPE_BATCH = 20_000  # commands per write to redis-cli --pipe
 PROBE_INTERVAL_S = 0.002
 SLOW_US = 1000  # SLOWLOG keeps every command slower than this
+REDIS_NICE = -10
 LOOKUP_KEYS = 1000
 LOOKUP_ROUNDS = 300
 SMALL_INDEX = 10_000
@@ -137,6 +138,21 @@ def _always(_: int) -> bool:
     return True
 
 
+def redis_server() -> tuple[EmbeddedRedis, bool]:
+    """A fresh redis-server, given CPU before this machine's other processes where allowed (nice -10).
+
+    On a host of its own Redis is not preempted by the bench, the node and the CLI it serves;
+    on a shared machine of two cores it is, and a command it was preempted in reads as slow in
+    SLOWLOG. Answers the server and whether it got the priority (``redis_favoured`` in results)."""
+    server = EmbeddedRedis().start()
+    assert server.process is not None
+    try:
+        os.setpriority(os.PRIO_PROCESS, server.process.pid, REDIS_NICE)
+    except OSError:
+        return server, False
+    return server, True
+
+
 class _Probe:
     """A PING every 2 ms from another process, and Redis's SLOWLOG and LATENCY monitor, over a phase."""
 
@@ -169,12 +185,17 @@ class _Probe:
             "redis_calls_over_1ms": len(slow_us),
             "redis_calls_over_10ms": sum(1 for us in slow_us if us > CALL_TARGET_MS * 1000),
             "redis_slowest_call_ms": round(slow_us[-1] / 1000, 3) if slow_us else 0.0,
+            "redis_slowest_entries": [
+                (round(int(e["duration"]) / 1000, 2), str(e["command"])[:80])
+                for e in sorted(slow, key=lambda e: -int(e["duration"]))[:5]
+            ],
             "redis_slowest_commands": sorted(
                 {str(e["command"]).split(" ")[0][:40] for e in slow if int(e["duration"]) >= slow_us[-1] // 2}
             )
             if slow_us
             else [],
             "redis_latency_max_ms": max((int(row[2]) for row in latest), default=0),
+            "redis_latency_events": sorted(str(row[0]) for row in latest),
         }
 
 
@@ -211,7 +232,7 @@ def sweep(chunks: int = 100_000, *, pool: int = 0, grace_ms: int = GRACE_MS) -> 
     also on the live node that sweeps them (module docstring)."""
     pool = max(pool, chunks)
     spread = pool // chunks
-    server = EmbeddedRedis().start()
+    server, favoured = redis_server()
     node: NodeProcess | None = None
     try:
         r = redis.Redis(port=server.port)
@@ -252,6 +273,7 @@ def sweep(chunks: int = 100_000, *, pool: int = 0, grace_ms: int = GRACE_MS) -> 
         walk_s = float(walk[-1]) if walk else float("nan")
         return {
             "chunks": chunks,
+            "redis_favoured": favoured,
             "dead_fields": chunks,
             "pool_keys": pool,
             "fill_s": round(fill_s, 1),
@@ -312,7 +334,7 @@ def _hwm_kib(pid: int) -> int:
 
 def admin(chunks: int = 100_000) -> dict[str, Any]:
     """``ls``/``evict`` by prefix, ``stats`` and ``status`` over an index of ``chunks`` keys (module docstring)."""
-    server = EmbeddedRedis().start()
+    server, favoured = redis_server()
     node: NodeProcess | None = None
     try:
         r = redis.Redis(port=server.port)
@@ -324,7 +346,7 @@ def admin(chunks: int = 100_000) -> dict[str, Any]:
         fill_s = time.perf_counter() - started
         node = _node(server.url, "a-node")
         assert _slots(r)["a-node"] == slot
-        out: dict[str, Any] = {"chunks": chunks, "fill_s": round(fill_s, 1)}
+        out: dict[str, Any] = {"chunks": chunks, "fill_s": round(fill_s, 1), "redis_favoured": favoured}
         out["redis_used_memory_mib"] = round(int(r.info("memory")["used_memory"]) / 2**20, 1)
         verbs = {
             "ls_prefix": ("ls", "--prefix", "other-org/", "--json"),
@@ -391,7 +413,7 @@ async def _timed_lookups(urls: list[str], keysets: list[list[str]], live: dict[s
 
 def lookup(chunks: int = 1_000_000, small: int = SMALL_INDEX) -> dict[str, Any]:
     """The live lookup of 1,000 keys against ``small`` keys in Redis and against ``chunks`` (module docstring)."""
-    servers = [EmbeddedRedis().start(), EmbeddedRedis().start()]
+    servers = [redis_server()[0], redis_server()[0]]
     try:
         keysets = []
         for server, count in zip(servers, (small, chunks)):
@@ -432,6 +454,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--parts", default="sweep,admin,lookup", help="which parts (default all)")
     parser.add_argument("--grace-ms", type=int, default=GRACE_MS, help="the reaper's --dead-node-grace-ms")
     parser.add_argument("--pool", type=int, default=0, help="sweep: keys in the pool (default --chunks)")
+    parser.add_argument("--small", type=int, default=SMALL_INDEX, help="lookup: the smaller index (default 10000)")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
     results: dict[str, Any] = {"load_before": os.getloadavg()[0]}
@@ -453,10 +476,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"slowest Redis call {v['redis_slowest_call_ms']} ms (target < {CALL_TARGET_MS:.0f})"
             )
     if "lookup" in parts:
-        results["lookup"] = lookup(args.chunks)
+        results["lookup"] = lookup(args.chunks, args.small)
         lk = results["lookup"]
         print(
-            f"lookup of 1,000 keys at {SMALL_INDEX:,} vs {args.chunks:,} keys: p50 ratio {lk['ratio_together_p50']} "
+            f"lookup of 1,000 keys at {args.small:,} vs {args.chunks:,} keys: p50 ratio {lk['ratio_together_p50']} "
             f"(stored together), {lk['ratio_random_p50']} (random); Redis time ratio {lk['ratio_redis_time']} "
             f"(target <= {LOOKUP_RATIO_TARGET})"
         )
