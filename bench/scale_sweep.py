@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -50,9 +51,10 @@ from typing import Any
 import redis
 
 from backend import PoolConfig, SyncPoolClient
-from backend.embedded import EmbeddedRedis
+from backend.embedded import free_port
 from backend.metadata import Location, MetadataStore, NodeInfo
 from bench.nodes import NodeProcess
+from bench.redis_servers import RedisProcesses
 from bench.scale_redis import inprocess_keys
 
 __all__ = ["SWEEP_TARGET_S", "CALL_TARGET_MS", "LOOKUP_RATIO_TARGET", "fill_index", "sweep", "admin", "lookup", "main"]
@@ -66,6 +68,7 @@ PIPE_BATCH = 20_000  # commands per write to redis-cli --pipe
 PROBE_INTERVAL_S = 0.002
 SLOW_US = 1000  # SLOWLOG keeps every command slower than this
 REDIS_NICE = -10
+REHASH_WAIT_S = 900.0
 LOOKUP_KEYS = 1000
 LOOKUP_ROUNDS = 300
 SMALL_INDEX = 10_000
@@ -138,19 +141,61 @@ def _always(_: int) -> bool:
     return True
 
 
-def redis_server() -> tuple[EmbeddedRedis, bool]:
+@dataclasses.dataclass
+class _Redis:
+    """A redis-server of this machine, default config but ``DEBUG`` allowed locally (to see a rehash end)."""
+
+    port: int
+    favoured: bool  # given CPU before this machine's other processes (``redis_favoured`` in results)
+    _processes: RedisProcesses
+    _dir: tempfile.TemporaryDirectory[str]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def cleanup(self) -> None:
+        self._processes.stop_all()
+        self._dir.cleanup()
+
+
+def redis_server() -> _Redis:
     """A fresh redis-server, given CPU before this machine's other processes where allowed (nice -10).
 
     On a host of its own Redis is not preempted by the bench, the node and the CLI it serves;
     on a shared machine of two cores it is, and a command it was preempted in reads as slow in
-    SLOWLOG. Answers the server and whether it got the priority (``redis_favoured`` in results)."""
-    server = EmbeddedRedis().start()
-    assert server.process is not None
+    SLOWLOG."""
+    directory = tempfile.TemporaryDirectory(prefix="kvpool-scale-")
+    processes = RedisProcesses(Path(directory.name))
+    port = processes.start(free_port(), "--enable-debug-command", "local")
     try:
-        os.setpriority(os.PRIO_PROCESS, server.process.pid, REDIS_NICE)
+        os.setpriority(os.PRIO_PROCESS, processes.processes[port].pid, REDIS_NICE)
+        favoured = True
     except OSError:
-        return server, False
-    return server, True
+        favoured = False
+    return _Redis(port, favoured, processes, directory)
+
+
+def wait_rehashed(port: int, timeout_s: float = REHASH_WAIT_S) -> float:
+    """Wait until Redis has moved its key table to the size the keys grew (or shrank) it to; seconds waited.
+
+    When the keys pass a power of two Redis rehashes into a table twice the size a little at a
+    time (a millisecond of every 100, and a bucket per command): about two minutes at 10^7 keys,
+    during which every key read looks in both tables. Figures of a settled index wait for it."""
+    started = time.monotonic()
+    with redis.Redis(port=port) as r:
+        while "rehashing target" in str(r.execute_command("DEBUG", "HTSTATS", "0")):
+            if time.monotonic() - started > timeout_s:
+                raise RuntimeError(f"Redis still rehashing its key table after {timeout_s:.0f} s")
+            time.sleep(1.0)
+    return round(time.monotonic() - started, 1)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+_OWN_COMMANDS = ("SLOWLOG", "LATENCY", "CONFIG", "INFO", "DEBUG", "MEMORY")  # the bench's, not the pool's
 
 
 class _Probe:
@@ -176,6 +221,7 @@ class _Probe:
         with redis.Redis(port=self.port) as r:
             slow = r.slowlog_get(100_000)
             latest = r.execute_command("LATENCY", "LATEST")
+        slow = [e for e in slow if not _text(e["command"]).upper().startswith(_OWN_COMMANDS)]
         slow_us = sorted(int(entry["duration"]) for entry in slow)
         return {
             "probe_pings": len(pings),
@@ -186,16 +232,15 @@ class _Probe:
             "redis_calls_over_10ms": sum(1 for us in slow_us if us > CALL_TARGET_MS * 1000),
             "redis_slowest_call_ms": round(slow_us[-1] / 1000, 3) if slow_us else 0.0,
             "redis_slowest_entries": [
-                (round(int(e["duration"]) / 1000, 2), str(e["command"])[:80])
+                (round(int(e["duration"]) / 1000, 2), _text(e["command"])[:80])
                 for e in sorted(slow, key=lambda e: -int(e["duration"]))[:5]
             ],
             "redis_slowest_commands": sorted(
-                {str(e["command"]).split(" ")[0][:40] for e in slow if int(e["duration"]) >= slow_us[-1] // 2}
+                {_text(e["command"]).split(" ")[0][:40] for e in slow if int(e["duration"]) >= slow_us[-1] // 2}
             )
             if slow_us
             else [],
-            "redis_latency_max_ms": max((int(row[2]) for row in latest), default=0),
-            "redis_latency_events": sorted(str(row[0]) for row in latest),
+            "redis_latency_events": {str(row[0]): int(row[2]) for row in latest},  # event -> its slowest, ms
         }
 
 
@@ -232,7 +277,7 @@ def sweep(chunks: int = 100_000, *, pool: int = 0, grace_ms: int = GRACE_MS) -> 
     also on the live node that sweeps them (module docstring)."""
     pool = max(pool, chunks)
     spread = pool // chunks
-    server, favoured = redis_server()
+    server = redis_server()
     node: NodeProcess | None = None
     try:
         r = redis.Redis(port=server.port)
@@ -249,6 +294,7 @@ def sweep(chunks: int = 100_000, *, pool: int = 0, grace_ms: int = GRACE_MS) -> 
 
         fill_index(server.port, keys, [(dead_slot, 1), (live_slot, live_epoch)], on=[dead_on, live_on])
         fill_s = time.perf_counter() - started
+        rehash_s = wait_rehashed(server.port)
         used = int(r.info("memory")["used_memory"])
         probe = _Probe(server.port)
         started = time.monotonic()
@@ -273,10 +319,11 @@ def sweep(chunks: int = 100_000, *, pool: int = 0, grace_ms: int = GRACE_MS) -> 
         walk_s = float(walk[-1]) if walk else float("nan")
         return {
             "chunks": chunks,
-            "redis_favoured": favoured,
+            "redis_favoured": server.favoured,
             "dead_fields": chunks,
             "pool_keys": pool,
             "fill_s": round(fill_s, 1),
+            "rehash_wait_s": rehash_s,
             "redis_used_memory_mib": round(used / 2**20, 1),
             "grace_s": grace_ms / 1000,
             "sweep_walk_s": walk_s,
@@ -291,6 +338,18 @@ def sweep(chunks: int = 100_000, *, pool: int = 0, grace_ms: int = GRACE_MS) -> 
         if node is not None:
             node.stop()
         server.cleanup()
+
+
+def _wait_first_walk(port: int, node_id: str) -> float:
+    """Seconds until ``node_id``'s collector finished its first walk over the index."""
+    started = time.monotonic()
+    with SyncPoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{port}/{NAMESPACE}")) as client:
+        node = next(n for n in client.nodes() if n.node_id == node_id)
+        while client.node_stats(node)["counters"].get("collector_sweeps", 0) < 1:
+            if time.monotonic() - started > SWEEP_WAIT_S:
+                raise RuntimeError(f"node {node_id}'s first walk did not end within {SWEEP_WAIT_S} s")
+            time.sleep(0.5)
+    return round(time.monotonic() - started, 1)
 
 
 def _slots(r: redis.Redis) -> dict[str, int]:
@@ -334,7 +393,7 @@ def _hwm_kib(pid: int) -> int:
 
 def admin(chunks: int = 100_000) -> dict[str, Any]:
     """``ls``/``evict`` by prefix, ``stats`` and ``status`` over an index of ``chunks`` keys (module docstring)."""
-    server, favoured = redis_server()
+    server = redis_server()
     node: NodeProcess | None = None
     try:
         r = redis.Redis(port=server.port)
@@ -344,9 +403,14 @@ def admin(chunks: int = 100_000) -> dict[str, Any]:
         started = time.perf_counter()
         fill_index(server.port, (k for part in (others, model) for k in part), [(slot, epoch)])
         fill_s = time.perf_counter() - started
+        rehash_s = wait_rehashed(server.port)
         node = _node(server.url, "a-node")
         assert _slots(r)["a-node"] == slot
-        out: dict[str, Any] = {"chunks": chunks, "fill_s": round(fill_s, 1), "redis_favoured": favoured}
+        # A node that takes over collecting walks the whole index once; the verbs run beside it in its
+        # steady state (a page a heartbeat), as in a pool that has been up a while.
+        walk_s = _wait_first_walk(server.port, "a-node")
+        out: dict[str, Any] = {"chunks": chunks, "fill_s": round(fill_s, 1), "redis_favoured": server.favoured}
+        out.update(rehash_wait_s=rehash_s, reaper_first_walk_s=walk_s)
         out["redis_used_memory_mib"] = round(int(r.info("memory")["used_memory"]) / 2**20, 1)
         verbs = {
             "ls_prefix": ("ls", "--prefix", "other-org/", "--json"),
@@ -365,6 +429,7 @@ def admin(chunks: int = 100_000) -> dict[str, Any]:
                 "redis_calls_over_10ms": seen["redis_calls_over_10ms"],
                 "probe_ping_max_ms": seen["probe_ping_max_ms"],
                 "redis_slowest_commands": seen["redis_slowest_commands"],
+                "redis_slowest_entries": seen["redis_slowest_entries"],
             }
             if name == "ls_prefix":
                 out[name]["rows"] = len(text.splitlines())
@@ -413,7 +478,7 @@ async def _timed_lookups(urls: list[str], keysets: list[list[str]], live: dict[s
 
 def lookup(chunks: int = 1_000_000, small: int = SMALL_INDEX) -> dict[str, Any]:
     """The live lookup of 1,000 keys against ``small`` keys in Redis and against ``chunks`` (module docstring)."""
-    servers = [redis_server()[0], redis_server()[0]]
+    servers = [redis_server(), redis_server()]
     try:
         keysets = []
         for server, count in zip(servers, (small, chunks)):
@@ -422,6 +487,8 @@ def lookup(chunks: int = 1_000_000, small: int = SMALL_INDEX) -> dict[str, Any]:
             keys = list(inprocess_keys(count))
             fill_index(server.port, keys, [(slot, epoch)])
             keysets.append(keys)
+        for server in servers:
+            wait_rehashed(server.port)
         before = [_evalsha_us(s.port) for s in servers]
         rows = asyncio.run(_timed_lookups([s.url for s in servers], keysets, {"a-node": 1}))
         redis_us = [
