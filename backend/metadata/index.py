@@ -12,7 +12,7 @@ from redis import exceptions as redis_exceptions
 from backend.errors import MetadataError
 from backend.metadata.connection import RedisConnection
 from backend.metadata.records import IndexEntry, Location, SweepPage, varint
-from backend.metadata.scripts import LOOKUP_BATCH, SWEEP_PAGE
+from backend.metadata.scripts import LOOKUP_BATCH, SCAN_PAGE, SWEEP_PAGE
 
 __all__ = ["KeyIndex"]
 
@@ -155,7 +155,7 @@ class KeyIndex(RedisConnection):
     async def scan_key_batches(self, match: str = "*", batch: int = LOOKUP_BATCH) -> AsyncIterator[list[str]]:
         """Stream pool keys (SCAN) in lists of at most ``batch``."""
         keys: list[str] = []
-        async for key in self.scan_keys(match, count=batch):
+        async for key in self.scan_keys(match, count=min(batch, SCAN_PAGE)):
             keys.append(key)
             if len(keys) >= batch:
                 yield keys
@@ -163,7 +163,7 @@ class KeyIndex(RedisConnection):
         if keys:
             yield keys
 
-    async def scan_keys(self, match: str = "*", count: int = 1000) -> AsyncIterator[str]:
+    async def scan_keys(self, match: str = "*", count: int = SCAN_PAGE) -> AsyncIterator[str]:
         """Stream pool keys (SCAN, never KEYS). ``match`` is a glob on the pool key.
 
         Each SCAN step has its own deadline (``timeout_s``), so a hung Redis ends the
@@ -253,7 +253,7 @@ class KeyIndex(RedisConnection):
         them: an upgraded node republishes what it holds in the current schema."""
         found, cursor = 0, 0
         while True:
-            cursor, names = await self._scan_step(cursor, self.legacy_index_prefix + "*", LOOKUP_BATCH)
+            cursor, names = await self._scan_step(cursor, self.legacy_index_prefix + "*", SCAN_PAGE)
             found += len(names)
             if names and remove:
                 async with self._call("legacy index delete"):
@@ -269,7 +269,7 @@ class KeyIndex(RedisConnection):
         for pattern in patterns:
             cursor = 0
             while True:
-                cursor, names = await self._scan_step(cursor, pattern + "*", LOOKUP_BATCH)
+                cursor, names = await self._scan_step(cursor, pattern + "*", SCAN_PAGE)
                 if names:
                     async with self._call("flush"):
                         removed += int(await self._redis.delete(*names))

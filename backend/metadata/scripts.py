@@ -13,7 +13,10 @@ the sweep, which reads an epoch to compare it.
 """
 
 LOOKUP_BATCH = 1000  # keys per pipeline flush on republish/removal
-SWEEP_PAGE = 250  # index keys one sweep call reads: about 1 ms of Redis at 10^7 keys (docs/scale-redis.md)
+# Keys one call reads, sized so that no call holds Redis near 10 ms at 10^7 keys, where each key read
+# misses the CPU's caches (docs/scale-redis.md): a sweep page (HGETALL and HDEL per key) and a SCAN.
+SWEEP_PAGE = 125  # about 0.7 ms a call at 10^7 keys; the slowest seen at 250 was 9.4 ms
+SCAN_PAGE = 500  # SCAN's COUNT on index walks (ls, evict, check, flush); the slowest seen at 1,000 was 7.6 ms
 REGISTRY_LOG_MAX = 1000  # registry changes a client may be behind and still read only what changed
 DEAD_PER_BEAT = 100  # expired beats one heartbeat collects (the next ones take the rest)
 MARKER_TAG_SEARCH = 100_000  # hash tags tried to find one per cluster primary (16384 slots)

@@ -16,7 +16,7 @@ from the registry alone -- collects, in steps taken after its heartbeats:
    run claims the id again). The time is this process's own monotonic clock: wall clocks
    of other hosts play no part.
 2. The sweep: a walk over the whole index done in Redis (``KeyIndex.sweep_step``, one
-   SCAN page of ``SWEEP_PAGE`` keys per call, about a millisecond of Redis each), which
+   SCAN page of ``SWEEP_PAGE`` keys per call, under a millisecond of Redis each), which
    removes every field of a slot dead for ``grace_s``, and every field written by an older
    epoch of a node that is alive now (its previous run's DRAM chunks, which died with it).
    Each call reads and removes atomically, so a write racing the reaper lands after it
@@ -43,10 +43,10 @@ __all__ = ["DeadNodeReaper", "SCAN_COUNT", "DEFAULT_GRACE_S", "STEP_BUDGET_S"]
 
 logger = logging.getLogger(__name__)
 
-SCAN_COUNT = SWEEP_PAGE  # index keys one sweep call reads (about a millisecond of Redis)
+SCAN_COUNT = SWEEP_PAGE  # index keys one sweep call reads (under a millisecond of Redis)
 DEFAULT_GRACE_S = 300.0  # a node must look dead this long before its entries go
 FOLLOWER_CHECK_S = 10.0  # a node that does not collect reads the registry to see whether it should this often
-STEP_BUDGET_S = 0.25  # how long one step may sweep when there is work: a quarter of the default beat interval
+STEP_BUDGET_S = 0.4  # how long one step may sweep when there is work: 40% of the default beat interval
 
 
 _Walk = tuple[frozenset[int], dict[int, int]]  # the dead slots and live slot epochs a walk began with
