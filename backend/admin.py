@@ -126,6 +126,7 @@ class CheckFixes:
     entries_removed: int
     bytes_reindexed: int
     dead_nodes_forgotten: int
+    legacy_entries_removed: int = 0  # index keys of the release before this index schema, deleted
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,9 @@ class CheckReport:
     dead_node_entries: list[Copy]  # index entries of dead nodes, or of a node's ended run
     dead_nodes: list[str]  # registered nodes that are not alive
     fixed: CheckFixes | None = None
+    # Index keys of the release before this index schema (kvp:NS:k:{key}): nothing reads them (an upgraded
+    # node republishes what it holds), but they take Redis memory until --fix deletes them.
+    legacy_entries: int = 0
 
     @property
     def problems(self) -> int:
@@ -149,7 +153,8 @@ class CheckReport:
     def repairable(self) -> int:
         """What ``--fix`` changes. Corrupt copies are not counted: their node took each out of
         use (and out of the index) the moment it found it, as it does on any read."""
-        return len(self.orphan_entries) + len(self.orphan_bytes) + len(self.dead_node_entries) + len(self.dead_nodes)
+        found = len(self.orphan_entries) + len(self.orphan_bytes) + len(self.dead_node_entries) + len(self.dead_nodes)
+        return found + self.legacy_entries
 
     def to_json(self) -> dict[str, Any]:
         """The report as ``kvpool check --json`` prints it (``fixed`` is ``{}`` when nothing was repaired)."""
@@ -407,8 +412,8 @@ async def node_rows(client: PoolClient) -> list[NodeRow]:
 async def iter_keys(
     client: PoolClient, *, model: str | None = None, prefix: str | None = None, limit: int | None = None
 ) -> AsyncIterator[dict[str, Any]]:
-    """Stream index entries (SCAN, never KEYS): key, node, its host, tier, size, age."""
-    now = int(time.time())
+    """Stream index entries (SCAN, never KEYS): key, node, its host, tier, size, and the node epoch that
+    wrote it. The CLI holds one SCAN batch (1,000 keys) at a time, however large the index."""
     hosts = {n.node_id: n.hostname for n in await client.index.nodes()}
     count = 0
     async for batch in client.index.scan_entries(_match(model, prefix)):
@@ -420,7 +425,7 @@ async def iter_keys(
                     "host": hosts.get(loc.node_id, ""),
                     "tier": loc.tier,
                     "nbytes": loc.nbytes,
-                    "age_s": max(0, now - loc.written_at),
+                    "epoch": loc.epoch,
                 }
             count += 1
             if limit is not None and count >= limit:
@@ -686,6 +691,7 @@ async def flush(client: PoolClient, progress: Progress | None = None) -> FlushRe
     removed = 0
     async for batch in client.index.scan_key_batches(batch=SCAN_BATCH):
         removed += await client.index.delete(batch)
+    removed += await client.index.legacy_entries(remove=True)
     return FlushReport(deleted, removed)
 
 
@@ -704,6 +710,7 @@ async def check(
     found = _Findings(dead_nodes=[n.node_id for n in nodes if not n.alive])
     await _scan_index(client, alive, found, deep=deep, progress=progress)
     await _scan_inventories(client, alive, found)
+    found.legacy = await client.index.legacy_entries()
     report = found.report()
     if fix and report.problems:
         report = dataclasses.replace(report, fixed=await _repair(client, found))
@@ -724,6 +731,7 @@ class _Findings:
     orphan_bytes: list[_Found] = dataclasses.field(default_factory=list)
     corrupt: list[_Found] = dataclasses.field(default_factory=list)
     dead_entries: list[_Found] = dataclasses.field(default_factory=list)
+    legacy: int = 0  # index keys of the release before this schema
 
     def report(self) -> CheckReport:
         return CheckReport(
@@ -734,6 +742,7 @@ class _Findings:
             corrupt=[Copy.of(k, loc) for k, loc in self.corrupt],
             dead_node_entries=[Copy.of(k, loc) for k, loc in self.dead_entries],
             dead_nodes=list(self.dead_nodes),
+            legacy_entries=self.legacy,
         )
 
 
@@ -800,7 +809,9 @@ async def _repair(client: PoolClient, found: _Findings) -> CheckFixes:
     await client.index.commit(reindex)  # valid bytes nobody could find: index them
     for node_id in dead:
         await client.index.forget_node(node_id)
-    return CheckFixes(len(found.orphan_entries) + len(dead_entries) + len(found.corrupt), len(reindex), len(dead))
+    legacy = await client.index.legacy_entries(remove=True) if found.legacy else 0
+    removed = len(found.orphan_entries) + len(dead_entries) + len(found.corrupt)
+    return CheckFixes(removed, len(reindex), len(dead), legacy)
 
 
 async def _still_orphaned(

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     nodes = verbs.add_parser("nodes", help="table of nodes: address, epoch, uptime, tiers, request rate")
     _admin_options(nodes)
 
-    ls = verbs.add_parser("ls", help="list cached chunks with node, tier, size and age (streams; SCAN)")
+    ls = verbs.add_parser("ls", help="list cached chunks with node, tier, size and epoch (streams; SCAN)")
     _admin_options(ls)
     ls.add_argument("--model", help="only keys of this model (LMCache key prefix MODEL@)")
     ls.add_argument("--prefix", help="only keys starting with this text")
@@ -513,7 +513,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 print(json.dumps(row), flush=False)
             else:
                 print(
-                    f"{row['key']}  {row['node_id']}  {row['host'] or '-'}  {row['tier']}  {format_size(row['nbytes'])}  {row['age_s']} s"
+                    f"{row['key']}  {row['node_id']}  {row['host'] or '-'}  {row['tier']}  {format_size(row['nbytes'])}  "
+                    f"epoch {row['epoch']}"
                 )
         sys.stdout.flush()
         return count
@@ -651,11 +652,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         for copy in copies[:10]:
             print(f"    {copy.key} on {copy.node_id} ({copy.tier})")
     print(f"  {'dead nodes':<30} {len(report.dead_nodes)} {' '.join(report.dead_nodes)}")
+    if report.legacy_entries:
+        print(f"  {'index keys of the old schema':<30} {report.legacy_entries} (kvp:NS:k:{{KEY}}: read by nothing)")
     if report.fixed is not None:
         f = report.fixed
         print(
             f"fixed: removed {f.entries_removed} index entries, re-indexed {f.bytes_reindexed} chunks, "
-            f"forgot {f.dead_nodes_forgotten} dead nodes"
+            f"forgot {f.dead_nodes_forgotten} dead nodes, deleted {f.legacy_entries_removed} old-schema index keys"
         )
     else:
         if report.corrupt:

@@ -172,13 +172,16 @@ def connect(target: RedisTarget, timeout_s: float, *, password: str = "", ca_fil
     """A redis-py asyncio client for ``target`` (``Redis`` or ``RedisCluster``), decoding replies.
 
     ``password`` is used when the target carries none; ``ca_file`` verifies a TLS Redis
-    (empty: the system trust store).
+    (empty: the system trust store). Replies are UTF-8 text, and bytes that are not UTF-8
+    decode losslessly as surrogates: an index value is binary (``backend.metadata.records``),
+    and ``text.encode("utf-8", "surrogateescape")`` gives its bytes back.
     """
     retry = Retry(ExponentialWithJitterBackoff(base=RETRY_BASE_S, cap=RETRY_CAP_S), retries=RETRIES)
     common: dict[str, Any] = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
         "decode_responses": True,
+        "encoding_errors": "surrogateescape",
         "retry": retry,
     }
     if target.password or password:

@@ -58,7 +58,7 @@ async def _measure(url: str, ports: list[int], keys: int, rounds: int) -> dict[s
             start = time.perf_counter()
             await store.lookup(names)
             times_ms.append((time.perf_counter() - start) * 1000)
-        per_server = [len(cli(p, "--scan", "--pattern", "kvp:bench:k:*").split()) for p in ports]
+        per_server = [len(cli(p, "--scan", "--pattern", "kvp:bench/*").split()) for p in ports]
     finally:
         await store.close()
     times_ms.sort()

@@ -22,6 +22,7 @@ from backend.node.arena import room_of
 from backend.node.nvme_format import chunk_path, read_header
 from backend.protocol import InventoryRow, Verified
 from tests.conftest import REPO, NodeProcess, wait_until
+from tests.support.index import index_key
 from tests.test_cli import kvpool
 
 KIB = 1024
@@ -67,7 +68,7 @@ def test_status_nodes_ls_and_stats_report_the_real_numbers(pool):
     listed = kvpool("ls", "--url", url, "--model", "org/model-b", "--json")
     entries = [json.loads(line) for line in listed.stdout.splitlines()]
     assert sorted(e["key"] for e in entries) == sorted(c.key for c in model_b)
-    assert all(e["nbytes"] == 2 * KIB and e["tier"] == "dram" and e["age_s"] >= 0 for e in entries)
+    assert all(e["nbytes"] == 2 * KIB and e["tier"] == "dram" and e["epoch"] >= 1 for e in entries)
     limited = kvpool("ls", "--url", url, "--prefix", "org/model-", "--limit", "5", "--json")
     assert len(limited.stdout.splitlines()) == 5
 
@@ -185,7 +186,7 @@ def test_check_finds_each_injected_inconsistency_and_fix_repairs_it(node_factory
             f.write(b"\xff\x00\xff")
         # 2. orphan bytes: the index entry vanishes, the node still holds the chunk
         subprocess.run(
-            ["redis-cli", "-p", str(config.redis_port), "DEL", f"kvp:{config.namespace}:k:{{{on_mem[0]}}}"],
+            ["redis-cli", "-p", str(config.redis_port), "DEL", index_key(config.namespace, on_mem[0])],
             check=True,
             capture_output=True,
         )
@@ -215,7 +216,7 @@ def test_check_finds_each_injected_inconsistency_and_fix_repairs_it(node_factory
     # as on any read; --fix repairs the rest.
     assert not path.exists() and (nvme / "quarantine" / path.name).exists()
     fixed = _json("check", "--url", pool_url, "--deep", "--fix", code=3)["fixed"]  # found (and fixed) problems
-    assert fixed == {"entries_removed": 2, "bytes_reindexed": 1, "dead_nodes_forgotten": 1}
+    assert fixed == {"entries_removed": 2, "bytes_reindexed": 1, "dead_nodes_forgotten": 1, "legacy_entries_removed": 0}
     again = _json("check", "--url", pool_url, "--deep")
     assert again["problems"] == 0
     with SyncPoolClient(config) as client:

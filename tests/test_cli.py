@@ -16,6 +16,7 @@ import pytest
 from backend import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from backend.embedded import free_port
 from backend.lmcache.config import remote_url_pool_config
+from backend.node.arena import room_of
 from tests.conftest import REPO
 
 
@@ -117,7 +118,8 @@ def test_status_json_reports_nodes_objects_and_bytes(node_factory, pool_url):
     status = json.loads(out.stdout)
     assert status["nodes"] == {"alive": 2, "dead": 0, "draining": 0}
     assert status["objects"] == 5
-    assert status["used_bytes"] == sum(1000 + i for i in range(5))
+    # DRAM counts each chunk at the room it takes (docs/operations.md): 1,000-1,004 bytes sit in 1 KiB cells
+    assert status["used_bytes"] == sum(room_of(1000 + i) for i in range(5)) == 5 * 1024
     assert status["capacity_bytes"] == 96 * 2**20
     assert status["hits"] == 2 and status["gets"] == 2  # "nope" never reached a node
     human = kvpool("status", "--url", pool_url)

@@ -24,6 +24,7 @@ from backend.metadata import MetadataStore
 from bench.redis_servers import RedisProcesses
 from bench.redis_servers import cli as _cli
 from tests.conftest import REPO, wait_until
+from tests.support.index import index_key, index_pattern
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None or shutil.which("redis-cli") is None, reason="needs redis-server and redis-cli"
@@ -55,7 +56,7 @@ def _kvpool(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _index_keys_on(port: int, namespace: str) -> int:
-    return len(_cli(port, "--scan", "--pattern", f"kvp:{namespace}:k:*").split())
+    return len(_cli(port, "--scan", "--pattern", index_pattern(namespace)).split())
 
 
 def test_pool_over_a_three_master_cluster_stores_lists_and_deletes_with_the_index_on_every_master(
@@ -130,8 +131,8 @@ def test_cluster_master_killed_reads_as_misses_and_restarted_empty_is_republishe
         client.put(chunks)
         victim = redis_cluster[1]
         on_victim = {
-            name[len(f"kvp:{namespace}:k:{{") : -1]
-            for name in _cli(victim, "--scan", "--pattern", f"kvp:{namespace}:k:*").split()
+            name[len(index_key(namespace, "")) :]
+            for name in _cli(victim, "--scan", "--pattern", index_pattern(namespace)).split()
         }
         assert on_victim
         redis_processes.kill(victim)
@@ -172,7 +173,7 @@ def test_pool_through_a_sentinel_finds_the_master_by_name(redis_processes, node_
         got = client.get([c.key for c in chunks])
         assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
     # The index is in the master the sentinel named, not anywhere else.
-    assert len(_cli(master, "--scan", "--pattern", f"kvp:{namespace}:k:*").split()) == 10
+    assert len(_cli(master, "--scan", "--pattern", index_pattern(namespace)).split()) == 10
     status = _kvpool("status", "--url", url)
     assert status.returncode == 0, status.stderr
     assert "redis+sentinel://" in status.stdout and "1 alive" in status.stdout
@@ -201,7 +202,7 @@ def test_sentinel_failover_reads_as_misses_then_the_promoted_replica_serves_the_
         assert [bytes(g.data) for g in got] == [bytes(c.data) for c in chunks]
         more = _chunks("after", 5, 1000)
         client.put(more)  # writes go to the promoted master
-        assert len(_cli(replica, "--scan", "--pattern", f"kvp:{namespace}:k:{{after@*").split()) == 5
+        assert len(_cli(replica, "--scan", "--pattern", index_pattern(namespace, "after@*")).split()) == 5
     assert node.alive()
 
 
@@ -475,4 +476,43 @@ async def test_lookups_on_a_cluster_give_the_answers_one_redis_gives(redis_clust
             await client.close()
     finally:
         for store in stores:
+            await store.close()
+
+
+async def test_a_sweep_walks_every_primary_and_removes_dead_and_ended_runs_fields_where_they_lie(
+    redis_cluster, redis_server, namespace
+):
+    """The dead-node reaper's sweep (``KeyIndex.sweep_step``): one Lua call per SCAN page, on each primary in
+    turn, removing a dead slot's fields and a live node's older epoch's, keeping its newer and unknown ones."""
+    from backend.metadata import Location
+
+    keys = [f"sweep/{i}" for i in range(600)]
+    for url in (f"redis+cluster://127.0.0.1:{redis_cluster[0]}", redis_server.url):
+        store = MetadataStore(url, namespace)
+        try:
+            await store.commit([(k, Location("live", 5, "dram", 10, i)) for i, k in enumerate(keys)])
+            await store.commit([(k, Location("dead", 2, "dram", 10, i)) for i, k in enumerate(keys)])
+            await store.commit([(k, Location("restarted", 3, "dram", 10, i)) for i, k in enumerate(keys[:300])])
+            await store.commit([(k, Location("restarted", 4, "dram", 10, i)) for i, k in enumerate(keys[300:], 300)])
+            await store.commit([(keys[0], Location("stranger", 1, "dram", 10, 0))])
+            slot = {n: store.slots.slot_of(n) for n in ("live", "dead", "restarted", "stranger")}
+            live = {slot["live"]: 5, slot["restarted"]: 4}
+            cursor, read, removed, unknown, calls = 0, 0, 0, set(), 0
+            while True:
+                page = await store.sweep_step(cursor, live, {slot["dead"]}, count=100)
+                cursor, read, removed, calls = page.cursor, read + page.keys, removed + page.removed, calls + 1
+                unknown |= page.unknown
+                if cursor == 0:
+                    break
+            assert read == 600 and removed == 600 + 300 and unknown == {slot["stranger"]}
+            assert calls >= 6  # pages, not one call over everything
+            entries = await store.lookup(keys)
+            assert sorted(loc.node_id for loc in entries[0]) == ["live", "stranger"]  # a slot no one is told of stays
+            assert all(
+                sorted((loc.node_id, loc.epoch) for loc in e) == [("live", 5), ("restarted", 4)] for e in entries[300:]
+            )
+            assert all([loc.node_id for loc in e] == ["live"] for e in entries[1:300])
+            if store.is_cluster:
+                assert all(_index_keys_on(port, namespace) > 100 for port in redis_cluster)  # every primary held some
+        finally:
             await store.close()

@@ -60,6 +60,10 @@ class PoolIndex:
         """One SCAN step: ``(next cursor, keys)``; the cursor is 0 at the start and at the end."""
         return await self._store.scan_step(cursor, match, count)
 
+    async def legacy_entries(self, *, remove: bool = False) -> int:
+        """How many index keys of the release before this schema remain (``remove``: deleted, page by page)."""
+        return await self._store.legacy_entries(remove=remove)
+
     # -- repairs (kvpool drain / check / flush / evict) ----------------------------------
     async def delete(self, keys: Sequence[str]) -> int:
         """Remove index entries outright; returns how many existed. Bytes stay until evicted."""

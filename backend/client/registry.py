@@ -42,6 +42,7 @@ class RegistryView:
         self.on_change: list[Callable[[set[tuple[str, int]]], None]] = []  # told the live (id, epoch) set
         self._nodes: dict[str, NodeInfo] = {}
         self._epochs: dict[str, int] = {}  # node id -> epoch of every live node: what a lookup hands Redis
+        self._by_slot: dict[int, NodeInfo] = {}  # each live node by its slot (its field in index entries)
         self._version = 0  # the registry version (and namespace marker) the view was read at
         self._marker = ""
         self._read_at = 0.0
@@ -76,6 +77,7 @@ class RegistryView:
             nodes.update({n.node_id: n for n in await self.store.nodes(only=changed) if n.alive})
         self._nodes, self._version, self._marker = nodes, version, marker
         self._epochs = {n.node_id: n.epoch for n in nodes.values()}
+        self._by_slot = {n.slot: n for n in nodes.values() if n.slot}
         self._read_at = time.monotonic()
         live = {(n.node_id, n.epoch) for n in nodes.values()}
         for hook in self.on_change:
@@ -102,8 +104,15 @@ class RegistryView:
             return self._epochs
         return {nid: epoch for nid, epoch in self._epochs.items() if not self.health.is_down(nid, epoch)}
 
+    def _node_of(self, loc: Location) -> NodeInfo | None:
+        """The live node ``loc`` is on: by its id, or by its slot for a copy read before this view knew
+        the slot's node (a node that joined since: ``Location.attributed`` is False)."""
+        if loc.attributed:
+            return self._nodes.get(loc.node_id)
+        return self._by_slot.get(loc.slot)
+
     def alive(self, loc: Location) -> bool:
-        node = self._nodes.get(loc.node_id)
+        node = self._node_of(loc)
         return node is not None and node.epoch == loc.epoch
 
     def down(self, loc: Location) -> bool:
@@ -111,22 +120,23 @@ class RegistryView:
         return self.health.is_down(loc.node_id, loc.epoch) and self.alive(loc)
 
     def ordered(self, entry: Sequence[Location]) -> list[Location]:
-        """Live copies not on a node marked down: nodes that just failed a read last, then same
-        cluster first, then least loaded."""
+        """Live copies not on a node marked down, each naming its node: nodes that just failed a read
+        last, then same cluster first, then least loaded."""
         now = time.monotonic()
         cluster = self.ctx.config.cluster
-
-        def rank(loc: Location) -> tuple[bool, int, float]:
-            node = self._nodes[loc.node_id]
-            suspect = self._suspect_until.get(loc.node_id, 0.0) > now
+        ranked: list[tuple[tuple[bool, int, float], Location]] = []
+        for loc in entry:
+            node = self._node_of(loc)
+            if node is None or node.epoch != loc.epoch or self.health.is_down(node.node_id, loc.epoch):
+                continue
+            if not loc.attributed:  # read before the view knew its slot's node
+                loc = dataclasses.replace(loc, node_id=node.node_id)
+            suspect = self._suspect_until.get(node.node_id, 0.0) > now
             same = int(bool(cluster) and node.cluster == cluster)
             load = node.used_bytes / node.capacity_bytes if node.capacity_bytes else 1.0
-            return (suspect, -same, load)
-
-        health = self.health
-        return sorted(
-            (loc for loc in entry if self.alive(loc) and not health.is_down(loc.node_id, loc.epoch)), key=rank
-        )
+            ranked.append(((suspect, -same, load), loc))
+        ranked.sort(key=lambda pair: pair[0])
+        return [loc for _, loc in ranked]
 
     def suspect(self, node_id: str) -> None:
         """``node_id`` failed a read: read its copies last for ``SUSPECT_S``."""

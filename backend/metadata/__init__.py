@@ -17,12 +17,19 @@ Key schema (``NS`` is the namespace)::
     kvp:{NS}:beats           sorted set node_id -> when its heartbeat expires (Redis server time, ms)
     kvp:{NS}:regv            registry version: bumped whenever what clients keep of a node changes
     kvp:{NS}:regchanges      list, newest first, of "version|node_id" per bump (the last REGISTRY_LOG_MAX)
-    kvp:NS:k:{<key>}         index entry: hash node_id -> "epoch|tier|nbytes|checksum|written_at"
+    kvp:{NS}:slots           hash node_id -> slot: the small number its index fields go under (NodeSlots),
+                             given at its first claim, kept across restarts until the id is forgotten
+    kvp:{NS}:slotseq         counter the slots are given from (never reused)
+    kvp:NS/<key>             index entry: hash slot -> varint(epoch) varint(nbytes << 2 | tier) checksum[8]
                              (read per request by one Lua call against the client's live view: lookup.py)
     kvp:{NS}:rdv:<session>   channel rendezvous offer (JSON), read once by the peer; expires (TTL)
 
 Registry keys share the hash tag ``{NS}`` (one Redis Cluster slot, small); index keys
-are tagged by their own key so the index spreads over every shard.
+carry no tag, so the index spreads over every shard by the whole name. An index entry
+is a small hash (one field per copy) that Redis keeps as a listpack under its default
+``hash-max-listpack-*`` limits: about 100 bytes of ``used_memory`` per chunk beyond the
+key (docs/scale-redis.md). The release before kept ``kvp:NS:k:{<key>}`` hashes of
+node id -> text; nothing reads those, and ``kvpool check --fix`` deletes them.
 
 A client's registry refresh costs one command while nothing changed: it compares its
 version with ``regv`` and reads only the nodes the change log names since then (the
@@ -47,9 +54,11 @@ from backend.metadata.records import (
     LiveCopies,
     Location,
     NodeInfo,
+    NodeSlots,
     RedisMemory,
+    SweepPage,
 )
-from backend.metadata.scripts import COMMIT_LUA, LOOKUP_BATCH
+from backend.metadata.scripts import COMMIT_LUA, LOOKUP_BATCH, SWEEP_PAGE
 from backend.metadata.store import MetadataStore
 
 __all__ = [
@@ -63,7 +72,10 @@ __all__ = [
     "Location",
     "MetadataStore",
     "NodeInfo",
+    "NodeSlots",
     "RedisFullError",
     "RedisMemory",
     "RedisSlowError",
+    "SWEEP_PAGE",
+    "SweepPage",
 ]

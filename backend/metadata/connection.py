@@ -16,14 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from redis import exceptions as redis_exceptions
 
 from backend.errors import MetadataError, RedisFullError, RedisSlowError
 from backend.metadata.breaker import RedisBreaker
-from backend.metadata.records import RedisMemory
+from backend.metadata.records import NodeSlots, RedisMemory
 from backend.metadata.scripts import (
     BEAT_LUA,
     CHANGE_LUA,
@@ -32,9 +32,13 @@ from backend.metadata.scripts import (
     COMMIT_LUA,
     DEREGISTER_LUA,
     EPOCH_FLOOR_LUA,
+    FORGET_LUA,
+    FORGET_SLOT_LUA,
+    GIVE_SLOT_LUA,
     MOVE_LUA,
     REMOVE_EXACT_LUA,
     REMOVE_LUA,
+    SWEEP_LUA,
 )
 from backend.redis_topology import CLUSTER, CLUSTER_HINT, RedisTarget, connect, mask_url
 
@@ -142,6 +146,11 @@ class RedisConnection:
         self._deregister = self._redis.register_script(DEREGISTER_LUA)
         self._change = self._redis.register_script(CHANGE_LUA)
         self._changes = self._redis.register_script(CHANGES_LUA)
+        self._forget = self._redis.register_script(FORGET_LUA)
+        self._sweep = self._redis.register_script(SWEEP_LUA)
+        self._give_slot = self._redis.register_script(GIVE_SLOT_LUA)
+        self._forget_slot = self._redis.register_script(FORGET_SLOT_LUA)
+        self.slots = NodeSlots()  # node id <-> slot, as learnt from the registry (claims, beats, reads)
         tag = "{" + namespace + "}"
         self.marker_key = f"kvp:{tag}:marker"
         self.epoch_key = f"kvp:{tag}:epoch"
@@ -152,8 +161,14 @@ class RedisConnection:
         self.changes_key = f"kvp:{tag}:regchanges"
         self._hb_prefix = f"kvp:{tag}:hb:"
         self._holder_prefix = f"kvp:{tag}:holder:"
+        self.slots_key = f"kvp:{tag}:slots"
+        self.slot_counter_key = f"kvp:{tag}:slotseq"
         self._rendezvous_prefix = f"kvp:{tag}:rdv:"
-        self._index_prefix = f"kvp:{namespace}:k:"
+        # An index key is the namespace and the pool key after a '/', which no namespace holds: no
+        # other key of kvpool (nor of the release before, kvp:NS:k:{key}) starts so. No hash tag:
+        # the index spreads over a cluster's slots by the whole name.
+        self._index_prefix = f"kvp:{namespace}/"
+        self.legacy_index_prefix = f"kvp:{namespace}:k:"  # the release before 34's index keys (check --fix)
         self._shard_marker_prefix = f"kvp:{namespace}:m:"
         self._scripts = (
             self._commit,
@@ -166,6 +181,10 @@ class RedisConnection:
             self._deregister,
             self._change,
             self._changes,
+            self._forget,
+            self._sweep,
+            self._give_slot,
+            self._forget_slot,
         )
 
     @property
@@ -180,10 +199,10 @@ class RedisConnection:
 
     # -- keys -------------------------------------------------------------------------
     def index_key(self, key: str) -> str:
-        return self._index_prefix + "{" + key + "}"
+        return self._index_prefix + key
 
     def key_from_index(self, index_key: str) -> str:
-        return index_key[len(self._index_prefix) + 1 : -1]
+        return index_key[len(self._index_prefix) :]
 
     def heartbeat_key(self, node_id: str) -> str:
         return self._hb_prefix + node_id
@@ -218,6 +237,37 @@ class RedisConnection:
         return RedisMemory(
             int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)), str(info.get("maxmemory_policy", ""))
         )
+
+    # -- slots ------------------------------------------------------------------------
+    async def slot_map(self) -> dict[str, int]:
+        """Every node id that holds a slot, and its slot (``HGETALL`` of one small hash); learnt."""
+        async with self._call("HGETALL slots"):
+            raw = await self._redis.hgetall(self.slots_key)
+        out = {node_id: int(slot) for node_id, slot in raw.items() if str(slot).isdigit()}
+        for node_id, slot in out.items():
+            self.slots.learn(node_id, slot)
+        return out
+
+    async def _learn_slots(self, node_ids: Sequence[str]) -> None:
+        """Read the slots of ``node_ids`` this reader does not know yet (those that hold none stay unknown)."""
+        missing = [n for n in dict.fromkeys(node_ids) if self.slots.slot_of(n) is None]
+        if not missing:
+            return
+        async with self._call("HMGET slots"):
+            found = await self._redis.hmget(self.slots_key, missing)
+        for node_id, slot in zip(missing, found):
+            if slot is not None and str(slot).isdigit():
+                self.slots.learn(node_id, int(slot))
+
+    async def _give_slots(self, node_ids: Sequence[str]) -> None:
+        """Make sure each of ``node_ids`` holds a slot (a commit for a node id that never claimed one,
+        as ``kvpool check --fix`` or a test may write): read, else given from the counter."""
+        await self._learn_slots(node_ids)
+        for node_id in dict.fromkeys(node_ids):
+            if self.slots.slot_of(node_id) is None:
+                async with self._call("slot"):
+                    answer = await self._give_slot(keys=[self.slots_key, self.slot_counter_key], args=[node_id])
+                self.slots.learn(node_id, int(answer))
 
     async def _load_scripts(self) -> None:
         """SCRIPT LOAD every script (on a cluster redis-py sends it to every primary)."""

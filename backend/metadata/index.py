@@ -1,28 +1,36 @@
-"""KeyIndex: which node holds which key, on which tier; commits, removals and walks."""
+"""KeyIndex: which node holds which key, on which tier; commits, removals, walks and sweeps."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from redis import exceptions as redis_exceptions
 
 from backend.errors import MetadataError
 from backend.metadata.connection import RedisConnection
-from backend.metadata.records import IndexEntry, Location
-from backend.metadata.scripts import LOOKUP_BATCH
+from backend.metadata.records import IndexEntry, Location, SweepPage, varint
+from backend.metadata.scripts import LOOKUP_BATCH, SCAN_PAGE, SWEEP_PAGE
 
 __all__ = ["KeyIndex"]
 
 logger = logging.getLogger("backend.metadata")
 
+SLOT_REREAD_S = 1.0  # a reader meeting slots it does not know re-reads the slots hash at most this often
+
+_Call = tuple[str, list[str | bytes]]  # an index key and a one-key script's arguments
+_NodeStep = Callable[[Any, int], Awaitable[tuple[int, Any]]]  # (cluster node or None, its cursor) -> (next, result)
+
 
 class KeyIndex(RedisConnection):
-    """The index: ``kvp:NS:k:{key}`` hashes of node id -> location, one per pool key."""
+    """The index: ``kvp:NS/<key>`` hashes of node slot -> location, one per pool key (``scripts.py``)."""
+
+    _slots_read_at = 0.0
 
     async def _run_per_key(
-        self, action: str, script: Any, calls: Sequence[tuple[str, list[str]]], timeout_s: float | None = None
+        self, action: str, script: Any, calls: Sequence[_Call], timeout_s: float | None = None
     ) -> None:
         """Run a one-key Lua script for each ``(key, args)``, pipelined in batches.
 
@@ -42,7 +50,7 @@ class KeyIndex(RedisConnection):
                     await self._load_scripts()
                     await self._run_batch(script, batch)
 
-    async def _run_batch(self, script: Any, batch: Sequence[tuple[str, list[str]]]) -> None:
+    async def _run_batch(self, script: Any, batch: Sequence[_Call]) -> None:
         # EVALSHA straight into the pipeline: a Script object on a pipeline makes redis-py send
         # SCRIPT EXISTS first, one more round trip before every commit (and so before every put's ack).
         async with self._redis.pipeline(transaction=False) as pipe:
@@ -50,31 +58,57 @@ class KeyIndex(RedisConnection):
                 pipe.evalsha(script.sha, 1, self.index_key(key), *args)
             await pipe.execute()
 
+    async def _slots_for(self, locations: Sequence[tuple[str, Location]]) -> list[tuple[str, Location, int]]:
+        """Each ``(key, location)`` with its field (slot); those whose node id holds no slot are left out."""
+        await self._learn_slots([loc.node_id for _, loc in locations if not loc.slot])
+        out = []
+        for key, loc in locations:
+            slot = self.slots.slot_for(loc)
+            if slot is not None:
+                out.append((key, loc, slot))
+        return out
+
     async def commit(self, locations: Sequence[tuple[str, Location]], timeout_s: float | None = None) -> None:
         """Make ``(key, location)`` pairs visible, in one pipelined round trip per batch.
 
         ``timeout_s``: how long each batch may wait for Redis, when less than its timeout (a
         put's commit answers its client before the client gives up on the node).
         """
-        calls = [(key, [loc.node_id, loc.encode(), str(loc.checksum)]) for key, loc in locations]
+        if not locations:
+            return
+        ids = [loc.node_id for _, loc in locations if not loc.slot]
+        if any(self.slots.slot_of(node_id) is None for node_id in ids):
+            await self._give_slots(ids)  # a node's own id holds one from its claim on: not on a put's path
+        calls: list[_Call] = [(key, [str(slot), loc.encode()]) for key, loc, slot in await self._slots_for(locations)]
         await self._run_per_key("index commit", self._commit, calls, timeout_s)
 
     async def remove(self, node_id: str, epoch: int, keys: Sequence[str]) -> None:
         """Drop this node epoch's locations for ``keys`` (eviction, delete, shutdown)."""
-        await self._run_per_key("index remove", self._remove, [(key, [node_id, str(epoch)]) for key in keys])
+        if not keys:
+            return
+        await self._learn_slots([node_id])
+        slot = self.slots.slot_of(node_id)
+        if slot is None:
+            return  # an id that holds no slot has no field anywhere
+        args: list[str | bytes] = [str(slot), varint(epoch)]
+        calls: list[_Call] = [(key, args) for key in keys]
+        await self._run_per_key("index remove", self._remove, calls)
 
     async def move(self, locations: Sequence[tuple[str, Location]]) -> None:
         """Record that keys moved tier on their node (same node and epoch)."""
-        calls = [(key, [loc.node_id, str(loc.epoch), loc.encode()]) for key, loc in locations]
+        calls: list[_Call] = [
+            (key, [str(slot), varint(loc.epoch), loc.encode()]) for key, loc, slot in await self._slots_for(locations)
+        ]
         await self._run_per_key("index move", self._move, calls)
 
     async def remove_stale(self, stale: Sequence[tuple[str, Location]]) -> None:
         """Drop locations a reader found stale, unless they changed since it looked."""
-        calls = [(key, [loc.node_id, loc.encode()]) for key, loc in stale]
+        calls: list[_Call] = [(key, [str(slot), loc.encode()]) for key, loc, slot in await self._slots_for(stale)]
         await self._run_per_key("stale cleanup", self._remove_exact, calls)
 
     async def lookup(self, keys: Sequence[str]) -> list[IndexEntry]:
-        """Every recorded location of every key, in one pipelined round trip."""
+        """Every recorded location of every key, in one pipelined round trip (one more to read the
+        slots hash when a copy names a slot this reader does not know, at most every ``SLOT_REREAD_S``)."""
         if not keys:
             return []
         async with self._call("index lookup"):
@@ -82,16 +116,27 @@ class KeyIndex(RedisConnection):
                 for key in keys:
                     pipe.hgetall(self.index_key(key))
                 raw: list[dict[str, str]] = await pipe.execute()
-        entries: list[IndexEntry] = []
-        for fields in raw:
-            entry: IndexEntry = []
-            for node_id, value in fields.items():
-                try:
-                    entry.append(Location.decode(node_id, value))
-                except MetadataError as exc:
-                    logger.warning("ignoring %s", exc)
-            entries.append(entry)
-        return entries
+        slots = {field for fields in raw for field in fields}
+        if any(field.isdigit() and not self.slots.known(int(field)) for field in slots):
+            await self._reread_slots()
+        return [self._entry(fields) for fields in raw]
+
+    async def _reread_slots(self) -> None:
+        if time.monotonic() - self._slots_read_at > SLOT_REREAD_S:
+            self._slots_read_at = time.monotonic()
+            await self.slot_map()
+
+    def _entry(self, fields: Mapping[str, str]) -> IndexEntry:
+        entry: IndexEntry = []
+        for field, value in fields.items():
+            try:
+                if not field.isdigit():
+                    raise MetadataError(f"index field {field!r} is not a node slot")
+                slot = int(field)
+                entry.append(Location.decode(self.slots.node_of(slot), value, slot))
+            except MetadataError as exc:
+                logger.warning("ignoring %s", exc)
+        return entry
 
     async def delete(self, keys: Sequence[str]) -> int:
         """Remove index entries outright; returns how many existed."""
@@ -110,7 +155,7 @@ class KeyIndex(RedisConnection):
     async def scan_key_batches(self, match: str = "*", batch: int = LOOKUP_BATCH) -> AsyncIterator[list[str]]:
         """Stream pool keys (SCAN) in lists of at most ``batch``."""
         keys: list[str] = []
-        async for key in self.scan_keys(match, count=batch):
+        async for key in self.scan_keys(match, count=min(batch, SCAN_PAGE)):
             keys.append(key)
             if len(keys) >= batch:
                 yield keys
@@ -118,7 +163,7 @@ class KeyIndex(RedisConnection):
         if keys:
             yield keys
 
-    async def scan_keys(self, match: str = "*", count: int = 1000) -> AsyncIterator[str]:
+    async def scan_keys(self, match: str = "*", count: int = SCAN_PAGE) -> AsyncIterator[str]:
         """Stream pool keys (SCAN, never KEYS). ``match`` is a glob on the pool key.
 
         Each SCAN step has its own deadline (``timeout_s``), so a hung Redis ends the
@@ -138,37 +183,93 @@ class KeyIndex(RedisConnection):
         On a cluster the cursor also says which primary is being walked: the primary's
         place in name order times 2**64, plus that primary's own SCAN cursor.
         """
-        next_cursor, names = await self._scan_step(cursor, self._index_prefix + "{" + match + "}", count)
+        next_cursor, names = await self._scan_step(cursor, self._index_prefix + match, count)
         return next_cursor, [self.key_from_index(name) for name in names]
 
     async def _scan_step(self, cursor: int, pattern: str, count: int) -> tuple[int, list[str]]:
         """One bounded SCAN step over raw Redis key names matching ``pattern`` (see :meth:`scan_step`)."""
-        async with self._call("SCAN"):
-            if not self.is_cluster:
-                next_cursor, names = await self._redis.scan(cursor, match=pattern, count=count)
+
+        async def scan(node: Any, node_cursor: int) -> tuple[int, list[str]]:
+            if node is None:
+                next_cursor, names = await self._redis.scan(node_cursor, match=pattern, count=count)
                 return int(next_cursor), list(names)
-            await self._redis.initialize()  # the slot map; a no-op once it is known
-            primaries = sorted(self._redis.get_primaries(), key=lambda node: node.name)
-            place, node_cursor = divmod(cursor, 1 << 64)
-            if place >= len(primaries):
-                raise MetadataError(f"SCAN cursor {cursor} names primary {place}; the cluster has {len(primaries)}")
-            node = primaries[place]
             cursors, names = await self._redis.scan(node_cursor, match=pattern, count=count, target_nodes=node)
-            node_next = int(cursors[node.name])
-            if node_next == 0:
-                place, node_next = place + 1, 0
-                if place == len(primaries):
-                    return 0, list(names)
-            return (place << 64) + node_next, list(names)
+            return int(cursors[node.name]), list(names)
+
+        async with self._call("SCAN"):
+            next_cursor, names = await self._walk_step(cursor, scan)
+        return next_cursor, names
+
+    async def _walk_step(self, cursor: int, step: _NodeStep) -> tuple[int, Any]:
+        """One step of a walk over every primary: ``step`` runs on the primary the cursor names (None on
+        one Redis) with that primary's own cursor; answers the walk's next cursor and what ``step`` found."""
+        if not self.is_cluster:
+            return await step(None, cursor)
+        await self._redis.initialize()  # the slot map; a no-op once it is known
+        primaries = sorted(self._redis.get_primaries(), key=lambda node: node.name)
+        place, node_cursor = divmod(cursor, 1 << 64)
+        if place >= len(primaries):
+            raise MetadataError(f"SCAN cursor {cursor} names primary {place}; the cluster has {len(primaries)}")
+        node_next, found = await step(primaries[place], node_cursor)
+        if node_next == 0:
+            place += 1
+            if place == len(primaries):
+                return 0, found
+        return (place << 64) + node_next, found
+
+    async def sweep_step(
+        self, cursor: int, live: Mapping[int, int], dead: Collection[int], count: int = SWEEP_PAGE
+    ) -> SweepPage:
+        """One step of a sweep of the index, done in Redis (``scripts.SWEEP_LUA``): one SCAN page of at most
+        about ``count`` keys, each key's fields of a ``dead`` slot, or of a ``live`` slot (slot -> epoch)
+        with an older epoch, removed. The cursor works as :meth:`scan_step`'s."""
+        args: list[Any] = [count, self._index_prefix + "*", len(live)]
+        for slot, epoch in live.items():
+            args += [slot, epoch]
+        args += [len(dead), *dead]
+
+        async def sweep(node: Any, node_cursor: int) -> tuple[int, list[Any]]:
+            if node is None:
+                answer = await self._sweep(keys=[], args=[node_cursor, *args])  # redis-py reloads a lost script
+            else:
+                answer = await self._sweep_on(node, [node_cursor, *args])
+            return int(answer[0]), list(answer[1:])
+
+        async with self._call("index sweep"):
+            next_cursor, (keys, removed, unknown) = await self._walk_step(cursor, sweep)
+        return SweepPage(next_cursor, int(keys), int(removed), frozenset(int(s) for s in unknown if str(s).isdigit()))
+
+    async def _sweep_on(self, node: Any, args: list[Any]) -> list[Any]:
+        """The sweep on one cluster primary (no declared key: it reads that primary's own)."""
+        try:
+            return list(await self._redis.execute_command("EVALSHA", self._sweep.sha, 0, *args, target_nodes=node))
+        except redis_exceptions.NoScriptError:
+            await self._redis.script_load(self._sweep.script)  # on every primary
+            return list(await self._redis.execute_command("EVALSHA", self._sweep.sha, 0, *args, target_nodes=node))
+
+    async def legacy_entries(self, *, remove: bool = False) -> int:
+        """How many index keys of the release before this schema (``kvp:NS:k:{key}``, node ids as fields,
+        text values) Redis still holds; ``remove`` deletes them, one SCAN page at a time. Nothing reads
+        them: an upgraded node republishes what it holds in the current schema."""
+        found, cursor = 0, 0
+        while True:
+            cursor, names = await self._scan_step(cursor, self.legacy_index_prefix + "*", SCAN_PAGE)
+            found += len(names)
+            if names and remove:
+                async with self._call("legacy index delete"):
+                    await self._redis.delete(*names)
+            if cursor == 0:
+                return found
 
     async def flush_namespace(self) -> int:
         """Delete every key of this namespace; returns how many were removed. Each step is bounded."""
         removed = 0
         tag = "{" + self.namespace + "}"
-        for pattern in (self._index_prefix + "*", self._shard_marker_prefix + "*", f"kvp:{tag}:*"):
+        patterns = (self._index_prefix, self.legacy_index_prefix, self._shard_marker_prefix, f"kvp:{tag}:")
+        for pattern in patterns:
             cursor = 0
             while True:
-                cursor, names = await self._scan_step(cursor, pattern, LOOKUP_BATCH)
+                cursor, names = await self._scan_step(cursor, pattern + "*", SCAN_PAGE)
                 if names:
                     async with self._call("flush"):
                         removed += int(await self._redis.delete(*names))

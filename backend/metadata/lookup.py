@@ -1,6 +1,7 @@
 """LiveLookup: the index read every request pays, done where the index is (one Lua call).
 
-A client hands Redis its live view (node id -> epoch) with the keys; the script
+A client hands Redis its live view (node id -> epoch, sent as each node's slot and its
+epoch as a varint: ``records.NodeSlots``) with the keys; the script
 (``scripts.LIVE_LOOKUP_LUA``) reads each key's hash, keeps the copies on a live node
 epoch, and for a hit prefix stops at the first key with none. What comes back is one
 flag per key examined, the live copies only when the caller reads them next, and the
@@ -27,7 +28,7 @@ from redis import exceptions as redis_exceptions
 
 from backend.errors import MetadataError
 from backend.metadata.connection import RedisConnection
-from backend.metadata.records import IndexEntry, LiveCopies, Location
+from backend.metadata.records import IndexEntry, LiveCopies, Location, NodeSlots, varint
 from backend.metadata.scripts import LIVE_LOOKUP_LUA, LOOKUP_BATCH
 
 __all__ = ["LiveLookup"]
@@ -56,14 +57,20 @@ class LiveLookup(RedisConnection):
         if not keys:
             return LiveCopies([], [], [])
         # As bytes: redis-py then packs a thousand keys without encoding each one again.
-        names = [(self._index_prefix + "{" + key + "}").encode() for key in keys]
-        args = ["1" if prefix else "0", "1" if copies else "0", str(len(live))]
+        prefix_bytes = self._index_prefix.encode()
+        names = [prefix_bytes + key.encode() for key in keys]
+        if any(self.slots.slot_of(node_id) is None for node_id in live):
+            await self._learn_slots(list(live))  # a view read through this store knows them all already
+        view: list[str | bytes] = []
         for node_id, epoch in live.items():
-            args += [node_id, str(epoch)]
+            slot = self.slots.slot_of(node_id)
+            if slot is not None:  # an id that holds no slot (a node of the release before) has no field
+                view += [str(slot), varint(epoch)]
+        args: list[str | bytes] = ["1" if prefix else "0", "1" if copies else "0", str(len(view) // 2), *view]
         async with self._call("index lookup"):
             parts = await self._parts(names)
             replies = await self._run_parts(parts, names, args)
-        return _combine(len(keys), parts, replies, prefix, copies)
+        return _combine(len(keys), parts, replies, prefix, copies, self.slots)
 
     async def _parts(self, names: list[bytes]) -> list[_Part]:
         """Split the keys into calls: batches of ``LOOKUP_BATCH``, per cluster primary on a cluster."""
@@ -82,7 +89,7 @@ class LiveLookup(RedisConnection):
             for i in range(0, len(positions), LOOKUP_BATCH)
         ]
 
-    async def _run_parts(self, parts: list[_Part], names: list[bytes], args: list[str]) -> list[_Reply]:
+    async def _run_parts(self, parts: list[_Part], names: list[bytes], args: list[str | bytes]) -> list[_Reply]:
         script = self._live_lookup
         if not self.is_cluster and len(parts) == 1:  # the usual lookup: one EVALSHA (redis-py reloads a lost script)
             return [await script(keys=names, args=args)]
@@ -92,7 +99,7 @@ class LiveLookup(RedisConnection):
             await self._redis.script_load(LIVE_LOOKUP_LUA)  # on every primary of a cluster
             return await self._send_parts(parts, names, args)
 
-    async def _send_parts(self, parts: list[_Part], names: list[bytes], args: list[str]) -> list[_Reply]:
+    async def _send_parts(self, parts: list[_Part], names: list[bytes], args: list[str | bytes]) -> list[_Reply]:
         sha = self._live_lookup.sha
         if not self.is_cluster:  # several batches: one pipeline, one round trip
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -102,7 +109,7 @@ class LiveLookup(RedisConnection):
         calls = [self._evalsha_on(node, sha, [names[i] for i in positions], args) for positions, node in parts]
         return list(await asyncio.gather(*calls))
 
-    async def _evalsha_on(self, node: Any, sha: str, names: list[bytes], args: list[str]) -> _Reply:
+    async def _evalsha_on(self, node: Any, sha: str, names: list[bytes], args: list[str | bytes]) -> _Reply:
         """One call on one cluster primary: its keys are all served there, whatever their slots.
 
         Redis refuses declared keys of several slots even under ``allow-cross-slot-keys``
@@ -113,7 +120,9 @@ class LiveLookup(RedisConnection):
         return list(reply)
 
 
-def _combine(count: int, parts: list[_Part], replies: list[_Reply], prefix: bool, copies: bool) -> LiveCopies:
+def _combine(
+    count: int, parts: list[_Part], replies: list[_Reply], prefix: bool, copies: bool, slots: NodeSlots
+) -> LiveCopies:
     """One answer from the calls' answers; a prefix ends at the first key any call found missing.
 
     Every key before that one was examined by its own call: each call stops only at its own
@@ -132,19 +141,24 @@ def _combine(count: int, parts: list[_Part], replies: list[_Reply], prefix: bool
     others: list[tuple[int, Location]] = []
     for (positions, _), (_, live_raw, other_raw) in zip(parts, replies):
         if copies:
-            for position, loc in _decode(live_raw, positions):
+            for position, loc in _decode(live_raw, positions, slots):
                 if position < len(hits):
                     found[position].append(loc)
-        others += [(position, loc) for position, loc in _decode(other_raw, positions) if position < len(hits)]
+        others += [(position, loc) for position, loc in _decode(other_raw, positions, slots) if position < len(hits)]
     return LiveCopies(hits, found, others)
 
 
-def _decode(flat: list[Any], positions: list[int]) -> list[tuple[int, Location]]:
-    """``{k, node, value, ...}`` (k counts a call's keys from 1) as ``(key position, copy)``."""
+def _decode(flat: list[Any], positions: list[int], slots: NodeSlots) -> list[tuple[int, Location]]:
+    """``{k, slot, value, ...}`` (k counts a call's keys from 1) as ``(key position, copy)``; a slot no
+    node id this reader knows holds reads as node ``#<slot>`` (``Location.attributed`` is False)."""
     out = []
     for i in range(0, len(flat), 3):
+        field = str(flat[i + 1])
         try:
-            out.append((positions[int(flat[i]) - 1], Location.decode(str(flat[i + 1]), str(flat[i + 2]))))
+            if not field.isdigit():
+                raise MetadataError(f"index field {field!r} is not a node slot")
+            slot = int(field)
+            out.append((positions[int(flat[i]) - 1], Location.decode(slots.node_of(slot), flat[i + 2], slot)))
         except MetadataError as exc:
             logger.warning("ignoring %s", exc)
     return out

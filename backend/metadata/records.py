@@ -5,39 +5,171 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from typing import Any
 
 from backend.config.values import format_size
 from backend.errors import MetadataError
 
-__all__ = ["Beat", "ClaimHolder", "ClaimHeld", "IndexEntry", "LiveCopies", "Location", "NodeInfo", "RedisMemory"]
+__all__ = [
+    "Beat",
+    "ClaimHolder",
+    "ClaimHeld",
+    "IndexEntry",
+    "LiveCopies",
+    "Location",
+    "NodeInfo",
+    "NodeSlots",
+    "RedisMemory",
+    "SweepPage",
+    "varint",
+]
+
+
+TIER_CODES = {"dram": 0, "nvme": 1}  # a copy's tier, as its index value packs it (two bits)
+_TIER_NAMES = {code: name for name, code in TIER_CODES.items()}
+_TIER_BITS = 2
+CHECKSUM_BYTES = 8  # xxh3-64, big-endian, the last bytes of a value
+UNKNOWN_SLOT_PREFIX = "#"  # a copy whose slot no node id holds reads as node "#<slot>" (no node id has a '#')
+
+
+def varint(number: int) -> bytes:
+    """``number`` (>= 0) as an unsigned LEB128 varint: 7 bits a byte, the high bit set on every byte but the last.
+
+    Prefix-free, so a value that starts with an epoch's varint holds that epoch and no other:
+    the scripts compare an epoch by comparing bytes."""
+    if number < 0:
+        raise ValueError(f"varint of a negative number: {number}")
+    out = bytearray()
+    while number >= 0x80:
+        out.append(number & 0x7F | 0x80)
+        number >>= 7
+    out.append(number)
+    return bytes(out)
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """The varint at ``data[pos:]`` and the position after it; ValueError if it does not end or is over 63 bits."""
+    number = shift = 0
+    while pos < len(data) and shift < 63:
+        byte = data[pos]
+        number |= (byte & 0x7F) << shift
+        pos += 1
+        if byte < 0x80:
+            return number, pos
+        shift += 7
+    raise ValueError("truncated varint")
+
+
+def value_bytes(value: str | bytes) -> bytes:
+    """An index value as Redis holds it: the client decodes replies as UTF-8 with surrogates for other bytes."""
+    return value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape")
 
 
 @dataclasses.dataclass(frozen=True)
 class Location:
-    """One copy of a key: which node and epoch wrote it, on which tier, how big, when."""
+    """One copy of a key: which node and epoch wrote it, on which tier, how big, with which checksum.
+
+    In Redis it is one field of the key's index hash: the field is the node's *slot* (a small
+    number the registry gives each node id, ``NodeSlots``), the value is :meth:`encode`'s bytes.
+    ``slot`` is where a copy was read from (0: not read from the index; the id's slot is used).
+    """
 
     node_id: str
     epoch: int
     tier: str
     nbytes: int
     checksum: int
-    written_at: int = dataclasses.field(default_factory=lambda: int(time.time()), compare=False)
+    slot: int = dataclasses.field(default=0, compare=False)
 
-    def encode(self) -> str:
-        return f"{self.epoch}|{self.tier}|{self.nbytes}|{self.checksum}|{self.written_at}"
+    def encode(self) -> bytes:
+        """``varint(epoch) varint(nbytes << 2 | tier code) checksum(8, big-endian)``: 14 bytes for a
+        1 MiB chunk of a node epoch under 16,384. The epoch first, so that "still this epoch's"
+        is a byte prefix; the checksum last, so that "the same bytes" is the value's last 8 bytes."""
+        code = TIER_CODES.get(self.tier)
+        if code is None:
+            raise MetadataError(f"tier {self.tier!r} has no code in the index (known: {', '.join(TIER_CODES)})")
+        if not 0 <= self.checksum < 1 << 64 or self.nbytes < 0 or self.epoch < 0:
+            raise MetadataError(f"location {self!r} does not fit the index (epoch, size >= 0; checksum of 64 bits)")
+        return varint(self.epoch) + varint(self.nbytes << _TIER_BITS | code) + self.checksum.to_bytes(8, "big")
 
     @classmethod
-    def decode(cls, node_id: str, value: str) -> Location:
+    def decode(cls, node_id: str, value: str | bytes, slot: int = 0) -> Location:
+        """The copy ``value`` describes, on ``node_id`` (read from field ``slot``); MetadataError if malformed."""
+        data = value_bytes(value)
         try:
-            epoch, tier, nbytes, item_sum, written_at = value.split("|")
-            return cls(node_id, int(epoch), tier, int(nbytes), int(item_sum), int(written_at))
-        except ValueError:
-            raise MetadataError(f"index entry for node {node_id!r} is malformed: {value!r}") from None
+            epoch, pos = _read_varint(data, 0)
+            packed, pos = _read_varint(data, pos)
+            tier = _TIER_NAMES[packed & (1 << _TIER_BITS) - 1]
+            if len(data) - pos != CHECKSUM_BYTES:
+                raise ValueError("not 8 checksum bytes after the epoch and the size")
+        except (ValueError, KeyError):
+            raise MetadataError(f"index entry for node {node_id!r} is malformed: {data!r}") from None
+        return cls(node_id, epoch, tier, packed >> _TIER_BITS, int.from_bytes(data[pos:], "big"), slot)
+
+    @property
+    def attributed(self) -> bool:
+        """Whether the copy names a node id (False: its slot is held by no node id this reader knows)."""
+        return not self.node_id.startswith(UNKNOWN_SLOT_PREFIX)
 
 
 IndexEntry = list[Location]
+
+
+class NodeSlots:
+    """Which node id holds which slot: the short number an index field names a node by.
+
+    The registry gives each node id a slot when it first claims the id (``kvp:{NS}:slots``,
+    from a counter, never reused), and the id keeps it across restarts; a reader learns the
+    pairs from the registry. A field of 1-2 digits instead of a node id of up to 128
+    characters is what keeps an index entry in Redis's compact encoding (a listpack: values
+    up to ``hash-max-listpack-value`` 64 bytes) and under 120 bytes per chunk.
+    """
+
+    def __init__(self) -> None:
+        self._slot_of: dict[str, int] = {}
+        self._node_of: dict[int, str] = {}
+
+    def learn(self, node_id: str, slot: int) -> None:
+        """``node_id`` holds ``slot`` now (a pair learnt before for either side is dropped)."""
+        if slot <= 0 or self._slot_of.get(node_id) == slot:
+            return
+        old = self._slot_of.pop(node_id, None)
+        if old is not None:
+            self._node_of.pop(old, None)
+        other = self._node_of.pop(slot, None)
+        if other is not None:
+            self._slot_of.pop(other, None)
+        self._slot_of[node_id] = slot
+        self._node_of[slot] = node_id
+
+    def slot_of(self, node_id: str) -> int | None:
+        """``node_id``'s slot; a ``#<slot>`` id (a copy no node id held when read) names its slot itself."""
+        if node_id.startswith(UNKNOWN_SLOT_PREFIX):
+            return int(node_id[1:]) if node_id[1:].isdigit() else None
+        return self._slot_of.get(node_id)
+
+    def node_of(self, slot: int) -> str:
+        """The node id holding ``slot``, or ``#<slot>`` when no id this reader knows holds it."""
+        return self._node_of.get(slot) or f"{UNKNOWN_SLOT_PREFIX}{slot}"
+
+    def known(self, slot: int) -> bool:
+        return slot in self._node_of
+
+    def slot_for(self, loc: Location) -> int | None:
+        """The field ``loc`` lives in: the slot it was read from, else its node id's."""
+        return loc.slot or self.slot_of(loc.node_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepPage:
+    """One step of a sweep of the index (``KeyIndex.sweep_step``): where the walk goes on, how many index
+    keys it looked at, how many fields it removed, and the slots it met that it was told neither live nor
+    dead (a node in its grace, one the registry no longer lists, or one too new for the caller's view)."""
+
+    cursor: int
+    keys: int
+    removed: int
+    unknown: frozenset[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +295,7 @@ class NodeInfo:
     tls: bool = False  # the node protocol is served over TLS only
     draining: bool = False  # filled by MetadataStore.nodes() from the draining set
     alive: bool = False  # filled by MetadataStore.nodes(), never stored
+    slot: int = 0  # the node's field in index entries (NodeSlots): filled by MetadataStore.nodes(), 0 if none
 
     @property
     def free_bytes(self) -> int:
@@ -195,6 +328,7 @@ class NodeInfo:
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
         data.pop("alive")
+        data.pop("slot")  # kept in the slots hash, which the id keeps across restarts
         data.pop("draining")  # kept in the draining set, so heartbeats cannot undo a drain
         return json.dumps(data, sort_keys=True)
 

@@ -4,6 +4,9 @@ A node id is held by one process at a time: its heartbeat key holds the epoch of
 that claimed it (epochs are unique: one ``INCR`` per start), and only that run renews it
 (``CLAIM_LUA``, ``BEAT_LUA``: compare and set in one script). Another process may take the
 id only once that key expired: its holder stopped beating for a whole TTL.
+
+The claim also gives the id its *slot*, the number its index fields go under
+(``records.NodeSlots``): the id keeps it across restarts, until it is forgotten.
 """
 
 from __future__ import annotations
@@ -80,10 +83,11 @@ class NodeRegistry(RedisConnection):
         answer says who holds it and how long its heartbeat has left (a renewal makes that
         grow: ``backend.node.claim`` watches it to tell a live holder from a crashed one).
         """
-        keys = [self.heartbeat_key(node_id), self.holder_key(node_id)]
+        keys = [self.heartbeat_key(node_id), self.holder_key(node_id), self.slots_key, self.slot_counter_key]
         async with self._call("node id claim"):
-            answer = await self._claim(keys=keys, args=[str(holder.epoch), ttl_ms, holder.to_json()])
+            answer = await self._claim(keys=keys, args=[str(holder.epoch), ttl_ms, holder.to_json(), node_id])
         if int(answer[0]) == 1:
+            self.slots.learn(node_id, int(answer[1]))
             return None
         epoch = int(answer[1])
         return ClaimHeld(ClaimHolder.from_json(epoch, str(answer[3])), ttl_left_ms=int(answer[2]))
@@ -110,8 +114,10 @@ class NodeRegistry(RedisConnection):
         generation = None if None in generations else "/".join(str(value) for value in generations)
         if int(beat[0]) == -1:
             return Beat(generation, False, lost_to=ClaimHolder.from_json(int(beat[1]), str(beat[2])))
-        # HSET answers 1 for a field it created: the entry was missing (first beat, or collected as dead)
-        return Beat(generation, registered_anew=int(beat[0]) == 1)
+        self.slots.learn(info.node_id, int(beat[2]))
+        # HSET answers 1 for a field it created: the entry was missing (first beat, or collected as dead).
+        # A slot given now: Redis had lost the id's, and what the node published names another.
+        return Beat(generation, registered_anew=int(beat[0]) == 1 or int(beat[3]) == 1)
 
     async def _beat_pipeline(
         self, info: NodeInfo, ttl_ms: int, changed: bool, holder: ClaimHolder, markers: list[str]
@@ -128,6 +134,8 @@ class NodeRegistry(RedisConnection):
                 self.beats_key,
                 self.version_key,
                 self.changes_key,
+                self.slots_key,
+                self.slot_counter_key,
             ]
             args = [info.node_id, info.epoch, ttl_ms, int(changed), REGISTRY_LOG_MAX, DEAD_PER_BEAT]
             pipe.evalsha(self._beat.sha, len(keys), *keys, *args, info.to_json(), holder.to_json())
@@ -185,18 +193,21 @@ class NodeRegistry(RedisConnection):
         return bool(changed)
 
     async def forget_node(self, node_id: str) -> None:
-        """Remove a dead node from the registry (``kvpool check --fix``, the dead-node reaper).
+        """Remove a dead node from the registry (``kvpool check --fix``, the dead-node reaper), and its slot.
 
         Its heartbeat key is left to expire: a run that claimed the id since (its beat not yet
-        in the registry) keeps its claim.
+        in the registry) keeps its claim, and its slot.
         """
+        keys = [self.nodes_key, self.draining_key, self.beats_key, self.slots_key, self.heartbeat_key(node_id)]
         async with self._call("forget node"):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.hdel(self.nodes_key, node_id)
-                pipe.srem(self.draining_key, node_id)
-                pipe.zrem(self.beats_key, node_id)
-                await pipe.execute()
+            await self._forget(keys=keys, args=[node_id])
             await self._log_change(node_id)
+
+    async def forget_slot(self, node_id: str) -> None:
+        """Take the slot back from a node id the registry no longer lists (it stopped cleanly and has not
+        come back), unless a run claimed the id since. Its fields left in the index then name no id."""
+        async with self._call("forget slot"):
+            await self._forget_slot(keys=[self.nodes_key, self.slots_key, self.heartbeat_key(node_id)], args=[node_id])
 
     async def nodes(self, only: Sequence[str] | None = None) -> list[NodeInfo]:
         """Every registered node (or those of ``only``), with ``alive`` set from its heartbeat key."""
@@ -215,10 +226,14 @@ class NodeRegistry(RedisConnection):
         async with self._call("MGET heartbeats"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.smembers(self.draining_key)
+                pipe.hmget(self.slots_key, [info.node_id for info in infos])
                 for info in infos:
                     pipe.get(self.heartbeat_key(info.node_id))
-                draining, *beats = await pipe.execute()
-        for info, beat in zip(infos, beats):
+                draining, slots, *beats = await pipe.execute()
+        for info, slot, beat in zip(infos, slots, beats):
             info.alive = beat is not None and beat == str(info.epoch)
             info.draining = info.node_id in draining
+            if slot is not None and str(slot).isdigit():
+                info.slot = int(slot)
+                self.slots.learn(info.node_id, info.slot)
         return sorted(infos, key=lambda i: i.node_id)

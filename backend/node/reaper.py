@@ -7,18 +7,24 @@ ones they touch, but nothing else would: a pool whose nodes restart under new id
 and every index field it wrote per restart, without bound.
 
 So one live node -- the live node with the lowest id, which every node can work out
-from the registry alone -- collects, one bounded step per heartbeat:
+from the registry alone -- collects, in steps taken after its heartbeats:
 
-1. A node not alive (or an id in the index that the registry no longer lists) is
-   *dead* from the moment this reaper first sees it so; after ``grace_s`` of that,
-   its registry entry is forgotten. The time is this process's own monotonic clock:
-   wall clocks of other hosts play no part.
-2. One SCAN step over the index (``SCAN_COUNT`` keys, one pipelined lookup) drops every
-   field of a node dead for ``grace_s``, and every field written by an older epoch of
-   a node that is alive now (its previous run's DRAM chunks, which died with it).
-   Each removal is conditional on the field being unchanged, so a write racing the
-   reaper always wins. The walk wraps around, so every key is visited again and
-   again, at ``SCAN_COUNT`` keys per heartbeat.
+1. A node id that is registered but not alive, or that holds a slot (``NodeSlots``) but
+   is no longer registered (it stopped and has not come back), and a slot met in the
+   index that no id holds, is *dead* from the moment this reaper first sees it so; after
+   ``grace_s`` of that, its registry entry is forgotten and its slot taken back (unless a
+   run claims the id again). The time is this process's own monotonic clock: wall clocks
+   of other hosts play no part.
+2. The sweep: a walk over the whole index done in Redis (``KeyIndex.sweep_step``, one
+   SCAN page of ``SWEEP_PAGE`` keys per call, under a millisecond of Redis each), which
+   removes every field of a slot dead for ``grace_s``, and every field written by an older
+   epoch of a node that is alive now (its previous run's DRAM chunks, which died with it).
+   Each call reads and removes atomically, so a write racing the reaper lands after it
+   and stays. While there is work that no walk begun since has covered (a slot dead for
+   ``grace_s``, a live node's new epoch), the calls run back to back for up to
+   ``budget_s`` per step: a dead node of 10^6 chunks is gone in seconds to a minute, not
+   33 minutes (docs/scale-redis.md). Otherwise one page per step keeps walking, to find
+   slots nobody knows any more.
 
 A node that was collected while it could not reach Redis (frozen, partitioned) finds
 its registry entry gone at its next heartbeat and republishes what it holds
@@ -31,32 +37,44 @@ import logging
 import time
 from collections import Counter
 
-from backend.metadata import Location, MetadataStore, NodeInfo
+from backend.metadata import SWEEP_PAGE, MetadataStore, NodeInfo
 
-__all__ = ["DeadNodeReaper", "SCAN_COUNT", "DEFAULT_GRACE_S"]
+__all__ = ["DeadNodeReaper", "SCAN_COUNT", "DEFAULT_GRACE_S", "STEP_BUDGET_S"]
 
 logger = logging.getLogger(__name__)
 
-SCAN_COUNT = 500  # index keys looked at per step: 500 HGETALLs a second from one node, at most
+SCAN_COUNT = SWEEP_PAGE  # index keys one sweep call reads (under a millisecond of Redis)
 DEFAULT_GRACE_S = 300.0  # a node must look dead this long before its entries go
 FOLLOWER_CHECK_S = 10.0  # a node that does not collect reads the registry to see whether it should this often
+STEP_BUDGET_S = 0.4  # how long one step may sweep when there is work: 40% of the default beat interval
+
+
+_Walk = tuple[frozenset[int], dict[int, int]]  # the dead slots and live slot epochs a walk began with
 
 
 class DeadNodeReaper:
-    """Removes dead nodes' registry entries and index fields, one step at a time."""
+    """Removes dead nodes' registry entries, slots and index fields (see the module docstring)."""
 
-    def __init__(self, store: MetadataStore, node_id: str, grace_s: float = DEFAULT_GRACE_S) -> None:
+    def __init__(
+        self, store: MetadataStore, node_id: str, grace_s: float = DEFAULT_GRACE_S, budget_s: float = STEP_BUDGET_S
+    ) -> None:
         self.store = store
         self.node_id = node_id
         self.grace_s = grace_s
+        self.budget_s = budget_s
         self.counters: Counter[str] = Counter()
-        self._dead_since: dict[str, float] = {}  # node id -> when this reaper first saw it dead
-        self._seen_in_sweep: set[str] = set()  # dead ids met in the index during the current walk
+        self._dead_since: dict[str, float] = {}  # node id, or "#slot" for a slot no id holds -> first seen dead
+        self._dead_slots: set[int] = set()  # slots whose fields go, until a walk begun with them ends
+        self._met: set[int] = set()  # slots no id holds, met in the index during the current walk
         self._cursor = 0
+        self._walk: _Walk | None = None  # what the walk under way began with
+        self._covered: _Walk | None = None  # what the last whole walk began with (None: no walk yet)
+        self._walk_started = 0.0
+        self._walk_removed = 0
         self._next_check = 0.0  # while another node reaps: when to look at the registry again
 
     async def step(self) -> None:
-        """One bounded step: registry, then one SCAN step of the index. Raises MetadataError."""
+        """One step: the registry, then the sweep (see the module docstring). Raises MetadataError."""
         now = time.monotonic()
         if now < self._next_check:
             return
@@ -64,24 +82,78 @@ class DeadNodeReaper:
         alive = {n.node_id: n for n in nodes if n.alive}
         if not alive or min(alive) != self.node_id:
             self._dead_since.clear()  # another node reaps; start afresh if this one takes over
-            self._cursor = 0
+            self._dead_slots.clear()
+            self._cursor, self._walk, self._covered = 0, None, None
             self._next_check = now + FOLLOWER_CHECK_S  # every node reading the registry each beat costs N²
             return
-        for node in nodes:
-            self._note(node.node_id, node.node_id in alive, now)
-        await self._forget_registry(nodes, now)
-        self._cursor, keys = await self.store.scan_step(self._cursor, count=SCAN_COUNT)
-        entries = await self.store.lookup(keys) if keys else []
-        stale: list[tuple[str, Location]] = []
-        for key, entry in zip(keys, entries):
-            for loc in entry:
-                if self._stale(loc, alive, now):
-                    stale.append((key, loc))
-        if stale:
-            await self.store.remove_stale(stale)
-            self.counters["collected_index_fields"] += len(stale)
-        if self._cursor == 0:
-            self._end_sweep({n.node_id for n in nodes})
+        held = await self.store.slot_map()  # every id that holds a slot
+        registered = {n.node_id for n in nodes}
+        known = registered | held.keys()  # an id forgotten (neither) needs no tracking; its slot does
+        self._dead_since = {k: t for k, t in self._dead_since.items() if k[0] == "#" or k in known}
+        for node_id in known:
+            self._note(node_id, node_id in alive, now)
+        self._dead_slots |= {slot for node_id, slot in held.items() if self._dead_long_enough(node_id, now)}
+        self._dead_slots |= {int(k[1:]) for k in self._dead_since if k[0] == "#" and self._dead_long_enough(k, now)}
+        await self._forget(nodes, held, registered, now)
+        live = {n.slot: n.epoch for n in alive.values() if n.slot}
+        self._dead_slots -= live.keys()  # a slot whose node is back (the dead set is this step's view)
+        await self._sweep(live, frozenset(self._dead_slots), set(held.values()), now)
+
+    async def _sweep(self, live: dict[int, int], dead: frozenset[int], held: set[int], now: float) -> None:
+        """Sweep calls back to back while there is work no walk has covered (within ``budget_s``), else one."""
+        deadline = now + self.budget_s
+        while True:
+            urgent = self._uncovered(live, dead)
+            if self._cursor == 0:
+                self._begin_walk(live, dead, urgent)
+            page = await self.store.sweep_step(self._cursor, live, dead)
+            self._cursor = page.cursor
+            self.counters["collector_keys_read"] += page.keys
+            if page.removed:
+                self.counters["collected_index_fields"] += page.removed
+                self._walk_removed += page.removed
+            for slot in page.unknown - held:  # met in the index, held by no id (a node's grace is by its id)
+                self._met.add(slot)
+                self._note(f"#{slot}", False, now)
+            if self._cursor == 0:
+                self._end_walk()
+                urgent = self._uncovered(live, dead)
+            if not urgent or time.monotonic() >= deadline:
+                return
+
+    def _uncovered(self, live: dict[int, int], dead: frozenset[int]) -> bool:
+        """Whether some field to remove may lie where no walk begun since it was known has been: a slot
+        dead since the last whole walk began, a live node's newer epoch, or no whole walk yet."""
+        if self._covered is None:
+            return True
+        covered_dead, covered_live = self._covered
+        return bool(dead - covered_dead) or any(covered_live.get(slot, epoch) < epoch for slot, epoch in live.items())
+
+    def _begin_walk(self, live: dict[int, int], dead: frozenset[int], urgent: bool) -> None:
+        self._walk = (dead, dict(live))
+        self._walk_started, self._walk_removed = time.monotonic(), 0
+        if urgent and (dead or self._covered is not None):
+            logger.info(
+                "node %s: sweeping the index (%d dead node slots, %d live nodes)", self.node_id, len(dead), len(live)
+            )
+
+    def _end_walk(self) -> None:
+        """A walk over the whole index ended: the dead slots it began with are gone everywhere, and slots
+        no id holds that it did not meet need no tracking."""
+        if self._walk is not None:
+            self._covered = self._walk
+            self._dead_slots -= self._walk[0]
+        self._walk = None
+        self._dead_since = {k: t for k, t in self._dead_since.items() if k[0] != "#" or int(k[1:]) in self._met}
+        self._met = set()
+        self.counters["collector_sweeps"] += 1  # the counter names are in STAT and /metrics: kept
+        if self._walk_removed:
+            logger.info(
+                "node %s: swept the index in %.1f s: %d fields of dead nodes and ended runs removed",
+                self.node_id,
+                time.monotonic() - self._walk_started,
+                self._walk_removed,
+            )
 
     def _note(self, node_id: str, is_alive: bool, now: float) -> None:
         if is_alive:
@@ -90,9 +162,11 @@ class DeadNodeReaper:
             self._dead_since.setdefault(node_id, now)
 
     def _dead_long_enough(self, node_id: str, now: float) -> bool:
-        return now - self._dead_since.get(node_id, now) >= self.grace_s
+        return node_id in self._dead_since and now - self._dead_since[node_id] >= self.grace_s
 
-    async def _forget_registry(self, nodes: list[NodeInfo], now: float) -> None:
+    async def _forget(self, nodes: list[NodeInfo], held: dict[str, int], registered: set[str], now: float) -> None:
+        """Forget registry entries dead for ``grace_s``; take back the slots of ids unregistered that long.
+        Their slots stay in the dead set until a walk begun with them ends."""
         for node in nodes:
             if not node.alive and self._dead_long_enough(node.node_id, now):
                 await self.store.forget_node(node.node_id)
@@ -100,18 +174,6 @@ class DeadNodeReaper:
                 logger.info(
                     "node %s: forgot node %s, dead for %.0f s or more", self.node_id, node.node_id, self.grace_s
                 )
-
-    def _stale(self, loc: Location, alive: dict[str, NodeInfo], now: float) -> bool:
-        node = alive.get(loc.node_id)
-        if node is not None:
-            return loc.epoch < node.epoch  # written by a run of that node that has ended
-        self._seen_in_sweep.add(loc.node_id)
-        self._note(loc.node_id, False, now)  # not in the registry at all counts as dead too
-        return self._dead_long_enough(loc.node_id, now)
-
-    def _end_sweep(self, registered: set[str]) -> None:
-        """A walk over the whole index ended: stop tracking dead ids that appear nowhere any more."""
-        keep = registered | self._seen_in_sweep
-        self._dead_since = {node_id: since for node_id, since in self._dead_since.items() if node_id in keep}
-        self._seen_in_sweep = set()
-        self.counters["collector_sweeps"] += 1  # the counter names are in STAT and /metrics: kept
+        for node_id in held.keys() - registered:
+            if self._dead_long_enough(node_id, now):
+                await self.store.forget_slot(node_id)

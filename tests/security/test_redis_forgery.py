@@ -14,13 +14,9 @@ import redis
 
 from backend import Chunk, PoolConfig, SyncPoolClient
 from backend.metadata import Location
+from tests.support.index import copies, index_key, slots
 
 TOKEN = "forgery-token-0123456789abcdef01"
-
-
-def _index_key(namespace: str, key: str) -> str:
-    """Where the index keeps ``key``'s copies (``RedisConnection.index_key``)."""
-    return f"kvp:{namespace}:k:{{{key}}}"
 
 
 def test_forged_index_entries_make_misses_never_another_keys_bytes(node_factory, redis_server, pool_url, namespace):
@@ -30,20 +26,21 @@ def test_forged_index_entries_make_misses_never_another_keys_bytes(node_factory,
     with SyncPoolClient(PoolConfig.from_url(url)) as client:
         client.put([Chunk("a", a), Chunk("b", b)])
         live = client.nodes()[0]
-        raw = redis.Redis.from_url(redis_server.url, decode_responses=True)
-        b_loc = Location.decode(live.node_id, raw.hget(_index_key(namespace, "b"), live.node_id))
+        raw = redis.Redis.from_url(redis_server.url)
+        b_loc = copies(raw, namespace, "b")[live.node_id]
+        slot = str(slots(raw, namespace)[live.node_id])
         forged = {
             # "a" claims to be b's copy (b's size and checksum) on the live node
-            "a": {live.node_id: b_loc.encode()},
+            "a": {slot: b_loc.encode()},
             # a key never stored, pointed at the live node with b's location
-            "never-stored": {live.node_id: b_loc.encode()},
-            # copies on a node that does not exist, and a value that does not parse
-            "ghost": {"no-such-node": f"{live.epoch}|dram|65536|1|0"},
-            "garbage": {live.node_id: "not|a|location"},
+            "never-stored": {slot: b_loc.encode()},
+            # copies on a slot no node holds, and a value that does not parse
+            "ghost": {"999": Location("no-such-node", live.epoch, "dram", 65536, 1).encode()},
+            "garbage": {slot: b"not|a|location"},
         }
         for key, fields in forged.items():
-            raw.delete(_index_key(namespace, key))
-            raw.hset(_index_key(namespace, key), mapping=fields)
+            raw.delete(index_key(namespace, key))
+            raw.hset(index_key(namespace, key), mapping=fields)
         got = client.get(["a", "never-stored", "ghost", "garbage", "b"])
         raw.close()
     assert got[0] is None or bytes(got[0].data) == a  # a's own bytes or a miss: never b's
