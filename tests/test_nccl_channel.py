@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -146,6 +147,11 @@ async def test_a_batch_arrives_byte_identical_and_the_pair_is_reused(node_factor
         stats = await client.node_stats(info)
         assert stats["counters"]["channel_pairs"] == 1
         assert stats["counters"]["channel_hits"] == 24 and stats["counters"]["channel_misses"] == 1
+        # A send's bytes count once its thread has returned, which may be after the client has them all.
+        deadline = time.monotonic() + 5.0
+        while stats["counters"]["channel_bytes"] < 2 * 12 * 300_000 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            stats = await client.node_stats(info)
         assert stats["counters"]["channel_bytes"] == 2 * 12 * 300_000
     finally:
         await channel.close()
