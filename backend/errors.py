@@ -6,7 +6,8 @@
     ├── ConfigError          bad URL / option, with the offending key named
     ├── MetadataError        Redis unreachable or inconsistent
     │   ├── RedisFullError   ... Redis refused a write: at maxmemory, evicting nothing
-    │   └── RedisSlowError   ... Redis gave no answer in time (paused, stopped, overloaded)
+    │   ├── RedisSlowError   ... Redis gave no answer in time (paused, stopped, overloaded)
+    │   └── RedisAuthError   ... Redis refused the credentials: no password given, or a wrong one
     ├── NodeUnavailable      connect / timeout / node gone
     ├── ProtocolError        malformed or unexpected frame
     ├── AuthError            missing or wrong token
@@ -36,6 +37,7 @@ __all__ = [
     "MetadataError",
     "RedisFullError",
     "RedisSlowError",
+    "RedisAuthError",
     "NodeUnavailable",
     "ProtocolError",
     "AuthError",
@@ -96,6 +98,15 @@ class RedisFullError(MetadataError):
 
 class RedisSlowError(MetadataError):
     """Redis gave no answer in time: paused, stopped, overloaded or cut off."""
+
+
+class RedisAuthError(MetadataError):
+    """Redis refused the credentials. ``password_given``: False when it asked for a password and none was
+    given (NOAUTH), True when the one given (with its ACL user) was refused."""
+
+    def __init__(self, message: str, *, password_given: bool) -> None:
+        super().__init__(message)
+        self.password_given = password_given
 
 
 class NodeUnavailable(KVPoolError):
