@@ -25,7 +25,7 @@ from backend.client import Chunk, PoolClient
 from backend.client.index import glob_escape
 from backend.errors import AuthError, CapacityError, ConfigError, KVPoolError, MetadataError
 from backend.latency import Histogram, LatencyHistograms
-from backend.metadata import Location, NodeInfo, RedisMemory
+from backend.metadata import LiveNamespaces, Location, NodeInfo, RedisMemory
 from backend.protocol import InventoryRow, NodeReport, TierReport, Verified, tiers_from_json
 
 __all__ = [
@@ -248,6 +248,8 @@ class PoolStatus:
     recent: RecentHits
     node_list: tuple[StatusNode, ...]
     redis_memory: RedisMemory | None = None  # None: Redis did not say (INFO not allowed to this user)
+    # With no live node here: the namespaces of this Redis that have some (a URL naming the wrong one?).
+    elsewhere: LiveNamespaces | None = None
 
     @property
     def hit_rate(self) -> float | None:
@@ -284,6 +286,7 @@ class PoolStatus:
                 "hit_rate": self.recent.hit_rate,
             },
             "node_list": [n.to_json() for n in self.node_list],
+            "namespaces_with_live_nodes": None if self.elsewhere is None else dict(self.elsewhere.live),
         }
 
 
@@ -348,6 +351,7 @@ async def pool_status(client: PoolClient) -> PoolStatus:
             for n in nodes
         ),
         redis_memory=memory,
+        elsewhere=None if alive else await client.index.live_namespaces(),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -12,7 +13,7 @@ import secrets
 import shutil
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,8 +30,14 @@ from backend.config import (
     env_flag,
     format_size,
     node_options,
+    parse_size,
+    pool_config_of_redis,
     without_inline_secrets,
 )
+from backend.doctor import TROUBLESHOOTING, Finding, check_node_host, check_pool, reach, selftest
+from backend.doctor import render as render_findings
+from backend.doctor.selftest import DEFAULT_CHUNK_BYTES as SELFTEST_CHUNK_BYTES
+from backend.doctor.selftest import DEFAULT_CHUNKS as SELFTEST_CHUNKS
 from backend.embedded import EmbeddedRedis, remove_orphaned_dirs
 from backend.errors import ConfigError, KVPoolError, MetadataError
 from backend.lmcache.config import (
@@ -46,7 +53,7 @@ from backend.lmcache.config import (
 )
 from backend.node.server import PoolNode
 from backend.protocol import TierReport
-from backend.redis_topology import SINGLE, RedisTarget, mask_url, render_hosts
+from backend.redis_topology import mask_url
 
 __all__ = ["main", "build_parser"]
 
@@ -89,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--redis", metavar="URL", help=REDIS_HELP)
     _node_options(node, "node")
 
-    status = verbs.add_parser("status", help="one screen: Redis, nodes, capacity, objects, hit rate")
+    status = verbs.add_parser(
+        "status", help="one screen: Redis, nodes, capacity, objects, hit rate; exits 1 with no live node"
+    )
     _admin_options(status)
 
     nodes = verbs.add_parser("nodes", help="table of nodes: address, epoch, uptime, tiers, request rate")
@@ -138,10 +147,47 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--deep", action="store_true", help="verify the checksum of every chunk (default: a sample)")
 
     doctor = verbs.add_parser(
-        "doctor", help="check an LMCache config end to end: plugin or remote_url, Redis, nodes, round trip"
+        "doctor",
+        help="find what is wrong and name its cause (docs/troubleshooting.md): an engine's LMCache config, "
+        "the pool as a client sees it, or a node's host",
     )
-    doctor.add_argument("--lmcache-config", required=True, type=Path, metavar="FILE", help="LMCache YAML file")
+    mode = doctor.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--lmcache-config",
+        type=Path,
+        metavar="FILE",
+        help="check an engine's LMCache YAML end to end as LMCache loads it: plugin or remote_url, the pool, "
+        "one round trip (needs LMCache installed)",
+    )
+    mode.add_argument(
+        "--url",
+        metavar="kvpool://...",
+        help="check the pool as a client sees it: Redis, credentials, namespace, every node (default: $KVPOOL_URL)",
+    )
+    mode.add_argument(
+        "--node",
+        action="store_true",
+        help="check this host for a node given the flags below, as `kvpool node` takes them: secrets, Redis, "
+        "shared memory, NVMe directory, advertised address (needs no LMCache)",
+    )
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument("--redis", metavar="URL", help="with --node: " + REDIS_HELP)
+    _node_options(doctor, "node")
+
+    selftest = verbs.add_parser(
+        "selftest", help="put, look up, get and delete a few chunks through the pool; each step ok or FAIL, and why"
+    )
+    selftest.add_argument("url", nargs="?", metavar="URL", help="pool URL (default: $KVPOOL_URL)")
+    selftest.add_argument("--json", action="store_true", help="machine-readable output")
+    selftest.add_argument(
+        "--chunks", type=int, default=SELFTEST_CHUNKS, help=f"how many chunks (default {SELFTEST_CHUNKS})"
+    )
+    selftest.add_argument(
+        "--chunk-size",
+        default=f"{SELFTEST_CHUNK_BYTES // 1024}KiB",
+        metavar="SIZE",
+        help=f"bytes per chunk, e.g. 1MiB (default {SELFTEST_CHUNK_BYTES // 1024}KiB)",
+    )
 
     cfg = verbs.add_parser("lmcache-config", help="print the LMCache config that enables kvpool")
     _url_option(cfg)
@@ -165,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="inproc: how LMCache finds kvpool: plugin (remote_storage_plugins + extra_config, "
         "default) or remote_url (one external:// URL, also as LMCACHE_REMOTE_URL); never both",
+    )
+    cfg.add_argument(
+        "--offline",
+        action="store_true",
+        help="print without checking the pool (by default the URL must reach Redis with its credentials and a "
+        "live node in its namespace)",
     )
     cfg.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk size in tokens (default 256)")
     cfg.add_argument(
@@ -204,10 +256,12 @@ def _node_options(parser: argparse.ArgumentParser, verb: str) -> None:
         )
 
 
-def _node_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The node options of ``kvpool up``/``kvpool node``: flags, else environment, else --config, else defaults."""
+def _node_settings(args: argparse.Namespace, verb: str = "") -> dict[str, Any]:
+    """The node options of ``kvpool up``/``kvpool node`` (or of ``verb``'s node): flags, else environment, else
+    --config, else defaults."""
     flags = {option.name: getattr(args, option.name, None) for option in NODE_OPTIONS if option.flag}
-    return node_options(flags, config_file=args.config, environ=args.environ, defaults=NODE_VERB_DEFAULTS[args.verb])
+    defaults = NODE_VERB_DEFAULTS[verb or args.verb]
+    return node_options(flags, config_file=args.config, environ=args.environ, defaults=defaults)
 
 
 def _pool_url(node: PoolNode, redis_url: str, namespace: str) -> tuple[str, list[str]]:
@@ -217,37 +271,15 @@ def _pool_url(node: PoolNode, redis_url: str, namespace: str) -> tuple[str, list
     ``redis_password_file=``: an engine on this host can read it too); one from the
     environment or the ``--redis`` URL is left to the engine's environment.
     """
-    from urllib.parse import unquote, urlsplit
-
-    target = RedisTarget.parse(redis_url, key="--redis")
     token_file = node.config.token_file if node.config.token else ""
     password_file = node.config.redis_password_file
-    if target.mode == SINGLE:
-        parts = urlsplit(redis_url)
-        config = PoolConfig(
-            redis_host=parts.hostname or "127.0.0.1",
-            redis_port=parts.port or 6379,
-            tls=target.tls,
-            redis_user=unquote(parts.username or ""),
-        )
-    else:
-        (host, port), *more = target.hosts
-        config = PoolConfig(
-            redis_host=host,
-            redis_port=port,
-            redis_mode=target.mode if not target.master else SINGLE,
-            sentinel=target.master,
-            redis_hosts=render_hosts(more),
-            tls=target.tls,
-            redis_user=target.user,
-        )
+    config = pool_config_of_redis(redis_url, namespace)
     apart = []
     if node.config.token and not token_file:
         apart.append("KVPOOL_TOKEN (this node's token)")
-    inline_password = target.password or (urlsplit(redis_url).password if target.mode == SINGLE else "")
-    if (node.config.redis_password or inline_password) and not password_file:
+    if (node.config.redis_password or config.redis_password) and not password_file:
         apart.append("KVPOOL_REDIS_PASSWORD (the Redis password this node uses)")
-    config = dataclasses.replace(config, namespace=namespace, token_file=token_file, redis_password_file=password_file)
+    config = dataclasses.replace(config, token_file=token_file, redis_password_file=password_file, redis_password="")
     return config.to_url(), apart
 
 
@@ -467,7 +499,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     status = _run(args, admin.pool_status)
     if args.json:
         _print_json(status.to_json())
-        return 0
+        return _no_live_node(status)
     recent = status.recent
     hit_rate = "n/a" if status.hit_rate is None else f"{status.hit_rate * 100:.1f}%"
     recent_rate = "n/a" if recent.hit_rate is None else f"{recent.hit_rate * 100:.1f}%"
@@ -498,7 +530,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     if status.draining:
         print("A draining node takes no writes: `kvpool drain NODE` finishes its drain, `kvpool undrain NODE` ends it.")
-    return 0
+    return _no_live_node(status)
+
+
+def _no_live_node(status: admin.PoolStatus) -> int:
+    """`kvpool status` fails with no live node in its namespace, saying which namespaces have some."""
+    if status.alive or status.elsewhere is None:
+        return EXIT_OK
+    where = f"namespaces with live nodes: {status.elsewhere.describe()}"
+    print(f"kvpool: error: no live node in namespace {status.namespace!r}; {where}", file=sys.stderr)
+    return EXIT_ERROR
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
@@ -703,29 +744,76 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    with _client_warnings_quiet():
+        if args.lmcache_config is not None:
+            findings = _lmcache_doctor(args.lmcache_config)
+        elif args.node:
+            findings = asyncio.run(check_node_host(_node_settings(args, "node")))
+        else:
+            given = [option.flag_name for option in NODE_OPTIONS if option.flag and getattr(args, option.name, None)]
+            if given or args.config:
+                raise ConfigError(given[0] if given else "--config", "node flags check a node's host: add --node")
+            findings = _run(args, check_pool)
+    _print_findings(findings, args.json)
+    return EXIT_OK if all(f.ok for f in findings) else EXIT_ERROR
+
+
+@contextlib.contextmanager
+def _client_warnings_quiet() -> Iterator[None]:
+    """While doctor runs, a failure is one of its findings, not also a client warning ("node marked down")
+    on stderr; with --debug (the root logger at DEBUG) everything shows."""
+    client = logging.getLogger("backend.client")
+    before = client.level
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        client.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        client.setLevel(before)
+
+
+def _lmcache_doctor(config_file: Path) -> list[Finding]:
     try:
         from backend.lmcache.doctor import diagnose
     except ImportError as exc:  # a pool node's install: no LMCache, no torch
         raise KVPoolError(
-            f"doctor runs LMCache's own loader, which is not installed here ({exc}); "
-            "install kvpool[lmcache] (pip install 'kvpool[lmcache]')"
+            f"doctor --lmcache-config runs LMCache's own loader, which is not installed here ({exc}): run it "
+            "in the engine's Python, where the kvpool[lmcache] extra is (`pip install -e '.[lmcache]'` from the "
+            "kvpool checkout); check the pool with `kvpool doctor --url URL`, a node's host with "
+            "`kvpool doctor --node`"
         ) from None
+    return diagnose(config_file)
 
-    findings = diagnose(args.lmcache_config)
-    if args.json:
-        _print_json(findings)
+
+def _print_findings(findings: list[Finding], as_json: bool) -> None:
+    if as_json:
+        _print_json([f.to_json() for f in findings])
     else:
-        for f in findings:
-            mark = "ok  " if f["ok"] else "FAIL"
-            print(f"[{mark}] {f['check']}: {f['detail']}")
-            if not f["ok"] and f["fix"]:
-                print(f"       fix: {f['fix']}")
-    return 0 if all(f["ok"] for f in findings) else 1
+        print("\n".join(render_findings(findings)))
+
+
+def cmd_selftest(args: argparse.Namespace) -> int:
+    if args.chunks <= 0:
+        raise ConfigError("--chunks", "must be a positive number")
+    chunk_bytes = parse_size(args.chunk_size, name="--chunk-size")
+    if chunk_bytes <= 0:
+        raise ConfigError("--chunk-size", "must be a positive size")
+    findings = _run(args, lambda client: selftest(client, chunks=args.chunks, chunk_bytes=chunk_bytes))
+    _print_findings(findings, args.json)
+    return EXIT_OK if all(f.ok for f in findings) else EXIT_ERROR
+
+
+def _require_pool(args: argparse.Namespace) -> None:
+    """Raise, naming the cause, unless the URL reaches Redis with its credentials and a live node."""
+    failed = [f for f in _run(args, reach) if not f.ok]
+    if failed:
+        f = failed[0]
+        cause = f" ({TROUBLESHOOTING}#{f.cause.slug})" if f.cause is not None else ""
+        raise KVPoolError(f"{f.detail}{cause}. Fix: {f.fix}. Nothing was printed; --offline prints without checking")
 
 
 def cmd_lmcache_config(args: argparse.Namespace) -> int:
-    config = _config(args)  # validates the URL (and reads any token_file) before printing it
-    del config
+    _config(args)  # validates the URL (and reads any token_file) before printing it
     fmt = args.format or FORMATS[args.mode][0]
     if fmt not in FORMATS[args.mode]:
         raise ConfigError(
@@ -733,6 +821,8 @@ def cmd_lmcache_config(args: argparse.Namespace) -> int:
         )
     if args.form is not None and args.mode != "inproc":
         raise ConfigError("--form", "is for --mode inproc; --mode mp has one form, the L2 adapter")
+    if not args.offline:
+        _require_pool(args)
     # LMCache logs its whole config at INFO: a secret written into the URL stays out of it.
     url, left_out = without_inline_secrets(args.url)
     for name in left_out:
@@ -768,6 +858,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "flush": cmd_flush,
     "check": cmd_check,
     "doctor": cmd_doctor,
+    "selftest": cmd_selftest,
     "lmcache-config": cmd_lmcache_config,
 }
 

@@ -7,7 +7,7 @@
     ├── MetadataError        Redis unreachable or inconsistent
     │   ├── RedisFullError   ... Redis refused a write: at maxmemory, evicting nothing
     │   ├── RedisSlowError   ... Redis gave no answer in time (paused, stopped, overloaded)
-    │   └── RedisAuthError   ... Redis refused the password, or the user may not run that command or key
+    │   └── RedisAuthError   ... Redis refused the password (none given, or a wrong one), or the user a command or key
     ├── NodeUnavailable      connect / timeout / node gone
     ├── ProtocolError        malformed or unexpected frame
     ├── AuthError            missing or wrong token
@@ -102,11 +102,13 @@ class RedisSlowError(MetadataError):
 
 class RedisAuthError(MetadataError):
     """Redis refused the credentials (a wrong or missing password, a disabled user), or its ACL refused
-    the user a command or a key. ``reason`` is Redis's own words (or that no password was given)."""
+    the user a command or a key. ``reason`` is Redis's own words (or that no password was given);
+    ``password_given``: False when Redis asked for a password and none was given (NOAUTH)."""
 
-    def __init__(self, message: str, reason: str) -> None:
+    def __init__(self, message: str, reason: str, *, password_given: bool = True) -> None:
         super().__init__(message)
         self.reason = reason
+        self.password_given = password_given
 
 
 class NodeUnavailable(KVPoolError):

@@ -37,7 +37,8 @@ def test_lmcache_config_prints_exactly_what_the_quickstart_shows(form):
     command = " ".join(["kvpool lmcache-config", *form, "--url kvpool://127.0.0.1:6379/default"])
     block = re.search(re.escape(f"`{command}` prints exactly this:") + r"\n\n```yaml\n(.*?)```", doc, re.S)
     assert block is not None, command
-    out = kvpool("lmcache-config", *form, "--url", "kvpool://127.0.0.1:6379/default")
+    # --offline: no pool runs at that address here; with one running, the checked output is the same.
+    out = kvpool("lmcache-config", *form, "--url", "kvpool://127.0.0.1:6379/default", "--offline")
     assert out.returncode == 0
     assert out.stdout == block.group(1)
 
@@ -61,7 +62,7 @@ def _as_lmcache_reads_it(env_lines: str) -> dict:
 
 
 def test_lmcache_config_env_format_is_read_back_by_lmcache():
-    out = kvpool("lmcache-config", "--url", "kvpool://10.1.2.3:6380/prod", "--format", "env")
+    out = kvpool("lmcache-config", "--url", "kvpool://10.1.2.3:6380/prod", "--format", "env", "--offline")
     assert out.returncode == 0
     seen = _as_lmcache_reads_it(out.stdout)
     assert seen["plugins"] == ["kvpool"]
@@ -72,7 +73,7 @@ def test_lmcache_config_env_format_is_read_back_by_lmcache():
 
 def test_lmcache_config_remote_url_env_is_one_lmcache_remote_url_naming_the_same_pool():
     url = "kvpool://10.1.2.3:6380/prod?redis_mode=cluster&redis_hosts=10.1.2.4:6380,10.1.2.5:6380&replicas=2"
-    out = kvpool("lmcache-config", "--url", url, "--form", "remote_url", "--format", "env")
+    out = kvpool("lmcache-config", "--url", url, "--form", "remote_url", "--format", "env", "--offline")
     assert out.returncode == 0
     assert "export LMCACHE_REMOTE_URL='external://10.1.2.3:6380/backend.lmcache_connector/" in out.stdout
     seen = _as_lmcache_reads_it(out.stdout)
@@ -81,7 +82,9 @@ def test_lmcache_config_remote_url_env_is_one_lmcache_remote_url_naming_the_same
 
 
 def test_lmcache_config_remote_url_form_leaves_inline_secrets_out_and_refuses_mp_mode():
-    out = kvpool("lmcache-config", "--url", "kvpool://:tok3n-0123456789abcdef@h:6379/ns", "--form", "remote_url")
+    out = kvpool(
+        "lmcache-config", "--url", "kvpool://:tok3n-0123456789abcdef@h:6379/ns", "--form", "remote_url", "--offline"
+    )
     assert out.returncode == 0 and "tok3n-0123456789abcdef" not in out.stdout and "KVPOOL_TOKEN" in out.stderr
     mp = kvpool("lmcache-config", "--url", "kvpool://h:6379/ns", "--mode", "mp", "--form", "remote_url")
     assert mp.returncode == 2 and "--form" in mp.stderr and mp.stderr.strip().count("\n") == 0

@@ -24,6 +24,7 @@ VERBS = [
     "flush",
     "check",
     "doctor",
+    "selftest",
     "lmcache-config",
 ]
 HEADER = """# kvpool CLI reference
@@ -33,13 +34,18 @@ Generated from `kvpool --help` and `kvpool VERB --help` by `make docs`;
 verb is for and how to run a pool, see [operations](operations.md).
 
 Exit codes: `0` success; `1` a kvpool error, such as Redis or a node unreachable (one line
-on stderr; `--debug` shows the trace); `2` a usage error: a bad flag, URL, option, config
+on stderr; `--debug` shows the trace), and also: `kvpool status` with no live node in its
+namespace (after its screen; stderr names the namespaces that have live nodes), `kvpool
+doctor` or `kvpool selftest` when a check failed, `kvpool lmcache-config` when its URL does
+not reach Redis with its credentials and a live node (unless `--offline`; nothing is
+printed); `2` a usage error: a bad flag, URL, option, config
 file or environment variable, named in one line (nothing was changed); `3` from
 `kvpool check` when it found problems, whether or not `--fix` repaired them (`0` when the
 pool is clean), so a cron job can alert on it; `141` when the reader of stdout went away
 (`kvpool ls | head`), quietly, as `cat` does. {url_json} take `--url kvpool://...`
-(default `$KVPOOL_URL`) and `--json`; `lmcache-config` takes `--url`, `doctor` takes `--json`
-(the pool URL comes from the LMCache config it checks).
+(default `$KVPOOL_URL`) and `--json`; `lmcache-config` takes `--url`; `selftest` takes the
+URL as its argument (default `$KVPOOL_URL`) and `--json`. What `doctor` finds is explained,
+cause by cause, in [troubleshooting](troubleshooting.md).
 """
 
 

@@ -33,6 +33,7 @@ LEVELS = {
     "backend.node": 5,
     "backend.client": 5,
     "backend.admin": 6,
+    "backend.doctor": 6,  # kvpool doctor and selftest: what is wrong and why (beside admin, not above it)
     "backend.lmcache": 7,  # the LMCache layer (backend/lmcache/)
     # the module paths LMCache configs name: re-exports of the LMCache layer
     "backend.lmcache_connector": 8,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import select
 import shlex
@@ -169,7 +170,7 @@ def test_the_printed_mp_config_is_what_lmcache_server_parses_and_what_the_quicks
 
     url = "kvpool://127.0.0.1:6379/default"
     proc = subprocess.run(
-        [sys.executable, "-m", "backend.cli", "lmcache-config", "--mode", "mp", "--url", url],
+        [sys.executable, "-m", "backend.cli", "lmcache-config", "--mode", "mp", "--url", url, "--offline"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -513,6 +514,22 @@ def test_pool_down_gives_misses_and_an_unhealthy_status_never_a_hang(adapters):
     assert store(adapter, [object_key(1)], [memory_obj(payload(1))]).is_successful() is False
     adapter.refresh_usage()
     assert adapter.report_status()["is_healthy"] is False
+
+
+def test_a_pool_without_a_live_node_is_one_error_at_start_naming_the_cause_and_in_the_status(
+    adapters, redis_factory, caplog
+):
+    from backend.embedded import EmbeddedRedis
+
+    caplog.set_level(logging.INFO)
+    empty = EmbeddedRedis().start()  # Redis answers; no node ever joined
+    redis_factory.append(empty)
+    adapter = adapters(f"kvpool://127.0.0.1:{empty.port}/engines?timeout_ms=1000")
+    assert wait_until(lambda: adapter.report_status()["pool_problem"] == "every-lookup-misses", WAIT_S)
+    for i in range(3):
+        assert lookup_and_lock(adapter, [object_key(900 + i)]) == [False]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("backend")]
+    assert len(errors) == 1 and "not usable at start" in errors[0] and "#every-lookup-misses" in errors[0], errors
 
 
 def test_a_lock_never_unlocked_ends_with_its_lease(node_factory, pool_url, adapters):

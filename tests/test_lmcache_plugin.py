@@ -175,7 +175,7 @@ def test_redis_down_during_the_run_misses_then_recovers(node_factory, redis_fact
 def test_pool_down_at_start_is_reported_once_at_error_with_the_fix(stack_factory, caplog):
     caplog.set_level(logging.WARNING)
     stack = stack_factory(f"kvpool://127.0.0.1:{free_port()}/none?timeout_ms=300")
-    assert wait_until(lambda: any("unreachable at start" in r.message for r in caplog.records), 5.0)
+    assert wait_until(lambda: any("not usable at start" in r.message for r in caplog.records), 5.0)
     keys = [stack.key(1), stack.key(2)]
     assert stack.contains_prefix(keys) == 0
     assert stack.contains_prefix(keys) == 0

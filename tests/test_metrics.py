@@ -400,6 +400,7 @@ def test_the_docs_name_only_metrics_the_code_can_emit(node_factory, pool_url, tm
     emittable = _scrape_busy_nvme_node(node_factory, pool_url, tmp_path)
     emittable |= {f"kvpool_node_{c}_total" for c in node_counters}
     emittable |= {f"kvpool_connector_{c}_total" for c in connector_counters | set(metrics.CONNECTOR_COUNTERS)}
+    emittable.add(metrics.POOL_UP)  # the connector's gauge (tests/test_troubleshooting.py scrapes it)
     documented = set(re.findall(r"\b(kvpool_(?:node|connector)_[a-z0-9_]+)\b", _documented()))
     assert documented, "docs/operations.md lists no metric"
     assert sorted(documented - emittable) == []

@@ -237,6 +237,7 @@ def test_lmcache_config_strips_inline_secrets_and_keeps_everything_else():
         f"kvpool://:{TOKEN}@10.0.0.1:6379/prod?replicas=2&redis_password={PASSWORD}&redis_user=u&timeout_ms=500",
         "--format",
         "env",
+        "--offline",
     )
     assert out.returncode == 0, out.stderr
     extra = json.loads(re.search(r"LMCACHE_EXTRA_CONFIG='(.*)'", out.stdout).group(1))

@@ -15,7 +15,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
-from backend.metadata import LOOKUP_BATCH, IndexEntry, Location, MetadataStore, NodeInfo, RedisMemory
+from backend.metadata import (
+    LOOKUP_BATCH,
+    IndexEntry,
+    LiveNamespaces,
+    Location,
+    MetadataStore,
+    NodeInfo,
+    RedisFacts,
+    RedisMemory,
+)
 
 __all__ = ["PoolIndex", "glob_escape"]
 
@@ -40,9 +49,17 @@ class PoolIndex:
         """Redis's memory use and limit (``INFO memory``): whether it is full and refuses writes."""
         return await self._store.memory()
 
+    async def facts(self) -> RedisFacts:
+        """Redis's version and clock."""
+        return await self._store.facts()
+
     async def nodes(self) -> list[NodeInfo]:
         """Every registered node, alive or not (``NodeInfo.alive`` says which)."""
         return await self._store.nodes()
+
+    async def live_namespaces(self) -> LiveNamespaces:
+        """The namespaces of this Redis that have live nodes (this one too), found within a bounded walk."""
+        return await self._store.live_namespaces()
 
     async def lookup(self, keys: Sequence[str]) -> list[IndexEntry]:
         """Every recorded location of every key, in one pipelined round trip."""

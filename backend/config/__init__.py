@@ -47,6 +47,7 @@ from backend.config.pool import (
     env_flag,
     known_env_names,
     mask_secrets,
+    pool_config_of_redis,
     warn_unknown_env,
     without_inline_secrets,
 )
@@ -54,6 +55,7 @@ from backend.config.values import format_size, parse_size, split_url
 
 __all__ = [
     "PoolConfig",
+    "pool_config_of_redis",
     "NodeConfig",
     "NodeOption",
     "NODE_OPTIONS",

@@ -20,10 +20,11 @@ from backend.config.values import (
     split_url,
 )
 from backend.errors import ConfigError
-from backend.redis_topology import CLUSTER, REDIS_MODES, SINGLE, RedisTarget, parse_hosts
+from backend.redis_topology import CLUSTER, REDIS_MODES, SINGLE, RedisTarget, parse_hosts, render_hosts
 
 __all__ = [
     "PoolConfig",
+    "pool_config_of_redis",
     "SCHEME",
     "DEFAULT_NAMESPACE",
     "without_inline_secrets",
@@ -230,6 +231,35 @@ class PoolConfig:
         except yaml.YAMLError as exc:
             raise ConfigError("config", f"{path} is not valid YAML: {exc}") from None
         return cls.from_mapping(data or {}, environ)
+
+
+def pool_config_of_redis(redis_url: str, namespace: str = DEFAULT_NAMESPACE, **options: Any) -> PoolConfig:
+    """How a client reaches the pool whose nodes were given ``--redis redis_url``: the same Redis, ACL user
+    and TLS, in ``namespace``; ``options`` are more PoolConfig fields (secrets, ``tls_ca``). A password
+    written into ``redis_url`` is kept unless ``options`` give one."""
+    target = RedisTarget.parse(redis_url, key="--redis")
+    if target.mode == SINGLE:
+        parts = urlsplit(redis_url)
+        where: dict[str, Any] = {
+            "redis_host": parts.hostname or "127.0.0.1",
+            "redis_port": parts.port or 6379,
+            "redis_user": unquote(parts.username or ""),
+        }
+        inline_password = unquote(parts.password or "")
+    else:
+        (host, port), *more = target.hosts
+        where = {
+            "redis_host": host,
+            "redis_port": port,
+            "redis_mode": target.mode if not target.master else SINGLE,
+            "sentinel": target.master,
+            "redis_hosts": render_hosts(more),
+            "redis_user": target.user,
+        }
+        inline_password = target.password
+    if inline_password and not options.get("redis_password"):
+        options = {**options, "redis_password": inline_password}
+    return PoolConfig(**where, tls=target.tls, namespace=namespace, **options)
 
 
 def _render(value: Any) -> str:

@@ -40,6 +40,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from backend.client import PoolClient
 from backend.config import PoolConfig
+from backend.doctor import TROUBLESHOOTING, Finding, reach
 from backend.errors import BusyError, ConfigError, KVPoolError, NcclError
 from backend.lmcache.boundary import MissBoundary
 from backend.lmcache.chunks import ALLOCATE_TIMEOUT_S, LMCacheSink, to_chunk
@@ -66,6 +67,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 1.0
+# While the pool is not usable (start check failed), how often the connector looks again, quietly,
+# so that its metric turns to 1 (and one line says so) once the pool is up.
+POOL_RECHECK_S = 10.0
 # The client's counters a connector reports as its own (the metrics and `kvpool doctor` show them).
 CLIENT_COUNTERS = (
     "integrity_failures",
@@ -113,11 +117,15 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self._sink = LMCacheSink(local_cpu_backend, self.meta_shapes, self.meta_dtypes, self.misses)
         self._closed = False
         self._plugin = plugin_name
+        # Why the pool is not usable (None: it is); unknown until the start check answers.
+        self.pool_problem: Finding | None = None
+        self._pool_checked = False
+        self._recheck: asyncio.Task[None] | None = None
         # In-process Prometheus: LMCache's own metrics live in the default registry too.
-        register_connector_metrics(self._metric_counters, plugin_name)
+        register_connector_metrics(self._metric_counters, plugin_name, self._pool_state)
         self.channel = self._open_channel()  # nccl_channel.channel.NcclChannel with nccl=on, else None
-        # Report a pool that is down at start once, loudly: LMCache itself would
-        # only ever show misses.
+        # Report a pool that is not usable at start once, loudly, with its cause: LMCache itself
+        # would only ever show misses. On LMCache's loop, never blocking it.
         asyncio.run_coroutine_threadsafe(self._startup_check(), loop)
 
     @property
@@ -131,32 +139,59 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
     def _metric_counters(self) -> dict[str, int]:
         return dict(self.counters)
 
-    async def _startup_check(self) -> None:
+    def _pool_state(self) -> tuple[bool, str] | None:
+        """For the ``pool_up`` metric: usable or not, and why not (None before the start check answered)."""
+        if not self._pool_checked:
+            return None
+        problem = self.pool_problem
+        if problem is None:
+            return True, ""
+        return False, problem.cause.slug if problem.cause is not None else "unknown"
+
+    async def _problem(self) -> Finding | None:
+        """Why the pool cannot serve this engine (None: Redis answers with these credentials and a node is alive)."""
         try:
-            await self.client.ping()
-            nodes = await self.client.nodes(refresh=True)
+            found = await reach(self.client)
         except KVPoolError as exc:
-            logger.error(
-                "kvpool: pool %s is unreachable at start (%s); every lookup misses until it is up. Fix: %s",
-                self.pool_config.to_url(with_token=False),
-                exc,
-                FIX_HINT,
-            )
-            return
-        if not nodes:
-            logger.error(
-                "kvpool: pool %s has no live node; every lookup misses until one joins. "
-                "Fix: run `kvpool node --redis %s --namespace %s`",
-                self.pool_config.to_url(with_token=False),
-                self.pool_config.redis_url,
-                self.pool_config.namespace,
-            )
-        else:
-            logger.info(
-                "kvpool: connected to %s (%d live nodes)", self.pool_config.to_url(with_token=False), len(nodes)
-            )
+            return Finding.failed("pool", str(exc))
+        return next((f for f in found if not f.ok), None)
+
+    async def _startup_check(self) -> None:
+        problem = await self._problem()
+        self.pool_problem, self._pool_checked = problem, True
+        url = self.pool_config.to_url(with_token=False)
+        if problem is None:
+            nodes = await self.client.nodes(refresh=True)
+            logger.info("kvpool: connected to %s (%d live nodes)", url, len(nodes))
             # The engine will put: the first put to a node on this host should not wait for its stage.
             await self.client.prepare_puts()
+            return
+        where = f" ({problem.cause.title}: {TROUBLESHOOTING}#{problem.cause.slug})" if problem.cause else ""
+        logger.error(
+            "kvpool: pool %s is not usable at start: %s%s; every lookup misses until it is (metric "
+            "kvpool_connector_pool_up 0). Fix: %s; `kvpool doctor --url URL` checks it",
+            url,
+            problem.detail,
+            where,
+            problem.fix or FIX_HINT,
+        )
+        self._recheck = asyncio.ensure_future(self._recheck_until_usable())
+
+    async def _recheck_until_usable(self) -> None:
+        """Look again every ``POOL_RECHECK_S`` until the pool is usable; say so once, then stop."""
+        while not self._closed:
+            await asyncio.sleep(POOL_RECHECK_S)
+            problem = await self._problem()
+            self.pool_problem = problem
+            if problem is None:
+                nodes = await self.client.nodes(refresh=True)
+                logger.warning(
+                    "kvpool: pool %s is usable now (%d live nodes)",
+                    self.pool_config.to_url(with_token=False),
+                    len(nodes),
+                )
+                await self.client.prepare_puts()
+                return
 
     def _run_sync(self, coro: Any, what: str) -> Any:
         """Run a coroutine on LMCache's loop from one of LMCache's worker threads."""
@@ -327,6 +362,8 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             return
         self._closed = True
         unregister_connector_metrics(self._plugin)
+        if self._recheck is not None:
+            self._recheck.cancel()
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
                 if self.channel is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import threading
@@ -16,10 +17,11 @@ from urllib.parse import parse_qsl, urlsplit
 import torch
 from lmcache.v1.memory_management import MemoryFormat
 
-from backend.admin import RedisMemory, redis_memory
 from backend.client import PoolClient
 from backend.config import PoolConfig, mask_secrets, without_inline_secrets
-from backend.errors import ConfigError, KVPoolError, RedisSlowError
+from backend.doctor import Finding, check_pool
+from backend.doctor.findings import PLUGIN_NOT_LOADED, State
+from backend.errors import ConfigError
 from backend.lmcache.config import (
     ADAPTER_CLASS,
     ADAPTER_MODULE,
@@ -40,25 +42,18 @@ CONNECTOR_MODULES = (ADAPTER_MODULE, "backend.lmcache.connector")
 
 DOCTOR_MODEL = "kvpool-doctor/probe"
 DOCTOR_TIMEOUT_S = 30.0
-REDIS_SLOW_FIX = (
-    "Redis is paused (CLIENT PAUSE), stopped, overloaded or cut off: nodes keep serving what they hold and "
-    "lookups read as misses meanwhile; see Redis's log and `redis-cli --latency`"
-)
-REDIS_FULL_FIX = (
-    "raise maxmemory (CONFIG SET maxmemory, and in redis.conf) or free memory: puts are refused meanwhile, "
-    "nodes stay alive and serve what they hold (docs/reliability.md)"
-)
 MIN_MASKED = 4  # a shorter secret is not searched for in text (it would mask ordinary words); URLs are masked anyway
 
 
-def diagnose(config_path: Path) -> list[dict[str, Any]]:
+def diagnose(config_path: Path) -> list[Finding]:
     """Check an LMCache config end to end, the way LMCache itself would use it.
 
     Loads the file with LMCache's loader (``LMCACHE_*`` variables included, as an engine
     would), checks whichever form enables kvpool (the plugin entry or ``remote_url``),
     builds LMCache's storage backends from it (so a connector that fails to load shows
     here, not as silent misses), checks Redis and the nodes, and makes one put/get round
-    trip through LMCache's RemoteBackend. Returns findings: ``{"ok", "check", "detail", "fix"}``.
+    trip through LMCache's RemoteBackend. The pool's checks are ``backend.doctor.check_pool``'s,
+    so a failure names its cause (docs/troubleshooting.md).
     """
     known: list[str] = []  # the pool's secrets, once its config is read
     with _secrets_masked(known):
@@ -95,15 +90,17 @@ def _secrets_masked(known: list[str]) -> Iterator[None]:
         logging.setLogRecordFactory(make)
 
 
-def _diagnose(config_path: Path, known: list[str]) -> list[dict[str, Any]]:
+def _diagnose(config_path: Path, known: list[str]) -> list[Finding]:
     from lmcache.v1.config import load_engine_config_with_overrides
 
-    findings: list[dict[str, Any]] = []
+    findings: list[Finding] = []
 
-    def add(ok: bool, check: str, detail: str, fix: str = "") -> bool:
-        findings.append(
-            {"ok": ok, "check": check, "detail": mask_secrets(detail, known), "fix": mask_secrets(fix, known)}
-        )
+    def masked(f: Finding) -> Finding:
+        return Finding(f.check, f.state, mask_secrets(f.detail, known), mask_secrets(f.fix, known), f.cause)
+
+    def add(ok: bool, check: str, detail: str, fix: str = "", cause: Any = None) -> bool:
+        state = State.OK if ok else State.FAIL
+        findings.append(masked(Finding(check, state, detail, fix if not ok else "", cause if not ok else None)))
         return ok
 
     try:
@@ -128,45 +125,45 @@ def _diagnose(config_path: Path, known: list[str]) -> list[dict[str, Any]]:
             f"remote_storage_plugins = {plugins} and remote_url is unset",
             f'set remote_storage_plugins: ["{PLUGIN_NAME}"] (`kvpool lmcache-config` prints the config), or '
             "remote_url (`kvpool lmcache-config --form remote_url`)",
+            PLUGIN_NOT_LOADED,
         )
         return findings
     if pool_config is None:
         return findings
     known += [secret for secret in (pool_config.token, pool_config.redis_password) if len(secret) >= MIN_MASKED]
 
-    async def probe_pool() -> tuple[float, RedisMemory | None, int]:
+    async def probe_pool() -> list[Finding]:
         async with PoolClient(pool_config) as client:
-            return await client.ping(), await redis_memory(client), len(await client.nodes(refresh=True))
+            return await check_pool(client)
 
-    try:
-        rtt_ms, memory, live = asyncio.run(probe_pool())
-    except RedisSlowError as exc:
-        add(False, "Redis", str(exc), REDIS_SLOW_FIX)
-        return findings
-    except KVPoolError as exc:
-        add(False, "Redis", str(exc), "start the pool (`kvpool up`) or fix the host/port in the URL")
-        return findings
-    if memory is not None and memory.full:
-        add(False, "Redis", f"reachable ({rtt_ms:.2f} ms), but Redis is full: {memory.describe()}", REDIS_FULL_FIX)
-        return findings
-    add(True, "Redis", f"reachable ({rtt_ms:.2f} ms)")
-    if not add(
-        live > 0,
-        "nodes",
-        f"{live} live",
-        f"start one: kvpool node --redis {pool_config.redis_url} --namespace {pool_config.namespace}",
-    ):
-        return findings
-    _round_trip(config, backend_name, label, add)
+    pool = [masked(f) for f in asyncio.run(probe_pool())]
+    findings += pool
+    if all(f.ok for f in pool):
+        _round_trip(config, backend_name, label, add)
     return findings
 
 
 def _check_plugin_form(config: Any, plugin: str, add: Any) -> PoolConfig | None:
     """The plugin entry's module, class and pool URL; None when the URL is unusable."""
     extra = config.extra_config or {}
+    module_path = extra.get(f"remote_storage_plugin.{plugin}.module_path")
+    class_name = extra.get(f"remote_storage_plugin.{plugin}.class_name")
+    add(
+        *_plugin_import(plugin, module_path, class_name),
+        f"set extra_config['remote_storage_plugin.{plugin}.module_path'] = {ADAPTER_MODULE!r} and "
+        f"['remote_storage_plugin.{plugin}.class_name'] = {ADAPTER_CLASS!r}, in the engine's Python "
+        "environment kvpool installed (`python -c 'import backend.lmcache_connector'` there must work)",
+        PLUGIN_NOT_LOADED,
+    )
     for suffix, allowed in (("module_path", CONNECTOR_MODULES), ("class_name", (ADAPTER_CLASS,))):
         key = f"remote_storage_plugin.{plugin}.{suffix}"
-        add(extra.get(key) in allowed, key, f"is {extra.get(key)!r}", f"set extra_config['{key}'] = {allowed[0]!r}")
+        add(
+            extra.get(key) in allowed,
+            key,
+            f"is {extra.get(key)!r}",
+            f"set extra_config['{key}'] = {allowed[0]!r}",
+            PLUGIN_NOT_LOADED,
+        )
     if config.remote_url:
         add(
             False,
@@ -199,6 +196,7 @@ def _check_remote_url_form(remote_url: str, add: Any) -> PoolConfig | None:
         f"{source} is {_shown(remote_url)}",
         f"external://HOST:PORT/{ADAPTER_MODULE}/?connector_name={REMOTE_URL_CLASS}&namespace=NS "
         "(`kvpool lmcache-config --form remote_url` prints it)",
+        PLUGIN_NOT_LOADED,
     )
     try:
         pool_config = remote_url_pool_config(remote_url, os.environ)
@@ -207,6 +205,19 @@ def _check_remote_url_form(remote_url: str, add: Any) -> PoolConfig | None:
         return None
     add(True, "pool URL", f"{pool_config.to_url(with_token=False)} (from {source})")
     return pool_config if named else None
+
+
+def _plugin_import(plugin: str, module_path: Any, class_name: Any) -> tuple[bool, str, str]:
+    """Load the plugin's class as LMCache does, and say why not: LMCache logs a failed load once at start and
+    runs without the plugin, so every lookup misses. ``(loaded, check, detail)``."""
+    check = "plugin import"
+    if not module_path or not class_name:
+        return False, check, f"plugin {plugin!r} has no module_path or class_name: LMCache skips it"
+    try:
+        loaded = getattr(importlib.import_module(str(module_path)), str(class_name))
+    except Exception as exc:  # what LMCache catches and only logs: ImportError, AttributeError, errors at import
+        return False, check, f"LMCache cannot load {module_path}.{class_name}: {type(exc).__name__}: {exc}"
+    return True, check, f"{module_path}.{class_name} is {loaded.__module__}.{loaded.__qualname__}"
 
 
 def _shown(url: str) -> str:
@@ -240,7 +251,9 @@ def _round_trip(config: Any, backend_name: str, label: str, add: Any) -> None:
             f"LMCache built {backend_name}"
             if remote is not None and remote.connection is not None
             else "LMCache has no working kvpool backend (LMCache hides why: see its log above)",
-            "check that kvpool is installed in this Python environment (pip install 'kvpool[lmcache]')",
+            "check that kvpool is installed in the engine's Python environment "
+            "(`pip install -e '.[lmcache]'` from the kvpool checkout)",
+            PLUGIN_NOT_LOADED,
         ):
             return
         local = backends["LocalCPUBackend"]

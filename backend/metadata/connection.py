@@ -23,7 +23,7 @@ from redis import exceptions as redis_exceptions
 
 from backend.errors import MetadataError, RedisAuthError, RedisFullError, RedisSlowError
 from backend.metadata.breaker import RedisBreaker
-from backend.metadata.records import NodeSlots, RedisMemory
+from backend.metadata.records import NodeSlots, RedisFacts, RedisMemory
 from backend.metadata.scripts import (
     BEAT_LUA,
     CHANGE_LUA,
@@ -59,12 +59,14 @@ _NO_PASSWORD_GIVEN = ("NOAUTH", "Authentication required", "HELLO must be called
 
 def _auth_refused(action: str, exc: Exception) -> RedisAuthError:
     text = str(exc)
-    reason = "it requires a password, none was given" if any(s in text for s in _NO_PASSWORD_GIVEN) else text
+    missing = any(s in text for s in _NO_PASSWORD_GIVEN)
+    reason = "it requires a password, none was given" if missing else text
     return RedisAuthError(
         f"Redis {action} failed: Redis authentication refused ({reason}); set redis_password_file=PATH in the pool "
         "URL (or KVPOOL_REDIS_PASSWORD), and redis_user=USER for an ACL user; a node takes --redis-password-file "
         "and USER@ in its --redis URL",
         reason,
+        password_given=not missing,
     )
 
 
@@ -129,6 +131,28 @@ async def _bounded(
         ) from None
 
 
+# Every namespace's registry hash matches this (SCAN), and nothing else of kvpool does: an index key
+# is kvp:NS/<key>, and a namespace holds no brace.
+NODES_KEY_PATTERN = "kvp:{*}:nodes"
+
+
+def nodes_key_of(namespace: str) -> str:
+    """``namespace``'s registry hash (node id -> NodeInfo JSON)."""
+    return f"kvp:{{{namespace}}}:nodes"
+
+
+def heartbeat_prefix_of(namespace: str) -> str:
+    """What ``namespace``'s heartbeat keys start with (the node id follows)."""
+    return f"kvp:{{{namespace}}}:hb:"
+
+
+def namespace_of_nodes_key(key: str) -> str | None:
+    """The namespace whose registry hash ``key`` is (None for any other key)."""
+    if key.startswith("kvp:{") and key.endswith("}:nodes"):
+        return key[len("kvp:{") : -len("}:nodes")]
+    return None
+
+
 class RedisConnection:
     """One namespace's Redis client (redis-py + hiredis): key names, scripts, bounded calls."""
 
@@ -162,12 +186,12 @@ class RedisConnection:
         tag = "{" + namespace + "}"
         self.marker_key = f"kvp:{tag}:marker"
         self.epoch_key = f"kvp:{tag}:epoch"
-        self.nodes_key = f"kvp:{tag}:nodes"
+        self.nodes_key = nodes_key_of(namespace)
         self.draining_key = f"kvp:{tag}:draining"
         self.beats_key = f"kvp:{tag}:beats"
         self.version_key = f"kvp:{tag}:regv"
         self.changes_key = f"kvp:{tag}:regchanges"
-        self._hb_prefix = f"kvp:{tag}:hb:"
+        self._hb_prefix = heartbeat_prefix_of(namespace)
         self._holder_prefix = f"kvp:{tag}:holder:"
         self.slots_key = f"kvp:{tag}:slots"
         self.slot_counter_key = f"kvp:{tag}:slotseq"
@@ -276,6 +300,15 @@ class RedisConnection:
         return RedisMemory(
             int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)), str(info.get("maxmemory_policy", ""))
         )
+
+    async def facts(self) -> RedisFacts:
+        """Redis's version (``INFO server``) and clock (``TIME``)."""
+        async with self._call("INFO server"):
+            info = await self._redis.info("server")
+            if info and all(isinstance(value, dict) for value in info.values()):  # a cluster answers per node
+                info = next(iter(info.values()))
+            seconds, micros = await self._redis.time()
+        return RedisFacts(str(info.get("redis_version", "")), int(seconds) + int(micros) / 1e6)
 
     # -- slots ------------------------------------------------------------------------
     async def slot_map(self) -> dict[str, int]:

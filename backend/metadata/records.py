@@ -19,6 +19,8 @@ __all__ = [
     "Location",
     "NodeInfo",
     "NodeSlots",
+    "LiveNamespaces",
+    "RedisFacts",
     "RedisMemory",
     "SweepPage",
     "varint",
@@ -270,6 +272,34 @@ class RedisMemory:
             f"used_memory {format_size(self.used_bytes)} of maxmemory {format_size(self.max_bytes)} "
             f"(maxmemory-policy {self.policy})"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class RedisFacts:
+    """What Redis says of itself that a pool depends on: its version and its clock."""
+
+    version: str  # redis_version of INFO server, e.g. "7.2.4"
+    time_s: float  # Redis's clock (TIME), seconds since the epoch
+
+    @property
+    def version_tuple(self) -> tuple[int, ...]:
+        """``version`` as numbers ((0,) when Redis did not say)."""
+        parts = [int(p) for p in self.version.split(".") if p.isdigit()]
+        return tuple(parts) or (0,)
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveNamespaces:
+    """The namespaces of one Redis that have live nodes, and how many; ``complete`` is False when the
+    walk over Redis's keys stopped at its time budget before the end."""
+
+    live: dict[str, int]
+    complete: bool = True
+
+    def describe(self) -> str:
+        """``'default' (2 live), 'prod' (1 live)``, or ``none``."""
+        shown = ", ".join(f"{name!r} ({count} live)" for name, count in sorted(self.live.items())) or "none"
+        return shown if self.complete else f"{shown} (Redis holds more keys than were searched)"
 
 
 @dataclasses.dataclass

@@ -17,6 +17,7 @@ Every name emitted is listed in docs/operations.md (a test keeps them in step).
 from backend.metrics.connector import (
     CONNECTOR_COUNTERS,
     CONNECTOR_PREFIX,
+    POOL_UP,
     SNAPSHOT_ATTEMPTS,
     ConnectorCollector,
     register_connector_metrics,
@@ -43,6 +44,7 @@ __all__ = [
     "NODE_PREFIX",
     "NODE_COUNTERS",
     "CONNECTOR_PREFIX",
+    "POOL_UP",
     "CONNECTOR_COUNTERS",
     "METRIC_NAME",
     "MAX_REQUEST_HEAD_BYTES",

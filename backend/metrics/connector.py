@@ -11,16 +11,31 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import REGISTRY
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from backend.metrics.node import METRIC_NAME
 
-__all__ = ["CONNECTOR_COUNTERS", "CONNECTOR_PREFIX", "register_connector_metrics", "unregister_connector_metrics"]
+__all__ = [
+    "CONNECTOR_COUNTERS",
+    "CONNECTOR_PREFIX",
+    "POOL_UP",
+    "PoolState",
+    "register_connector_metrics",
+    "unregister_connector_metrics",
+]
 
 logger = logging.getLogger(__name__)
 
 CONNECTOR_PREFIX = "kvpool_connector_"
 SNAPSHOT_ATTEMPTS = 3
+POOL_UP = CONNECTOR_PREFIX + "pool_up"
+POOL_UP_HELP = (
+    "1 when the connector's last check reached Redis with its credentials and found a live node in its "
+    "namespace, else 0 with the cause (a docs/troubleshooting.md anchor) as a label."
+)
+
+# A connector's view of its pool: (usable, cause: the troubleshooting anchor when not); None before its first check.
+PoolState = Callable[[], "tuple[bool, str] | None"]
 
 CONNECTOR_COUNTERS: dict[str, str] = {
     "put_chunks": "Chunks LMCache handed to the pool and the pool stored.",
@@ -40,19 +55,35 @@ class ConnectorCollector:
 
     def __init__(self) -> None:
         self._sources: dict[str, Callable[[], Mapping[str, int]]] = {}
+        self._states: dict[str, PoolState] = {}
         self._lock = threading.Lock()  # LMCache scrapes from its own thread
 
-    def set(self, plugin: str, counters: Callable[[], Mapping[str, int]]) -> None:
+    def set(self, plugin: str, counters: Callable[[], Mapping[str, int]], state: PoolState | None = None) -> None:
         with self._lock:
             self._sources[plugin] = counters
+            if state is not None:
+                self._states[plugin] = state
+            else:
+                self._states.pop(plugin, None)
 
     def remove(self, plugin: str) -> None:
         with self._lock:
             self._sources.pop(plugin, None)
+            self._states.pop(plugin, None)
 
     def collect(self) -> Iterable[Metric]:
         with self._lock:
             sources = sorted(self._sources.items())
+            states = sorted(self._states.items())
+        out: list[Metric] = []
+        up = GaugeMetricFamily(POOL_UP, POOL_UP_HELP, labels=["plugin", "cause"])
+        for plugin, state in states:
+            seen = state()
+            if seen is not None:
+                usable, cause = seen
+                up.add_metric([plugin, "" if usable else cause], 1 if usable else 0)
+        if up.samples:
+            out.append(up)
         families: dict[str, CounterMetricFamily] = {}
         for plugin, counters in sources:
             values = _snapshot(plugin, counters)
@@ -70,7 +101,7 @@ class ConnectorCollector:
                         CONNECTOR_PREFIX + name, documentation, labels=["plugin"]
                     )
                 family.add_metric([plugin], values.get(name, 0))
-        return list(families.values())
+        return out + list(families.values())
 
 
 def _snapshot(plugin: str, counters: Callable[[], Mapping[str, int]]) -> dict[str, int] | None:
@@ -91,8 +122,11 @@ _connector_collector: ConnectorCollector | None = None
 _connector_lock = threading.Lock()
 
 
-def register_connector_metrics(counters: Callable[[], Mapping[str, int]], plugin: str) -> None:
-    """Expose a connector's counters as ``kvpool_connector_<name>_total{plugin=...}``.
+def register_connector_metrics(
+    counters: Callable[[], Mapping[str, int]], plugin: str, state: PoolState | None = None
+) -> None:
+    """Expose a connector's counters as ``kvpool_connector_<name>_total{plugin=...}``, and with ``state``
+    whether its pool is usable as ``kvpool_connector_pool_up{plugin=...,cause=...}``.
 
     Goes into prometheus_client's default ``REGISTRY`` (LMCache's metrics live there).
     Registering the same ``plugin`` again replaces the earlier source.
@@ -101,11 +135,11 @@ def register_connector_metrics(counters: Callable[[], Mapping[str, int]], plugin
     with _connector_lock:
         if _connector_collector is None:
             collector = ConnectorCollector()
-            collector.set(plugin, counters)
+            collector.set(plugin, counters, state)
             REGISTRY.register(collector)
             _connector_collector = collector
         else:
-            _connector_collector.set(plugin, counters)
+            _connector_collector.set(plugin, counters, state)
 
 
 def unregister_connector_metrics(plugin: str) -> None:

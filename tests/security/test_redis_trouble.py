@@ -167,8 +167,8 @@ def test_doctor_says_redis_is_full_or_slow_rather_than_unreachable(node_factory,
     with redis.Redis(port=server.port) as raw:
         _fill(raw)
         full = kvpool("doctor", "--lmcache-config", str(config), timeout=180)
-        assert full.returncode == 1 and "[FAIL] Redis: reachable" in full.stdout, full.stdout
-        assert "Redis is full: used_memory" in full.stdout and "raise maxmemory" in full.stdout, full.stdout
+        assert full.returncode == 1 and "[FAIL] Redis memory: Redis is full: used_memory" in full.stdout, full.stdout
+        assert "raise maxmemory" in full.stdout and "#redis-full" in full.stdout, full.stdout
         raw.config_set("maxmemory", 0)
     assert server.process is not None
     server.process.send_signal(signal.SIGSTOP)  # a Redis that answers nothing: paused, stopped, cut off
@@ -176,8 +176,9 @@ def test_doctor_says_redis_is_full_or_slow_rather_than_unreachable(node_factory,
         slow = kvpool("doctor", "--lmcache-config", str(config), timeout=180)
     finally:
         server.process.send_signal(signal.SIGCONT)
-    assert slow.returncode == 1 and "[FAIL] Redis: Redis slow:" in slow.stdout, slow.stdout
+    assert slow.returncode == 1 and "[FAIL] Redis: " in slow.stdout and "Redis slow:" in slow.stdout, slow.stdout
     assert "no answer within" in slow.stdout and "unreachable" not in slow.stdout, slow.stdout
+    assert "#redis-paused-or-slow" in slow.stdout, slow.stdout
 
 
 def test_a_node_whose_redis_user_may_not_run_info_says_the_full_redis_is_over_once_a_put_lands(

@@ -39,6 +39,7 @@ from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInter
 
 from backend.client import Lock, PoolClient
 from backend.config import PoolConfig
+from backend.doctor import TROUBLESHOOTING, Finding, reach
 from backend.errors import KVPoolError
 from backend.lmcache.boundary import MissBoundary
 from backend.lmcache.l2.config import KVPoolL2AdapterConfig
@@ -92,7 +93,26 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._notify_keys_deleted,
         )
         self._refresher = self._tasks.start(self._usage.refresh_forever(config.usage_refresh_ms / 1000))
+        # Why the pool is not usable at start (None: it is, or not checked yet): one ERROR, as the connector says it.
+        self.pool_problem: Finding | None = None
+        self._tasks.start(self._startup_check())
         logger.info("kvpool: L2 adapter for %s (lease %d ms)", config.pool.to_url(with_token=False), config.lock_ttl_ms)
+
+    async def _startup_check(self) -> None:
+        try:
+            problem = next((f for f in await reach(self.client) if not f.ok), None)
+        except KVPoolError as exc:
+            problem = Finding.failed("pool", str(exc))
+        self.pool_problem = problem
+        if problem is not None:
+            where = f" ({problem.cause.title}: {TROUBLESHOOTING}#{problem.cause.slug})" if problem.cause else ""
+            logger.error(
+                "kvpool: L2 adapter: pool %s is not usable at start: %s%s; every lookup misses until it is. Fix: %s",
+                self.config.pool.to_url(with_token=False),
+                problem.detail,
+                where,
+                problem.fix,
+            )
 
     @property
     def _bound_s(self) -> float:
@@ -168,8 +188,12 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def report_status(self) -> dict[str, Any]:
         view = self._usage.view
         loop_alive = self._tasks.is_alive()
+        healthy = loop_alive and view.reachable and view.live_nodes > 0
+        problem = self.pool_problem if not healthy else None
         return {
-            "is_healthy": loop_alive and view.reachable and view.live_nodes > 0,
+            "is_healthy": healthy,
+            # the docs/troubleshooting.md entry of why the pool was not usable at start, while it is not
+            "pool_problem": problem.cause.slug if problem is not None and problem.cause is not None else "",
             "type": "KVPoolL2Adapter",
             "pool": self.config.pool.to_url(with_token=False),
             "event_loop_alive": loop_alive,
