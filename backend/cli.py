@@ -681,7 +681,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     except ImportError as exc:  # a pool node's install: no LMCache, no torch
         raise KVPoolError(
             f"doctor runs LMCache's own loader, which is not installed here ({exc}); "
-            "install kvpool[lmcache] (pip install 'kvpool[lmcache]')"
+            "install kvpool[lmcache] (in a kvpool checkout: pip install -e '.[lmcache]')"
         ) from None
 
     findings = diagnose(args.lmcache_config)

@@ -240,7 +240,7 @@ def _round_trip(config: Any, backend_name: str, label: str, add: Any) -> None:
             f"LMCache built {backend_name}"
             if remote is not None and remote.connection is not None
             else "LMCache has no working kvpool backend (LMCache hides why: see its log above)",
-            "check that kvpool is installed in this Python environment (pip install 'kvpool[lmcache]')",
+            "check that kvpool is installed in this Python environment (in a kvpool checkout: pip install -e '.[lmcache]')",
         ):
             return
         local = backends["LocalCPUBackend"]
