@@ -59,6 +59,7 @@ EXIT_ERROR = 1  # a kvpool error: Redis or a node unreachable, a failed operatio
 EXIT_USAGE = 2
 EXIT_PROBLEMS = 3  # `kvpool check` found problems (fixed or not): a cron job can alert on it
 EXIT_BROKEN_PIPE = 141  # stdout closed early (`kvpool ls | head`): 128 + SIGPIPE, as cat or grep exit
+EXIT_TERMINATED = 143  # SIGTERM while a node started (128 + SIGTERM): it gave back what it had taken
 
 T = TypeVar("T")
 
@@ -257,6 +258,32 @@ def _stop_on_signals(node: PoolNode) -> None:
         loop.add_signal_handler(sig, node.request_stop)
 
 
+async def _start(node: PoolNode) -> None:
+    """Start ``node``. A SIGTERM meanwhile (a service manager stopping it during a long prefault) abandons
+    the start as Ctrl-C does: the node gives back what it took (its arena file in /dev/shm with the rest,
+    ``backend/node/startup.py``) and the process exits 143."""
+    loop = asyncio.get_running_loop()
+    starting = asyncio.current_task()
+    assert starting is not None
+    terminated: list[bool] = []
+
+    def on_sigterm() -> None:
+        if not terminated:  # a second SIGTERM does not cut the giving back short
+            terminated.append(True)
+            starting.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        await node.start()
+    except asyncio.CancelledError:
+        if not terminated:
+            raise
+        print("kvpool: stopped by SIGTERM while starting; what the node had taken is given back", file=sys.stderr)
+        raise SystemExit(EXIT_TERMINATED) from None
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
 async def _serve(node: PoolNode) -> None:
     """Serve until a signal (or until the node stops itself: it lost its id, and then exits 1)."""
     _stop_on_signals(node)
@@ -286,7 +313,7 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         node = PoolNode(config)
-        await node.start()
+        await _start(node)
         print(
             f"kvpool node {node.node_id} ready at {node.advertise_host}:{node.advertise_port} (epoch {node.epoch})",
             flush=True,
@@ -367,7 +394,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
         async def run() -> None:
             node = PoolNode(config)
-            await node.start()
+            await _start(node)
             _stop_on_signals(node)  # before "Ctrl-C stops the pool." is printed: a Ctrl-C right after it stops cleanly
             url, apart = _pool_url(node, config.redis_url, config.namespace)
             nvme = f"NVMe {format_size(config.nvme_bytes)} at {config.nvme_dir}" if config.nvme_dir else "no NVMe"

@@ -6,7 +6,8 @@
     ├── ConfigError          bad URL / option, with the offending key named
     ├── MetadataError        Redis unreachable or inconsistent
     │   ├── RedisFullError   ... Redis refused a write: at maxmemory, evicting nothing
-    │   └── RedisSlowError   ... Redis gave no answer in time (paused, stopped, overloaded)
+    │   ├── RedisSlowError   ... Redis gave no answer in time (paused, stopped, overloaded)
+    │   └── RedisAuthError   ... Redis refused the password, or the user may not run that command or key
     ├── NodeUnavailable      connect / timeout / node gone
     ├── ProtocolError        malformed or unexpected frame
     ├── AuthError            missing or wrong token
@@ -36,6 +37,7 @@ __all__ = [
     "MetadataError",
     "RedisFullError",
     "RedisSlowError",
+    "RedisAuthError",
     "NodeUnavailable",
     "ProtocolError",
     "AuthError",
@@ -96,6 +98,15 @@ class RedisFullError(MetadataError):
 
 class RedisSlowError(MetadataError):
     """Redis gave no answer in time: paused, stopped, overloaded or cut off."""
+
+
+class RedisAuthError(MetadataError):
+    """Redis refused the credentials (a wrong or missing password, a disabled user), or its ACL refused
+    the user a command or a key. ``reason`` is Redis's own words (or that no password was given)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class NodeUnavailable(KVPoolError):

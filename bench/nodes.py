@@ -88,13 +88,14 @@ class NodeProcess(ServerProcess):
         return self.process.pid
 
     def memory(self) -> dict[str, int]:
-        """VmRSS and VmHWM (peak resident set) in bytes, from /proc; empty once the process is gone."""
+        """VmRSS, VmHWM (peak resident set), RssAnon (private memory) and RssShmem (shared memory
+        touched: an arena in /dev/shm) in bytes, from /proc; empty once the process is gone."""
         fields: dict[str, int] = {}
         try:
             with open(f"/proc/{self.pid}/status") as status:
                 for line in status:
                     name, _, value = line.partition(":")
-                    if name in ("VmRSS", "VmHWM"):
+                    if name in ("VmRSS", "VmHWM", "RssAnon", "RssShmem"):
                         fields[name] = int(value.split()[0]) * 1024
         except OSError:
             pass

@@ -33,6 +33,15 @@ that, on a pool of the largest size.
 Finally ``redis-benchmark`` (pipelined) gives this machine's Redis ops/s for the two
 commands that dominate: HGETALL of an index entry (a lookup) and the commit Lua
 script (a put). Results go to ``bench/results/scale-<timestamp>.json``.
+
+``--report`` runs the scale report instead (``bench/scale_report.py``): a node of
+``--chunks`` chunks (default 1,000,000; ``--quick``: 200,000) measured against every
+budget of issue #34, one summary table at the end, the figures in
+``bench/results/scale-report-<timestamp>.json``; ``--parts`` picks some of
+node,nvme,disk,redis,sweep.
+
+    python -m bench.scale --report                         # a node of 1,000,000 chunks
+    python -m bench.scale --report --quick --parts node,nvme
 """
 
 from __future__ import annotations
@@ -62,6 +71,7 @@ from backend.config import format_size, parse_size
 from backend.embedded import EmbeddedRedis
 from backend.errors import KVPoolError
 from backend.metadata import COMMIT_LUA, Location, MetadataStore
+from bench import scale_report
 from bench.nodes import NodeProcess
 from bench.resp_proxy import CountingProxy
 
@@ -440,6 +450,24 @@ def _print_table(rows: Sequence[dict[str, Any]]) -> None:
         )
 
 
+def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--report``: the arguments checked (each part's fewest chunks named), then the report."""
+    if args.quick and args.chunks is not None:
+        parser.error("--quick is --chunks 200000: give one of them")
+    chunks = scale_report.QUICK_CHUNKS if args.quick else args.chunks or scale_report.DEFAULT_CHUNKS
+    parts = [part.strip() for part in args.parts.split(",") if part.strip()]
+    unknown = [part for part in parts if part not in scale_report.PARTS]
+    if unknown or not parts:
+        parser.error(f"--parts {args.parts!r}: choose from {','.join(scale_report.PARTS)}")
+    for part in parts:
+        if chunks < scale_report.min_chunks(part):
+            parser.error(
+                f"--chunks {chunks:,} is too few for the {part} part: it needs at least "
+                f"{scale_report.min_chunks(part):,}"
+            )
+    return scale_report.report(chunks, parts, args.results)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1,2,4,8", help="pool sizes in nodes (default 1,2,4,8)")
@@ -463,7 +491,20 @@ def main() -> int:
         default=24.0,
         help="membership changes per node and day to extrapolate with (default 24)",
     )
+    report = parser.add_argument_group("the scale report (issue #34)")
+    report.add_argument("--report", action="store_true", help="run the scale report instead of the scale-out bench")
+    report.add_argument(
+        "--chunks", type=int, default=None, help=f"chunks a node holds (default {scale_report.DEFAULT_CHUNKS:,})"
+    )
+    report.add_argument("--quick", action="store_true", help=f"{scale_report.QUICK_CHUNKS:,} chunks")
+    report.add_argument(
+        "--parts", default=",".join(scale_report.PARTS), help=f"some of {','.join(scale_report.PARTS)} (default all)"
+    )
     args = parser.parse_args()
+    if args.report:
+        return _report(parser, args)
+    if args.chunks is not None or args.quick or args.parts != ",".join(scale_report.PARTS):
+        parser.error("--chunks, --quick and --parts go with --report")
     args.chunk_bytes = parse_size(args.chunk)
     sizes = [int(s) for s in args.sizes.split(",")]
     chunks = _working_set(parse_size(args.working_set), args.chunk_bytes)

@@ -328,7 +328,7 @@ def sweep(chunks: int = 100_000, *, pool: int = 0, grace_ms: int = GRACE_MS) -> 
             "grace_s": grace_ms / 1000,
             "sweep_walk_s": walk_s,
             "dead_gone_after_start_s": round(total_s, 1),
-            "keys_per_s": round(pool / walk_s) if walk else None,
+            "keys_per_s": round(pool / walk_s) if walk_s > 0 else None,  # a small pool is swept within the log's 0.1 s
             "fields_removed": counters.get("collected_index_fields", 0),
             "sample_dead_fields_left": dead_left,
             "sample_live_fields_kept": f"{live_kept}/{len(sample)}",

@@ -253,6 +253,8 @@ def _server_faults(argv: list[str], context: str) -> list[str]:
     redis = _option(argv, "--redis")
     if "--config" in argv or "--help" in argv or "..." in argv:  # a file may carry any of it; or elided
         return []
+    if redis is not None and "://" not in redis:  # `kvpool up --redis URL`: a form named in prose
+        return []
     if verb == "node" and redis is None:  # a flag named in prose (`kvpool node --advertise HOST`), not a command
         return []
     host = _option(argv, "--host") or "127.0.0.1"

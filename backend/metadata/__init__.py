@@ -23,6 +23,7 @@ Key schema (``NS`` is the namespace)::
     kvp:NS/<key>             index entry: hash slot -> varint(epoch) varint(nbytes << 2 | tier) checksum[8]
                              (read per request by one Lua call against the client's live view: lookup.py)
     kvp:{NS}:rdv:<session>   channel rendezvous offer (JSON), read once by the peer; expires (TTL)
+    kvp:{NS}:probe, kvp:NS/  never set: a node DELs them at start to see it may write here (check_writable)
 
 Registry keys share the hash tag ``{NS}`` (one Redis Cluster slot, small); index keys
 carry no tag, so the index spreads over every shard by the whole name. An index entry

@@ -21,7 +21,7 @@ from typing import Any
 
 from redis import exceptions as redis_exceptions
 
-from backend.errors import MetadataError, RedisFullError, RedisSlowError
+from backend.errors import MetadataError, RedisAuthError, RedisFullError, RedisSlowError
 from backend.metadata.breaker import RedisBreaker
 from backend.metadata.records import NodeSlots, RedisMemory
 from backend.metadata.scripts import (
@@ -42,7 +42,7 @@ from backend.metadata.scripts import (
 )
 from backend.redis_topology import CLUSTER, CLUSTER_HINT, RedisTarget, connect, mask_url
 
-__all__ = ["RedisConnection", "RedisFullError", "RedisSlowError"]
+__all__ = ["MIN_REDIS_VERSION", "RedisConnection", "RedisFullError", "RedisSlowError"]
 
 
 FULL_HINT = (
@@ -51,18 +51,26 @@ FULL_HINT = (
 )
 
 
+MIN_REDIS_VERSION = (7, 0)  # kvpool's scripts declare flags (`#!lua flags=...`), which Redis 7.0 brought
+
 # What Redis answers a client that gave no password (RESP2 NOAUTH, or RESP3's HELLO refusal).
 _NO_PASSWORD_GIVEN = ("NOAUTH", "Authentication required", "HELLO must be called with the client already authenticated")
 
 
-def _auth_refused(action: str, exc: Exception) -> MetadataError:
+def _auth_refused(action: str, exc: Exception) -> RedisAuthError:
     text = str(exc)
     reason = "it requires a password, none was given" if any(s in text for s in _NO_PASSWORD_GIVEN) else text
-    return MetadataError(
+    return RedisAuthError(
         f"Redis {action} failed: Redis authentication refused ({reason}); set redis_password_file=PATH in the pool "
         "URL (or KVPOOL_REDIS_PASSWORD), and redis_user=USER for an ACL user; a node takes --redis-password-file "
-        "and USER@ in its --redis URL"
+        "and USER@ in its --redis URL",
+        reason,
     )
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    """``"7.0.15"`` -> ``(7, 0, 15)``; what is not a number counts as 0."""
+    return tuple(int(part) if part.isdigit() else 0 for part in version.split("."))
 
 
 @contextlib.contextmanager
@@ -164,6 +172,7 @@ class RedisConnection:
         self.slots_key = f"kvp:{tag}:slots"
         self.slot_counter_key = f"kvp:{tag}:slotseq"
         self._rendezvous_prefix = f"kvp:{tag}:rdv:"
+        self._probe_key = f"kvp:{tag}:probe"  # never set: a node deletes it at start to see it may write here
         # An index key is the namespace and the pool key after a '/', which no namespace holds: no
         # other key of kvpool (nor of the release before, kvp:NS:k:{key}) starts so. No hash tag:
         # the index spreads over a cluster's slots by the whole name.
@@ -224,6 +233,36 @@ class RedisConnection:
         async with self._call("PING"):
             await self._redis.ping()
         return (time.perf_counter() - start) * 1000
+
+    async def check_version(self) -> str:
+        """Redis's version (``INFO server``; the oldest primary's on a cluster), or "" where this user may not
+        ask (hardened ACLs take INFO away): MetadataError naming it if it is older than
+        :data:`MIN_REDIS_VERSION`, which cannot run kvpool's scripts."""
+        try:
+            async with self._call("INFO server"):
+                if self.is_cluster:
+                    answers = list((await self._redis.info("server", target_nodes=self._redis.PRIMARIES)).values())
+                else:
+                    answers = [await self._redis.info("server")]
+        except RedisAuthError:
+            return ""
+        version = min((str(a.get("redis_version", "")) for a in answers), key=_version_key, default="")
+        if version and _version_key(version) < MIN_REDIS_VERSION:
+            needed = ".".join(map(str, MIN_REDIS_VERSION))
+            raise MetadataError(
+                f"Redis at {mask_url(self.redis_url)} is version {version}; kvpool needs Redis {needed} or newer "
+                "(its scripts declare flags, which older versions cannot compile)"
+            )
+        return version
+
+    async def check_writable(self) -> None:
+        """That this namespace's keys may be written: a DEL of a registry key name (``kvp:{NS}:``) and of an
+        index key name (``kvp:NS/``: the empty pool key) that no key of kvpool holds, so it changes nothing.
+        A read-only replica refuses it, and so does an ACL user without those keys (``RedisAuthError``); a full
+        Redis does not (DEL takes no memory)."""
+        for key in (self._probe_key, self._index_prefix):  # one at a time: on a cluster they are in two slots
+            async with self._call("namespace write check"):
+                await self._redis.delete(key)
 
     async def memory(self) -> RedisMemory:
         """Redis's ``used_memory``, ``maxmemory`` and policy (``INFO memory``): says whether it is full."""

@@ -302,8 +302,13 @@ class PageSpace:
         return self._grown - HEADER_BYTES
 
     def close(self) -> None:
-        """Stop the grower. Buffers still held keep the mapping alive until they are dropped."""
-        self._closed = True
+        """Stop the grower, after the step of pages under way if any (a prefault's, on a worker thread, when a
+        start is abandoned): what backs the pages may be closed next. Buffers still held keep the mapping
+        alive until they are dropped."""
+        with self._lock:
+            self._closed = True
+            while self._growing:
+                self._grow_done.wait(timeout=1.0)
         self._wake_grower.set()
         self._grower.join(timeout=5.0)
 

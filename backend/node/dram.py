@@ -65,6 +65,12 @@ class DramTier:
         self._stored_bytes = 0
         self._reserved_bytes = 0
 
+    def use_arena(self, arena: Arena | None) -> None:
+        """Keep chunks in ``arena`` from now on: given once, before the tier holds anything
+        (``TierManager.take_memory``)."""
+        assert self._count == 0 and self._reserved_bytes == 0, "an arena is given to an empty DRAM tier"
+        self.arena = arena
+
     @property
     def used_bytes(self) -> int:
         return self._stored_bytes + self._reserved_bytes

@@ -2,6 +2,8 @@
 
 The parts, one module each:
 
+* ``startup.py``: the start's order (secrets, Redis, the id's claim, arena, recovery, join) and what
+  each step checks; ``claim.py``: one process per node id;
 * ``tiers.py`` (with ``dram.py``, ``nvme_tier.py`` and its file format ``nvme_format.py``,
   ``demotion.py``, ``arena.py``, ``leases.py``): where chunks live; ``recovery.py``: the NVMe scan at start;
 * ``session.py``: the accept loop and one session per connection (TLS, auth, frames);
@@ -14,8 +16,7 @@ The parts, one module each:
 
 Each part is given a :class:`~backend.node.context.NodeContext` (config, tiers, index,
 counters, identity, worker threads, tasks) and the parts it uses; none holds this
-object. Only :meth:`PoolNode.start` sets the node's id and epoch, once it claimed the id
-(``claim.py``: one process per node id).
+object. Only :meth:`PoolNode.start` sets the node's id and epoch, once it claimed the id.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections import Counter
 from typing import Any
 
 from backend.config import NodeConfig
-from backend.errors import ConfigError, KVPoolError, NcclError, NodeUnavailable
+from backend.errors import ConfigError, KVPoolError, NcclError
 from backend.metadata import ClaimHolder, MetadataStore, NodeInfo
 from backend.metrics import NodeMetricsServer
 from backend.node.admission import Admission
@@ -44,6 +45,7 @@ from backend.node.reaper import DeadNodeReaper
 from backend.node.recovery import NvmeRecovery, RecoveryReport, keep_node_id
 from backend.node.session import Acceptor
 from backend.node.stages import sweep_stages
+from backend.node.startup import NewDirectory, check_redis, listen, take_arena
 from backend.node.stats import NodeStats
 from backend.node.tiers import TierConfig, TierManager
 from backend.protocol import NodeReport
@@ -81,7 +83,8 @@ class PoolNode:
             password=config.redis_password,
             ca_file=config.redis_ca_file,
         )
-        self.ctx = NodeContext(config, TierManager(tier_config(config)), self._store)
+        # The tiers' memory (the DRAM arena) is taken at start, once Redis and the node id are checked.
+        self.ctx = NodeContext(config, TierManager(tier_config(config), defer_memory=True), self._store)
         self.tiers = self.ctx.tiers
         self.counters: Counter[str] = self.ctx.counters
         self.stats = NodeStats(self.ctx)
@@ -146,36 +149,33 @@ class PoolNode:
         return self.publisher.lost_claim
 
     async def start(self) -> None:
-        """Bind, claim the node id, recover, register. Raises MetadataError if Redis is unreachable, and
-        ConfigError if a live node holds the id (``claim.py``): then nothing of that node was touched.
+        """Start in the order of ``startup.py``: local settings and the listen port, Redis (reach, password,
+        version, namespace), the id's claim with a new epoch, then, renewing the claim, the NVMe directory's id
+        file, the DRAM arena and its prefault, metrics, channel, the NVMe tier's recovery (begun: it goes on in
+        the background, ``recovery.py``), publication. The node serves and takes puts while recovery runs.
 
-        The order: the listener (its port may be in the default id); the id's claim, with a new
-        epoch; then, renewing the claim, the NVMe directory's id file, the DRAM arena's pages
-        (``--prefault``; the arena is made with the tiers), metrics, channel, the NVMe tier's
-        recovery (begun, it goes on in the background: ``recovery.py``), publication. The node
-        serves and takes puts while recovery runs; a recovered key is a hit once it is indexed.
+        Raises MetadataError for Redis, ConfigError for a setting or a live node holding the id (``claim.py``),
+        NodeUnavailable for a taken port; whatever the step, what the steps before took is given back first.
         """
         self.started_at = time.time()  # before anything of this run can write a file
         transport = self._channel_transport()  # a ConfigError here leaves no port bound
         self.tls = self._tls_context()
-        try:
-            listener = socket.create_server((self.config.host, self.config.port), backlog=512, reuse_port=False)
-        except OSError as exc:  # a taken port or an address not on this machine: exit 1 with one line
-            where = f"{self.config.host}:{self.config.port}"
-            raise NodeUnavailable(f"port: cannot listen on {where}: {exc.strerror or exc}") from None
-        listener.setblocking(False)
-        self.listener = listener
+        self.listener = listen(self.config)
+        made = NewDirectory(self.tiers.nvme.root if self.tiers.nvme else None)
         claim: IdClaim | None = None
         try:
+            await check_redis(self._store, self.config)
             claim = await self._claim_id()
             async with claim.kept():
                 await self._start_claimed(transport, claim.node_id)
         except BaseException:  # give back what it took: a retry need not wait out a heartbeat TTL
             await self.ctx.cancel_tasks()  # the recovery, if it began
+            if self._dir_lock is not None:  # while it holds the lock, no other node is in the directory
+                made.remove()
             await self._release(withdraw=claim is not None)
             raise
         self.tiers.start()
-        self.ctx.spawn(self.acceptor.accept_loop(listener, self.tls))
+        self.ctx.spawn(self.acceptor.accept_loop(self.listener, self.tls))
         self.ctx.spawn(self.publisher.heartbeat_loop(self.reaper))
         if self.tiers.shm_arena is not None:  # clients on this host stage their puts next to it
             self.ctx.spawn(sweep_stages(self.ctx, self.tiers.shm_arena.path.parent))
@@ -212,10 +212,12 @@ class PoolNode:
         nvme = self.tiers.nvme
         if nvme is not None:
             await asyncio.to_thread(keep_node_id, nvme.root, node_id)
-        await self._prefault(node_id)
         self.reaper = DeadNodeReaper(self._store, node_id, self.config.dead_node_grace_ms / 1000)
         self.stats.count_also(self.reaper.counters)
-        # Bind the metrics port before registering: if it is taken, nothing is left in Redis.
+        prefault = await take_arena(self.tiers, self.config.prefault, node_id)
+        self.prefaulted_bytes, self.prefault_s = prefault.taken_bytes, prefault.seconds
+        # The metrics port opens once the arena is taken (a startup probe waits for it: docs/deploy.md), and
+        # before registering: if it is taken, nothing is left in Redis.
         if self.config.metrics_port is not None:
             self.metrics = NodeMetricsServer(
                 self.report, self.health, self.config.metrics_host, self.config.metrics_port
@@ -234,28 +236,6 @@ class PoolNode:
         if nvme is not None:
             NvmeRecovery(self.ctx, self.stats, nvme.root, written_before=self.started_at).start()
         await self.publisher.join(advert)
-
-    async def _prefault(self, node_id: str) -> None:
-        """With --prefault, take the DRAM arena's pages now, on a worker thread: the node registers (and
-        clients find it) only once its first puts can find their pages ready."""
-        arena = self.tiers.arena
-        if not self.config.prefault or arena is None:
-            return
-        logger.info(
-            "node %s: taking %d bytes of memory for its DRAM arena before it registers (--prefault; about 1 s per GiB)",
-            node_id,
-            arena.size_bytes,
-        )
-        started = time.monotonic()
-        self.prefaulted_bytes = await asyncio.to_thread(arena.prefault)
-        self.prefault_s = time.monotonic() - started
-        logger.info(
-            "node %s: took %d bytes of memory for its DRAM arena (%s) in %.2f s",
-            node_id,
-            self.prefaulted_bytes,
-            arena.report().path,
-            self.prefault_s,
-        )
 
     def _tls_context(self) -> ssl.SSLContext | None:
         cert, key = self.config.tls_cert, self.config.tls_key

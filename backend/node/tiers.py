@@ -78,13 +78,14 @@ class TierConfig:
 class TierManager:
     """DRAM + NVMe for one node. Use from the node's event loop only."""
 
-    def __init__(self, config: TierConfig) -> None:
+    def __init__(self, config: TierConfig, *, defer_memory: bool = False) -> None:
         self.config = config
         self.counters: Counter[str] = Counter()
         self.table = ChunkTable(pinned=self._pinned)
         self.changes = IndexChanges()
-        self.arena: Arena | None = _open_arena(config)  # where DRAM chunks live; None: each its own buffer
-        self.dram = DramTier(config.dram_bytes, self.table, self.arena)
+        self.arena: Arena | None = None  # where DRAM chunks live (take_memory); None: each its own buffer
+        self.buffers = BufferFactory(0)  # private buffers (take_memory)
+        self.dram = DramTier(config.dram_bytes, self.table)
         self.nvme: NvmeTier | None = None
         if config.nvme_dir and config.nvme_bytes:
             self.nvme = NvmeTier(
@@ -105,13 +106,17 @@ class TierManager:
             high_watermark=config.high_watermark,
             low_watermark=config.low_watermark,
         )
-        # Private buffers, pre-faulted: for every chunk when there is no arena (else only for the
-        # chunks that do not go into it, which are few: no pool kept ready for them).
-        prefault = 0 if self.arena is not None else min(PREFAULT_BUDGET_BYTES, config.dram_bytes // 4)
-        self.buffers = BufferFactory(prefault)
         # Chunks of puts not committed yet, and the puts waiting for room.
         self.landing = Landing(on_pin=self.table.repin)
         self.recovering: set[str] | None = None  # while NVMe recovery runs: the keys stored or deleted since
+        if not defer_memory:
+            self.take_memory()
+
+    def take_memory(self) -> None:
+        """Make the DRAM arena and the private buffers (``_take_memory``): a node does it once Redis and its id
+        are checked (``defer_memory``; ``startup.py``), so a start that fails before costs no memory."""
+        self.arena, self.buffers = _take_memory(self.config)
+        self.dram.use_arena(self.arena)
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -369,6 +374,14 @@ class TierManager:
                 found = True
                 await self.nvme.unlink(record.path)
         return found
+
+
+def _take_memory(config: TierConfig) -> tuple[Arena | None, BufferFactory]:
+    """The DRAM arena (``_open_arena``) and the private buffers, pre-faulted: for every chunk when there is
+    no arena (else only for the chunks that do not go into it, which are few: no pool kept ready for them)."""
+    arena = _open_arena(config)
+    prefault = 0 if arena is not None else min(PREFAULT_BUDGET_BYTES, config.dram_bytes // 4)
+    return arena, BufferFactory(prefault)
 
 
 def _open_arena(config: TierConfig) -> Arena | None:

@@ -351,7 +351,7 @@ def test_a_node_with_the_wrong_redis_password_does_not_start(capsys, secure_redi
         ]
     )
     err = capsys.readouterr().err
-    assert code == 1 and "Redis authentication refused" in err and "guess" not in err
+    assert code == 1 and "Redis refused the password (" in err and str(password_file) in err and "guess" not in err
 
 
 # -- the pool token -------------------------------------------------------------------------
