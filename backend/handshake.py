@@ -196,7 +196,7 @@ class ClientHello:
         if version != HANDSHAKE_VERSION:
             raise ProtocolError(
                 f"{self.where} speaks handshake version {version}, this client {HANDSHAKE_VERSION}: "
-                "run the same kvpool release on nodes and clients (upgrade nodes first, docs/operations.md)"
+                "run the same kvpool release on nodes and clients (which builds talk to each other: docs/upgrade.md)"
             )
         answered = reply.get("node_id")
         if answered != self.node_id:
@@ -252,7 +252,7 @@ class NodeHello:
         if version != HANDSHAKE_VERSION:
             raise ProtocolError(
                 f"this node speaks handshake version {HANDSHAKE_VERSION}, the client {version}: "
-                "run the same kvpool release on clients and nodes"
+                "run the same kvpool release on clients and nodes (docs/upgrade.md)"
             )
         client_nonce = _nonce(request, "the client")
         node_nonce = secrets.token_bytes(NONCE_BYTES)

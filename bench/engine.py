@@ -2,8 +2,12 @@
 
     python -m bench.engine put URL --chunks N   # engine A: store N chunks
     python -m bench.engine get URL --chunks N   # engine B: find them, read them, verify every byte
+    python -m bench.engine get --lmcache-config lmcache.yaml   # LMCache configured by that file instead
 
-``--form remote_url`` configures LMCache with ``remote_url`` instead of the plugin entry.
+``--form remote_url`` configures LMCache with ``remote_url`` instead of the plugin entry;
+``--lmcache-config FILE`` takes the whole LMCache config from the file an engine would be
+given (``LMCACHE_CONFIG_FILE``, what ``kvpool lmcache-config`` writes), so a machine can
+check its engine's config before vLLM runs there.
 
 LMCache's side is built by LMCache's own code (``bench.lmcache_stack``). Prints one
 JSON line with what it saw; exits 1 if any byte read back differs.
@@ -15,8 +19,10 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
+import yaml
 
 from backend.lmcache.config import FORMS, PLUGIN_FORM
 from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
@@ -33,12 +39,13 @@ def run(
     head_size: int,
     local_cpu_gib: float,
     form: str = PLUGIN_FORM,
+    lmcache_config: str | None = None,
 ) -> dict:
-    stack = LMCacheStack(
-        kvpool_lmcache_config(url, form=form, local_cpu_gib=local_cpu_gib),
-        num_layers=layers,
-        hidden=(heads, head_size),
-    )
+    if lmcache_config is not None:
+        config = yaml.safe_load(Path(lmcache_config).read_text())
+    else:
+        config = kvpool_lmcache_config(url, form=form, local_cpu_gib=local_cpu_gib)
+    stack = LMCacheStack(config, num_layers=layers, hidden=(heads, head_size))
     keys = [stack.key(FIRST_HASH + i) for i in range(chunks)]
     total_bytes = stack.chunk_bytes * chunks
     report: dict[str, object] = {
@@ -85,16 +92,29 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("role", choices=("put", "get"))
-    parser.add_argument("url")
+    parser.add_argument("url", nargs="?", help="the pool URL (or give --lmcache-config)")
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--local-cpu-gib", type=float, default=1.0)
     parser.add_argument("--form", choices=FORMS, default=PLUGIN_FORM, help="how LMCache is told about kvpool")
+    parser.add_argument(
+        "--lmcache-config", metavar="FILE", help="LMCache's config file (as LMCACHE_CONFIG_FILE), instead of a URL"
+    )
     args = parser.parse_args(argv)
+    if (args.url is None) == (args.lmcache_config is None):
+        parser.error("give one of the pool URL and --lmcache-config FILE")
     report = run(
-        args.role, args.url, args.chunks, args.layers, args.heads, args.head_size, args.local_cpu_gib, args.form
+        args.role,
+        args.url or "",
+        args.chunks,
+        args.layers,
+        args.heads,
+        args.head_size,
+        args.local_cpu_gib,
+        args.form,
+        args.lmcache_config,
     )
     print(json.dumps(report), flush=True)
     if args.role == "get" and report["identical"] != report["hits"]:

@@ -37,8 +37,19 @@ def kvpool_lmcache_config(
     return lmcache_config(url, form=form, chunk_size=chunk_size, local_cpu_gib=local_cpu_gib)
 
 
+def vllm_loader(path: str) -> Any:
+    """LMCache's config from a file as its vLLM integration reads it (``LMCACHE_CONFIG_FILE``, then ``LMCACHE_*``)."""
+    from lmcache.v1.config import load_engine_config_with_overrides
+
+    return load_engine_config_with_overrides(config_file_path=path)
+
+
 class LMCacheStack:
-    """LMCache's LocalCPUBackend + RemoteBackend built from a config dict, on its own loop."""
+    """LMCache's LocalCPUBackend + RemoteBackend built from a config dict, on its own loop.
+
+    ``loader`` reads the config from the file it is written to, as an engine's LMCache
+    integration does (default: vLLM's, :func:`vllm_loader`).
+    """
 
     def __init__(
         self,
@@ -48,15 +59,15 @@ class LMCacheStack:
         num_layers: int = NUM_LAYERS,
         hidden: tuple[int, int] = (NUM_HEADS, HEAD_SIZE),
         dtype: torch.dtype = torch.bfloat16,
+        loader: Callable[[str], Any] = vllm_loader,
     ) -> None:
-        from lmcache.v1.config import load_engine_config_with_overrides
         from lmcache.v1.metadata import LMCacheMetadata
         from lmcache.v1.storage_backend import CreateStorageBackends
 
         self._tmp = tempfile.TemporaryDirectory(prefix="kvpool-lmcache-")
         path = Path(self._tmp.name) / "lmcache.yaml"
         path.write_text(yaml.safe_dump(config))
-        self.config = load_engine_config_with_overrides(config_file_path=str(path))
+        self.config = loader(str(path))
         chunk = int(config.get("chunk_size", CHUNK_TOKENS))
         self.model = model
         self.dtype = dtype

@@ -239,7 +239,8 @@ def find_library(environ: Mapping[str, str] | None = None, **kwargs: Any) -> Can
     if not found:
         raise NcclError(
             f"libnccl not found: {ENV_LIBRARY} is unset, neither {' nor '.join(WHEELS)} is installed "
-            f"(pip install 'kvpool[nccl]', or 'kvpool[nccl-cu12]' / 'kvpool[nccl-cu13]' to match torch's CUDA), "
+            f"(install kvpool[nccl], or kvpool[nccl-cu12] / kvpool[nccl-cu13] to match torch's CUDA: in a kvpool "
+            f"checkout, pip install -e '.[nccl]'), "
             f"and the system has no libnccl; set {ENV_LIBRARY}=/path/to/libnccl.so.2"
         )
     choice = found[0]

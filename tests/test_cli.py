@@ -31,16 +31,31 @@ def kvpool(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -
     )
 
 
+QUICKSTART_PASSWORD_FILE = (
+    "/tmp/kvpool-redis-XXXX/redis-password"  # where `kvpool up` keeps it, as the quickstart shows
+)
+QUICKSTART_URL = f"kvpool://127.0.0.1:6379/default?redis_password_file={QUICKSTART_PASSWORD_FILE}"
+
+
+def quickstart_url(tmp_path) -> tuple[str, str]:
+    """The quickstart's URL with its password file made in ``tmp_path``: (the URL to run, that file's path)."""
+    password = tmp_path / "redis-password"
+    password.write_text("a-password-for-the-quickstart\n")
+    password.chmod(0o600)
+    return QUICKSTART_URL.replace(QUICKSTART_PASSWORD_FILE, str(password)), str(password)
+
+
 @pytest.mark.parametrize("form", [[], ["--form", "remote_url"]], ids=["plugin", "remote_url"])
-def test_lmcache_config_prints_exactly_what_the_quickstart_shows(form):
+def test_lmcache_config_prints_exactly_what_the_quickstart_shows(form, tmp_path):
     doc = (REPO / "docs" / "quickstart.md").read_text()
-    command = " ".join(["kvpool lmcache-config", *form, "--url kvpool://127.0.0.1:6379/default"])
+    command = " ".join(["kvpool lmcache-config", *form, f"--url '{QUICKSTART_URL}'"])
     block = re.search(re.escape(f"`{command}` prints exactly this:") + r"\n\n```yaml\n(.*?)```", doc, re.S)
     assert block is not None, command
+    url, password_file = quickstart_url(tmp_path)
     # --offline: no pool runs at that address here; with one running, the checked output is the same.
-    out = kvpool("lmcache-config", *form, "--url", "kvpool://127.0.0.1:6379/default", "--offline")
-    assert out.returncode == 0
-    assert out.stdout == block.group(1)
+    out = kvpool("lmcache-config", *form, "--url", url, "--offline")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.replace(password_file, QUICKSTART_PASSWORD_FILE) == block.group(1)
 
 
 def _as_lmcache_reads_it(env_lines: str) -> dict:

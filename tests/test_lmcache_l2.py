@@ -165,10 +165,12 @@ def test_lmcache_mp_storage_stores_through_kvpool_and_a_fresh_process_loads_iden
     assert read["counters"]["loaded_chunks"] == 6
 
 
-def test_the_printed_mp_config_is_what_lmcache_server_parses_and_what_the_quickstart_shows(pool_url):
+def test_the_printed_mp_config_is_what_lmcache_server_parses_and_what_the_quickstart_shows(pool_url, tmp_path):
     from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
 
-    url = "kvpool://127.0.0.1:6379/default"
+    from tests.test_cli import QUICKSTART_PASSWORD_FILE, quickstart_url
+
+    url, password_file = quickstart_url(tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "backend.cli", "lmcache-config", "--mode", "mp", "--url", url, "--offline"],
         capture_output=True,
@@ -187,7 +189,7 @@ def test_the_printed_mp_config_is_what_lmcache_server_parses_and_what_the_quicks
     assert adapter.adapter_params == {"url": url}
     assert adapter.eviction_config is None  # the pool evicts on its own nodes
     quickstart = (REPO / "docs" / "quickstart.md").read_text()
-    assert proc.stdout in quickstart
+    assert proc.stdout.replace(password_file, QUICKSTART_PASSWORD_FILE) in quickstart
 
 
 def test_an_l2_adapter_spec_naming_the_kept_module_path_loads_the_package_adapter(node_factory, pool_url):

@@ -302,7 +302,7 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
         _switch,
         True,
         "take the whole DRAM arena's memory at start, before the node registers "
-        f"(about 1 s per GiB), so the first puts find their pages ready; off: take it as chunks "
+        f"(1-3 s per GiB of arena), so the first puts find their pages ready; off: take it as chunks "
         f"arrive (default on; or {ENV_PREFAULT})",
         metavar="on|off",
         env=ENV_PREFAULT,
