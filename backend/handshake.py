@@ -61,7 +61,10 @@ __all__ = [
     "WrongNode",
 ]
 
-HANDSHAKE_VERSION = 2  # 1: the node's nonce only, the client proved and the node did not
+# 1: the node's nonce only, the client proved and the node did not. 2: mutual proofs. 3: the same
+# handshake, bumped with the index schema (slots and binary values, kvp:NS/KEY): a client of 2 reads
+# another index, and every lookup of what it stored would miss without a word; refused instead.
+HANDSHAKE_VERSION = 3
 NONCE_BYTES = 32
 # PBKDF2-HMAC-SHA256 rounds from the token to the handshake key: ~50 ms once per process and
 # token, and as much for every guess of whoever tries tokens against a proof they obtained.

@@ -160,10 +160,11 @@ def test_the_node_refuses_a_proof_made_for_another_address_or_node() -> None:
 @pytest.mark.parametrize(
     ("request_body", "words"),
     [
-        ({"client": "kvpool"}, "this node speaks handshake version 2, the client 1"),
-        ({"proto": 2, "nonce": "ab"}, "no nonce of 32 bytes"),
+        ({"client": "kvpool"}, "this node speaks handshake version 3, the client 1"),
+        ({"proto": 2, "nonce": "ab" * 32}, "this node speaks handshake version 3, the client 2"),
+        ({"proto": 3, "nonce": "ab"}, "no nonce of 32 bytes"),
     ],
-    ids=["old client", "short nonce"],
+    ids=["old client", "client of the previous index schema", "short nonce"],
 )
 def test_the_node_refuses_a_hello_it_cannot_answer(request_body: dict[str, Any], words: str) -> None:
     node = NodeHello(KeyRing([KEY]), "node-a", "10.0.0.1:7000")
@@ -493,7 +494,7 @@ def test_an_old_client_gets_a_version_error_not_a_hang(node_factory):
         answer = _read_frame(sock)
         assert answer is not None
         assert answer[0].status == Status.PROTOCOL
-        assert b"this node speaks handshake version 2, the client 1" in answer[1]
+        assert b"this node speaks handshake version 3, the client 1" in answer[1]
         assert _read_frame(sock) is None  # and the node closes
     assert time.monotonic() - started < 5.0
 
