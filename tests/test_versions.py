@@ -79,7 +79,7 @@ def test_lmcaches_sglang_loader_without_a_file_ignores_lmcache_variables_so_sgla
     from lmcache.v1.config import load_engine_config_with_overrides
 
     monkeypatch.delenv("LMCACHE_CONFIG_FILE", raising=False)
-    for line in _kvpool("lmcache-config", "--url", pool_url, "--format", "env").splitlines():
+    for line in _kvpool("lmcache-config", "--url", pool_url, "--format", "env", "--offline").splitlines():
         name, _, value = line.removeprefix("export ").partition("=")
         monkeypatch.setenv(name, value.strip("'"))
     assert load_engine_config_with_overrides().remote_storage_plugins == ["kvpool"]  # vLLM's loader reads them
