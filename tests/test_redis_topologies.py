@@ -8,6 +8,7 @@ by ``redis-cli --cluster create``, or one master watched by one ``redis-server
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import shutil
@@ -92,6 +93,30 @@ def test_pool_over_a_three_master_cluster_stores_lists_and_deletes_with_the_inde
         assert client.delete(keys[:30]) == 30
         assert client.contains(keys) == [False] * 30 + [True] * 30
         assert client.get(keys[:30]) == [None] * 30
+
+
+def test_a_cluster_of_one_primary_runs_a_node_and_reads_its_version_and_memory(
+    redis_processes, node_factory, namespace
+):
+    """A managed cluster of one shard answers INFO with that node's fields alone, not keyed by node (redis-py):
+    the node's start-up version check and the memory reading took the fields for nodes and crashed."""
+    (port,) = redis_processes.start_cluster(1)
+    url = f"redis+cluster://127.0.0.1:{port}"
+    store = MetadataStore(url, namespace)
+
+    async def read() -> tuple[str, int]:
+        try:
+            return await store.check_version(), (await store.memory()).used_bytes
+        finally:
+            await store.close()
+
+    version, used = asyncio.run(read())
+    assert version.startswith("7.") and used > 0
+    node = node_factory(redis_url=url)
+    with SyncPoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{port}/{namespace}?redis_mode=cluster")) as client:
+        client.put(_chunks("one", 4, 1000))
+        assert client.contains([f"one@{i}" for i in range(4)]) == [True] * 4
+    assert node.alive()
 
 
 def test_every_node_republishes_when_one_cluster_shard_restarts_empty(

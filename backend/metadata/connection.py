@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 from redis import exceptions as redis_exceptions
@@ -55,6 +55,14 @@ MIN_REDIS_VERSION = (7, 0)  # kvpool's scripts declare flags (`#!lua flags=...`)
 
 # What Redis answers a client that gave no password (RESP2 NOAUTH, or RESP3's HELLO refusal).
 _NO_PASSWORD_GIVEN = ("NOAUTH", "Authentication required", "HELLO must be called with the client already authenticated")
+
+
+def _per_node(info: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """An INFO answer as one mapping per node: a cluster's is keyed by node when more than one node
+    answered, but a cluster of one primary answers with that node's fields alone (redis-py)."""
+    if info and all(isinstance(value, Mapping) for value in info.values()):
+        return list(info.values())
+    return [info]
 
 
 def _auth_refused(action: str, exc: Exception) -> RedisAuthError:
@@ -265,7 +273,7 @@ class RedisConnection:
         try:
             async with self._call("INFO server"):
                 if self.is_cluster:
-                    answers = list((await self._redis.info("server", target_nodes=self._redis.PRIMARIES)).values())
+                    answers = _per_node(await self._redis.info("server", target_nodes=self._redis.PRIMARIES))
                 else:
                     answers = [await self._redis.info("server")]
         except RedisAuthError:
@@ -292,7 +300,7 @@ class RedisConnection:
         """Redis's ``used_memory``, ``maxmemory`` and policy (``INFO memory``): says whether it is full."""
         async with self._call("INFO memory"):
             if self.is_cluster:  # one answer per primary: the fullest of those with a limit speaks for all
-                answers = list((await self._redis.info("memory", target_nodes=self._redis.PRIMARIES)).values())
+                answers = _per_node(await self._redis.info("memory", target_nodes=self._redis.PRIMARIES))
                 limited = [a for a in answers if int(a.get("maxmemory", 0))] or answers
                 info = max(limited, key=lambda a: int(a["used_memory"]) / max(int(a["maxmemory"]), 1))
             else:
@@ -304,9 +312,7 @@ class RedisConnection:
     async def facts(self) -> RedisFacts:
         """Redis's version (``INFO server``) and clock (``TIME``)."""
         async with self._call("INFO server"):
-            info = await self._redis.info("server")
-            if info and all(isinstance(value, dict) for value in info.values()):  # a cluster answers per node
-                info = next(iter(info.values()))
+            info = _per_node(await self._redis.info("server"))[0]
             seconds, micros = await self._redis.time()
         return RedisFacts(str(info.get("redis_version", "")), int(seconds) + int(micros) / 1e6)
 
