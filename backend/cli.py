@@ -308,12 +308,20 @@ async def _start(node: PoolNode) -> None:
     try:
         await node.start()
     except asyncio.CancelledError:
+        loop.remove_signal_handler(signal.SIGTERM)
         if not terminated:
             raise
         print("kvpool: stopped by SIGTERM while starting; what the node had taken is given back", file=sys.stderr)
         raise SystemExit(EXIT_TERMINATED) from None
-    finally:
+    except BaseException:
         loop.remove_signal_handler(signal.SIGTERM)
+        raise
+    # Started: from here on a signal stops the node cleanly, with no moment between the two handlers where
+    # SIGTERM's default would kill it unregistered; and a SIGTERM that came as the start was ending (its
+    # cancellation can land where the claim's keeper swallows it) stops it now.
+    _stop_on_signals(node)
+    if terminated:
+        node.request_stop()
 
 
 async def _serve(node: PoolNode) -> None:

@@ -195,16 +195,30 @@ def _host_clock_finding(facts: RedisFacts, rtt_ms: float) -> Finding:
     return Finding.passed("clock", f"within {CLOCK_SKEW_LIMIT_S:.0f} s of Redis's")
 
 
-async def nodes_finding(client: PoolClient) -> tuple[Finding, list[NodeInfo]]:
-    """Whether a node is alive in the client's namespace (else where nodes are); the live nodes."""
+async def nodes_finding(client: PoolClient, *, search_elsewhere: bool = True) -> tuple[Finding, list[NodeInfo]]:
+    """Whether a node is alive in the client's namespace (else where nodes are); the live nodes.
+
+    ``search_elsewhere``: with no live node here, look for the namespaces that have one (a SCAN of the
+    whole keyspace for up to ``NAMESPACE_SEARCH_S``): once per question, never on a timer."""
     config = client.config
     nodes = await client.index.nodes()
     alive = [n for n in nodes if n.alive]
     if alive:
         return Finding.passed("nodes", f"{len(alive)} live in namespace {config.namespace!r}"), alive
+    dead = f" ({len(nodes)} registered, none alive)" if nodes else ""
+    start_one = (
+        f"start one: kvpool node --redis {config.redis_url} --namespace {config.namespace}, with "
+        "--redis-password-file and --token-file as the pool needs"
+    )
+    if not search_elsewhere:
+        return Finding.failed(
+            "nodes",
+            f"no live node in namespace {config.namespace!r}{dead}",
+            f"{start_one}; or name the namespace the nodes joined (`kvpool status` lists those with live nodes)",
+            EVERY_LOOKUP_MISSES,
+        ), []
     spaces = await client.index.live_namespaces()
     others = LiveNamespaces({k: v for k, v in spaces.live.items() if k != config.namespace}, spaces.complete)
-    dead = f" ({len(nodes)} registered, none alive)" if nodes else ""
     if others.live:
         first = sorted(others.live)[0]
         return Finding.failed(
@@ -214,25 +228,34 @@ async def nodes_finding(client: PoolClient) -> tuple[Finding, list[NodeInfo]]:
             f"or start nodes with --namespace {config.namespace}",
             WRONG_NAMESPACE,
         ), []
+    if spaces.complete:
+        return Finding.failed(
+            "nodes",
+            f"no live node in namespace {config.namespace!r}{dead}, nor in any other namespace of this Redis",
+            start_one,
+            EVERY_LOOKUP_MISSES,
+        ), []
+    # A large Redis is not searched whole in the time allowed: the nodes may be in a namespace not reached.
     return Finding.failed(
         "nodes",
-        f"no live node in namespace {config.namespace!r}{dead}, nor in any other namespace of this Redis"
-        + ("" if spaces.complete else " (of the keys searched)"),
-        f"start one: kvpool node --redis {config.redis_url} --namespace {config.namespace}, with "
-        "--redis-password-file and --token-file as the pool needs",
+        f"no live node in namespace {config.namespace!r}{dead}, nor in the part of this Redis searched "
+        "(not all of it: too many keys for the time allowed)",
+        f"{start_one}; or name the namespace the nodes joined (`redis-cli --scan --pattern 'kvp:{{*}}:nodes'` "
+        "lists every namespace's registry)",
         EVERY_LOOKUP_MISSES,
     ), []
 
 
-async def reach(client: PoolClient) -> list[Finding]:
-    """Redis answers with these credentials and a node is alive in the namespace: what every client needs."""
+async def reach(client: PoolClient, *, search_elsewhere: bool = True) -> list[Finding]:
+    """Redis answers with these credentials and a node is alive in the namespace: what every client needs.
+    ``search_elsewhere``: as :func:`nodes_finding` (False for a check repeated on a timer)."""
     try:
         rtt_ms = await client.index.ping()
     except MetadataError as exc:
         return [redis_failure(exc, client.config)]
     answered = Finding.passed("Redis", f"{mask_url(client.config.redis_url)} answers ({rtt_ms:.2f} ms)")
     try:
-        finding, _ = await nodes_finding(client)
+        finding, _ = await nodes_finding(client, search_elsewhere=search_elsewhere)
     except MetadataError as exc:
         return [answered, redis_failure(exc, client.config)]
     return [answered, finding]

@@ -148,23 +148,41 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             return True, ""
         return False, problem.cause.slug if problem.cause is not None else "unknown"
 
-    async def _problem(self) -> Finding | None:
-        """Why the pool cannot serve this engine (None: Redis answers with these credentials and a node is alive)."""
+    async def _problem(self, search_elsewhere: bool = True) -> Finding | None:
+        """Why the pool cannot serve this engine (None: Redis answers with these credentials and a node is alive).
+        ``search_elsewhere``: look for the namespaces that have live nodes (a keyspace SCAN: the start check
+        only, never the timer's)."""
         try:
-            found = await reach(self.client)
+            found = await reach(self.client, search_elsewhere=search_elsewhere)
         except KVPoolError as exc:
             return Finding.failed("pool", str(exc))
         return next((f for f in found if not f.ok), None)
+
+    async def _usable(self, said: str) -> bool:
+        """The pool answered: learn its nodes and open the put connections; False if that failed (said once)."""
+        try:
+            nodes = await self.client.nodes(refresh=True)
+            logger.log(
+                logging.INFO if said == "connected to" else logging.WARNING,
+                "kvpool: %s %s (%d live nodes)",
+                said,
+                self.pool_config.to_url(with_token=False),
+                len(nodes),
+            )
+            # The engine will put: the first put to a node on this host should not wait for its stage.
+            await self.client.prepare_puts()
+        except KVPoolError as exc:
+            logger.warning("kvpool: pool %s answered, then failed: %s", self.pool_config.to_url(with_token=False), exc)
+            return False
+        return True
 
     async def _startup_check(self) -> None:
         problem = await self._problem()
         self.pool_problem, self._pool_checked = problem, True
         url = self.pool_config.to_url(with_token=False)
         if problem is None:
-            nodes = await self.client.nodes(refresh=True)
-            logger.info("kvpool: connected to %s (%d live nodes)", url, len(nodes))
-            # The engine will put: the first put to a node on this host should not wait for its stage.
-            await self.client.prepare_puts()
+            if not await self._usable("connected to"):
+                self._recheck = asyncio.ensure_future(self._recheck_until_usable())
             return
         where = f" ({problem.cause.title}: {TROUBLESHOOTING}#{problem.cause.slug})" if problem.cause else ""
         logger.error(
@@ -181,16 +199,12 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         """Look again every ``POOL_RECHECK_S`` until the pool is usable; say so once, then stop."""
         while not self._closed:
             await asyncio.sleep(POOL_RECHECK_S)
-            problem = await self._problem()
+            problem = await self._problem(search_elsewhere=False)
+            if problem is not None and problem.check == "nodes" and self.pool_problem is not None:
+                if self.pool_problem.check == "nodes":  # the start check's search named the cause better
+                    problem = self.pool_problem
             self.pool_problem = problem
-            if problem is None:
-                nodes = await self.client.nodes(refresh=True)
-                logger.warning(
-                    "kvpool: pool %s is usable now (%d live nodes)",
-                    self.pool_config.to_url(with_token=False),
-                    len(nodes),
-                )
-                await self.client.prepare_puts()
+            if problem is None and await self._usable("pool is usable now:"):
                 return
 
     def _run_sync(self, coro: Any, what: str) -> Any:
