@@ -20,11 +20,13 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import redis
 from cryptography import x509
 
 from backend.cli import main
@@ -172,6 +174,13 @@ def test_every_lookup_misses_when_no_node_is_alive_anywhere_and_the_connector_sa
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and r.name.startswith("backend")]
     assert len(errors) == 1, errors  # once at start, not once per lookup
     assert "not usable at start" in errors[0] and "#every-lookup-misses" in errors[0] and "kvpool node" in errors[0]
+    # The start check searched the other namespaces (a SCAN of the whole keyspace); the checks every
+    # POOL_RECHECK_S ask for this namespace's nodes alone, or every engine would SCAN on a timer.
+    with redis.Redis(port=empty.port) as raw:
+        scans = lambda: raw.info("commandstats").get("cmdstat_scan", {}).get("calls", 0)  # noqa: E731
+        before = scans()
+        time.sleep(1.0)  # five rechecks
+        assert scans() == before
 
     node = NodeProcess(
         ["--redis", empty.url, "--namespace", "engines", "--dram", "16MiB", "--shm-dir", "off"], NODE_ENV
