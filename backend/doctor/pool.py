@@ -41,7 +41,7 @@ from backend.errors import (
     RedisAuthError,
     RedisSlowError,
 )
-from backend.metadata import LiveNamespaces, NodeInfo, RedisFacts
+from backend.metadata import MIN_REDIS_VERSION, LiveNamespaces, NodeInfo, RedisFacts
 from backend.redis_topology import mask_url
 
 __all__ = [
@@ -54,7 +54,6 @@ __all__ = [
     "redis_failure",
 ]
 
-MIN_REDIS_VERSION = (7, 0)  # kvpool's Lua scripts declare flags (`#!lua flags=...`)
 # A wall clock further off than this from Redis's is reported. Liveness never reads wall clocks
 # (Redis TTLs do), but TLS certificate dates and every time kvpool shows are read on them.
 CLOCK_SKEW_LIMIT_S = 30.0

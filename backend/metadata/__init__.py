@@ -48,6 +48,7 @@ is down, paused or failing over costs at most that long, then raises MetadataErr
 
 from backend.metadata.connection import RedisFullError, RedisSlowError
 from backend.metadata.records import (
+    MIN_REDIS_VERSION,
     Beat,
     ClaimHeld,
     ClaimHolder,
@@ -74,6 +75,7 @@ __all__ = [
     "LiveCopies",
     "LiveNamespaces",
     "Location",
+    "MIN_REDIS_VERSION",
     "MetadataStore",
     "NodeInfo",
     "NodeSlots",

@@ -23,7 +23,7 @@ from redis import exceptions as redis_exceptions
 
 from backend.errors import MetadataError, RedisAuthError, RedisFullError, RedisSlowError
 from backend.metadata.breaker import RedisBreaker
-from backend.metadata.records import NodeSlots, RedisFacts, RedisMemory
+from backend.metadata.records import MIN_REDIS_VERSION, NodeSlots, RedisFacts, RedisMemory, redis_version_key
 from backend.metadata.scripts import (
     BEAT_LUA,
     CHANGE_LUA,
@@ -51,8 +51,6 @@ FULL_HINT = (
 )
 
 
-MIN_REDIS_VERSION = (7, 0)  # kvpool's scripts declare flags (`#!lua flags=...`), which Redis 7.0 brought
-
 # What Redis answers a client that gave no password (RESP2 NOAUTH, or RESP3's HELLO refusal).
 _NO_PASSWORD_GIVEN = ("NOAUTH", "Authentication required", "HELLO must be called with the client already authenticated")
 
@@ -76,11 +74,6 @@ def _auth_refused(action: str, exc: Exception) -> RedisAuthError:
         reason,
         password_given=not missing,
     )
-
-
-def _version_key(version: str) -> tuple[int, ...]:
-    """``"7.0.15"`` -> ``(7, 0, 15)``; what is not a number counts as 0."""
-    return tuple(int(part) if part.isdigit() else 0 for part in version.split("."))
 
 
 @contextlib.contextmanager
@@ -278,8 +271,8 @@ class RedisConnection:
                     answers = [await self._redis.info("server")]
         except RedisAuthError:
             return ""
-        version = min((str(a.get("redis_version", "")) for a in answers), key=_version_key, default="")
-        if version and _version_key(version) < MIN_REDIS_VERSION:
+        version = min((str(a.get("redis_version", "")) for a in answers), key=redis_version_key, default="")
+        if version and redis_version_key(version) < MIN_REDIS_VERSION:
             needed = ".".join(map(str, MIN_REDIS_VERSION))
             raise MetadataError(
                 f"Redis at {mask_url(self.redis_url)} is version {version}; kvpool needs Redis {needed} or newer "

@@ -274,6 +274,14 @@ class RedisMemory:
         )
 
 
+MIN_REDIS_VERSION = (7, 0)  # kvpool's scripts declare flags (`#!lua flags=...`), which Redis 7.0 brought
+
+
+def redis_version_key(version: str) -> tuple[int, ...]:
+    """``"7.0.15"`` -> ``(7, 0, 15)``; what is not a number counts as 0 (so "" is ``(0,)``)."""
+    return tuple(int(part) if part.isdigit() else 0 for part in version.split("."))
+
+
 @dataclasses.dataclass(frozen=True)
 class RedisFacts:
     """What Redis says of itself that a pool depends on: its version and its clock."""
@@ -284,8 +292,7 @@ class RedisFacts:
     @property
     def version_tuple(self) -> tuple[int, ...]:
         """``version`` as numbers ((0,) when Redis did not say)."""
-        parts = [int(p) for p in self.version.split(".") if p.isdigit()]
-        return tuple(parts) or (0,)
+        return redis_version_key(self.version)
 
 
 @dataclasses.dataclass(frozen=True)
