@@ -293,7 +293,8 @@ def _stop_on_signals(node: PoolNode) -> None:
 async def _start(node: PoolNode) -> None:
     """Start ``node``. A SIGTERM meanwhile (a service manager stopping it during a long prefault) abandons
     the start as Ctrl-C does: the node gives back what it took (its arena file in /dev/shm with the rest,
-    ``backend/node/startup.py``) and the process exits 143."""
+    ``backend/node/startup.py``) and the process exits 143. Once started, SIGTERM and SIGINT stop the node
+    cleanly (:func:`_stop_on_signals`)."""
     loop = asyncio.get_running_loop()
     starting = asyncio.current_task()
     assert starting is not None
@@ -325,8 +326,8 @@ async def _start(node: PoolNode) -> None:
 
 
 async def _serve(node: PoolNode) -> None:
-    """Serve until a signal (or until the node stops itself: it lost its id, and then exits 1)."""
-    _stop_on_signals(node)
+    """Serve until a signal (or until the node stops itself: it lost its id, and then exits 1). The signals'
+    handlers are :func:`_start`'s, installed as the start returned."""
     try:
         await node.wait_stopped()
     finally:
@@ -434,8 +435,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
         async def run() -> None:
             node = PoolNode(config)
-            await _start(node)
-            _stop_on_signals(node)  # before "Ctrl-C stops the pool." is printed: a Ctrl-C right after it stops cleanly
+            await _start(node)  # leaves SIGTERM/SIGINT stopping the node: a Ctrl-C after the banner stops cleanly
             url, apart = _pool_url(node, config.redis_url, config.namespace)
             nvme = f"NVMe {format_size(config.nvme_bytes)} at {config.nvme_dir}" if config.nvme_dir else "no NVMe"
             print(

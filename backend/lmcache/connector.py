@@ -158,12 +158,12 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             return Finding.failed("pool", str(exc))
         return next((f for f in found if not f.ok), None)
 
-    async def _usable(self, said: str) -> bool:
+    async def _usable(self, said: str, level: int) -> bool:
         """The pool answered: learn its nodes and open the put connections; False if that failed (said once)."""
         try:
             nodes = await self.client.nodes(refresh=True)
             logger.log(
-                logging.INFO if said == "connected to" else logging.WARNING,
+                level,
                 "kvpool: %s %s (%d live nodes)",
                 said,
                 self.pool_config.to_url(with_token=False),
@@ -181,7 +181,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self.pool_problem, self._pool_checked = problem, True
         url = self.pool_config.to_url(with_token=False)
         if problem is None:
-            if not await self._usable("connected to"):
+            if not await self._usable("connected to", logging.INFO):
                 self._recheck = asyncio.ensure_future(self._recheck_until_usable())
             return
         where = f" ({problem.cause.title}: {TROUBLESHOOTING}#{problem.cause.slug})" if problem.cause else ""
@@ -200,11 +200,11 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         while not self._closed:
             await asyncio.sleep(POOL_RECHECK_S)
             problem = await self._problem(search_elsewhere=False)
-            if problem is not None and problem.check == "nodes" and self.pool_problem is not None:
-                if self.pool_problem.check == "nodes":  # the start check's search named the cause better
-                    problem = self.pool_problem
+            known = self.pool_problem
+            if problem is not None and known is not None and problem.check == known.check == "nodes":
+                problem = known  # the start check's search for other namespaces named the cause better
             self.pool_problem = problem
-            if problem is None and await self._usable("pool is usable now:"):
+            if problem is None and await self._usable("pool is usable now:", logging.WARNING):
                 return
 
     def _run_sync(self, coro: Any, what: str) -> Any:
