@@ -178,12 +178,14 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
 
     async def _startup_check(self) -> None:
         problem = await self._problem()
-        self.pool_problem, self._pool_checked = problem, True
         url = self.pool_config.to_url(with_token=False)
         if problem is None:
-            if not await self._usable("connected to", logging.INFO):
+            usable = await self._usable("connected to", logging.INFO)
+            self.pool_problem, self._pool_checked = None, True  # after the log line, as the recheck does
+            if not usable:
                 self._recheck = asyncio.ensure_future(self._recheck_until_usable())
             return
+        self.pool_problem, self._pool_checked = problem, True
         where = f" ({problem.cause.title}: {TROUBLESHOOTING}#{problem.cause.slug})" if problem.cause else ""
         logger.error(
             "kvpool: pool %s is not usable at start: %s%s; every lookup misses until it is (metric "
@@ -203,8 +205,11 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             known = self.pool_problem
             if problem is not None and known is not None and problem.check == known.check == "nodes":
                 problem = known  # the start check's search for other namespaces named the cause better
-            self.pool_problem = problem
-            if problem is None and await self._usable("pool is usable now:", logging.WARNING):
+            if problem is not None:
+                self.pool_problem = problem
+            elif await self._usable("pool is usable now:", logging.WARNING):
+                # Up only once it said so and its put connections are open: the metric never runs ahead of the log.
+                self.pool_problem = None
                 return
 
     def _run_sync(self, coro: Any, what: str) -> Any:
