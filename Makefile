@@ -41,9 +41,9 @@ hostbed:
 setup: $(STAMP) redis hostbed
 
 lint: setup
-	$(VENV)/bin/ruff check backend nccl_channel bench tests
-	$(VENV)/bin/ruff format --check backend nccl_channel bench tests
-	$(VENV)/bin/mypy backend nccl_channel
+	$(VENV)/bin/ruff check kvpool backend nccl_channel bench tests
+	$(VENV)/bin/ruff format --check kvpool backend nccl_channel bench tests
+	$(VENV)/bin/mypy kvpool backend nccl_channel
 
 # Two workers (pytest-xdist), a test file per worker at a time: most tests wait on real processes
 # (nodes, redis-server, LMCache), so two run in about 60 % of the time of one on two cores.

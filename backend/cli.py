@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from backend import __version__, admin
+from backend import admin
 from backend.client import PoolClient
 from backend.config import (
     ENV_DEBUG,
@@ -54,6 +54,7 @@ from backend.lmcache.config import (
 from backend.node.server import PoolNode
 from backend.protocol import TierReport
 from backend.redis_topology import mask_url
+from backend.version import __version__
 
 __all__ = ["main", "build_parser"]
 

@@ -1,8 +1,7 @@
 """The module path LMCache configs name for kvpool's in-process connector; the code is backend.lmcache.connector.
 
-Kept for configs: the plugin form's ``remote_storage_plugin.kvpool.module_path`` and
-the ``remote_url`` form's ``external://HOST:PORT/backend.lmcache_connector/?connector_name=...``
-name this module, as ``kvpool lmcache-config`` prints them.
+Kept for configs written before kvpool.lmcache_connector (the public path, docs/api.md) existed; it
+loads the same classes. New configs name kvpool.lmcache_connector.
 """
 
 from backend.lmcache.connector import (

@@ -1,8 +1,7 @@
 """The module path LMCache's ``--l2-adapter`` JSON names for kvpool; the code is backend.lmcache.l2.
 
-Kept for configs: ``{"type": "plugin", "module_path": "backend.lmcache_l2_adapter",
-"class_name": "KVPoolL2Adapter", "config_class_name": "KVPoolL2AdapterConfig", ...}``,
-as ``kvpool lmcache-config --mode mp`` prints it.
+Kept for configs written before kvpool.lmcache_l2_adapter (the public path, docs/api.md) existed; it
+loads the same classes. New configs name kvpool.lmcache_l2_adapter.
 """
 
 from backend.lmcache.l2 import (

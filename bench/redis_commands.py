@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from backend import PoolConfig, SyncPoolClient
+from kvpool import PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis
 from backend.latency import quantile
 from backend.metadata import Location, MetadataStore

@@ -65,7 +65,7 @@ from typing import Any
 
 import redis
 
-from backend import Chunk, PoolClient, PoolConfig
+from kvpool import Chunk, PoolClient, PoolConfig
 from backend.admin import drain
 from backend.config import format_size, parse_size
 from backend.embedded import EmbeddedRedis

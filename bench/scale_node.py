@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from backend import Chunk, PoolClient, PoolConfig
+from kvpool import Chunk, PoolClient, PoolConfig
 from backend.client.chunks import BytesSink, Hit
 from backend.embedded import EmbeddedRedis
 from backend.metadata import NodeInfo

@@ -44,7 +44,7 @@ from typing import Any
 
 import redis
 
-from backend import Chunk, KVPoolError, PoolConfig, SyncPoolClient
+from kvpool import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis
 from backend.node.nvme_format import CHUNKS_DIR, chunk_name, header_bytes, write_chunk
 from backend.node.recovery import scan

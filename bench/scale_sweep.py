@@ -50,7 +50,7 @@ from typing import Any
 
 import redis
 
-from backend import PoolConfig, SyncPoolClient
+from kvpool import PoolConfig, SyncPoolClient
 from backend.embedded import free_port
 from backend.metadata import Location, MetadataStore, NodeInfo
 from bench.nodes import NodeProcess

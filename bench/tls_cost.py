@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from backend import Chunk, PoolClient, PoolConfig
+from kvpool import Chunk, PoolClient, PoolConfig
 from backend.embedded import EmbeddedRedis
 from bench.nodes import NodeProcess
 

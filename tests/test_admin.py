@@ -14,7 +14,7 @@ import time
 import pytest
 import yaml
 
-from backend import Chunk, PoolConfig, SyncPoolClient
+from kvpool import Chunk, PoolConfig, SyncPoolClient
 from backend.embedded import free_port
 from backend.errors import CapacityError, ProtocolError
 from backend.metadata import Location, MetadataStore, NodeInfo

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from backend import Chunk, KVPoolError, PoolConfig, SyncPoolClient
+from kvpool import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from backend.embedded import free_port
 from backend.lmcache.config import remote_url_pool_config
 from backend.node.arena import room_of
@@ -90,7 +90,7 @@ def test_lmcache_config_remote_url_env_is_one_lmcache_remote_url_naming_the_same
     url = "kvpool://10.1.2.3:6380/prod?redis_mode=cluster&redis_hosts=10.1.2.4:6380,10.1.2.5:6380&replicas=2"
     out = kvpool("lmcache-config", "--url", url, "--form", "remote_url", "--format", "env", "--offline")
     assert out.returncode == 0
-    assert "export LMCACHE_REMOTE_URL='external://10.1.2.3:6380/backend.lmcache_connector/" in out.stdout
+    assert "export LMCACHE_REMOTE_URL='external://10.1.2.3:6380/kvpool.lmcache_connector/" in out.stdout
     seen = _as_lmcache_reads_it(out.stdout)
     assert not seen["plugins"] and not (seen["extra"] or {})  # never both forms
     assert remote_url_pool_config(seen["remote_url"]) == PoolConfig.from_url(url)

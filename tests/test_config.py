@@ -514,7 +514,7 @@ def test_ipv6_host_round_trips() -> None:
 def test_remote_url_names_the_same_pool_as_the_pool_url(url: str) -> None:
     remote_url = lmcache_remote_url(url)
 
-    assert remote_url.startswith(f"external://{urlsplit(url).netloc}/backend.lmcache_connector/?")
+    assert remote_url.startswith(f"external://{urlsplit(url).netloc}/kvpool.lmcache_connector/?")
     assert "connector_name=KVPoolRemoteURLConnector" in remote_url
     assert "," not in remote_url  # LMCache reads one host per comma and refuses several
     assert remote_url_pool_config(remote_url) == PoolConfig.from_url(url)

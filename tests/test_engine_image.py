@@ -57,7 +57,7 @@ def test_the_engine_check_names_a_plugin_class_that_is_gone(monkeypatch):
     from backend.lmcache import config
 
     monkeypatch.setattr(config, "ADAPTER_CLASS", "KVPoolConnectorAdapterGone")
-    assert check.problems() == ["backend.lmcache_connector has no KVPoolConnectorAdapterGone"]
+    assert check.problems() == ["kvpool.lmcache_connector has no KVPoolConnectorAdapterGone"]
 
 
 @pytest.mark.parametrize("path", ["deploy/engine.Containerfile", "deploy/Containerfile"])

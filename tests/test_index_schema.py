@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from backend import Chunk, PoolConfig, SyncPoolClient
+from kvpool import Chunk, PoolConfig, SyncPoolClient
 from backend.errors import MetadataError
 from backend.metadata import Location, MetadataStore, NodeInfo
 from backend.metadata.records import varint

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from backend import Chunk, PoolConfig, SyncPoolClient
+from kvpool import Chunk, PoolConfig, SyncPoolClient
 from tests.conftest import REPO, NodeProcess
 
 ENGINE_ONLY = ("torch", "lmcache")
@@ -45,7 +45,7 @@ def test_node_cli_and_client_modules_import_neither_torch_nor_lmcache():
     ]
     # Installed here, so an import guarded by try/except would show in sys.modules too.
     code = "import importlib, json, sys\nfor m in " + repr(modules) + ":\n    importlib.import_module(m)\n"
-    code += "from backend import PoolClient, SyncPoolClient, PoolConfig\nprint(json.dumps(sorted(sys.modules)))"
+    code += "from kvpool import PoolClient, SyncPoolClient, PoolConfig\nprint(json.dumps(sorted(sys.modules)))"
     proc = _run([sys.executable, "-c", code])
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = set(json.loads(proc.stdout))

@@ -17,6 +17,7 @@ from tests.test_class_sizes import REPO
 # room -> level; a room imports only rooms of a lower level (its own modules excepted)
 LEVELS = {
     "backend.errors": 0,
+    "backend.version": 0,
     "backend.protocol": 1,
     "backend.handshake": 1,
     "backend.redis_topology": 1,
@@ -139,6 +140,26 @@ def test_nccl_channel_imports_only_the_errors_and_codec_of_backend_and_never_red
         for imported, _, line in _imports(path):
             top = imported.split(".")[0]
             if (top == "backend" and imported not in NCCL_CHANNEL_MAY_IMPORT) or top in NCCL_CHANNEL_NEVER_IMPORTS:
+                reach.append(f"{path.relative_to(REPO)}:{line} imports {imported}")
+    assert reach == []
+
+
+# What the public package kvpool/ may import: the public names' homes and the LMCache layer's
+# two modules configs name. Nothing in backend/ imports kvpool (it is the face, not a room).
+KVPOOL_MAY_IMPORT = ("backend.errors", "backend.version", "backend.client", "backend.config", "backend.lmcache")
+
+
+def test_the_public_package_reexports_and_nothing_in_backend_imports_it() -> None:
+    files = sorted((REPO / "kvpool").rglob("*.py"))
+    assert len(files) >= 3, "the scan is looking in the wrong place"
+    reach = []
+    for path in files:
+        for imported, _, line in _imports(path, "kvpool"):
+            if imported.split(".")[0] in ("backend", "kvpool") and not imported.startswith(KVPOOL_MAY_IMPORT):
+                reach.append(f"{path.relative_to(REPO)}:{line} imports {imported}")
+    for path in _backend_files():
+        for imported, _, line in _imports(path):
+            if imported.split(".")[0] == "kvpool":
                 reach.append(f"{path.relative_to(REPO)}:{line} imports {imported}")
     assert reach == []
 

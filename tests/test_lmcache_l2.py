@@ -185,7 +185,7 @@ def test_the_printed_mp_config_is_what_lmcache_server_parses_and_what_the_quicks
     config = parse_server_args(words[2:])
     (adapter,) = config.l2_adapter_config.adapters
     assert isinstance(adapter, PluginL2AdapterConfig)
-    assert (adapter.module_path, adapter.class_name) == ("backend.lmcache_l2_adapter", "KVPoolL2Adapter")
+    assert (adapter.module_path, adapter.class_name) == ("kvpool.lmcache_l2_adapter", "KVPoolL2Adapter")
     assert adapter.adapter_params == {"url": url}
     assert adapter.eviction_config is None  # the pool evicts on its own nodes
     quickstart = (REPO / "docs" / "quickstart.md").read_text()
@@ -271,7 +271,7 @@ def test_each_lookup_takes_its_own_lease_and_each_unlock_returns_one(node_factor
 
 
 def adapter_key(key: Any) -> str:
-    from backend.lmcache_l2_adapter import pool_key
+    from kvpool.lmcache_l2_adapter import pool_key
 
     return pool_key(key)
 
@@ -321,7 +321,7 @@ def test_submit_calls_return_at_once_and_results_arrive_through_the_event_fds(no
 def test_pool_keys_are_injective_reversible_and_never_look_like_in_process_keys():
     from lmcache.utils import CacheEngineKey
 
-    from backend.lmcache_l2_adapter import object_key_from_pool_key, pool_key
+    from kvpool.lmcache_l2_adapter import object_key_from_pool_key, pool_key
 
     keys = [object_key(1, salt) for salt in ("", "alice", "bob", "a*b", "x:y", "mp:", "{tag}")]
     keys += [object_key(1, "", model) for model in ("mp:evil", "org/model", "0x1")]

@@ -20,7 +20,7 @@ import torch
 
 from backend.embedded import EmbeddedRedis, free_port
 from backend.lmcache.config import REMOTE_URL_FORM, lmcache_remote_url
-from backend.lmcache_connector import ALLOCATE_TIMEOUT_S
+from kvpool.lmcache_connector import ALLOCATE_TIMEOUT_S
 from bench.engine import FIRST_HASH
 from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
 from tests.conftest import REPO, wait_until
@@ -377,7 +377,7 @@ class HybridEngine:
 def test_an_object_of_two_shape_groups_is_stored_and_read_back_whole_by_another_engine(
     node_factory, pool_url, tmp_path
 ):
-    from backend import Chunk, PoolConfig, SyncPoolClient
+    from kvpool import Chunk, PoolConfig, SyncPoolClient
 
     node_factory()
     config = kvpool_lmcache_config(pool_url)

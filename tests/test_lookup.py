@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import redis
 
-from backend import Chunk, PoolClient, PoolConfig, SyncPoolClient
+from kvpool import Chunk, PoolClient, PoolConfig, SyncPoolClient
 from backend.client.registry import FRESH_VIEW_S
 from backend.embedded import free_port
 from backend.metadata import LiveCopies, Location, MetadataStore, NodeInfo

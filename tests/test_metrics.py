@@ -15,9 +15,10 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend import Chunk, PoolConfig, SyncPoolClient, metrics
+from kvpool import Chunk, PoolConfig, SyncPoolClient
+from backend import metrics
 from backend.embedded import EmbeddedRedis
-from backend.lmcache_connector import CLIENT_COUNTERS
+from kvpool.lmcache_connector import CLIENT_COUNTERS
 from backend.metrics import NodeMetricsServer, register_connector_metrics, unregister_connector_metrics
 from tests.conftest import REPO, wait_until
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from backend import Chunk, KVPoolError, NcclError, PoolClient, PoolConfig, ProtocolError
+from kvpool import Chunk, KVPoolError, NcclError, PoolClient, PoolConfig, ProtocolError
 from backend.client import BytesSink
 from backend.metadata import MetadataStore
 from backend.protocol import Op, encode_channel_request, encode_json

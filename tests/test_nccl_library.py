@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import nccl_channel
-from backend import NcclError
+from kvpool import NcclError
 from nccl_channel import library
 from nccl_channel.library import ENV_LIBRARY, Candidate, NcclLibrary, NcclUniqueId, candidates, find_library, probe
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from backend import Chunk, PoolConfig, SyncPoolClient
+from kvpool import Chunk, PoolConfig, SyncPoolClient
 from backend.node.dram import StoredChunk
 from backend.node.tiers import TierConfig, TierManager
 from backend.protocol import ItemMeta, checksum

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from backend import Chunk, PoolClient, PoolConfig
+from kvpool import Chunk, PoolClient, PoolConfig
 from backend.config import NodeConfig
 from backend.metadata import Location, MetadataStore
 from backend.node import recovery

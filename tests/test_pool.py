@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from backend import AuthError, CapacityError, Chunk, MetadataError, PoolClient, PoolConfig, SyncPoolClient
+from kvpool import AuthError, CapacityError, Chunk, MetadataError, PoolClient, PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis
 from backend.metadata import MetadataStore
 from backend.protocol import HEADER, Op, Status, decode_header, encode_header, encode_keys

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from backend import Chunk, PoolClient, PoolConfig, SyncPoolClient
+from kvpool import Chunk, PoolClient, PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis, free_port
 from backend.metadata import MetadataStore
 from bench.redis_servers import RedisProcesses

@@ -21,7 +21,7 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 
-from backend import Chunk, PoolClient, PoolConfig
+from kvpool import Chunk, PoolClient, PoolConfig
 from backend.admin import drain
 from backend.config import parse_size
 from backend.metadata import NodeInfo

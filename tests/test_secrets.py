@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from backend import ConfigError, PoolConfig
+from kvpool import ConfigError, PoolConfig
 from backend.embedded import EmbeddedRedis, free_port
 from bench.lmcache_stack import LMCacheStack, same_bytes
 from bench.nodes import UpProcess

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from backend import CapacityError, Chunk, NodeUnavailable, PoolConfig, SyncPoolClient
+from kvpool import CapacityError, Chunk, NodeUnavailable, PoolConfig, SyncPoolClient
 from backend.config import format_size, parse_size
 from backend.metadata import MetadataStore
 from backend.node.dram import StoredChunk

@@ -438,7 +438,7 @@ def test_secret_file_unreadable_is_named(pool, tmp_path):
 
 # -- selftest ---------------------------------------------------------------------------------------
 def test_selftest_puts_finds_gets_and_deletes_byte_identical_chunks_and_leaves_none(pool):
-    from backend import PoolConfig, SyncPoolClient
+    from kvpool import PoolConfig, SyncPoolClient
 
     code, out, err = kvpool("selftest", pool.url(), "--chunks", "3", "--chunk-size", "64KiB")
     assert code == 0, out + err

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from backend import Chunk, PoolConfig, SyncPoolClient
+from kvpool import Chunk, PoolConfig, SyncPoolClient
 from bench.nodes import UpProcess
 from tests.conftest import REPO, wait_until
 

@@ -49,6 +49,7 @@ __all__ = [
     "render_yaml",
     "render_env",
     "L2_ADAPTER_MODULE",
+    "KEPT_ADAPTER_MODULES",
     "L2_ADAPTER_CLASS",
     "L2_ADAPTER_CONFIG_CLASS",
     "lmcache_mp_adapter",
@@ -62,12 +63,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "kvpool"
-# The module paths configs name. They stay the top-level modules (re-exports of
-# backend.lmcache.connector and backend.lmcache.l2) so that configs written before
-# the package existed, and the URLs users copied, keep working unchanged.
-ADAPTER_MODULE = "backend.lmcache_connector"
+# The module paths configs name: the public ones of the kvpool package (docs/api.md),
+# re-exports of backend.lmcache.connector and backend.lmcache.l2. Configs written
+# earlier name the KEPT ones, which load the same classes and keep working.
+ADAPTER_MODULE = "kvpool.lmcache_connector"
 ADAPTER_CLASS = "KVPoolConnectorAdapter"
-L2_ADAPTER_MODULE = "backend.lmcache_l2_adapter"
+L2_ADAPTER_MODULE = "kvpool.lmcache_l2_adapter"
+KEPT_ADAPTER_MODULES = ("backend.lmcache_connector", "backend.lmcache.connector")
 L2_ADAPTER_CLASS = "KVPoolL2Adapter"
 L2_ADAPTER_CONFIG_CLASS = "KVPoolL2AdapterConfig"
 PLUGIN_FORM = "plugin"
@@ -133,7 +135,7 @@ def url_config_key(plugin_name: str = PLUGIN_NAME) -> str:
 def lmcache_remote_url(url: str) -> str:
     """The LMCache ``remote_url`` that reaches the pool at ``url`` (a ``kvpool://`` URL).
 
-    ``external://HOST:PORT/backend.lmcache_connector/?connector_name=KVPoolRemoteURLConnector&namespace=NS&OPTIONS``:
+    ``external://HOST:PORT/kvpool.lmcache_connector/?connector_name=KVPoolRemoteURLConnector&namespace=NS&OPTIONS``:
     the Redis host and port stay in the authority, the namespace and the URL's options
     move into the query, written as given (secrets are the caller's to leave out).
     """

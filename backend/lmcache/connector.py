@@ -4,16 +4,16 @@ Enable it in the LMCache config (``kvpool lmcache-config`` prints this)::
 
     remote_storage_plugins: ["kvpool"]
     extra_config:
-      remote_storage_plugin.kvpool.module_path: backend.lmcache_connector
+      remote_storage_plugin.kvpool.module_path: kvpool.lmcache_connector
       remote_storage_plugin.kvpool.class_name: KVPoolConnectorAdapter
       remote_storage_plugin.kvpool.url: kvpool://127.0.0.1:6379/default
 
 or, as one line (``kvpool lmcache-config --form remote_url``; also ``LMCACHE_REMOTE_URL``)::
 
-    remote_url: external://127.0.0.1:6379/backend.lmcache_connector/?connector_name=KVPoolRemoteURLConnector&namespace=default
+    remote_url: external://127.0.0.1:6379/kvpool.lmcache_connector/?connector_name=KVPoolRemoteURLConnector&namespace=default
 
 Never both: LMCache would build two remote backends and write every chunk twice.
-``backend.lmcache_connector``, the module those configs name, re-exports this one.
+``kvpool.lmcache_connector``, the module those configs name, re-exports this one.
 Every method runs on LMCache's event-loop thread and never blocks it; the ``*_sync``
 methods are called from LMCache's worker threads and wait on that loop with a bound.
 Library errors stop here (``MissBoundary``): they become misses, logged once per cause
@@ -448,7 +448,7 @@ def _engine_metadata(local_cpu_backend: Any, where: str) -> Any:
 
 
 class KVPoolRemoteURLConnector(KVPoolConnector):
-    """What LMCache builds from ``remote_url: external://HOST:PORT/backend.lmcache_connector/?connector_name=...``.
+    """What LMCache builds from ``remote_url: external://HOST:PORT/kvpool.lmcache_connector/?connector_name=...``.
 
     LMCache's ``ExternalConnectorAdapter`` calls ``CLASS(loop=, local_cpu_backend=, config=)``:
     the pool comes from ``config.remote_url`` (see ``backend.lmcache.config.remote_url_pool_config``),

@@ -25,6 +25,7 @@ from backend.errors import ConfigError
 from backend.lmcache.config import (
     ADAPTER_CLASS,
     ADAPTER_MODULE,
+    KEPT_ADAPTER_MODULES,
     PLUGIN_NAME,
     REMOTE_URL_CLASS,
     pool_config_from,
@@ -36,8 +37,8 @@ from backend.threads import LoopThread
 
 __all__ = ["diagnose"]
 
-# The module a config may name: the printed (kept) path, or the package's own.
-CONNECTOR_MODULES = (ADAPTER_MODULE, "backend.lmcache.connector")
+# The modules a config may name: the printed (public) path, or one that earlier configs name.
+CONNECTOR_MODULES = (ADAPTER_MODULE, *KEPT_ADAPTER_MODULES)
 
 
 DOCTOR_MODEL = "kvpool-doctor/probe"
@@ -152,7 +153,7 @@ def _check_plugin_form(config: Any, plugin: str, add: Any) -> PoolConfig | None:
         *_plugin_import(plugin, module_path, class_name),
         f"set extra_config['remote_storage_plugin.{plugin}.module_path'] = {ADAPTER_MODULE!r} and "
         f"['remote_storage_plugin.{plugin}.class_name'] = {ADAPTER_CLASS!r}, in the engine's Python "
-        "environment kvpool installed (`python -c 'import backend.lmcache_connector'` there must work)",
+        "environment kvpool installed (`python -c 'import kvpool.lmcache_connector'` there must work)",
         PLUGIN_NOT_LOADED,
     )
     for suffix, allowed in (("module_path", CONNECTOR_MODULES), ("class_name", (ADAPTER_CLASS,))):

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from backend import PoolConfig
+from kvpool import PoolConfig
 from backend.client import SyncPoolClient
 from backend.embedded import free_port
 from backend.errors import AuthError

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from backend import KVPoolError, PoolConfig, SyncPoolClient
+from kvpool import KVPoolError, PoolConfig, SyncPoolClient
 from backend.embedded import free_port
 from bench.lmcache_stack import LMCacheStack, run_with_timeout
 from tests.conftest import NodeProcess, wait_until

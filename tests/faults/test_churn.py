@@ -15,7 +15,7 @@ import random
 import pytest
 import redis
 
-from backend import Chunk, KVPoolError, PoolConfig, SyncPoolClient
+from kvpool import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from tests.conftest import wait_until
 from tests.support.index import index_key, slots
 

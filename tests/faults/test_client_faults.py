@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from backend import CapacityError, Chunk, PoolConfig, SyncPoolClient
+from kvpool import CapacityError, Chunk, PoolConfig, SyncPoolClient
 from tests.conftest import REPO, wait_until
 
 MIB = 1024 * 1024
@@ -20,7 +20,7 @@ LOCK_TTL_MS = 600_000  # the longest a node grants: without the fix the DRAM wou
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    from backend import Chunk, PoolConfig, SyncPoolClient
+    from kvpool import Chunk, PoolConfig, SyncPoolClient
 
     url, count, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     client = SyncPoolClient(PoolConfig.from_url(url))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from backend import PoolClient, PoolConfig, SyncPoolClient
+from kvpool import PoolClient, PoolConfig, SyncPoolClient
 from backend.admin import NodeRow, node_rows
 from tests.conftest import wait_until
 from tests.faults.proxy import skewed_clock_env

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from backend import Chunk, KVPoolError, PoolConfig, SyncPoolClient
+from kvpool import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from backend.embedded import free_port
 from backend.metadata import NodeInfo
 from tests.conftest import REPO, NodeProcess, wait_until

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from backend import Chunk, KVPoolError, PoolConfig, PutOutcome, SyncPoolClient
+from kvpool import Chunk, KVPoolError, PoolConfig, PutOutcome, SyncPoolClient
 from backend.embedded import EmbeddedRedis
 from backend.metadata import NodeInfo
 from backend.placement import choose_nodes

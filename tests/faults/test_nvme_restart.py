@@ -12,7 +12,7 @@ import os
 import random
 import time
 
-from backend import PoolConfig, SyncPoolClient
+from kvpool import PoolConfig, SyncPoolClient
 from bench.scale_nvme import chunk_key, payload_of, write_files
 from tests.conftest import wait_until
 from tests.support.recovery import wait_recovered

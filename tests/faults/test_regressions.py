@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from backend import AuthError, Chunk, KVPoolError, PoolClient, PoolConfig, SyncPoolClient
+from kvpool import AuthError, Chunk, KVPoolError, PoolClient, PoolConfig, SyncPoolClient
 from backend.config import NodeConfig
 from backend.embedded import EmbeddedRedis
 from backend.node.server import PoolNode

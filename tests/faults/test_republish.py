@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from backend import Chunk, PoolClient, PoolConfig, SyncPoolClient
+from kvpool import Chunk, PoolClient, PoolConfig, SyncPoolClient
 from backend.config import NodeConfig
 from backend.embedded import EmbeddedRedis
 from backend.metadata import Location, MetadataStore

@@ -16,7 +16,7 @@ import asyncio
 
 import pytest
 
-from backend import PoolClient, PoolConfig
+from kvpool import PoolClient, PoolConfig
 from backend.node.arena import room_of
 from bench.scale_node import VALUE_BYTES, fill, layerwise_key, value_of
 from tests.faults.proxy import FULL

@@ -14,7 +14,7 @@ import random
 import subprocess
 import sys
 
-from backend import Chunk, PoolConfig, SyncPoolClient
+from kvpool import Chunk, PoolConfig, SyncPoolClient
 from backend.metadata import MetadataStore
 from tests.conftest import REPO, wait_until
 from tests.test_cli import kvpool

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from backend import NodeUnavailable, PoolClient, PoolConfig
+from kvpool import NodeUnavailable, PoolClient, PoolConfig
 from backend.client.connection import NodeConnection
 from backend.metadata import NodeInfo
 from backend.protocol import RESPONSE_BIT, Op, Status, error_for_status

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from backend import AuthError, Chunk, NodeUnavailable, PoolConfig, ProtocolError, SyncPoolClient
+from kvpool import AuthError, Chunk, NodeUnavailable, PoolConfig, ProtocolError, SyncPoolClient
 from backend.client.connection import NodeConnection
 from backend.handshake import (
     CLIENT_PROVES,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from backend import PoolConfig, SyncPoolClient
+from kvpool import PoolConfig, SyncPoolClient
 from backend.config import NodeConfig
 from backend.config.node import ENV_PREFAULT
 from backend.config.values import NODE_ID_RULE, check_node_id, default_node_id

@@ -12,7 +12,7 @@ import os
 
 import redis
 
-from backend import Chunk, PoolConfig, SyncPoolClient
+from kvpool import Chunk, PoolConfig, SyncPoolClient
 from backend.metadata import Location
 from tests.support.index import copies, index_key, slots
 

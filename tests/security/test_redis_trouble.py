@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import redis
 
-from backend import Chunk, MetadataError, PoolClient, PoolConfig, SyncPoolClient
+from kvpool import Chunk, MetadataError, PoolClient, PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis
 from tests.conftest import wait_until
 from tests.support.chunks import all_read_back, seeded_chunks

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from backend import Chunk, PoolConfig, SyncPoolClient
+from kvpool import Chunk, PoolConfig, SyncPoolClient
 from backend.node.stages import STAGE_SWEEP_INTERVAL_S
 from backend.shm import STAGE_MIN_AGE_S, PutStage, remove_abandoned_stages
 from tests.conftest import REPO, wait_until
@@ -32,7 +32,7 @@ KIB = 1024
 CLIENT = textwrap.dedent(
     """
     import os, sys
-    from backend import Chunk, PoolConfig, SyncPoolClient
+    from kvpool import Chunk, PoolConfig, SyncPoolClient
     client = SyncPoolClient(PoolConfig.from_url(sys.argv[1]))
     client.put([Chunk(f"dead-client-{i}", os.urandom(256 * 1024)) for i in range(8)])
     assert client.counters["staged_put_bytes"] == 8 * 256 * 1024, client.counters

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from backend import ConfigError, PoolConfig
+from kvpool import ConfigError, PoolConfig
 from backend.config import NodeConfig
 from backend.config import values as config_values
 from backend.config.values import GOOD_TOKEN_CHARS, MIN_TOKEN_CHARS

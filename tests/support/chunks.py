@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from backend import Chunk, SyncPoolClient
+from kvpool import Chunk, SyncPoolClient
 
 __all__ = ["seeded_chunks", "all_read_back"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from backend import SyncPoolClient
+from kvpool import SyncPoolClient
 
 __all__ = ["wait_recovered"]
 

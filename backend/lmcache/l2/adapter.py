@@ -3,10 +3,10 @@
 In multiprocess mode a separate LMCache server owns L1 memory and moves chunks
 to and from storage through ``L2AdapterInterface``. LMCache loads this adapter
 through its ``plugin`` L2 adapter type (``kvpool lmcache-config --mode mp``
-prints this; ``backend.lmcache_l2_adapter``, the module it names, re-exports this one)::
+prints this; ``kvpool.lmcache_l2_adapter``, the module it names, re-exports this one)::
 
     lmcache server --l1-size-gb 20 --eviction-policy LRU --l2-adapter \\
-      '{"type": "plugin", "module_path": "backend.lmcache_l2_adapter",
+      '{"type": "plugin", "module_path": "kvpool.lmcache_l2_adapter",
         "class_name": "KVPoolL2Adapter", "config_class_name": "KVPoolL2AdapterConfig",
         "adapter_params": {"url": "kvpool://127.0.0.1:6379/default"}}'
 

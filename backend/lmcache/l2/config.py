@@ -49,7 +49,7 @@ class KVPoolL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
     @classmethod
     def help(cls) -> str:
         return (
-            "kvpool L2 adapter (load with type 'plugin', module_path 'backend.lmcache_l2_adapter',\n"
+            "kvpool L2 adapter (load with type 'plugin', module_path 'kvpool.lmcache_l2_adapter',\n"
             "class_name 'KVPoolL2Adapter'). adapter_params:\n"
             "- url (str): kvpool://[:TOKEN@]REDIS_HOST:PORT/NAMESPACE[?options] (or KVPOOL_URL)\n"
             f"- lock_ttl_ms (int): lease of a looked-up chunk (default {DEFAULT_LOCK_TTL_MS})\n"
