@@ -23,11 +23,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from kvpool import PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis
 from backend.latency import quantile
 from backend.metadata import Location, MetadataStore
 from bench.redis_servers import RedisProcesses, cli
+from kvpool import PoolConfig, SyncPoolClient
 
 
 def _commandstats(ports: list[int]) -> Counter[str]:

@@ -65,7 +65,6 @@ from typing import Any
 
 import redis
 
-from kvpool import Chunk, PoolClient, PoolConfig
 from backend.admin import drain
 from backend.config import format_size, parse_size
 from backend.embedded import EmbeddedRedis
@@ -74,6 +73,7 @@ from backend.metadata import COMMIT_LUA, Location, MetadataStore
 from bench import scale_report
 from bench.nodes import NodeProcess
 from bench.resp_proxy import CountingProxy
+from kvpool import Chunk, PoolClient, PoolConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NODE_START_TIMEOUT_S = 60.0

@@ -57,7 +57,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpool import Chunk, PoolClient, PoolConfig
 from backend.client.chunks import BytesSink, Hit
 from backend.embedded import EmbeddedRedis
 from backend.metadata import NodeInfo
@@ -68,6 +67,7 @@ from backend.node.tiers import TierConfig, TierManager
 from backend.protocol import ItemMeta, Op, checksum, encode_keys
 from bench.nodes import NodeProcess
 from bench.processes import REPO
+from kvpool import Chunk, PoolClient, PoolConfig
 
 __all__ = [
     "measure_eviction",

@@ -44,12 +44,12 @@ from typing import Any
 
 import redis
 
-from kvpool import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis
 from backend.node.nvme_format import CHUNKS_DIR, chunk_name, header_bytes, write_chunk
 from backend.node.recovery import scan
 from backend.protocol import ItemMeta, checksum
 from bench.nodes import NodeProcess
+from kvpool import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 
 __all__ = ["republish", "restart", "files_vs_segments", "run", "TARGETS", "chunk_key", "payload_of", "write_files"]
 

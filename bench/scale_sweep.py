@@ -50,12 +50,12 @@ from typing import Any
 
 import redis
 
-from kvpool import PoolConfig, SyncPoolClient
 from backend.embedded import free_port
 from backend.metadata import Location, MetadataStore, NodeInfo
 from bench.nodes import NodeProcess
 from bench.redis_servers import RedisProcesses
 from bench.scale_redis import inprocess_keys
+from kvpool import PoolConfig, SyncPoolClient
 
 __all__ = ["SWEEP_TARGET_S", "CALL_TARGET_MS", "LOOKUP_RATIO_TARGET", "fill_index", "sweep", "admin", "lookup", "main"]
 

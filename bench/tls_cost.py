@@ -21,9 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvpool import Chunk, PoolClient, PoolConfig
 from backend.embedded import EmbeddedRedis
 from bench.nodes import NodeProcess
+from kvpool import Chunk, PoolClient, PoolConfig
 
 
 def self_signed(directory: Path) -> tuple[Path, Path]:

@@ -14,13 +14,13 @@ import time
 import pytest
 import yaml
 
-from kvpool import Chunk, PoolConfig, SyncPoolClient
 from backend.embedded import free_port
 from backend.errors import CapacityError, ProtocolError
 from backend.metadata import Location, MetadataStore, NodeInfo
 from backend.node.arena import room_of
 from backend.node.nvme_format import chunk_path, read_header
 from backend.protocol import InventoryRow, Verified
+from kvpool import Chunk, PoolConfig, SyncPoolClient
 from tests.conftest import REPO, NodeProcess, wait_until
 from tests.support.index import index_key
 from tests.test_cli import kvpool

@@ -13,10 +13,10 @@ import threading
 
 import pytest
 
-from kvpool import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from backend.embedded import free_port
 from backend.lmcache.config import remote_url_pool_config
 from backend.node.arena import room_of
+from kvpool import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from tests.conftest import REPO
 
 

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import redis
 
-from kvpool import Chunk, PoolConfig, SyncPoolClient
 from backend.errors import MetadataError
 from backend.metadata import Location, MetadataStore, NodeInfo
 from backend.metadata.records import varint
 from backend.node.nvme_format import chunk_path
 from backend.protocol import checksum
 from bench.scale_redis import TARGET_BEYOND_KEY, inprocess_keys, layerwise_keys, measure_case
+from kvpool import Chunk, PoolConfig, SyncPoolClient
 from tests.conftest import wait_until
 from tests.support.chunks import all_read_back, seeded_chunks
 from tests.support.index import copies, index_key, legacy_index_key, slots

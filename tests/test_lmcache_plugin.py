@@ -20,9 +20,9 @@ import torch
 
 from backend.embedded import EmbeddedRedis, free_port
 from backend.lmcache.config import REMOTE_URL_FORM, lmcache_remote_url
-from kvpool.lmcache_connector import ALLOCATE_TIMEOUT_S
 from bench.engine import FIRST_HASH
 from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
+from kvpool.lmcache_connector import ALLOCATE_TIMEOUT_S
 from tests.conftest import REPO, wait_until
 from tests.test_put_room import MiB, PutInFlight
 

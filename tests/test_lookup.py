@@ -15,10 +15,10 @@ from collections.abc import Awaitable, Callable
 
 import redis
 
-from kvpool import Chunk, PoolClient, PoolConfig, SyncPoolClient
 from backend.client.registry import FRESH_VIEW_S
 from backend.embedded import free_port
 from backend.metadata import LiveCopies, Location, MetadataStore, NodeInfo
+from kvpool import Chunk, PoolClient, PoolConfig, SyncPoolClient
 from tests.conftest import wait_until
 from tests.support.index import copies
 

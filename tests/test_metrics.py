@@ -15,11 +15,11 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpool import Chunk, PoolConfig, SyncPoolClient
 from backend import metrics
 from backend.embedded import EmbeddedRedis
-from kvpool.lmcache_connector import CLIENT_COUNTERS
 from backend.metrics import NodeMetricsServer, register_connector_metrics, unregister_connector_metrics
+from kvpool import Chunk, PoolConfig, SyncPoolClient
+from kvpool.lmcache_connector import CLIENT_COUNTERS
 from tests.conftest import REPO, wait_until
 
 METRICS_RE = re.compile(r"metrics at http://(\S+):(\d+)/metrics")

@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvpool import Chunk, KVPoolError, NcclError, PoolClient, PoolConfig, ProtocolError
 from backend.client import BytesSink
 from backend.metadata import MetadataStore
 from backend.protocol import Op, encode_channel_request, encode_json
+from kvpool import Chunk, KVPoolError, NcclError, PoolClient, PoolConfig, ProtocolError
 from nccl_channel.channel import ChannelServer, CpuTransport, NcclChannel
 from nccl_channel.rendezvous import Offer, Rendezvous, new_session
 from tests.conftest import wait_until

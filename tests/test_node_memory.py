@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from kvpool import Chunk, PoolConfig, SyncPoolClient
 from backend.node.dram import StoredChunk
 from backend.node.tiers import TierConfig, TierManager
 from backend.protocol import ItemMeta, checksum
+from kvpool import Chunk, PoolConfig, SyncPoolClient
 
 KIB = 1024
 VALUE_BYTES = 64  # a chunk whose room is its size, before and after rooms were counted

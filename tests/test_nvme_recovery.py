@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from kvpool import Chunk, PoolClient, PoolConfig
 from backend.config import NodeConfig
 from backend.metadata import Location, MetadataStore
 from backend.node import recovery
 from backend.node.nvme_format import CHUNKS_DIR, TMP_SUFFIX, chunk_name, chunk_path, write_chunk
 from backend.node.server import PoolNode
 from backend.protocol import ItemMeta, checksum
+from kvpool import Chunk, PoolClient, PoolConfig
 
 FILES = 600
 HELD_BACK = "ff"  # the shard directory recovery reaches last

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from kvpool import AuthError, CapacityError, Chunk, MetadataError, PoolClient, PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis
 from backend.metadata import MetadataStore
 from backend.protocol import HEADER, Op, Status, decode_header, encode_header, encode_keys
+from kvpool import AuthError, CapacityError, Chunk, MetadataError, PoolClient, PoolConfig, SyncPoolClient
 from tests.conftest import wait_until
 from tests.support.handshake import hello_frame
 

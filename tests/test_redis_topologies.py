@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from kvpool import Chunk, PoolClient, PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis, free_port
 from backend.metadata import MetadataStore
 from bench.redis_servers import RedisProcesses
 from bench.redis_servers import cli as _cli
+from kvpool import Chunk, PoolClient, PoolConfig, SyncPoolClient
 from tests.conftest import REPO, wait_until
 from tests.support.index import index_key, index_pattern
 

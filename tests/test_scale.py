@@ -21,10 +21,10 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 
-from kvpool import Chunk, PoolClient, PoolConfig
 from backend.admin import drain
 from backend.config import parse_size
 from backend.metadata import NodeInfo
+from kvpool import Chunk, PoolClient, PoolConfig
 from tests.conftest import REPO, NodeProcess, wait_until
 from tests.test_cli import kvpool
 

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpool import ConfigError, PoolConfig
 from backend.embedded import EmbeddedRedis, free_port
 from bench.lmcache_stack import LMCacheStack, same_bytes
 from bench.nodes import UpProcess
+from kvpool import ConfigError, PoolConfig
 from tests.conftest import REPO
 
 TOKEN = "tok-5f1c9a0e7d2b" * 2

@@ -16,7 +16,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from kvpool import CapacityError, Chunk, NodeUnavailable, PoolConfig, SyncPoolClient
 from backend.config import format_size, parse_size
 from backend.metadata import MetadataStore
 from backend.node.dram import StoredChunk
@@ -24,6 +23,7 @@ from backend.node.nvme_format import CHUNKS_DIR, chunk_path, read_header, write_
 from backend.node.recovery import scan
 from backend.node.tiers import DRAM, NVME, TierConfig, TierManager
 from backend.protocol import ItemMeta, checksum
+from kvpool import CapacityError, Chunk, NodeUnavailable, PoolConfig, SyncPoolClient
 from tests.conftest import wait_until
 from tests.support.recovery import wait_recovered
 

@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvpool import Chunk, PoolConfig, SyncPoolClient
 from bench.nodes import UpProcess
+from kvpool import Chunk, PoolConfig, SyncPoolClient
 from tests.conftest import REPO, wait_until
 
 UP_TIMEOUT_S = 60.0

@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvpool import PoolConfig
 from backend.client import SyncPoolClient
 from backend.embedded import free_port
 from backend.errors import AuthError
+from kvpool import PoolConfig
 from tests.conftest import REPO, wait_until
 
 IMAGE = os.environ.get("DEPLOY_TEST_IMAGE", "localhost/kvpool-node:0.1.0")

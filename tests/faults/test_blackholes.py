@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from kvpool import KVPoolError, PoolConfig, SyncPoolClient
 from backend.embedded import free_port
 from bench.lmcache_stack import LMCacheStack, run_with_timeout
+from kvpool import KVPoolError, PoolConfig, SyncPoolClient
 from tests.conftest import NodeProcess, wait_until
 from tests.faults.blackhole import Blackhole
 from tests.faults.test_network_faults import _identical, _no_wrong_bytes, _node

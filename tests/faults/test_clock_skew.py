@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvpool import PoolClient, PoolConfig, SyncPoolClient
 from backend.admin import NodeRow, node_rows
+from kvpool import PoolClient, PoolConfig, SyncPoolClient
 from tests.conftest import wait_until
 from tests.faults.proxy import skewed_clock_env
 from tests.test_pool import _chunks

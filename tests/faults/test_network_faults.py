@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from kvpool import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from backend.embedded import free_port
 from backend.metadata import NodeInfo
+from kvpool import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from tests.conftest import REPO, NodeProcess, wait_until
 from tests.faults.proxy import ROUNDS, FaultProxy, hostname_env
 from tests.test_pool import _chunks

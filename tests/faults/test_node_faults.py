@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from kvpool import Chunk, KVPoolError, PoolConfig, PutOutcome, SyncPoolClient
 from backend.embedded import EmbeddedRedis
 from backend.metadata import NodeInfo
 from backend.placement import choose_nodes
+from kvpool import Chunk, KVPoolError, PoolConfig, PutOutcome, SyncPoolClient
 from tests.conftest import wait_until
 from tests.faults.proxy import FULL, ROUNDS
 from tests.test_pool import _chunks

@@ -12,8 +12,8 @@ import os
 import random
 import time
 
-from kvpool import PoolConfig, SyncPoolClient
 from bench.scale_nvme import chunk_key, payload_of, write_files
+from kvpool import PoolConfig, SyncPoolClient
 from tests.conftest import wait_until
 from tests.support.recovery import wait_recovered
 

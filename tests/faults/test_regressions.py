@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from kvpool import AuthError, Chunk, KVPoolError, PoolClient, PoolConfig, SyncPoolClient
 from backend.config import NodeConfig
 from backend.embedded import EmbeddedRedis
 from backend.node.server import PoolNode
 from backend.protocol import ItemMeta, Op, encode_header, encode_items
+from kvpool import AuthError, Chunk, KVPoolError, PoolClient, PoolConfig, SyncPoolClient
 from tests.conftest import wait_until
 from tests.test_pool import _chunks
 

@@ -21,7 +21,6 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from kvpool import Chunk, PoolClient, PoolConfig, SyncPoolClient
 from backend.config import NodeConfig
 from backend.embedded import EmbeddedRedis
 from backend.metadata import Location, MetadataStore
@@ -31,6 +30,7 @@ from backend.node.republish import publish_held
 from backend.node.server import PoolNode
 from backend.node.tiers import DRAM, NVME, TierConfig, TierManager
 from backend.protocol import ItemMeta, checksum
+from kvpool import Chunk, PoolClient, PoolConfig, SyncPoolClient
 from tests.conftest import wait_until
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: the 300,000-chunk node process

@@ -16,9 +16,9 @@ import asyncio
 
 import pytest
 
-from kvpool import PoolClient, PoolConfig
 from backend.node.arena import room_of
 from bench.scale_node import VALUE_BYTES, fill, layerwise_key, value_of
+from kvpool import PoolClient, PoolConfig
 from tests.faults.proxy import FULL
 
 HELD = 262_144 if FULL else 49_152

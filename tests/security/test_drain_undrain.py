@@ -14,8 +14,8 @@ import random
 import subprocess
 import sys
 
-from kvpool import Chunk, PoolConfig, SyncPoolClient
 from backend.metadata import MetadataStore
+from kvpool import Chunk, PoolConfig, SyncPoolClient
 from tests.conftest import REPO, wait_until
 from tests.test_cli import kvpool
 

@@ -21,10 +21,10 @@ import subprocess
 import sys
 import time
 
-from kvpool import NodeUnavailable, PoolClient, PoolConfig
 from backend.client.connection import NodeConnection
 from backend.metadata import NodeInfo
 from backend.protocol import RESPONSE_BIT, Op, Status, error_for_status
+from kvpool import NodeUnavailable, PoolClient, PoolConfig
 from tests.conftest import REPO, wait_until
 from tests.faults.proxy import FaultProxy
 from tests.security.wire import read_frame

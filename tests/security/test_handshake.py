@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 
-from kvpool import AuthError, Chunk, NodeUnavailable, PoolConfig, ProtocolError, SyncPoolClient
 from backend.client.connection import NodeConnection
 from backend.handshake import (
     CLIENT_PROVES,
@@ -49,6 +48,7 @@ from backend.protocol import (
     encode_json,
     encode_keys,
 )
+from kvpool import AuthError, Chunk, NodeUnavailable, PoolConfig, ProtocolError, SyncPoolClient
 from tests.support.handshake import frame
 
 TOKEN = "handshake-token-0123456789abcdef"

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvpool import PoolConfig, SyncPoolClient
 from backend.config import NodeConfig
 from backend.config.node import ENV_PREFAULT
 from backend.config.values import NODE_ID_RULE, check_node_id, default_node_id
@@ -23,6 +22,7 @@ from backend.embedded import EmbeddedRedis
 from backend.errors import ConfigError
 from backend.node.nvme_format import chunk_path
 from bench.nodes import NodeProcess
+from kvpool import PoolConfig, SyncPoolClient
 from tests.conftest import wait_until
 from tests.support.chunks import all_read_back, seeded_chunks
 from tests.support.recovery import wait_recovered

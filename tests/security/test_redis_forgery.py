@@ -12,8 +12,8 @@ import os
 
 import redis
 
-from kvpool import Chunk, PoolConfig, SyncPoolClient
 from backend.metadata import Location
+from kvpool import Chunk, PoolConfig, SyncPoolClient
 from tests.support.index import copies, index_key, slots
 
 TOKEN = "forgery-token-0123456789abcdef01"

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import redis
 
-from kvpool import Chunk, MetadataError, PoolClient, PoolConfig, SyncPoolClient
 from backend.embedded import EmbeddedRedis
+from kvpool import Chunk, MetadataError, PoolClient, PoolConfig, SyncPoolClient
 from tests.conftest import wait_until
 from tests.support.chunks import all_read_back, seeded_chunks
 from tests.test_cli import kvpool

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool import Chunk, PoolConfig, SyncPoolClient
 from backend.node.stages import STAGE_SWEEP_INTERVAL_S
 from backend.shm import STAGE_MIN_AGE_S, PutStage, remove_abandoned_stages
+from kvpool import Chunk, PoolConfig, SyncPoolClient
 from tests.conftest import REPO, wait_until
 
 KIB = 1024

@@ -23,6 +23,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from backend.cli import main
+from backend.embedded import EmbeddedRedis
+from backend.protocol import Op, encode_header, encode_json, error_for_status
+from backend.transport import FrameSocket, client_tls_context
 from kvpool import (
     AuthError,
     Chunk,
@@ -34,10 +38,6 @@ from kvpool import (
     ProtocolError,
     SyncPoolClient,
 )
-from backend.cli import main
-from backend.embedded import EmbeddedRedis
-from backend.protocol import Op, encode_header, encode_json, error_for_status
-from backend.transport import FrameSocket, client_tls_context
 
 REDIS_USER = "kvpool"
 REDIS_PASSWORD = "s3cret-redis"

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpool import ConfigError, PoolConfig
 from backend.config import NodeConfig
 from backend.config import values as config_values
 from backend.config.values import GOOD_TOKEN_CHARS, MIN_TOKEN_CHARS
+from kvpool import ConfigError, PoolConfig
 from tests.test_cli import kvpool
 
 GOOD_TOKEN = "9f" * 32  # what `openssl rand -hex 32` makes: 64 characters
