@@ -53,10 +53,27 @@ FRAME_CODEC_USERS = ("backend.protocol", "backend.transport", "backend.shm", "ba
 OWNERS = {"backend.node": "backend.node.server"}
 
 
-# What nccl_channel may import of backend: the errors and the wire codec. Never the node, nor
-# anything that needs redis-py (the GPU machine has none, and nodes load the channel lazily).
-NCCL_CHANNEL_MAY_IMPORT = ("backend.errors", "backend.protocol")
+# What nccl_channel may import of backend: the errors and the channel's part of the wire codec
+# (CHANNEL_GET, and the item meta and checksum it carries), from the package or from those parts.
+# Never the node, nor anything that needs redis-py (the GPU machine has none, and nodes load the
+# channel lazily).
+NCCL_CHANNEL_PROTOCOL_PARTS = ("backend.protocol.channel", "backend.protocol.meta", "backend.protocol.frame")
+NCCL_CHANNEL_MAY_IMPORT = ("backend.errors", "backend.protocol", *NCCL_CHANNEL_PROTOCOL_PARTS)
 NCCL_CHANNEL_NEVER_IMPORTS = ("redis", "hiredis", "lmcache")
+
+# The parts of backend/protocol/ and their order: a part imports only parts before it, so the
+# op families (level 2) never need each other, and the package has no circle.
+PROTOCOL_PARTS = {
+    "backend.protocol.frame": 0,
+    "backend.protocol.meta": 1,
+    "backend.protocol.puts": 2,
+    "backend.protocol.reads": 2,
+    "backend.protocol.channel": 2,
+    "backend.protocol.inventory": 2,
+    "backend.protocol.reports": 2,
+}
+# A pure codec: no I/O, no clock, nothing of backend but the errors.
+PROTOCOL_MAY_IMPORT = ("__future__", "collections.abc", "dataclasses", "enum", "json", "struct", "typing", "xxhash")
 
 
 def _module(path: Path) -> str:
@@ -127,7 +144,7 @@ def test_only_the_two_ends_of_the_wire_encode_or_decode_frames() -> None:
             continue
         for imported, names, line in _imports(path):
             codec = [n for n in names if n == "Op" or n.startswith(("encode_", "decode_"))]
-            if imported == "backend.protocol" and codec:
+            if (imported == "backend.protocol" or imported.startswith("backend.protocol.")) and codec:
                 reach.append(f"{path.relative_to(REPO)}:{line} imports {', '.join(codec)}")
     assert reach == [], "ask the client's typed calls (PoolClient.node_admin) instead"
 
@@ -135,12 +152,15 @@ def test_only_the_two_ends_of_the_wire_encode_or_decode_frames() -> None:
 def test_nccl_channel_imports_only_the_errors_and_codec_of_backend_and_never_redis() -> None:
     files = sorted((REPO / "nccl_channel").rglob("*.py"))
     assert len(files) > 5, "the scan is looking in the wrong place"
+    channel_codec = {name for part in NCCL_CHANNEL_PROTOCOL_PARTS for name in _public_names(_path_of(part))}
     reach = []
     for path in files:
-        for imported, _, line in _imports(path):
+        for imported, names, line in _imports(path):
             top = imported.split(".")[0]
             if (top == "backend" and imported not in NCCL_CHANNEL_MAY_IMPORT) or top in NCCL_CHANNEL_NEVER_IMPORTS:
                 reach.append(f"{path.relative_to(REPO)}:{line} imports {imported}")
+            elif imported == "backend.protocol" and set(names) - channel_codec:
+                reach.append(f"{path.relative_to(REPO)}:{line} imports {sorted(set(names) - channel_codec)}")
     assert reach == []
 
 
@@ -162,6 +182,45 @@ def test_the_public_package_reexports_and_nothing_in_backend_imports_it() -> Non
             if imported.split(".")[0] == "kvpool":
                 reach.append(f"{path.relative_to(REPO)}:{line} imports {imported}")
     assert reach == []
+
+
+def _path_of(module: str) -> Path:
+    return REPO.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def _public_names(path: Path) -> list[str]:
+    """The names a module exports: its ``__all__``."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+            assert isinstance(node.value, ast.List), f"{path.relative_to(REPO)}: __all__ is not a literal list"
+            return [ast.literal_eval(e) for e in node.value.elts]
+    raise AssertionError(f"{path.relative_to(REPO)} has no __all__")
+
+
+def test_each_part_of_the_protocol_imports_only_parts_before_it_and_no_io() -> None:
+    parts = sorted((REPO / "backend" / "protocol").glob("*.py"))
+    assert sorted(_module(p) for p in parts if p.name != "__init__.py") == sorted(PROTOCOL_PARTS), (
+        "place the new part in PROTOCOL_PARTS (and in docs/design.md)"
+    )
+    reach = []
+    for path in parts:
+        module = _module(path)
+        for imported, _, line in _imports(path, "backend.protocol"):
+            if imported.startswith("backend.protocol."):
+                # the package's __init__ gathers every part; a part takes only those before it
+                if module != "backend.protocol" and PROTOCOL_PARTS[imported] >= PROTOCOL_PARTS[module]:
+                    reach.append(f"{path.relative_to(REPO)}:{line} imports {imported}")
+            elif imported not in (*PROTOCOL_MAY_IMPORT, "backend.errors"):
+                reach.append(f"{path.relative_to(REPO)}:{line} imports {imported}")
+    assert reach == []
+
+
+def test_the_protocol_package_exports_every_part_s_wire_api() -> None:
+    import backend.protocol
+
+    parts = [name for module in PROTOCOL_PARTS for name in _public_names(_path_of(module))]
+    assert sorted(backend.protocol.__all__) == sorted(parts)
+    assert [name for name in parts if not hasattr(backend.protocol, name)] == []
 
 
 def test_no_part_of_the_node_imports_the_node_process() -> None:

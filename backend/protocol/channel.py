@@ -1,0 +1,97 @@
+"""CHANNEL_GET: ask a node for chunks whose bytes travel over the channel (``nccl_channel``), not the socket.
+
+The request and response are JSON metas with no data section: the bytes travel over the
+channel's communicator, in the order of the keys that were found. ``nccl_channel`` imports
+this codec (and ``backend.errors``) of backend, nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from backend.errors import ProtocolError
+from backend.protocol.frame import DEFAULT_LIMITS, Limits
+from backend.protocol.meta import ItemMeta, bounded, decode_json, encode_json
+
+__all__ = [
+    "MAX_SESSION_BYTES",
+    "MAX_OFFER_DIGEST_CHARS",
+    "ChannelRequest",
+    "encode_channel_request",
+    "decode_channel_request",
+    "encode_channel_response",
+    "decode_channel_response",
+]
+
+MAX_SESSION_BYTES = 64
+MAX_OFFER_DIGEST_CHARS = 128
+
+
+@dataclass(frozen=True)
+class ChannelRequest:
+    """A CHANNEL_GET: the pair's rendezvous session, the keys wanted, and, when it pairs (no keys), the
+    digest of the offer the client published (``nccl_channel.rendezvous.Offer.digest``)."""
+
+    session: str
+    keys: list[str]
+    offer: str = ""
+
+
+def encode_channel_request(
+    session: str, keys: Sequence[str], offer: str = "", limits: Limits = DEFAULT_LIMITS
+) -> bytes:
+    """Meta of a CHANNEL_GET: the rendezvous session of the pair and the keys wanted (none: pair, naming
+    ``offer``, the digest of the offer published for it)."""
+    if len(keys) > limits.max_items:
+        raise ProtocolError(f"{len(keys)} keys exceed the limit of {limits.max_items}")
+    body: dict[str, Any] = {"session": session, "keys": list(keys)}
+    if offer:
+        body["offer"] = offer
+    return bounded(bytearray(encode_json(body)), limits)
+
+
+def decode_channel_request(meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> ChannelRequest:
+    body = decode_json(meta)
+    session, keys, offer = body.get("session"), body.get("keys"), body.get("offer", "")
+    if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_BYTES or not session.isascii():
+        raise ProtocolError(f"CHANNEL_GET session must be 1..{MAX_SESSION_BYTES} ASCII characters")
+    if not isinstance(keys, list) or len(keys) > limits.max_items:
+        raise ProtocolError(f"CHANNEL_GET keys must be a list of at most {limits.max_items}")
+    for key in keys:
+        if not isinstance(key, str) or not 0 < len(key.encode("utf-8")) <= limits.max_key_bytes:
+            raise ProtocolError(f"CHANNEL_GET key outside 1..{limits.max_key_bytes} bytes")
+    if not isinstance(offer, str) or len(offer) > MAX_OFFER_DIGEST_CHARS or not offer.isascii():
+        raise ProtocolError(f"CHANNEL_GET offer must be at most {MAX_OFFER_DIGEST_CHARS} ASCII characters")
+    return ChannelRequest(session, keys, offer)
+
+
+def encode_channel_response(found: Sequence[ItemMeta | None], limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Meta of a CHANNEL_GET response: per key null or [nbytes, checksum, dtype, shape, fmt]."""
+    rows = [
+        None if item is None else [item.nbytes, item.checksum, item.dtype, list(item.shape), item.fmt] for item in found
+    ]
+    return bounded(bytearray(encode_json({"found": rows})), limits)
+
+
+def decode_channel_response(
+    meta: bytes | bytearray | memoryview, keys: Sequence[str], limits: Limits = DEFAULT_LIMITS
+) -> list[ItemMeta | None]:
+    rows = decode_json(meta).get("found")
+    if not isinstance(rows, list) or len(rows) != len(keys):
+        raise ProtocolError(f"CHANNEL_GET response does not carry one result per key ({len(keys)})")
+    found: list[ItemMeta | None] = []
+    for key, row in zip(keys, rows):
+        if row is None:
+            found.append(None)
+            continue
+        try:
+            nbytes, item_sum, dtype, shape, fmt = row
+            item = ItemMeta(key, int(nbytes), int(item_sum), str(dtype), tuple(int(d) for d in shape), int(fmt))
+        except (TypeError, ValueError):
+            raise ProtocolError(f"CHANNEL_GET response row for {key[:80]!r} is malformed") from None
+        if not 0 <= item.nbytes <= limits.max_data_bytes or len(item.shape) > limits.max_ndim:
+            raise ProtocolError(f"CHANNEL_GET response row for {key[:80]!r} is out of range")
+        found.append(item)
+    return found

@@ -1,0 +1,172 @@
+"""PUT_BATCH and PUT_STAGED: the items a put sends, its options, and the per-item outcome a node answers.
+
+A PUT_BATCH's meta is its items (:func:`encode_items`), then the put options; its data is
+the chunks' bytes. A PUT_STAGED carries no data: the bytes wait in the client's shared-memory
+stage on the node's host (``backend.shm``), and the meta names the stage, its token and each
+item's offset in it. Both are answered with one flag per item (``encode_flags``).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from backend.errors import ProtocolError, PutOutcome
+from backend.protocol.frame import DEFAULT_LIMITS, Limits
+from backend.protocol.meta import U8, U32, U64, ItemMeta, MetaReader, bounded, read_item, write_item
+
+__all__ = [
+    "PUT_STORED",
+    "PUT_INTEGRITY",
+    "PUT_NO_CAPACITY",
+    "PUT_BUSY",
+    "put_outcome",
+    "encode_items",
+    "decode_items",
+    "MAX_PUT_WAIT_MS",
+    "DEFAULT_PUT_WAIT_MS",
+    "PutOptions",
+    "encode_put_batch",
+    "decode_put_batch",
+    "MAX_STAGE_NAME_BYTES",
+    "STAGE_TOKEN_BYTES",
+    "encode_put_staged",
+    "decode_put_staged",
+]
+
+# Per-item outcome of a PUT_BATCH or PUT_STAGED, in the response's flag list.
+PUT_STORED = 0
+PUT_INTEGRITY = 1
+PUT_NO_CAPACITY = 2
+PUT_BUSY = 3  # DRAM stayed full of puts in flight until the request's wait ran out
+_PUT_OUTCOMES = {
+    PUT_STORED: PutOutcome.STORED,
+    PUT_INTEGRITY: PutOutcome.CORRUPT,
+    PUT_NO_CAPACITY: PutOutcome.NO_ROOM,
+    PUT_BUSY: PutOutcome.BUSY,
+}
+
+
+def put_outcome(flag: int) -> PutOutcome:
+    """The outcome a node's PUT flag stands for (a flag this side does not know: the chunk is not stored)."""
+    return _PUT_OUTCOMES.get(flag, PutOutcome.FAILED)
+
+
+def encode_items(items: Sequence[ItemMeta], limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Meta of a PUT_BATCH request: item count, then each item's meta."""
+    if len(items) > limits.max_items:
+        raise ProtocolError(f"{len(items)} items exceed the limit of {limits.max_items}")
+    out = bytearray(U32.pack(len(items)))
+    for item in items:
+        write_item(out, item, limits)
+    return bounded(out, limits)
+
+
+def decode_items(
+    meta: bytes | bytearray | memoryview, data_len: int, limits: Limits = DEFAULT_LIMITS
+) -> list[ItemMeta]:
+    """Decode PUT_BATCH meta and check the items add up to the declared data length."""
+    reader = MetaReader(meta)
+    items = [read_item(reader, limits) for _ in range(reader.count(limits))]
+    reader.done()
+    total = sum(item.nbytes for item in items)
+    if total != data_len:
+        raise ProtocolError(f"items declare {total} bytes but the frame carries {data_len}")
+    return items
+
+
+# -- put options: a PUT_BATCH's or PUT_STAGED's optional trailer ---------------------------
+_PUT_OPTIONS = struct.Struct("<QI")  # put_id, wait_ms
+MAX_PUT_WAIT_MS = 600_000
+DEFAULT_PUT_WAIT_MS = 1000  # a request without options (an older client) waits this long for room
+
+
+@dataclass(frozen=True)
+class PutOptions:
+    """What a put request tells the node beyond its items.
+
+    ``put_id`` names the client's put call the request is part of (a put striped over
+    several connections, or over several PUT_STAGED parts, sends one id in each): the
+    node never evicts a chunk of a put to make room for the same put. 0: the request is
+    a put of its own. ``wait_ms``: how long the node may hold the request back waiting
+    for room while DRAM is full of other puts in flight, before it answers ``PUT_BUSY``.
+    """
+
+    put_id: int = 0
+    wait_ms: int = DEFAULT_PUT_WAIT_MS
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.put_id < 2**64 or not 0 <= self.wait_ms <= MAX_PUT_WAIT_MS:
+            raise ProtocolError(
+                f"put options out of range: put_id {self.put_id}, wait_ms {self.wait_ms} (0..{MAX_PUT_WAIT_MS})"
+            )
+
+
+def _put_options(reader: MetaReader) -> PutOptions:
+    """The trailer if the meta has one (exactly its size left), else the defaults."""
+    if reader.remaining != _PUT_OPTIONS.size:
+        return PutOptions()
+    put_id, wait_ms = reader.unpack(_PUT_OPTIONS, "put options")
+    return PutOptions(int(put_id), int(wait_ms))
+
+
+def encode_put_batch(items: Sequence[ItemMeta], options: PutOptions, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Meta of a PUT_BATCH request: the items (as :func:`encode_items`), then the put options."""
+    return bounded(bytearray(encode_items(items, limits) + _PUT_OPTIONS.pack(options.put_id, options.wait_ms)), limits)
+
+
+def decode_put_batch(
+    meta: bytes | bytearray | memoryview, data_len: int, limits: Limits = DEFAULT_LIMITS
+) -> tuple[list[ItemMeta], PutOptions]:
+    """Decode PUT_BATCH meta (items, and the put options if present); the items must add up to ``data_len``."""
+    reader = MetaReader(meta)
+    items = [read_item(reader, limits) for _ in range(reader.count(limits))]
+    options = _put_options(reader)
+    reader.done()
+    total = sum(item.nbytes for item in items)
+    if total != data_len:
+        raise ProtocolError(f"items declare {total} bytes but the frame carries {data_len}")
+    return items, options
+
+
+MAX_STAGE_NAME_BYTES = 64
+STAGE_TOKEN_BYTES = 32
+
+
+def encode_put_staged(
+    stage: str,
+    token: str,
+    items: Sequence[ItemMeta],
+    offsets: Sequence[int],
+    limits: Limits = DEFAULT_LIMITS,
+    options: PutOptions | None = None,
+) -> bytes:
+    """Meta of a PUT_STAGED request: the stage's file name and token, the items as in PUT_BATCH,
+    each item's offset in the stage, then the put options (none: the node's defaults)."""
+    name, secret = stage.encode("ascii"), token.encode("ascii")
+    if not 0 < len(name) <= MAX_STAGE_NAME_BYTES or len(secret) != STAGE_TOKEN_BYTES or len(offsets) != len(items):
+        raise ProtocolError("PUT_STAGED needs a stage name, its 32-character token and an offset per item")
+    out = bytearray(U8.pack(len(name)) + name + secret)
+    out += encode_items(items, limits)
+    out += b"".join(U64.pack(offset) for offset in offsets)
+    if options is not None:
+        out += _PUT_OPTIONS.pack(options.put_id, options.wait_ms)
+    return bounded(out, limits)
+
+
+def decode_put_staged(
+    meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> tuple[str, str, list[ItemMeta], list[int], PutOptions]:
+    """``(stage name, token, items, offsets, options)`` of a PUT_STAGED request (the name is not yet checked)."""
+    reader = MetaReader(meta)
+    (name_len,) = reader.unpack(U8, "stage name length")
+    if not 0 < name_len <= MAX_STAGE_NAME_BYTES:
+        raise ProtocolError(f"stage name length {name_len} outside 1..{MAX_STAGE_NAME_BYTES}")
+    name = reader.text(name_len, "stage name")
+    token = reader.text(STAGE_TOKEN_BYTES, "stage token")
+    items = [read_item(reader, limits) for _ in range(reader.count(limits))]
+    offsets = [int(reader.unpack(U64, "stage offset")[0]) for _ in items]
+    options = _put_options(reader)
+    reader.done()
+    return name, token, items, offsets, options
