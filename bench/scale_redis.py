@@ -107,7 +107,7 @@ async def _fill(url: str, keys: list[str], copies: int) -> None:
             node = NODES[copy]
             for start in range(0, len(keys), LOOKUP_BATCH * 10):
                 batch = keys[start : start + LOOKUP_BATCH * 10]
-                await store.commit(
+                await store.index.commit(
                     [
                         (k, Location(node, 12 + copy, "dram", CHUNK_BYTES, _chunk_hash(start + i)))
                         for i, k in enumerate(batch)
