@@ -21,7 +21,7 @@ instead of hours. What reads and removes them is the real code.
   and ``kvpool status`` (registry and nodes only): each one's wall time and peak RSS
   (``wait4``), and the slowest Redis command meanwhile (SLOWLOG over 1 ms).
 * ``lookup``: two redis-servers, one with 10^4 keys and one with N, read in turns by the
-  live lookup (``MetadataStore.lookup_live``, one EVALSHA of 1,000 keys): p50/p99 of
+  live lookup (``LiveLookup.lookup_live``, one EVALSHA of 1,000 keys): p50/p99 of
   random keys and of 1,000 keys stored together (a request's chunks are), and Redis's
   own time per call (``INFO commandstats``).
 

@@ -171,6 +171,25 @@ async def test_the_index_key_is_the_namespace_and_the_pool_key_after_a_slash():
         await store.close()
 
 
+async def test_the_store_is_four_parts_over_one_connection_none_holding_another():
+    """The registry, the index, the lookup and the rendezvous are separate objects sharing the
+    store's one connection (by composition: no part is a subclass of another or of the connection),
+    and no part can reach another, so a caller handed one part holds only that one."""
+    store = MetadataStore("redis://127.0.0.1:1/0", "ns")
+    try:
+        parts = [store.registry, store.index, store.lookup, store.rendezvous]
+        assert len({type(part) for part in parts}) == 4 and type(store).__mro__ == (type(store), object)
+        for part in parts:
+            held = list(vars(part).values())
+            assert store.connection in held
+            assert not any(other is value for other in [store, *parts] for value in held), type(part).__name__
+            assert type(part).__mro__ == (type(part), object), type(part).__name__
+        surfaces = [{n for n in dir(type(part)) if not n.startswith("_")} for part in parts]
+        assert all(a.isdisjoint(b) for i, a in enumerate(surfaces) for b in surfaces[i + 1 :]), surfaces
+    finally:
+        await store.close()
+
+
 def test_an_index_left_by_the_previous_release_is_never_read_and_check_fix_deletes_it(
     node_factory, pool_url, namespace, tmp_path
 ):
