@@ -492,7 +492,7 @@ async def test_lookups_on_a_cluster_give_the_answers_one_redis_gives(redis_clust
         assert cluster[2][2] == [(7, "ghost", 1), (250, "n1", 2)]
         assert all(_index_keys_on(port, namespace) > 50 for port in redis_cluster)  # every primary was asked
 
-        await stores[0].heartbeat(NodeInfo("n1", "127.0.0.1", 1, 3), ttl_ms=60_000, changed=True)
+        await stores[0].registry.heartbeat(NodeInfo("n1", "127.0.0.1", 1, 3), ttl_ms=60_000, changed=True)
         client = PoolClient(
             PoolConfig.from_url(f"kvpool://127.0.0.1:{redis_cluster[1]}/{namespace}?redis_mode=cluster")
         )
