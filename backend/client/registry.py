@@ -171,7 +171,7 @@ class Locator:
         return (await self.find(keys, prefix=True, copies=False)).prefix
 
     async def find(self, keys: Sequence[str], *, prefix: bool, copies: bool) -> LiveCopies:
-        """Read ``keys`` against the live view (``MetadataStore.lookup_live``); copies outside it are cleaned later.
+        """Read ``keys`` against the live view (``LiveLookup.lookup_live``); copies outside it are cleaned later.
 
         A copy on a node epoch the view does not hold, found while the view is older than
         ``FRESH_VIEW_S``, may be a node that just (re)started: the view is re-read and, if
