@@ -45,18 +45,18 @@ async def _measure(url: str, ports: list[int], keys: int, rounds: int) -> dict[s
     store = MetadataStore(url, "bench")
     names = [f"model@{i}" for i in range(keys)]
     try:
-        await store.commit([(k, Location("n1", 1, "dram", 4096, i)) for i, k in enumerate(names[:10])])  # warm up
+        await store.index.commit([(k, Location("n1", 1, "dram", 4096, i)) for i, k in enumerate(names[:10])])  # warm up
         before = _commandstats(ports)
-        await store.commit([(k, Location("n1", 1, "dram", 4096, i)) for i, k in enumerate(names)])
+        await store.index.commit([(k, Location("n1", 1, "dram", 4096, i)) for i, k in enumerate(names)])
         commit = _commandstats(ports) - before  # the Lua scripts' own HGETALL/HSET count too
         before = _commandstats(ports)
-        entries = await store.lookup(names)
+        entries = await store.index.lookup(names)
         lookup = _commandstats(ports) - before
         assert all(entries), "a committed key was not found"
         times_ms = []
         for _ in range(rounds):
             start = time.perf_counter()
-            await store.lookup(names)
+            await store.index.lookup(names)
             times_ms.append((time.perf_counter() - start) * 1000)
         per_server = [len(cli(p, "--scan", "--pattern", "kvp:bench/*").split()) for p in ports]
     finally:

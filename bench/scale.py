@@ -291,11 +291,11 @@ async def registry_cost(pool: Pool) -> dict[str, Any]:
             try:
                 node_id = next(iter(pool.nodes))
                 await client.registry.refresh()
-                await store.set_draining(node_id, True)  # one membership change
+                await store.registry.set_draining(node_id, True)  # one membership change
                 before = sent()
                 await client.registry.refresh()
                 result["change_cmds"] = sent() - before
-                await store.set_draining(node_id, False)
+                await store.registry.set_draining(node_id, False)
             finally:
                 await store.close()
     stats_before, start = pool.commandstats(), time.monotonic()

@@ -6,7 +6,7 @@
 For each number of chunks and each case -- in-process keys (``CacheEngineKey.to_string()``,
 one per chunk per worker), layerwise keys (``LayerCacheEngineKey``, one per layer per
 chunk), with one copy and with two -- a fresh redis-server (this machine's, default
-config) is filled through the node's own commit path (``MetadataStore.commit``, pipelined
+config) is filled through the node's own commit path (``KeyIndex.commit``, pipelined
 1,000 at a time, as a node publishes), then ``used_memory`` is read once Redis has
 finished growing its key table. The figure is ``used_memory`` added per chunk, and the
 same less the pool key's own length (what the issue budgets: <= 120 B beyond the key).
@@ -107,7 +107,7 @@ async def _fill(url: str, keys: list[str], copies: int) -> None:
             node = NODES[copy]
             for start in range(0, len(keys), LOOKUP_BATCH * 10):
                 batch = keys[start : start + LOOKUP_BATCH * 10]
-                await store.commit(
+                await store.index.commit(
                     [
                         (k, Location(node, 12 + copy, "dram", CHUNK_BYTES, _chunk_hash(start + i)))
                         for i, k in enumerate(batch)

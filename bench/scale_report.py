@@ -58,7 +58,7 @@ HOW = {
     "its NVMe directory without fsync (to save time), page cache warm",
     "disk": "files and segments written without fsync, and with one per chunk over at most "
     f"{scale_nvme.FSYNC_SAMPLE:,} chunks",
-    "redis": "the index filled through the node's commit path (MetadataStore.commit), a fresh redis-server per case",
+    "redis": "the index filled through the node's commit path (KeyIndex.commit), a fresh redis-server per case",
     "sweep": "the index written directly (pipelined HSETs of what a node's commit writes), not through nodes; "
     "the sweep and the admin verbs beside a real node",
 }
@@ -384,7 +384,7 @@ def report(chunks: int, parts: Sequence[str], results_dir: Path) -> int:
         "chunks": chunks,
         "parts": list(parts),
         "seconds": seconds,
-        "index_written": {"sweep": "directly", "redis": "through MetadataStore.commit"},
+        "index_written": {"sweep": "directly", "redis": "through KeyIndex.commit"},
         "nvme_files_fsync": False,
         "not_run": list(TEN_MILLION),
         "summary": [row.to_json() for row in rows],

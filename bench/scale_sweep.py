@@ -21,7 +21,7 @@ instead of hours. What reads and removes them is the real code.
   and ``kvpool status`` (registry and nodes only): each one's wall time and peak RSS
   (``wait4``), and the slowest Redis command meanwhile (SLOWLOG over 1 ms).
 * ``lookup``: two redis-servers, one with 10^4 keys and one with N, read in turns by the
-  live lookup (``MetadataStore.lookup_live``, one EVALSHA of 1,000 keys): p50/p99 of
+  live lookup (``LiveLookup.lookup_live``, one EVALSHA of 1,000 keys): p50/p99 of
   random keys and of 1,000 keys stored together (a request's chunks are), and Redis's
   own time per call (``INFO commandstats``).
 
@@ -258,9 +258,9 @@ async def _register(url: str, node_id: str, ttl_ms: int) -> tuple[int, int]:
     """Register ``node_id`` with a new epoch and a heartbeat of ``ttl_ms``; its (slot, epoch)."""
     store = MetadataStore(url, NAMESPACE)
     try:
-        epoch = await store.new_epoch()
-        await store.heartbeat(NodeInfo(node_id, "127.0.0.1", 1, epoch), ttl_ms=ttl_ms, changed=True)
-        slot = store.slots.slot_of(node_id)
+        epoch = await store.registry.new_epoch()
+        await store.registry.heartbeat(NodeInfo(node_id, "127.0.0.1", 1, epoch), ttl_ms=ttl_ms, changed=True)
+        slot = store.connection.slots.slot_of(node_id)
         assert slot is not None
         return slot, epoch
     finally:
@@ -449,8 +449,8 @@ async def _timed_lookups(urls: list[str], keysets: list[list[str]], live: dict[s
     times: list[dict[str, list[float]]] = [{"random": [], "together": []} for _ in urls]
     try:
         for store in stores:
-            await store.nodes()  # the view's slots
-            await store.lookup_live(keysets[0][:10], live, prefix=False, copies=False)  # the script loaded
+            await store.registry.nodes()  # the view's slots
+            await store.lookup.lookup_live(keysets[0][:10], live, prefix=False, copies=False)  # the script loaded
         for _ in range(LOOKUP_ROUNDS):
             for i, (store, keys) in enumerate(zip(stores, keysets)):
                 start = rng.randrange(0, len(keys) - LOOKUP_KEYS)
@@ -459,7 +459,7 @@ async def _timed_lookups(urls: list[str], keysets: list[list[str]], live: dict[s
                     ("together", keys[start : start + LOOKUP_KEYS]),
                 ):
                     t = time.perf_counter()
-                    found = await store.lookup_live(asked, live, prefix=True, copies=False)
+                    found = await store.lookup.lookup_live(asked, live, prefix=True, copies=False)
                     times[i][how].append((time.perf_counter() - t) * 1000)
                     assert found.prefix == LOOKUP_KEYS
     finally:

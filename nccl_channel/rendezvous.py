@@ -29,7 +29,7 @@ DEFAULT_TTL_MS = 30_000
 
 
 class RendezvousStore(Protocol):
-    """What the rendezvous needs of the metadata layer (``backend.metadata.MetadataStore``)."""
+    """What the rendezvous needs of the metadata layer (``backend.metadata.Rendezvous``)."""
 
     async def offer_rendezvous(self, session: str, value: str, ttl_ms: int) -> None: ...
 

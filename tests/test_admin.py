@@ -159,7 +159,7 @@ async def _lookup(url: str, keys: list[str]):
     config = PoolConfig.from_url(url)
     store = MetadataStore(config.redis_url, config.namespace)
     try:
-        return await store.lookup(keys)
+        return await store.index.lookup(keys)
     finally:
         await store.close()
 
@@ -196,12 +196,12 @@ def test_check_finds_each_injected_inconsistency_and_fix_repairs_it(node_factory
             store = MetadataStore(config.redis_url, config.namespace)
             try:
                 # 3. orphan entry: points at a live node that never had the chunk
-                await store.commit([("ghost@1@0@1@bfloat16", Location(mem.node_id, mem_epoch, "dram", 10, 1))])
+                await store.index.commit([("ghost@1@0@1@bfloat16", Location(mem.node_id, mem_epoch, "dram", 10, 1))])
                 # 4. a dead node with an entry
                 dead = NodeInfo("dead-node", "127.0.0.1", 1, 99)
-                redis = await store.raw()
-                await redis.hset(store.nodes_key, "dead-node", dead.to_json())
-                await store.commit([("dead@1@0@1@bfloat16", Location("dead-node", 99, "dram", 10, 2))])
+                redis = store.connection.redis
+                await redis.hset(store.connection.nodes_key, "dead-node", dead.to_json())
+                await store.index.commit([("dead@1@0@1@bfloat16", Location("dead-node", 99, "dram", 10, 2))])
             finally:
                 await store.close()
 
@@ -346,7 +346,7 @@ def test_drain_copies_a_chunk_whose_other_copy_is_on_a_dead_node(pool):
         async def fake_replicas() -> None:  # copies on a node that is gone
             store = MetadataStore(config.redis_url, config.namespace)
             try:
-                await store.commit(
+                await store.index.commit(
                     [
                         (c.key, Location("gone-node", 7, "dram", len(c.data), e[0].checksum))
                         for c, e in zip(chunks, entries)
@@ -421,7 +421,7 @@ def test_undrain_ends_a_drain_and_puts_say_when_every_node_is_draining(pool):
     async def killed_drain_of_b() -> None:  # what a drain killed with SIGKILL leaves: b marked, nobody to clear it
         store = MetadataStore(config.redis_url, config.namespace)
         try:
-            await store.set_draining(b.node_id, True)
+            await store.registry.set_draining(b.node_id, True)
         finally:
             await store.close()
 

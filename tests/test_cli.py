@@ -210,7 +210,7 @@ def test_check_exits_0_when_clean_3_when_it_finds_problems_and_1_when_redis_is_u
     async def orphan() -> None:  # an index entry pointing at a live node that never had the bytes
         store = MetadataStore(redis_server.url, namespace)
         try:
-            await store.commit([("ghost", Location(node.node_id, node.epoch, "dram", 10, 1))])
+            await store.index.commit([("ghost", Location(node.node_id, node.epoch, "dram", 10, 1))])
         finally:
             await store.close()
 

@@ -48,7 +48,9 @@ async def test_entries_stay_compact_with_the_longest_node_ids_and_many_copies(re
     store = MetadataStore(redis_server.url, namespace)
     ids = [LONGEST_NODE_ID[:-1] + str(i) for i in range(4)]
     try:
-        await store.commit([("k", Location(node_id, 10_000 + i, "nvme", 1 << 30, 7)) for i, node_id in enumerate(ids)])
+        await store.index.commit(
+            [("k", Location(node_id, 10_000 + i, "nvme", 1 << 30, 7)) for i, node_id in enumerate(ids)]
+        )
         with redis.Redis(port=redis_server.port) as r:
             assert r.object("encoding", index_key(namespace, "k")) == b"listpack"
             assert r.memory_usage(index_key(namespace, "k"), samples=0) < 256  # 168 here; as a hash table, ~1 KB
@@ -77,24 +79,26 @@ def test_a_location_is_its_epoch_then_its_size_and_tier_then_its_checksum():
 async def test_commit_remove_and_move_keep_their_contracts_under_slots(redis_server, namespace):
     store = MetadataStore(redis_server.url, namespace)
     try:
-        await store.commit([("k", Location("a", 5, "dram", 10, 111)), ("k", Location("b", 6, "dram", 10, 111))])
+        await store.index.commit([("k", Location("a", 5, "dram", 10, 111)), ("k", Location("b", 6, "dram", 10, 111))])
         # Other bytes under the key: the copy of the old bytes on the other node goes (readers never mix two).
-        await store.commit([("k", Location("a", 5, "dram", 12, 222))])
-        assert [(loc.node_id, loc.checksum) for loc in (await store.lookup(["k"]))[0]] == [("a", 222)]
+        await store.index.commit([("k", Location("a", 5, "dram", 12, 222))])
+        assert [(loc.node_id, loc.checksum) for loc in (await store.index.lookup(["k"]))[0]] == [("a", 222)]
         # An ended run's removal or tier move changes nothing of a newer run's copy (never resurrects).
-        await store.commit([("k", Location("a", 7, "dram", 12, 222))])
-        await store.remove("a", 5, ["k"])
-        await store.move([("k", Location("a", 5, "nvme", 12, 222))])
-        assert (await store.lookup(["k"]))[0] == [Location("a", 7, "dram", 12, 222)]
-        await store.move([("k", Location("a", 7, "nvme", 12, 222))])
-        assert (await store.lookup(["k"]))[0] == [Location("a", 7, "nvme", 12, 222)]
+        await store.index.commit([("k", Location("a", 7, "dram", 12, 222))])
+        await store.index.remove("a", 5, ["k"])
+        await store.index.move([("k", Location("a", 5, "nvme", 12, 222))])
+        assert (await store.index.lookup(["k"]))[0] == [Location("a", 7, "dram", 12, 222)]
+        await store.index.move([("k", Location("a", 7, "nvme", 12, 222))])
+        assert (await store.index.lookup(["k"]))[0] == [Location("a", 7, "nvme", 12, 222)]
         # A removal of another value (it changed since it was read) leaves it; the exact one goes.
-        await store.remove_stale([("k", Location("a", 7, "dram", 12, 222))])
-        assert (await store.lookup(["k"]))[0] != []
-        await store.remove("a", 7, ["k"])
-        assert (await store.lookup(["k"]))[0] == [] and not await (await store.raw()).exists(index_key(namespace, "k"))
+        await store.index.remove_stale([("k", Location("a", 7, "dram", 12, 222))])
+        assert (await store.index.lookup(["k"]))[0] != []
+        await store.index.remove("a", 7, ["k"])
+        assert (await store.index.lookup(["k"]))[0] == [] and not await store.connection.redis.exists(
+            index_key(namespace, "k")
+        )
         # A removal for an id that holds no slot touches nothing, and gives it no slot.
-        await store.remove("never-seen", 1, ["k"])
+        await store.index.remove("never-seen", 1, ["k"])
         with redis.Redis(port=redis_server.port) as r:
             assert set(slots(r, namespace)) == {"a", "b"}
     finally:
@@ -105,14 +109,16 @@ async def test_a_reader_that_does_not_know_a_slot_names_it_and_learns_it_from_th
     writer = MetadataStore(redis_server.url, namespace)
     reader = MetadataStore(redis_server.url, namespace)
     try:
-        await writer.commit([("k", Location("a", 3, "dram", 1, 1))])
-        await writer.heartbeat(NodeInfo("a", "127.0.0.1", 1, 3), ttl_ms=60_000)
-        slot = writer.slots.slot_of("a")
-        found = await reader.lookup_live(["k"], {}, prefix=False, copies=True)
+        await writer.index.commit([("k", Location("a", 3, "dram", 1, 1))])
+        await writer.registry.heartbeat(NodeInfo("a", "127.0.0.1", 1, 3), ttl_ms=60_000)
+        slot = writer.connection.slots.slot_of("a")
+        found = await reader.lookup.lookup_live(["k"], {}, prefix=False, copies=True)
         assert [(loc.node_id, loc.slot, loc.attributed) for _, loc in found.others] == [(f"#{slot}", slot, False)]
-        assert [loc.node_id for loc in (await reader.lookup(["k"]))[0]] == ["a"]  # a full read reads the slots too
-        assert (await reader.nodes())[0].slot == slot
-        found = await reader.lookup_live(["k"], {"a": 3}, prefix=False, copies=True)
+        assert [loc.node_id for loc in (await reader.index.lookup(["k"]))[0]] == [
+            "a"
+        ]  # a full read reads the slots too
+        assert (await reader.registry.nodes())[0].slot == slot
+        found = await reader.lookup.lookup_live(["k"], {"a": 3}, prefix=False, copies=True)
         assert found.hits == [True] and found.copies[0][0].node_id == "a"
     finally:
         await writer.close()
@@ -146,12 +152,12 @@ def test_a_node_keeps_its_slot_across_restarts_and_republishes_when_redis_lost_i
 async def test_a_namespace_with_the_previous_schema_left_is_flushed_whole(redis_server, namespace):
     store = MetadataStore(redis_server.url, namespace)
     try:
-        r = await store.raw()
+        r = store.connection.redis
         await r.hset(f"kvp:{namespace}:k:{{old}}", "n", "1|dram|1|1|1")
-        await store.commit([("new", Location("n", 1, "dram", 1, 1))])
-        assert await store.legacy_entries() == 1
-        await store.flush_namespace()
-        assert await store.legacy_entries() == 0 and await store.lookup(["new"]) == [[]]
+        await store.index.commit([("new", Location("n", 1, "dram", 1, 1))])
+        assert await store.index.legacy_entries() == 1
+        await store.index.flush_namespace()
+        assert await store.index.legacy_entries() == 0 and await store.index.lookup(["new"]) == [[]]
     finally:
         await store.close()
 
@@ -159,8 +165,27 @@ async def test_a_namespace_with_the_previous_schema_left_is_flushed_whole(redis_
 async def test_the_index_key_is_the_namespace_and_the_pool_key_after_a_slash():
     store = MetadataStore("redis://127.0.0.1:1/0", "ns")
     try:
-        assert store.index_key("model@1@0@ab@bfloat16") == "kvp:ns/model@1@0@ab@bfloat16"
-        assert store.key_from_index("kvp:ns/a{b}c") == "a{b}c"
+        assert store.connection.index_key("model@1@0@ab@bfloat16") == "kvp:ns/model@1@0@ab@bfloat16"
+        assert store.connection.key_from_index("kvp:ns/a{b}c") == "a{b}c"
+    finally:
+        await store.close()
+
+
+async def test_the_store_is_four_parts_over_one_connection_none_holding_another():
+    """The registry, the index, the lookup and the rendezvous are separate objects sharing the
+    store's one connection (by composition: no part is a subclass of another or of the connection),
+    and no part can reach another, so a caller handed one part holds only that one."""
+    store = MetadataStore("redis://127.0.0.1:1/0", "ns")
+    try:
+        parts = [store.registry, store.index, store.lookup, store.rendezvous]
+        assert len({type(part) for part in parts}) == 4 and type(store).__mro__ == (type(store), object)
+        for part in parts:
+            held = list(vars(part).values())
+            assert store.connection in held
+            assert not any(other is value for other in [store, *parts] for value in held), type(part).__name__
+            assert type(part).__mro__ == (type(part), object), type(part).__name__
+        surfaces = [{n for n in dir(type(part)) if not n.startswith("_")} for part in parts]
+        assert all(a.isdisjoint(b) for i, a in enumerate(surfaces) for b in surfaces[i + 1 :]), surfaces
     finally:
         await store.close()
 

@@ -30,7 +30,7 @@ def _loc(node_id: str, epoch: int, checksum: int) -> Location:
 
 
 async def _live_node(meta: MetadataStore, node_id: str, epoch: int) -> None:
-    await meta.heartbeat(NodeInfo(node_id, "127.0.0.1", 1, epoch), ttl_ms=60_000, changed=True)
+    await meta.registry.heartbeat(NodeInfo(node_id, "127.0.0.1", 1, epoch), ttl_ms=60_000, changed=True)
 
 
 async def _eventually(read: Callable[[], Awaitable[object]], expected: object, timeout_s: float = 10.0) -> bool:
@@ -46,17 +46,17 @@ async def test_a_prefix_lookup_stops_in_redis_at_the_first_key_without_a_live_co
     meta = MetadataStore(redis_server.url, namespace)
     client = PoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{redis_server.port}/{namespace}"))
     try:
-        await meta.commit([(key, _loc("n1", 1, i)) for i, key in enumerate(KEYS) if i != 4])
+        await meta.index.commit([(key, _loc("n1", 1, i)) for i, key in enumerate(KEYS) if i != 4])
         await _live_node(meta, "n1", 1)
 
-        found = await meta.lookup_live(KEYS, {"n1": 1}, prefix=True, copies=True)
+        found = await meta.lookup.lookup_live(KEYS, {"n1": 1}, prefix=True, copies=True)
         assert found.hits == [True] * 4 + [False]  # key 4 ended it: keys 5..9 were never read
         assert found.prefix == 4
         assert [[loc.checksum for loc in entry] for entry in found.copies] == [[0], [1], [2], [3], []]
         assert found.others == []
-        assert (await meta.lookup_live(KEYS, {"n1": 1}, prefix=True, copies=False)).copies == [[]] * 5
+        assert (await meta.lookup.lookup_live(KEYS, {"n1": 1}, prefix=True, copies=False)).copies == [[]] * 5
 
-        full = await meta.lookup_live(KEYS, {"n1": 1}, prefix=False, copies=False)
+        full = await meta.lookup.lookup_live(KEYS, {"n1": 1}, prefix=False, copies=False)
         assert full.hits == [True] * 4 + [False] + [True] * 5
         assert full.prefix == 4
 
@@ -76,9 +76,9 @@ async def test_copies_on_a_dead_node_or_of_an_old_epoch_are_misses_and_are_clean
     old_epoch, dead, live = KEYS[:3]
     try:
         await _live_node(meta, "n1", 2)  # n1 restarted: its epoch-1 copies are gone
-        await meta.commit([(old_epoch, _loc("n1", 1, 1)), (dead, _loc("ghost", 5, 2)), (live, _loc("n1", 2, 3))])
+        await meta.index.commit([(old_epoch, _loc("n1", 1, 1)), (dead, _loc("ghost", 5, 2)), (live, _loc("n1", 2, 3))])
 
-        found = await meta.lookup_live([old_epoch, dead, live], {"n1": 2}, prefix=False, copies=True)
+        found = await meta.lookup.lookup_live([old_epoch, dead, live], {"n1": 2}, prefix=False, copies=True)
         assert found.hits == [False, False, True]
         assert sorted((i, loc.node_id, loc.epoch) for i, loc in found.others) == [(0, "n1", 1), (1, "ghost", 5)]
 
@@ -88,7 +88,7 @@ async def test_copies_on_a_dead_node_or_of_an_old_epoch_are_misses_and_are_clean
         assert await client.hit_prefix([live, old_epoch, dead]) == 1
         assert await client.contains([old_epoch, dead, live]) == [False, False, True]
         # Queued for cleanup in the background, after the view was read again.
-        assert await _eventually(lambda: meta.lookup([old_epoch, dead]), [[], []])
+        assert await _eventually(lambda: meta.index.lookup([old_epoch, dead]), [[], []])
     finally:
         await client.close()
         await meta.close()
@@ -100,15 +100,15 @@ async def test_a_view_that_predates_a_node_restart_is_read_again_and_its_new_cop
     try:
         await _live_node(meta, "n1", 1)
         await client.nodes(refresh=True)  # the view: n1 at epoch 1
-        await (await meta.raw()).delete(meta.heartbeat_key("n1"))  # n1 crashed: its beat lapsed
+        await meta.connection.redis.delete(meta.connection.heartbeat_key("n1"))  # n1 crashed: its beat lapsed
         await _live_node(meta, "n1", 2)  # n1 restarts and stores a key under its new epoch
-        await meta.commit([(KEYS[0], _loc("n1", 2, 7))])
+        await meta.index.commit([(KEYS[0], _loc("n1", 2, 7))])
         await asyncio.sleep(FRESH_VIEW_S * 1.5)  # the view is now too old to call epoch 2 dead
 
         assert await client.hit_prefix(KEYS[:1]) == 1  # read against the re-read view
         assert client.registry.epochs() == {"n1": 2}
         await asyncio.sleep(0.2)  # a cleanup, had one been queued, would have run
-        assert [loc.epoch for loc in (await meta.lookup(KEYS[:1]))[0]] == [2]
+        assert [loc.epoch for loc in (await meta.index.lookup(KEYS[:1]))[0]] == [2]
     finally:
         await client.close()
         await meta.close()
@@ -123,12 +123,12 @@ async def test_a_copy_of_a_node_that_joined_after_the_view_is_never_cleaned_by_a
         await _live_node(meta, "old", 1)
         await client.nodes(refresh=True)  # the view: "old" only
         await _live_node(meta, "young", 1)
-        await meta.commit([(KEYS[0], _loc("young", 1, 7))])
+        await meta.index.commit([(KEYS[0], _loc("young", 1, 7))])
         client.registry._read_at = time.monotonic()  # read a moment ago: a lookup trusts it to call nodes dead
 
         assert await client.contains(KEYS[:1]) == [False]  # not in this view yet: a miss, and a cleanup queued
         assert await _eventually(lambda: _counted(client, "stale_entries"), True)
-        assert [loc.node_id for loc in (await meta.lookup(KEYS[:1]))[0]] == ["young"]
+        assert [loc.node_id for loc in (await meta.index.lookup(KEYS[:1]))[0]] == ["young"]
         assert await client.contains(KEYS[:1]) == [True]
     finally:
         await client.close()
@@ -148,12 +148,12 @@ def test_a_key_with_one_dead_and_one_live_copy_hits_and_the_get_reads_the_live_o
     async def add_dead_copy() -> list[Location]:
         meta = MetadataStore(redis_server.url, namespace)
         try:
-            (entry,) = await meta.lookup([chunk.key])
+            (entry,) = await meta.index.lookup([chunk.key])
             live = entry[0]  # a copy on a node that died, of the same bytes (same checksum)
-            await meta.commit([(chunk.key, Location("ghost", 3, live.tier, live.nbytes, live.checksum))])
-            found = await meta.lookup_live([chunk.key], {live.node_id: live.epoch}, prefix=True, copies=True)
+            await meta.index.commit([(chunk.key, Location("ghost", 3, live.tier, live.nbytes, live.checksum))])
+            found = await meta.lookup.lookup_live([chunk.key], {live.node_id: live.epoch}, prefix=True, copies=True)
             assert found.hits == [True] and found.copies == [[live]]
-            return (await meta.lookup([chunk.key]))[0]
+            return (await meta.index.lookup([chunk.key]))[0]
         finally:
             await meta.close()
 
@@ -190,11 +190,11 @@ async def test_a_lookup_longer_than_one_script_call_is_one_pipeline_and_survives
     meta = MetadataStore(redis_server.url, namespace)
     keys = [f"long/{i}" for i in range(2500)]
     try:
-        await meta.commit([(key, _loc("n1", 1, i)) for i, key in enumerate(keys) if i != 1700])
-        await (await meta.raw()).script_flush()  # as a Redis restarted empty would
-        found = await meta.lookup_live(keys, {"n1": 1}, prefix=True, copies=True)
+        await meta.index.commit([(key, _loc("n1", 1, i)) for i, key in enumerate(keys) if i != 1700])
+        await meta.connection.redis.script_flush()  # as a Redis restarted empty would
+        found = await meta.lookup.lookup_live(keys, {"n1": 1}, prefix=True, copies=True)
         assert found.prefix == 1700 and len(found.hits) == 1701  # batches of 1,000 keys, combined
         assert [entry[0].checksum for entry in found.copies[:1700]] == list(range(1700))
-        assert sum((await meta.lookup_live(keys, {"n1": 1}, prefix=False, copies=False)).hits) == 2499
+        assert sum((await meta.lookup.lookup_live(keys, {"n1": 1}, prefix=False, copies=False)).hits) == 2499
     finally:
         await meta.close()

@@ -35,8 +35,10 @@ def test_a_lookup_of_1000_keys_is_one_redis_round_trip(redis_server: EmbeddedRed
     async def commit() -> None:
         store = MetadataStore(redis_server.url, namespace)
         try:
-            await store.commit([(key, Location("n1", 1, "dram", 4096, i)) for i, key in enumerate(KEYS[:500])])
-            await store.heartbeat(NodeInfo("n1", "127.0.0.1", 1, 1), ttl_ms=60_000)  # n1 is alive: no stale entries
+            await store.index.commit([(key, Location("n1", 1, "dram", 4096, i)) for i, key in enumerate(KEYS[:500])])
+            await store.registry.heartbeat(
+                NodeInfo("n1", "127.0.0.1", 1, 1), ttl_ms=60_000
+            )  # n1 is alive: no stale entries
         finally:
             await store.close()
 
@@ -56,8 +58,8 @@ def test_a_lookup_of_1000_keys_is_one_redis_round_trip(redis_server: EmbeddedRed
                 costs[name] = (after[0] - before[0], after[1] - before[1], after[2] - before[2])
 
             try:
-                await store.ping()  # connected: only the lookup is counted
-                entries = await store.lookup(KEYS[:500])  # the full read kvpool check/delete use: HGETALL per key
+                await store.connection.ping()  # connected: only the lookup is counted
+                entries = await store.index.lookup(KEYS[:500])  # the full read kvpool check/delete use: HGETALL per key
                 assert [e[0].checksum for e in entries] == list(range(500))
                 await client.nodes(refresh=True)  # the registry read: not part of a lookup
                 await client.hit_prefix(KEYS[:1])  # the script is loaded once per Redis
@@ -97,21 +99,21 @@ def test_a_registry_refresh_is_one_command_while_nothing_changed_and_reads_only_
 
         try:
             for i in range(50):
-                await store.heartbeat(node(i), ttl_ms=60_000, changed=True)
+                await store.registry.heartbeat(node(i), ttl_ms=60_000, changed=True)
             assert len(await client.nodes(refresh=True)) == 50  # a full read: HGETALL and 50 heartbeats
             assert await requests(client.registry.refresh()) == 1  # nothing changed: one EVALSHA
             assert await requests(client.registry.refresh()) == 1
 
-            await store.deregister("n07")  # a node leaves
+            await store.registry.deregister("n07")  # a node leaves
             # the log, then only n07's entry: its record, the draining set, its slot and its beat
             assert await requests(client.registry.refresh()) <= 5
             assert "n07" not in {n.node_id for n in client.registry.known()}
 
-            await store.heartbeat(node(3, used=550), ttl_ms=60_000, changed=True)  # its load moved a tenth
+            await store.registry.heartbeat(node(3, used=550), ttl_ms=60_000, changed=True)  # its load moved a tenth
             assert await requests(client.registry.refresh()) <= 5
             assert client.registry.node("n03").used_bytes == 550  # type: ignore[union-attr]
 
-            await store.heartbeat(node(9), ttl_ms=200)  # its next beat never comes
+            await store.registry.heartbeat(node(9), ttl_ms=200)  # its next beat never comes
             await asyncio.sleep(0.4)
             await client.registry.refresh()  # no heartbeat collected it yet: the view drops it anyway
             assert "n09" not in {n.node_id for n in client.registry.known()}
@@ -130,12 +132,12 @@ def test_a_namespace_lost_in_redis_makes_clients_read_the_registry_again(redis_s
         store = MetadataStore(redis_server.url, namespace)
         client = PoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{redis_server.port}/{namespace}"))
         try:
-            await store.ensure_marker()
-            await store.heartbeat(NodeInfo("a", "127.0.0.1", 1, 1), ttl_ms=60_000, changed=True)
+            await store.registry.ensure_marker()
+            await store.registry.heartbeat(NodeInfo("a", "127.0.0.1", 1, 1), ttl_ms=60_000, changed=True)
             assert [n.node_id for n in await client.nodes(refresh=True)] == ["a"]
-            await store.flush_namespace()  # Redis restarted empty, or was flushed
-            await store.ensure_marker()  # a new generation; versions count from 1 again
-            await store.heartbeat(NodeInfo("b", "127.0.0.1", 2, 1), ttl_ms=60_000, changed=True)
+            await store.index.flush_namespace()  # Redis restarted empty, or was flushed
+            await store.registry.ensure_marker()  # a new generation; versions count from 1 again
+            await store.registry.heartbeat(NodeInfo("b", "127.0.0.1", 2, 1), ttl_ms=60_000, changed=True)
             await client.registry.refresh()
             assert [n.node_id for n in client.registry.known()] == ["b"]
         finally:
@@ -152,15 +154,15 @@ def test_an_index_commit_and_a_removal_are_one_redis_round_trip_each(redis_serve
         async def run() -> tuple[int, int]:
             store = MetadataStore(f"redis://127.0.0.1:{proxy.port}/0", namespace)
             try:
-                await store.commit([(KEYS[8], Location("n1", 1, "dram", 4096, 0))])  # scripts loaded, connected
+                await store.index.commit([(KEYS[8], Location("n1", 1, "dram", 4096, 0))])  # scripts loaded, connected
                 before = proxy.counts()["round_trips"]
-                await store.commit([(key, Location("n1", 1, "dram", 4096, i)) for i, key in enumerate(KEYS[:8])])
+                await store.index.commit([(key, Location("n1", 1, "dram", 4096, i)) for i, key in enumerate(KEYS[:8])])
                 committed = proxy.counts()["round_trips"] - before
                 before = proxy.counts()["round_trips"]
-                await store.remove("n1", 1, KEYS[:8])
+                await store.index.remove("n1", 1, KEYS[:8])
                 removed = proxy.counts()["round_trips"] - before
                 info.script_flush()  # Redis lost the scripts (restart, flush): loaded again, the commit lands
-                await store.commit([(KEYS[9], Location("n1", 1, "dram", 4096, 0))])
+                await store.index.commit([(KEYS[9], Location("n1", 1, "dram", 4096, 0))])
                 return committed, removed
             finally:
                 await store.close()
@@ -179,12 +181,12 @@ def test_a_heartbeat_is_one_redis_round_trip_and_survives_a_script_flush(redis_s
         async def run() -> int:
             store = MetadataStore(f"redis://127.0.0.1:{proxy.port}/0", namespace)
             try:
-                await store.heartbeat(node, ttl_ms=60_000, changed=True)  # scripts loaded, connected
+                await store.registry.heartbeat(node, ttl_ms=60_000, changed=True)  # scripts loaded, connected
                 before = proxy.counts()["round_trips"]
-                await store.heartbeat(node, ttl_ms=60_000)
+                await store.registry.heartbeat(node, ttl_ms=60_000)
                 beat = proxy.counts()["round_trips"] - before
                 info.script_flush()  # Redis lost the scripts: loaded again, the beat lands
-                await store.heartbeat(node, ttl_ms=60_000)
+                await store.registry.heartbeat(node, ttl_ms=60_000)
                 return beat
             finally:
                 await store.close()

@@ -57,7 +57,7 @@ async def _node_info(client: PoolClient, node_id: str):
 # -- rendezvous -------------------------------------------------------------------------------
 async def test_an_offer_is_taken_once_and_only_by_its_target(redis_server, namespace):
     store = MetadataStore(redis_server.url, namespace)
-    rdv = Rendezvous(store)
+    rdv = Rendezvous(store.rendezvous)
     try:
         offer = Offer(new_session(), "cpu", b"\x01\x02", "client-1", "node-1", CLUSTER)
         await rdv.publish(offer)
@@ -88,27 +88,27 @@ async def test_an_untaken_offer_expires_in_redis(redis_server, namespace):
     store = MetadataStore(redis_server.url, namespace)
     try:
         offer = Offer(new_session(), "cpu", b"id", "client-1", "node-1", CLUSTER)
-        await Rendezvous(store, ttl_ms=100).publish(offer)
-        redis = await store.raw()
-        assert 0 < await redis.pttl(store.rendezvous_key(offer.session)) <= 100
+        await Rendezvous(store.rendezvous, ttl_ms=100).publish(offer)
+        redis = store.connection.redis
+        assert 0 < await redis.pttl(store.rendezvous.rendezvous_key(offer.session)) <= 100
         for _ in range(100):  # bounded: at most ~5 s
-            if not await redis.exists(store.rendezvous_key(offer.session)):
+            if not await redis.exists(store.rendezvous.rendezvous_key(offer.session)):
                 break
             await asyncio.sleep(0.05)
-        assert not await redis.exists(store.rendezvous_key(offer.session))
+        assert not await redis.exists(store.rendezvous.rendezvous_key(offer.session))
     finally:
         await store.close()
 
 
 async def test_cpu_transport_pairs_two_ends_from_the_published_id_alone(redis_server, namespace):
     store = MetadataStore(redis_server.url, namespace)
-    server = ChannelServer(CpuTransport(), Rendezvous(store), "node-x", CLUSTER, timeout_s=5.0)
+    server = ChannelServer(CpuTransport(), Rendezvous(store.rendezvous), "node-x", CLUSTER, timeout_s=5.0)
     transport = CpuTransport()
     unique_id, state = transport.prepare()
     try:
         session = new_session()
         offer = Offer(session, "cpu", unique_id, "client-x", "node-x", CLUSTER)
-        await Rendezvous(store).publish(offer)
+        await Rendezvous(store.rendezvous).publish(offer)
         await server.start_join(session, offer.digest())
         link, _ = await asyncio.gather(
             asyncio.to_thread(transport.join, unique_id, 0, state, 5.0), server.join(session)

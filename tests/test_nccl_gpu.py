@@ -184,7 +184,7 @@ PAIR_WORKER = textwrap.dedent("""
 
     async def main():
         store = MetadataStore(redis_url, namespace)
-        rdv = Rendezvous(store)
+        rdv = Rendezvous(store.rendezvous)
         if rank == 0:
             uid, state = transport.prepare()
             await rdv.publish(Offer(session, "nccl", uid, "rank0", "rank1", "c"))

@@ -82,7 +82,7 @@ async def test_a_restarted_node_serves_while_it_recovers_and_what_it_did_meanwhi
     old_tmp.write_bytes(b"torn")
     os.utime(old_tmp, (time.time() - 3600, time.time() - 3600))
     store = MetadataStore(redis_server.url, namespace)  # what the earlier run published is still there
-    await store.commit([(k, Location(NODE_ID, OLD_EPOCH, "nvme", 64, checksum(v))) for k, v in stored.items()])
+    await store.index.commit([(k, Location(NODE_ID, OLD_EPOCH, "nvme", 64, checksum(v))) for k, v in stored.items()])
     held = HeldBack(monkeypatch)
     config = NodeConfig(
         redis_url=redis_server.url, namespace=namespace, dram_bytes=4 << 20, nvme_dir=root, nvme_bytes=64 << 20
@@ -111,7 +111,7 @@ async def test_a_restarted_node_serves_while_it_recovers_and_what_it_did_meanwhi
             everything = [k for k in stored if k not in (replaced, deleted)]
             got = await client.get(everything)
             assert all(g is not None and bytes(g.data) == stored[k] for k, g in zip(everything, got, strict=True))
-        entries = await store.lookup([replaced, untouched])
+        entries = await store.index.lookup([replaced, untouched])
         assert [(loc.epoch, loc.checksum) for loc in entries[0]] == [(node.epoch, checksum(b"newer bytes of this run"))]
         assert [loc.epoch for loc in entries[1]] == [node.epoch]
         assert not chunk_path(root, deleted).exists() and not chunk_path(root, replaced).exists()  # the older files

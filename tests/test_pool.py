@@ -76,7 +76,7 @@ def test_lru_eviction_removes_the_index_entries_it_evicts(node_factory, pool_url
     async def index_size() -> int:
         meta = MetadataStore(redis_server.url, namespace)
         try:
-            return len([k async for k in meta.scan_keys()])
+            return len([k async for k in meta.index.scan_keys()])
         finally:
             await meta.close()
 

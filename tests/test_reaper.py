@@ -18,14 +18,14 @@ MOST_STEPS = 4  # a walk of 20,000 keys takes 0.1-0.2 s here; one page per step 
 
 
 async def _beat(store: MetadataStore, node_id: str, epoch: int, ttl_ms: int = TTL_MS) -> None:
-    await store.heartbeat(NodeInfo(node_id, "127.0.0.1", 1, epoch), ttl_ms=ttl_ms, changed=True)
+    await store.registry.heartbeat(NodeInfo(node_id, "127.0.0.1", 1, epoch), ttl_ms=ttl_ms, changed=True)
 
 
 async def _fields(store: MetadataStore, node_id: str) -> dict[int, int]:
     """Epoch -> how many of KEYS have a copy of ``node_id`` written under it."""
     out: dict[int, int] = {}
     for start in range(0, len(KEYS), 1000):
-        for entry in await store.lookup(KEYS[start : start + 1000]):
+        for entry in await store.index.lookup(KEYS[start : start + 1000]):
             for loc in entry:
                 if loc.node_id == node_id:
                     out[loc.epoch] = out.get(loc.epoch, 0) + 1
@@ -45,7 +45,7 @@ async def test_a_restarted_nodes_ended_run_and_a_dead_nodes_fields_go_in_a_few_s
     try:
         await _beat(store, "a", 1)
         await _beat(store, "b", 1)
-        await store.commit([(k, Location("b", 1, "dram", 10, i)) for i, k in enumerate(KEYS)])
+        await store.index.commit([(k, Location("b", 1, "dram", 10, i)) for i, k in enumerate(KEYS)])
         reaper = DeadNodeReaper(store, "a", grace_s=0.0)
         await _steps_until(reaper, lambda: _true())  # the first walk, which covers the pool as it is
         while reaper.counters["collector_sweeps"] == 0:
@@ -53,20 +53,22 @@ async def test_a_restarted_nodes_ended_run_and_a_dead_nodes_fields_go_in_a_few_s
         assert await _fields(store, "b") == {1: len(KEYS)}  # nothing to remove yet
 
         # b restarts (epoch 2) and republishes half; its first run's other half died with it.
-        await (await store.raw()).delete(store.heartbeat_key("b"))  # its first run's claim ended
+        await store.connection.redis.delete(store.connection.heartbeat_key("b"))  # its first run's claim ended
         await _beat(store, "b", 2)
-        await store.commit([(k, Location("b", 2, "dram", 10, i)) for i, k in enumerate(KEYS[: len(KEYS) // 2])])
+        await store.index.commit([(k, Location("b", 2, "dram", 10, i)) for i, k in enumerate(KEYS[: len(KEYS) // 2])])
         steps = await _steps_until(reaper, lambda: _no_epoch(store, "b", 1))
         assert steps <= MOST_STEPS, steps
         assert await _fields(store, "b") == {2: len(KEYS) // 2}
 
         # b dies: its beat lapses; with no grace, its fields go at the reaper's next steps.
-        await (await store.raw()).delete(store.heartbeat_key("b"))
+        await store.connection.redis.delete(store.connection.heartbeat_key("b"))
         steps = await _steps_until(reaper, lambda: _none_of(store, "b"))
         assert steps <= MOST_STEPS, steps
         assert reaper.counters["collected_index_fields"] == len(KEYS)
         assert reaper.counters["collected_nodes"] == 1
-        assert await store.slot_map() == {"a": store.slots.slot_of("a")}  # b's slot taken back with it
+        assert await store.connection.slot_map() == {
+            "a": store.connection.slots.slot_of("a")
+        }  # b's slot taken back with it
     finally:
         await store.close()
 
@@ -76,7 +78,7 @@ async def test_with_nothing_to_collect_a_step_reads_one_page(redis_server, names
     store = MetadataStore(redis_server.url, namespace)
     try:
         await _beat(store, "a", 1)
-        await store.commit([(k, Location("a", 1, "dram", 10, i)) for i, k in enumerate(KEYS)])
+        await store.index.commit([(k, Location("a", 1, "dram", 10, i)) for i, k in enumerate(KEYS)])
         reaper = DeadNodeReaper(store, "a", grace_s=0.0)
         while reaper.counters["collector_sweeps"] == 0:  # the first walk after taking over runs whole
             await reaper.step()

@@ -106,7 +106,7 @@ def test_a_cluster_of_one_primary_runs_a_node_and_reads_its_version_and_memory(
 
     async def read() -> tuple[str, int]:
         try:
-            return await store.check_version(), (await store.memory()).used_bytes
+            return await store.connection.check_version(), (await store.connection.memory()).used_bytes
         finally:
             await store.close()
 
@@ -245,14 +245,14 @@ async def test_metadata_calls_to_a_cluster_recover_from_scripts_lost_on_every_sh
     store = MetadataStore(f"redis+cluster://127.0.0.1:{redis_cluster[2]}", namespace)
     try:
         keys = [f"s{i}" for i in range(50)]
-        await store.commit([(k, Location("n1", 1, "dram", 10, 5)) for k in keys])
+        await store.index.commit([(k, Location("n1", 1, "dram", 10, 5)) for k in keys])
         for port in redis_cluster:
             _cli(port, "SCRIPT", "FLUSH")  # as a shard restarted empty would
-        await store.remove("n1", 1, keys[:20])
-        entries = await store.lookup(keys)
+        await store.index.remove("n1", 1, keys[:20])
+        entries = await store.index.lookup(keys)
         assert [bool(e) for e in entries] == [False] * 20 + [True] * 30
-        assert await store.flush_namespace() >= 30
-        assert [k async for k in store.scan_keys()] == []
+        assert await store.index.flush_namespace() >= 30
+        assert [k async for k in store.index.scan_keys()] == []
     finally:
         await store.close()
 
@@ -304,7 +304,7 @@ def test_bench_redis_commands_counts_one_hgetall_per_key_on_both_topologies():
 async def _walk(store: MetadataStore, match: str) -> list[str]:
     cursor, seen, steps = 0, [], 0
     while True:
-        cursor, found = await store.scan_step(cursor, match, count=10)
+        cursor, found = await store.index.scan_step(cursor, match, count=10)
         seen.extend(found)
         steps += 1
         if cursor == 0:
@@ -322,11 +322,11 @@ async def test_scan_steps_walk_every_key_once_across_every_cluster_primary(redis
         store = MetadataStore(url, namespace)
         try:
             keys = [f"mp:w{i}" for i in range(250)]
-            await store.commit([(k, Location("n1", 1, "dram", 10, 5)) for k in [*keys, "other"]])
+            await store.index.commit([(k, Location("n1", 1, "dram", 10, 5)) for k in [*keys, "other"]])
             walked = await _walk(store, "mp:*")
             assert sorted(walked) == sorted(keys), url  # each key once, none from another pattern
         finally:
-            await store.flush_namespace()
+            await store.index.flush_namespace()
             await store.close()
 
 
@@ -436,16 +436,16 @@ async def test_scans_of_a_hung_redis_fail_within_the_timeout_instead_of_retrying
     redis_factory.append(redis)
     store = MetadataStore(redis.url, namespace, timeout_s=1.0)
     try:
-        await store.commit([(f"scan@{i}", Location("n", 1, "dram", 1, i)) for i in range(50)])
-        assert len([key async for key in store.scan_keys()]) == 50
+        await store.index.commit([(f"scan@{i}", Location("n", 1, "dram", 1, i)) for i in range(50)])
+        assert len([key async for key in store.index.scan_keys()]) == 50
         assert redis.process is not None
         redis.process.send_signal(signal.SIGSTOP)  # accepts connections, never answers
 
         async def scan_all() -> list[str]:
-            return [key async for key in store.scan_keys()]
+            return [key async for key in store.index.scan_keys()]
 
         try:
-            for name, call in (("scan_keys", scan_all), ("flush_namespace", store.flush_namespace)):
+            for name, call in (("scan_keys", scan_all), ("flush_namespace", store.index.flush_namespace)):
                 started = time.monotonic()
                 # The first call times out; the next fails at once (the breaker is open since then).
                 with pytest.raises(
@@ -473,13 +473,13 @@ async def test_lookups_on_a_cluster_give_the_answers_one_redis_gives(redis_clust
     try:
         answers = []
         for store in stores:
-            await store.commit(locations)
-            for port in redis_cluster if store.is_cluster else []:
+            await store.index.commit(locations)
+            for port in redis_cluster if store.connection.is_cluster else []:
                 _cli(port, "SCRIPT", "FLUSH")  # as a shard restarted empty would: reloaded, not a miss
             found = []
             for prefix in (True, False):
                 for copies in (True, False):
-                    got = await store.lookup_live(keys, {"n1": 3}, prefix=prefix, copies=copies)
+                    got = await store.lookup.lookup_live(keys, {"n1": 3}, prefix=prefix, copies=copies)
                     found.append((got.hits, got.copies, sorted((i, loc.node_id, loc.epoch) for i, loc in got.others)))
             answers.append(found)
         cluster, single = answers
@@ -492,7 +492,7 @@ async def test_lookups_on_a_cluster_give_the_answers_one_redis_gives(redis_clust
         assert cluster[2][2] == [(7, "ghost", 1), (250, "n1", 2)]
         assert all(_index_keys_on(port, namespace) > 50 for port in redis_cluster)  # every primary was asked
 
-        await stores[0].heartbeat(NodeInfo("n1", "127.0.0.1", 1, 3), ttl_ms=60_000, changed=True)
+        await stores[0].registry.heartbeat(NodeInfo("n1", "127.0.0.1", 1, 3), ttl_ms=60_000, changed=True)
         client = PoolClient(
             PoolConfig.from_url(f"kvpool://127.0.0.1:{redis_cluster[1]}/{namespace}?redis_mode=cluster")
         )
@@ -518,29 +518,31 @@ async def test_a_sweep_walks_every_primary_and_removes_dead_and_ended_runs_field
     for url in (f"redis+cluster://127.0.0.1:{redis_cluster[0]}", redis_server.url):
         store = MetadataStore(url, namespace)
         try:
-            await store.commit([(k, Location("live", 5, "dram", 10, i)) for i, k in enumerate(keys)])
-            await store.commit([(k, Location("dead", 2, "dram", 10, i)) for i, k in enumerate(keys)])
-            await store.commit([(k, Location("restarted", 3, "dram", 10, i)) for i, k in enumerate(keys[:300])])
-            await store.commit([(k, Location("restarted", 4, "dram", 10, i)) for i, k in enumerate(keys[300:], 300)])
-            await store.commit([(keys[0], Location("stranger", 1, "dram", 10, 0))])
-            slot = {n: store.slots.slot_of(n) for n in ("live", "dead", "restarted", "stranger")}
+            await store.index.commit([(k, Location("live", 5, "dram", 10, i)) for i, k in enumerate(keys)])
+            await store.index.commit([(k, Location("dead", 2, "dram", 10, i)) for i, k in enumerate(keys)])
+            await store.index.commit([(k, Location("restarted", 3, "dram", 10, i)) for i, k in enumerate(keys[:300])])
+            await store.index.commit(
+                [(k, Location("restarted", 4, "dram", 10, i)) for i, k in enumerate(keys[300:], 300)]
+            )
+            await store.index.commit([(keys[0], Location("stranger", 1, "dram", 10, 0))])
+            slot = {n: store.connection.slots.slot_of(n) for n in ("live", "dead", "restarted", "stranger")}
             live = {slot["live"]: 5, slot["restarted"]: 4}
             cursor, read, removed, unknown, calls = 0, 0, 0, set(), 0
             while True:
-                page = await store.sweep_step(cursor, live, {slot["dead"]}, count=100)
+                page = await store.index.sweep_step(cursor, live, {slot["dead"]}, count=100)
                 cursor, read, removed, calls = page.cursor, read + page.keys, removed + page.removed, calls + 1
                 unknown |= page.unknown
                 if cursor == 0:
                     break
             assert read == 600 and removed == 600 + 300 and unknown == {slot["stranger"]}
             assert calls >= 6  # pages, not one call over everything
-            entries = await store.lookup(keys)
+            entries = await store.index.lookup(keys)
             assert sorted(loc.node_id for loc in entries[0]) == ["live", "stranger"]  # a slot no one is told of stays
             assert all(
                 sorted((loc.node_id, loc.epoch) for loc in e) == [("live", 5), ("restarted", 4)] for e in entries[300:]
             )
             assert all([loc.node_id for loc in e] == ["live"] for e in entries[1:300])
-            if store.is_cluster:
+            if store.connection.is_cluster:
                 assert all(_index_keys_on(port, namespace) > 100 for port in redis_cluster)  # every primary held some
         finally:
             await store.close()

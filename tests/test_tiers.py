@@ -44,7 +44,7 @@ def _index(redis_url: str, namespace: str, keys: list[str]) -> list[list]:
     async def lookup() -> list[list]:
         store = MetadataStore(redis_url, namespace)
         try:
-            return await store.lookup(keys)
+            return await store.index.lookup(keys)
         finally:
             await store.close()
 

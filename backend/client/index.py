@@ -43,68 +43,68 @@ class PoolIndex:
     # -- reads ------------------------------------------------------------------------
     async def ping(self) -> float:
         """Redis round trip in ms."""
-        return await self._store.ping()
+        return await self._store.connection.ping()
 
     async def memory(self) -> RedisMemory:
         """Redis's memory use and limit (``INFO memory``): whether it is full and refuses writes."""
-        return await self._store.memory()
+        return await self._store.connection.memory()
 
     async def facts(self) -> RedisFacts:
         """Redis's version and clock."""
-        return await self._store.facts()
+        return await self._store.connection.facts()
 
     async def nodes(self) -> list[NodeInfo]:
         """Every registered node, alive or not (``NodeInfo.alive`` says which)."""
-        return await self._store.nodes()
+        return await self._store.registry.nodes()
 
     async def live_namespaces(self) -> LiveNamespaces:
         """The namespaces of this Redis that have live nodes (this one too), found within a bounded walk."""
-        return await self._store.live_namespaces()
+        return await self._store.registry.live_namespaces()
 
     async def lookup(self, keys: Sequence[str]) -> list[IndexEntry]:
         """Every recorded location of every key, in one pipelined round trip."""
-        return await self._store.lookup(keys)
+        return await self._store.index.lookup(keys)
 
     def scan_entries(self, match: str = "*", batch: int = LOOKUP_BATCH) -> AsyncIterator[list[tuple[str, IndexEntry]]]:
         """``(key, locations)`` in batches of at most ``batch``; ``match`` is a glob on the pool key."""
-        return self._store.scan_entries(match, batch)
+        return self._store.index.scan_entries(match, batch)
 
     def scan_key_batches(self, match: str = "*", batch: int = LOOKUP_BATCH) -> AsyncIterator[list[str]]:
         """Pool keys in lists of at most ``batch``."""
-        return self._store.scan_key_batches(match, batch)
+        return self._store.index.scan_key_batches(match, batch)
 
     async def scan_step(self, cursor: int, match: str = "*", count: int = 1000) -> tuple[int, list[str]]:
         """One SCAN step: ``(next cursor, keys)``; the cursor is 0 at the start and at the end."""
-        return await self._store.scan_step(cursor, match, count)
+        return await self._store.index.scan_step(cursor, match, count)
 
     async def legacy_entries(self, *, remove: bool = False) -> int:
         """How many index keys of the release before this schema remain (``remove``: deleted, page by page)."""
-        return await self._store.legacy_entries(remove=remove)
+        return await self._store.index.legacy_entries(remove=remove)
 
     # -- repairs (kvpool drain / check / flush / evict) ----------------------------------
     async def delete(self, keys: Sequence[str]) -> int:
         """Remove index entries outright; returns how many existed. Bytes stay until evicted."""
-        return await self._store.delete(keys)
+        return await self._store.index.delete(keys)
 
     async def commit(self, locations: Sequence[tuple[str, Location]]) -> None:
         """Record locations (``kvpool check --fix`` indexes valid bytes nobody could find)."""
-        await self._store.commit(locations)
+        await self._store.index.commit(locations)
 
     async def remove_stale(self, stale: Sequence[tuple[str, Location]]) -> None:
         """Drop exactly these locations, unless they changed since they were read."""
-        await self._store.remove_stale(stale)
+        await self._store.index.remove_stale(stale)
 
     async def set_draining(self, node_id: str, draining: bool) -> bool:
         """Mark a node as draining (placement skips it) or not; whether the mark changed."""
-        return await self._store.set_draining(node_id, draining)
+        return await self._store.registry.set_draining(node_id, draining)
 
     async def forget_node(self, node_id: str) -> None:
         """Drop a dead node's registry record."""
-        await self._store.forget_node(node_id)
+        await self._store.registry.forget_node(node_id)
 
     # -- channel rendezvous (nccl_channel.rendezvous.RendezvousStore) -------------------
     async def offer_rendezvous(self, session: str, value: str, ttl_ms: int) -> None:
-        await self._store.offer_rendezvous(session, value, ttl_ms)
+        await self._store.rendezvous.offer_rendezvous(session, value, ttl_ms)
 
     async def take_rendezvous(self, session: str) -> str | None:
-        return await self._store.take_rendezvous(session)
+        return await self._store.rendezvous.take_rendezvous(session)

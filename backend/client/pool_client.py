@@ -156,8 +156,8 @@ class PoolClient:
     async def delete(self, keys: Sequence[str]) -> int:
         """Remove keys everywhere: index first (so nobody reads them), then the bytes."""
         _check_keys(keys)
-        entries = await self._store.lookup(keys)
-        existed = await self._store.delete(keys)
+        entries = await self._store.index.lookup(keys)
+        existed = await self._store.index.delete(keys)
         holders: dict[str, list[str]] = defaultdict(list)
         for key, entry in zip(keys, entries):
             for loc in entry:
@@ -188,7 +188,7 @@ class PoolClient:
         return [o.handle if isinstance(o, Hit) else None for o in outcomes]
 
     async def list_keys(self, match: str = "*") -> list[str]:
-        return [key async for key in self._store.scan_keys(match)]
+        return [key async for key in self._store.index.scan_keys(match)]
 
     async def node_stats(self, node: NodeInfo) -> dict[str, Any]:
         """One node's STAT answer as JSON (``node_admin.stats`` has it typed)."""
@@ -196,7 +196,7 @@ class PoolClient:
 
     async def ping(self) -> float:
         """Redis round trip in ms; raises MetadataError if Redis is unreachable."""
-        return await self._store.ping()
+        return await self._store.connection.ping()
 
     async def close(self) -> None:
         """Close every connection; returns promptly even with nodes or Redis down."""

@@ -68,13 +68,15 @@ class RegistryView:
 
     async def refresh(self, full: bool = False) -> None:
         """Bring the view up to date: the nodes changed since it was read, or (``full``) all of them."""
-        version, marker, changed = await self.store.registry_changes(0 if full else self._version, self._marker)
+        version, marker, changed = await self.store.registry.registry_changes(
+            0 if full else self._version, self._marker
+        )
         if changed is None:
-            nodes = {n.node_id: n for n in await self.store.nodes() if n.alive}
+            nodes = {n.node_id: n for n in await self.store.registry.nodes() if n.alive}
         else:  # a node the view lacks and that expired anyway needs no read
             changed = [nid for nid in changed if nid in self._nodes or version != self._version]
             nodes = {nid: n for nid, n in self._nodes.items() if nid not in changed}
-            nodes.update({n.node_id: n for n in await self.store.nodes(only=changed) if n.alive})
+            nodes.update({n.node_id: n for n in await self.store.registry.nodes(only=changed) if n.alive})
         self._nodes, self._version, self._marker = nodes, version, marker
         self._epochs = {n.node_id: n.epoch for n in nodes.values()}
         self._by_slot = {n.slot: n for n in nodes.values() if n.slot}
@@ -169,7 +171,7 @@ class Locator:
         return (await self.find(keys, prefix=True, copies=False)).prefix
 
     async def find(self, keys: Sequence[str], *, prefix: bool, copies: bool) -> LiveCopies:
-        """Read ``keys`` against the live view (``MetadataStore.lookup_live``); copies outside it are cleaned later.
+        """Read ``keys`` against the live view (``LiveLookup.lookup_live``); copies outside it are cleaned later.
 
         A copy on a node epoch the view does not hold, found while the view is older than
         ``FRESH_VIEW_S``, may be a node that just (re)started: the view is re-read and, if
@@ -197,7 +199,7 @@ class Locator:
 
     async def _lookup(self, keys: Sequence[str], prefix: bool, copies: bool) -> LiveCopies:
         """One lookup against the nodes that are up; a copy on a node marked down is neither a hit nor stale."""
-        found = await self.store.lookup_live(keys, self.registry.epochs_up(), prefix=prefix, copies=copies)
+        found = await self.store.lookup.lookup_live(keys, self.registry.epochs_up(), prefix=prefix, copies=copies)
         if found.others and self.registry.health.any_down():
             found = dataclasses.replace(found, others=[o for o in found.others if not self.registry.down(o[1])])
         return found
@@ -217,4 +219,4 @@ class Locator:
                 await self.registry.refresh()
                 stale = [(key, loc) for key, loc in stale if not self.registry.alive(loc)]
             self.ctx.counters["stale_entries"] += len(stale)
-            await self.store.remove_stale(stale)
+            await self.store.index.remove_stale(stale)

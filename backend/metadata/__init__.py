@@ -1,4 +1,11 @@
-"""The Redis metadata layer: key schema, node registry, index, Lua scripts.
+"""The Redis metadata layer: key schema, node registry, index, lookup, rendezvous, Lua scripts.
+
+:class:`MetadataStore` holds four separate parts over one :class:`~backend.metadata.connection.RedisConnection`
+(the client, key names, deadlines and breaker, shared by composition): ``store.registry``
+(:class:`NodeRegistry`: nodes, epochs, claims, heartbeats), ``store.index`` (:class:`KeyIndex`: which
+node holds which key), ``store.lookup`` (:class:`LiveLookup`: the per-request read) and
+``store.rendezvous`` (:class:`Rendezvous`: the channel's pairing offers); ``store.connection`` answers
+for Redis itself (ping, version, memory). A node's parts get :class:`NodeMetadata`, what they use of two.
 
 Redis holds metadata only -- which key lives on which node and tier, node liveness,
 epochs. Bytes never pass through it, and it can be rebuilt: a node that finds the
@@ -47,6 +54,8 @@ is down, paused or failing over costs at most that long, then raises MetadataErr
 """
 
 from backend.metadata.connection import RedisFullError, RedisSlowError
+from backend.metadata.index import KeyIndex
+from backend.metadata.lookup import LiveLookup
 from backend.metadata.records import (
     MIN_REDIS_VERSION,
     Beat,
@@ -62,8 +71,10 @@ from backend.metadata.records import (
     RedisMemory,
     SweepPage,
 )
+from backend.metadata.registry import NodeRegistry
+from backend.metadata.rendezvous import Rendezvous
 from backend.metadata.scripts import COMMIT_LUA, LOOKUP_BATCH, SWEEP_PAGE
-from backend.metadata.store import MetadataStore
+from backend.metadata.store import MetadataStore, NodeMetadata
 
 __all__ = [
     "Beat",
@@ -71,18 +82,23 @@ __all__ = [
     "ClaimHeld",
     "ClaimHolder",
     "IndexEntry",
+    "KeyIndex",
     "LOOKUP_BATCH",
     "LiveCopies",
+    "LiveLookup",
     "LiveNamespaces",
     "Location",
     "MIN_REDIS_VERSION",
     "MetadataStore",
+    "NodeMetadata",
     "NodeInfo",
+    "NodeRegistry",
     "NodeSlots",
     "RedisFacts",
     "RedisFullError",
     "RedisMemory",
     "RedisSlowError",
+    "Rendezvous",
     "SWEEP_PAGE",
     "SweepPage",
 ]

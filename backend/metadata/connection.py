@@ -1,7 +1,7 @@
 """RedisConnection: one namespace's Redis client, its key names, scripts and deadlines.
 
-The registry (``registry.py``) and the index (``index.py``) build on it; every call
-goes through ``_call``, which turns Redis errors into MetadataError and bounds the
+The registry (``registry.py``), the index (``index.py``), the lookup (``lookup.py``) and the
+rendezvous (``rendezvous.py``) each hold one and share it; every call goes through ``call``, which turns Redis errors into MetadataError and bounds the
 call by ``timeout_s`` (or a shorter deadline its caller owes someone else). Two kinds of
 trouble are named, so that logs and answers say what is wrong rather than "dead":
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from redis import exceptions as redis_exceptions
@@ -24,26 +24,13 @@ from redis import exceptions as redis_exceptions
 from backend.errors import MetadataError, RedisAuthError, RedisFullError, RedisSlowError
 from backend.metadata.breaker import RedisBreaker
 from backend.metadata.records import MIN_REDIS_VERSION, NodeSlots, RedisFacts, RedisMemory, redis_version_key
-from backend.metadata.scripts import (
-    BEAT_LUA,
-    CHANGE_LUA,
-    CHANGES_LUA,
-    CLAIM_LUA,
-    COMMIT_LUA,
-    DEREGISTER_LUA,
-    EPOCH_FLOOR_LUA,
-    FORGET_LUA,
-    FORGET_SLOT_LUA,
-    GIVE_SLOT_LUA,
-    MOVE_LUA,
-    REMOVE_EXACT_LUA,
-    REMOVE_LUA,
-    SWEEP_LUA,
-)
+from backend.metadata.scripts import GIVE_SLOT_LUA
 from backend.redis_topology import CLUSTER, CLUSTER_HINT, RedisTarget, connect, mask_url
 
 __all__ = ["MIN_REDIS_VERSION", "RedisConnection", "RedisFullError", "RedisSlowError"]
 
+
+_NodeStep = Callable[[Any, int], Awaitable[tuple[int, Any]]]  # (cluster node or None, its cursor) -> (next, result)
 
 FULL_HINT = (
     "Redis is full: it refuses writes that need memory (used_memory above maxmemory, "
@@ -167,24 +154,13 @@ class RedisConnection:
         self.target = RedisTarget.parse(redis_url)
         self.timeout_s = timeout_s
         # redis.asyncio Redis or RedisCluster
-        self._redis: Any = connect(self.target, timeout_s, password=password, ca_file=ca_file)
-        self.breaker = RedisBreaker(self._redis.ping, mask_url(redis_url), timeout_s)
-        self._commit = self._redis.register_script(COMMIT_LUA)
-        self._remove = self._redis.register_script(REMOVE_LUA)
-        self._remove_exact = self._redis.register_script(REMOVE_EXACT_LUA)
-        self._move = self._redis.register_script(MOVE_LUA)
-        self._epoch_floor = self._redis.register_script(EPOCH_FLOOR_LUA)
-        self._beat = self._redis.register_script(BEAT_LUA)
-        self._claim = self._redis.register_script(CLAIM_LUA)
-        self._deregister = self._redis.register_script(DEREGISTER_LUA)
-        self._change = self._redis.register_script(CHANGE_LUA)
-        self._changes = self._redis.register_script(CHANGES_LUA)
-        self._forget = self._redis.register_script(FORGET_LUA)
-        self._sweep = self._redis.register_script(SWEEP_LUA)
-        self._give_slot = self._redis.register_script(GIVE_SLOT_LUA)
-        self._forget_slot = self._redis.register_script(FORGET_SLOT_LUA)
+        self.redis: Any = connect(self.target, timeout_s, password=password, ca_file=ca_file)
+        self.breaker = RedisBreaker(self.redis.ping, mask_url(redis_url), timeout_s)
+        self._scripts: list[Any] = []  # every script the parts registered (load_scripts loads them again)
+        self._give_slot = self.script(GIVE_SLOT_LUA)
         self.slots = NodeSlots()  # node id <-> slot, as learnt from the registry (claims, beats, reads)
         tag = "{" + namespace + "}"
+        self.tag_prefix = f"kvp:{tag}:"  # every registry key's name starts so (one Redis Cluster slot)
         self.marker_key = f"kvp:{tag}:marker"
         self.epoch_key = f"kvp:{tag}:epoch"
         self.nodes_key = nodes_key_of(namespace)
@@ -196,36 +172,25 @@ class RedisConnection:
         self._holder_prefix = f"kvp:{tag}:holder:"
         self.slots_key = f"kvp:{tag}:slots"
         self.slot_counter_key = f"kvp:{tag}:slotseq"
-        self._rendezvous_prefix = f"kvp:{tag}:rdv:"
         self._probe_key = f"kvp:{tag}:probe"  # never set: a node deletes it at start to see it may write here
         # An index key is the namespace and the pool key after a '/', which no namespace holds: no
         # other key of kvpool (nor of the release before, kvp:NS:k:{key}) starts so. No hash tag:
         # the index spreads over a cluster's slots by the whole name.
-        self._index_prefix = f"kvp:{namespace}/"
+        self.index_prefix = f"kvp:{namespace}/"
         self.legacy_index_prefix = f"kvp:{namespace}:k:"  # the release before 34's index keys (check --fix)
-        self._shard_marker_prefix = f"kvp:{namespace}:m:"
-        self._scripts = (
-            self._commit,
-            self._remove,
-            self._remove_exact,
-            self._move,
-            self._epoch_floor,
-            self._beat,
-            self._claim,
-            self._deregister,
-            self._change,
-            self._changes,
-            self._forget,
-            self._sweep,
-            self._give_slot,
-            self._forget_slot,
-        )
+        self.shard_marker_prefix = f"kvp:{namespace}:m:"
+
+    def script(self, lua: str) -> Any:
+        """Register a Lua script (no I/O); :meth:`load_scripts` loads it again when Redis lost it."""
+        registered = self.redis.register_script(lua)
+        self._scripts.append(registered)
+        return registered
 
     @property
     def is_cluster(self) -> bool:
         return self.target.mode == CLUSTER
 
-    def _call(self, action: str, timeout_s: float | None = None) -> contextlib.AbstractAsyncContextManager[None]:
+    def call(self, action: str, timeout_s: float | None = None) -> contextlib.AbstractAsyncContextManager[None]:
         """Bound a call by Redis's timeout, or by ``timeout_s`` when the caller owes an answer sooner."""
         if timeout_s is None or timeout_s >= self.timeout_s:
             return _bounded(action, self.timeout_s, self.breaker)
@@ -233,10 +198,10 @@ class RedisConnection:
 
     # -- keys -------------------------------------------------------------------------
     def index_key(self, key: str) -> str:
-        return self._index_prefix + key
+        return self.index_prefix + key
 
     def key_from_index(self, index_key: str) -> str:
-        return index_key[len(self._index_prefix) :]
+        return index_key[len(self.index_prefix) :]
 
     def heartbeat_key(self, node_id: str) -> str:
         return self._hb_prefix + node_id
@@ -250,13 +215,13 @@ class RedisConnection:
         self.breaker.close()
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self.timeout_s):  # a hung Redis must not hold up a shutdown
-                await self._redis.aclose()
+                await self.redis.aclose()
 
     async def ping(self) -> float:
         """Round-trip time to Redis in milliseconds."""
         start = time.perf_counter()
-        async with self._call("PING"):
-            await self._redis.ping()
+        async with self.call("PING"):
+            await self.redis.ping()
         return (time.perf_counter() - start) * 1000
 
     async def check_version(self) -> str:
@@ -264,11 +229,11 @@ class RedisConnection:
         ask (hardened ACLs take INFO away): MetadataError naming it if it is older than
         :data:`MIN_REDIS_VERSION`, which cannot run kvpool's scripts."""
         try:
-            async with self._call("INFO server"):
+            async with self.call("INFO server"):
                 if self.is_cluster:
-                    answers = _per_node(await self._redis.info("server", target_nodes=self._redis.PRIMARIES))
+                    answers = _per_node(await self.redis.info("server", target_nodes=self.redis.PRIMARIES))
                 else:
-                    answers = [await self._redis.info("server")]
+                    answers = [await self.redis.info("server")]
         except RedisAuthError:
             return ""
         version = min((str(a.get("redis_version", "")) for a in answers), key=redis_version_key, default="")
@@ -285,62 +250,98 @@ class RedisConnection:
         index key name (``kvp:NS/``: the empty pool key) that no key of kvpool holds, so it changes nothing.
         A read-only replica refuses it, and so does an ACL user without those keys (``RedisAuthError``); a full
         Redis does not (DEL takes no memory)."""
-        for key in (self._probe_key, self._index_prefix):  # one at a time: on a cluster they are in two slots
-            async with self._call("namespace write check"):
-                await self._redis.delete(key)
+        for key in (self._probe_key, self.index_prefix):  # one at a time: on a cluster they are in two slots
+            async with self.call("namespace write check"):
+                await self.redis.delete(key)
 
     async def memory(self) -> RedisMemory:
         """Redis's ``used_memory``, ``maxmemory`` and policy (``INFO memory``): says whether it is full."""
-        async with self._call("INFO memory"):
+        async with self.call("INFO memory"):
             if self.is_cluster:  # one answer per primary: the fullest of those with a limit speaks for all
-                answers = _per_node(await self._redis.info("memory", target_nodes=self._redis.PRIMARIES))
+                answers = _per_node(await self.redis.info("memory", target_nodes=self.redis.PRIMARIES))
                 limited = [a for a in answers if int(a.get("maxmemory", 0))] or answers
                 info = max(limited, key=lambda a: int(a["used_memory"]) / max(int(a["maxmemory"]), 1))
             else:
-                info = await self._redis.info("memory")
+                info = await self.redis.info("memory")
         return RedisMemory(
             int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)), str(info.get("maxmemory_policy", ""))
         )
 
     async def facts(self) -> RedisFacts:
         """Redis's version (``INFO server``) and clock (``TIME``)."""
-        async with self._call("INFO server"):
-            info = _per_node(await self._redis.info("server"))[0]
-            seconds, micros = await self._redis.time()
+        async with self.call("INFO server"):
+            info = _per_node(await self.redis.info("server"))[0]
+            seconds, micros = await self.redis.time()
         return RedisFacts(str(info.get("redis_version", "")), int(seconds) + int(micros) / 1e6)
 
     # -- slots ------------------------------------------------------------------------
     async def slot_map(self) -> dict[str, int]:
         """Every node id that holds a slot, and its slot (``HGETALL`` of one small hash); learnt."""
-        async with self._call("HGETALL slots"):
-            raw = await self._redis.hgetall(self.slots_key)
+        async with self.call("HGETALL slots"):
+            raw = await self.redis.hgetall(self.slots_key)
         out = {node_id: int(slot) for node_id, slot in raw.items() if str(slot).isdigit()}
         for node_id, slot in out.items():
             self.slots.learn(node_id, slot)
         return out
 
-    async def _learn_slots(self, node_ids: Sequence[str]) -> None:
+    async def learn_slots(self, node_ids: Sequence[str]) -> None:
         """Read the slots of ``node_ids`` this reader does not know yet (those that hold none stay unknown)."""
         missing = [n for n in dict.fromkeys(node_ids) if self.slots.slot_of(n) is None]
         if not missing:
             return
-        async with self._call("HMGET slots"):
-            found = await self._redis.hmget(self.slots_key, missing)
+        async with self.call("HMGET slots"):
+            found = await self.redis.hmget(self.slots_key, missing)
         for node_id, slot in zip(missing, found):
             if slot is not None and str(slot).isdigit():
                 self.slots.learn(node_id, int(slot))
 
-    async def _give_slots(self, node_ids: Sequence[str]) -> None:
+    async def give_slots(self, node_ids: Sequence[str]) -> None:
         """Make sure each of ``node_ids`` holds a slot (a commit for a node id that never claimed one,
         as ``kvpool check --fix`` or a test may write): read, else given from the counter."""
-        await self._learn_slots(node_ids)
+        await self.learn_slots(node_ids)
         for node_id in dict.fromkeys(node_ids):
             if self.slots.slot_of(node_id) is None:
-                async with self._call("slot"):
+                async with self.call("slot"):
                     answer = await self._give_slot(keys=[self.slots_key, self.slot_counter_key], args=[node_id])
                 self.slots.learn(node_id, int(answer))
 
-    async def _load_scripts(self) -> None:
+    async def load_scripts(self) -> None:
         """SCRIPT LOAD every script (on a cluster redis-py sends it to every primary)."""
         for script in self._scripts:
-            await self._redis.script_load(script.script)
+            await self.redis.script_load(script.script)
+
+    # -- walks ------------------------------------------------------------------------
+    async def scan_names(self, cursor: int, pattern: str, count: int) -> tuple[int, list[str]]:
+        """One bounded SCAN step over raw Redis key names matching ``pattern``: ``(next cursor, names)``.
+
+        On a cluster the cursor also says which primary is being walked (:meth:`walk_step`).
+        """
+
+        async def scan(node: Any, node_cursor: int) -> tuple[int, list[str]]:
+            if node is None:
+                next_cursor, names = await self.redis.scan(node_cursor, match=pattern, count=count)
+                return int(next_cursor), list(names)
+            cursors, names = await self.redis.scan(node_cursor, match=pattern, count=count, target_nodes=node)
+            return int(cursors[node.name]), list(names)
+
+        async with self.call("SCAN"):
+            next_cursor, names = await self.walk_step(cursor, scan)
+        return next_cursor, names
+
+    async def walk_step(self, cursor: int, step: _NodeStep) -> tuple[int, Any]:
+        """One step of a walk over every primary: ``step`` runs on the primary the cursor names (None on
+        one Redis) with that primary's own cursor; answers the walk's next cursor and what ``step`` found.
+        The cursor is the primary's place in name order times 2**64, plus that primary's own cursor."""
+        if not self.is_cluster:
+            return await step(None, cursor)
+        await self.redis.initialize()  # the slot map; a no-op once it is known
+        primaries = sorted(self.redis.get_primaries(), key=lambda node: node.name)
+        place, node_cursor = divmod(cursor, 1 << 64)
+        if place >= len(primaries):
+            raise MetadataError(f"SCAN cursor {cursor} names primary {place}; the cluster has {len(primaries)}")
+        node_next, found = await step(primaries[place], node_cursor)
+        if node_next == 0:
+            place += 1
+            if place == len(primaries):
+                return 0, found
+        return (place << 64) + node_next, found

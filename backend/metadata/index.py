@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any
 
 from redis import exceptions as redis_exceptions
@@ -12,7 +12,16 @@ from redis import exceptions as redis_exceptions
 from backend.errors import MetadataError
 from backend.metadata.connection import RedisConnection
 from backend.metadata.records import IndexEntry, Location, SweepPage, varint
-from backend.metadata.scripts import LOOKUP_BATCH, SCAN_PAGE, SWEEP_PAGE
+from backend.metadata.scripts import (
+    COMMIT_LUA,
+    LOOKUP_BATCH,
+    MOVE_LUA,
+    REMOVE_EXACT_LUA,
+    REMOVE_LUA,
+    SCAN_PAGE,
+    SWEEP_LUA,
+    SWEEP_PAGE,
+)
 
 __all__ = ["KeyIndex"]
 
@@ -21,13 +30,21 @@ logger = logging.getLogger("backend.metadata")
 SLOT_REREAD_S = 1.0  # a reader meeting slots it does not know re-reads the slots hash at most this often
 
 _Call = tuple[str, list[str | bytes]]  # an index key and a one-key script's arguments
-_NodeStep = Callable[[Any, int], Awaitable[tuple[int, Any]]]  # (cluster node or None, its cursor) -> (next, result)
 
 
-class KeyIndex(RedisConnection):
+class KeyIndex:
     """The index: ``kvp:NS/<key>`` hashes of node slot -> location, one per pool key (``scripts.py``)."""
 
-    _slots_read_at = 0.0
+    def __init__(self, conn: RedisConnection) -> None:
+        self._conn = conn
+        self._redis = conn.redis
+        self._call = conn.call
+        self._commit = conn.script(COMMIT_LUA)
+        self._remove = conn.script(REMOVE_LUA)
+        self._remove_exact = conn.script(REMOVE_EXACT_LUA)
+        self._move = conn.script(MOVE_LUA)
+        self._sweep = conn.script(SWEEP_LUA)
+        self._slots_read_at = 0.0
 
     async def _run_per_key(
         self, action: str, script: Any, calls: Sequence[_Call], timeout_s: float | None = None
@@ -47,7 +64,7 @@ class KeyIndex(RedisConnection):
                     # Redis lost the script (restarted, flushed): load it on every primary
                     # and run the batch again. Every script is idempotent, so the calls that
                     # already ran may run twice.
-                    await self._load_scripts()
+                    await self._conn.load_scripts()
                     await self._run_batch(script, batch)
 
     async def _run_batch(self, script: Any, batch: Sequence[_Call]) -> None:
@@ -55,15 +72,15 @@ class KeyIndex(RedisConnection):
         # SCRIPT EXISTS first, one more round trip before every commit (and so before every put's ack).
         async with self._redis.pipeline(transaction=False) as pipe:
             for key, args in batch:
-                pipe.evalsha(script.sha, 1, self.index_key(key), *args)
+                pipe.evalsha(script.sha, 1, self._conn.index_key(key), *args)
             await pipe.execute()
 
     async def _slots_for(self, locations: Sequence[tuple[str, Location]]) -> list[tuple[str, Location, int]]:
         """Each ``(key, location)`` with its field (slot); those whose node id holds no slot are left out."""
-        await self._learn_slots([loc.node_id for _, loc in locations if not loc.slot])
+        await self._conn.learn_slots([loc.node_id for _, loc in locations if not loc.slot])
         out = []
         for key, loc in locations:
-            slot = self.slots.slot_for(loc)
+            slot = self._conn.slots.slot_for(loc)
             if slot is not None:
                 out.append((key, loc, slot))
         return out
@@ -77,8 +94,8 @@ class KeyIndex(RedisConnection):
         if not locations:
             return
         ids = [loc.node_id for _, loc in locations if not loc.slot]
-        if any(self.slots.slot_of(node_id) is None for node_id in ids):
-            await self._give_slots(ids)  # a node's own id holds one from its claim on: not on a put's path
+        if any(self._conn.slots.slot_of(node_id) is None for node_id in ids):
+            await self._conn.give_slots(ids)  # a node's own id holds one from its claim on: not on a put's path
         calls: list[_Call] = [(key, [str(slot), loc.encode()]) for key, loc, slot in await self._slots_for(locations)]
         await self._run_per_key("index commit", self._commit, calls, timeout_s)
 
@@ -86,8 +103,8 @@ class KeyIndex(RedisConnection):
         """Drop this node epoch's locations for ``keys`` (eviction, delete, shutdown)."""
         if not keys:
             return
-        await self._learn_slots([node_id])
-        slot = self.slots.slot_of(node_id)
+        await self._conn.learn_slots([node_id])
+        slot = self._conn.slots.slot_of(node_id)
         if slot is None:
             return  # an id that holds no slot has no field anywhere
         args: list[str | bytes] = [str(slot), varint(epoch)]
@@ -114,17 +131,17 @@ class KeyIndex(RedisConnection):
         async with self._call("index lookup"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 for key in keys:
-                    pipe.hgetall(self.index_key(key))
+                    pipe.hgetall(self._conn.index_key(key))
                 raw: list[dict[str, str]] = await pipe.execute()
         slots = {field for fields in raw for field in fields}
-        if any(field.isdigit() and not self.slots.known(int(field)) for field in slots):
+        if any(field.isdigit() and not self._conn.slots.known(int(field)) for field in slots):
             await self._reread_slots()
         return [self._entry(fields) for fields in raw]
 
     async def _reread_slots(self) -> None:
         if time.monotonic() - self._slots_read_at > SLOT_REREAD_S:
             self._slots_read_at = time.monotonic()
-            await self.slot_map()
+            await self._conn.slot_map()
 
     def _entry(self, fields: Mapping[str, str]) -> IndexEntry:
         entry: IndexEntry = []
@@ -133,7 +150,7 @@ class KeyIndex(RedisConnection):
                 if not field.isdigit():
                     raise MetadataError(f"index field {field!r} is not a node slot")
                 slot = int(field)
-                entry.append(Location.decode(self.slots.node_of(slot), value, slot))
+                entry.append(Location.decode(self._conn.slots.node_of(slot), value, slot))
             except MetadataError as exc:
                 logger.warning("ignoring %s", exc)
         return entry
@@ -143,7 +160,7 @@ class KeyIndex(RedisConnection):
         if not keys:
             return 0
         async with self._call("index delete"):
-            return int(await self._redis.delete(*[self.index_key(k) for k in keys]))
+            return int(await self._redis.delete(*[self._conn.index_key(k) for k in keys]))
 
     async def scan_entries(
         self, match: str = "*", batch: int = LOOKUP_BATCH
@@ -183,39 +200,8 @@ class KeyIndex(RedisConnection):
         On a cluster the cursor also says which primary is being walked: the primary's
         place in name order times 2**64, plus that primary's own SCAN cursor.
         """
-        next_cursor, names = await self._scan_step(cursor, self._index_prefix + match, count)
-        return next_cursor, [self.key_from_index(name) for name in names]
-
-    async def _scan_step(self, cursor: int, pattern: str, count: int) -> tuple[int, list[str]]:
-        """One bounded SCAN step over raw Redis key names matching ``pattern`` (see :meth:`scan_step`)."""
-
-        async def scan(node: Any, node_cursor: int) -> tuple[int, list[str]]:
-            if node is None:
-                next_cursor, names = await self._redis.scan(node_cursor, match=pattern, count=count)
-                return int(next_cursor), list(names)
-            cursors, names = await self._redis.scan(node_cursor, match=pattern, count=count, target_nodes=node)
-            return int(cursors[node.name]), list(names)
-
-        async with self._call("SCAN"):
-            next_cursor, names = await self._walk_step(cursor, scan)
-        return next_cursor, names
-
-    async def _walk_step(self, cursor: int, step: _NodeStep) -> tuple[int, Any]:
-        """One step of a walk over every primary: ``step`` runs on the primary the cursor names (None on
-        one Redis) with that primary's own cursor; answers the walk's next cursor and what ``step`` found."""
-        if not self.is_cluster:
-            return await step(None, cursor)
-        await self._redis.initialize()  # the slot map; a no-op once it is known
-        primaries = sorted(self._redis.get_primaries(), key=lambda node: node.name)
-        place, node_cursor = divmod(cursor, 1 << 64)
-        if place >= len(primaries):
-            raise MetadataError(f"SCAN cursor {cursor} names primary {place}; the cluster has {len(primaries)}")
-        node_next, found = await step(primaries[place], node_cursor)
-        if node_next == 0:
-            place += 1
-            if place == len(primaries):
-                return 0, found
-        return (place << 64) + node_next, found
+        next_cursor, names = await self._conn.scan_names(cursor, self._conn.index_prefix + match, count)
+        return next_cursor, [self._conn.key_from_index(name) for name in names]
 
     async def sweep_step(
         self, cursor: int, live: Mapping[int, int], dead: Collection[int], count: int = SWEEP_PAGE
@@ -223,7 +209,7 @@ class KeyIndex(RedisConnection):
         """One step of a sweep of the index, done in Redis (``scripts.SWEEP_LUA``): one SCAN page of at most
         about ``count`` keys, each key's fields of a ``dead`` slot, or of a ``live`` slot (slot -> epoch)
         with an older epoch, removed. The cursor works as :meth:`scan_step`'s."""
-        args: list[Any] = [count, self._index_prefix + "*", len(live)]
+        args: list[Any] = [count, self._conn.index_prefix + "*", len(live)]
         for slot, epoch in live.items():
             args += [slot, epoch]
         args += [len(dead), *dead]
@@ -236,7 +222,7 @@ class KeyIndex(RedisConnection):
             return int(answer[0]), list(answer[1:])
 
         async with self._call("index sweep"):
-            next_cursor, (keys, removed, unknown) = await self._walk_step(cursor, sweep)
+            next_cursor, (keys, removed, unknown) = await self._conn.walk_step(cursor, sweep)
         return SweepPage(next_cursor, int(keys), int(removed), frozenset(int(s) for s in unknown if str(s).isdigit()))
 
     async def _sweep_on(self, node: Any, args: list[Any]) -> list[Any]:
@@ -253,7 +239,7 @@ class KeyIndex(RedisConnection):
         them: an upgraded node republishes what it holds in the current schema."""
         found, cursor = 0, 0
         while True:
-            cursor, names = await self._scan_step(cursor, self.legacy_index_prefix + "*", SCAN_PAGE)
+            cursor, names = await self._conn.scan_names(cursor, self._conn.legacy_index_prefix + "*", SCAN_PAGE)
             found += len(names)
             if names and remove:
                 async with self._call("legacy index delete"):
@@ -264,12 +250,12 @@ class KeyIndex(RedisConnection):
     async def flush_namespace(self) -> int:
         """Delete every key of this namespace; returns how many were removed. Each step is bounded."""
         removed = 0
-        tag = "{" + self.namespace + "}"
-        patterns = (self._index_prefix, self.legacy_index_prefix, self._shard_marker_prefix, f"kvp:{tag}:")
+        conn = self._conn
+        patterns = (conn.index_prefix, conn.legacy_index_prefix, conn.shard_marker_prefix, conn.tag_prefix)
         for pattern in patterns:
             cursor = 0
             while True:
-                cursor, names = await self._scan_step(cursor, pattern + "*", SCAN_PAGE)
+                cursor, names = await self._conn.scan_names(cursor, pattern + "*", SCAN_PAGE)
                 if names:
                     async with self._call("flush"):
                         removed += int(await self._redis.delete(*names))

@@ -19,7 +19,6 @@ first key any group found missing.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,12 +38,16 @@ _Reply = list[Any]  # [hit flags, live copies, other copies], as the script retu
 _Part = tuple[list[int], Any]  # key positions, in order, and the cluster node they go to (None: one Redis)
 
 
-class LiveLookup(RedisConnection):
+class LiveLookup:
     """Which keys have a live copy, read in Redis against the caller's view (see the module docstring)."""
 
-    @functools.cached_property
-    def _live_lookup(self) -> Any:
-        return self._redis.register_script(LIVE_LOOKUP_LUA)
+    def __init__(self, conn: RedisConnection) -> None:
+        self._conn = conn
+        self._redis = conn.redis
+        self._call = conn.call
+        # Not among the scripts a lost one reloads (RedisConnection.load_scripts): redis-py reloads
+        # it on a single call, and a call in parts loads it itself.
+        self._live_lookup = conn.redis.register_script(LIVE_LOOKUP_LUA)
 
     async def lookup_live(
         self, keys: Sequence[str], live: Mapping[str, int], *, prefix: bool, copies: bool
@@ -57,24 +60,24 @@ class LiveLookup(RedisConnection):
         if not keys:
             return LiveCopies([], [], [])
         # As bytes: redis-py then packs a thousand keys without encoding each one again.
-        prefix_bytes = self._index_prefix.encode()
+        prefix_bytes = self._conn.index_prefix.encode()
         names = [prefix_bytes + key.encode() for key in keys]
-        if any(self.slots.slot_of(node_id) is None for node_id in live):
-            await self._learn_slots(list(live))  # a view read through this store knows them all already
+        if any(self._conn.slots.slot_of(node_id) is None for node_id in live):
+            await self._conn.learn_slots(list(live))  # a view read through this store knows them all already
         view: list[str | bytes] = []
         for node_id, epoch in live.items():
-            slot = self.slots.slot_of(node_id)
+            slot = self._conn.slots.slot_of(node_id)
             if slot is not None:  # an id that holds no slot (a node of the release before) has no field
                 view += [str(slot), varint(epoch)]
         args: list[str | bytes] = ["1" if prefix else "0", "1" if copies else "0", str(len(view) // 2), *view]
         async with self._call("index lookup"):
             parts = await self._parts(names)
             replies = await self._run_parts(parts, names, args)
-        return _combine(len(keys), parts, replies, prefix, copies, self.slots)
+        return _combine(len(keys), parts, replies, prefix, copies, self._conn.slots)
 
     async def _parts(self, names: list[bytes]) -> list[_Part]:
         """Split the keys into calls: batches of ``LOOKUP_BATCH``, per cluster primary on a cluster."""
-        if not self.is_cluster:
+        if not self._conn.is_cluster:
             return [
                 (list(range(i, min(i + LOOKUP_BATCH, len(names)))), None) for i in range(0, len(names), LOOKUP_BATCH)
             ]
@@ -91,7 +94,9 @@ class LiveLookup(RedisConnection):
 
     async def _run_parts(self, parts: list[_Part], names: list[bytes], args: list[str | bytes]) -> list[_Reply]:
         script = self._live_lookup
-        if not self.is_cluster and len(parts) == 1:  # the usual lookup: one EVALSHA (redis-py reloads a lost script)
+        if (
+            not self._conn.is_cluster and len(parts) == 1
+        ):  # the usual lookup: one EVALSHA (redis-py reloads a lost script)
             return [await script(keys=names, args=args)]
         try:
             return await self._send_parts(parts, names, args)
@@ -101,7 +106,7 @@ class LiveLookup(RedisConnection):
 
     async def _send_parts(self, parts: list[_Part], names: list[bytes], args: list[str | bytes]) -> list[_Reply]:
         sha = self._live_lookup.sha
-        if not self.is_cluster:  # several batches: one pipeline, one round trip
+        if not self._conn.is_cluster:  # several batches: one pipeline, one round trip
             async with self._redis.pipeline(transaction=False) as pipe:
                 for positions, _ in parts:
                     pipe.evalsha(sha, len(positions), *[names[i] for i in positions], *args)

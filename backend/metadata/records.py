@@ -330,9 +330,9 @@ class NodeInfo:
     shm_token: str = ""  # written in the arena's header: proves a client opened this node's file
     channel: str = ""  # channel transport this node serves ("nccl", "cpu"), empty if none
     tls: bool = False  # the node protocol is served over TLS only
-    draining: bool = False  # filled by MetadataStore.nodes() from the draining set
-    alive: bool = False  # filled by MetadataStore.nodes(), never stored
-    slot: int = 0  # the node's field in index entries (NodeSlots): filled by MetadataStore.nodes(), 0 if none
+    draining: bool = False  # filled by NodeRegistry.nodes() from the draining set
+    alive: bool = False  # filled by NodeRegistry.nodes(), never stored
+    slot: int = 0  # the node's field in index entries (NodeSlots): filled by NodeRegistry.nodes(), 0 if none
 
     @property
     def free_bytes(self) -> int:

@@ -19,15 +19,52 @@ from typing import Any
 from redis import exceptions as redis_exceptions
 
 from backend.errors import MetadataError
-from backend.metadata.connection import RedisConnection
-from backend.metadata.records import Beat, ClaimHeld, ClaimHolder, NodeInfo
-from backend.metadata.scripts import DEAD_PER_BEAT, MARKER_TAG_SEARCH, REGISTRY_LOG_MAX
+from backend.metadata.connection import (
+    NODES_KEY_PATTERN,
+    RedisConnection,
+    heartbeat_prefix_of,
+    namespace_of_nodes_key,
+    nodes_key_of,
+)
+from backend.metadata.records import Beat, ClaimHeld, ClaimHolder, LiveNamespaces, NodeInfo
+from backend.metadata.scripts import (
+    BEAT_LUA,
+    CHANGE_LUA,
+    CHANGES_LUA,
+    CLAIM_LUA,
+    DEAD_PER_BEAT,
+    DEREGISTER_LUA,
+    EPOCH_FLOOR_LUA,
+    FORGET_LUA,
+    FORGET_SLOT_LUA,
+    MARKER_TAG_SEARCH,
+    REGISTRY_LOG_MAX,
+    SCAN_PAGE,
+)
 
-__all__ = ["NodeRegistry"]
+__all__ = ["NAMESPACE_SEARCH_S", "NodeRegistry"]
 
 
-class NodeRegistry(RedisConnection):
+# How long a search for the namespaces that have live nodes may walk Redis's keys: a few thousand
+# SCAN pages, so an index of millions of keys is walked in part and the answer says so.
+NAMESPACE_SEARCH_S = 2.0
+
+
+class NodeRegistry:
     """Which nodes exist, which are alive, and what changed since a client last looked."""
+
+    def __init__(self, conn: RedisConnection) -> None:
+        self._conn = conn
+        self._redis = conn.redis
+        self._call = conn.call
+        self._epoch_floor = conn.script(EPOCH_FLOOR_LUA)
+        self._beat = conn.script(BEAT_LUA)
+        self._claim = conn.script(CLAIM_LUA)
+        self._deregister = conn.script(DEREGISTER_LUA)
+        self._change = conn.script(CHANGE_LUA)
+        self._changes = conn.script(CHANGES_LUA)
+        self._forget = conn.script(FORGET_LUA)
+        self._forget_slot = conn.script(FORGET_SLOT_LUA)
 
     async def ensure_marker(self) -> str:
         """The namespace marker's generation, creating it if missing.
@@ -55,26 +92,26 @@ class NodeRegistry(RedisConnection):
         primary a key whose hash tag falls in a slot that primary serves (the first
         ``NS.N`` that does, so every node of the pool picks the same keys).
         """
-        if not self.is_cluster:
-            return [self.marker_key]
+        if not self._conn.is_cluster:
+            return [self._conn.marker_key]
         await self._redis.initialize()  # the slot map; a no-op once it is known
-        keys = {self._redis.get_node_from_key(self.marker_key).name: self.marker_key}
+        keys = {self._redis.get_node_from_key(self._conn.marker_key).name: self._conn.marker_key}
         primaries = {node.name for node in self._redis.get_primaries()}
         for n in range(MARKER_TAG_SEARCH):
             if primaries <= keys.keys():
                 break
-            key = f"{self._shard_marker_prefix}{{{self.namespace}.{n}}}"
+            key = f"{self._conn.shard_marker_prefix}{{{self._conn.namespace}.{n}}}"
             keys.setdefault(self._redis.get_node_from_key(key).name, key)
         return sorted(keys.values())
 
     async def ensure_epoch_at_least(self, epoch: int) -> None:
         """Raise the epoch counter to ``epoch`` (after Redis lost it, epochs must keep growing)."""
         async with self._call("epoch floor"):
-            await self._epoch_floor(keys=[self.epoch_key], args=[str(epoch)])
+            await self._epoch_floor(keys=[self._conn.epoch_key], args=[str(epoch)])
 
     async def new_epoch(self) -> int:
         async with self._call("INCR epoch"):
-            return int(await self._redis.incr(self.epoch_key))
+            return int(await self._redis.incr(self._conn.epoch_key))
 
     async def claim(self, node_id: str, holder: ClaimHolder, ttl_ms: int) -> ClaimHeld | None:
         """Take ``node_id`` for ``holder.epoch`` (or renew it) for ``ttl_ms``; None when it is this epoch's now.
@@ -83,11 +120,16 @@ class NodeRegistry(RedisConnection):
         answer says who holds it and how long its heartbeat has left (a renewal makes that
         grow: ``backend.node.claim`` watches it to tell a live holder from a crashed one).
         """
-        keys = [self.heartbeat_key(node_id), self.holder_key(node_id), self.slots_key, self.slot_counter_key]
+        keys = [
+            self._conn.heartbeat_key(node_id),
+            self._conn.holder_key(node_id),
+            self._conn.slots_key,
+            self._conn.slot_counter_key,
+        ]
         async with self._call("node id claim"):
             answer = await self._claim(keys=keys, args=[str(holder.epoch), ttl_ms, holder.to_json(), node_id])
         if int(answer[0]) == 1:
-            self.slots.learn(node_id, int(answer[1]))
+            self._conn.slots.learn(node_id, int(answer[1]))
             return None
         epoch = int(answer[1])
         return ClaimHeld(ClaimHolder.from_json(epoch, str(answer[3])), ttl_left_ms=int(answer[2]))
@@ -108,13 +150,13 @@ class NodeRegistry(RedisConnection):
             try:
                 results = await self._beat_pipeline(info, ttl_ms, changed, holder, markers)
             except redis_exceptions.NoScriptError:
-                await self._load_scripts()  # Redis lost the script (restarted, flushed)
+                await self._conn.load_scripts()  # Redis lost the script (restarted, flushed)
                 results = await self._beat_pipeline(info, ttl_ms, changed, holder, markers)
         beat, generations = results[0], results[1:]
         generation = None if None in generations else "/".join(str(value) for value in generations)
         if int(beat[0]) == -1:
             return Beat(generation, False, lost_to=ClaimHolder.from_json(int(beat[1]), str(beat[2])))
-        self.slots.learn(info.node_id, int(beat[2]))
+        self._conn.slots.learn(info.node_id, int(beat[2]))
         # HSET answers 1 for a field it created: the entry was missing (first beat, or collected as dead).
         # A slot given now: Redis had lost the id's, and what the node published names another.
         return Beat(generation, registered_anew=int(beat[0]) == 1 or int(beat[3]) == 1)
@@ -128,14 +170,14 @@ class NodeRegistry(RedisConnection):
             # SCRIPT EXISTS first: one more round trip per beat); a lost script is loaded and the beat
             # run again, which only logs its changes twice.
             keys = [
-                self.heartbeat_key(info.node_id),
-                self.holder_key(info.node_id),
-                self.nodes_key,
-                self.beats_key,
-                self.version_key,
-                self.changes_key,
-                self.slots_key,
-                self.slot_counter_key,
+                self._conn.heartbeat_key(info.node_id),
+                self._conn.holder_key(info.node_id),
+                self._conn.nodes_key,
+                self._conn.beats_key,
+                self._conn.version_key,
+                self._conn.changes_key,
+                self._conn.slots_key,
+                self._conn.slot_counter_key,
             ]
             args = [info.node_id, info.epoch, ttl_ms, int(changed), REGISTRY_LOG_MAX, DEAD_PER_BEAT]
             pipe.evalsha(self._beat.sha, len(keys), *keys, *args, info.to_json(), holder.to_json())
@@ -144,14 +186,14 @@ class NodeRegistry(RedisConnection):
             return list(await pipe.execute())
 
     async def _log_change(self, node_id: str) -> None:
-        await self._change(keys=[self.version_key, self.changes_key], args=[node_id, REGISTRY_LOG_MAX])
+        await self._change(keys=[self._conn.version_key, self._conn.changes_key], args=[node_id, REGISTRY_LOG_MAX])
 
     async def registry_changes(self, since: int, marker: str) -> tuple[int, str, list[str] | None]:
         """The registry version and namespace marker now, and the nodes changed since version ``since``
         under ``marker`` (None: the change log cannot tell, read the whole registry)."""
         async with self._call("registry version"):
             answer = await self._changes(
-                keys=[self.version_key, self.changes_key, self.marker_key, self.beats_key],
+                keys=[self._conn.version_key, self._conn.changes_key, self._conn.marker_key, self._conn.beats_key],
                 args=[since, REGISTRY_LOG_MAX, marker, DEAD_PER_BEAT],
             )
         version, now_marker, changed = int(answer[0]), str(answer[1]), [str(node) for node in answer[2:]]
@@ -164,8 +206,8 @@ class NodeRegistry(RedisConnection):
         whose id another process took meanwhile leaves that process's entries alone.
         Returns whether the node was removed.
         """
-        keys = [self.heartbeat_key(node_id), self.holder_key(node_id)]
-        keys += [self.nodes_key, self.draining_key, self.beats_key]
+        keys = [self._conn.heartbeat_key(node_id), self._conn.holder_key(node_id)]
+        keys += [self._conn.nodes_key, self._conn.draining_key, self._conn.beats_key]
         async with self._call("deregister"):
             left = await self._deregister(keys=keys, args=[node_id, "" if epoch is None else str(epoch)])
             if int(left):
@@ -179,15 +221,15 @@ class NodeRegistry(RedisConnection):
         takes the id of a node no longer registered, so a stale mark can always be removed.
         """
         async with self._call("draining set"):
-            known = await self._redis.hexists(self.nodes_key, node_id)
+            known = await self._redis.hexists(self._conn.nodes_key, node_id)
             if draining and not known:
-                raise MetadataError(f"node {node_id!r} is not registered in namespace {self.namespace!r}")
+                raise MetadataError(f"node {node_id!r} is not registered in namespace {self._conn.namespace!r}")
             if draining:
-                changed = await self._redis.sadd(self.draining_key, node_id)
+                changed = await self._redis.sadd(self._conn.draining_key, node_id)
             else:
-                changed = await self._redis.srem(self.draining_key, node_id)
+                changed = await self._redis.srem(self._conn.draining_key, node_id)
             if not known and not changed:
-                raise MetadataError(f"node {node_id!r} is not registered in namespace {self.namespace!r}")
+                raise MetadataError(f"node {node_id!r} is not registered in namespace {self._conn.namespace!r}")
             if changed:
                 await self._log_change(node_id)
         return bool(changed)
@@ -198,7 +240,13 @@ class NodeRegistry(RedisConnection):
         Its heartbeat key is left to expire: a run that claimed the id since (its beat not yet
         in the registry) keeps its claim, and its slot.
         """
-        keys = [self.nodes_key, self.draining_key, self.beats_key, self.slots_key, self.heartbeat_key(node_id)]
+        keys = [
+            self._conn.nodes_key,
+            self._conn.draining_key,
+            self._conn.beats_key,
+            self._conn.slots_key,
+            self._conn.heartbeat_key(node_id),
+        ]
         async with self._call("forget node"):
             await self._forget(keys=keys, args=[node_id])
             await self._log_change(node_id)
@@ -207,7 +255,9 @@ class NodeRegistry(RedisConnection):
         """Take the slot back from a node id the registry no longer lists (it stopped cleanly and has not
         come back), unless a run claimed the id since. Its fields left in the index then name no id."""
         async with self._call("forget slot"):
-            await self._forget_slot(keys=[self.nodes_key, self.slots_key, self.heartbeat_key(node_id)], args=[node_id])
+            await self._forget_slot(
+                keys=[self._conn.nodes_key, self._conn.slots_key, self._conn.heartbeat_key(node_id)], args=[node_id]
+            )
 
     async def nodes(self, only: Sequence[str] | None = None) -> list[NodeInfo]:
         """Every registered node (or those of ``only``), with ``alive`` set from its heartbeat key."""
@@ -215,25 +265,64 @@ class NodeRegistry(RedisConnection):
             if not only:
                 return []
             async with self._call("HMGET nodes"):
-                texts = await self._redis.hmget(self.nodes_key, list(only))
+                texts = await self._redis.hmget(self._conn.nodes_key, list(only))
             raw = {node_id: text for node_id, text in zip(only, texts) if text is not None}
         else:
             async with self._call("HGETALL nodes"):
-                raw = await self._redis.hgetall(self.nodes_key)
+                raw = await self._redis.hgetall(self._conn.nodes_key)
         infos = [NodeInfo.from_json(text) for text in raw.values()]
         if not infos:
             return []
         async with self._call("MGET heartbeats"):
             async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.smembers(self.draining_key)
-                pipe.hmget(self.slots_key, [info.node_id for info in infos])
+                pipe.smembers(self._conn.draining_key)
+                pipe.hmget(self._conn.slots_key, [info.node_id for info in infos])
                 for info in infos:
-                    pipe.get(self.heartbeat_key(info.node_id))
+                    pipe.get(self._conn.heartbeat_key(info.node_id))
                 draining, slots, *beats = await pipe.execute()
         for info, slot, beat in zip(infos, slots, beats):
             info.alive = beat is not None and beat == str(info.epoch)
             info.draining = info.node_id in draining
             if slot is not None and str(slot).isdigit():
                 info.slot = int(slot)
-                self.slots.learn(info.node_id, info.slot)
+                self._conn.slots.learn(info.node_id, info.slot)
         return sorted(infos, key=lambda i: i.node_id)
+
+    async def live_namespaces(self, budget_s: float = NAMESPACE_SEARCH_S) -> LiveNamespaces:
+        """Every namespace of this Redis that has live nodes (this one too), with how many.
+
+        The registries are found by SCAN (``kvp:{NS}:nodes``; there is no list of namespaces),
+        for at most ``budget_s``; then each one's heartbeats are read, as :meth:`nodes` does.
+        """
+        deadline = time.monotonic() + budget_s
+        found: set[str] = set()
+        cursor, complete = 0, True
+        while True:
+            cursor, names = await self._conn.scan_names(cursor, NODES_KEY_PATTERN, SCAN_PAGE)
+            found.update(ns for ns in map(namespace_of_nodes_key, names) if ns is not None)
+            if cursor == 0:
+                break
+            if time.monotonic() > deadline:
+                complete = False
+                break
+        live = {}
+        for namespace in sorted(found):
+            count = await self._live_count(namespace)
+            if count:
+                live[namespace] = count
+        return LiveNamespaces(live, complete)
+
+    async def _live_count(self, namespace: str) -> int:
+        """How many of ``namespace``'s registered nodes are alive: their heartbeat holds their epoch."""
+        async with self._call("HGETALL nodes"):
+            raw = await self._redis.hgetall(nodes_key_of(namespace))
+        infos = [NodeInfo.from_json(text) for text in raw.values()]
+        if not infos:
+            return 0
+        prefix = heartbeat_prefix_of(namespace)
+        async with self._call("MGET heartbeats"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for info in infos:
+                    pipe.get(prefix + info.node_id)
+                beats = await pipe.execute()
+        return sum(1 for info, beat in zip(infos, beats) if beat is not None and beat == str(info.epoch))

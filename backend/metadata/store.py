@@ -1,90 +1,83 @@
-"""MetadataStore: one namespace's metadata in Redis, as one object (registry + index + rendezvous)."""
+"""MetadataStore: one namespace's metadata in Redis, as four parts over one connection.
+
+Each part is its own object and holds the shared :class:`RedisConnection` (the client, its
+key names, deadlines and breaker), never another part:
+
+* ``registry`` (:class:`NodeRegistry`, ``registry.py``): nodes join, beat, leave; epochs, claims.
+* ``index`` (:class:`KeyIndex`, ``index.py``): which node holds which key: commits, removals, walks.
+* ``lookup`` (:class:`LiveLookup`, ``lookup.py``): the per-request hit-prefix / exists read.
+* ``rendezvous`` (:class:`Rendezvous`, ``rendezvous.py``): the channel's pairing offers.
+
+A caller keeps the part it uses (a claim the registry, a live view the lookup); the store
+itself only builds them and closes the connection.
+"""
 
 from __future__ import annotations
 
-import time
-from typing import Any
+from collections.abc import Sequence
 
-from backend.metadata.connection import (
-    NODES_KEY_PATTERN,
-    heartbeat_prefix_of,
-    namespace_of_nodes_key,
-    nodes_key_of,
-)
+from backend.metadata.connection import RedisConnection
 from backend.metadata.index import KeyIndex
 from backend.metadata.lookup import LiveLookup
-from backend.metadata.records import LiveNamespaces, NodeInfo
+from backend.metadata.records import Beat, ClaimHolder, Location, NodeInfo, RedisMemory
 from backend.metadata.registry import NodeRegistry
-from backend.metadata.scripts import SCAN_PAGE
+from backend.metadata.rendezvous import Rendezvous
 
-__all__ = ["MetadataStore"]
-
-# How long a search for the namespaces that have live nodes may walk Redis's keys: a few thousand
-# SCAN pages, so an index of millions of keys is walked in part and the answer says so.
-NAMESPACE_SEARCH_S = 2.0
+__all__ = ["MetadataStore", "NodeMetadata"]
 
 
-class MetadataStore(NodeRegistry, KeyIndex, LiveLookup):
-    """Async access to one namespace's metadata in Redis (redis-py + hiredis).
+class MetadataStore:
+    """One namespace's metadata in Redis (redis-py + hiredis): the four parts over one connection."""
 
-    The registry (``registry.py``), the index (``index.py``) and the lookup read against a
-    live view (``lookup.py``) share one connection (``connection.py``); this class adds the
-    channel rendezvous.
-    """
+    def __init__(
+        self, redis_url: str, namespace: str, timeout_s: float = 2.0, *, password: str = "", ca_file: str = ""
+    ) -> None:
+        """As :class:`RedisConnection`: ``redis://`` or ``rediss://`` (TLS, verified against ``ca_file``
+        or the system trust), optionally with an ACL user; ``password`` when the URL carries none."""
+        self.connection = RedisConnection(redis_url, namespace, timeout_s, password=password, ca_file=ca_file)
+        self.registry = NodeRegistry(self.connection)
+        self.index = KeyIndex(self.connection)
+        self.lookup = LiveLookup(self.connection)
+        self.rendezvous = Rendezvous(self.connection)
 
-    def rendezvous_key(self, session: str) -> str:
-        return self._rendezvous_prefix + session
+    async def close(self) -> None:
+        await self.connection.close()
 
-    async def offer_rendezvous(self, session: str, value: str, ttl_ms: int) -> None:
-        """Publish a channel rendezvous offer that expires after ``ttl_ms``."""
-        async with self._call("rendezvous offer"):
-            await self._redis.set(self.rendezvous_key(session), value, px=ttl_ms)
 
-    async def take_rendezvous(self, session: str) -> str | None:
-        """Read and delete an offer (one peer joins it once); None if missing or expired."""
-        async with self._call("rendezvous take"):
-            value = await self._redis.getdel(self.rendezvous_key(session))
-        return None if value is None else str(value)
+class NodeMetadata:
+    """What a node process's parts write and read of the metadata (``backend.node.context.NodeIndex``):
+    its own index entries, its registry beats and marker, and whether Redis is full."""
 
-    async def raw(self) -> Any:
-        """The underlying redis-py client (tests and the CLI's inspection verbs)."""
-        return self._redis
+    def __init__(self, store: MetadataStore) -> None:
+        self._index = store.index
+        self._registry = store.registry
+        self._connection = store.connection
 
-    async def live_namespaces(self, budget_s: float = NAMESPACE_SEARCH_S) -> LiveNamespaces:
-        """Every namespace of this Redis that has live nodes (this one too), with how many.
+    async def commit(self, locations: Sequence[tuple[str, Location]], timeout_s: float | None = None) -> None:
+        await self._index.commit(locations, timeout_s)
 
-        The registries are found by SCAN (``kvp:{NS}:nodes``; there is no list of namespaces),
-        for at most ``budget_s``; then each one's heartbeats are read, as :meth:`nodes` does.
-        """
-        deadline = time.monotonic() + budget_s
-        found: set[str] = set()
-        cursor, complete = 0, True
-        while True:
-            cursor, names = await self._scan_step(cursor, NODES_KEY_PATTERN, SCAN_PAGE)
-            found.update(ns for ns in map(namespace_of_nodes_key, names) if ns is not None)
-            if cursor == 0:
-                break
-            if time.monotonic() > deadline:
-                complete = False
-                break
-        live = {}
-        for namespace in sorted(found):
-            count = await self._live_count(namespace)
-            if count:
-                live[namespace] = count
-        return LiveNamespaces(live, complete)
+    async def remove(self, node_id: str, epoch: int, keys: Sequence[str]) -> None:
+        await self._index.remove(node_id, epoch, keys)
 
-    async def _live_count(self, namespace: str) -> int:
-        """How many of ``namespace``'s registered nodes are alive: their heartbeat holds their epoch."""
-        async with self._call("HGETALL nodes"):
-            raw = await self._redis.hgetall(nodes_key_of(namespace))
-        infos = [NodeInfo.from_json(text) for text in raw.values()]
-        if not infos:
-            return 0
-        prefix = heartbeat_prefix_of(namespace)
-        async with self._call("MGET heartbeats"):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for info in infos:
-                    pipe.get(prefix + info.node_id)
-                beats = await pipe.execute()
-        return sum(1 for info, beat in zip(infos, beats) if beat is not None and beat == str(info.epoch))
+    async def move(self, locations: Sequence[tuple[str, Location]]) -> None:
+        await self._index.move(locations)
+
+    async def remove_stale(self, stale: Sequence[tuple[str, Location]]) -> None:
+        await self._index.remove_stale(stale)
+
+    async def ensure_marker(self) -> str:
+        return await self._registry.ensure_marker()
+
+    async def ensure_epoch_at_least(self, epoch: int) -> None:
+        await self._registry.ensure_epoch_at_least(epoch)
+
+    async def new_epoch(self) -> int:
+        return await self._registry.new_epoch()
+
+    async def heartbeat(
+        self, info: NodeInfo, ttl_ms: int, changed: bool = False, holder: ClaimHolder | None = None
+    ) -> Beat:
+        return await self._registry.heartbeat(info, ttl_ms, changed, holder)
+
+    async def memory(self) -> RedisMemory:
+        return await self._connection.memory()

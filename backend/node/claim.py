@@ -68,7 +68,7 @@ class ClaimLost(MetadataError):
 
 
 class ClaimStore(Protocol):
-    """What a claim asks of Redis (``backend.metadata.MetadataStore``)."""
+    """What a claim asks of Redis (``backend.metadata.NodeRegistry``)."""
 
     async def claim(self, node_id: str, holder: ClaimHolder, ttl_ms: int) -> ClaimHeld | None: ...
 

@@ -30,7 +30,7 @@ BULK_THREADS = 4
 
 
 class NodeIndex(Protocol):
-    """What the node's parts ask of the index (``backend.metadata.MetadataStore`` in a node process)."""
+    """What the node's parts ask of the index (``backend.metadata.NodeMetadata`` in a node process)."""
 
     async def commit(self, locations: Sequence[tuple[str, Location]], timeout_s: float | None = None) -> None: ...
 

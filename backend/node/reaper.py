@@ -78,7 +78,7 @@ class DeadNodeReaper:
         now = time.monotonic()
         if now < self._next_check:
             return
-        nodes = await self.store.nodes()
+        nodes = await self.store.registry.nodes()
         alive = {n.node_id: n for n in nodes if n.alive}
         if not alive or min(alive) != self.node_id:
             self._dead_since.clear()  # another node reaps; start afresh if this one takes over
@@ -86,7 +86,7 @@ class DeadNodeReaper:
             self._cursor, self._walk, self._covered = 0, None, None
             self._next_check = now + FOLLOWER_CHECK_S  # every node reading the registry each beat costs N²
             return
-        held = await self.store.slot_map()  # every id that holds a slot
+        held = await self.store.connection.slot_map()  # every id that holds a slot
         registered = {n.node_id for n in nodes}
         known = registered | held.keys()  # an id forgotten (neither) needs no tracking; its slot does
         self._dead_since = {k: t for k, t in self._dead_since.items() if k[0] == "#" or k in known}
@@ -106,7 +106,7 @@ class DeadNodeReaper:
             urgent = self._uncovered(live, dead)
             if self._cursor == 0:
                 self._begin_walk(live, dead, urgent)
-            page = await self.store.sweep_step(self._cursor, live, dead)
+            page = await self.store.index.sweep_step(self._cursor, live, dead)
             self._cursor = page.cursor
             self.counters["collector_keys_read"] += page.keys
             if page.removed:
@@ -169,11 +169,11 @@ class DeadNodeReaper:
         Their slots stay in the dead set until a walk begun with them ends."""
         for node in nodes:
             if not node.alive and self._dead_long_enough(node.node_id, now):
-                await self.store.forget_node(node.node_id)
+                await self.store.registry.forget_node(node.node_id)
                 self.counters["collected_nodes"] += 1
                 logger.info(
                     "node %s: forgot node %s, dead for %.0f s or more", self.node_id, node.node_id, self.grace_s
                 )
         for node_id in held.keys() - registered:
             if self._dead_long_enough(node_id, now):
-                await self.store.forget_slot(node_id)
+                await self.store.registry.forget_slot(node_id)

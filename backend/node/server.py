@@ -32,7 +32,7 @@ from typing import Any
 
 from backend.config import NodeConfig
 from backend.errors import ConfigError, KVPoolError, NcclError
-from backend.metadata import ClaimHolder, MetadataStore, NodeInfo
+from backend.metadata import ClaimHolder, MetadataStore, NodeInfo, NodeMetadata
 from backend.metrics import NodeMetricsServer
 from backend.node.admission import Admission
 from backend.node.claim import IdClaim, chosen_node_id
@@ -84,7 +84,7 @@ class PoolNode:
             ca_file=config.redis_ca_file,
         )
         # The tiers' memory (the DRAM arena) is taken at start, once Redis and the node id are checked.
-        self.ctx = NodeContext(config, TierManager(tier_config(config), defer_memory=True), self._store)
+        self.ctx = NodeContext(config, TierManager(tier_config(config), defer_memory=True), NodeMetadata(self._store))
         self.tiers = self.ctx.tiers
         self.counters: Counter[str] = self.ctx.counters
         self.stats = NodeStats(self.ctx)
@@ -200,9 +200,9 @@ class PoolNode:
         if nvme is not None:
             self._dir_lock = DirectoryLock(nvme.root)
         node_id, source = await chosen_node_id(self.config.node_id, nvme.root if nvme else None, self.port)
-        epoch = await self._store.new_epoch()
+        epoch = await self._store.registry.new_epoch()
         holder = ClaimHolder(epoch, self.advertise_host, self.advertise_port, os.getpid(), socket.gethostname())
-        claim = IdClaim(self._store, node_id, holder, self.config, source)
+        claim = IdClaim(self._store.registry, node_id, holder, self.config, source)
         await claim.take()
         self.ctx.joined(node_id, epoch, f"{self.advertise_host}:{self.advertise_port}")
         return claim
@@ -274,8 +274,8 @@ class PoolNode:
         try:
             async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
                 if withdraw:
-                    await self._store.deregister(self.node_id, self.epoch)  # leaves a new holder's entries
-                    await self._store.remove(self.node_id, self.epoch, self.tiers.held.all())
+                    await self._store.registry.deregister(self.node_id, self.epoch)  # leaves a new holder's entries
+                    await self._store.index.remove(self.node_id, self.epoch, self.tiers.held.all())
         except (KVPoolError, TimeoutError) as exc:
             logger.warning("node %s: could not withdraw its index entries cleanly: %s", self.node_id, exc)
         if self.metrics is not None:
@@ -340,7 +340,7 @@ class PoolNode:
 
         self.channel = ChannelServer(
             transport,
-            Rendezvous(self._store),
+            Rendezvous(self._store.rendezvous),
             node_id,
             self.config.cluster,
             self.config.redis_timeout_ms / 1000,

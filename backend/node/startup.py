@@ -69,7 +69,7 @@ async def check_redis(store: MetadataStore, config: NodeConfig) -> str:
     and the flag that sets it."""
     where = mask_url(config.redis_url)
     try:
-        await store.ping()
+        await store.connection.ping()
     except RedisAuthError as exc:
         raise MetadataError(_password_refused(config, where, exc.reason)) from None
     except RedisSlowError as exc:
@@ -79,9 +79,9 @@ async def check_redis(store: MetadataStore, config: NodeConfig) -> str:
             f"Redis at {where} is unreachable ({exc}); check that redis-server runs there and that --redis "
             "names it (host, port, and rediss:// for a TLS Redis)"
         ) from None
-    version = await store.check_version()
+    version = await store.connection.check_version()
     try:
-        await store.check_writable()
+        await store.connection.check_writable()
     except MetadataError as exc:
         why = exc.reason if isinstance(exc, RedisAuthError) else str(exc)
         raise MetadataError(

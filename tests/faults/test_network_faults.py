@@ -191,7 +191,7 @@ def _holders(redis_url: str, namespace: str, keys: list[str]) -> dict[str, list[
     async def lookup() -> list[list[str]]:
         store = MetadataStore(redis_url, namespace)
         try:
-            return [[loc.node_id for loc in entry] for entry in await store.lookup(keys)]
+            return [[loc.node_id for loc in entry] for entry in await store.index.lookup(keys)]
         finally:
             await store.close()
 

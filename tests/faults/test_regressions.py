@@ -99,7 +99,7 @@ async def _lookup(redis_url: str, ns: str, keys: list[str]):
 
     store = MetadataStore(redis_url, ns)
     try:
-        return await store.lookup(keys)
+        return await store.index.lookup(keys)
     finally:
         await store.close()
 

@@ -23,7 +23,7 @@ import redis
 
 from backend.config import NodeConfig
 from backend.embedded import EmbeddedRedis
-from backend.metadata import Location, MetadataStore
+from backend.metadata import Location, MetadataStore, NodeMetadata
 from backend.node.context import NodeContext
 from backend.node.dram import StoredChunk
 from backend.node.republish import publish_held
@@ -92,7 +92,7 @@ def watch_factory() -> Iterator[list[BeatWatch]]:
 
 
 def _watch(made: list[BeatWatch], server: EmbeddedRedis, node_id: str, namespace: str) -> BeatWatch:
-    key = MetadataStore(server.url, namespace).heartbeat_key(node_id)
+    key = MetadataStore(server.url, namespace).connection.heartbeat_key(node_id)
     watch = BeatWatch(server.port, key)
     made.append(watch)
     watch.start()
@@ -136,7 +136,7 @@ async def _indexed(node: PoolNode, stored: dict[str, bytes]) -> list[str]:
         keys = list(stored)
         for start in range(0, len(keys), 5000):
             batch = keys[start : start + 5000]
-            for key, entry in zip(batch, await store.lookup(batch), strict=True):
+            for key, entry in zip(batch, await store.index.lookup(batch), strict=True):
                 mine = [loc for loc in entry if (loc.node_id, loc.epoch) == (node.node_id, node.epoch)]
                 if len(mine) != 1 or mine[0].checksum != checksum(stored[key]):
                     wrong.append(key)
@@ -261,7 +261,9 @@ async def test_what_changed_while_a_batch_was_in_flight_is_corrected_once_it_lan
     index says what the node holds now, not what the batch said."""
     tiers = TierManager(TierConfig(dram_bytes=1 << 20, nvme_dir=tmp_path, nvme_bytes=1 << 20))
     store = MetadataStore(own_redis.url, namespace)
-    ctx = NodeContext(NodeConfig(redis_url=own_redis.url, namespace=namespace, dram_bytes=1 << 20), tiers, store)
+    ctx = NodeContext(
+        NodeConfig(redis_url=own_redis.url, namespace=namespace, dram_bytes=1 << 20), tiers, NodeMetadata(store)
+    )
     ctx.joined("n1", 7, "127.0.0.1:1")
 
     def chunk(key: str, data: bytes) -> StoredChunk:
@@ -279,15 +281,17 @@ async def test_what_changed_while_a_batch_was_in_flight_is_corrected_once_it_lan
             tiers.insert(held)
         # The batch as it was read before: the older bytes of k-new, k-gone (deleted since), k-m on NVMe.
         await publish_held(ctx, [(old.meta, DRAM), (gone.meta, DRAM), (moved.meta, NVME)])
-        entries = dict(zip(["k-new", "k-gone", "k-m"], await store.lookup(["k-new", "k-gone", "k-m"]), strict=True))
+        entries = dict(
+            zip(["k-new", "k-gone", "k-m"], await store.index.lookup(["k-new", "k-gone", "k-m"]), strict=True)
+        )
         assert [loc.checksum for loc in entries["k-new"]] == [new.meta.checksum]
         assert entries["k-gone"] == []
         assert [loc.tier for loc in entries["k-m"]] == [DRAM]
         # An entry another writer put under the same key since is not touched by the correction.
         other = Location("n2", 3, DRAM, 1, gone.meta.checksum)
-        await store.commit([("k-gone", other)])
+        await store.index.commit([("k-gone", other)])
         await publish_held(ctx, [(gone.meta, DRAM)])
-        assert [loc.node_id for loc in (await store.lookup(["k-gone"]))[0]] == ["n2"]
+        assert [loc.node_id for loc in (await store.index.lookup(["k-gone"]))[0]] == ["n2"]
     finally:
         await tiers.close()
         await store.close()
@@ -307,9 +311,9 @@ async def test_a_node_whose_entries_take_longer_to_withdraw_than_its_stop_may_st
     await _republished(node)
     store = MetadataStore(own_redis.url, namespace)
     try:
-        assert [n.node_id for n in await store.nodes()] == [node.node_id]
+        assert [n.node_id for n in await store.registry.nodes()] == [node.node_id]
         await node.stop()
-        assert await store.nodes() == []  # deregistered, though its entries were not all withdrawn in time
+        assert await store.registry.nodes() == []  # deregistered, though its entries were not all withdrawn in time
     finally:
         await store.close()
 

@@ -27,7 +27,7 @@ def _draining(url: str) -> dict[str, bool]:
         config = PoolConfig.from_url(url)
         store = MetadataStore(config.redis_url, config.namespace)
         try:
-            return {n.node_id: n.draining for n in await store.nodes()}
+            return {n.node_id: n.draining for n in await store.registry.nodes()}
         finally:
             await store.close()
 

@@ -452,7 +452,7 @@ def test_a_client_refuses_a_listener_without_the_token_before_sending_it_anythin
         store = MetadataStore(config.redis_url, config.namespace)
         try:
             info = NodeInfo("impostor", "127.0.0.1", listener.port, 1, capacity_bytes=1 << 30)
-            await store.heartbeat(info, ttl_ms=60_000, changed=True)
+            await store.registry.heartbeat(info, ttl_ms=60_000, changed=True)
         finally:
             await store.close()
 

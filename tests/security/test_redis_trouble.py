@@ -233,8 +233,8 @@ def test_a_redis_that_cannot_compile_kvpools_scripts_is_named_with_the_version_k
     async def compile_a_flagged_script_redis_rejects() -> None:
         store = MetadataStore(redis_server.url, "ns")
         try:
-            async with store._call("node id claim"):
-                await store._redis.eval("#!lua flags=no-such-flag\nreturn 1", 0)
+            async with store.connection.call("node id claim"):
+                await store.connection.redis.eval("#!lua flags=no-such-flag\nreturn 1", 0)
         finally:
             await store.close()
 
