@@ -183,14 +183,14 @@ def test_up_prints_the_url_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
 
 
 def test_public_api_is_what_the_readme_lists():
-    import backend
+    import kvpool
 
     readme = (REPO / "README.md").read_text()
     listed = set(re.findall(r"`(\w+)`", readme.split("The public Python API is")[1].split("\n\n")[0]))
-    errors = {name for name in backend.__all__ if name.endswith("Error") or name == "NodeUnavailable"}
-    assert set(backend.__all__) - errors == listed - {"backend", "__all__"}
-    for name in backend.__all__:
-        assert hasattr(backend, name)
+    errors = {name for name in kvpool.__all__ if name.endswith("Error") or name == "NodeUnavailable"}
+    assert set(kvpool.__all__) - errors == listed
+    for name in kvpool.__all__:
+        assert hasattr(kvpool, name)
 
 
 def test_check_exits_0_when_clean_3_when_it_finds_problems_and_1_when_redis_is_unreachable(
