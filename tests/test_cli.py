@@ -235,6 +235,7 @@ def test_usage_errors_found_inside_a_verb_exit_2_with_one_line_naming_the_flag()
         (["status"], "--url"),
         (["lmcache-config", "--url", url, "--format", "args"], "--format"),
         (["node", "--redis", "redis://127.0.0.1:1", "--pair-timeout-ms", "0"], "--pair-timeout-ms"),
+        (["node", "--redis", "redis://127.0.0.1:1", "--pair-timeout-s", "0"], "--pair-timeout-s"),
     ]
     for args, flag in cases:
         out = subprocess.run(

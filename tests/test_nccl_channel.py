@@ -45,7 +45,7 @@ def _channel(client: PoolClient, transport: CpuTransport | None = None, pipeline
         "test-endpoint",
         CLUSTER,
         client.channel_request,
-        client.config.timeout_s,
+        client.config.progress_timeout_s,
         pipelined=pipelined,
     )
 
@@ -354,7 +354,7 @@ async def test_after_a_channel_failure_the_node_is_read_over_tcp_for_the_backoff
         "test-endpoint",
         CLUSTER,
         client.channel_request,
-        client.config.timeout_s,
+        client.config.progress_timeout_s,
         backoff_s=3.0,
     )
     try:
