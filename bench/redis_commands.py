@@ -10,7 +10,7 @@ step cost (from ``INFO commandstats``, summed over every server) and the lookup'
 latency (p50/p99 over ``--rounds``). No nodes: this is the metadata layer alone.
 
 Then it times ``PoolClient.contains`` while the redis-server is stopped (SIGSTOP) and
-after it is killed: each call must return misses, not raise, within ``timeout_ms``.
+after it is killed: each call must return misses, not raise, within ``progress_timeout_s``.
 """
 
 from __future__ import annotations
@@ -71,12 +71,12 @@ async def _measure(url: str, ports: list[int], keys: int, rounds: int) -> dict[s
     }
 
 
-def _outage(timeout_ms: int, calls: int = 5) -> dict[str, tuple[float, float]]:
+def _outage(timeout_s: float, calls: int = 5) -> dict[str, tuple[float, float]]:
     """min and max ms of ``contains`` while Redis is paused, then killed."""
     keys = [f"k{i}" for i in range(10)]
     spans: dict[str, tuple[float, float]] = {}
     with EmbeddedRedis() as redis:
-        config = PoolConfig.from_url(f"kvpool://127.0.0.1:{redis.port}/outage?timeout_ms={timeout_ms}")
+        config = PoolConfig.from_url(f"kvpool://127.0.0.1:{redis.port}/outage?progress_timeout_s={timeout_s}")
         with SyncPoolClient(config) as client:
             client.contains(keys)  # connected while Redis was up
             process = redis.process
@@ -100,7 +100,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=1000, help="index entries per batch (default 1000)")
     parser.add_argument("--rounds", type=int, default=30, help="timed lookups (default 30)")
-    parser.add_argument("--timeout-ms", type=int, default=500, help="client timeout_ms for the outage (default 500)")
+    parser.add_argument(
+        "--timeout-s", type=float, default=0.5, help="client progress_timeout_s for the outage (default 0.5)"
+    )
     args = parser.parse_args()
     with EmbeddedRedis() as single, tempfile.TemporaryDirectory(prefix="kvpool-cluster-") as root:
         servers = RedisProcesses(Path(root))
@@ -120,8 +122,8 @@ def main() -> None:
         print(f"  commit commands: {r['commit']}")
         print(f"  lookup commands: {r['lookup']}")
         print(f"  lookup latency: p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms")
-    print(f"\nRedis outage, contains of 10 keys with timeout_ms={args.timeout_ms} (all misses, no exception):")
-    for name, (low, high) in _outage(args.timeout_ms).items():
+    print(f"\nRedis outage, contains of 10 keys with progress_timeout_s={args.timeout_s} (all misses, no exception):")
+    for name, (low, high) in _outage(args.timeout_s).items():
         print(f"  redis-server {name}: {low:.0f}-{high:.0f} ms")
 
 

@@ -189,7 +189,9 @@ def measure_node(chunks: int = DEFAULT_CHUNKS) -> dict[str, Any]:
         for node_id, held in (("small", SMALL_CHUNKS), ("large", chunks)):
             args = ["--redis", redis.url, "--namespace", "scale-node", "--dram", str(held * room), "--nvme", "0"]
             nodes.append(NodeProcess([*args, "--shm-dir", "off", "--prefault", "off", "--node-id", node_id]).start())
-        config = PoolConfig.from_url(f"kvpool://127.0.0.1:{redis.port}/scale-node?shm=off&timeout_ms=60000")
+        config = PoolConfig.from_url(
+            f"kvpool://127.0.0.1:{redis.port}/scale-node?shm=off&connect_timeout_s=60&progress_timeout_s=60"
+        )
         return asyncio.run(_node_scenario(config, nodes[0], nodes[1], chunks))
     finally:
         for node in nodes:

@@ -57,8 +57,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 NAMESPACE = "scale"
 SAMPLE = 1000
 PUT_BATCH = 2000
-FILL_TIMEOUT_MS = 10_000  # the fill's puts may wait for a busy Redis: the put commits as in a pool under load
-HEARTBEAT_TTL_S = 5.0  # the node's default heartbeat_ttl_ms
+FILL_TIMEOUT_S = 10.0  # the fill's puts may wait for a busy Redis: the put commits as in a pool under load
+HEARTBEAT_TTL_S = 5.0  # the node's default heartbeat_ttl_s
 NODE_START_TIMEOUT_S = 120.0
 SEGMENT_BYTES = 64 * 1024 * 1024
 FSYNC_SAMPLE = 2000
@@ -150,7 +150,7 @@ def republish(chunks: int, sample_size: int = SAMPLE) -> dict[str, Any]:
         node = NodeProcess(args, _node_env()).start(NODE_START_TIMEOUT_S)
         monitor = BeatMonitor(server.port, f"kvp:{{{NAMESPACE}}}:hb:{node.node_id}")
         try:
-            url = f"kvpool://127.0.0.1:{server.port}/{NAMESPACE}?timeout_ms={FILL_TIMEOUT_MS}"
+            url = f"kvpool://127.0.0.1:{server.port}/{NAMESPACE}?connect_timeout_s={FILL_TIMEOUT_S}&progress_timeout_s={FILL_TIMEOUT_S}"
             with SyncPoolClient(PoolConfig.from_url(url)) as client:
                 began = time.monotonic()
                 for start in range(0, chunks, PUT_BATCH):

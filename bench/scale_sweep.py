@@ -11,7 +11,7 @@ instead of hours. What reads and removes them is the real code.
 
 * ``sweep``: a pool of N keys, each with a copy on a dead node (registered, its heartbeat
   gone) and half of them with a copy on a live ``kvpool node`` process, which is the
-  pool's reaper (``--dead-node-grace-ms``). Measured: how long its walk takes once the
+  pool's reaper (``--dead-node-grace-s``). Measured: how long its walk takes once the
   grace is over (its log: "swept the index in X s"), keys per second, and what Redis's
   other clients see meanwhile: a probe's PING every 2 ms (p50/p99/max, from another
   process), and Redis's own SLOWLOG (every command over 1 ms) and LATENCY monitor. Then
@@ -72,7 +72,7 @@ REHASH_WAIT_S = 900.0
 LOOKUP_KEYS = 1000
 LOOKUP_ROUNDS = 300
 SMALL_INDEX = 10_000
-GRACE_MS = 1000
+GRACE_S = 1.0
 SWEEP_WAIT_S = 1800.0
 CHECK_SAMPLE = 1000
 ADMIN_MODEL_KEYS = 1000
@@ -272,7 +272,7 @@ def _next_slot_and_epoch(r: redis.Redis) -> tuple[int, int]:
     return int(r.get(f"kvp:{{{NAMESPACE}}}:slotseq") or 0) + 1, int(r.get(f"kvp:{{{NAMESPACE}}}:epoch") or 0) + 1
 
 
-def sweep(chunks: int = 100_000, *, pool: int = 0, grace_ms: int = GRACE_MS) -> dict[str, Any]:
+def sweep(chunks: int = 100_000, *, pool: int = 0, grace_s: float = GRACE_S) -> dict[str, Any]:
     """A dead node's ``chunks`` copies spread over a pool of ``pool`` keys (default: as many), half of them
     also on the live node that sweeps them (module docstring)."""
     pool = max(pool, chunks)
@@ -298,7 +298,7 @@ def sweep(chunks: int = 100_000, *, pool: int = 0, grace_ms: int = GRACE_MS) -> 
         used = int(r.info("memory")["used_memory"])
         probe = _Probe(server.port)
         started = time.monotonic()
-        node = _node(server.url, "a-reaper", "--dead-node-grace-ms", str(grace_ms))
+        node = _node(server.url, "a-reaper", "--dead-node-grace-s", str(grace_s))
         assert _slots(r)["a-reaper"] == live_slot, "another node claimed first: the live copies name another slot"
         with SyncPoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{server.port}/{NAMESPACE}")) as client:
             me = next(n for n in client.nodes() if n.node_id == "a-reaper")
@@ -325,7 +325,7 @@ def sweep(chunks: int = 100_000, *, pool: int = 0, grace_ms: int = GRACE_MS) -> 
             "fill_s": round(fill_s, 1),
             "rehash_wait_s": rehash_s,
             "redis_used_memory_mib": round(used / 2**20, 1),
-            "grace_s": grace_ms / 1000,
+            "grace_s": grace_s,
             "sweep_walk_s": walk_s,
             "dead_gone_after_start_s": round(total_s, 1),
             "keys_per_s": round(pool / walk_s) if walk_s > 0 else None,  # a small pool is swept within the log's 0.1 s
@@ -519,14 +519,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m bench.scale_sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--chunks", type=int, default=100_000, help="index size N (default 100000)")
     parser.add_argument("--parts", default="sweep,admin,lookup", help="which parts (default all)")
-    parser.add_argument("--grace-ms", type=int, default=GRACE_MS, help="the reaper's --dead-node-grace-ms")
+    parser.add_argument("--grace-s", type=float, default=GRACE_S, help="the reaper's --dead-node-grace-s")
     parser.add_argument("--pool", type=int, default=0, help="sweep: keys in the pool (default --chunks)")
     parser.add_argument("--small", type=int, default=SMALL_INDEX, help="lookup: the smaller index (default 10000)")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
     results: dict[str, Any] = {"load_before": os.getloadavg()[0]}
     if "sweep" in parts:
-        results["sweep"] = sweep(args.chunks, pool=args.pool, grace_ms=args.grace_ms)
+        results["sweep"] = sweep(args.chunks, pool=args.pool, grace_s=args.grace_s)
         s = results["sweep"]
         print(
             f"sweep of a dead node's {s['dead_fields']:,} fields in {s['pool_keys']:,} keys: walk {s['sweep_walk_s']} s "

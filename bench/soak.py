@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "off",
                 ]
                 nodes.append(NodeProcess(node_args).start(START_TIMEOUT_S))
-            url = f"kvpool://127.0.0.1:{redis_server.port}/{namespace}?timeout_ms={args.timeout_ms}"
+            url = f"kvpool://127.0.0.1:{redis_server.port}/{namespace}?connect_timeout_s={args.timeout_s}&progress_timeout_s={args.timeout_s}"
             before = {n.node_id: n.memory() for n in nodes}
             print(
                 f"[soak] {args.clients} clients for {args.duration:.0f} s on {args.nodes} nodes of {args.dram} DRAM; "
@@ -296,7 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--put", type=float, default=3, help="weight of puts in the mix (default 3)")
     parser.add_argument("--get", type=float, default=5, help="weight of gets (default 5)")
     parser.add_argument("--contains", type=float, default=2, help="weight of contains (default 2)")
-    parser.add_argument("--timeout-ms", type=int, default=10_000, help="client timeout (default 10000: 2 cores)")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=10.0,
+        help="client connect and progress timeout, seconds (default 10: 2 cores)",
+    )
     parser.add_argument("--shm-dir", default="off", help="nodes' --shm-dir (default off: TCP, as from another host)")
     parser.add_argument("--max-errors", type=int, default=0, help="errors allowed before exiting non-zero")
     parser.add_argument(

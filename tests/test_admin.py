@@ -254,7 +254,7 @@ def test_bad_arguments_are_usage_errors_and_change_nothing(pool):
 
 
 def test_unreachable_redis_is_one_line_and_exit_1_for_every_verb():
-    url = f"kvpool://127.0.0.1:{free_port()}/x?timeout_ms=300"
+    url = f"kvpool://127.0.0.1:{free_port()}/x?progress_timeout_s=0.3"
     for verb in (["status"], ["nodes"], ["ls"], ["stats"], ["evict", "k"], ["drain", "n"], ["check"]):
         out = kvpool(*verb, "--url", url)
         assert out.returncode == 1, (verb, out.stderr)
@@ -278,7 +278,9 @@ def test_doctor_passes_on_a_good_config_and_names_the_fix_for_bad_ones(pool, tmp
     assert out.returncode == 1 and "remote_storage_plugins" in out.stdout and "fix:" in out.stdout
 
     config = yaml.safe_load(good.read_text())
-    config["extra_config"]["remote_storage_plugin.kvpool.url"] = f"kvpool://127.0.0.1:{free_port()}/x?timeout_ms=300"
+    config["extra_config"]["remote_storage_plugin.kvpool.url"] = (
+        f"kvpool://127.0.0.1:{free_port()}/x?progress_timeout_s=0.3"
+    )
     down = tmp_path / "down.yaml"
     down.write_text(yaml.safe_dump(config))
     out = kvpool("doctor", "--lmcache-config", str(down), timeout=180)

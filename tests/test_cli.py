@@ -120,7 +120,7 @@ def test_usage_errors_exit_2():
 
 
 def test_status_with_unreachable_redis_is_one_line_and_exit_1():
-    out = kvpool("status", "--url", f"kvpool://127.0.0.1:{free_port()}/x?timeout_ms=300")
+    out = kvpool("status", "--url", f"kvpool://127.0.0.1:{free_port()}/x?progress_timeout_s=0.3")
     assert out.returncode == 1
     assert out.stderr.strip().count("\n") == 0 and "Redis" in out.stderr
 
@@ -221,7 +221,7 @@ def test_check_exits_0_when_clean_3_when_it_finds_problems_and_1_when_redis_is_u
     fixed = kvpool("check", "--url", pool_url, "--fix")
     assert fixed.returncode == 3 and "fixed: removed 1 index entries" in fixed.stdout  # it was found, then fixed
     assert kvpool("check", "--url", pool_url).returncode == 0
-    unreachable = kvpool("check", "--url", f"kvpool://127.0.0.1:{free_port()}/x?timeout_ms=300")
+    unreachable = kvpool("check", "--url", f"kvpool://127.0.0.1:{free_port()}/x?progress_timeout_s=0.3")
     assert unreachable.returncode == 1 and "Redis" in unreachable.stderr
 
 
@@ -235,6 +235,7 @@ def test_usage_errors_found_inside_a_verb_exit_2_with_one_line_naming_the_flag()
         (["status"], "--url"),
         (["lmcache-config", "--url", url, "--format", "args"], "--format"),
         (["node", "--redis", "redis://127.0.0.1:1", "--pair-timeout-ms", "0"], "--pair-timeout-ms"),
+        (["node", "--redis", "redis://127.0.0.1:1", "--pair-timeout-s", "0"], "--pair-timeout-s"),
     ]
     for args, flag in cases:
         out = subprocess.run(
@@ -281,7 +282,7 @@ def test_a_malformed_url_is_one_line_naming_the_url_and_exit_2(verb):
 
 def test_redis_mode_cluster_against_a_redis_that_is_not_one_is_one_line_and_exit_1(redis_server):
     for port in (redis_server.port, free_port()):  # not a cluster; nothing listening
-        out = kvpool("status", "--url", f"kvpool://127.0.0.1:{port}/x?redis_mode=cluster&timeout_ms=500")
+        out = kvpool("status", "--url", f"kvpool://127.0.0.1:{port}/x?redis_mode=cluster&progress_timeout_s=0.5")
         assert out.returncode == 1, out.stderr
         assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr, out.stderr
         assert "Redis" in out.stderr and "cluster" in out.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 from pathlib import Path
@@ -22,8 +23,8 @@ MiB = 1024**2
 
 def test_from_url_reads_host_port_namespace_token_and_options() -> None:
     config = PoolConfig.from_url(
-        "kvpool://:s3cret-5b8e1f0c9d2a4e67@redis.example:6380/team-a?replicas=2&timeout_ms=750"
-        "&connections_per_node=4&nccl=on&cluster=rack_1&tls=off"
+        "kvpool://:s3cret-5b8e1f0c9d2a4e67@redis.example:6380/team-a?replicas=2&connect_timeout_s=0.5"
+        "&progress_timeout_s=0.75&connections_per_node=4&nccl=on&cluster=rack_1&tls=off"
     )
 
     assert config.redis_host == "redis.example"
@@ -31,7 +32,7 @@ def test_from_url_reads_host_port_namespace_token_and_options() -> None:
     assert config.namespace == "team-a"
     assert config.token == "s3cret-5b8e1f0c9d2a4e67"
     assert config.replicas == 2
-    assert config.timeout_ms == 750
+    assert (config.connect_timeout_s, config.progress_timeout_s) == (0.5, 0.75)
     assert config.connections_per_node == 4
     assert config.nccl is True
     assert config.cluster == "rack_1"
@@ -41,7 +42,8 @@ def test_from_url_reads_host_port_namespace_token_and_options() -> None:
 def test_from_url_without_options_gives_the_documented_defaults() -> None:
     config = PoolConfig.from_url("kvpool://127.0.0.1:6379/ns")
 
-    assert (config.replicas, config.timeout_ms, config.connections_per_node) == (1, 2000, 2)
+    assert (config.replicas, config.connections_per_node) == (1, 2)
+    assert (config.connect_timeout_s, config.progress_timeout_s, config.pair_timeout_s) == (2.0, 2.0, 30.0)
     assert (config.nccl, config.cluster, config.tls, config.token) == (False, "", False, "")
 
 
@@ -79,15 +81,79 @@ def test_bool_options_accept_every_documented_spelling(text: str, expected: bool
 
 @pytest.mark.parametrize(
     ("option", "low", "high"),
-    [("replicas", 1, 8), ("timeout_ms", 1, 600_000), ("connections_per_node", 1, 64)],
+    [("replicas", 1, 8), ("connections_per_node", 1, 64)],
 )
 def test_int_options_accept_both_ends_of_their_range(option: str, low: int, high: int) -> None:
     assert getattr(PoolConfig.from_url(f"kvpool://h:1/ns?{option}={low}"), option) == low
     assert getattr(PoolConfig.from_url(f"kvpool://h:1/ns?{option}={high}"), option) == high
 
 
-def test_timeout_s_is_timeout_ms_in_seconds() -> None:
-    assert PoolConfig.from_url("kvpool://h:1/ns?timeout_ms=1500").timeout_s == 1.5
+@pytest.mark.parametrize("option", ["connect_timeout_s", "progress_timeout_s", "pair_timeout_s"])
+def test_durations_are_seconds_from_a_millisecond_to_ten_minutes(option: str) -> None:
+    assert getattr(PoolConfig.from_url(f"kvpool://h:1/ns?{option}=0.001"), option) == 0.001
+    assert getattr(PoolConfig.from_url(f"kvpool://h:1/ns?{option}=1.5"), option) == 1.5
+    assert getattr(PoolConfig.from_url(f"kvpool://h:1/ns?{option}=600"), option) == 600.0
+
+
+# -- the old names of the durations ---------------------------------------------------
+
+
+@pytest.fixture
+def fresh_deprecations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each old key is warned about once per process: forget which were, so this test sees its line."""
+    import backend.config.renamed as renamed
+
+    monkeypatch.setattr(renamed, "_warned", set())
+
+
+@pytest.mark.usefixtures("fresh_deprecations")
+def test_the_old_timeout_ms_still_sets_both_timeouts_in_seconds_and_warns_once(caplog) -> None:
+    token = "s3cret-5b8e1f0c9d2a4e67"
+    with caplog.at_level("WARNING", logger="backend.config"):
+        config = PoolConfig.from_url(f"kvpool://:{token}@h:1/ns?timeout_ms=1500&pair_timeout_ms=45000")
+        PoolConfig.from_url("kvpool://h:1/ns?timeout_ms=700")
+
+    assert (config.connect_timeout_s, config.progress_timeout_s, config.pair_timeout_s) == (1.5, 1.5, 45.0)
+    lines = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(lines) == 2, lines  # one per old key, however often a config is made
+    assert lines[0].startswith("timeout_ms is deprecated: give connect_timeout_s and progress_timeout_s instead")
+    assert lines[1].startswith("pair_timeout_ms is deprecated: give pair_timeout_s instead")
+    assert not any(token in line or "1500" in line for line in lines)  # no value, no secret
+    assert config.to_url(with_token=False) == (
+        "kvpool://:***@h:1/ns?connect_timeout_s=1.5&progress_timeout_s=1.5&pair_timeout_s=45"
+    )
+
+
+@pytest.mark.usefixtures("fresh_deprecations")
+def test_the_old_names_work_from_the_environment_and_yaml_too(caplog) -> None:
+    with caplog.at_level("WARNING", logger="backend.config"):
+        from_env = PoolConfig.from_url("kvpool://h:1/ns", {"KVPOOL_TIMEOUT_MS": "250"})
+        from_yaml = PoolConfig.from_mapping({"url": "kvpool://h:1/ns", "pair_timeout_ms": 5000})
+
+    assert (from_env.connect_timeout_s, from_env.progress_timeout_s) == (0.25, 0.25)
+    assert from_yaml.pair_timeout_s == 5.0
+    assert any(r.getMessage().startswith("KVPOOL_TIMEOUT_MS is deprecated") for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("query", "old", "new"),
+    [
+        ("timeout_ms=500&progress_timeout_s=2", "timeout_ms=500", "progress_timeout_s=2"),
+        ("connect_timeout_s=1&timeout_ms=500", "timeout_ms=500", "connect_timeout_s=1"),
+        ("pair_timeout_ms=1000&pair_timeout_s=30", "pair_timeout_ms=1000", "pair_timeout_s=30"),
+    ],
+)
+def test_an_old_and_a_new_name_that_disagree_are_refused_naming_both(query: str, old: str, new: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_url(f"kvpool://h:1/ns?{query}")
+
+    assert caught.value.key == old.split("=")[0]
+    assert old in str(caught.value) and new in str(caught.value) and "disagree" in str(caught.value)
+
+
+def test_an_old_and_a_new_name_that_agree_are_taken() -> None:
+    config = PoolConfig.from_url("kvpool://h:1/ns?timeout_ms=500&progress_timeout_s=0.5&connect_timeout_s=0.5")
+    assert (config.connect_timeout_s, config.progress_timeout_s) == (0.5, 0.5)
 
 
 def test_redis_url_points_at_db_0_and_never_carries_the_token() -> None:
@@ -122,8 +188,12 @@ def test_redis_url_points_at_db_0_and_never_carries_the_token() -> None:
         ("kvpool://h:6379/ns?replicas=9", "replicas", "9 is out of range [1, 8]"),
         ("kvpool://h:6379/ns?replicas=two", "replicas", "'two' is not an integer"),
         ("kvpool://h:6379/ns?replicas=", "replicas", "'' is not an integer"),
-        ("kvpool://h:6379/ns?timeout_ms=0", "timeout_ms", "out of range [1, 600000]"),
-        ("kvpool://h:6379/ns?timeout_ms=600001", "timeout_ms", "out of range [1, 600000]"),
+        ("kvpool://h:6379/ns?progress_timeout_s=0", "progress_timeout_s", "out of range [0.001, 600] seconds"),
+        ("kvpool://h:6379/ns?connect_timeout_s=600.5", "connect_timeout_s", "out of range [0.001, 600] seconds"),
+        ("kvpool://h:6379/ns?pair_timeout_s=nan", "pair_timeout_s", "out of range [0.001, 600] seconds"),
+        ("kvpool://h:6379/ns?progress_timeout_s=2s", "progress_timeout_s", "'2s' is not a number of seconds"),
+        ("kvpool://h:6379/ns?timeout_ms=0", "timeout_ms", "out of range [1, "),
+        ("kvpool://h:6379/ns?timeout_ms=600001", "connect_timeout_s", "out of range [0.001, 600] seconds"),
         ("kvpool://h:6379/ns?timeout_ms=1.5", "timeout_ms", "is not an integer"),
         ("kvpool://h:6379/ns?connections_per_node=0", "connections_per_node", "out of range [1, 64]"),
         ("kvpool://h:6379/ns?connections_per_node=65", "connections_per_node", "out of range [1, 64]"),
@@ -166,7 +236,7 @@ def test_unknown_option_error_lists_the_known_options() -> None:
         PoolConfig.from_url("kvpool://h:1/ns?replica=2")
 
     assert caught.value.key == "replica"
-    for known in ("replicas", "timeout_ms", "connections_per_node", "nccl", "cluster", "tls"):
+    for known in ("replicas", "connect_timeout_s", "progress_timeout_s", "connections_per_node", "nccl", "tls"):
         assert known in str(caught.value)
 
 
@@ -261,10 +331,10 @@ def test_unknown_kvpool_env_variable_warns_once_naming_it_and_the_known_ones(cap
 
 def test_bad_env_value_raises_naming_the_option() -> None:
     with pytest.raises(ConfigError) as caught:
-        PoolConfig.from_url("kvpool://h:1/ns", {"KVPOOL_TIMEOUT_MS": "soon"})
+        PoolConfig.from_url("kvpool://h:1/ns", {"KVPOOL_PROGRESS_TIMEOUT_S": "soon"})
 
-    assert caught.value.key == "timeout_ms"
-    assert "'soon' is not an integer" in str(caught.value)
+    assert caught.value.key == "progress_timeout_s"
+    assert "'soon' is not a number of seconds" in str(caught.value)
 
 
 def test_env_can_turn_on_tls_and_name_its_ca() -> None:
@@ -287,7 +357,7 @@ def test_from_mapping_takes_url_plus_typed_options() -> None:
         {
             "url": "kvpool://:tok-0123456789abcdef@h:7000/ns",
             "replicas": 2,
-            "timeout_ms": 900,
+            "progress_timeout_s": 0.9,
             "nccl": True,
             "cluster": "east",
         }
@@ -299,16 +369,16 @@ def test_from_mapping_takes_url_plus_typed_options() -> None:
         "ns",
         "tok-0123456789abcdef",
     )
-    assert (config.replicas, config.timeout_ms, config.nccl, config.cluster) == (2, 900, True, "east")
+    assert (config.replicas, config.progress_timeout_s, config.nccl, config.cluster) == (2, 0.9, True, "east")
 
 
 def test_from_mapping_options_override_the_url_and_env_overrides_both() -> None:
-    data = {"url": "kvpool://h:1/ns?replicas=2&timeout_ms=100", "replicas": 3}
+    data = {"url": "kvpool://h:1/ns?replicas=2&progress_timeout_s=0.1", "replicas": 3}
 
-    config = PoolConfig.from_mapping(data, {"KVPOOL_TIMEOUT_MS": "250"})
+    config = PoolConfig.from_mapping(data, {"KVPOOL_PROGRESS_TIMEOUT_S": "0.25"})
 
     assert config.replicas == 3
-    assert config.timeout_ms == 250
+    assert config.progress_timeout_s == 0.25
 
 
 def test_from_mapping_rejects_an_unknown_key_by_name() -> None:
@@ -410,7 +480,7 @@ def test_from_yaml_unknown_key_is_named(tmp_path: Path) -> None:
     [
         "kvpool://127.0.0.1:6379/default",
         "kvpool://redis.example:6380/team-a?replicas=3",
-        "kvpool://:tok-0123456789abcdef@h:1/ns?replicas=2&timeout_ms=500&connections_per_node=16&nccl=on&cluster=east",
+        "kvpool://:tok-0123456789abcdef@h:1/ns?replicas=2&progress_timeout_s=0.5&connections_per_node=16&nccl=on&cluster=east",
         "kvpool://:p%40ss%2Fw%3Ard-0123456789@h:1/ns",
     ],
 )
@@ -422,7 +492,7 @@ def test_to_url_round_trips_through_from_url(url: str) -> None:
 
 
 def test_to_url_lists_only_options_that_differ_from_defaults() -> None:
-    url = PoolConfig.from_url("kvpool://h:1/ns?replicas=1&timeout_ms=2000&nccl=off&cluster=x").to_url()
+    url = PoolConfig.from_url("kvpool://h:1/ns?replicas=1&progress_timeout_s=2&nccl=off&cluster=x").to_url()
     assert url == "kvpool://h:1/ns?cluster=x"
 
 
@@ -505,7 +575,7 @@ def test_ipv6_host_round_trips() -> None:
     [
         "kvpool://127.0.0.1:6379/default",
         "kvpool://127.0.0.1:6379",
-        "kvpool://redis.example:6380/team.a-1?replicas=2&timeout_ms=500&shm=off",
+        "kvpool://redis.example:6380/team.a-1?replicas=2&progress_timeout_s=0.5&shm=off",
         "kvpool://10.0.0.5:7000/prod?redis_mode=cluster&redis_hosts=10.0.0.6:7000,10.0.0.7:7000",
         "kvpool://[::1]:26379/ns?sentinel=kvmaster&redis_hosts=[::2]:26379",
         "kvpool://h:1/ns?tls=on&tls_ca=/etc/kvpool/ca%20bundle.pem&cluster=east&nccl=on",
@@ -588,7 +658,7 @@ def test_node_options_take_a_flag_over_the_environment_over_yaml_over_the_defaul
     )
     assert (config.redis_url, config.dram_bytes, config.node_id) == ("redis://r:1", 16 << 20, "from-yaml")
     assert (config.port, config.shm_dir, config.token, config.token_file) == (7001, None, "env-0123456789abcdef", "")
-    assert config.nvme_dir is None and config.pair_timeout_ms == 60_000  # the table's defaults
+    assert config.nvme_dir is None and config.pair_timeout_s == 60.0  # the table's defaults
 
     yaml_file.write_text(f"redis: redis://r:1\ntoken_file: {token_file}\n")
     config = NodeConfig.from_sources({}, config_file=yaml_file, environ={"KVPOOL_TOKEN": "env-0123456789abcdef"})
@@ -643,7 +713,11 @@ def test_prefault_is_on_by_default_and_parses_from_a_flag_the_environment_and_ya
         ({"token_file": "/nonexistent/token"}, "", {}, "--token-file"),
         ({"redis": "http://r:1"}, "", {}, "--redis"),
         ({"redis": None}, "", {}, "--redis"),  # required
+        ({"pair_timeout_s": "0"}, "", {}, "--pair-timeout-s"),
+        ({"handshake_timeout_s": "soon"}, "", {}, "--handshake-timeout-s"),
         ({"pair_timeout_ms": "0"}, "", {}, "--pair-timeout-ms"),
+        ({}, "dead-node-grace-ms: 1.5", {}, "dead_node_grace_ms (in "),
+        ({"handshake_timeout_ms": "500", "handshake_timeout_s": "1"}, "", {}, "--handshake-timeout-ms"),
         ({}, "shm-dir: /nonexistent/shm", {}, "shm_dir (in "),
         ({"prefault": "maybe"}, "", {}, "--prefault"),
         ({}, "", {"KVPOOL_PREFAULT": "2"}, "KVPOOL_PREFAULT"),
@@ -660,17 +734,37 @@ def test_a_bad_node_option_is_refused_naming_it_as_its_source_spells_it(tmp_path
     assert str(caught.value).startswith(key), str(caught.value)
 
 
+@pytest.mark.usefixtures("fresh_deprecations")
+def test_a_node_takes_its_old_millisecond_flags_and_yaml_keys_with_a_deprecation_line(tmp_path, caplog):
+    from backend.config import NodeConfig
+
+    yaml_file = tmp_path / "node.yaml"
+    yaml_file.write_text("redis: redis://r:1\ndead-node-grace-ms: 90000\n")
+    with caplog.at_level("WARNING", logger="backend.config"):
+        config = NodeConfig.from_sources(
+            {"handshake_timeout_ms": "500", "pair_timeout_ms": None}, config_file=yaml_file, environ={}
+        )
+
+    assert (config.handshake_timeout_s, config.dead_node_grace_s, config.pair_timeout_s) == (0.5, 90.0, 60.0)
+    lines = sorted(r.getMessage() for r in caplog.records if "deprecated" in r.getMessage())
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("--handshake-timeout-ms is deprecated: give --handshake-timeout-s instead")
+    assert lines[1].startswith(f"dead_node_grace_ms (in {yaml_file}) is deprecated: give dead_node_grace_s (in ")
+
+
 def test_node_flags_are_the_option_table(tmp_path: Path) -> None:
     """Every flag of `kvpool node` and `kvpool up` is a NODE_OPTIONS entry (plus --config), and every
     settable entry is a flag: the CLI, the YAML keys and the variables cannot drift apart."""
     from backend.cli import build_parser
-    from backend.config import NODE_OPTIONS
+    from backend.config import NODE_OPTIONS, NODE_RENAMED
 
     parser = build_parser()
     for verb in ("node", "up"):
         sub = parser._subparsers._group_actions[0].choices[verb]  # type: ignore[union-attr]
-        flags = {a.option_strings[0] for a in sub._actions if a.option_strings and a.dest != "help"}
-        assert flags == {"--config"} | {o.flag_name for o in NODE_OPTIONS if o.flag}
+        shown = [a for a in sub._actions if a.option_strings and a.dest != "help" and a.help != argparse.SUPPRESS]
+        hidden = [a for a in sub._actions if a.option_strings and a.help == argparse.SUPPRESS]
+        assert {a.option_strings[0] for a in shown} == {"--config"} | {o.flag_name for o in NODE_OPTIONS if o.flag}
+        assert {a.option_strings[0] for a in hidden} == {"--" + r.old.replace("_", "-") for r in NODE_RENAMED}
     assert {o.env for o in NODE_OPTIONS if o.env} == {
         "KVPOOL_TOKEN",
         "KVPOOL_REDIS_PASSWORD",

@@ -289,7 +289,7 @@ def _returns_at_once(call: Callable[[], Any]) -> Any:
 
 def test_submit_calls_return_at_once_and_results_arrive_through_the_event_fds(node_factory, pool_url, adapters):
     node = node_factory()
-    adapter = adapters(pool_url + "?timeout_ms=20000")
+    adapter = adapters(pool_url + "?progress_timeout_s=20")
     ready, fresh = object_key(10), object_key(11)
     assert store(adapter, [ready], [memory_obj(payload(10))]).is_successful()
     fds = [adapter.get_store_event_fd(), adapter.get_lookup_and_lock_event_fd(), adapter.get_load_event_fd()]
@@ -492,7 +492,7 @@ def test_a_store_the_busy_pool_refuses_is_skipped_not_failed_and_stores_once_the
     node_factory, pool_url, adapters
 ):
     node = node_factory(dram="8MiB")
-    adapter = adapters(pool_url + "?timeout_ms=1000")  # a put may wait 0.5 s for room
+    adapter = adapters(pool_url + "?progress_timeout_s=1")  # a put may wait 0.5 s for room
     in_flight = PutInFlight(node, 8 * MiB)  # all of the node's DRAM, for longer than that
     try:
         result = store(adapter, [object_key(801)], [memory_obj(payload(801))])
@@ -509,7 +509,7 @@ def test_a_store_the_busy_pool_refuses_is_skipped_not_failed_and_stores_once_the
 def test_pool_down_gives_misses_and_an_unhealthy_status_never_a_hang(adapters):
     from backend.embedded import free_port
 
-    adapter = adapters(f"kvpool://127.0.0.1:{free_port()}/none?timeout_ms=300")
+    adapter = adapters(f"kvpool://127.0.0.1:{free_port()}/none?progress_timeout_s=0.3")
     assert lookup_and_lock(adapter, [object_key(1)]) == [False]
     hits, _ = load(adapter, [object_key(1)])
     assert hits == [False]
@@ -526,7 +526,7 @@ def test_a_pool_without_a_live_node_is_one_error_at_start_naming_the_cause_and_i
     caplog.set_level(logging.INFO)
     empty = EmbeddedRedis().start()  # Redis answers; no node ever joined
     redis_factory.append(empty)
-    adapter = adapters(f"kvpool://127.0.0.1:{empty.port}/engines?timeout_ms=1000")
+    adapter = adapters(f"kvpool://127.0.0.1:{empty.port}/engines?progress_timeout_s=1")
     assert wait_until(lambda: adapter.report_status()["pool_problem"] == "every-lookup-misses", WAIT_S)
     for i in range(3):
         assert lookup_and_lock(adapter, [object_key(900 + i)]) == [False]

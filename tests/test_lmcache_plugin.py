@@ -114,7 +114,7 @@ def _max_loop_gap_while(stack: LMCacheStack, action) -> tuple[float, object]:
 
 def test_killed_node_gives_misses_within_the_timeout_and_never_blocks_the_loop(node_factory, pool_url, stack_factory):
     node = node_factory()
-    stack = stack_factory(pool_url + "?timeout_ms=500")
+    stack = stack_factory(pool_url + "?progress_timeout_s=0.5")
     keys = [stack.key(200 + i) for i in range(4)]
     objs = [stack.make_object(i) for i in range(4)]
     stack.put(keys, objs)
@@ -134,7 +134,7 @@ def test_killed_node_gives_misses_within_the_timeout_and_never_blocks_the_loop(n
 
 def test_a_put_the_busy_pool_refuses_is_a_skipped_put_not_a_failure(node_factory, pool_url, stack_factory, caplog):
     node = node_factory(dram="8MiB")
-    stack = stack_factory(pool_url + "?timeout_ms=1000")  # a put may wait 0.5 s for room
+    stack = stack_factory(pool_url + "?progress_timeout_s=1")  # a put may wait 0.5 s for room
     skipped, later = [stack.make_object(1)], [stack.make_object(2)]
     in_flight = PutInFlight(node, 8 * MiB)  # all of the node's DRAM, for longer than that
     try:
@@ -156,7 +156,7 @@ def test_redis_down_during_the_run_misses_then_recovers(node_factory, redis_fact
     redis = EmbeddedRedis().start()
     redis_factory.append(redis)
     node_factory(redis_url=redis.url, ns="lmc")
-    stack = stack_factory(f"kvpool://127.0.0.1:{redis.port}/lmc?timeout_ms=500")
+    stack = stack_factory(f"kvpool://127.0.0.1:{redis.port}/lmc?progress_timeout_s=0.5")
     keys = [stack.key(300 + i) for i in range(3)]
     objs = [stack.make_object(i) for i in range(3)]
     stack.put(keys, objs)
@@ -174,7 +174,7 @@ def test_redis_down_during_the_run_misses_then_recovers(node_factory, redis_fact
 
 def test_pool_down_at_start_is_reported_once_at_error_with_the_fix(stack_factory, caplog):
     caplog.set_level(logging.WARNING)
-    stack = stack_factory(f"kvpool://127.0.0.1:{free_port()}/none?timeout_ms=300")
+    stack = stack_factory(f"kvpool://127.0.0.1:{free_port()}/none?progress_timeout_s=0.3")
     assert wait_until(lambda: any("not usable at start" in r.message for r in caplog.records), 5.0)
     keys = [stack.key(1), stack.key(2)]
     assert stack.contains_prefix(keys) == 0

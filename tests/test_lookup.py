@@ -171,7 +171,7 @@ def test_a_key_with_one_dead_and_one_live_copy_hits_and_the_get_reads_the_live_o
 
 
 async def test_redis_down_reads_every_lookup_as_misses_with_one_warning(caplog):
-    client = PoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{free_port()}/ns?timeout_ms=300"))
+    client = PoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{free_port()}/ns?progress_timeout_s=0.3"))
     try:
         with caplog.at_level(logging.WARNING, logger="backend.client"):
             assert await client.hit_prefix(KEYS) == 0

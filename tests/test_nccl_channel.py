@@ -24,7 +24,7 @@ from nccl_channel.rendezvous import Offer, Rendezvous, new_session
 from tests.conftest import wait_until
 
 CLUSTER = "rack-a"
-TIMEOUT_MS = 1000
+TIMEOUT_S = 1.0
 
 
 def _chunks(prefix: str, count: int, size: int) -> list[Chunk]:
@@ -33,7 +33,7 @@ def _chunks(prefix: str, count: int, size: int) -> list[Chunk]:
 
 @pytest.fixture
 async def client(pool_url) -> AsyncIterator[PoolClient]:
-    pool = PoolClient(PoolConfig.from_url(f"{pool_url}?cluster={CLUSTER}&timeout_ms={TIMEOUT_MS}"))
+    pool = PoolClient(PoolConfig.from_url(f"{pool_url}?cluster={CLUSTER}&progress_timeout_s={TIMEOUT_S}"))
     yield pool
     await pool.close()
 
@@ -45,7 +45,7 @@ def _channel(client: PoolClient, transport: CpuTransport | None = None, pipeline
         "test-endpoint",
         CLUSTER,
         client.channel_request,
-        client.config.timeout_s,
+        client.config.progress_timeout_s,
         pipelined=pipelined,
     )
 
@@ -354,7 +354,7 @@ async def test_after_a_channel_failure_the_node_is_read_over_tcp_for_the_backoff
         "test-endpoint",
         CLUSTER,
         client.channel_request,
-        client.config.timeout_s,
+        client.config.progress_timeout_s,
         backoff_s=3.0,
     )
     try:

@@ -85,7 +85,7 @@ def test_staging_is_copied_into_an_lmcache_memory_object_and_verified(lib):
     from nccl_channel.channel import _copy_and_verify
     from nccl_channel.communicator import PairCommunicator
 
-    stack = LMCacheStack(kvpool_lmcache_config("kvpool://127.0.0.1:1/none?timeout_ms=200"))
+    stack = LMCacheStack(kvpool_lmcache_config("kvpool://127.0.0.1:1/none?progress_timeout_s=0.2"))
     comm = PairCommunicator.create(lib, lib.unique_id(), 0, 1, "cuda:0", TIMEOUT_S)
     expected = stack.make_object(7)
     target = stack.make_object(8)

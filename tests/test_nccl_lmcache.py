@@ -117,7 +117,7 @@ def test_peer_death_mid_transfer_falls_back_to_tcp_with_correct_bytes(
     caplog.set_level(logging.WARNING)
     near = node_factory("--cluster", CLUSTER, "--channel", "cpu")
     node_factory("--cluster", "rack-b")
-    stack = stack_factory(f"{pool_url}?nccl=on&cluster={CLUSTER}&channel_transport=cpu&replicas=2&timeout_ms=1000")
+    stack = stack_factory(f"{pool_url}?nccl=on&cluster={CLUSTER}&channel_transport=cpu&replicas=2&progress_timeout_s=1")
     keys, objs = _store(stack, 400, 16)  # 32 MiB: far more than the socket buffers hold
     connector = stack.connector()
     armed = threading.Event()  # a link takes its transport's progress hook when it is made: set it first
@@ -203,12 +203,12 @@ def _slow_join_env(directory: Path, delay_s: float) -> dict[str, str]:
 def test_a_pairing_slower_than_the_request_timeout_engages_without_closing_the_shared_connection(
     node_factory, pool_url, stack_factory, tmp_path
 ):
-    """The node's side of a pairing takes 3 s, three times timeout_ms: the pairing has its own deadline
+    """The node's side of a pairing takes 3 s, three times progress_timeout_s: the pairing has its own deadline
     (30 s by default), the node answers the pairing request at once, and reads keep using the same
     TCP connections meanwhile."""
     node = node_factory("--cluster", CLUSTER, "--channel", "cpu", env=_slow_join_env(tmp_path / "slow", 3.0))
     stack = stack_factory(
-        f"{pool_url}?nccl=on&cluster={CLUSTER}&channel_transport=cpu&timeout_ms=1000&connections_per_node=1"
+        f"{pool_url}?nccl=on&cluster={CLUSTER}&channel_transport=cpu&progress_timeout_s=1&connections_per_node=1"
     )
     keys, objs = _store(stack, 500, 4)
     connector = stack.connector()

@@ -224,7 +224,7 @@ def test_tiny_chunks_fill_a_shared_arena_at_their_cells_and_never_spill_into_pri
     arena (DRAM plus its slack) always has room, so no chunk becomes a private buffer of its own."""
     node_factory(shm=True, dram="4MiB")
     count, size = 40_000, 100
-    with SyncPoolClient(PoolConfig.from_url(pool_url + "?timeout_ms=30000")) as client:
+    with SyncPoolClient(PoolConfig.from_url(pool_url + "?progress_timeout_s=30")) as client:
         for start in range(0, count, 4000):
             client.put([Chunk(f"tiny@{i}", i.to_bytes(4, "little") * (size // 4)) for i in range(start, start + 4000)])
         (info,) = client.nodes()

@@ -100,7 +100,7 @@ def test_put_with_no_live_node_raises_capacity_error(redis_server, pool_url):
 
 async def test_sixteen_concurrent_clients_times_200_chunks_every_byte_verified(node_factory, pool_url):
     node_factory(dram="512MiB")
-    config = PoolConfig.from_url(pool_url + "?timeout_ms=20000")
+    config = PoolConfig.from_url(pool_url + "?progress_timeout_s=20")
 
     async def one_client(index: int) -> int:
         async with PoolClient(config) as client:
@@ -116,7 +116,7 @@ async def test_sixteen_concurrent_clients_times_200_chunks_every_byte_verified(n
 
 def test_killed_node_reads_as_misses_within_the_timeout(node_factory, pool_url):
     node = node_factory()
-    with SyncPoolClient(PoolConfig.from_url(pool_url + "?timeout_ms=500")) as client:
+    with SyncPoolClient(PoolConfig.from_url(pool_url + "?progress_timeout_s=0.5")) as client:
         chunks = _chunks("k", 4, 4096)
         client.put(chunks)
         assert all(g is not None for g in client.get([c.key for c in chunks]))
@@ -130,7 +130,7 @@ def test_killed_node_reads_as_misses_within_the_timeout(node_factory, pool_url):
 def test_a_second_node_takes_writes_when_one_dies(node_factory, pool_url):
     first = node_factory()
     second = node_factory()
-    with SyncPoolClient(PoolConfig.from_url(pool_url + "?timeout_ms=500")) as client:
+    with SyncPoolClient(PoolConfig.from_url(pool_url + "?progress_timeout_s=0.5")) as client:
         assert {n.node_id for n in client.nodes()} == {first.node_id, second.node_id}
         first.kill()
         chunks = _chunks("f", 20, 1024)
@@ -152,7 +152,7 @@ def test_redis_down_reads_as_misses_then_recovers_with_republished_index(node_fa
     redis = EmbeddedRedis().start()
     redis_factory.append(redis)
     node_factory(redis_url=redis.url, ns="rr")
-    config = PoolConfig.from_url(f"kvpool://127.0.0.1:{redis.port}/rr?timeout_ms=500")
+    config = PoolConfig.from_url(f"kvpool://127.0.0.1:{redis.port}/rr?progress_timeout_s=0.5")
     with SyncPoolClient(config) as client:
         chunks = _chunks("r", 5, 1000)
         client.put(chunks)

@@ -123,7 +123,7 @@ async def _burst_while(url: str, in_flight: PutInFlight, hold_s: float, end: str
 @pytest.mark.parametrize("end", ["land", "abort"])
 def test_a_burst_of_puts_waits_for_the_room_a_put_in_flight_holds_and_none_is_refused(node_factory, pool_url, end):
     node = node_factory(dram="8MiB")
-    url = pool_url + "?timeout_ms=20000"  # each put may wait 10 s for room, longer than the node's old 5 s
+    url = pool_url + "?progress_timeout_s=20"  # each put may wait 10 s for room, longer than the node's old 5 s
     in_flight = PutInFlight(node, 8 * MiB)  # all of DRAM
     burst = asyncio.run(_burst_while(url, in_flight, hold_s=6.0, end=end))
     assert burst == [None] * 16
@@ -136,7 +136,7 @@ def test_a_put_that_finds_no_room_before_its_deadline_is_refused_as_busy_and_cou
     node = node_factory(dram="8MiB")
     # Each put may wait 1.5 s for room, half the timeout: the other half is the node's answer's margin
     # on a loaded machine (at 1000 ms, 0.5 s of margin was not always enough for 16 refusals).
-    url = pool_url + "?timeout_ms=3000"
+    url = pool_url + "?progress_timeout_s=3"
     in_flight = PutInFlight(node, 8 * MiB)
     try:
         started = time.monotonic()

@@ -123,7 +123,7 @@ def test_every_node_republishes_when_one_cluster_shard_restarts_empty(
     redis_cluster, redis_processes, node_factory, namespace
 ):
     node = node_factory(redis_url=f"redis+cluster://127.0.0.1:{redis_cluster[0]}")
-    url = f"kvpool://127.0.0.1:{redis_cluster[0]}/{namespace}?redis_mode=cluster&timeout_ms=1000"
+    url = f"kvpool://127.0.0.1:{redis_cluster[0]}/{namespace}?redis_mode=cluster&progress_timeout_s=1"
     chunks = _chunks("sh", 60, 2000)
     keys = [c.key for c in chunks]
     with SyncPoolClient(PoolConfig.from_url(url)) as client:
@@ -149,7 +149,7 @@ def test_cluster_master_killed_reads_as_misses_and_restarted_empty_is_republishe
     redis_cluster, redis_processes, node_factory, namespace
 ):
     node = node_factory(redis_url=f"redis+cluster://127.0.0.1:{redis_cluster[0]}")
-    url = f"kvpool://127.0.0.1:{redis_cluster[0]}/{namespace}?redis_mode=cluster&timeout_ms=1000"
+    url = f"kvpool://127.0.0.1:{redis_cluster[0]}/{namespace}?redis_mode=cluster&progress_timeout_s=1"
     chunks = _chunks("kl", 60, 2000)
     keys = [c.key for c in chunks]
     with SyncPoolClient(PoolConfig.from_url(url)) as client:
@@ -212,7 +212,7 @@ def test_sentinel_failover_reads_as_misses_then_the_promoted_replica_serves_the_
     sentinel = redis_processes.start_sentinel(free_port(), "kvmaster", master)
     assert wait_until(lambda: "master_link_status:up" in _cli(replica, "INFO", "replication"), 30.0)
     node = node_factory(redis_url=f"redis+sentinel://127.0.0.1:{sentinel}/kvmaster")
-    url = f"kvpool://127.0.0.1:{sentinel}/{namespace}?sentinel=kvmaster&timeout_ms=1000"
+    url = f"kvpool://127.0.0.1:{sentinel}/{namespace}?sentinel=kvmaster&progress_timeout_s=1"
     chunks = _chunks("fo", 20, 3000)
     keys = [c.key for c in chunks]
     with SyncPoolClient(PoolConfig.from_url(url)) as client:
@@ -265,7 +265,7 @@ def test_lmcache_misses_while_redis_restarts_empty_then_hits_the_same_bytes(
     redis = EmbeddedRedis().start()
     redis_factory.append(redis)
     node = node_factory(redis_url=redis.url)
-    stack = stack_factory(f"kvpool://127.0.0.1:{redis.port}/{namespace}?timeout_ms=500")
+    stack = stack_factory(f"kvpool://127.0.0.1:{redis.port}/{namespace}?progress_timeout_s=0.5")
     keys = [stack.key(400 + i) for i in range(4)]
     objs = [stack.make_object(i) for i in range(4)]
     stack.put(keys, objs)
@@ -407,7 +407,9 @@ def test_a_hung_redis_reads_as_misses_and_a_put_fails_without_hanging(node_facto
     node_factory(redis_url=redis.url)
     chunks = _chunks("hung", 5, 1000)
     keys = [c.key for c in chunks]
-    with SyncPoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{redis.port}/{namespace}?timeout_ms=500")) as client:
+    with SyncPoolClient(
+        PoolConfig.from_url(f"kvpool://127.0.0.1:{redis.port}/{namespace}?progress_timeout_s=0.5")
+    ) as client:
         client.put(chunks)
         assert redis.process is not None
         redis.process.send_signal(signal.SIGSTOP)  # accepts connections, never answers

@@ -149,7 +149,9 @@ def test_no_secret_reaches_any_log_line_or_cli_output(acl_redis, secret_files, n
         assert out.returncode == 2 and "rediss://" in out.stderr
         seen.append(_everything(out))
         out = _kvpool(
-            "status", "--url", f"kvpool://:{TOKEN}@127.0.0.1:{free_port()}/x?redis_password={PASSWORD}&timeout_ms=300"
+            "status",
+            "--url",
+            f"kvpool://:{TOKEN}@127.0.0.1:{free_port()}/x?redis_password={PASSWORD}&progress_timeout_s=0.3",
         )
         assert out.returncode == 1
         seen.append(_everything(out))
@@ -234,7 +236,7 @@ def test_lmcache_config_strips_inline_secrets_and_keeps_everything_else():
     out = _kvpool(
         "lmcache-config",
         "--url",
-        f"kvpool://:{TOKEN}@10.0.0.1:6379/prod?replicas=2&redis_password={PASSWORD}&redis_user=u&timeout_ms=500",
+        f"kvpool://:{TOKEN}@10.0.0.1:6379/prod?replicas=2&redis_password={PASSWORD}&redis_user=u&progress_timeout_s=0.5",
         "--format",
         "env",
         "--offline",
@@ -243,6 +245,6 @@ def test_lmcache_config_strips_inline_secrets_and_keeps_everything_else():
     extra = json.loads(re.search(r"LMCACHE_EXTRA_CONFIG='(.*)'", out.stdout).group(1))
     assert (
         extra["remote_storage_plugin.kvpool.url"]
-        == "kvpool://10.0.0.1:6379/prod?replicas=2&redis_user=u&timeout_ms=500"
+        == "kvpool://10.0.0.1:6379/prod?replicas=2&redis_user=u&progress_timeout_s=0.5"
     )
     assert TOKEN not in out.stdout + out.stderr and PASSWORD not in out.stdout + out.stderr

@@ -355,7 +355,7 @@ def test_a_node_whose_lease_table_is_full_still_serves_the_read_over_tcp(node_fa
 def test_unlock_raises_when_a_node_cannot_be_told_and_a_retry_is_harmless(node_factory, pool_url):
     node = node_factory(shm=True)
     (chunk,) = _chunks("unl", 1, 4096, seed=8)
-    with SyncPoolClient(PoolConfig.from_url(pool_url + "?timeout_ms=1000")) as client:
+    with SyncPoolClient(PoolConfig.from_url(pool_url + "?progress_timeout_s=1")) as client:
         client.put([chunk])
         locks = client.lock([chunk.key], ttl_ms=60_000)
         node.pause()  # stopped, still registered: the RELEASE is not answered

@@ -110,7 +110,7 @@ def test_flipped_byte_on_disk_is_a_miss_quarantined_and_unindexed(
 def test_kill_9_mid_writes_then_restart_serves_every_acknowledged_nvme_chunk(node_factory, pool_url, tmp_path):
     nvme_dir = tmp_path / "nvme"
     node = _nvme_node(node_factory, tmp_path, dram="2MiB", nvme="256MiB")
-    config = PoolConfig.from_url(pool_url + "?timeout_ms=1000")
+    config = PoolConfig.from_url(pool_url + "?progress_timeout_s=1")
     acked: dict[str, bytes] = {}
     stop = threading.Event()
 
@@ -512,7 +512,7 @@ def test_an_empty_value_neither_wedges_demotion_nor_stops_sigterm(node_factory, 
     # demoter's lock held: every later put that needed room timed out and SIGTERM did not stop the node.
     node = _nvme_node(node_factory, tmp_path, dram="32MiB", nvme="256MiB")
     big = _chunks("after-empty", 6, 8 * 1024 * KIB)
-    with SyncPoolClient(PoolConfig.from_url(pool_url + "?timeout_ms=5000")) as client:
+    with SyncPoolClient(PoolConfig.from_url(pool_url + "?progress_timeout_s=5")) as client:
         client.put([Chunk("empty", b"")])
         for chunk in big:
             client.put([chunk])

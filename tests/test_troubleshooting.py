@@ -72,7 +72,7 @@ class Pool:
     node: NodeProcess = field(init=False)  # the one node of namespace "good"
 
     def url(self, namespace: str = "good", *, password: bool = True, token: bool = True, **options: str) -> str:
-        query = {"timeout_ms": "1000", **options}
+        query = {"progress_timeout_s": "1", **options}
         if password:
             query["redis_password_file"] = str(self.password_file)
         if token:
@@ -154,7 +154,7 @@ def test_every_lookup_misses_when_no_node_is_alive_anywhere_and_the_connector_sa
     monkeypatch.setattr(connector, "POOL_RECHECK_S", 0.2)
     empty = EmbeddedRedis().start()  # a Redis no node ever joined
     redis_factory.append(empty)
-    url = f"kvpool://127.0.0.1:{empty.port}/engines?timeout_ms=1000"
+    url = f"kvpool://127.0.0.1:{empty.port}/engines?progress_timeout_s=1"
     code, findings = doctor("--url", url)
     assert code == 1 and failed(findings, "every-lookup-misses"), findings
     assert "nor in any other namespace" in failed(findings, "every-lookup-misses")[0]["detail"]
@@ -357,7 +357,7 @@ def test_redis_full_is_named(redis_factory):
     with redis.Redis(port=server.port) as raw:
         raw.config_set("maxmemory-policy", "noeviction")
         raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) // 2)  # below what it holds: full
-        code, findings = doctor("--url", f"kvpool://127.0.0.1:{server.port}/full?timeout_ms=1000")
+        code, findings = doctor("--url", f"kvpool://127.0.0.1:{server.port}/full?progress_timeout_s=1")
         [finding] = failed(findings, "redis-full")
         assert code == 1 and "maxmemory" in finding["detail"]
         raw.config_set("maxmemory", 0)
@@ -384,10 +384,12 @@ def test_tls_name_mismatch_and_untrusted_certificate_are_named(tmp_path, redis_f
     server = EmbeddedRedis(tls=(cert, key, ca)).start()
     redis_factory.append(server)
     # The certificate names 127.0.0.1; the URL dials localhost.
-    code, findings = doctor("--url", f"kvpool://localhost:{server.port}/t?tls=on&tls_ca={ca}&timeout_ms=1000")
+    code, findings = doctor("--url", f"kvpool://localhost:{server.port}/t?tls=on&tls_ca={ca}&progress_timeout_s=1")
     [finding] = failed(findings, "tls-name-mismatch")
     assert code == 1 and "localhost" in finding["detail"]
-    code, findings = doctor("--url", f"kvpool://127.0.0.1:{server.port}/t?tls=on&tls_ca={other_ca}&timeout_ms=1000")
+    code, findings = doctor(
+        "--url", f"kvpool://127.0.0.1:{server.port}/t?tls=on&tls_ca={other_ca}&progress_timeout_s=1"
+    )
     assert code == 1 and failed(findings, "tls-certificate-not-trusted"), findings
 
 
@@ -413,14 +415,14 @@ def test_version_mismatch_between_node_and_client_is_named(pool, tmp_path):
 
 # -- Redis unreachable or paused --------------------------------------------------------------------
 def test_redis_unreachable_or_paused_is_named(redis_factory):
-    code, findings = doctor("--url", f"kvpool://127.0.0.1:{free_port()}/x?timeout_ms=300")
+    code, findings = doctor("--url", f"kvpool://127.0.0.1:{free_port()}/x?progress_timeout_s=0.3")
     assert code == 1 and failed(findings, "redis-unreachable"), findings
     server = EmbeddedRedis().start()
     redis_factory.append(server)
     assert server.process is not None
     server.process.send_signal(signal.SIGSTOP)
     try:
-        code, findings = doctor("--url", f"kvpool://127.0.0.1:{server.port}/x?timeout_ms=300")
+        code, findings = doctor("--url", f"kvpool://127.0.0.1:{server.port}/x?progress_timeout_s=0.3")
     finally:
         server.process.send_signal(signal.SIGCONT)
     assert code == 1 and failed(findings, "redis-paused-or-slow"), findings

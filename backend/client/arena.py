@@ -15,6 +15,7 @@ from typing import Any
 from backend.client.chunks import DECLINED, MISS, Fallback, Hit, Outcome, Sink, Wanted, allocate_view, release_hits
 from backend.client.connection import MAX_FRAME_ITEMS, Connections, NodePool
 from backend.client.context import ClientContext, logger
+from backend.config.values import ms_to_s
 from backend.errors import CapacityError, KVPoolError, ProtocolError
 from backend.metadata import NodeInfo
 from backend.protocol import LEASE_MAP, ItemMeta, Op, decode_lease_response, encode_lease_request, encode_release
@@ -98,7 +99,7 @@ class ArenaReader:
         self, pool: NodePool, arena: ArenaView, part: Sequence[Wanted], sink: Sink[Any]
     ) -> list[Outcome]:
         keys = [w.key for w in part]
-        trust_until = time.monotonic() + SHM_LEASE_MS / 1000 * SHM_LEASE_TRUST
+        trust_until = time.monotonic() + ms_to_s(SHM_LEASE_MS) * SHM_LEASE_TRUST
         try:
             reply = await pool.request(Op.LEASE, encode_lease_request(keys, SHM_LEASE_MS, LEASE_MAP))
         except CapacityError:

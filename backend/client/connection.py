@@ -52,8 +52,8 @@ T = TypeVar("T")
 
 MAX_FRAME_DATA_BYTES = 256 * 1024 * 1024  # split larger batches into several frames
 MAX_FRAME_ITEMS = 1024  # keeps a frame's meta far below the 4 MiB limit even with 1 KiB keys
-# A request is abandoned when its connection is silent for timeout_ms; one that keeps moving bytes
-# is waited on up to an overall bound of timeout_ms plus its bytes at this rate (256 MiB: ~4 min).
+# A request is abandoned when its connection is silent for progress_timeout_s; one that keeps moving
+# bytes is waited on up to an overall bound of progress_timeout_s plus its bytes at this rate (256 MiB: ~4 min).
 SLOWEST_TRANSFER_BYTES_PER_S = 1024 * 1024
 HELD_UP_RECHECK_S = 0.05  # how soon a silence found to be this side's is looked at again
 
@@ -142,7 +142,9 @@ class NodeConnection:
             if self.broken:
                 raise NodeUnavailable(f"connection to {self.node.node_id} is closed")
             check_tls_agrees(self.node, self.tls is not None)
-            sock = await FrameSocket.connect(self.node.host, self.node.port, self.config.timeout_s, self.tls, self.bulk)
+            sock = await FrameSocket.connect(
+                self.node.host, self.node.port, self.config.connect_timeout_s, self.tls, self.bulk
+            )
             self.sock = sock
             self._reader = asyncio.get_running_loop().create_task(self._read_loop(sock))
             try:
@@ -192,9 +194,9 @@ class NodeConnection:
         """Send one request and wait for its response (a GET's: one :data:`Outcome` per key).
 
         Abandoned when the connection moves no byte (sent or received, for any request on
-        it) for the pool's ``timeout_ms`` plus the ``hold_s`` of the requests ahead of it:
+        it) for the pool's ``progress_timeout_s`` plus the ``hold_s`` of the requests ahead of it:
         the node reads a connection's frames in order, and may hold a put back that long
-        waiting for room (``hold_s`` of a put is within its own ``timeout_ms``). A dead or
+        waiting for room (``hold_s`` of a put is within its own ``progress_timeout_s``). A dead or
         silent link is thus found by silence, whatever the request's size, and a slow link
         that keeps moving bytes is waited on, up to an overall bound of that silence plus
         the request's bytes at ``SLOWEST_TRANSFER_BYTES_PER_S``.
@@ -210,7 +212,7 @@ class NodeConnection:
         pending = self._pending[request_id] = _Pending(op, future, keys, sink, hold_s)
         data_len = sum(len(memoryview(b).cast("B")) for b in data)
         sent = False
-        silence_s = self.config.timeout_s + ahead_s
+        silence_s = self.config.progress_timeout_s + ahead_s
         overall_s = silence_s + (data_len + expect_bytes) / SLOWEST_TRANSFER_BYTES_PER_S
         watch: _SilenceWatch | None = None
         try:
@@ -440,8 +442,8 @@ class Connections:
         return pool
 
     async def probe(self, node: NodeInfo) -> None:
-        """Whether ``node`` answers: connect, HELLO and PING on a connection of its own, each within
-        ``timeout_ms``; raises NodeUnavailable (or another KVPoolError) if it does not."""
+        """Whether ``node`` answers: connect (``connect_timeout_s``), HELLO and PING (each
+        ``progress_timeout_s``) on a connection of its own; raises NodeUnavailable (or another KVPoolError) if it does not."""
         conn = NodeConnection(node, self.config, self.tls)
         try:
             await conn.ensure_open()

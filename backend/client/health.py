@@ -1,11 +1,12 @@
 """Nodes that stopped answering: skipped by reads and puts, probed in the background until they answer.
 
 A request to a node that fails as a whole (``NodeUnavailable``: connection refused or
-reset, or a connection that moved no byte for ``timeout_ms``) marks that node epoch
+reset, or a connection that moved no byte for ``progress_timeout_s``) marks that node epoch
 *down*. While it is down, a get reads its keys from their other copies (or as misses),
 a lookup does not count its copies, and a put places its chunks on the next nodes, so
 only the first call pays the silence; every later call costs nothing for it. A probe
-(connect, HELLO, PING on a fresh connection, each bounded by ``timeout_ms``) asks the node
+(connect within ``connect_timeout_s``, then HELLO and PING on a fresh connection, each within
+``progress_timeout_s``) asks the node
 every ``PROBE_INTERVAL_S``; the first answer, or any request that succeeds, restores it.
 A node that leaves the registry (or restarts under a new epoch) is forgotten.
 """

@@ -12,7 +12,7 @@ Errors: a node that is down, slow or answers a miss costs only the keys it held
 (they come back as misses, with one warning per outage). Redis being unreachable
 makes ``contains``/``get`` read as misses too (one warning per outage); ``put``,
 ``delete`` and the listing verbs raise :class:`MetadataError`. Nothing here ever
-waits longer than ``timeout_ms`` for Redis, and after one timeout nothing waits at all
+waits longer than ``progress_timeout_s`` for Redis, and after one timeout nothing waits at all
 until Redis answers a probe (``backend.metadata.breaker``); a node that stopped
 answering is likewise skipped until it answers a probe (``health``).
 """
@@ -61,7 +61,11 @@ class PoolClient:
         # Made once: loading the CA bundle is file I/O, and a bad path fails here, before any connection.
         tls = client_tls_context(config.tls_ca) if config.tls else None
         self._store = MetadataStore(
-            config.redis_url, config.namespace, config.timeout_s, password=config.redis_password, ca_file=config.tls_ca
+            config.redis_url,
+            config.namespace,
+            config.progress_timeout_s,
+            password=config.redis_password,
+            ca_file=config.tls_ca,
         )
         self.index = PoolIndex(self._store)
         self._ctx = ClientContext(config)

@@ -21,6 +21,7 @@ from backend.client.context import ClientContext
 from backend.client.registry import RegistryView
 from backend.client.stage import StagedWriter
 from backend.client.tcp import stripes
+from backend.config.values import ms_to_s, s_to_ms
 from backend.errors import BusyError, CapacityError, KVPoolError, NodeUnavailable, PutOutcome, refused_outcome
 from backend.metadata import NodeInfo
 from backend.placement import choose_nodes, next_fallback, rank_nodes
@@ -30,7 +31,9 @@ from backend.transport import BULK_BYTES, Buffer
 __all__ = ["PutPlanner", "put_error"]
 
 PUT_ATTEMPTS = 3  # first choice, then the next-ranked nodes
-PUT_WAIT_SHARE = 0.5  # of timeout_ms, a node may hold a put back waiting for room; the rest is the bytes' and reply's
+PUT_WAIT_SHARE = (
+    0.5  # of progress_timeout_s, a node may hold a put back waiting for room; the rest is the bytes' and reply's
+)
 NodeOutcomes = tuple[list[PutOutcome], KVPoolError | None]  # per chunk of a node's group, and a request's error
 
 
@@ -73,7 +76,7 @@ class PutPlanner:
         stored: dict[str, set[str]] = defaultdict(set)  # key -> distinct nodes holding it
         refused: dict[str, PutOutcome] = {}  # key -> why its last copy that was not stored was not
         # One id for the whole call: its stripes on a node never evict each other's chunks.
-        options = PutOptions(secrets.randbits(64) or 1, int(self.ctx.config.timeout_ms * PUT_WAIT_SHARE))
+        options = PutOptions(secrets.randbits(64) or 1, s_to_ms(self.ctx.config.progress_timeout_s * PUT_WAIT_SHARE))
         tried: dict[str, set[str]] = defaultdict(set)
         failed_on: dict[str, set[str]] = defaultdict(set)  # key -> nodes its copy failed on
         last_error: KVPoolError | None = None
@@ -157,7 +160,7 @@ class PutPlanner:
             for frame in frames(part):
                 meta = encode_put_batch(frame, options)
                 reply = await pool.request(
-                    Op.PUT_BATCH, meta, data=[data[i.key] for i in frame], hold_s=options.wait_ms / 1000
+                    Op.PUT_BATCH, meta, data=[data[i.key] for i in frame], hold_s=ms_to_s(options.wait_ms)
                 )
                 results.extend(put_outcome(flag) for flag in decode_flags(reply, len(frame)))
             return results

@@ -17,6 +17,9 @@ configuration, pool URL included, at INFO. ``token_file=PATH`` and
 ``redis_password_file=PATH`` (or ``KVPOOL_TOKEN`` / ``KVPOOL_REDIS_PASSWORD``) keep them
 out of every URL and config that is shown; a file, when named, wins over the other
 sources. :func:`without_inline_secrets` strips secrets written into a URL.
+Durations are in seconds, named for what they bound (``connect_timeout_s``,
+``progress_timeout_s``, ``pair_timeout_s``); the old ``*_ms`` keys still work, with a
+deprecation line (:mod:`backend.config.renamed`).
 Options may also come from ``KVPOOL_<OPTION>`` environment variables (which win over
 the URL) and from a YAML file. Everything is validated once, here; an unknown or
 malformed option raises :class:`ConfigError` naming it. An unknown ``KVPOOL_*``
@@ -29,6 +32,7 @@ a YAML file and the environment go through one table of options, :data:`NODE_OPT
 from backend.config.node import (
     NODE_OPTION_NAMES,
     NODE_OPTIONS,
+    NODE_RENAMED,
     NODE_VERB_DEFAULTS,
     REDIS_HELP,
     NodeConfig,
@@ -60,6 +64,7 @@ __all__ = [
     "NodeOption",
     "NODE_OPTIONS",
     "NODE_OPTION_NAMES",
+    "NODE_RENAMED",
     "NODE_VERB_DEFAULTS",
     "REDIS_HELP",
     "node_options",

@@ -3,19 +3,34 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from backend.config.node_parsers import (
+    DEFAULT_SHM_DIR,
+    choice,
+    int_in,
+    named,
+    node_id_value,
+    optional,
+    parse_advertise,
+    path_value,
+    redis_value,
+    seconds_value,
+    shm_dir_value,
+    size_value,
+    switch,
+    text_value,
+)
 from backend.config.pool import DEFAULT_NAMESPACE, warn_unknown_env
+from backend.config.renamed import Renamed, take_renamed
 from backend.config.values import (
     CLUSTER_RE,
     NAMESPACE_RE,
     NODE_ID_RULE,
     check_node_id,
     check_token,
-    parse_int,
     parse_size,
     read_secret_file,
 )
@@ -28,26 +43,23 @@ __all__ = [
     "NodeOption",
     "NODE_OPTIONS",
     "NODE_OPTION_NAMES",
+    "NODE_RENAMED",
     "NODE_VERB_DEFAULTS",
     "REDIS_HELP",
     "node_options",
     "parse_advertise",
 ]
 
-DEFAULT_SHM_DIR = "/dev/shm"
-DEFAULT_NODE_PAIR_TIMEOUT_MS = 60_000  # a node waits longer than a client: it serves many pairings
-DEFAULT_DEAD_NODE_GRACE_MS = 300_000
+DEFAULT_NODE_PAIR_TIMEOUT_S = 60.0  # a node waits longer than a client: it serves many pairings
+DEFAULT_DEAD_NODE_GRACE_S = 300.0
 # A kvpool client's handshake is a few round trips (TLS, HELLO, AUTH), and gives up after its own
-# timeout_ms (2 s by default) for each: 10 s is far above any legitimate one.
-DEFAULT_HANDSHAKE_TIMEOUT_MS = 10_000
+# connect_timeout_s and progress_timeout_s (2 s by default) for each: 10 s is far above any legitimate one.
+DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
 # Twice the listen backlog: a burst of reconnecting clients fits, and what waiting peers can hold
 # stays small (a descriptor and at most max_handshake_meta_bytes each).
 DEFAULT_MAX_PENDING_CONNECTIONS = 1024
 MAX_PENDING_CONNECTIONS = 1_000_000
-MAX_NODE_MS = 2**31 - 1
 _CHANNELS = ("off", "nccl", "cpu")
-_ON = ("on", "true", "yes", "1")
-_OFF = ("off", "false", "no", "0")
 ENV_PREFAULT = "KVPOOL_PREFAULT"
 
 
@@ -69,109 +81,6 @@ class NodeOption:
         return "--" + self.name.replace("_", "-")
 
 
-def _text(key: str, value: Any) -> str:
-    if value is None or isinstance(value, (dict, list)):
-        raise ConfigError(key, f"{value!r} is not a value for this option")
-    return str(value)
-
-
-def _optional(parse: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
-    """``parse``, except that an empty value (YAML ``null``, ``""``) means "not set"."""
-    return lambda key, value: None if value is None or value == "" else parse(key, value)
-
-
-def _path(key: str, value: Any) -> Path:
-    return Path(_text(key, value))
-
-
-def _named(pattern: re.Pattern[str], rule: str) -> Callable[[str, Any], str]:
-    def parse(key: str, value: Any) -> str:
-        text = _text(key, value)
-        if not pattern.match(text):
-            raise ConfigError(key, f"{text!r} must be {rule}")
-        return text
-
-    return parse
-
-
-def _node_id(key: str, value: Any) -> str:
-    """A node id (``NODE_ID_RULE``), or "" for the default."""
-    text = "" if value is None else _text(key, value)
-    return check_node_id(text, key) if text else ""
-
-
-def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
-    def parse(key: str, value: Any) -> str:
-        text = "off" if value is False else _text(key, value).strip().lower()  # YAML reads a bare off as False
-        if text not in choices:
-            raise ConfigError(key, f"{text!r} is not one of {', '.join(choices)}")
-        return text
-
-    return parse
-
-
-def _switch(key: str, value: Any) -> bool:
-    """on/off (also true/false, yes/no, 1/0, and YAML's bare booleans)."""
-    if isinstance(value, bool):
-        return value
-    text = _text(key, value).strip().lower()
-    if text in _ON:
-        return True
-    if text in _OFF:
-        return False
-    raise ConfigError(key, f"{text!r} is not on or off")
-
-
-def _size(positive: bool) -> Callable[[str, Any], int]:
-    def parse(key: str, value: Any) -> int:
-        size = parse_size(_text(key, value), name=key)
-        if positive and size <= 0:
-            raise ConfigError(key, f"{value!r} is not a positive size")
-        return size
-
-    return parse
-
-
-def _int_in(low: int, high: int) -> Callable[[str, Any], int]:
-    return lambda key, value: parse_int(key, _text(key, value), low, high)
-
-
-def _shm_dir(key: str, value: Any) -> Path | None:
-    text = "off" if value is False or value is None else _text(key, value)
-    if text.lower() == "off":
-        return None
-    if not Path(text).is_dir():
-        if text != DEFAULT_SHM_DIR:
-            raise ConfigError(key, f"{text} is not a directory (use 'off' for no arena)")
-        return None  # a system without /dev/shm: private memory, TCP for everyone
-    return Path(text)
-
-
-def parse_advertise(key: str, value: Any) -> tuple[str, int]:
-    """``HOST``, ``HOST:PORT``, ``:PORT``, ``[V6]:PORT`` or a bare IPv6 address -> (host or "", port or 0)."""
-    text = "" if value is None else _text(key, value)
-    if text.startswith("["):
-        host, bracket, rest = text[1:].partition("]")
-        if not bracket or not host or (rest and not rest.startswith(":")):
-            raise ConfigError(key, f"{text!r} is not HOST, HOST:PORT or [IPV6]:PORT")
-        port_text = rest[1:] if rest else ""
-    elif text.count(":") == 1:
-        host, _, port_text = text.partition(":")
-    else:
-        host, port_text = text, ""  # a name, or an IPv6 address without a port
-    if not port_text:
-        return host, 0
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ConfigError(key, f"{text!r}: the port must be a number in 1..65535")
-    return host, int(port_text)
-
-
-def _redis(key: str, value: Any) -> str:
-    text = _text(key, value)
-    RedisTarget.parse(text, key=key)  # the form is checked now, the server when the node starts
-    return text
-
-
 REDIS_HELP = (
     "the pool's metadata Redis (required): redis://HOST:PORT, redis+cluster://HOST:PORT[,HOST:PORT] or "
     "redis+sentinel://HOST:PORT[,HOST:PORT]/MASTER; TLS: rediss://, rediss+cluster://, rediss+sentinel://; "
@@ -180,20 +89,20 @@ REDIS_HELP = (
 # Every node setting, in the order of `kvpool node --help`. The help strings of dram, nvme_dir and
 # nvme name {default}: `kvpool up` and `kvpool node` differ there (NODE_VERB_DEFAULTS).
 NODE_OPTIONS: tuple[NodeOption, ...] = (
-    NodeOption("redis", _optional(_redis), "", REDIS_HELP, metavar="URL"),
+    NodeOption("redis", optional(redis_value), "", REDIS_HELP, metavar="URL"),
     NodeOption(
         "namespace",
-        _named(NAMESPACE_RE, "1-64 characters of A-Z a-z 0-9 _ . -"),
+        named(NAMESPACE_RE, "1-64 characters of A-Z a-z 0-9 _ . -"),
         DEFAULT_NAMESPACE,
         f"pool namespace (default {DEFAULT_NAMESPACE})",
     ),
-    NodeOption("dram", _size(positive=True), parse_size("4GiB"), "DRAM tier size (default {default})"),
-    NodeOption("nvme_dir", _optional(_path), None, "NVMe tier directory ({default})"),
+    NodeOption("dram", size_value(positive=True), parse_size("4GiB"), "DRAM tier size (default {default})"),
+    NodeOption("nvme_dir", optional(path_value), None, "NVMe tier directory ({default})"),
     NodeOption(
-        "nvme", _size(positive=False), parse_size("100GiB"), "NVMe tier size; 0 turns it off (default {default})"
+        "nvme", size_value(positive=False), parse_size("100GiB"), "NVMe tier size; 0 turns it off (default {default})"
     ),
-    NodeOption("host", _text, "127.0.0.1", "address to listen on (default 127.0.0.1)"),
-    NodeOption("port", _int_in(0, 65535), 0, "port to listen on (default: any free port)"),
+    NodeOption("host", text_value, "127.0.0.1", "address to listen on (default 127.0.0.1)"),
+    NodeOption("port", int_in(0, 65535), 0, "port to listen on (default: any free port)"),
     NodeOption(
         "advertise",
         parse_advertise,
@@ -204,47 +113,48 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
     ),
     NodeOption(
         "node_id",
-        _node_id,
+        node_id_value,
         "",
         f"stable node id, {NODE_ID_RULE}; refused while a live node holds it "
         "(default: kept in the NVMe dir, else HOSTNAME-PORT)",
     ),
-    NodeOption("cluster", _named(CLUSTER_RE, "A-Z a-z 0-9 _ . -"), "", "cluster label for same-cluster reads"),
+    NodeOption("cluster", named(CLUSTER_RE, "A-Z a-z 0-9 _ . -"), "", "cluster label for same-cluster reads"),
     NodeOption(
         "channel",
-        _choice(_CHANNELS),
+        choice(_CHANNELS),
         "off",
         "serve same-cluster clients over the channel: nccl (GPU), "
         "cpu (its socket twin, for tests) or off (default); needs --cluster",
         choices=_CHANNELS,
     ),
-    NodeOption("device", _text, "cuda:0", "CUDA device of --channel nccl (default cuda:0)"),
+    NodeOption("device", text_value, "cuda:0", "CUDA device of --channel nccl (default cuda:0)"),
     NodeOption(
-        "pair_timeout_ms",
-        _int_in(1, MAX_NODE_MS),
-        DEFAULT_NODE_PAIR_TIMEOUT_MS,
-        f"deadline of one channel pairing; a cold NCCL init takes seconds (default {DEFAULT_NODE_PAIR_TIMEOUT_MS})",
-        metavar="MS",
+        "pair_timeout_s",
+        seconds_value,
+        DEFAULT_NODE_PAIR_TIMEOUT_S,
+        "deadline of one channel pairing, in seconds; a cold NCCL init takes seconds "
+        f"(default {DEFAULT_NODE_PAIR_TIMEOUT_S:g})",
+        metavar="S",
     ),
     NodeOption(
-        "dead_node_grace_ms",
-        _int_in(1, MAX_NODE_MS),
-        DEFAULT_DEAD_NODE_GRACE_MS,
-        "a node dead this long loses its registry entry and index entries, collected by a live node "
-        f"(default {DEFAULT_DEAD_NODE_GRACE_MS})",
-        metavar="MS",
+        "dead_node_grace_s",
+        seconds_value,
+        DEFAULT_DEAD_NODE_GRACE_S,
+        "a node dead this many seconds loses its registry entry and index entries, collected by a live node "
+        f"(default {DEFAULT_DEAD_NODE_GRACE_S:g})",
+        metavar="S",
     ),
     NodeOption(
-        "handshake_timeout_ms",
-        _int_in(1, MAX_NODE_MS),
-        DEFAULT_HANDSHAKE_TIMEOUT_MS,
+        "handshake_timeout_s",
+        seconds_value,
+        DEFAULT_HANDSHAKE_TIMEOUT_S,
         "a connection must finish its handshake (TLS, its first frame, and AUTH where the pool has a "
-        f"token) this soon after it is accepted, or it is closed (default {DEFAULT_HANDSHAKE_TIMEOUT_MS})",
-        metavar="MS",
+        f"token) this many seconds after it is accepted, or it is closed (default {DEFAULT_HANDSHAKE_TIMEOUT_S:g})",
+        metavar="S",
     ),
     NodeOption(
         "max_pending_connections",
-        _int_in(1, MAX_PENDING_CONNECTIONS),
+        int_in(1, MAX_PENDING_CONNECTIONS),
         DEFAULT_MAX_PENDING_CONNECTIONS,
         "most connections kept before their handshake finished; above it the oldest is closed "
         f"(default {DEFAULT_MAX_PENDING_CONNECTIONS})",
@@ -252,30 +162,30 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
     ),
     NodeOption(
         "token_file",
-        _optional(_path),
+        optional(path_value),
         None,
         "file holding the pool token (or set KVPOOL_TOKEN_FILE, as engines do, or KVPOOL_TOKEN)",
         env="KVPOOL_TOKEN_FILE",
     ),
     NodeOption(
         "tls_cert",
-        _optional(_path),
+        optional(path_value),
         None,
         "serve the node protocol over TLS only, with this PEM "
         "certificate chain (it must name the address clients use: --advertise or --host); needs --tls-key",
         metavar="FILE",
     ),
-    NodeOption("tls_key", _optional(_path), None, "the PEM private key of --tls-cert", metavar="FILE"),
+    NodeOption("tls_key", optional(path_value), None, "the PEM private key of --tls-cert", metavar="FILE"),
     NodeOption(
         "redis_ca",
-        _optional(_path),
+        optional(path_value),
         None,
         "CA bundle that verifies a rediss:// Redis (default: the system trust store)",
         metavar="FILE",
     ),
     NodeOption(
         "redis_password_file",
-        _optional(_path),
+        optional(path_value),
         None,
         "file holding the Redis ACL password (or set KVPOOL_REDIS_PASSWORD_FILE or "
         "KVPOOL_REDIS_PASSWORD); the user goes in the --redis URL: rediss://USER@HOST:PORT",
@@ -284,14 +194,14 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
     ),
     NodeOption(
         "metrics_port",
-        _optional(_int_in(0, 65535)),
+        optional(int_in(0, 65535)),
         None,
         "serve /metrics and /health on this port (0: any free port; default: off)",
     ),
-    NodeOption("metrics_host", _text, "127.0.0.1", "address for --metrics-port (default 127.0.0.1)"),
+    NodeOption("metrics_host", text_value, "127.0.0.1", "address for --metrics-port (default 127.0.0.1)"),
     NodeOption(
         "shm_dir",
-        _shm_dir,
+        shm_dir_value,
         Path(DEFAULT_SHM_DIR) if Path(DEFAULT_SHM_DIR).is_dir() else None,
         f"keep DRAM in a shared-memory arena here so same-host clients read without TCP "
         f"(default {DEFAULT_SHM_DIR}; off: private memory)",
@@ -299,7 +209,7 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
     ),
     NodeOption(
         "prefault",
-        _switch,
+        switch,
         True,
         "take the whole DRAM arena's memory at start, before the node registers "
         f"(1-3 s per GiB of arena), so the first puts find their pages ready; off: take it as chunks "
@@ -307,10 +217,16 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
         metavar="on|off",
         env=ENV_PREFAULT,
     ),
-    NodeOption("token", _text, "", "the pool token clients must prove", env="KVPOOL_TOKEN", flag=False),
-    NodeOption("redis_password", _text, "", "the Redis ACL password", env="KVPOOL_REDIS_PASSWORD", flag=False),
+    NodeOption("token", text_value, "", "the pool token clients must prove", env="KVPOOL_TOKEN", flag=False),
+    NodeOption("redis_password", text_value, "", "the Redis ACL password", env="KVPOOL_REDIS_PASSWORD", flag=False),
 )
 NODE_OPTION_NAMES = tuple(option.name for option in NODE_OPTIONS)
+# The old flags and YAML keys, in milliseconds: still read, with a deprecation line (backend/config/renamed.py).
+NODE_RENAMED = (
+    Renamed("pair_timeout_ms", ("pair_timeout_s",)),
+    Renamed("dead_node_grace_ms", ("dead_node_grace_s",)),
+    Renamed("handshake_timeout_ms", ("handshake_timeout_s",)),
+)
 # What `kvpool up` and `kvpool node` default to where they differ, as the user would write it.
 NODE_VERB_DEFAULTS: dict[str, dict[str, Any]] = {
     "node": {"dram": "4GiB", "nvme_dir": None, "nvme": "100GiB"},
@@ -334,7 +250,9 @@ def node_options(
     """
     environ = environ if environ is not None else {}
     warn_unknown_env(environ)
+    flags = take_renamed(flags, NODE_RENAMED, seconds_value, spell=lambda name: "--" + name.replace("_", "-"))
     from_file = _node_yaml(config_file) if config_file is not None else {}
+    from_file = take_renamed(from_file, NODE_RENAMED, seconds_value, spell=lambda name: f"{name} (in {config_file})")
     values: dict[str, Any] = {}
     for option in NODE_OPTIONS:
         if option.flag and flags.get(option.name) is not None:
@@ -363,7 +281,7 @@ def _node_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError("--config", f"{path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError("--config", f"{path} must hold a mapping of options")
-    settable = [option.name for option in NODE_OPTIONS if option.flag]
+    settable = [option.name for option in NODE_OPTIONS if option.flag] + [r.old for r in NODE_RENAMED]
     options = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
@@ -391,9 +309,9 @@ class NodeConfig:
     node_id: str = ""
     token: str = dataclasses.field(default="", repr=False)
     cluster: str = ""
-    heartbeat_interval_ms: int = 1000
-    heartbeat_ttl_ms: int = 5000
-    redis_timeout_ms: int = 2000
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 5.0  # a registry entry not renewed this long expires: the node counts as dead
+    redis_timeout_s: float = 2.0  # each Redis call, its connect included (backend/metadata/connection.py)
     limits: Limits = DEFAULT_LIMITS
     nvme_dir: Path | None = None
     nvme_bytes: int = 0
@@ -410,9 +328,9 @@ class NodeConfig:
     tls_key: Path | None = None  # its private key (PEM)
     redis_password: str = dataclasses.field(default="", repr=False)  # Redis ACL password, if not in redis_url
     redis_ca_file: str = ""  # CA bundle verifying a rediss:// Redis; empty: the system trust store
-    dead_node_grace_ms: int = DEFAULT_DEAD_NODE_GRACE_MS  # a dead node's Redis entries go after this long
-    pair_timeout_ms: int = DEFAULT_NODE_PAIR_TIMEOUT_MS  # deadline of one channel pairing (a cold NCCL init: seconds)
-    handshake_timeout_ms: int = DEFAULT_HANDSHAKE_TIMEOUT_MS  # from accept to admitted (backend/node/admission.py)
+    dead_node_grace_s: float = DEFAULT_DEAD_NODE_GRACE_S  # a dead node's Redis entries go after this long
+    pair_timeout_s: float = DEFAULT_NODE_PAIR_TIMEOUT_S  # deadline of one channel pairing (a cold NCCL init: seconds)
+    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S  # from accept to admitted (backend/node/admission.py)
     max_pending_connections: int = DEFAULT_MAX_PENDING_CONNECTIONS  # not yet admitted; above it the oldest is closed
     token_file: str = ""  # where the token came from, if a file (so `kvpool up` can name it, never print it)
     redis_password_file: str = ""  # likewise for redis_password
@@ -440,12 +358,12 @@ class NodeConfig:
         if self.channel != "off" and not self.cluster:
             raise ConfigError("--channel", "the channel serves clients of the same cluster: give --cluster NAME too")
         for flag, value in (
-            ("--pair-timeout-ms", self.pair_timeout_ms),
-            ("--dead-node-grace-ms", self.dead_node_grace_ms),
-            ("--handshake-timeout-ms", self.handshake_timeout_ms),
+            ("--pair-timeout-s", self.pair_timeout_s),
+            ("--dead-node-grace-s", self.dead_node_grace_s),
+            ("--handshake-timeout-s", self.handshake_timeout_s),
         ):
             if value <= 0:
-                raise ConfigError(flag, f"{value} is not a positive number of milliseconds")
+                raise ConfigError(flag, f"{value} is not a positive number of seconds")
         if self.max_pending_connections <= 0:
             raise ConfigError("--max-pending-connections", f"{self.max_pending_connections} is not a positive number")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -504,9 +422,9 @@ class NodeConfig:
             tls_key=values["tls_key"],
             redis_password=password,
             redis_ca_file=str(values["redis_ca"] or ""),
-            pair_timeout_ms=values["pair_timeout_ms"],
-            dead_node_grace_ms=values["dead_node_grace_ms"],
-            handshake_timeout_ms=values["handshake_timeout_ms"],
+            pair_timeout_s=values["pair_timeout_s"],
+            dead_node_grace_s=values["dead_node_grace_s"],
+            handshake_timeout_s=values["handshake_timeout_s"],
             max_pending_connections=values["max_pending_connections"],
             token_file=str(token_file.resolve()) if token_file is not None else "",
             redis_password_file=str(password_file.resolve()) if password_file is not None else "",

@@ -5,17 +5,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 
+from backend.config.renamed import Renamed, take_renamed
 from backend.config.values import (
     CLUSTER_RE,
     NAMESPACE_RE,
     check_token,
+    format_seconds,
     parse_bool,
     parse_int,
+    parse_seconds,
     read_secret_file,
     split_url,
 )
@@ -49,7 +52,8 @@ ENV_NOT_OPTIONS = frozenset({"KVPOOL_URL", "KVPOOL_NCCL_LIBRARY", "KVPOOL_DEBUG"
 
 MAX_REPLICAS = 8
 MAX_CONNECTIONS_PER_NODE = 64
-MAX_TIMEOUT_MS = 600_000
+MAX_TIMEOUT_S = 600.0
+MIN_TIMEOUT_S = 0.001
 # What nccl=on moves bytes over: libnccl between GPUs, or the CPU transport (sockets, same contract).
 CHANNEL_TRANSPORTS = ("nccl", "cpu")
 
@@ -63,7 +67,9 @@ class PoolConfig:
     namespace: str = DEFAULT_NAMESPACE
     token: str = dataclasses.field(default="", repr=False)
     replicas: int = 1
-    timeout_ms: int = 2000
+    connect_timeout_s: float = 2.0  # opening a connection to a node: TCP and TLS
+    # A node connection that moves no byte this long is given up; also each Redis call's bound (docs/configuration.md)
+    progress_timeout_s: float = 2.0
     connections_per_node: int = 2
     nccl: bool = False
     cluster: str = ""
@@ -78,7 +84,7 @@ class PoolConfig:
     redis_hosts: str = ""  # more cluster members or sentinels, "h1:p1,h2:p2"
     token_file: str = ""  # the token is this file's content (whitespace stripped); a path, never the secret
     redis_password_file: str = ""  # likewise for redis_password
-    pair_timeout_ms: int = 30_000  # deadline of one channel pairing (a cold NCCL init takes seconds)
+    pair_timeout_s: float = 30.0  # deadline of one channel pairing (a cold NCCL init takes seconds)
 
     def __post_init__(self) -> None:
         if not NAMESPACE_RE.match(self.namespace):
@@ -123,18 +129,15 @@ class PoolConfig:
         password = "'***'" if self.redis_password else "''"
         return (
             f"PoolConfig(redis={self.redis_host}:{self.redis_port}, namespace={self.namespace!r}, "
-            f"token={token}, replicas={self.replicas}, timeout_ms={self.timeout_ms}, "
+            f"token={token}, replicas={self.replicas}, connect_timeout_s={self.connect_timeout_s}, "
+            f"progress_timeout_s={self.progress_timeout_s}, "
             f"connections_per_node={self.connections_per_node}, nccl={self.nccl}, "
             f"cluster={self.cluster!r}, tls={self.tls}, tls_ca={self.tls_ca!r}, "
             f"redis_user={self.redis_user!r}, redis_password={password}, shm={self.shm}, "
             f"channel_transport={self.channel_transport!r}, redis_mode={self.redis_mode!r}, "
             f"sentinel={self.sentinel!r}, redis_hosts={self.redis_hosts!r}, token_file={self.token_file!r}, "
-            f"redis_password_file={self.redis_password_file!r}, pair_timeout_ms={self.pair_timeout_ms})"
+            f"redis_password_file={self.redis_password_file!r}, pair_timeout_s={self.pair_timeout_s})"
         )
-
-    @property
-    def timeout_s(self) -> float:
-        return self.timeout_ms / 1000.0
 
     @property
     def _host_for_url(self) -> str:
@@ -211,7 +214,7 @@ class PoolConfig:
         """Build from a mapping with ``url`` plus options (the YAML form)."""
         if not isinstance(data, Mapping):
             raise ConfigError("config", "expected a mapping of options")
-        unknown = set(data) - {"url", *_OPTION_PARSERS}
+        unknown = set(data) - {"url", *_OPTION_PARSERS, *_RENAMED_NAMES}
         if unknown:
             raise ConfigError(sorted(unknown)[0], f"unknown option; known: url, {', '.join(_OPTION_PARSERS)}")
         base = cls.from_url(str(data.get("url", "")))
@@ -265,6 +268,8 @@ def pool_config_of_redis(redis_url: str, namespace: str = DEFAULT_NAMESPACE, **o
 def _render(value: Any) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
+    if isinstance(value, float):
+        return format_seconds(value)
     return str(value)
 
 
@@ -332,7 +337,8 @@ def _read_secret_files(values: dict[str, Any]) -> dict[str, Any]:
 
 _OPTION_PARSERS: dict[str, Any] = {
     "replicas": lambda k, v: parse_int(k, v, 1, MAX_REPLICAS),
-    "timeout_ms": lambda k, v: parse_int(k, v, 1, MAX_TIMEOUT_MS),
+    "connect_timeout_s": lambda k, v: parse_seconds(k, v, MIN_TIMEOUT_S, MAX_TIMEOUT_S),
+    "progress_timeout_s": lambda k, v: parse_seconds(k, v, MIN_TIMEOUT_S, MAX_TIMEOUT_S),
     "connections_per_node": lambda k, v: parse_int(k, v, 1, MAX_CONNECTIONS_PER_NODE),
     "nccl": parse_bool,
     "cluster": lambda k, v: str(v),
@@ -347,13 +353,22 @@ _OPTION_PARSERS: dict[str, Any] = {
     "redis_hosts": lambda k, v: str(v).replace(" ", ""),
     "token_file": lambda k, v: str(v),
     "redis_password_file": lambda k, v: str(v),
-    "pair_timeout_ms": lambda k, v: parse_int(k, v, 1, MAX_TIMEOUT_MS),
+    "pair_timeout_s": lambda k, v: parse_seconds(k, v, MIN_TIMEOUT_S, MAX_TIMEOUT_S),
 }
 OPTION_NAMES = tuple(_OPTION_PARSERS)  # what a URL query, YAML or KVPOOL_* may set, in canonical order
+# The old names, in milliseconds: still read, with a deprecation line (backend/config/renamed.py).
+RENAMED_OPTIONS = (
+    Renamed("timeout_ms", ("connect_timeout_s", "progress_timeout_s")),
+    Renamed("pair_timeout_ms", ("pair_timeout_s",)),
+)
 
 
-def _parse_options(options: Mapping[str, str], *, source: str) -> dict[str, Any]:
+_RENAMED_NAMES = tuple(rename.old for rename in RENAMED_OPTIONS)
+
+
+def _parse_options(options: Mapping[str, str], *, source: str, spell: Callable[[str], str] = str) -> dict[str, Any]:
     parsed: dict[str, Any] = {}
+    options = take_renamed(options, RENAMED_OPTIONS, lambda k, v: _OPTION_PARSERS[k](k, v), spell)
     for key, value in options.items():
         parser = _OPTION_PARSERS.get(key)
         if parser is None:
@@ -372,11 +387,11 @@ def _env_options(environ: Mapping[str, str]) -> dict[str, Any]:
         if option == "token":
             token["token"] = value
             continue
-        if option not in _OPTION_PARSERS:
+        if option not in _OPTION_PARSERS and option not in _RENAMED_NAMES:
             continue  # warned about below
         options[option] = value
     warn_unknown_env(environ)
-    parsed = _parse_options(options, source="environment")
+    parsed = _parse_options(options, source="environment", spell=lambda name: f"{ENV_PREFIX}{name.upper()}")
     parsed.update(token)
     return parsed
 
@@ -390,7 +405,7 @@ _warned_options: set[str] = set()  # options that were warned about once in this
 
 def known_env_names() -> tuple[str, ...]:
     """Every ``KVPOOL_*`` variable kvpool reads."""
-    options = [f"{ENV_PREFIX}{name.upper()}" for name in _OPTION_PARSERS]
+    options = [f"{ENV_PREFIX}{name.upper()}" for name in (*_OPTION_PARSERS, *_RENAMED_NAMES)]
     return ("KVPOOL_TOKEN", *options, *sorted(ENV_NOT_OPTIONS))
 
 

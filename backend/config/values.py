@@ -1,5 +1,8 @@
 """The values every kvpool setting is made of: sizes, on/off, bounded integers, names, secrets.
 
+Durations are configured in seconds (``*_s``); where a wire field, a Redis expiry or an old
+key counts milliseconds, :func:`s_to_ms` and :func:`ms_to_s` are the one conversion.
+
 Secrets (the pool token, the Redis password) are read from files by one function for the
 client and the node alike, :func:`read_secret_file`, which warns about a file that other
 users can read; the pool token, wherever it comes from, is held to a minimum length by
@@ -9,6 +12,7 @@ users can read; the pool token, wherever it comes from, is held to a minimum len
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import stat
@@ -28,11 +32,15 @@ __all__ = [
     "NODE_ID_RULE",
     "check_node_id",
     "default_node_id",
+    "format_seconds",
     "format_size",
+    "ms_to_s",
     "parse_bool",
     "parse_int",
+    "parse_seconds",
     "parse_size",
     "read_secret_file",
+    "s_to_ms",
     "split_url",
 ]
 
@@ -142,6 +150,32 @@ def parse_int(key: str, text: str, low: int, high: int) -> int:
     if not low <= value <= high:
         raise ConfigError(key, f"{value} is out of range [{low}, {high}]")
     return value
+
+
+def ms_to_s(ms: float) -> float:
+    """A count of milliseconds (a wire field, a Redis PTTL, an old ``*_ms`` key) in seconds."""
+    return ms / 1000
+
+
+def s_to_ms(seconds: float) -> int:
+    """Seconds as the whole milliseconds a wire field or a Redis expiry (PX) takes, rounded."""
+    return round(seconds * 1000)
+
+
+def parse_seconds(key: str, text: object, low: float, high: float) -> float:
+    """A duration in seconds (``"2"``, ``"0.5"``) within ``[low, high]``; ConfigError naming ``key``."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise ConfigError(key, f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or not low <= value <= high:
+        raise ConfigError(key, f"{text} is out of range [{format_seconds(low)}, {format_seconds(high)}] seconds")
+    return value
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration as a URL or flag takes it: ``2``, ``0.5`` (no trailing ``.0``)."""
+    return f"{seconds:g}" if seconds == float(f"{seconds:g}") else repr(seconds)
 
 
 _warned_secrets: set[tuple[str, str]] = set()  # (what, where): configs are rebuilt, each warning is said once

@@ -16,6 +16,7 @@ import time
 
 from backend.client import PoolClient
 from backend.config import PoolConfig
+from backend.config.values import ms_to_s
 from backend.doctor.findings import (
     CLOCK_SKEW,
     EVERY_LOOKUP_MISSES,
@@ -182,7 +183,7 @@ def _skew_text(skew_s: float) -> str:
 
 
 def _host_clock_finding(facts: RedisFacts, rtt_ms: float) -> Finding:
-    skew_s = time.time() - facts.time_s - rtt_ms / 2000
+    skew_s = time.time() - facts.time_s - ms_to_s(rtt_ms) / 2
     if abs(skew_s) > CLOCK_SKEW_LIMIT_S:
         return Finding.failed(
             "clock",

@@ -219,7 +219,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             raise KVPoolError(f"{what} was called on the event-loop thread, where it would block it")
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
-            return future.result(self.pool_config.timeout_s * 2)
+            return future.result(self.pool_config.progress_timeout_s * 2)
         except TimeoutError:
             future.cancel()
             raise KVPoolError(f"{what} timed out") from None
@@ -342,8 +342,8 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             endpoint,
             self.pool_config.cluster,
             self.client.channel_request,
-            self.pool_config.timeout_s,
-            pair_timeout_s=self.pool_config.pair_timeout_ms / 1000,
+            self.pool_config.progress_timeout_s,
+            pair_timeout_s=self.pool_config.pair_timeout_s,
         )
         self.client.use_channel(channel)
         logger.info("kvpool: channel endpoint %s (%s, cluster %s)", endpoint, transport.kind, self.pool_config.cluster)

@@ -4,7 +4,7 @@ A connection is *pending* from its accept until it is *admitted*: on a node with
 token when its AUTH succeeds, on a node without one when its first complete frame has
 arrived (a kvpool client's HELLO). Until then it has proven nothing, so it gets little:
 
-* a deadline (``--handshake-timeout-ms``, from the accept, TLS handshake included);
+* a deadline (``--handshake-timeout-s``, from the accept, TLS handshake included);
   the session enforces it and reports a miss here (``handshake_timeouts``);
 * a small meta section (``Limits.max_handshake_meta_bytes``, checked by the session);
 * a place among at most ``--max-pending-connections`` pending connections. Above the
@@ -117,7 +117,7 @@ class Admission:
         say_why(
             conn,
             f"node {node_id} closed this connection: its handshake did not finish within {timeout_s:.1f} s of the "
-            "connect (--handshake-timeout-ms)",
+            "connect (--handshake-timeout-s)",
         )
         self.counters["handshake_timeouts"] += 1
         self._timeout_warning.warn(

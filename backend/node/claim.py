@@ -13,7 +13,7 @@ directory, the registry, the index), and the claim is exclusive:
   so a live process holds the id and this node refuses to start (``ConfigError`` naming
   the id and the holder's address and pid, exit code 2), having written nothing; a key
   that expires was a dead run's, and the node takes the id over. A crashed node restarted
-  at once thus starts within one ``heartbeat_ttl_ms``, and recovers its NVMe chunks as before.
+  at once thus starts within one ``heartbeat_ttl_s``, and recovers its NVMe chunks as before.
 * **While starting** (recovery, prefault, the first publication), :meth:`IdClaim.kept`
   renews the claim every heartbeat interval, so a slow start-up never lets it lapse; from
   the first heartbeat on, each beat renews it (``BEAT_LUA``), and only its own.
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Protocol
 
 from backend.config import NodeConfig
-from backend.config.values import check_node_id, default_node_id
+from backend.config.values import check_node_id, default_node_id, ms_to_s, s_to_ms
 from backend.errors import ConfigError, MetadataError
 from backend.metadata import ClaimHeld, ClaimHolder
 from backend.node.recovery import NODE_ID_FILE, stored_node_id
@@ -81,8 +81,8 @@ class IdClaim:
         self.store = store
         self.node_id = node_id
         self.holder = holder
-        self.ttl_ms = config.heartbeat_ttl_ms
-        self.interval_s = config.heartbeat_interval_ms / 1000
+        self.ttl_ms = s_to_ms(config.heartbeat_ttl_s)
+        self.interval_s = config.heartbeat_interval_s
         self.source = source
 
     async def take(self) -> None:
@@ -116,7 +116,7 @@ class IdClaim:
             if held.ttl_left_ms < 0:  # a key without an expiry (no node sets one) would never lapse
                 raise self._refused(held, "holds it with a heartbeat key that never expires")
             lowest_ms = min(lowest_ms, held.ttl_left_ms)
-            await asyncio.sleep(min(CLAIM_POLL_S, max(held.ttl_left_ms, 1) / 1000))
+            await asyncio.sleep(min(CLAIM_POLL_S, ms_to_s(max(held.ttl_left_ms, 1))))
 
     def _refused(self, held: ClaimHeld, how: str) -> ConfigError:
         return ConfigError(

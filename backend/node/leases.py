@@ -20,6 +20,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
+from backend.config.values import ms_to_s
 from backend.errors import CapacityError
 from backend.node.dram import StoredChunk
 
@@ -75,7 +76,7 @@ class LeaseTable:
         lease_id = secrets.randbits(63) or 1  # not guessable: one client cannot end another's lease
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1
-        lease = Lease(lease_id, set(keys), {c.meta.key: c for c in chunks}, time.monotonic() + ttl_ms / 1000, owner)
+        lease = Lease(lease_id, set(keys), {c.meta.key: c for c in chunks}, time.monotonic() + ms_to_s(ttl_ms), owner)
         self._leases[lease.lease_id] = lease
         if owner is not None:
             self._owned[owner].add(lease_id)

@@ -1,6 +1,6 @@
 """Keeps Redis in step with what a node holds: heartbeat, index flush, republish after Redis loss.
 
-* Every ``heartbeat_interval_ms`` the node rewrites its registry entry (clients are
+* Every ``heartbeat_interval_s`` the node rewrites its registry entry (clients are
   told, by the registry version, only when what they keep of the node changed),
   publishes what its tiers did since the last beat (evictions, drops, tier moves),
   and lets the dead-node reaper take a step.
@@ -11,7 +11,7 @@
   batches beside the heartbeat (``republish.py``): the heartbeat never waits for it.
 * Redis unreachable, slow or full: the node keeps serving what it holds and says which,
   once per change: "Redis unreachable" (refused or reset), "Redis slow" (no answer within
-  ``redis_timeout_ms``: paused, stopped, overloaded or cut off; then calls fail at once
+  ``redis_timeout_s``: paused, stopped, overloaded or cut off; then calls fail at once
   while a PING probes it, ``backend.metadata.breaker``, so a put is refused fast), or
   "Redis is full" (at ``maxmemory`` under ``noeviction``: it refuses index writes, so
   puts are refused, but every write of a heartbeat is in one script allowed to run on a
@@ -34,6 +34,7 @@ import socket
 import time
 from typing import Any
 
+from backend.config.values import s_to_ms
 from backend.errors import MetadataError
 from backend.metadata import Beat, ClaimHolder, NodeInfo, RedisFullError, RedisSlowError
 from backend.node.claim import ClaimLost
@@ -50,7 +51,7 @@ SLOW_PUT_LOG_S = 60.0  # a put's commit that Redis did not answer in time is log
 
 # How long a request that owes a client its answer (a delete, a verify) waits for the index before it
 # answers anyway, leaving the rest to the heartbeat's flush: a quarter of the clients' default
-# timeout_ms, so that a paused Redis never makes a healthy node look dead.
+# progress_timeout_s, so that a paused Redis never makes a healthy node look dead.
 ANSWER_FLUSH_S = 0.5
 
 
@@ -94,14 +95,14 @@ class IndexPublisher:
         await self.heartbeat()
 
     async def heartbeat_loop(self, reaper: DeadNodeReaper | None = None) -> None:
-        """Beat every ``heartbeat_interval_ms`` until the node stops; ``reaper`` takes a step after each."""
+        """Beat every ``heartbeat_interval_s`` until the node stops; ``reaper`` takes a step after each."""
         ctx = self.ctx
-        interval = ctx.config.heartbeat_interval_ms / 1000
+        interval = ctx.config.heartbeat_interval_s
         while not ctx.stopping:
             await asyncio.sleep(interval)
             ctx.tiers.leases.expire()
             self.stats.tick()
-            lapsed = time.monotonic() - self._beat_ok_at > ctx.config.heartbeat_ttl_ms / 1000
+            lapsed = time.monotonic() - self._beat_ok_at > ctx.config.heartbeat_ttl_s
             if not self.redis_ok:
                 # Clients whose view dropped this node (its beat lapsed) re-read it only when the
                 # registry version moves: the first beat after an outage always moves it.
@@ -213,7 +214,9 @@ class IndexPublisher:
         view = info.view()
         changed = view != self._published_view
         holder = ClaimHolder(info.epoch, info.host, info.port, info.pid, info.hostname)
-        beat = await self.ctx.index.heartbeat(info, self.ctx.config.heartbeat_ttl_ms, changed=changed, holder=holder)
+        beat = await self.ctx.index.heartbeat(
+            info, s_to_ms(self.ctx.config.heartbeat_ttl_s), changed=changed, holder=holder
+        )
         if beat.lost_to is not None:
             raise ClaimLost(
                 f"node id {info.node_id!r} is held by {beat.lost_to.describe()}: this node's heartbeat lapsed "

@@ -8,7 +8,7 @@ commit itself fails the chunks are dropped again and the client is told, so noth
 is acknowledged that readers cannot find.
 
 The commit waits for Redis at most half the put's ``wait_ms`` (:func:`commit_wait_s`):
-the client waits twice ``wait_ms`` (its ``timeout_ms``) for the answer, so a paused or
+the client waits twice ``wait_ms`` (its ``progress_timeout_s``) for the answer, so a paused or
 slow Redis costs the put an answer in time (``METADATA``, "Redis slow"), never the
 node its place among the client's live nodes.
 
@@ -26,6 +26,7 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from backend.config.values import ms_to_s
 from backend.errors import CapacityError, MetadataError, ProtocolError
 from backend.metadata import Location
 from backend.node.buffers import ChunkBuffer
@@ -62,11 +63,11 @@ MIN_COMMIT_WAIT_S = 0.05  # even a put that asks for no wait gets this long for 
 def commit_wait_s(options: PutOptions) -> float:
     """How long a put's index commit may wait for Redis (and never longer than Redis's own timeout).
 
-    A client waits ``timeout_ms`` = 2 x ``wait_ms`` for a node's answer (docs/protocol.md), and
+    A client waits ``progress_timeout_s`` = 2 x ``wait_ms`` for a node's answer (docs/protocol.md), and
     the node may hold the put ``wait_ms`` for room: half of ``wait_ms`` for the commit leaves a
     quarter of the client's timeout for the bytes and the reply.
     """
-    return max(options.wait_ms * COMMIT_WAIT_SHARE / 1000, MIN_COMMIT_WAIT_S)
+    return max(ms_to_s(options.wait_ms) * COMMIT_WAIT_SHARE, MIN_COMMIT_WAIT_S)
 
 
 class PutReceiver:
@@ -135,7 +136,7 @@ class PutReceiver:
         self.refuse_oversized(items)
         put_id = options.put_id or -next(self._own_ids)
         # The session gives a frame's bytes frame_timeout_s: the wait leaves half of it for them.
-        wait_s = min(options.wait_ms / 1000, self.ctx.config.frame_timeout_s / 2)
+        wait_s = min(ms_to_s(options.wait_ms), self.ctx.config.frame_timeout_s / 2)
         until = asyncio.get_running_loop().time() + wait_s
         intake = Intake(self.ctx.tiers, self.ahead, source, put_id=put_id, until=until)
         try:

@@ -223,7 +223,7 @@ class NvmeRecovery:
     async def _publish(self, held: list[tuple[ItemMeta, str]]) -> None:
         """Write a shard's index entries, trying again while Redis does not take them (a loss of the index
         meanwhile is the heartbeat's to notice: its republish covers what was adopted)."""
-        retry_s = self.ctx.config.heartbeat_interval_ms / 1000
+        retry_s = self.ctx.config.heartbeat_interval_s
         said = False
         while True:
             try:

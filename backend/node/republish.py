@@ -133,7 +133,7 @@ class Republisher:
             self._task = ctx.spawn(self._run())
 
     async def _run(self) -> None:
-        retry_s = self.ctx.config.heartbeat_interval_ms / 1000
+        retry_s = self.ctx.config.heartbeat_interval_s
         while self._walk is not None:
             try:
                 await self._step()

@@ -79,7 +79,7 @@ class PoolNode:
         self._store = MetadataStore(
             config.redis_url,
             config.namespace,
-            config.redis_timeout_ms / 1000,
+            config.redis_timeout_s,
             password=config.redis_password,
             ca_file=config.redis_ca_file,
         )
@@ -212,7 +212,7 @@ class PoolNode:
         nvme = self.tiers.nvme
         if nvme is not None:
             await asyncio.to_thread(keep_node_id, nvme.root, node_id)
-        self.reaper = DeadNodeReaper(self._store, node_id, self.config.dead_node_grace_ms / 1000)
+        self.reaper = DeadNodeReaper(self._store, node_id, self.config.dead_node_grace_s)
         self.stats.count_also(self.reaper.counters)
         prefault = await take_arena(self.tiers, self.config.prefault, node_id)
         self.prefaulted_bytes, self.prefault_s = prefault.taken_bytes, prefault.seconds
@@ -343,8 +343,8 @@ class PoolNode:
             Rendezvous(self._store.rendezvous),
             node_id,
             self.config.cluster,
-            self.config.redis_timeout_ms / 1000,
-            pair_timeout_s=self.config.pair_timeout_ms / 1000,
+            self.config.redis_timeout_s,
+            pair_timeout_s=self.config.pair_timeout_s,
         )
         self.ops.use_channel(self.channel)
         self.stats.count_also(self.channel.counters)

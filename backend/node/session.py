@@ -11,7 +11,7 @@ client does not read within ``REPLY_TIMEOUT_S`` closes the connection. A malform
 frame is answered with an error frame and closes this connection only.
 
 Until it is admitted (``admission.py``: AUTH done, or on a node without a token its
-first complete frame) a connection must finish within ``handshake_timeout_ms`` of
+first complete frame) a connection must finish within ``handshake_timeout_s`` of
 its accept, TLS included, its frames carry at most ``max_handshake_meta_bytes`` of
 meta, and it counts against the node's cap on pending connections.
 
@@ -138,7 +138,7 @@ class Session:
     async def serve(self) -> None:
         ctx, conn, config, admission = self.ctx, self.conn, self.ctx.config, self.served.admission
         admission.arrived(conn, ctx.node_id)
-        handshake_timeout_s = config.handshake_timeout_ms / 1000
+        handshake_timeout_s = config.handshake_timeout_s
         header: Header | None = None
         # Lifted (rescheduled to never) once the connection is admitted.
         deadline = asyncio.timeout(handshake_timeout_s)

@@ -11,7 +11,7 @@
 from backend.iov import Buffer
 from backend.transport.frame_socket import FrameSocket, tune_socket
 from backend.transport.tls import client_tls_context, server_tls_context
-from backend.transport.workers import BULK_BYTES, THREAD_WAIT_MS
+from backend.transport.workers import BULK_BYTES, THREAD_WAIT_S
 
 # Not API: the worker turn's parts that bench/profile_get.py times, importable from here as before.
 from backend.transport.workers import _Receiving as _Receiving
@@ -24,5 +24,5 @@ __all__ = [
     "client_tls_context",
     "server_tls_context",
     "BULK_BYTES",
-    "THREAD_WAIT_MS",
+    "THREAD_WAIT_S",
 ]

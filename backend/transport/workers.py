@@ -3,7 +3,7 @@
 A socket given an executor moves any transfer of ``BULK_BYTES`` or more on a worker thread
 (``recv_into``/``sendmsg`` release the GIL, so the kernel's copies run on the other core
 while the loop keeps serving). A thread moves bytes while the socket has them and waits for
-more at most ``THREAD_WAIT_MS`` in all per turn; then it hands the rest of the transfer back
+more at most ``THREAD_WAIT_S`` in all per turn; then it hands the rest of the transfer back
 to the event loop, which waits for the socket without a thread and gives the transfer a
 thread again (at the back of the executor's queue) once bytes can move. So a silent or slow
 peer holds no thread while it is quiet, and a few of them cannot take every thread from the
@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeVar
 from backend.errors import NodeUnavailable
 from backend.iov import IOV_MAX, advance
 
-__all__ = ["BULK_BYTES", "THREAD_WAIT_MS", "DISCARD_PIECE_BYTES", "TransferEnd", "ThreadedTransfers"]
+__all__ = ["BULK_BYTES", "THREAD_WAIT_S", "DISCARD_PIECE_BYTES", "TransferEnd", "ThreadedTransfers"]
 
 T = TypeVar("T")
 
@@ -40,7 +40,7 @@ BULK_BYTES = 1024 * 1024
 # to the event loop. Long enough that a stream a little slower than the copy keeps its thread (the
 # waits between segments are microseconds), short enough that peers dribbling a byte now and then
 # hold a thread only for this long each time before the next transfer in the queue gets it.
-THREAD_WAIT_MS = 5
+THREAD_WAIT_S = 0.005
 # Bytes nobody wants are read in pieces this large: a peer that stalls in the middle
 # of a dropped payload holds only this much (1 MiB each let 64 such peers cost 64 MiB).
 DISCARD_PIECE_BYTES = 64 * 1024
@@ -68,7 +68,7 @@ class ThreadedTransfers:
     """The transfers of one ``FrameSocket`` that run on worker threads, a turn at a time.
 
     A turn (:meth:`run`) moves bytes on a worker thread while the socket has them, waiting
-    for it at most ``THREAD_WAIT_MS`` in all; a transfer left unfinished then waits for the
+    for it at most ``THREAD_WAIT_S`` in all; a transfer left unfinished then waits for the
     socket on the event loop (no thread held) and takes its next turn once bytes can move.
     While any thread is in a turn the socket's descriptor stays open: ``FrameSocket.close``
     only shuts it down, which wakes the thread, and the descriptor is closed when the last
@@ -189,11 +189,11 @@ class ThreadedTransfers:
 
 
 class _TurnClock:
-    """How long one worker turn may still wait on its socket (``THREAD_WAIT_MS`` in all)."""
+    """How long one worker turn may still wait on its socket (``THREAD_WAIT_S`` in all)."""
 
     def __init__(self, transfers: ThreadedTransfers) -> None:
         self.transfers = transfers
-        self.left_s = THREAD_WAIT_MS / 1000
+        self.left_s = THREAD_WAIT_S
 
     def ready(self, events: int) -> bool:
         """Wait until the socket is ready for ``events``; False once the turn's waiting time is spent."""

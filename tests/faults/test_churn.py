@@ -21,7 +21,7 @@ from tests.support.index import index_key, slots
 
 RESTARTS = 50 if os.environ.get("KVPOOL_FULL") else 20  # `make faults` runs all fifty
 AT_ONCE = 5  # nodes started (and killed) together, to keep the test short
-GRACE_MS = 1000
+GRACE_S = 1.0
 KEYS = 40
 COLLECT_WAIT_S = 30.0  # heartbeat TTL (5 s) + grace + a few collector steps, with room for a loaded machine
 
@@ -49,13 +49,13 @@ def _collected(r: redis.Redis, namespace: str, live: set[str]) -> bool:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_node_restarts_leave_redis_bounded(node_factory, pool_url, redis_server, namespace):
-    survivor = node_factory("--node-id", "0-survivor", "--dead-node-grace-ms", str(GRACE_MS), dram="64MiB")
+    survivor = node_factory("--node-id", "0-survivor", "--dead-node-grace-s", str(GRACE_S), dram="64MiB")
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     rng = random.Random(7)
     footprints = []
     with SyncPoolClient(PoolConfig.from_url(f"{pool_url}?timeout_ms=1000")) as client:
         for round_ in range(RESTARTS // AT_ONCE):
-            churn = [node_factory("--dead-node-grace-ms", str(GRACE_MS), dram="16MiB") for _ in range(AT_ONCE)]
+            churn = [node_factory("--dead-node-grace-s", str(GRACE_S), dram="16MiB") for _ in range(AT_ONCE)]
             assert len({n.node_id for n in churn}) == AT_ONCE  # each start is a new id: no NVMe to keep one in
             client.nodes(refresh=True)
             # Mostly on the new nodes. Nodes killed a moment ago are listed until their heartbeat expires,
@@ -90,7 +90,7 @@ def test_a_node_collected_while_frozen_republishes_when_it_resumes(node_factory,
     chunks = [Chunk(f"frozen@{i}", random.Random(i).randbytes(2048)) for i in range(10)]
     with SyncPoolClient(PoolConfig.from_url(f"{pool_url}?timeout_ms=1000")) as client:
         client.put(chunks)  # the only node holds them all
-        node_factory("--node-id", "a-collector", "--dead-node-grace-ms", str(GRACE_MS), dram="16MiB")
+        node_factory("--node-id", "a-collector", "--dead-node-grace-s", str(GRACE_S), dram="16MiB")
         keys = [c.key for c in chunks]
         frozen.pause()
         try:

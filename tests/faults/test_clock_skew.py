@@ -18,7 +18,7 @@ from tests.faults.proxy import skewed_clock_env
 from tests.test_pool import _chunks
 
 SKEW_S = 3 * 3600.0
-HEARTBEAT_TTL_S = 5.0  # the node's default heartbeat_ttl_ms
+HEARTBEAT_TTL_S = 5.0  # the node's default heartbeat_ttl_s
 
 
 def test_nodes_hours_ahead_or_behind_stay_alive_serve_and_die_by_their_ttl(node_factory, pool_url, tmp_path):

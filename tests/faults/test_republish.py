@@ -34,12 +34,12 @@ from kvpool import Chunk, PoolClient, PoolConfig, SyncPoolClient
 from tests.conftest import wait_until
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: the 300,000-chunk node process
-# The short forms: a republish of this many takes longer than SHORT_TTL_MS at ~40,000 keys/s. The TTL is
+# The short forms: a republish of this many takes longer than SHORT_TTL_S at ~40,000 keys/s. The TTL is
 # 20 beats (a node's default is 5 beats of 1 s): at 10 beats of 100 ms, a test process sharing two cores
 # with another test's (make test runs two workers) once went a whole TTL without its event loop's turn.
 CHUNKS = 100_000
-SHORT_TTL_MS = 2000
-BEAT_MS = 100
+SHORT_TTL_S = 2.0
+BEAT_S = 0.1
 FULL_CHUNKS = 300_000
 SAMPLE = 1000
 
@@ -100,7 +100,7 @@ def _watch(made: list[BeatWatch], server: EmbeddedRedis, node_id: str, namespace
 
 
 async def _node(server: EmbeddedRedis, namespace: str, **config: int) -> PoolNode:
-    settings = {"heartbeat_interval_ms": BEAT_MS, "heartbeat_ttl_ms": SHORT_TTL_MS} | config
+    settings = {"heartbeat_interval_s": BEAT_S, "heartbeat_ttl_s": SHORT_TTL_S} | config
     node = PoolNode(NodeConfig(redis_url=server.url, namespace=namespace, dram_bytes=256 << 20, **settings))
     await node.start()
     return node
@@ -236,7 +236,7 @@ async def test_a_batch_redis_does_not_take_is_tried_again_and_the_walk_goes_on_f
 ):
     """Redis paused mid-republish for less than the heartbeat TTL: the walk waits and goes on where it stood
     (before, the whole inventory was published again at the next beat)."""
-    node = await _node(own_redis, namespace, heartbeat_ttl_ms=3000, redis_timeout_ms=150)
+    node = await _node(own_redis, namespace, heartbeat_ttl_s=3.0, redis_timeout_s=0.15)
     try:
         stored = await _fill(node, CHUNKS)
         watch = _watch(watch_factory, own_redis, node.node_id, namespace)

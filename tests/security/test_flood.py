@@ -3,7 +3,7 @@
 Before, a client shed under a flood (``--max-pending-connections``) or refused at a full
 accept queue got an error with no text, or "closed the connection", which says nothing
 of the node. Now a connection the node closes before its handshake is done (shed, or
-past ``--handshake-timeout-ms``) first gets an error frame for request id 0 naming the
+past ``--handshake-timeout-s``) first gets an error frame for request id 0 naming the
 reason, written without waiting; a kvpool client raises it as its NodeUnavailable, and a
 connection that ends without a word, or a connect that gets no answer, still says what
 happened. Real node processes; the flood is a process of its own (``tests/security/flood.py``).
@@ -164,7 +164,7 @@ def test_a_flood_of_connections_is_shed_and_every_shed_connection_is_told_why(no
 
 
 def test_a_connection_past_the_handshake_deadline_is_told_why(node_factory):
-    node = _node(node_factory, "--handshake-timeout-ms", "500")
+    node = _node(node_factory, "--handshake-timeout-s", "0.5")
     with socket.create_connection((node.host, node.port), timeout=10) as sock:  # and says nothing
         last = read_frame(sock)
         assert last is not None, "closed without a word"
@@ -174,7 +174,7 @@ def test_a_connection_past_the_handshake_deadline_is_told_why(node_factory):
         assert isinstance(error, NodeUnavailable)
         assert str(error) == (
             f"node {node.node_id} closed this connection: its handshake did not finish within 0.5 s of the "
-            "connect (--handshake-timeout-ms)"
+            "connect (--handshake-timeout-s)"
         )
         assert read_frame(sock) is None  # then the close
 

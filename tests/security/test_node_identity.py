@@ -29,7 +29,7 @@ from tests.support.recovery import wait_recovered
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: more rounds, and the long kill orders
 KIB = 1024
-TTL_S = NodeConfig.heartbeat_ttl_ms / 1000  # a node's heartbeat TTL (5 s): how long a crashed run's beat stays
+TTL_S = NodeConfig.heartbeat_ttl_s  # a node's heartbeat TTL (5 s): how long a crashed run's beat stays
 START_S = 20.0  # a node process's start on a busy 2-core machine, with margin
 REFUSED = 2  # the exit code of a ConfigError: a live node holds the id
 

@@ -33,7 +33,7 @@ KIB = 1024
 MIB = 1024 * KIB
 # Longer than one heartbeat TTL (5 s): a node whose beats Redis refused would be declared dead within it.
 FULL_FOR_S = 30.0 if FULL else 7.0
-PAUSE_MS = 2000  # as long as the client's timeout_ms (2000 by default)
+PAUSE_MS = 2000  # as long as the client's progress_timeout_s (2 s by default)
 
 
 def _private_redis(redis_factory: list[EmbeddedRedis]) -> EmbeddedRedis:

@@ -275,7 +275,7 @@ def _seconds_until_closed(sock: socket.socket, opened_at: float, wait_s: float) 
 def test_connections_that_stop_before_or_inside_tls_are_closed_at_the_handshake_deadline(
     secure_node, secure_redis, pki, namespace
 ):
-    node = secure_node("--handshake-timeout-ms", "1000")
+    node = secure_node("--handshake-timeout-s", "1")
     opened_at = time.monotonic()
     silent = socket.create_connection(("localhost", node.port))
     record_byte = socket.create_connection(("localhost", node.port))

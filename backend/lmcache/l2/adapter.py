@@ -39,6 +39,7 @@ from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInter
 
 from backend.client import Lock, PoolClient
 from backend.config import PoolConfig
+from backend.config.values import ms_to_s
 from backend.doctor import TROUBLESHOOTING, Finding, reach
 from backend.errors import KVPoolError
 from backend.lmcache.boundary import MissBoundary
@@ -92,7 +93,7 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._notify_keys_stored,
             self._notify_keys_deleted,
         )
-        self._refresher = self._tasks.start(self._usage.refresh_forever(config.usage_refresh_ms / 1000))
+        self._refresher = self._tasks.start(self._usage.refresh_forever(ms_to_s(config.usage_refresh_ms)))
         # Why the pool is not usable at start (None: it is, or not checked yet): one ERROR, as the connector says it.
         self.pool_problem: Finding | None = None
         self._tasks.start(self._startup_check())
@@ -116,7 +117,7 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     @property
     def _bound_s(self) -> float:
-        return self.config.pool.timeout_s * DELETE_TIMEOUT_FACTOR
+        return self.config.pool.progress_timeout_s * DELETE_TIMEOUT_FACTOR
 
     # -- event fds --------------------------------------------------------------------
     def get_store_event_fd(self) -> int:

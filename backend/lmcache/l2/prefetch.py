@@ -14,6 +14,7 @@ from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.l2_adapters.base import L2TaskId
 
 from backend.client import Lock, PoolClient
+from backend.config.values import ms_to_s
 from backend.errors import KVPoolError
 from backend.lmcache.boundary import MissBoundary
 from backend.lmcache.l2.keys import pool_key
@@ -94,7 +95,7 @@ class Prefetcher:
             # One Redis round trip, then one LEASE per node: a hit is also a lease.
             locks = await self.client.lock([pool_key(k) for k in keys], self.lock_ttl_ms)
             now = time.monotonic()
-            ends = now + self.lock_ttl_ms / 1000
+            ends = now + ms_to_s(self.lock_ttl_ms)
             with self._lock:
                 for i, (key, lock) in enumerate(zip(keys, locks)):
                     if lock is not None:
@@ -117,7 +118,7 @@ class Prefetcher:
                 self._held[key] = live
             else:
                 del self._held[key]
-        self._next_prune = now + self.lock_ttl_ms / 2000
+        self._next_prune = now + ms_to_s(self.lock_ttl_ms) / 2
 
     @property
     def held_count(self) -> int:
