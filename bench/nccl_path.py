@@ -9,10 +9,8 @@ with ``nccl_channel.transport_nccl.exchange_self``: the node link's staging
 are the channel's, as is the pipeline that verifies each chunk's checksum as it lands
 (``nccl_channel.pipeline.receive_batch``); only the group pairs each send with its
 receive, as NCCL needs for a rank sending to itself. Sinks are pinned host buffers
-(and, to compare, pageable ones). Each staging mode is measured: ``pipelined`` with the
-arena registered (``cudaHostRegister``) and not (pinned bounce slots), ``direct`` (no
-staging copy), and ``batch``, the first design (whole batch staged, one group, then
-copied out and verified).
+(and, to compare, pageable ones). The path is measured with the arena registered
+(``cudaHostRegister``) and not (pinned bounce slots).
 
 Ceilings measured in the same run: a device-to-device copy, pinned host to device,
 device to pinned host, host to device from the registered arena, device to the pinned
@@ -134,28 +132,7 @@ class _SelfLink:
         exchange_self(self.node, self.client, self.sources, targets, timeout_s, landed)
 
 
-def _batch_first_design(
-    node: Any, client: Any, sources: list[memoryview], targets: list[memoryview], sums: list[int]
-) -> list[bool]:
-    """The first design: the whole batch staged on the GPU, one group, then copied out and verified."""
-    from nccl_channel.client import _copy_and_verify
-
-    staged = node._stage(sum(len(s) for s in sources))
-    received = client._stage(sum(len(s) for s in sources))
-    sends, recvs, offset = [], [], 0
-    for source in sources:
-        part = staged[offset : offset + len(source)]
-        part.copy_(torch.frombuffer(source, dtype=torch.uint8))
-        sends.append(part)
-        recvs.append(received[offset : offset + len(source)])
-        offset += len(source)
-    client.comm.exchange(sends, recvs, TIMEOUT_S, peer=0)
-    return _copy_and_verify([(t, r, s) for t, r, s in zip(targets, recvs, sums)])
-
-
-def _one_path(
-    comm: Any, arena: Arena, registry: Any, size: int, staging: str, pinned_sink: bool, iters: int
-) -> dict[str, Any]:
+def _one_path(comm: Any, arena: Arena, registry: Any, size: int, pinned_sink: bool, iters: int) -> dict[str, Any]:
     from backend.protocol import checksum
     from nccl_channel.pipeline import Verifier, receive_batch
     from nccl_channel.transport_nccl import NcclLink
@@ -164,9 +141,8 @@ def _one_path(
     sums = [checksum(s) for s in sources]
     sinks = _sinks(BATCH, size, pinned_sink)
     targets = [memoryview(s.numpy()).cast("B") for s in sinks]
-    mode = "pipelined" if staging == "batch" else staging
-    node = NcclLink(comm, mode, registry)  # both links on one communicator: never used at once here
-    client = NcclLink(comm, mode, registry)
+    node = NcclLink(comm, registry)  # both links on one communicator: never used at once here
+    client = NcclLink(comm, registry)
     verifier = Verifier()
     runs: list[float] = []
     report = None
@@ -175,16 +151,11 @@ def _one_path(
             for target in targets:
                 target[:8] = b"\0" * 8  # the last run's bytes must not pass for this run's
             start = time.monotonic()
-            if staging == "batch":
-                verdicts = _batch_first_design(node, client, sources, targets, sums)
-            else:
-                report = receive_batch(
-                    _SelfLink(node, client, sources), [size] * BATCH, targets, sums, TIMEOUT_S, verifier
-                )
-                verdicts = report.verdicts
+            report = receive_batch(_SelfLink(node, client, sources), [size] * BATCH, targets, sums, TIMEOUT_S, verifier)
+            verdicts = report.verdicts
             took = time.monotonic() - start
             if not all(verdicts):
-                raise SystemExit(f"nccl_path: {staging} {size // MIB} MiB: checksums failed: {verdicts}")
+                raise SystemExit(f"nccl_path: {size // MIB} MiB: checksums failed: {verdicts}")
             if run:
                 runs.append(took)
                 last_start = start
@@ -192,7 +163,7 @@ def _one_path(
         verifier.close()
     seconds = statistics.median(runs)
     row: dict[str, Any] = {
-        "staging": staging,
+        "staging": "pipelined",  # the one path the channel has (rows of older results also name others)
         "chunk_mib": size // MIB,
         "chunks": BATCH,
         "arena_registered": registry.contains(sources[0]),
@@ -200,7 +171,7 @@ def _one_path(
         "median_s": seconds,
         "gbps": BATCH * size / seconds / 1e9,
     }
-    if report is not None:
+    if report is not None:  # the last run's
         row["arrived_ms"] = [round((t - last_start) * 1e3, 3) for t in report.arrived_s]
         row["verified_ms"] = [round((t - last_start) * 1e3, 3) for t in report.verified_s]
     return row
@@ -225,24 +196,19 @@ def measure_path(device: str = "cuda:0", iters: int = 5) -> dict[str, Any]:
             try:
                 sink = torch.empty(size, dtype=torch.uint8, pin_memory=True)
                 result["ceilings"][f"{mib}mib"] = _ceilings(arena, size, sink, False, device)
-                result["rows"].append(_one_path(comm, arena, registry, size, "pipelined", True, iters))
+                result["rows"].append(_one_path(comm, arena, registry, size, True, iters))
                 registered_at = time.monotonic()
                 if not registry.register(arena.view):
                     raise SystemExit("nccl_path: cudaHostRegister of the arena failed")
                 result[f"register_{mib}mib_x{BATCH}_ms"] = (time.monotonic() - registered_at) * 1e3
                 result["ceilings"][f"{mib}mib"].update(_ceilings(arena, size, sink, True, device))
-                for staging, pinned_sink in (
-                    ("pipelined", True),
-                    ("pipelined", False),
-                    ("direct", True),
-                    ("batch", True),
-                ):
+                for pinned_sink in (True, False):
                     try:
-                        result["rows"].append(_one_path(comm, arena, registry, size, staging, pinned_sink, iters))
+                        result["rows"].append(_one_path(comm, arena, registry, size, pinned_sink, iters))
                     except Exception as exc:
                         if comm.broken:
                             raise
-                        result["rows"].append({"staging": staging, "chunk_mib": mib, "error": str(exc)})
+                        result["rows"].append({"staging": "pipelined", "chunk_mib": mib, "error": str(exc)})
             finally:
                 registry.close()
                 arena.close()
@@ -259,11 +225,7 @@ def _judge(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
         if key in ceilings:
             figures[key] = ceilings[key]
     for mib in CHUNK_MIB:
-        best = [
-            r["gbps"]
-            for r in result["rows"]
-            if r.get("chunk_mib") == mib and r.get("sink_pinned") and r["staging"] != "batch" and "gbps" in r
-        ]
+        best = [r["gbps"] for r in result["rows"] if r.get("chunk_mib") == mib and r.get("sink_pinned") and "gbps" in r]
         if best:
             figures[f"path_8x{mib}mib_gbps"] = max(best)
     judged = {}

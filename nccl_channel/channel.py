@@ -14,9 +14,11 @@ Client side (:class:`NcclChannel`), for chunks on a node of its own cluster:
 2. ``CHANNEL_GET {session, keys}``: the node answers, over TCP, which keys it found
    with their sizes and checksums, and sends their bytes over the communicator in
    one group, in key order.
-3. The client receives the group into its staging buffer (GPU memory for NCCL), copies
-   each chunk into the sink's buffer (LMCache's memory object) and verifies its
-   checksum: a wrong byte is never returned.
+3. The client receives the batch chunk after chunk (for NCCL through a ring of GPU
+   staging slots, ``nccl_channel.pipeline``) straight into the sink's buffers (LMCache's
+   memory objects) and verifies each chunk's checksum as it lands: a wrong byte is
+   never returned. Each key comes back typed (``nccl_channel.outcome``): landed, or
+   not brought and why.
 
 Node side (:class:`ChannelServer`): joins offers meant for it and sends.
 
@@ -33,7 +35,9 @@ processes), with which the tests exercise rendezvous, caching, batching, timeout
 and fallback on machines without a GPU.
 
 The parts, one module each: ``link`` (the transport contract), ``transport_cpu``,
-``transport_nccl``, ``pairs`` (the pair cache both ends share), ``client``, ``node``.
+``transport_nccl``, ``pairs`` (the pair cache both ends share), ``client``, ``node``,
+``outcome`` (what a get returns per key). ``PoolClient`` builds the client end from its
+config (``backend.client.channel.open_channel``); the node builds its server.
 This module picks a transport by name and keeps every name importable from here.
 """
 
@@ -42,7 +46,6 @@ from __future__ import annotations
 from backend.errors import NcclError
 from nccl_channel.client import BACKOFF_S as BACKOFF_S
 from nccl_channel.client import NcclChannel
-from nccl_channel.client import _copy_and_verify as _copy_and_verify
 from nccl_channel.link import MIN_TRANSFER_BYTES_PER_S as MIN_TRANSFER_BYTES_PER_S
 from nccl_channel.link import Buffer as Buffer
 from nccl_channel.link import Link, Transport, transfer_timeout
@@ -69,8 +72,11 @@ __all__ = [
 ]
 
 
-def make_transport(kind: str, device: str = "cuda:0") -> Transport:
-    """The transport named ``kind`` ("nccl" or "cpu"); NcclError if it cannot run here."""
+def make_transport(kind: str, device: str | None = None) -> Transport:
+    """The transport named ``kind`` ("nccl" or "cpu"); NcclError if it cannot run here.
+
+    ``device``: the CUDA device of an NCCL transport; None is this process's current one (an engine's).
+    """
     if kind == "cpu":
         return CpuTransport()
     if kind == "nccl":
@@ -82,6 +88,8 @@ def make_transport(kind: str, device: str = "cuda:0") -> Transport:
         import torch
 
         count = torch.cuda.device_count()
+        if device is None:
+            device = f"cuda:{torch.cuda.current_device()}"
         try:
             target = torch.device(device)
         except RuntimeError:

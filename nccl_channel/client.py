@@ -1,6 +1,7 @@
 """The client end of the channel: pairs with nodes lazily and receives chunks over the pairs.
 
-See ``nccl_channel/channel.py`` for the whole exchange.
+See ``nccl_channel/channel.py`` for the whole exchange. ``PoolClient`` builds it
+(``backend.client.channel.open_channel``) and reads through it.
 """
 
 from __future__ import annotations
@@ -10,13 +11,12 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Generic, TypeVar
 
-import torch
-
-from backend.errors import IntegrityError, KVPoolError, NcclError
-from backend.protocol import ItemMeta, checksum, decode_channel_response, encode_channel_request
+from backend.errors import KVPoolError, NcclError
+from backend.protocol import ItemMeta, decode_channel_response, encode_channel_request
 from nccl_channel.link import Link, Transport, transfer_timeout
+from nccl_channel.outcome import ChannelResult, Landed, NotBrought, Why
 from nccl_channel.pairs import MAX_PAIRS, PAIR_TIMEOUT_S, Pair, PairCache, Peer, Request, Sink, abort_joined, in_thread
 from nccl_channel.pipeline import Verifier, receive_batch
 from nccl_channel.rendezvous import Offer, Rendezvous, new_session
@@ -27,8 +27,11 @@ logger = logging.getLogger(__name__)
 
 BACKOFF_S = 30.0  # after a channel failure, the client reads that node over TCP this long
 
+N = TypeVar("N", bound=Peer)  # the node record the caller holds (``backend.metadata.NodeInfo``)
+T = TypeVar("T")  # a sink's handle
 
-class NcclChannel:
+
+class NcclChannel(Generic[N]):
     """The client end: pairs with nodes lazily, receives chunks over them.
 
     ``request(node, meta)`` sends one CHANNEL_GET over the node's TCP protocol and
@@ -41,15 +44,13 @@ class NcclChannel:
         rendezvous: Rendezvous,
         endpoint_id: str,
         cluster: str,
-        request: Request,
+        request: Request[N],
         timeout_s: float,
         max_pairs: int = MAX_PAIRS,
         backoff_s: float = BACKOFF_S,
         pair_timeout_s: float = PAIR_TIMEOUT_S,
-        pipelined: bool = True,
     ) -> None:
         self.transport = transport
-        self.pipelined = pipelined  # False: the first design (whole batch staged, then copied), kept to compare
         self._verifier = Verifier()
         self.rendezvous = rendezvous
         self.endpoint_id = endpoint_id
@@ -69,16 +70,16 @@ class NcclChannel:
     def kind(self) -> str:
         return self.transport.kind
 
-    def serves(self, node: Any) -> bool:
+    def serves(self, node: N) -> bool:
         """Whether ``node`` is reachable over this channel: same cluster, same transport, not backing off."""
         return (
             bool(self.cluster)
             and node.cluster == self.cluster
-            and getattr(node, "channel", "") == self.kind
+            and node.channel == self.kind
             and time.monotonic() >= self._backoff_until.get(node.node_id, 0.0)
         )
 
-    def engaged(self, node: Any) -> bool:
+    def engaged(self, node: N) -> bool:
         """Whether to read ``node`` over the channel now: it is served and its pair is ready.
 
         A served node without a pair starts pairing in the background (bounded by
@@ -96,7 +97,7 @@ class NcclChannel:
             task.add_done_callback(lambda _: self._pairing.pop(ident, None))
         return False
 
-    async def _pair_in_background(self, node: Peer) -> None:
+    async def _pair_in_background(self, node: N) -> None:
         try:
             await self._pair(node)
         except Exception as exc:  # NcclError, the control path's KVPoolError, or a transport's own bug
@@ -107,7 +108,7 @@ class NcclChannel:
     def pair_count(self) -> int:
         return len(self._pairs)
 
-    async def _pair(self, node: Peer) -> Pair:
+    async def _pair(self, node: N) -> Pair:
         ident = (node.node_id, node.epoch)
         pair = self._pairs.live(ident)
         if pair is not None:
@@ -122,7 +123,7 @@ class NcclChannel:
             self.counters["pairs_created"] += 1
             return pair
 
-    async def _connect(self, node: Peer) -> tuple[Link, str]:
+    async def _connect(self, node: N) -> tuple[Link, str]:
         if self._closed:
             raise NcclError("the channel is closed")
         session = new_session()
@@ -150,59 +151,49 @@ class NcclChannel:
         logger.info("channel: paired with node %s over %s (session %s)", node.node_id, self.kind, session)
         return link, session
 
-    async def get(self, node: Peer, keys: Sequence[str], sink: Sink[Any]) -> list[Any]:
+    async def get(self, node: N, keys: Sequence[str], sink: Sink[T]) -> list[ChannelResult[T]]:
         """Fetch ``keys`` from ``node`` over the channel into ``sink`` buffers.
 
-        Per key: the sink's handle, None (the node does not hold it, or the sink had
-        no room), or an ``IntegrityError``. Raises NcclError / KVPoolError when the
-        pair or the node failed; the pair is then aborted and dropped.
+        Per key, in order: :class:`Landed` (in its sink buffer, checksum verified) or
+        :class:`NotBrought` with why (the node does not hold it, the sink had no room,
+        the bytes did not match their checksum). Raises NcclError / KVPoolError when the
+        pair or the node failed (any other exception, a CUDA error say, is raised as an
+        NcclError naming it); the pair is then aborted and dropped.
         """
         if not keys:
             return []
         try:
             pair = await self._pair(node)
-        except Exception:
+        except Exception as exc:
             self._back_off(node)
-            raise
+            if isinstance(exc, KVPoolError):
+                raise
+            raise _untyped(exc, f"pairing with node {node.node_id}") from exc
         async with pair.lock:
             try:
                 reply = await self._request(node, encode_channel_request(pair.session, keys))
                 found = decode_channel_response(reply, keys)
                 total = sum(item.nbytes for item in found if item is not None)
-                timeout_s = transfer_timeout(self.timeout_s, total)
-                if self.pipelined:
-                    results = await self._receive_pipelined(pair, found, sink, timeout_s)
-                else:
-                    staged = await self._receive_staged(pair, found, timeout_s)
+                results = await self._receive(pair, found, sink, transfer_timeout(self.timeout_s, total))
             except BaseException as exc:
                 self._pairs.retire((node.node_id, node.epoch), pair)
                 self.counters["pair_failures"] += 1
-                if isinstance(exc, Exception):
-                    self._back_off(node)
-                raise
+                if not isinstance(exc, Exception):
+                    raise  # cancelled: not the node's failure, no back-off
+                self._back_off(node)
+                if isinstance(exc, KVPoolError):
+                    raise
+                raise _untyped(exc, f"a transfer from node {node.node_id}") from exc
             finally:
                 pair.transfer = None
             self.counters["bytes"] += total
-            if self.pipelined:
-                return results
-            return await self._deliver(found, staged, sink)
+            return results
 
-    async def _receive_staged(self, pair: Pair, found: list[ItemMeta | None], timeout_s: float) -> list[torch.Tensor]:
-        """The first design: the whole batch into the link's staging buffer; ``_deliver`` copies and verifies."""
-        sizes = [item.nbytes for item in found if item is not None]
-        if not sizes:
-            return []
-        pair.transfer = asyncio.ensure_future(asyncio.to_thread(pair.link.recv, sizes, timeout_s))
-        # Shielded: cancelling this call must not leave the thread running unnoticed;
-        # retire() aborts the link only after the thread has returned.
-        staged: list[torch.Tensor] = await asyncio.shield(pair.transfer)
-        return staged
-
-    async def _receive_pipelined(
-        self, pair: Pair, found: list[ItemMeta | None], sink: Sink[Any], timeout_s: float
-    ) -> list[Any]:
+    async def _receive(
+        self, pair: Pair, found: list[ItemMeta | None], sink: Sink[T], timeout_s: float
+    ) -> list[ChannelResult[T]]:
         """Sink buffers first, then the batch straight into them, each chunk verified as it lands."""
-        handles: list[Any] = [None] * len(found)
+        handles: list[T | None] = [None] * len(found)
         items = [(index, item) for index, item in enumerate(found) if item is not None]
         targets: list[memoryview | None] = []
         verdicts: list[bool] = []
@@ -230,50 +221,25 @@ class NcclChannel:
             else:
                 _release(sink, handles)
             raise
-        results = list(handles)
-        for (index, item), ok in zip(items, verdicts):
-            if not ok and handles[index] is not None:
-                sink.release(handles[index])
+        good = {index: ok for (index, _), ok in zip(items, verdicts)}
+        results: list[ChannelResult[T]] = []
+        for index, handle in enumerate(handles):
+            if found[index] is None:
+                results.append(NotBrought(Why.NOT_HELD))
+            elif handle is None:
+                results.append(NotBrought(Why.NO_ROOM))
+            elif not good[index]:
+                sink.release(handle)
                 self.counters["integrity_failures"] += 1
-                results[index] = IntegrityError(f"checksum mismatch for {item.key!r} over the channel")
+                results.append(NotBrought(Why.CORRUPT))
+            else:
+                results.append(Landed(handle))
         return results
 
-    def _back_off(self, node: Peer) -> None:
+    def _back_off(self, node: N) -> None:
         """Read ``node`` over TCP for ``backoff_s``: a failing node should not cost a timeout per batch."""
         self._backoff_until[node.node_id] = time.monotonic() + self.backoff_s
         logger.info("channel: node %s read over TCP for %.0f s after a channel failure", node.node_id, self.backoff_s)
-
-    async def _deliver(self, found: list[ItemMeta | None], staged: list[torch.Tensor], sink: Sink[Any]) -> list[Any]:
-        """Copy staged chunks into sink buffers and verify each checksum."""
-        results: list[Any] = [None] * len(found)
-        work: list[tuple[int, ItemMeta, Any, memoryview, torch.Tensor]] = []
-        pending = iter(staged)
-        try:
-            for index, item in enumerate(found):
-                if item is None:
-                    continue
-                source = next(pending)
-                allocated = await sink.allocate(item)
-                if allocated is None:
-                    continue  # no room this time: a miss for this call only
-                handle, buffer = allocated
-                results[index] = handle
-                view = memoryview(buffer).cast("B")
-                if len(view) != item.nbytes:
-                    raise KVPoolError(f"sink gave {len(view)} bytes for a {item.nbytes}-byte item")
-                work.append((index, item, handle, view, source))
-            verdicts = await asyncio.to_thread(_copy_and_verify, [(v, s, i.checksum) for _, i, _, v, s in work])
-        except BaseException:
-            for handle in results:
-                if handle is not None:
-                    sink.release(handle)
-            raise
-        for (index, item, handle, _, _), ok in zip(work, verdicts):
-            if not ok:
-                sink.release(handle)
-                self.counters["integrity_failures"] += 1
-                results[index] = IntegrityError(f"checksum mismatch for {item.key!r} over the channel")
-        return results
 
     async def close(self) -> None:
         """Abort every pair (never destroy: a gone peer would hang it); bounded."""
@@ -285,16 +251,12 @@ class NcclChannel:
         await asyncio.to_thread(self._verifier.close)
 
 
-def _release(sink: Sink[Any], handles: list[Any]) -> None:
+def _release(sink: Sink[T], handles: Sequence[T | None]) -> None:
     for handle in handles:
         if handle is not None:
             sink.release(handle)
 
 
-def _copy_and_verify(work: Sequence[tuple[memoryview, torch.Tensor, int]]) -> list[bool]:
-    verdicts = []
-    for view, source, expected in work:
-        if len(view):
-            torch.frombuffer(view, dtype=torch.uint8).copy_(source)
-        verdicts.append(checksum(view) == expected)
-    return verdicts
+def _untyped(exc: Exception, what: str) -> NcclError:
+    """An exception not of the library (a CUDA error, a transport's own bug) as the NcclError the client expects."""
+    return NcclError(f"{what} failed: {type(exc).__name__}: {exc}")

@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import torch
-
 __all__ = ["Buffer", "Link", "Transport", "transfer_timeout", "MIN_TRANSFER_BYTES_PER_S"]
 
 Buffer = bytes | bytearray | memoryview
@@ -31,9 +29,6 @@ class Link(Protocol):
 
     def send(self, buffers: Sequence[Buffer], timeout_s: float) -> None:
         """Send host buffers to the peer, as one batch (one NCCL group)."""
-
-    def recv(self, sizes: Sequence[int], timeout_s: float) -> list[torch.Tensor]:
-        """Receive a batch of ``sizes`` bytes into staging; the views stay valid until the next recv."""
 
     def recv_into(
         self,

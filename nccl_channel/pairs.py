@@ -41,10 +41,19 @@ PAIR_TIMEOUT_S = 30.0  # deadline of one pairing (both joins); a cold NCCL init 
 
 
 class Peer(Protocol):
-    """A node as the channel needs it (``backend.metadata.NodeInfo``)."""
+    """A node as the channel needs it (``backend.metadata.NodeInfo``): who it is, where, what it serves."""
 
-    node_id: str
-    epoch: int
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def cluster(self) -> str: ...
+
+    @property
+    def channel(self) -> str: ...
 
 
 class Sink(Protocol[T]):  # type: ignore[misc]
@@ -55,7 +64,13 @@ class Sink(Protocol[T]):  # type: ignore[misc]
     def release(self, handle: T) -> None: ...
 
 
-Request = Callable[[Any, bytes], Awaitable[bytes]]
+P = TypeVar("P", bound=Peer, contravariant=True)
+
+
+class Request(Protocol[P]):
+    """Sends one CHANNEL_GET to a node over its TCP protocol; the response meta (``PoolClient.channel_request``)."""
+
+    def __call__(self, node: P, meta: bytes, /) -> Awaitable[bytes]: ...
 
 
 @dataclasses.dataclass

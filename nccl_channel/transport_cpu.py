@@ -12,8 +12,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import torch
-
 from backend.errors import NcclError
 from nccl_channel.link import Buffer, Link
 
@@ -30,7 +28,6 @@ class CpuLink:
         self.sock = sock
         self.progress = progress
         self.broken = False
-        self._staging = torch.empty(0, dtype=torch.uint8)
         try:
             host, port = sock.getpeername()[:2]
             self.peer = f"{host}:{port}"
@@ -72,30 +69,6 @@ class CpuLink:
                 self._deadline_io(deadline, "send to", timeout_s)
                 self.sock.sendall(view)
 
-    def recv(self, sizes: Sequence[int], timeout_s: float) -> list[torch.Tensor]:
-        total = sum(sizes)
-        deadline = time.monotonic() + timeout_s
-        head = bytearray(_BATCH_HEAD.size)
-        with self._transfer("receive from", timeout_s):
-            self._recv_exact(memoryview(head), deadline, timeout_s)
-            count, declared = _BATCH_HEAD.unpack(head)
-            if (count, declared) != (len(sizes), total):
-                raise NcclError(f"peer sent {count} items / {declared} bytes, expected {len(sizes)} / {total}")
-            if self._staging.numel() < total:
-                try:
-                    self._staging = torch.empty(total, dtype=torch.uint8)
-                except RuntimeError as exc:  # torch.OutOfMemoryError is one
-                    raise NcclError(f"staging {total} bytes failed: {exc}") from None
-            staging = memoryview(self._staging.numpy()).cast("B")
-            views, offset = [], 0
-            for index, size in enumerate(sizes):
-                self._recv_exact(staging[offset : offset + size], deadline, timeout_s)
-                views.append(self._staging[offset : offset + size])
-                offset += size
-                if self.progress is not None:
-                    self.progress(index)
-        return views
-
     def recv_into(
         self,
         sizes: Sequence[int],
@@ -103,7 +76,7 @@ class CpuLink:
         timeout_s: float,
         landed: Callable[[int], None],
     ) -> None:
-        """Receive each chunk straight into its target (no staging); ``landed(i)`` as each one is in."""
+        """Receive each chunk straight into its target; ``landed(i)`` as each one is in."""
         deadline = time.monotonic() + timeout_s
         head = bytearray(_BATCH_HEAD.size)
         with self._transfer("receive from", timeout_s):  # also when ``landed`` fails: the stream is out of step

@@ -12,48 +12,29 @@ from backend.errors import NcclError
 from nccl_channel.link import Buffer, Link
 from nccl_channel.pipeline import RING_DEPTH
 from nccl_channel.pipeline import run_ring as drive_ring
-from nccl_channel.staging import HostRegistry, StagingRing, address_of, is_pinned
+from nccl_channel.staging import HostRegistry, StagingRing, is_pinned
 
-__all__ = ["NcclLink", "NcclTransport", "STAGING_MODES", "exchange_self"]
-
-
-STAGING_MODES = ("pipelined", "direct", "batch")
+__all__ = ["NcclLink", "NcclTransport", "exchange_self"]
 
 
 class NcclLink:
-    """A pair over a :class:`PairCommunicator`; how host bytes reach NCCL is ``staging``:
+    """A pair over a :class:`PairCommunicator`: chunk after chunk through a ring of GPU slots.
 
-    * ``pipelined`` (default): chunk after chunk through a ring of GPU slots, the host
-      copy of one chunk overlapping the NCCL transfer of the next
-      (``nccl_channel.pipeline``); copies from registered or pinned memory are
-      asynchronous, others go through a pinned bounce slot;
-    * ``direct``: as pipelined, but a chunk in registered or pinned host memory is given
-      to NCCL as it is, with no staging copy (not yet measured on a GPU);
-    * ``batch``: the first design, kept to compare: the whole batch staged on the GPU,
-      one NCCL group, copied out afterwards.
+    The host copy of one chunk overlaps the NCCL transfer of the next
+    (``nccl_channel.pipeline``); copies from registered or pinned memory are
+    asynchronous, others go through a pinned bounce slot.
     """
 
-    def __init__(
-        self, comm: Any, staging: str = "pipelined", registry: HostRegistry | None = None, depth: int = RING_DEPTH
-    ) -> None:
-        if staging not in STAGING_MODES:
-            raise NcclError(f"unknown staging {staging!r}; known: {', '.join(STAGING_MODES)}")
+    def __init__(self, comm: Any, registry: HostRegistry | None = None, depth: int = RING_DEPTH) -> None:
         self.comm = comm
-        self.staging = staging
         self.registry = registry if registry is not None else HostRegistry()
         self.depth = depth
-        self._staging = torch.empty(0, dtype=torch.uint8, device=comm.device)
         self._ring: StagingRing | None = None
         self._copies = torch.cuda.Stream(device=comm.device)  # host<->device copies, beside NCCL's stream
 
     @property
     def broken(self) -> bool:
         return bool(self.comm.broken or self.comm.closed)
-
-    def _stage(self, total: int) -> torch.Tensor:
-        if self._staging.numel() < total:
-            self._staging = torch.empty(total, dtype=torch.uint8, device=self.comm.device)
-        return self._staging
 
     def _ring_for(self, largest: int) -> StagingRing:
         if self._ring is None or self._ring.slot_bytes < largest:
@@ -70,9 +51,6 @@ class NcclLink:
 
     def send(self, buffers: Sequence[Buffer], timeout_s: float) -> None:
         views = [memoryview(b).cast("B") for b in buffers]
-        if self.staging == "batch":
-            self._send_batch(views, timeout_s)
-            return
         started = time.monotonic()
         ring = self._ring_for(max((len(v) for v in views), default=0))
 
@@ -83,12 +61,10 @@ class NcclLink:
         self.run_ring(len(views), issue, lambda _index: None, timeout_s, started, "send")
 
     def stage_out(self, ring: StagingRing, index: int, view: memoryview) -> tuple[int, Any]:
-        """Where NCCL sends chunk ``index`` from, and the event its staging copy completes (None: no copy).
+        """Where NCCL sends chunk ``index`` from (its ring slot), and the event its staging copy completes.
 
         The chunk's slot is free: its previous chunk's send completed (``run_ring`` waited for it).
         """
-        if self.staging == "direct" and self._pinned(view):
-            return address_of(view), None
         slot = ring.device_slots[index % ring.depth][: len(view)]
         with torch.cuda.stream(self._copies):
             if len(view):
@@ -99,34 +75,6 @@ class NcclLink:
             staged = torch.cuda.Event()
             staged.record(self._copies)
         return int(slot.data_ptr()), staged
-
-    def _send_batch(self, views: list[memoryview], timeout_s: float) -> None:
-        try:
-            staging = self._stage(sum(len(v) for v in views))
-            slices, offset = [], 0
-            for view in views:
-                if len(view):
-                    part = staging[offset : offset + len(view)]
-                    part.copy_(torch.frombuffer(view, dtype=torch.uint8))
-                    slices.append(part)
-                offset += len(view)
-        except RuntimeError as exc:  # torch.OutOfMemoryError is one: the caller falls back to TCP
-            self.comm.abort()
-            raise NcclError(f"staging a batch on {self.comm.device} failed: {exc}") from None
-        self.comm.send(slices, timeout_s)
-
-    def recv(self, sizes: Sequence[int], timeout_s: float) -> list[torch.Tensor]:
-        try:
-            staging = self._stage(sum(sizes))
-        except RuntimeError as exc:  # torch.OutOfMemoryError is one: the caller falls back to TCP
-            self.comm.abort()
-            raise NcclError(f"staging {sum(sizes)} bytes on {self.comm.device} failed: {exc}") from None
-        views, offset = [], 0
-        for size in sizes:
-            views.append(staging[offset : offset + size])
-            offset += size
-        self.comm.recv([v for v in views if v.numel()], timeout_s)
-        return views
 
     def recv_into(
         self,
@@ -149,12 +97,10 @@ class NcclLink:
         )
 
     def recv_pointer(self, ring: StagingRing, index: int, size: int, target: memoryview | None) -> int:
-        """Where NCCL receives chunk ``index``: its ring slot, or (``direct``) a pinned target itself."""
+        """Where NCCL receives chunk ``index``: its ring slot."""
         if target is not None and len(target) != size:
             self.comm.abort()
             raise NcclError(f"chunk {index}: a target of {len(target)} bytes for {size}")
-        if self.staging == "direct" and target is not None and self._pinned(target):
-            return address_of(target)
         return int(ring.device_slots[index % ring.depth].data_ptr())
 
     def copy_in(
@@ -165,7 +111,7 @@ class NcclLink:
         A pinned target gets the bytes straight; any other, through the slot's pinned bounce
         buffer (kept in ``bounced`` until :meth:`land`).
         """
-        if target is None or not len(target) or (self.staging == "direct" and self._pinned(target)):
+        if target is None or not len(target):
             return arrived
         slot = ring.device_slots[index % ring.depth][: len(target)]
         with torch.cuda.stream(self._copies):
@@ -272,13 +218,10 @@ class NcclTransport:
 
     kind = "nccl"
 
-    def __init__(self, device: str | torch.device = "cuda:0", staging: str = "pipelined") -> None:
+    def __init__(self, device: str | torch.device = "cuda:0") -> None:
         from nccl_channel.library import load_library
 
-        if staging not in STAGING_MODES:
-            raise NcclError(f"unknown staging {staging!r}; known: {', '.join(STAGING_MODES)}")
         self.device = torch.device(device)
-        self.staging = staging
         self.registry = HostRegistry()  # shared by this transport's links; see register_host
         self.lib = load_library()
 
@@ -290,7 +233,7 @@ class NcclTransport:
         from nccl_channel.library import NcclUniqueId
 
         comm = PairCommunicator.create(self.lib, NcclUniqueId.from_bytes(unique_id), rank, 2, self.device, timeout_s)
-        return NcclLink(comm, self.staging, self.registry)
+        return NcclLink(comm, self.registry)
 
     def discard(self, state: Any) -> None:
         pass

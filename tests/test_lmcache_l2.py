@@ -317,6 +317,30 @@ def test_submit_calls_return_at_once_and_results_arrive_through_the_event_fds(no
     assert same_bytes(target, payload(10))
 
 
+# -- the channel ---------------------------------------------------------------------
+def test_loads_of_same_cluster_hits_travel_over_the_channel_the_url_turns_on(node_factory, pool_url, adapters):
+    """``nccl=on`` in the adapter's URL: its client builds the channel (here the CPU transport); the first
+    load goes over TCP while the pair is made, then every hit comes over the channel and none over TCP."""
+    node_factory("--cluster", "rack-a", "--channel", "cpu")
+    adapter = adapters(f"{pool_url}?nccl=on&cluster=rack-a&channel_transport=cpu")
+    keys = [object_key(60 + i) for i in range(3)]
+    assert store(adapter, keys, [memory_obj(payload(60 + i)) for i in range(3)]).is_successful()
+
+    def loaded(hits: list[bool], got: list[torch.Tensor]) -> None:
+        assert hits == [True] * 3 and all(same_bytes(g, payload(60 + i)) for i, g in enumerate(got))
+
+    def loaded_over_the_channel() -> bool:
+        loaded(*load(adapter, keys))  # right bytes whichever path served them
+        return adapter.client.counters["get_bytes_channel"] > 0
+
+    assert wait_until(loaded_over_the_channel, WAIT_S), "no load came over the channel"
+    before = dict(adapter.client.counters)
+    loaded(*load(adapter, keys))
+    after = dict(adapter.client.counters)
+    assert after["get_bytes_channel"] - before["get_bytes_channel"] == 3 * CHUNK_BYTES
+    assert after.get("get_bytes_tcp", 0) == before.get("get_bytes_tcp", 0) and after.get("channel_fallbacks", 0) == 0
+
+
 # -- key mapping: salts, listing, usage -----------------------------------------------
 def test_pool_keys_are_injective_reversible_and_never_look_like_in_process_keys():
     from lmcache.utils import CacheEngineKey

@@ -15,16 +15,18 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from backend.client import BytesSink
+from backend.client import BytesSink, SyncPoolClient
 from backend.metadata import MetadataStore
 from backend.protocol import Op, encode_channel_request, encode_json
 from kvpool import Chunk, KVPoolError, NcclError, PoolClient, PoolConfig, ProtocolError
 from nccl_channel.channel import ChannelServer, CpuTransport, NcclChannel
+from nccl_channel.outcome import Landed, NotBrought, Why
 from nccl_channel.rendezvous import Offer, Rendezvous, new_session
 from tests.conftest import wait_until
 
 CLUSTER = "rack-a"
 TIMEOUT_S = 1.0
+PAIR_WAIT_S = 20.0
 
 
 def _chunks(prefix: str, count: int, size: int) -> list[Chunk]:
@@ -38,7 +40,7 @@ async def client(pool_url) -> AsyncIterator[PoolClient]:
     await pool.close()
 
 
-def _channel(client: PoolClient, transport: CpuTransport | None = None, pipelined: bool = True) -> NcclChannel:
+def _channel(client: PoolClient, transport: CpuTransport | None = None) -> NcclChannel:
     return NcclChannel(
         transport or CpuTransport(),
         Rendezvous(client.index),
@@ -46,8 +48,13 @@ def _channel(client: PoolClient, transport: CpuTransport | None = None, pipeline
         CLUSTER,
         client.channel_request,
         client.config.progress_timeout_s,
-        pipelined=pipelined,
     )
+
+
+def _bytes(results: list) -> list[bytes]:
+    """The bytes of each landed chunk (every result must have landed)."""
+    assert all(isinstance(r, Landed) for r in results), results
+    return [bytes(r.handle.data) for r in results]
 
 
 async def _node_info(client: PoolClient, node_id: str):
@@ -114,10 +121,16 @@ async def test_cpu_transport_pairs_two_ends_from_the_published_id_alone(redis_se
             asyncio.to_thread(transport.join, unique_id, 0, state, 5.0), server.join(session)
         )
         payload = [os.urandom(1000), b"", os.urandom(70_000)]
-        received = asyncio.ensure_future(asyncio.to_thread(link.recv, [len(p) for p in payload], 5.0))
+        got = [bytearray(len(p)) for p in payload]
+        landed: list[int] = []
+        received = asyncio.ensure_future(
+            asyncio.to_thread(
+                link.recv_into, [len(p) for p in payload], [memoryview(g) for g in got], 5.0, landed.append
+            )
+        )
         await server.send(session, payload)
-        got = await received
-        assert [bytes(t.numpy()) for t in got] == payload
+        await received
+        assert [bytes(g) for g in got] == payload and landed == [0, 1, 2]
         assert server.counters["channel_bytes"] == 71_000
         link.close()
     finally:
@@ -127,22 +140,21 @@ async def test_cpu_transport_pairs_two_ends_from_the_published_id_alone(redis_se
 
 
 # -- against a real node ---------------------------------------------------------------------
-@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "first-design-batch"])
-async def test_a_batch_arrives_byte_identical_and_the_pair_is_reused(node_factory, client, pipelined):
+async def test_a_batch_arrives_byte_identical_and_the_pair_is_reused(node_factory, client):
     node = node_factory("--cluster", CLUSTER, "--channel", "cpu")
     chunks = _chunks("batch", 12, 300_000)
     await client.put(chunks)
     info = await _node_info(client, node.node_id)
     assert info.channel == "cpu" and info.cluster == CLUSTER
-    channel = _channel(client, pipelined=pipelined)
+    channel = _channel(client)
     try:
         assert channel.serves(info)
         keys = [c.key for c in chunks]
         got = await channel.get(info, [*keys[:6], "batch@missing", *keys[6:]], BytesSink())
-        assert got[6] is None
-        assert [bytes(g.data) for g in got[:6] + got[7:]] == [bytes(c.data) for c in chunks]
+        assert got[6] == NotBrought(Why.NOT_HELD)
+        assert _bytes(got[:6] + got[7:]) == [bytes(c.data) for c in chunks]
         again = await channel.get(info, keys[::-1], BytesSink())
-        assert [bytes(g.data) for g in again] == [bytes(c.data) for c in chunks[::-1]]
+        assert _bytes(again) == [bytes(c.data) for c in chunks[::-1]]
         assert channel.counters["pairs_created"] == 1 and channel.pair_count() == 1
         stats = await client.node_stats(info)
         assert stats["counters"]["channel_pairs"] == 1
@@ -157,6 +169,33 @@ async def test_a_batch_arrives_byte_identical_and_the_pair_is_reused(node_factor
         await channel.close()
 
 
+def test_sync_pool_client_reads_same_cluster_hits_over_the_channel_its_url_turns_on(node_factory, pool_url):
+    """``nccl=on`` in the URL is enough: the client builds the channel (here its CPU transport), the first
+    read goes over TCP while the pair is made, and once paired every hit comes over the channel, none over TCP."""
+    node = node_factory("--cluster", CLUSTER, "--channel", "cpu")
+    chunks = _chunks("sync", 4, 200_000)
+    keys, expected = [c.key for c in chunks], [bytes(c.data) for c in chunks]
+    with SyncPoolClient(PoolConfig.from_url(f"{pool_url}?nccl=on&cluster={CLUSTER}&channel_transport=cpu")) as pool:
+        pool.put(chunks)
+
+        def read_over_the_channel() -> bool:
+            got = pool.get(keys)
+            assert [bytes(g.data) for g in got] == expected  # right bytes whichever path served them
+            return pool.counters.get("get_bytes_channel", 0) > 0
+
+        assert wait_until(read_over_the_channel, PAIR_WAIT_S), "no read came over the channel"
+        before = pool.counters
+        info = next(n for n in pool.nodes() if n.node_id == node.node_id)
+        hits_before = pool.node_stats(info)["counters"]["channel_hits"]
+        got = pool.get(keys)
+        after = pool.counters
+        assert [bytes(g.data) for g in got] == expected
+        assert after["get_bytes_channel"] - before["get_bytes_channel"] == 4 * 200_000
+        assert after.get("get_bytes_tcp", 0) == before.get("get_bytes_tcp", 0)
+        assert after.get("channel_fallbacks", 0) == 0
+        assert pool.node_stats(info)["counters"]["channel_hits"] - hits_before == 4
+
+
 async def test_concurrent_gets_on_one_pair_are_serialised_and_all_correct(node_factory, client):
     node = node_factory("--cluster", CLUSTER, "--channel", "cpu")
     chunks = _chunks("conc", 8, 200_000)
@@ -165,7 +204,7 @@ async def test_concurrent_gets_on_one_pair_are_serialised_and_all_correct(node_f
     channel = _channel(client)
     try:
         results = await asyncio.gather(*(channel.get(info, [c.key], BytesSink()) for c in chunks))
-        assert [bytes(r[0].data) for r in results] == [bytes(c.data) for c in chunks]
+        assert [_bytes(r)[0] for r in results] == [bytes(c.data) for c in chunks]
         assert channel.counters["pairs_created"] == 1
     finally:
         await channel.close()
@@ -231,7 +270,7 @@ async def test_a_stalled_peer_times_out_instead_of_hanging(node_factory, client)
     fresh = _channel(client)
     try:
         got = await fresh.get(info, [chunks[0].key], BytesSink())
-        assert bytes(got[0].data) == bytes(chunks[0].data)
+        assert _bytes(got) == [bytes(chunks[0].data)]
     finally:
         await fresh.close()
     assert wait_until(lambda: "pair dropped" in node.log, 30.0)
@@ -283,13 +322,6 @@ class _RecordingLink:
 
     def send(self, buffers, timeout_s: float) -> None:
         self.link.send(buffers, timeout_s)
-
-    def recv(self, sizes, timeout_s: float):
-        self.events.append("recv start")
-        try:
-            return self.link.recv(sizes, timeout_s)
-        finally:
-            self.events.append("recv end")
 
     def recv_into(self, sizes, targets, timeout_s: float, landed) -> None:
         self.events.append("recv start")
@@ -419,8 +451,8 @@ async def test_a_channel_batch_stops_at_the_nodes_data_cap_and_the_rest_are_miss
             await client.put([chunk])
         info = await _node_info(client, node.node_id)
         got = await channel.get(info, [c.key for c in chunks], BytesSink())
-        assert [bytes(g.data) for g in got[:2]] == [bytes(c.data) for c in chunks[:2]]
-        assert got[2:] == [None, None]
+        assert _bytes(got[:2]) == [bytes(c.data) for c in chunks[:2]]
+        assert got[2:] == [NotBrought(Why.NOT_HELD)] * 2
         assert node.counters["get_over_frame_limit"] == 2 and node.counters["channel_hits"] == 2
         rest = await client.get([c.key for c in chunks[2:]], BytesSink())
         assert [bytes(g.data) for g in rest] == [bytes(c.data) for c in chunks[2:]]

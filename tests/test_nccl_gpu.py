@@ -21,6 +21,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUD
 TIMEOUT_S = 60.0
 
 
+def _copy_and_verify(work):
+    """Each ``(host view, device tensor, checksum)``: the tensor copied into the view, and whether it checks out."""
+    from backend.protocol import checksum
+
+    verdicts = []
+    for view, source, expected in work:
+        if len(view):
+            torch.frombuffer(view, dtype=torch.uint8).copy_(source)
+        verdicts.append(checksum(view) == expected)
+    return verdicts
+
+
 @pytest.fixture(scope="module")
 def lib():
     import nccl_channel
@@ -59,7 +71,6 @@ def test_staged_bytes_go_host_to_gpu_to_host_and_are_verified(lib):
     import os
 
     from backend.protocol import checksum
-    from nccl_channel.channel import _copy_and_verify
     from nccl_channel.communicator import PairCommunicator
 
     comm = PairCommunicator.create(lib, lib.unique_id(), 0, 1, "cuda:0", TIMEOUT_S)
@@ -82,7 +93,6 @@ def test_staging_is_copied_into_an_lmcache_memory_object_and_verified(lib):
     pytest.importorskip("lmcache", reason="LMCache is not installed (the GPU machine has none)")
     from backend.protocol import checksum
     from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config, same_bytes
-    from nccl_channel.channel import _copy_and_verify
     from nccl_channel.communicator import PairCommunicator
 
     stack = LMCacheStack(kvpool_lmcache_config("kvpool://127.0.0.1:1/none?progress_timeout_s=0.2"))
@@ -102,11 +112,10 @@ def test_staging_is_copied_into_an_lmcache_memory_object_and_verified(lib):
         stack.close()
 
 
-@pytest.mark.parametrize("staging", ["pipelined", "direct"])
 @pytest.mark.parametrize("pinned_sink", [True, False], ids=["pinned-sink", "pageable-sink"])
-def test_the_pipelined_path_lands_every_chunk_verified_from_a_registered_or_pageable_arena(lib, staging, pinned_sink):
+def test_the_pipelined_path_lands_every_chunk_verified_from_a_registered_or_pageable_arena(lib, pinned_sink):
     """The channel's own staging and landing (exchange_self on a 1-rank communicator), arena registered for
-    half the chunks' run, a flipped byte caught: every byte right in every staging mode."""
+    half the chunks' run, a flipped byte caught: every byte right."""
     import mmap
     import os
 
@@ -136,7 +145,7 @@ def test_the_pipelined_path_lands_every_chunk_verified_from_a_registered_or_page
         for register in (False, True):
             if register:
                 assert registry.register(view)
-            node, client = NcclLink(comm, staging, registry), NcclLink(comm, staging, registry)
+            node, client = NcclLink(comm, registry), NcclLink(comm, registry)
             sinks = [torch.zeros(n, dtype=torch.uint8, pin_memory=pinned_sink) for n in sizes]
             targets = [memoryview(s.numpy()).cast("B") for s in sinks]
             sums = [checksum(s) for s in sources]
@@ -156,7 +165,7 @@ def test_the_path_benchmark_runs_and_judges_every_target(lib):
 
     result = measure_path(iters=1)
     assert set(result["targets"]) == set(TARGETS)
-    assert all("error" not in row for row in result["rows"] if row["staging"] == "pipelined"), result["rows"]
+    assert all("error" not in row for row in result["rows"]), result["rows"]
 
 
 def test_nccl_bandwidth_against_a_device_to_device_copy(lib):
@@ -201,8 +210,9 @@ PAIR_WORKER = textwrap.dedent("""
         if rank == 1:
             link.send([payload, payload[:1000]], 60.0)
         else:
-            got = link.recv([len(payload), 1000], 60.0)
-            assert bytes(got[0].cpu().numpy()) == payload and bytes(got[1].cpu().numpy()) == payload[:1000]
+            got = [bytearray(len(payload)), bytearray(1000)]
+            link.recv_into([len(payload), 1000], [memoryview(g) for g in got], 60.0, lambda index: None)
+            assert bytes(got[0]) == payload and bytes(got[1]) == payload[:1000]
         link.close()
         print("ok")
 

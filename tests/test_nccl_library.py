@@ -277,7 +277,6 @@ def test_the_channel_module_still_offers_every_name_its_users_import():
         "Transport",
         "make_transport",
         "transfer_timeout",
-        "_copy_and_verify",
         "BACKOFF_S",
         "MAX_PAIRS",
     ]

@@ -145,10 +145,9 @@ def test_any_exception_in_the_channel_path_falls_back_to_tcp(
 ):
     """A CUDA error in the device copy is a RuntimeError, not a KVPoolError: it must cost a fallback, not the read.
 
-    No CPU can make CUDA fail, so the copy and check of a landed chunk (in the pipelined path, and in
-    the first design's batch path) is replaced by one that raises what PyTorch raises for a faulted device.
+    No CPU can make CUDA fail, so the check of a landed chunk is replaced by one that raises what
+    PyTorch raises for a faulted device.
     """
-    import nccl_channel.client as client_module
     import nccl_channel.pipeline as pipeline_module
 
     caplog.set_level(logging.WARNING)
@@ -159,11 +158,10 @@ def test_any_exception_in_the_channel_path_falls_back_to_tcp(
     connector = stack.connector()
     tcp_before = connector.counters["get_bytes_tcp"]
 
-    def faulted_copy(work):
+    def faulted_check(view, expected):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(client_module, "_copy_and_verify", faulted_copy)
-    monkeypatch.setattr(pipeline_module, "_verify_chunk", lambda view, expected: faulted_copy([]))
+    monkeypatch.setattr(pipeline_module, "_verify_chunk", faulted_check)
     got = stack.get(keys)
     try:
         _assert_all_fell_back_to_tcp(stack, got, objs, tcp_before)

@@ -2,7 +2,8 @@
 
 It wires the parts together and delegates: the registry view and the index lookup
 (``registry``), one reader per path (``channel``, ``arena``, ``tcp``) behind the get
-failover (``failover``), the put planner (``putter``), locks (``locks``), and the
+failover (``failover``); the channel too is built here, from the config
+(``channel.open_channel``: ``nccl=on``), so every user of the client reads through it, the put planner (``putter``), locks (``locks``), and the
 connections (``connection``). ``node_admin`` (``backend.client.node_admin.NodeAdmin``)
 holds the typed requests the admin verbs address to one node. ``index``
 (``backend.client.index.PoolIndex``) is the only way its users reach the metadata;
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from backend.client.arena import ArenaReader
-from backend.client.channel import Channel, ChannelReader
+from backend.client.channel import Channel, ChannelReader, open_channel
 from backend.client.chunks import BytesSink, Chunk, Fetched, Hit, Lock, Sink, Wanted
 from backend.client.connection import Connections
 from backend.client.context import ClientContext
@@ -51,6 +52,7 @@ __all__ = ["PoolClient"]
 logger = logging.getLogger("backend.client")
 
 T = TypeVar("T")
+CLOSE_BOUND_S = 1.0  # the channel's aborts and Redis's close each get this long; close never hangs on a dead peer
 
 
 class PoolClient:
@@ -79,11 +81,14 @@ class PoolClient:
         self.registry.on_change += [self.connections.prune, self.arena.prune, self.health.prune]
         self._locator = Locator(self._ctx, self._store, self.registry)
         self._tcp = TcpReader(self._ctx, self.connections)
-        self._getter = Getter(self._ctx, self.registry, self._locator, [self.arena, self._tcp])
+        self._channel = open_channel(config, self.index, self.channel_request)
+        readers: list[Reader] = [self.arena, self._tcp]
+        if self._channel is not None:
+            readers.insert(0, ChannelReader(self._ctx, self._channel))
+        self._getter = Getter(self._ctx, self.registry, self._locator, readers)
         self._staged = StagedWriter(self._ctx, self.connections, self.arena)
         self._putter = PutPlanner(self._ctx, self.registry, self.connections, self._staged)
         self._locker = Locker(self._ctx, self.registry, self._locator, self.connections)
-        self._channel: Channel | None = None
 
     def _check_open(self) -> None:
         if self._ctx.check_open():  # forked: the parent's sockets and mappings are not ours
@@ -91,11 +96,10 @@ class PoolClient:
             self.arena.forget()
             self._staged.forget()
 
-    def use_channel(self, channel: Channel) -> None:
-        """Read same-cluster hits over ``channel`` first (``nccl_channel.channel.NcclChannel``)."""
-        self._channel = channel
-        readers: list[Reader] = [ChannelReader(self._ctx, channel), self.arena, self._tcp]
-        self._getter.readers = readers
+    @property
+    def channel(self) -> Channel | None:
+        """The channel same-cluster hits are read over first; None when ``nccl=on`` is not asked or cannot run here."""
+        return self._channel
 
     # -- the data path ----------------------------------------------------------------
     async def nodes(self, refresh: bool = False) -> list[NodeInfo]:
@@ -206,12 +210,16 @@ class PoolClient:
         """Close every connection; returns promptly even with nodes or Redis down."""
         if self._ctx.closed:
             return
+        if self._channel is not None:  # its pairs first: their requests go over the connections
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(CLOSE_BOUND_S):
+                    await self._channel.close()
         self.connections.close()
         self.arena.close()
         self._staged.close()
         await self._ctx.close()
         with contextlib.suppress(Exception):
-            async with asyncio.timeout(1.0):
+            async with asyncio.timeout(CLOSE_BOUND_S):
                 await self._store.close()
 
     async def __aenter__(self) -> PoolClient:

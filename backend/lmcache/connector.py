@@ -25,14 +25,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import threading
-import uuid
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
@@ -41,7 +38,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from backend.client import PoolClient
 from backend.config import PoolConfig
 from backend.doctor import TROUBLESHOOTING, Finding, reach
-from backend.errors import BusyError, ConfigError, KVPoolError, NcclError
+from backend.errors import BusyError, ConfigError, KVPoolError
 from backend.lmcache.boundary import MissBoundary
 from backend.lmcache.chunks import ALLOCATE_TIMEOUT_S, LMCacheSink, to_chunk
 from backend.lmcache.config import (
@@ -123,7 +120,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self._recheck: asyncio.Task[None] | None = None
         # In-process Prometheus: LMCache's own metrics live in the default registry too.
         register_connector_metrics(self._metric_counters, plugin_name, self._pool_state)
-        self.channel = self._open_channel()  # nccl_channel.channel.NcclChannel with nccl=on, else None
+        self.channel = self.client.channel  # built by the client from nccl=on; None when off or it cannot run here
         # Report a pool that is not usable at start once, loudly, with its cause: LMCache itself
         # would only ever show misses. On LMCache's loop, never blocking it.
         asyncio.run_coroutine_threadsafe(self._startup_check(), loop)
@@ -319,36 +316,6 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
                 prefix.append(obj)
         return prefix
 
-    # -- channel (nccl_channel) --------------------------------------------------------
-    def _open_channel(self) -> Any:
-        """The channel for ``nccl=on``, or None (logged once) when it cannot run here."""
-        if not self.pool_config.nccl:
-            return None
-        if not self.pool_config.cluster:  # PoolConfig warned when it was built
-            return None
-        from nccl_channel.channel import NcclChannel, make_transport
-        from nccl_channel.rendezvous import Rendezvous
-
-        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cuda:0"
-        try:
-            transport = make_transport(self.pool_config.channel_transport, device)
-        except NcclError as exc:
-            logger.warning("kvpool: nccl=on, but %s; chunks move over TCP", exc)
-            return None
-        endpoint = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        channel = NcclChannel(
-            transport,
-            Rendezvous(self.client.index),
-            endpoint,
-            self.pool_config.cluster,
-            self.client.channel_request,
-            self.pool_config.progress_timeout_s,
-            pair_timeout_s=self.pool_config.pair_timeout_s,
-        )
-        self.client.use_channel(channel)
-        logger.info("kvpool: channel endpoint %s (%s, cluster %s)", endpoint, transport.kind, self.pool_config.cluster)
-        return channel
-
     # -- admin ------------------------------------------------------------------------
     async def list(self) -> list[str]:
         try:
@@ -385,9 +352,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             self._recheck.cancel()
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
-                if self.channel is not None:
-                    await self.channel.close()
-                await self.client.close()
+                await self.client.close()  # the channel's pairs too
         except TimeoutError:
             logger.warning("kvpool: close took longer than %.1f s; abandoning connections", CLOSE_TIMEOUT_S)
 

@@ -37,10 +37,6 @@ class RedisBreaker:
         self.open_since: float | None = None  # monotonic time of the timeout that opened it
         self._probe: asyncio.Task[None] | None = None
 
-    @property
-    def is_open(self) -> bool:
-        return self.open_since is not None
-
     def check(self, action: str) -> None:
         """Raise MetadataError at once while the breaker is open (and make sure a probe runs)."""
         if self.open_since is None:
