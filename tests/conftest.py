@@ -1,4 +1,9 @@
-"""Shared fixtures: a real redis-server and real pool-node processes (``bench.nodes``)."""
+"""Shared fixtures: a real redis-server and real pool-node processes (``bench.nodes``).
+
+The tiers: a test whose fixtures include ``processes`` is marked ``process``; the others are the
+fast tier (``make test-fast``, ``-m "not process"``). ``tests.support.processes`` holds the rule and
+the check that keeps it true: a test that starts a process without requesting ``processes`` fails.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 from backend.embedded import EmbeddedRedis
 from backend.node.arena import remove_stale_arenas
 from bench.nodes import NodeProcess
+from tests.support import processes as tiers
 
 if TYPE_CHECKING:
     from backend.client import PoolClient
@@ -26,10 +32,38 @@ __all__ = ["REPO", "NodeProcess", "raw_request", "wait_until"]
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    tiers.install()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if tiers.starts_processes(getattr(item, "fixturenames", ())):
+            item.add_marker(tiers.MARK)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    with tiers.guard(item.nodeid, tiers.starts_processes(getattr(item, "fixturenames", ()))):
+        yield
+
+
+@pytest.fixture(scope="session")
+def processes() -> None:
+    """Requested by every test and fixture that starts a process (a node, a redis-server, a command):
+    such tests are marked ``process`` and left out of the fast tier."""
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as server:
+    """The session's redis-server: the one process fast tests share (started once, outside the check)."""
+    with tiers.allowed():
+        server = EmbeddedRedis().start()
+    try:
         yield server
+    finally:
+        with tiers.allowed():
+            server.cleanup()
 
 
 @pytest.fixture
@@ -38,7 +72,7 @@ def namespace() -> str:
 
 
 @pytest.fixture
-def redis_factory() -> Iterator[list[EmbeddedRedis]]:
+def redis_factory(processes: None) -> Iterator[list[EmbeddedRedis]]:
     """Private redis-servers a test may kill and restart; all cleaned up after."""
     made: list[EmbeddedRedis] = []
     yield made
@@ -47,7 +81,7 @@ def redis_factory() -> Iterator[list[EmbeddedRedis]]:
 
 
 @pytest.fixture
-def node_factory(redis_server: EmbeddedRedis, namespace: str) -> Iterator[object]:
+def node_factory(processes: None, redis_server: EmbeddedRedis, namespace: str) -> Iterator[object]:
     started: list[NodeProcess] = []
 
     def spawn(
@@ -97,7 +131,7 @@ def wait_until(predicate: object, timeout_s: float = 10.0, interval_s: float = 0
 
 
 @pytest.fixture
-def stack_factory() -> Iterator[Any]:
+def stack_factory(processes: None) -> Iterator[Any]:
     """Build LMCache's storage stack for a pool URL (``make(url, form=..., **config_overrides)``); closed at teardown."""
     from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config  # imports lmcache: only its users pay
 

@@ -253,6 +253,7 @@ def test_bad_arguments_are_usage_errors_and_change_nothing(pool):
         assert client.hit_prefix(["keep@1@0@0@bfloat16", "keep@1@0@1@bfloat16"]) == 2
 
 
+@pytest.mark.usefixtures("processes")
 def test_unreachable_redis_is_one_line_and_exit_1_for_every_verb():
     url = f"kvpool://127.0.0.1:{free_port()}/x?progress_timeout_s=0.3"
     for verb in (["status"], ["nodes"], ["ls"], ["stats"], ["evict", "k"], ["drain", "n"], ["check"]):
@@ -312,6 +313,7 @@ def test_doctor_checks_the_remote_url_form_end_to_end_and_fails_it_beside_the_pl
     assert "[FAIL] pool URL: replica: unknown option" in out.stdout
 
 
+@pytest.mark.usefixtures("processes")
 def test_node_reads_its_options_from_a_config_file(redis_server, namespace, tmp_path):
     cfg = tmp_path / "node.yaml"
     cfg.write_text(

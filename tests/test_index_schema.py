@@ -32,6 +32,7 @@ MEMORY_KEYS = 16_000
 LONGEST_NODE_ID = "n" + "x" * 127  # the node id rule allows 128 characters
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize("kind", ["inprocess", "layerwise"])
 def test_an_index_entry_costs_at_most_120_bytes_of_redis_beyond_an_lmcache_key(kind):
     keys = list((inprocess_keys if kind == "inprocess" else layerwise_keys)(MEMORY_KEYS))

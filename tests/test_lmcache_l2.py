@@ -64,7 +64,7 @@ def adapters() -> Iterator[Callable[..., Any]]:
 
 
 @pytest.fixture
-def mp_stacks() -> Iterator[Callable[..., MPStack]]:
+def mp_stacks(processes: None) -> Iterator[Callable[..., MPStack]]:
     made: list[MPStack] = []
 
     def make(url: str, **kwargs: Any) -> MPStack:
@@ -165,6 +165,7 @@ def test_lmcache_mp_storage_stores_through_kvpool_and_a_fresh_process_loads_iden
     assert read["counters"]["loaded_chunks"] == 6
 
 
+@pytest.mark.usefixtures("processes")
 def test_the_printed_mp_config_is_what_lmcache_server_parses_and_what_the_quickstart_shows(pool_url, tmp_path):
     from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
 

@@ -219,6 +219,7 @@ def test_malformed_slow_and_oversized_requests_do_not_break_the_endpoint(node_fa
     assert node.alive()
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize("flag", ["--metrics-port", "--port"])
 def test_a_taken_port_stops_the_node_with_one_clear_line_and_exit_1(redis_server, namespace, flag):
     with socket.create_server(("127.0.0.1", 0)) as taken:

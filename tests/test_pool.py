@@ -177,6 +177,7 @@ def _quiet(fn, *args):
         return None
 
 
+@pytest.mark.usefixtures("processes")
 def test_node_refuses_to_start_without_redis(tmp_path):
     from backend.embedded import free_port
 

@@ -107,7 +107,7 @@ def test_getting_ready_to_put_opens_every_connection_with_the_stage_mapped(node_
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+def small_tmpfs(processes: None, tmp_path: Path) -> Iterator[Path]:
     """A 32 MiB tmpfs: a /dev/shm that cannot hold a node's whole arena (needs root to mount)."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a small tmpfs needs root; the refusal path is then untested here")

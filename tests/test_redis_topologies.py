@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture
-def redis_processes(tmp_path: Path) -> Iterator[RedisProcesses]:
+def redis_processes(processes: None, tmp_path: Path) -> Iterator[RedisProcesses]:
     made = RedisProcesses(tmp_path)
     yield made
     made.stop_all()
@@ -231,6 +231,7 @@ def test_sentinel_failover_reads_as_misses_then_the_promoted_replica_serves_the_
     assert node.alive()
 
 
+@pytest.mark.usefixtures("processes")
 def test_sentinel_with_an_unknown_master_name_is_an_error_naming_it(redis_processes, namespace):
     master = redis_processes.start(free_port())
     sentinel = redis_processes.start_sentinel(free_port(), "kvmaster", master)
@@ -288,6 +289,7 @@ def test_lmcache_misses_while_redis_restarts_empty_then_hits_the_same_bytes(
     assert "republished 4 chunks" in node.log
 
 
+@pytest.mark.usefixtures("processes")
 def test_bench_redis_commands_counts_one_hgetall_per_key_on_both_topologies():
     proc = subprocess.run(
         [sys.executable, "-m", "bench.redis_commands", "--keys", "50", "--rounds", "2"],
@@ -388,6 +390,7 @@ def test_wrong_redis_topology_options_are_config_errors_naming_the_option(query,
     assert caught.value.key == option
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize(
     "url", ["redis+sentinel://127.0.0.1:1", "redis+cluster://127.0.0.1:1/x", "redis+cluster://nohost", "http://h:1"]
 )

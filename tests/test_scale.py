@@ -21,6 +21,8 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 
+import pytest
+
 from backend.admin import drain
 from backend.config import parse_size
 from backend.metadata import NodeInfo
@@ -214,6 +216,7 @@ def test_a_drain_right_after_another_node_died_still_costs_no_hits(node_factory,
     assert all(asyncio.run(scenario()))
 
 
+@pytest.mark.usefixtures("processes")
 def test_scale_bench_shows_capacity_adding_up_and_the_membership_events(tmp_path):
     out = subprocess.run(
         [

@@ -86,7 +86,7 @@ class Pool:
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+def pool(processes: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     directory = tmp_path_factory.mktemp("pool")
     password_file, token_file = directory / "redis-password", directory / "token"
     password_file.write_text(PASSWORD + "\n")

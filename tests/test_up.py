@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.nodes import UpProcess
 from kvpool import Chunk, PoolConfig, SyncPoolClient
 from tests.conftest import REPO, wait_until
@@ -113,6 +115,7 @@ def _without_password(url: str) -> str:
     return re.sub(r"[?&]redis_password_file=[^&]*", "", url).replace("/default&", "/default?")
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_token_pools_redis_refuses_a_client_without_the_password_and_serves_one_with_it(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
@@ -148,6 +151,7 @@ def test_a_token_pools_redis_refuses_a_client_without_the_password_and_serves_on
     assert not password_file.exists()  # removed with the server's directory
 
 
+@pytest.mark.usefixtures("processes")
 def test_up_puts_its_redis_behind_the_password_of_redis_password_file(tmp_path):
     password_file = tmp_path / "redis-password"
     password_file.write_text(PASSWORD + "\n")
@@ -162,6 +166,7 @@ def test_up_puts_its_redis_behind_the_password_of_redis_password_file(tmp_path):
     assert password_file.read_text() == PASSWORD + "\n"  # the user's file is theirs: kept
 
 
+@pytest.mark.usefixtures("processes")
 def test_kill_9_of_up_takes_its_redis_server_along_and_the_next_up_removes_its_directory():
     up = _Up()
     try:
@@ -185,6 +190,7 @@ def test_kill_9_of_up_takes_its_redis_server_along_and_the_next_up_removes_its_d
         assert second.stop() == 0, second.text
 
 
+@pytest.mark.usefixtures("processes")
 def test_up_exits_1_and_stops_its_node_when_its_redis_server_dies():
     up = _Up()
     try:

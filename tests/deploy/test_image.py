@@ -212,7 +212,7 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def redis_image() -> str:
+def redis_image(processes: None) -> str:
     podman(
         "build",
         *PODMAN_FLAGS,

@@ -97,6 +97,7 @@ def test_advertise_takes_a_host_a_port_or_both(value, expected):
     assert parse_advertise("--advertise", value) == expected
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize("value", ["host:0", "host:99999", "host:port", "[::1", "[::1]x"])
 def test_a_bad_advertise_address_is_refused_naming_the_flag(redis_server, value):
     proc = subprocess.run(

@@ -92,6 +92,7 @@ def test_a_killed_clients_stage_is_removed_while_a_live_clients_stays_and_works(
     assert gone_after_s < STAGE_MIN_AGE_S + 3 * STAGE_SWEEP_INTERVAL_S
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_stage_is_kept_while_its_process_lives_and_removed_once_it_is_gone(tmp_path: Path):
     """The rule itself, without a node: a held lock keeps a stage, whoever looks and however old it is."""
     held = PutStage(str(tmp_path), 4 * KIB)
