@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{tiers.MARK}: starts processes (its fixtures include {tiers.FIXTURE!r})")
     tiers.install()
 
 
