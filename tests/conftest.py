@@ -8,7 +8,6 @@ the check that keeps it true: a test that starts a process without requesting ``
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from backend.embedded import EmbeddedRedis
 from backend.node.arena import remove_stale_arenas
 from bench.nodes import NodeProcess
 from tests.support import processes as tiers
+from tests.support.waits import wait_until
 
 if TYPE_CHECKING:
     from backend.client import PoolClient
@@ -119,16 +119,6 @@ def node_factory(processes: None, redis_server: EmbeddedRedis, namespace: str) -
 @pytest.fixture
 def pool_url(redis_server: EmbeddedRedis, namespace: str) -> str:
     return f"kvpool://127.0.0.1:{redis_server.port}/{namespace}"
-
-
-def wait_until(predicate: object, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout_s`` passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(interval_s)
-    return False
 
 
 @pytest.fixture

@@ -21,9 +21,10 @@ from backend.node.arena import room_of
 from backend.node.nvme_format import chunk_path, read_header
 from backend.protocol import InventoryRow, Verified
 from kvpool import Chunk, PoolConfig, SyncPoolClient
-from tests.conftest import REPO, NodeProcess, wait_until
+from tests.conftest import REPO, NodeProcess
+from tests.support.cli import kvpool
 from tests.support.index import index_key
-from tests.test_cli import kvpool
+from tests.support.waits import wait_until
 
 KIB = 1024
 

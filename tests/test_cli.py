@@ -18,31 +18,7 @@ from backend.lmcache.config import remote_url_pool_config
 from backend.node.arena import room_of
 from kvpool import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from tests.conftest import REPO
-
-
-def kvpool(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "backend.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-
-
-QUICKSTART_PASSWORD_FILE = (
-    "/tmp/kvpool-redis-XXXX/redis-password"  # where `kvpool up` keeps it, as the quickstart shows
-)
-QUICKSTART_URL = f"kvpool://127.0.0.1:6379/default?redis_password_file={QUICKSTART_PASSWORD_FILE}"
-
-
-def quickstart_url(tmp_path) -> tuple[str, str]:
-    """The quickstart's URL with its password file made in ``tmp_path``: (the URL to run, that file's path)."""
-    password = tmp_path / "redis-password"
-    password.write_text("a-password-for-the-quickstart\n")
-    password.chmod(0o600)
-    return QUICKSTART_URL.replace(QUICKSTART_PASSWORD_FILE, str(password)), str(password)
+from tests.support.cli import QUICKSTART_PASSWORD_FILE, QUICKSTART_URL, kvpool, quickstart_url
 
 
 @pytest.mark.usefixtures("processes")

@@ -20,7 +20,8 @@ from backend.embedded import EmbeddedRedis
 from backend.metrics import NodeMetricsServer, register_connector_metrics, unregister_connector_metrics
 from kvpool import Chunk, PoolConfig, SyncPoolClient
 from kvpool.lmcache_connector import CLIENT_COUNTERS
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO
+from tests.support.waits import wait_until
 
 METRICS_RE = re.compile(r"metrics at http://(\S+):(\d+)/metrics")
 OPERATIONS_MD = REPO / "docs" / "operations.md"

@@ -22,7 +22,7 @@ from kvpool import Chunk, KVPoolError, NcclError, PoolClient, PoolConfig, Protoc
 from nccl_channel.channel import ChannelServer, CpuTransport, NcclChannel
 from nccl_channel.outcome import Landed, NotBrought, Why
 from nccl_channel.rendezvous import Offer, Rendezvous, new_session
-from tests.conftest import wait_until
+from tests.support.waits import wait_until
 
 CLUSTER = "rack-a"
 TIMEOUT_S = 1.0

@@ -19,7 +19,7 @@ import pytest
 from backend.client import Chunk, SyncPoolClient
 from backend.config import PoolConfig
 from backend.shm import HEADER_BYTES
-from tests.conftest import wait_until
+from tests.support.waits import wait_until
 
 MiB = 1024 * 1024
 

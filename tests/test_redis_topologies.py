@@ -24,8 +24,9 @@ from backend.metadata import MetadataStore
 from bench.redis_servers import RedisProcesses
 from bench.redis_servers import cli as _cli
 from kvpool import Chunk, PoolClient, PoolConfig, SyncPoolClient
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO
 from tests.support.index import index_key, index_pattern
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None or shutil.which("redis-cli") is None, reason="needs redis-server and redis-cli"
@@ -261,7 +262,8 @@ async def test_metadata_calls_to_a_cluster_recover_from_scripts_lost_on_every_sh
 def test_lmcache_misses_while_redis_restarts_empty_then_hits_the_same_bytes(
     node_factory, redis_factory, stack_factory, namespace
 ):
-    from bench.lmcache_stack import run_with_timeout, same_bytes
+    from tests.support.lmcache import same_bytes
+    from tests.support.waits import run_with_timeout
 
     redis = EmbeddedRedis().start()
     redis_factory.append(redis)

@@ -27,8 +27,9 @@ from backend.admin import drain
 from backend.config import parse_size
 from backend.metadata import NodeInfo
 from kvpool import Chunk, PoolClient, PoolConfig
-from tests.conftest import REPO, NodeProcess, wait_until
-from tests.test_cli import kvpool
+from tests.conftest import REPO, NodeProcess
+from tests.support.cli import kvpool
+from tests.support.waits import wait_until
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -24,10 +24,11 @@ import pytest
 import yaml
 
 from backend.embedded import EmbeddedRedis, free_port
-from bench.lmcache_stack import LMCacheStack, same_bytes
-from bench.nodes import UpProcess
+from bench.lmcache_stack import LMCacheStack
 from kvpool import ConfigError, PoolConfig
 from tests.conftest import REPO
+from tests.support.lmcache import same_bytes
+from tests.support.up import UpProcess
 
 TOKEN = "tok-5f1c9a0e7d2b" * 2
 PASSWORD = "pw-8e3b61a4c7f0"

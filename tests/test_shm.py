@@ -37,7 +37,8 @@ from backend.protocol import (
     encode_release,
 )
 from backend.shm import ArenaView
-from tests.conftest import REPO, raw_request, wait_until
+from tests.conftest import REPO, raw_request
+from tests.support.waits import wait_until
 
 MiB = 1024 * 1024
 

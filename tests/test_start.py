@@ -25,7 +25,7 @@ import redis
 
 from backend.embedded import EmbeddedRedis, free_port
 from bench.nodes import NodeProcess
-from tests.conftest import wait_until
+from tests.support.waits import wait_until
 
 PASSWORD = "start-order-password-0123456789"
 TOKEN = "start-order-token-0123456789abcdef"

@@ -24,8 +24,8 @@ from backend.node.recovery import scan
 from backend.node.tiers import DRAM, NVME, TierConfig, TierManager
 from backend.protocol import ItemMeta, checksum
 from kvpool import CapacityError, Chunk, NodeUnavailable, PoolConfig, SyncPoolClient
-from tests.conftest import wait_until
 from tests.support.recovery import wait_recovered
+from tests.support.waits import wait_until
 
 KIB = 1024
 

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.nodes import UpProcess
 from kvpool import Chunk, PoolConfig, SyncPoolClient
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO
+from tests.support.up import UpProcess
+from tests.support.waits import wait_until
 
 UP_TIMEOUT_S = 60.0
 TOKEN = "tok-3b9d0c51e7a2" * 2  # 32 characters: no "weak token" warning in the CLI's one-line errors

@@ -17,9 +17,10 @@ import pytest
 from backend.embedded import free_port
 from backend.metadata import NodeInfo
 from kvpool import Chunk, KVPoolError, PoolConfig, SyncPoolClient
-from tests.conftest import REPO, NodeProcess, wait_until
+from tests.conftest import REPO, NodeProcess
 from tests.faults.proxy import ROUNDS, FaultProxy, hostname_env
-from tests.test_pool import _chunks
+from tests.support.chunks import numbered_chunks as _chunks
+from tests.support.waits import wait_until
 
 CALL_BOUND_S = 30.0  # "returned at all": far above timeout_ms, far below pytest's timeout
 

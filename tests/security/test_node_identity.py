@@ -23,9 +23,9 @@ from backend.errors import ConfigError
 from backend.node.nvme_format import chunk_path
 from bench.nodes import NodeProcess
 from kvpool import PoolConfig, SyncPoolClient
-from tests.conftest import wait_until
 from tests.support.chunks import all_read_back, seeded_chunks
 from tests.support.recovery import wait_recovered
+from tests.support.waits import wait_until
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: more rounds, and the long kill orders
 KIB = 1024

@@ -24,7 +24,8 @@ import pytest
 from backend.node.stages import STAGE_SWEEP_INTERVAL_S
 from backend.shm import STAGE_MIN_AGE_S, PutStage, remove_abandoned_stages
 from kvpool import Chunk, PoolConfig, SyncPoolClient
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO
+from tests.support.waits import wait_until
 
 KIB = 1024
 

@@ -22,7 +22,7 @@ from backend.config import NodeConfig
 from backend.config import values as config_values
 from backend.config.values import GOOD_TOKEN_CHARS, MIN_TOKEN_CHARS
 from kvpool import ConfigError, PoolConfig
-from tests.test_cli import kvpool
+from tests.support.cli import kvpool
 
 GOOD_TOKEN = "9f" * 32  # what `openssl rand -hex 32` makes: 64 characters
 WEAK_TOKEN = "w" * (GOOD_TOKEN_CHARS - 1)
