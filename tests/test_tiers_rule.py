@@ -8,6 +8,7 @@ process is shut to such a test, and that the fixtures that start processes carry
 from __future__ import annotations
 
 import asyncio
+import importlib
 import multiprocessing
 import os
 import subprocess
@@ -40,6 +41,15 @@ def test_a_test_that_does_not_request_processes_cannot_fork_or_spawn():
 async def test_a_test_that_does_not_request_processes_cannot_start_an_asyncio_subprocess():
     with pytest.raises(UndeclaredProcess):
         await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+
+
+def test_a_library_that_probes_the_host_while_it_is_imported_is_let_through(tmp_path, monkeypatch):
+    """torch runs ``ldconfig -p`` on its first import: which test imports it first must not matter."""
+    (tmp_path / "probing_library.py").write_text("import subprocess\nPROBED = subprocess.run(['true']).returncode\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert importlib.import_module("probing_library").PROBED == 0
+    with pytest.raises(UndeclaredProcess):  # the same call from the test itself is refused
+        subprocess.run(["true"], check=False)
 
 
 @pytest.mark.usefixtures(FIXTURE)
