@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvpool-installed
 export LMCACHE_TRACK_USAGE := false
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup redis hostbed test faults lint demo bench docs clean podman-tools hadolint image deploy-test
+.PHONY: setup redis hostbed test test-fast faults lint demo bench docs clean podman-tools hadolint image deploy-test
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -50,6 +50,15 @@ lint: setup
 TEST_WORKERS ?= 2
 test: setup lint
 	$(PY) -m pytest -q -p no:cacheprovider --durations=20 -n $(TEST_WORKERS) --dist loadfile
+
+# The fast tier, for use while developing: every test that starts no process (no node, no
+# redis-server of its own, no LMCache stack, no command); the session's one redis-server is
+# shared. The rule is tests/support/processes.py's: a test is left out when its fixtures include
+# `processes`, and a test that starts a process without requesting it fails in both targets.
+# Bytecode (and pytest's rewritten tests) cached under .kvpool/: half of collection's CPU.
+test-fast: setup
+	PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=$(CURDIR)/.kvpool/pycache \
+	  $(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "not process"
 
 # The fault-injection, host-bed and hostile-peer suites in full (make test runs their short versions): longer runs, more rounds.
 faults: setup

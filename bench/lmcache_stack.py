@@ -177,17 +177,3 @@ class LMCacheStack:
                 backend.close()
             except Exception:
                 pass
-
-
-def same_bytes(a: Any, b: Any) -> bool:
-    return bool(torch.equal(a.tensor.view(torch.uint8), b.tensor.view(torch.uint8)))
-
-
-def run_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
-    result: list[Any] = []
-    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise TimeoutError(f"{fn} did not return within {timeout_s} s")
-    return result[0]

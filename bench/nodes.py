@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.processes import REPO, STOP_TIMEOUT_S, ServerProcess
 
-__all__ = ["NodeProcess", "UpProcess", "READY_RE", "NODE_START_TIMEOUT_S", "STOP_TIMEOUT_S"]
+__all__ = ["NodeProcess", "READY_RE", "NODE_START_TIMEOUT_S", "STOP_TIMEOUT_S"]
 
 READY_RE = re.compile(r"kvpool node (\S+) ready at (\S+):(\d+) \(epoch (\d+)\)")  # backend/cli.py prints it
 NODE_START_TIMEOUT_S = 30.0
@@ -117,33 +117,3 @@ class NodeProcess(ServerProcess):
         assert self.process is not None
         self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout_s)
-
-
-UP_READY_RE = re.compile(r"^Ctrl-C stops the pool\.")  # backend/cli.py prints it after the URL and config
-POOL_URL_RE = re.compile(r"Pool URL:\n  (\S+)")
-
-
-class UpProcess(ServerProcess):
-    """``kvpool up ARGS`` as a child process, ready once it printed its pool URL and LMCache config."""
-
-    def __init__(
-        self, args: Sequence[str], *, command: Sequence[str] = (sys.executable, "-m", "backend.cli"), cwd: Path = REPO
-    ) -> None:
-        super().__init__("kvpool up", [*command, "up", *args], UP_READY_RE, cwd=cwd)
-
-    @property
-    def url(self) -> str:
-        """The pool URL it printed."""
-        match = POOL_URL_RE.search(self.log)
-        assert match, self.log
-        return match.group(1)
-
-    def interrupt(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
-        """Ctrl-C, as a user stops it; returns its exit code (it is killed if it has not stopped in time)."""
-        assert self.process is not None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-        try:
-            return self.wait_exit(timeout_s)
-        finally:
-            self.kill()

@@ -1,9 +1,13 @@
-"""Shared fixtures: a real redis-server and real pool-node processes (``bench.nodes``)."""
+"""Shared fixtures: a real redis-server and real pool-node processes (``bench.nodes``).
+
+The tiers: a test whose fixtures include ``processes`` is marked ``process``; the others are the
+fast tier (``make test-fast``, ``-m "not process"``). ``tests.support.processes`` holds the rule and
+the check that keeps it true: a test that starts a process without requesting ``processes`` fails.
+"""
 
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +20,8 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 from backend.embedded import EmbeddedRedis
 from backend.node.arena import remove_stale_arenas
 from bench.nodes import NodeProcess
+from tests.support import processes as tiers
+from tests.support.waits import wait_until
 
 if TYPE_CHECKING:
     from backend.client import PoolClient
@@ -26,10 +32,39 @@ __all__ = ["REPO", "NodeProcess", "raw_request", "wait_until"]
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{tiers.MARK}: starts processes (its fixtures include {tiers.FIXTURE!r})")
+    tiers.install()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if tiers.starts_processes(getattr(item, "fixturenames", ())):
+            item.add_marker(tiers.MARK)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    with tiers.guard(item.nodeid, tiers.starts_processes(getattr(item, "fixturenames", ()))):
+        yield
+
+
+@pytest.fixture(scope="session")
+def processes() -> None:
+    """Requested by every test and fixture that starts a process (a node, a redis-server, a command):
+    such tests are marked ``process`` and left out of the fast tier."""
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as server:
+    """The session's redis-server: the one process fast tests share (started once, outside the check)."""
+    with tiers.allowed():
+        server = EmbeddedRedis().start()
+    try:
         yield server
+    finally:
+        with tiers.allowed():
+            server.cleanup()
 
 
 @pytest.fixture
@@ -38,7 +73,7 @@ def namespace() -> str:
 
 
 @pytest.fixture
-def redis_factory() -> Iterator[list[EmbeddedRedis]]:
+def redis_factory(processes: None) -> Iterator[list[EmbeddedRedis]]:
     """Private redis-servers a test may kill and restart; all cleaned up after."""
     made: list[EmbeddedRedis] = []
     yield made
@@ -47,7 +82,7 @@ def redis_factory() -> Iterator[list[EmbeddedRedis]]:
 
 
 @pytest.fixture
-def node_factory(redis_server: EmbeddedRedis, namespace: str) -> Iterator[object]:
+def node_factory(processes: None, redis_server: EmbeddedRedis, namespace: str) -> Iterator[object]:
     started: list[NodeProcess] = []
 
     def spawn(
@@ -86,18 +121,8 @@ def pool_url(redis_server: EmbeddedRedis, namespace: str) -> str:
     return f"kvpool://127.0.0.1:{redis_server.port}/{namespace}"
 
 
-def wait_until(predicate: object, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout_s`` passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(interval_s)
-    return False
-
-
 @pytest.fixture
-def stack_factory() -> Iterator[Any]:
+def stack_factory(processes: None) -> Iterator[Any]:
     """Build LMCache's storage stack for a pool URL (``make(url, form=..., **config_overrides)``); closed at teardown."""
     from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config  # imports lmcache: only its users pay
 

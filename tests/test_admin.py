@@ -21,9 +21,10 @@ from backend.node.arena import room_of
 from backend.node.nvme_format import chunk_path, read_header
 from backend.protocol import InventoryRow, Verified
 from kvpool import Chunk, PoolConfig, SyncPoolClient
-from tests.conftest import REPO, NodeProcess, wait_until
+from tests.conftest import REPO, NodeProcess
+from tests.support.cli import kvpool
 from tests.support.index import index_key
-from tests.test_cli import kvpool
+from tests.support.waits import wait_until
 
 KIB = 1024
 
@@ -253,6 +254,7 @@ def test_bad_arguments_are_usage_errors_and_change_nothing(pool):
         assert client.hit_prefix(["keep@1@0@0@bfloat16", "keep@1@0@1@bfloat16"]) == 2
 
 
+@pytest.mark.usefixtures("processes")
 def test_unreachable_redis_is_one_line_and_exit_1_for_every_verb():
     url = f"kvpool://127.0.0.1:{free_port()}/x?progress_timeout_s=0.3"
     for verb in (["status"], ["nodes"], ["ls"], ["stats"], ["evict", "k"], ["drain", "n"], ["check"]):
@@ -312,6 +314,7 @@ def test_doctor_checks_the_remote_url_form_end_to_end_and_fails_it_beside_the_pl
     assert "[FAIL] pool URL: replica: unknown option" in out.stdout
 
 
+@pytest.mark.usefixtures("processes")
 def test_node_reads_its_options_from_a_config_file(redis_server, namespace, tmp_path):
     cfg = tmp_path / "node.yaml"
     cfg.write_text(

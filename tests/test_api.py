@@ -44,6 +44,7 @@ def test_an_unknown_name_is_an_attribute_error_in_both() -> None:
         backend.Nope  # noqa: B018
 
 
+@pytest.mark.usefixtures("processes")
 def test_importing_kvpool_loads_no_redis_until_the_client_is_used() -> None:
     """The errors import on a machine without redis-py (the GPU machines of the NCCL channel)."""
     code = (

@@ -59,7 +59,9 @@ KVPOOL = ("kvpool", "kvpool-shm")
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict]:
+def smoke_run(
+    processes: None, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[subprocess.CompletedProcess[str], dict]:
     out = tmp_path_factory.mktemp("bench-results")
     proc = subprocess.run(
         [sys.executable, "-m", "bench.harness", "--quick", "--smoke", "--rounds", str(SMOKE_ROUNDS), "--out", str(out)],
@@ -281,6 +283,7 @@ def test_resp_counter_counts_values_split_at_every_byte():
     assert piecewise.count == 6 and piecewise.between_values
 
 
+@pytest.mark.usefixtures("processes")
 def test_proxy_counts_a_pipeline_as_one_round_trip_and_sequential_commands_one_each():
     with EmbeddedRedis() as server, CountingProxy(server.port) as proxy:
         client = redis.Redis(port=proxy.port, socket_timeout=10)
@@ -312,6 +315,7 @@ def test_byte_check_catches_one_flipped_byte_and_a_chunk_read_under_another_key(
     assert not identical(chunk, base, 7)
 
 
+@pytest.mark.usefixtures("processes")
 def test_get_budget_reads_through_the_arena_and_over_tcp_and_accounts_for_each_millisecond(tmp_path):
     out = tmp_path / "budget.json"
     proc = subprocess.run(

@@ -18,33 +18,10 @@ from backend.lmcache.config import remote_url_pool_config
 from backend.node.arena import room_of
 from kvpool import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from tests.conftest import REPO
+from tests.support.cli import QUICKSTART_PASSWORD_FILE, QUICKSTART_URL, kvpool, quickstart_url
 
 
-def kvpool(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "backend.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-
-
-QUICKSTART_PASSWORD_FILE = (
-    "/tmp/kvpool-redis-XXXX/redis-password"  # where `kvpool up` keeps it, as the quickstart shows
-)
-QUICKSTART_URL = f"kvpool://127.0.0.1:6379/default?redis_password_file={QUICKSTART_PASSWORD_FILE}"
-
-
-def quickstart_url(tmp_path) -> tuple[str, str]:
-    """The quickstart's URL with its password file made in ``tmp_path``: (the URL to run, that file's path)."""
-    password = tmp_path / "redis-password"
-    password.write_text("a-password-for-the-quickstart\n")
-    password.chmod(0o600)
-    return QUICKSTART_URL.replace(QUICKSTART_PASSWORD_FILE, str(password)), str(password)
-
-
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize("form", [[], ["--form", "remote_url"]], ids=["plugin", "remote_url"])
 def test_lmcache_config_prints_exactly_what_the_quickstart_shows(form, tmp_path):
     doc = (REPO / "docs" / "quickstart.md").read_text()
@@ -76,6 +53,7 @@ def _as_lmcache_reads_it(env_lines: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.usefixtures("processes")
 def test_lmcache_config_env_format_is_read_back_by_lmcache():
     out = kvpool("lmcache-config", "--url", "kvpool://10.1.2.3:6380/prod", "--format", "env", "--offline")
     assert out.returncode == 0
@@ -86,6 +64,7 @@ def test_lmcache_config_env_format_is_read_back_by_lmcache():
     assert seen["extra"]["remote_storage_plugin.kvpool.class_name"] == "KVPoolConnectorAdapter"
 
 
+@pytest.mark.usefixtures("processes")
 def test_lmcache_config_remote_url_env_is_one_lmcache_remote_url_naming_the_same_pool():
     url = "kvpool://10.1.2.3:6380/prod?redis_mode=cluster&redis_hosts=10.1.2.4:6380,10.1.2.5:6380&replicas=2"
     out = kvpool("lmcache-config", "--url", url, "--form", "remote_url", "--format", "env", "--offline")
@@ -96,6 +75,7 @@ def test_lmcache_config_remote_url_env_is_one_lmcache_remote_url_naming_the_same
     assert remote_url_pool_config(seen["remote_url"]) == PoolConfig.from_url(url)
 
 
+@pytest.mark.usefixtures("processes")
 def test_lmcache_config_remote_url_form_leaves_inline_secrets_out_and_refuses_mp_mode():
     out = kvpool(
         "lmcache-config", "--url", "kvpool://:tok3n-0123456789abcdef@h:6379/ns", "--form", "remote_url", "--offline"
@@ -105,6 +85,7 @@ def test_lmcache_config_remote_url_form_leaves_inline_secrets_out_and_refuses_mp
     assert mp.returncode == 2 and "--form" in mp.stderr and mp.stderr.strip().count("\n") == 0
 
 
+@pytest.mark.usefixtures("processes")
 def test_bad_url_is_one_line_naming_the_problem_and_exit_2():
     out = kvpool("lmcache-config", "--url", "redis://127.0.0.1:6379/x")
     assert out.returncode == 2
@@ -112,6 +93,7 @@ def test_bad_url_is_one_line_naming_the_problem_and_exit_2():
     assert "scheme" in out.stderr and "kvpool://" in out.stderr
 
 
+@pytest.mark.usefixtures("processes")
 def test_usage_errors_exit_2():
     assert kvpool("frobnicate").returncode == 2
     assert kvpool("node", "--dram", "1GiB").returncode == 2  # --redis is required
@@ -119,6 +101,7 @@ def test_usage_errors_exit_2():
     assert bad_size.returncode == 2 and "--dram" in bad_size.stderr
 
 
+@pytest.mark.usefixtures("processes")
 def test_status_with_unreachable_redis_is_one_line_and_exit_1():
     out = kvpool("status", "--url", f"kvpool://127.0.0.1:{free_port()}/x?progress_timeout_s=0.3")
     assert out.returncode == 1
@@ -144,6 +127,7 @@ def test_status_json_reports_nodes_objects_and_bytes(node_factory, pool_url):
     assert "2 alive, 0 dead" in human.stdout
 
 
+@pytest.mark.usefixtures("processes")
 def test_up_prints_the_url_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "backend.cli", "up", "--dram", "64MiB", "--nvme-dir", str(tmp_path)],
@@ -225,6 +209,7 @@ def test_check_exits_0_when_clean_3_when_it_finds_problems_and_1_when_redis_is_u
     assert unreachable.returncode == 1 and "Redis" in unreachable.stderr
 
 
+@pytest.mark.usefixtures("processes")
 def test_usage_errors_found_inside_a_verb_exit_2_with_one_line_naming_the_flag():
     env = {k: v for k, v in os.environ.items() if k != "KVPOOL_URL"}
     url = "kvpool://127.0.0.1:1/x"
@@ -272,6 +257,7 @@ def test_pyproject_asks_for_the_python_the_code_needs():
 # -- Round 3: usage and connection errors are one line, never a traceback ----------------------------
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize("verb", [["status"], ["lmcache-config"]])
 def test_a_malformed_url_is_one_line_naming_the_url_and_exit_2(verb):
     out = kvpool(*verb, "--url", "kvpool://:s3cret@[::1/default")
@@ -280,6 +266,7 @@ def test_a_malformed_url_is_one_line_naming_the_url_and_exit_2(verb):
     assert "url: malformed URL kvpool://:***@[::1/default" in out.stderr and "s3cret" not in out.stderr
 
 
+@pytest.mark.usefixtures("processes")
 def test_redis_mode_cluster_against_a_redis_that_is_not_one_is_one_line_and_exit_1(redis_server):
     for port in (redis_server.port, free_port()):  # not a cluster; nothing listening
         out = kvpool("status", "--url", f"kvpool://127.0.0.1:{port}/x?redis_mode=cluster&progress_timeout_s=0.5")
@@ -291,6 +278,7 @@ def test_redis_mode_cluster_against_a_redis_that_is_not_one_is_one_line_and_exit
     assert "Cluster" in node.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.usefixtures("processes")
 def test_an_unknown_flag_before_the_verb_is_named():
     out = kvpool("--bogus")
     assert out.returncode == 2

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 VERBS = [
@@ -82,10 +84,12 @@ def render_cli_doc() -> str:
     return "\n".join(parts)
 
 
+@pytest.mark.usefixtures("processes")
 def test_cli_doc_matches_the_help_output():
     assert (REPO / "docs" / "cli.md").read_text() == render_cli_doc(), "docs/cli.md is stale: run `make docs`"
 
 
+@pytest.mark.usefixtures("processes")
 def test_every_verb_is_documented():
     listed = _help()
     for verb in VERBS:

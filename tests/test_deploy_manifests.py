@@ -567,7 +567,7 @@ def _rendered() -> dict[str, list[Obj]]:
 
 
 @pytest.fixture(scope="module")
-def rendered() -> dict[str, list[Obj]]:
+def rendered(processes: None) -> dict[str, list[Obj]]:
     return _rendered()
 
 
@@ -601,6 +601,7 @@ def test_vendored_crd_is_a_valid_crd(kind: tuple[str, str]) -> None:
     assert version["storage"] and "openAPIV3Schema" in version["schema"]
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize("where", ["base", "overlay"])
 def test_kubectl_kustomize_renders_what_the_test_renders(where: str) -> None:
     if KUBECTL is None:
@@ -615,6 +616,7 @@ def test_kubectl_kustomize_renders_what_the_test_renders(where: str) -> None:
         check_same_objects(changed, kustomize)
 
 
+@pytest.mark.usefixtures("processes")
 def test_kubectl_kustomize_refuses_the_overlay_without_its_secret_files() -> None:
     if KUBECTL is None:
         pytest.skip(KUBECTL_MISSING)

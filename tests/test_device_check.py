@@ -44,6 +44,7 @@ def _python(code: str, env: dict[str, str] | None = None) -> subprocess.Complete
     )
 
 
+@pytest.mark.usefixtures("processes")
 def test_the_channel_and_its_gpu_tests_import_without_redis_py_or_lmcache():
     out = _python("""
         import nccl_channel, nccl_channel.channel, nccl_channel.communicator, nccl_channel.library
@@ -72,6 +73,7 @@ def _device_check(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Compl
     return out, summary.read_text() if summary.exists() else ""
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.skipif(nccl_channel.available().gpus > 0, reason="this machine has a GPU: the check runs for real")
 def test_device_check_without_a_gpu_says_so_and_exits_0(tmp_path):
     out, summary = _device_check(tmp_path, {})
@@ -80,6 +82,7 @@ def test_device_check_without_a_gpu_says_so_and_exits_0(tmp_path):
     assert "libnccl:" in summary and "python " in summary and "no CUDA GPU" in summary
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize(
     ("module", "failure"),
     [

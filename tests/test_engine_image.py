@@ -38,6 +38,7 @@ def test_every_file_the_engine_image_copies_is_in_the_checkout_and_it_installs_t
     assert re.search(r"^ARG BASE$", CONTAINERFILE, re.MULTILINE) and "FROM ${BASE}" in CONTAINERFILE
 
 
+@pytest.mark.usefixtures("processes")
 def test_the_engine_check_passes_where_lmcache_loads_the_plugin():
     proc = subprocess.run([sys.executable, str(CHECK)], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

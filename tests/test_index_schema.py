@@ -21,10 +21,10 @@ from backend.node.nvme_format import chunk_path
 from backend.protocol import checksum
 from bench.scale_redis import TARGET_BEYOND_KEY, inprocess_keys, layerwise_keys, measure_case
 from kvpool import Chunk, PoolConfig, SyncPoolClient
-from tests.conftest import wait_until
 from tests.support.chunks import all_read_back, seeded_chunks
+from tests.support.cli import kvpool
 from tests.support.index import copies, index_key, legacy_index_key, slots
-from tests.test_cli import kvpool
+from tests.support.waits import wait_until
 
 # 16,000 keys fill Redis's key table (16,384 buckets) as 10^6 keys fill theirs (2^20): the
 # bucket array costs the same 8 bytes per key in both, so the figure is the one at 10^6.
@@ -32,6 +32,7 @@ MEMORY_KEYS = 16_000
 LONGEST_NODE_ID = "n" + "x" * 127  # the node id rule allows 128 characters
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize("kind", ["inprocess", "layerwise"])
 def test_an_index_entry_costs_at_most_120_bytes_of_redis_beyond_an_lmcache_key(kind):
     keys = list((inprocess_keys if kind == "inprocess" else layerwise_keys)(MEMORY_KEYS))

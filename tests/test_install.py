@@ -31,6 +31,7 @@ def _run(command: list[str], cwd: Path = REPO, env: dict[str, str] | None = None
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=120, env=env)
 
 
+@pytest.mark.usefixtures("processes")
 def test_node_cli_and_client_modules_import_neither_torch_nor_lmcache():
     modules = [
         "backend",
@@ -102,6 +103,7 @@ def test_the_lmcache_layer_reaches_the_metadata_only_through_the_client_index():
     assert offenders == []
 
 
+@pytest.mark.usefixtures("processes")
 def test_without_torch_and_lmcache_a_node_serves_and_the_cli_works_but_doctor_names_the_extra(
     redis_server, namespace, pool_url, tmp_path
 ):
@@ -128,6 +130,7 @@ def test_without_torch_and_lmcache_a_node_serves_and_the_cli_works_but_doctor_na
         node.kill()
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.slow
 @pytest.mark.timeout(INSTALL_TIMEOUT_S + 120)
 def test_core_install_in_a_fresh_venv_runs_a_node_without_torch_or_lmcache(redis_server, namespace, pool_url, tmp_path):

@@ -28,8 +28,9 @@ from backend.client import Chunk, SyncPoolClient
 from backend.config import PoolConfig
 from backend.errors import ConfigError, KVPoolError
 from backend.lmcache.config import lmcache_mp_adapter, lmcache_mp_server_args, render_mp_command
-from bench.lmcache_mp_stack import MPStack, parse_server_args, server_args
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO
+from tests.support.mp_stack import MPStack, parse_server_args, server_args
+from tests.support.waits import wait_until
 from tests.test_put_room import MiB, PutInFlight
 
 WAIT_S = 30.0  # bound of every wait on an event fd or on the pool
@@ -64,7 +65,7 @@ def adapters() -> Iterator[Callable[..., Any]]:
 
 
 @pytest.fixture
-def mp_stacks() -> Iterator[Callable[..., MPStack]]:
+def mp_stacks(processes: None) -> Iterator[Callable[..., MPStack]]:
     made: list[MPStack] = []
 
     def make(url: str, **kwargs: Any) -> MPStack:
@@ -143,7 +144,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _mp_worker(role: str, url: str, count: int, seed: int) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.lmcache_mp_stack", role, url, "--chunks", str(count), "--seed", str(seed)],
+        [sys.executable, "-m", "tests.support.mp_stack", role, url, "--chunks", str(count), "--seed", str(seed)],
         capture_output=True,
         text=True,
         timeout=180,
@@ -165,10 +166,11 @@ def test_lmcache_mp_storage_stores_through_kvpool_and_a_fresh_process_loads_iden
     assert read["counters"]["loaded_chunks"] == 6
 
 
+@pytest.mark.usefixtures("processes")
 def test_the_printed_mp_config_is_what_lmcache_server_parses_and_what_the_quickstart_shows(pool_url, tmp_path):
     from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
 
-    from tests.test_cli import QUICKSTART_PASSWORD_FILE, quickstart_url
+    from tests.support.cli import QUICKSTART_PASSWORD_FILE, quickstart_url
 
     url, password_file = quickstart_url(tmp_path)
     proc = subprocess.run(

@@ -23,7 +23,8 @@ from backend.lmcache.config import REMOTE_URL_FORM, lmcache_remote_url
 from bench.engine import FIRST_HASH
 from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
 from kvpool.lmcache_connector import ALLOCATE_TIMEOUT_S
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO
+from tests.support.waits import wait_until
 from tests.test_put_room import MiB, PutInFlight
 
 
@@ -368,7 +369,7 @@ class HybridEngine:
         return CacheEngineKey("kvpool-test/hybrid", 1, 0, chunk_hash, torch.bfloat16)
 
     def close(self) -> None:
-        from bench.lmcache_stack import run_with_timeout
+        from tests.support.waits import run_with_timeout
 
         run_with_timeout(lambda: [b.close() for b in self.backends.values()], 5.0)
         self.loop.stop(5.0, close=False)

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
 
 import redis
 
@@ -19,8 +18,8 @@ from backend.client.registry import FRESH_VIEW_S
 from backend.embedded import free_port
 from backend.metadata import LiveCopies, Location, MetadataStore, NodeInfo
 from kvpool import Chunk, PoolClient, PoolConfig, SyncPoolClient
-from tests.conftest import wait_until
 from tests.support.index import copies
+from tests.support.waits import until, wait_until
 
 KEYS = [f"kvpool-test/model@1@0@{i:x}@bfloat16" for i in range(10)]
 
@@ -31,15 +30,6 @@ def _loc(node_id: str, epoch: int, checksum: int) -> Location:
 
 async def _live_node(meta: MetadataStore, node_id: str, epoch: int) -> None:
     await meta.registry.heartbeat(NodeInfo(node_id, "127.0.0.1", 1, epoch), ttl_ms=60_000, changed=True)
-
-
-async def _eventually(read: Callable[[], Awaitable[object]], expected: object, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await read() == expected:
-            return True
-        await asyncio.sleep(0.05)
-    return False
 
 
 async def test_a_prefix_lookup_stops_in_redis_at_the_first_key_without_a_live_copy(redis_server, namespace):
@@ -88,7 +78,7 @@ async def test_copies_on_a_dead_node_or_of_an_old_epoch_are_misses_and_are_clean
         assert await client.hit_prefix([live, old_epoch, dead]) == 1
         assert await client.contains([old_epoch, dead, live]) == [False, False, True]
         # Queued for cleanup in the background, after the view was read again.
-        assert await _eventually(lambda: meta.index.lookup([old_epoch, dead]), [[], []])
+        await until(lambda: meta.index.lookup([old_epoch, dead]), lambda entries: entries == [[], []])
     finally:
         await client.close()
         await meta.close()
@@ -127,7 +117,7 @@ async def test_a_copy_of_a_node_that_joined_after_the_view_is_never_cleaned_by_a
         client.registry._read_at = time.monotonic()  # read a moment ago: a lookup trusts it to call nodes dead
 
         assert await client.contains(KEYS[:1]) == [False]  # not in this view yet: a miss, and a cleanup queued
-        assert await _eventually(lambda: _counted(client, "stale_entries"), True)
+        await until(lambda: _counted(client, "stale_entries"))
         assert [loc.node_id for loc in (await meta.index.lookup(KEYS[:1]))[0]] == ["young"]
         assert await client.contains(KEYS[:1]) == [True]
     finally:

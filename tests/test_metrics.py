@@ -20,7 +20,8 @@ from backend.embedded import EmbeddedRedis
 from backend.metrics import NodeMetricsServer, register_connector_metrics, unregister_connector_metrics
 from kvpool import Chunk, PoolConfig, SyncPoolClient
 from kvpool.lmcache_connector import CLIENT_COUNTERS
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO
+from tests.support.waits import wait_until
 
 METRICS_RE = re.compile(r"metrics at http://(\S+):(\d+)/metrics")
 OPERATIONS_MD = REPO / "docs" / "operations.md"
@@ -219,6 +220,7 @@ def test_malformed_slow_and_oversized_requests_do_not_break_the_endpoint(node_fa
     assert node.alive()
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize("flag", ["--metrics-port", "--port"])
 def test_a_taken_port_stops_the_node_with_one_clear_line_and_exit_1(redis_server, namespace, flag):
     with socket.create_server(("127.0.0.1", 0)) as taken:

@@ -22,7 +22,7 @@ from kvpool import Chunk, KVPoolError, NcclError, PoolClient, PoolConfig, Protoc
 from nccl_channel.channel import ChannelServer, CpuTransport, NcclChannel
 from nccl_channel.outcome import Landed, NotBrought, Why
 from nccl_channel.rendezvous import Offer, Rendezvous, new_session
-from tests.conftest import wait_until
+from tests.support.waits import wait_until
 
 CLUSTER = "rack-a"
 TIMEOUT_S = 1.0
@@ -401,6 +401,7 @@ async def test_after_a_channel_failure_the_node_is_read_over_tcp_for_the_backoff
         await channel.close()
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_node_asked_for_the_nccl_channel_without_a_gpu_exits_naming_the_option(redis_server, namespace):
     import subprocess
     import sys

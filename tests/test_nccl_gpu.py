@@ -92,8 +92,9 @@ def test_staged_bytes_go_host_to_gpu_to_host_and_are_verified(lib):
 def test_staging_is_copied_into_an_lmcache_memory_object_and_verified(lib):
     pytest.importorskip("lmcache", reason="LMCache is not installed (the GPU machine has none)")
     from backend.protocol import checksum
-    from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config, same_bytes
+    from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
     from nccl_channel.communicator import PairCommunicator
+    from tests.support.lmcache import same_bytes
 
     stack = LMCacheStack(kvpool_lmcache_config("kvpool://127.0.0.1:1/none?progress_timeout_s=0.2"))
     comm = PairCommunicator.create(lib, lib.unique_id(), 0, 1, "cuda:0", TIMEOUT_S)

@@ -124,6 +124,7 @@ def test_torch_cuda_major_comes_from_a_loaded_torch(monkeypatch):
     assert library.torch_cuda_major() is None
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize(
     ("version_line", "expected"),
     [("cuda: Optional[str] = '13.0'", "13"), ("cuda = '12.8'", "12"), ("cuda: Optional[str] = None", "None")],
@@ -149,6 +150,7 @@ def test_torch_cuda_major_reads_torchs_version_file_without_importing_torch(tmp_
     assert proc.stdout.strip() == expected
 
 
+@pytest.mark.usefixtures("processes")
 def test_without_torch_the_order_is_the_default_and_nothing_is_imported():
     code = "import sys\nsys.modules['torch'] = None\nfrom nccl_channel.library import torch_cuda_major, wheel_order\n"
     code += "assert torch_cuda_major() is None\nprint(wheel_order(None))\n"
@@ -183,6 +185,7 @@ def test_an_env_var_pointing_at_nothing_is_reported_not_skipped(tmp_path):
 
 
 # -- probing (in a child process) ----------------------------------------------------------------
+@pytest.mark.usefixtures("processes")
 def test_probing_a_file_that_is_not_a_library_raises_and_the_caller_lives(tmp_path):
     fake = tmp_path / "libnccl.so.2"
     fake.write_text("#!/bin/sh\necho not a library\n")
@@ -190,16 +193,19 @@ def test_probing_a_file_that_is_not_a_library_raises_and_the_caller_lives(tmp_pa
         probe(str(fake))
 
 
+@pytest.mark.usefixtures("processes")
 def test_probing_a_missing_file_raises(tmp_path):
     with pytest.raises(NcclError, match="cannot load"):
         probe(str(tmp_path / "nothing-here.so"))
 
 
+@pytest.mark.usefixtures("processes")
 def test_probing_a_library_without_nccl_symbols_names_what_is_missing():
     with pytest.raises(NcclError, match=r"lacks ncclGetErrorString.*NCCL 2\.17 or later"):
         probe("libc.so.6")
 
 
+@pytest.mark.usefixtures("processes")
 @needs_cc
 def test_a_library_that_crashes_on_load_crashes_only_the_probe(tmp_path):
     crashing = _compile(tmp_path, "crash", CRASHING_C)
@@ -219,6 +225,7 @@ def test_available_is_false_with_a_reason_without_gpu_or_libnccl(monkeypatch):
 
 
 # -- the binding against a library with NCCL's symbols --------------------------------------------
+@pytest.mark.usefixtures("processes")
 @needs_cc
 def test_the_function_table_loads_and_every_failure_carries_code_and_string(tmp_path, monkeypatch):
     fake = _compile(tmp_path, "libnccl_fake", FAKE_NCCL_C)
@@ -248,6 +255,7 @@ def test_a_unique_id_of_the_wrong_size_is_refused():
         NcclUniqueId.from_bytes(b"abc")
 
 
+@pytest.mark.usefixtures("processes")
 def test_the_channel_package_imports_without_touching_a_gpu():
     code = textwrap.dedent("""
         import sys, nccl_channel, nccl_channel.channel, nccl_channel.rendezvous, nccl_channel.library

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 import nccl_channel
-from bench.lmcache_stack import LMCacheStack, same_bytes
-from tests.conftest import wait_until
+from bench.lmcache_stack import LMCacheStack
+from tests.support.lmcache import same_bytes
+from tests.support.waits import wait_until
 
 CLUSTER = "rack-a"
 PAIR_WAIT_S = 20.0

@@ -27,6 +27,7 @@ from backend.node.nvme_format import CHUNKS_DIR, TMP_SUFFIX, chunk_name, chunk_p
 from backend.node.server import PoolNode
 from backend.protocol import ItemMeta, checksum
 from kvpool import Chunk, PoolClient, PoolConfig
+from tests.support.waits import until
 
 FILES = 600
 HELD_BACK = "ff"  # the shard directory recovery reaches last
@@ -94,13 +95,13 @@ async def test_a_restarted_node_serves_while_it_recovers_and_what_it_did_meanwhi
         report = node.recovery
         assert report is not None and not report.done  # it serves before recovery is over
         async with PoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{redis_server.port}/{namespace}")) as client:
-            await _until(lambda: client.get([early]), lambda got: got[0] is not None)  # recovered: a hit
+            await until(lambda: client.get([early]), lambda got: got[0] is not None)  # recovered: a hit
             assert await asyncio.to_thread(held.reached.wait, 10)
             assert (await client.get([untouched])) == [None]  # not recovered yet: a miss, never an error
             await client.put([Chunk(replaced, b"newer bytes of this run")])
             assert await client.delete([deleted]) == 1  # the earlier run's entry told the client who held it
             held.release.set()
-            await _until(lambda: asyncio.sleep(0, node.recovery), lambda r: r is not None and r.done)
+            await until(lambda: node.recovery, lambda r: r is not None and r.done)
             got = await client.get([replaced, deleted, untouched, early])
             assert [None if g is None else bytes(g.data) for g in got] == [
                 b"newer bytes of this run",  # the put of this run, not the older file
@@ -126,14 +127,3 @@ async def test_a_restarted_node_serves_while_it_recovers_and_what_it_did_meanwhi
         held.release.set()
         await node.stop()
         await store.close()
-
-
-async def _until(probe, done, timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
-    """Await ``probe()`` until ``done`` says yes of what it returns; its last answer."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        answer = await probe()
-        if done(answer) or time.monotonic() > deadline:
-            assert done(answer), answer
-            return answer
-        await asyncio.sleep(0.02)

@@ -15,13 +15,9 @@ from backend.embedded import EmbeddedRedis
 from backend.metadata import MetadataStore
 from backend.protocol import HEADER, Op, Status, decode_header, encode_header, encode_keys
 from kvpool import AuthError, CapacityError, Chunk, MetadataError, PoolClient, PoolConfig, SyncPoolClient
-from tests.conftest import wait_until
+from tests.support.chunks import numbered_chunks as _chunks
 from tests.support.handshake import hello_frame
-
-
-def _chunks(prefix: str, count: int, size: int, seed: int = 0) -> list[Chunk]:
-    rng = __import__("random").Random(seed)
-    return [Chunk(f"{prefix}@{i}", rng.randbytes(size)) for i in range(count)]
+from tests.support.waits import wait_until
 
 
 def test_put_then_get_returns_identical_bytes_and_layout(node_factory, pool_url):
@@ -177,6 +173,7 @@ def _quiet(fn, *args):
         return None
 
 
+@pytest.mark.usefixtures("processes")
 def test_node_refuses_to_start_without_redis(tmp_path):
     from backend.embedded import free_port
 

@@ -19,7 +19,7 @@ import pytest
 from backend.client import Chunk, SyncPoolClient
 from backend.config import PoolConfig
 from backend.shm import HEADER_BYTES
-from tests.conftest import wait_until
+from tests.support.waits import wait_until
 
 MiB = 1024 * 1024
 
@@ -107,7 +107,7 @@ def test_getting_ready_to_put_opens_every_connection_with_the_stage_mapped(node_
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+def small_tmpfs(processes: None, tmp_path: Path) -> Iterator[Path]:
     """A 32 MiB tmpfs: a /dev/shm that cannot hold a node's whole arena (needs root to mount)."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a small tmpfs needs root; the refusal path is then untested here")

@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+import pytest
+
 from bench.processes import ServerProcess
 from tests.conftest import REPO
 
@@ -288,6 +290,7 @@ def test_readme_starts_the_pool_as_the_quickstart_does_and_exports_the_same_url(
     assert "LMCACHE_CONFIG_FILE=" in readme_engine and "vllm serve" in readme_engine
 
 
+@pytest.mark.usefixtures("processes")
 def test_the_quickstart_run_as_written_gives_a_fresh_engine_hits_and_stops_clean(tmp_path):
     up_cmd, status_cmd, node_cmd, inproc_cmd, inproc_yaml = quickstart_steps()
     _, readme_cmds, engine_line = readme_steps()

@@ -24,8 +24,9 @@ from backend.metadata import MetadataStore
 from bench.redis_servers import RedisProcesses
 from bench.redis_servers import cli as _cli
 from kvpool import Chunk, PoolClient, PoolConfig, SyncPoolClient
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO
 from tests.support.index import index_key, index_pattern
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None or shutil.which("redis-cli") is None, reason="needs redis-server and redis-cli"
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture
-def redis_processes(tmp_path: Path) -> Iterator[RedisProcesses]:
+def redis_processes(processes: None, tmp_path: Path) -> Iterator[RedisProcesses]:
     made = RedisProcesses(tmp_path)
     yield made
     made.stop_all()
@@ -231,6 +232,7 @@ def test_sentinel_failover_reads_as_misses_then_the_promoted_replica_serves_the_
     assert node.alive()
 
 
+@pytest.mark.usefixtures("processes")
 def test_sentinel_with_an_unknown_master_name_is_an_error_naming_it(redis_processes, namespace):
     master = redis_processes.start(free_port())
     sentinel = redis_processes.start_sentinel(free_port(), "kvmaster", master)
@@ -260,7 +262,8 @@ async def test_metadata_calls_to_a_cluster_recover_from_scripts_lost_on_every_sh
 def test_lmcache_misses_while_redis_restarts_empty_then_hits_the_same_bytes(
     node_factory, redis_factory, stack_factory, namespace
 ):
-    from bench.lmcache_stack import run_with_timeout, same_bytes
+    from tests.support.lmcache import same_bytes
+    from tests.support.waits import run_with_timeout
 
     redis = EmbeddedRedis().start()
     redis_factory.append(redis)
@@ -288,6 +291,7 @@ def test_lmcache_misses_while_redis_restarts_empty_then_hits_the_same_bytes(
     assert "republished 4 chunks" in node.log
 
 
+@pytest.mark.usefixtures("processes")
 def test_bench_redis_commands_counts_one_hgetall_per_key_on_both_topologies():
     proc = subprocess.run(
         [sys.executable, "-m", "bench.redis_commands", "--keys", "50", "--rounds", "2"],
@@ -388,6 +392,7 @@ def test_wrong_redis_topology_options_are_config_errors_naming_the_option(query,
     assert caught.value.key == option
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize(
     "url", ["redis+sentinel://127.0.0.1:1", "redis+cluster://127.0.0.1:1/x", "redis+cluster://nohost", "http://h:1"]
 )

@@ -21,12 +21,15 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 
+import pytest
+
 from backend.admin import drain
 from backend.config import parse_size
 from backend.metadata import NodeInfo
 from kvpool import Chunk, PoolClient, PoolConfig
-from tests.conftest import REPO, NodeProcess, wait_until
-from tests.test_cli import kvpool
+from tests.conftest import REPO, NodeProcess
+from tests.support.cli import kvpool
+from tests.support.waits import wait_until
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -214,6 +217,7 @@ def test_a_drain_right_after_another_node_died_still_costs_no_hits(node_factory,
     assert all(asyncio.run(scenario()))
 
 
+@pytest.mark.usefixtures("processes")
 def test_scale_bench_shows_capacity_adding_up_and_the_membership_events(tmp_path):
     out = subprocess.run(
         [

@@ -24,10 +24,11 @@ import pytest
 import yaml
 
 from backend.embedded import EmbeddedRedis, free_port
-from bench.lmcache_stack import LMCacheStack, same_bytes
-from bench.nodes import UpProcess
+from bench.lmcache_stack import LMCacheStack
 from kvpool import ConfigError, PoolConfig
 from tests.conftest import REPO
+from tests.support.lmcache import same_bytes
+from tests.support.up import UpProcess
 
 TOKEN = "tok-5f1c9a0e7d2b" * 2
 PASSWORD = "pw-8e3b61a4c7f0"
@@ -36,7 +37,7 @@ UP_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def acl_redis() -> Iterator[EmbeddedRedis]:
+def acl_redis(processes: None) -> Iterator[EmbeddedRedis]:
     """redis-server whose default user is off: only USER with PASSWORD gets in."""
     acl = ["--user", USER, "on", f">{PASSWORD}", "~*", "&*", "+@all", "--user", "default", "off"]
     with EmbeddedRedis(args=acl) as server:
@@ -232,6 +233,7 @@ def test_a_secret_from_a_file_never_appears_in_the_canonical_url(secret_files):
         PoolConfig.from_url(f"kvpool://127.0.0.1:6379/ns?redis_password_file={empty}")
 
 
+@pytest.mark.usefixtures("processes")
 def test_lmcache_config_strips_inline_secrets_and_keeps_everything_else():
     out = _kvpool(
         "lmcache-config",

@@ -37,7 +37,8 @@ from backend.protocol import (
     encode_release,
 )
 from backend.shm import ArenaView
-from tests.conftest import REPO, raw_request, wait_until
+from tests.conftest import REPO, raw_request
+from tests.support.waits import wait_until
 
 MiB = 1024 * 1024
 
@@ -148,6 +149,7 @@ def test_client_maps_only_the_arena_whose_token_the_node_published():
     assert client.arena.view(elsewhere) is None  # another host's file does not exist here: TCP
 
 
+@pytest.mark.usefixtures("processes")
 def test_arenas_and_stages_of_dead_processes_are_removed():
     with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
         dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

@@ -25,7 +25,7 @@ import redis
 
 from backend.embedded import EmbeddedRedis, free_port
 from bench.nodes import NodeProcess
-from tests.conftest import wait_until
+from tests.support.waits import wait_until
 
 PASSWORD = "start-order-password-0123456789"
 TOKEN = "start-order-token-0123456789abcdef"
@@ -48,7 +48,7 @@ class Places:
 
 
 @pytest.fixture(scope="module")
-def locked_redis() -> Iterator[EmbeddedRedis]:
+def locked_redis(processes: None) -> Iterator[EmbeddedRedis]:
     """A redis-server that requires PASSWORD of the default user."""
     server = EmbeddedRedis().start(password=PASSWORD)
     yield server
@@ -107,6 +107,7 @@ def test_a_node_refused_by_redis_exits_within_2_s_naming_the_password_and_leaves
     assert places.left_by(node) == []
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_node_whose_redis_is_unreachable_exits_within_2_s_naming_the_address(places, namespace):
     url = f"redis://127.0.0.1:{free_port()}/0"
     node = _node(url, namespace, places)
@@ -136,6 +137,7 @@ def test_a_node_takes_no_memory_while_it_waits_for_a_redis_that_does_not_answer(
     assert code == 1 and "did not answer" in node.lines[-1], node.log
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_redis_older_than_7_is_named_with_its_version(places, namespace):
     with _OldRedis("6.2.14") as old:
         node = _node(f"redis://127.0.0.1:{old.port}/0", namespace, places)
@@ -180,6 +182,7 @@ def test_a_bad_token_file_stops_the_node_before_redis_naming_the_file(locked_red
     assert places.left_by(node) == []
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_taken_listen_port_leaves_no_arena_behind(redis_server, places, namespace):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         node = _node(redis_server.url, namespace, places, "--port", str(taken.getsockname()[1]))
@@ -188,6 +191,7 @@ def test_a_taken_listen_port_leaves_no_arena_behind(redis_server, places, namesp
     assert places.left_by(node) == []
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_start_failing_after_the_claim_gives_back_the_claim_the_arena_and_the_new_nvme_directory(
     redis_server, places, namespace
 ):
@@ -204,6 +208,7 @@ def test_a_start_failing_after_the_claim_gives_back_the_claim_the_arena_and_the_
         assert raw.keys(f"kvp:{{{namespace}}}:hb:*") == [] and raw.hlen(f"kvp:{{{namespace}}}:nodes") == 0
 
 
+@pytest.mark.usefixtures("processes")
 def test_sigterm_while_a_node_prefaults_gives_back_its_arena_and_exits_143(redis_server, places, namespace):
     node = _node(redis_server.url, namespace, places).spawn()
     try:

@@ -24,8 +24,8 @@ from backend.node.recovery import scan
 from backend.node.tiers import DRAM, NVME, TierConfig, TierManager
 from backend.protocol import ItemMeta, checksum
 from kvpool import CapacityError, Chunk, NodeUnavailable, PoolConfig, SyncPoolClient
-from tests.conftest import wait_until
 from tests.support.recovery import wait_recovered
+from tests.support.waits import until, wait_until
 
 KIB = 1024
 
@@ -334,10 +334,7 @@ async def test_background_demotion_keeps_dram_under_the_high_watermark(tmp_path)
             await tiers.reserve(64 * KIB)
             tiers.insert(_stored(f"w{i}", 64 * KIB, seed=i))
         # 100% > 90% high watermark: the demoter brings DRAM down to the 80% low one
-        for _ in range(100):
-            if tiers.dram.used_bytes <= 8 * 64 * KIB:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: tiers.dram.used_bytes <= 8 * 64 * KIB, timeout_s=2.0)
         assert tiers.dram.used_bytes == 8 * 64 * KIB
         assert [tiers.tier_of(f"w{i}") for i in range(3)] == [NVME, NVME, DRAM]
     finally:

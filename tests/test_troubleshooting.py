@@ -34,9 +34,10 @@ from backend.doctor import CAUSES, SELFTEST_PREFIX
 from backend.doctor.findings import Cause
 from backend.embedded import EmbeddedRedis, free_port
 from bench.nodes import NodeProcess
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO
 from tests.faults.proxy import skewed_clock_env
 from tests.security.test_tls_and_tokens import _make_ca, _make_leaf
+from tests.support.waits import wait_until
 
 PAGE = REPO / "docs" / "troubleshooting.md"
 PASSWORD = "troubleshoot-redis-pw"
@@ -86,7 +87,7 @@ class Pool:
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+def pool(processes: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     directory = tmp_path_factory.mktemp("pool")
     password_file, token_file = directory / "redis-password", directory / "token"
     password_file.write_text(PASSWORD + "\n")

@@ -18,9 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.nodes import UpProcess
+import pytest
+
 from kvpool import Chunk, PoolConfig, SyncPoolClient
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO
+from tests.support.up import UpProcess
+from tests.support.waits import wait_until
 
 UP_TIMEOUT_S = 60.0
 TOKEN = "tok-3b9d0c51e7a2" * 2  # 32 characters: no "weak token" warning in the CLI's one-line errors
@@ -113,6 +116,7 @@ def _without_password(url: str) -> str:
     return re.sub(r"[?&]redis_password_file=[^&]*", "", url).replace("/default&", "/default?")
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_token_pools_redis_refuses_a_client_without_the_password_and_serves_one_with_it(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
@@ -148,6 +152,7 @@ def test_a_token_pools_redis_refuses_a_client_without_the_password_and_serves_on
     assert not password_file.exists()  # removed with the server's directory
 
 
+@pytest.mark.usefixtures("processes")
 def test_up_puts_its_redis_behind_the_password_of_redis_password_file(tmp_path):
     password_file = tmp_path / "redis-password"
     password_file.write_text(PASSWORD + "\n")
@@ -162,6 +167,7 @@ def test_up_puts_its_redis_behind_the_password_of_redis_password_file(tmp_path):
     assert password_file.read_text() == PASSWORD + "\n"  # the user's file is theirs: kept
 
 
+@pytest.mark.usefixtures("processes")
 def test_kill_9_of_up_takes_its_redis_server_along_and_the_next_up_removes_its_directory():
     up = _Up()
     try:
@@ -185,6 +191,7 @@ def test_kill_9_of_up_takes_its_redis_server_along_and_the_next_up_removes_its_d
         assert second.stop() == 0, second.text
 
 
+@pytest.mark.usefixtures("processes")
 def test_up_exits_1_and_stops_its_node_when_its_redis_server_dies():
     up = _Up()
     try:

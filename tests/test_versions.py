@@ -21,6 +21,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 VERSIONS = (REPO / "docs" / "versions.md").read_text()
@@ -70,6 +72,7 @@ def test_lmcaches_sglang_loader_reads_kvpools_config_file_and_a_fresh_engine_rea
         reader.close()
 
 
+@pytest.mark.usefixtures("processes")
 def test_lmcaches_sglang_loader_without_a_file_ignores_lmcache_variables_so_sglang_needs_the_file(
     pool_url, monkeypatch
 ):
@@ -126,6 +129,7 @@ def test_the_table_names_the_lmcache_and_torch_the_tests_pin_and_run():
         assert pinned in _row({"lmcache": "LMCache", "torch": "torch"}[package]), package
 
 
+@pytest.mark.usefixtures("processes")
 def test_the_table_names_the_python_and_redis_minor_versions_the_tests_run_on():
     assert f"{sys.version_info.major}.{sys.version_info.minor}" in _row("Python")
     version = subprocess.run(

@@ -31,7 +31,8 @@ from backend.client import SyncPoolClient
 from backend.embedded import free_port
 from backend.errors import AuthError
 from kvpool import PoolConfig
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO
+from tests.support.waits import wait_until
 
 IMAGE = os.environ.get("DEPLOY_TEST_IMAGE", "localhost/kvpool-node:0.1.0")
 BASE = os.environ.get("DEPLOY_TEST_BASE", "localhost/kvpool-base:bookworm")
@@ -212,7 +213,7 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def redis_image() -> str:
+def redis_image(processes: None) -> str:
     podman(
         "build",
         *PODMAN_FLAGS,

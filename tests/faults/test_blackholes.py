@@ -17,12 +17,13 @@ from typing import Any
 import pytest
 
 from backend.embedded import free_port
-from bench.lmcache_stack import LMCacheStack, run_with_timeout
+from bench.lmcache_stack import LMCacheStack
 from kvpool import KVPoolError, PoolConfig, SyncPoolClient
-from tests.conftest import NodeProcess, wait_until
+from tests.conftest import NodeProcess
 from tests.faults.blackhole import Blackhole
 from tests.faults.test_network_faults import _identical, _no_wrong_bytes, _node
-from tests.test_pool import _chunks
+from tests.support.chunks import numbered_chunks as _chunks
+from tests.support.waits import run_with_timeout, wait_until
 
 MIB = 1024 * 1024
 TIMEOUT_MS = 500

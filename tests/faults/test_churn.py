@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from kvpool import Chunk, KVPoolError, PoolConfig, SyncPoolClient
-from tests.conftest import wait_until
 from tests.support.index import index_key, slots
+from tests.support.waits import wait_until
 
 RESTARTS = 50 if os.environ.get("KVPOOL_FULL") else 20  # `make faults` runs all fifty
 AT_ONCE = 5  # nodes started (and killed) together, to keep the test short

@@ -13,7 +13,8 @@ import sys
 import textwrap
 
 from kvpool import CapacityError, Chunk, PoolConfig, SyncPoolClient
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO
+from tests.support.waits import wait_until
 
 MIB = 1024 * 1024
 LOCK_TTL_MS = 600_000  # the longest a node grants: without the fix the DRAM would stay pinned this long

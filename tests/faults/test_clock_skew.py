@@ -13,9 +13,9 @@ import time
 
 from backend.admin import NodeRow, node_rows
 from kvpool import PoolClient, PoolConfig, SyncPoolClient
-from tests.conftest import wait_until
 from tests.faults.proxy import skewed_clock_env
-from tests.test_pool import _chunks
+from tests.support.chunks import numbered_chunks as _chunks
+from tests.support.waits import wait_until
 
 SKEW_S = 3 * 3600.0
 HEARTBEAT_TTL_S = 5.0  # the node's default heartbeat_ttl_s

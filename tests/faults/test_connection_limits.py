@@ -29,8 +29,8 @@ from backend.protocol import (
     encode_header,
     encode_keys,
 )
-from tests.conftest import wait_until
 from tests.support.handshake import auth_frame, check_auth_answer, hello_frame
+from tests.support.waits import wait_until
 
 TOKEN = "limits-token-42-0123456789abcdef"
 DEADLINE_S = 1.0

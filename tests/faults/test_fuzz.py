@@ -118,7 +118,7 @@ class Target:
 
 
 @pytest.fixture(scope="module")
-def target(redis_server: EmbeddedRedis) -> Iterator[Target]:
+def target(processes: None, redis_server: EmbeddedRedis) -> Iterator[Target]:
     namespace = "fz" + uuid.uuid4().hex[:10]
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "KVPOOL_TOKEN": TOKEN}
     args = ["--redis", redis_server.url, "--namespace", namespace, "--dram", f"{DRAM_BYTES // MIB}MiB"]

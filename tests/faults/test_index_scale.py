@@ -22,6 +22,7 @@ SWEEP_WALK_BOUND_S = 30.0 if FULL else 6.0
 ADMIN_KEYS = 1_000_000 if FULL else 50_000
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.timeout(600 if FULL else 120)
 def test_a_dead_nodes_entries_are_swept_in_seconds_and_no_redis_call_takes_10ms():
     figures = sweep(SWEEP_CHUNKS, grace_s=0.5)
@@ -34,6 +35,7 @@ def test_a_dead_nodes_entries_are_swept_in_seconds_and_no_redis_call_takes_10ms(
     assert figures["redis_slowest_call_ms"] < CALL_TARGET_MS, figures
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.timeout(900 if FULL else 120)
 def test_ls_evict_stats_and_status_over_a_large_index_keep_every_redis_call_short_and_the_cli_small():
     figures = admin(ADMIN_KEYS)

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from backend.embedded import free_port
-from bench.lmcache_stack import LMCacheStack, run_with_timeout
-from tests.conftest import wait_until
+from bench.lmcache_stack import LMCacheStack
 from tests.faults.proxy import FaultProxy
+from tests.support.waits import run_with_timeout, wait_until
 
 BOUND_S = 20.0  # "returned at all": timeout_ms is 500
 

@@ -17,9 +17,10 @@ import pytest
 from backend.embedded import free_port
 from backend.metadata import NodeInfo
 from kvpool import Chunk, KVPoolError, PoolConfig, SyncPoolClient
-from tests.conftest import REPO, NodeProcess, wait_until
+from tests.conftest import REPO, NodeProcess
 from tests.faults.proxy import ROUNDS, FaultProxy, hostname_env
-from tests.test_pool import _chunks
+from tests.support.chunks import numbered_chunks as _chunks
+from tests.support.waits import wait_until
 
 CALL_BOUND_S = 30.0  # "returned at all": far above timeout_ms, far below pytest's timeout
 
@@ -97,6 +98,7 @@ def test_advertise_takes_a_host_a_port_or_both(value, expected):
     assert parse_advertise("--advertise", value) == expected
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize("value", ["host:0", "host:99999", "host:port", "[::1", "[::1]x"])
 def test_a_bad_advertise_address_is_refused_naming_the_flag(redis_server, value):
     proc = subprocess.run(

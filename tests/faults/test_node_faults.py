@@ -18,9 +18,9 @@ from backend.embedded import EmbeddedRedis
 from backend.metadata import NodeInfo
 from backend.placement import choose_nodes
 from kvpool import Chunk, KVPoolError, PoolConfig, PutOutcome, SyncPoolClient
-from tests.conftest import wait_until
 from tests.faults.proxy import FULL, ROUNDS
-from tests.test_pool import _chunks
+from tests.support.chunks import numbered_chunks as _chunks
+from tests.support.waits import wait_until
 
 CALL_BOUND_S = 30.0  # "returned at all": far above timeout_ms, far below pytest's timeout
 CHUNK_BYTES = 32 * 1024

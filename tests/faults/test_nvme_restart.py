@@ -14,8 +14,8 @@ import time
 
 from bench.scale_nvme import chunk_key, payload_of, write_files
 from kvpool import PoolConfig, SyncPoolClient
-from tests.conftest import wait_until
 from tests.support.recovery import wait_recovered
+from tests.support.waits import wait_until
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))
 FILES = 200_000 if FULL else 5_000

@@ -14,8 +14,8 @@ from backend.embedded import EmbeddedRedis
 from backend.node.server import PoolNode
 from backend.protocol import ItemMeta, Op, encode_header, encode_items
 from kvpool import AuthError, Chunk, KVPoolError, PoolClient, PoolConfig, SyncPoolClient
-from tests.conftest import wait_until
-from tests.test_pool import _chunks
+from tests.support.chunks import numbered_chunks as _chunks
+from tests.support.waits import wait_until
 
 
 class CountingSink:

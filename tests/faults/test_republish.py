@@ -31,7 +31,7 @@ from backend.node.server import PoolNode
 from backend.node.tiers import DRAM, NVME, TierConfig, TierManager
 from backend.protocol import ItemMeta, checksum
 from kvpool import Chunk, PoolClient, PoolConfig, SyncPoolClient
-from tests.conftest import wait_until
+from tests.support.waits import wait_until
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: the 300,000-chunk node process
 # The short forms: a republish of this many takes longer than SHORT_TTL_S at ~40,000 keys/s. The TTL is

@@ -54,6 +54,7 @@ def _scale(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.timeout(400 if FULL else 200)
 def test_the_scale_report_prints_every_figure_beside_its_target_and_writes_them(tmp_path):
     parts = ",".join(PARTS)
@@ -99,6 +100,7 @@ def test_the_scale_report_prints_every_figure_beside_its_target_and_writes_them(
         assert results["sweep"]["lookup"][f"at_{CHUNKS}"]["together_p50_ms"] > 0
 
 
+@pytest.mark.usefixtures("processes")
 def test_the_report_names_the_fewest_chunks_a_part_needs():
     out = _scale("--report", "--chunks", "5000", timeout_s=60)
     assert out.returncode == 2

@@ -21,6 +21,7 @@ FULL = bool(os.environ.get("KVPOOL_FULL"))
 DURATION_S = 120 if FULL else 12
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.timeout(DURATION_S + 240)
 def test_a_soak_of_32_clients_over_twice_the_dram_returns_no_wrong_byte_and_stays_within_memory() -> None:
     cmd = [

@@ -30,7 +30,7 @@ class Driver(JsonLines):
 
 
 @pytest.fixture
-def bed_factory() -> Iterator[Any]:
+def bed_factory(processes: None) -> Iterator[Any]:
     """``make(names)``: a bed of those hosts, removed at teardown. No root or tools: the test FAILS with why."""
     made: list[HostBed] = []
     drivers: list[Driver] = []

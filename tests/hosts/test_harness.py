@@ -22,6 +22,7 @@ from tests.conftest import REPO
 HARNESS_TIMEOUT_S = 90
 
 
+@pytest.mark.usefixtures("processes")
 def test_hosts_harness_runs_every_backend_across_hosts_and_reads_back_every_byte(tmp_path):
     reason = missing()
     if reason:

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from tests.conftest import wait_until
 from tests.hosts.conftest import FULL
+from tests.support.waits import wait_until
 
 TIMEOUT_MS = 1000
 HEAL_S = 10.0

@@ -16,8 +16,9 @@ import sys
 
 from backend.metadata import MetadataStore
 from kvpool import Chunk, PoolConfig, SyncPoolClient
-from tests.conftest import REPO, wait_until
-from tests.test_cli import kvpool
+from tests.conftest import REPO
+from tests.support.cli import kvpool
+from tests.support.waits import wait_until
 
 KIB = 1024
 

@@ -25,9 +25,10 @@ from backend.client.connection import NodeConnection
 from backend.metadata import NodeInfo
 from backend.protocol import RESPONSE_BIT, Op, Status, error_for_status
 from kvpool import NodeUnavailable, PoolClient, PoolConfig
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO
 from tests.faults.proxy import FaultProxy
 from tests.security.wire import read_frame
+from tests.support.waits import wait_until
 
 TOKEN = "flood-token-" + "5e" * 16
 CAP = 8

@@ -23,9 +23,9 @@ from backend.errors import ConfigError
 from backend.node.nvme_format import chunk_path
 from bench.nodes import NodeProcess
 from kvpool import PoolConfig, SyncPoolClient
-from tests.conftest import wait_until
 from tests.support.chunks import all_read_back, seeded_chunks
 from tests.support.recovery import wait_recovered
+from tests.support.waits import wait_until
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: more rounds, and the long kill orders
 KIB = 1024
@@ -40,7 +40,7 @@ def _live(client: SyncPoolClient) -> dict[str, int]:
 
 
 @pytest.fixture
-def spawn(redis_server: EmbeddedRedis, namespace: str) -> Iterator[Callable[..., NodeProcess]]:
+def spawn(processes: None, redis_server: EmbeddedRedis, namespace: str) -> Iterator[Callable[..., NodeProcess]]:
     """Node processes started without waiting for them (``node_factory`` waits until ready); killed after."""
     started: list[NodeProcess] = []
 
@@ -112,6 +112,7 @@ def test_a_duplicate_killed_while_it_waits_out_a_frozen_original_leaves_every_ch
         assert all_read_back(client, chunks)
 
 
+@pytest.mark.usefixtures("processes")
 def test_two_nodes_started_at_once_under_one_id_exactly_one_wins(spawn, pool_url):
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
         for round_ in range(5 if FULL else 2):
@@ -243,6 +244,7 @@ def test_node_ids_inside_the_rule_and_the_defaults_pass():
     assert len(default_node_id("h" * 300, "abcdef12")) == 128
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_bad_node_id_is_refused_at_start_and_a_bad_kept_one_names_its_file(spawn, tmp_path):
     flag = spawn("--node-id", "a|b")
     assert _exit_code(flag, START_S) == REFUSED, flag.tail()

@@ -23,9 +23,9 @@ import redis
 
 from backend.embedded import EmbeddedRedis
 from kvpool import Chunk, MetadataError, PoolClient, PoolConfig, SyncPoolClient
-from tests.conftest import wait_until
 from tests.support.chunks import all_read_back, seeded_chunks
-from tests.test_cli import kvpool
+from tests.support.cli import kvpool
+from tests.support.waits import wait_until
 from tests.test_metrics import _metrics_port
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: the 30 s form

@@ -24,7 +24,8 @@ import pytest
 from backend.node.stages import STAGE_SWEEP_INTERVAL_S
 from backend.shm import STAGE_MIN_AGE_S, PutStage, remove_abandoned_stages
 from kvpool import Chunk, PoolConfig, SyncPoolClient
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO
+from tests.support.waits import wait_until
 
 KIB = 1024
 
@@ -92,6 +93,7 @@ def test_a_killed_clients_stage_is_removed_while_a_live_clients_stays_and_works(
     assert gone_after_s < STAGE_MIN_AGE_S + 3 * STAGE_SWEEP_INTERVAL_S
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_stage_is_kept_while_its_process_lives_and_removed_once_it_is_gone(tmp_path: Path):
     """The rule itself, without a node: a held lock keeps a stage, whoever looks and however old it is."""
     held = PutStage(str(tmp_path), 4 * KIB)

@@ -40,8 +40,8 @@ from backend.protocol import (
     encode_keys,
 )
 from backend.transport import FrameSocket
-from tests.conftest import wait_until
 from tests.support.handshake import auth_frame, check_auth_answer, hello_frame
+from tests.support.waits import wait_until
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))
 TOKEN = "starvation-token-9f2c"

@@ -143,7 +143,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 @pytest.fixture(scope="module")
-def secure_redis(pki: Pki) -> Iterator[EmbeddedRedis]:
+def secure_redis(processes: None, pki: Pki) -> Iterator[EmbeddedRedis]:
     """redis-server over TLS only, whose default user is off: only the ACL user gets in."""
     acl = ["--user", REDIS_USER, "on", f">{REDIS_PASSWORD}", "~*", "&*", "+@all", "--user", "default", "off"]
     with EmbeddedRedis(tls=(pki.redis_cert, pki.redis_key, pki.ca), args=acl) as server:

@@ -22,7 +22,7 @@ from backend.config import NodeConfig
 from backend.config import values as config_values
 from backend.config.values import GOOD_TOKEN_CHARS, MIN_TOKEN_CHARS
 from kvpool import ConfigError, PoolConfig
-from tests.test_cli import kvpool
+from tests.support.cli import kvpool
 
 GOOD_TOKEN = "9f" * 32  # what `openssl rand -hex 32` makes: 64 characters
 WEAK_TOKEN = "w" * (GOOD_TOKEN_CHARS - 1)
@@ -70,6 +70,7 @@ def test_a_short_token_from_the_url_or_the_environment_is_refused_by_a_client(wh
     assert SHORT_TOKEN not in str(refused.value)
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_node_refuses_to_start_with_a_short_token_from_a_file_or_the_environment(tmp_path, redis_server):
     path = _secret_file(tmp_path, "token", SHORT_TOKEN, 0o600)
     base = ["node", "--redis", redis_server.url, "--namespace", "short-token", "--dram", "16MiB"]

@@ -1,4 +1,4 @@
-"""Chunks for tests: LMCache-shaped keys with seeded random bytes, and the check that they read back."""
+"""Chunks for tests: seeded random bytes under numbered or LMCache-shaped keys, and the check that they read back."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ import random
 
 from kvpool import Chunk, SyncPoolClient
 
-__all__ = ["seeded_chunks", "all_read_back"]
+__all__ = ["numbered_chunks", "seeded_chunks", "all_read_back"]
+
+
+def numbered_chunks(prefix: str, count: int, size: int, seed: int = 0) -> list[Chunk]:
+    """``count`` chunks of ``size`` seeded random bytes, keyed ``PREFIX@i``."""
+    rng = random.Random(seed)
+    return [Chunk(f"{prefix}@{i}", rng.randbytes(size)) for i in range(count)]
 
 
 def seeded_chunks(prefix: str, count: int, size: int, seed: int = 0) -> list[Chunk]:

@@ -8,7 +8,7 @@ controllers, and the L2 adapters (kvpool's, through LMCache's plugin loader).
 
 Run as a module it is one side of a round trip in a fresh process::
 
-    python -m bench.lmcache_mp_stack put|get URL --chunks N --seed S
+    python -m tests.support.mp_stack put|get URL --chunks N --seed S
 
 and prints one JSON line.
 """
