@@ -14,8 +14,9 @@ import socket
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,7 +27,8 @@ from backend.node.arena import room_of
 from backend.node.context import NodeContext
 from backend.node.dram import StoredChunk
 from backend.node.intake import AheadBounds
-from backend.node.ops import OpHandlers
+from backend.node.ops import OpTable
+from backend.node.peer import Answer, Reply, Request, host_of
 from backend.node.publisher import Advert, IndexPublisher
 from backend.node.puts import PutReceiver
 from backend.node.republish import Republisher
@@ -37,6 +39,7 @@ from backend.protocol import (
     PUT_BUSY,
     PUT_INTEGRITY,
     PUT_STORED,
+    Header,
     ItemMeta,
     Op,
     PutOptions,
@@ -46,9 +49,11 @@ from backend.protocol import (
     decode_lease_response,
     encode_keys,
     encode_lease_request,
+    encode_put_batch,
     encode_release,
 )
-from backend.transport import FrameSocket
+from backend.shm import ArenaView
+from backend.transport import Buffer, FrameSocket
 
 DRAM_BYTES = 4 << 20
 NODE_ID = "unit-node"
@@ -113,14 +118,45 @@ class Parts:
     stats: NodeStats
     publisher: IndexPublisher
     puts: PutReceiver
-    ops: OpHandlers
+    ops: OpTable
 
 
-@dataclass
-class FakeSession:
-    """What an op handler reads of its session: the connection (a lease's owner)."""
+@dataclass(eq=False)  # hashed by identity, as a session is: a lease's owner
+class WirePeer:
+    """A ``Peer`` over a loopback connection, as a session is one; the answers handed to it kept, not run."""
 
     conn: FrameSocket
+    answers: list[tuple[Request, Answer]] = field(default_factory=list)
+
+    @property
+    def host(self) -> str:
+        return host_of(self.conn.peer)
+
+    @property
+    def closed(self) -> bool:
+        return self.conn.closed
+
+    async def recv_data(self, targets: Sequence[Buffer | int], digest: Callable[[Any], int] | None = None) -> list[int]:
+        return await self.conn.recv_many(targets, digest)
+
+    def stage(self, name: str, token: str) -> ArenaView:
+        raise AssertionError("no op here maps a stage")
+
+    async def answer(self, request: Request, work: Answer) -> None:
+        self.answers.append((request, work))
+
+
+def _request(op: int, meta: bytes | bytearray, data_len: int = 0) -> Request:
+    return Request(Header(op, 0, 0, len(meta), 1, data_len, 0), bytearray(meta), 0.0)
+
+
+async def _ask(parts: Parts, op: int, meta: bytearray, peer: WirePeer) -> Reply:
+    """``op``'s answer to ``meta`` from the op table, as a session's request gets it."""
+    await parts.ops.handle(_request(op, meta), peer)
+    ((request, work),) = peer.answers
+    peer.answers.clear()
+    assert request.op == op
+    return await work()
 
 
 @contextlib.asynccontextmanager
@@ -132,7 +168,7 @@ async def _wired(dram_bytes: int, shm_dir: Path | None) -> AsyncIterator[Parts]:
     stats = NodeStats(ctx)
     publisher = IndexPublisher(ctx, stats)
     puts = PutReceiver(ctx, publisher)
-    ops = OpHandlers(ctx, stats, publisher, puts)
+    ops = OpTable(ctx, stats, publisher, puts)
     ctx.joined(NODE_ID, await index.new_epoch(), "127.0.0.1:1")  # as PoolNode.start does once it claimed the id
     await publisher.join(Advert("127.0.0.1", 7000))
     yield Parts(ctx, index, stats, publisher, puts, ops)
@@ -189,7 +225,7 @@ def _item(key: str, payload: bytes) -> ItemMeta:
 async def _stored(parts: Parts, conn: FrameSocket, client: socket.socket, chunks: dict[str, bytes]) -> None:
     """Put ``chunks`` through the put path (received off the socket, then committed)."""
     client.sendall(b"".join(chunks.values()))
-    received = await parts.puts.receive(conn, [_item(k, v) for k, v in chunks.items()], PutOptions())
+    received = await parts.puts.receive(WirePeer(conn), [_item(k, v) for k, v in chunks.items()], PutOptions())
     await parts.puts.commit(received)
 
 
@@ -199,7 +235,7 @@ async def test_put_chunks_are_held_after_the_receive_but_indexed_only_by_the_com
     chunks = {"a": b"x" * 1000, "b": bytes(range(256)) * 8}
     client.sendall(b"".join(chunks.values()))
 
-    received = await parts.puts.receive(conn, [_item(k, v) for k, v in chunks.items()], PutOptions())
+    received = await parts.puts.receive(WirePeer(conn), [_item(k, v) for k, v in chunks.items()], PutOptions())
 
     assert [(flag, item.key) for flag, item, _ in received] == [(PUT_STORED, "a"), (PUT_STORED, "b")]
     assert all(parts.ctx.tiers.holds(k, checksum(v)) for k, v in chunks.items())
@@ -220,7 +256,7 @@ async def test_a_chunk_whose_bytes_fail_their_checksum_is_refused_and_not_kept(p
     items = [_item("good", good), ItemMeta("bad", len(bad), checksum(bad) ^ 1, "uint8", (len(bad),), 0)]
     client.sendall(good + bad)
 
-    meta, _ = await parts.puts.commit(await parts.puts.receive(conn, items, PutOptions()))
+    meta, _ = await parts.puts.commit(await parts.puts.receive(WirePeer(conn), items, PutOptions()))
 
     assert decode_flags(meta, 2) == [PUT_STORED, PUT_INTEGRITY]
     assert not parts.ctx.tiers.contains("bad") and [k for k, _ in parts.index.committed] == ["good"]
@@ -237,10 +273,12 @@ async def test_a_chunk_larger_than_dram_is_refused_before_anything_is_reserved(p
     with pytest.raises(
         CapacityError, match=rf"'huge' is {DRAM_BYTES + 1} bytes, larger than .* \({DRAM_BYTES} bytes\)"
     ):
-        await asyncio.wait_for(parts.puts.receive(conn, [_item("huge", huge), _item("small", small)], PutOptions()), 10)
+        await asyncio.wait_for(
+            parts.puts.receive(WirePeer(conn), [_item("huge", huge), _item("small", small)], PutOptions()), 10
+        )
 
     assert parts.ctx.tiers.dram.used_bytes == 0 and len(parts.ctx.tiers) == 0  # nothing reserved, nothing read
-    received = await parts.puts.receive(conn, [_item("small", small)], PutOptions())
+    received = await parts.puts.receive(WirePeer(conn), [_item("small", small)], PutOptions())
     assert [flag for flag, _, _ in received] == [PUT_STORED]
 
 
@@ -250,7 +288,7 @@ async def test_a_put_holds_room_for_at_most_one_window_beyond_the_bytes_it_recei
     conn, client = _pair("10.0.0.1:5000", roomy.ctx.bulk)
     tiers = roomy.ctx.tiers
     try:
-        task = asyncio.ensure_future(roomy.puts.receive(conn, [_item("large", payload)], PutOptions()))
+        task = asyncio.ensure_future(roomy.puts.receive(WirePeer(conn), [_item("large", payload)], PutOptions()))
         client.sendall(payload[:1])
         await _until(lambda: tiers.dram.used_bytes > 0)
         await asyncio.sleep(0.05)
@@ -276,7 +314,7 @@ async def test_a_chunk_received_in_parts_is_verified_whole_and_a_mismatch_gives_
     conn, client = _pair("10.0.0.1:5000", roomy.ctx.bulk)
     try:
         sending = asyncio.ensure_future(asyncio.to_thread(client.sendall, payload))
-        received = await asyncio.wait_for(roomy.puts.receive(conn, [item], PutOptions()), 10)
+        received = await asyncio.wait_for(roomy.puts.receive(WirePeer(conn), [item], PutOptions()), 10)
         await sending
     finally:
         conn.close()
@@ -293,7 +331,7 @@ async def test_one_hosts_puts_share_one_bound_of_room_ahead_and_another_host_nev
     tasks = []
     for n, (conn, client) in enumerate(pairs):
         item = ItemMeta(f"stalled-{n}", 40 << 20, 0, "uint8", (40 << 20,), 0)
-        tasks.append(asyncio.ensure_future(roomy.puts.receive(conn, [item], PutOptions(wait_ms=10_000))))
+        tasks.append(asyncio.ensure_future(roomy.puts.receive(WirePeer(conn), [item], PutOptions(wait_ms=10_000))))
         client.sendall(b"x")  # one byte, then silence
     await _until(lambda: tiers.dram.used_bytes == 3 * bounds.connection_bytes)
     await asyncio.sleep(0.1)
@@ -317,7 +355,7 @@ async def test_a_chunk_evicted_before_its_commit_is_answered_busy_and_not_indexe
     conn, client = wire
     kept, evicted = b"k" * 1000, b"e" * 1000
     client.sendall(kept + evicted)
-    received = await parts.puts.receive(conn, [_item("kept", kept), _item("evicted", evicted)], PutOptions())
+    received = await parts.puts.receive(WirePeer(conn), [_item("kept", kept), _item("evicted", evicted)], PutOptions())
     gone = next(chunk for _, item, chunk in received if item.key == "evicted")
     assert gone is not None
     parts.ctx.tiers.settle([gone])
@@ -334,7 +372,7 @@ async def test_a_put_whose_index_commit_fails_leaves_nothing_behind(parts, wire)
     conn, client = wire
     payload = b"p" * 4096
     client.sendall(payload)
-    received = await parts.puts.receive(conn, [_item("lost", payload)], PutOptions())
+    received = await parts.puts.receive(WirePeer(conn), [_item("lost", payload)], PutOptions())
     parts.index.fail = True
 
     with pytest.raises(MetadataError):
@@ -351,7 +389,7 @@ async def test_a_put_whose_socket_closes_mid_chunk_keeps_none_of_its_chunks(part
     client.shutdown(socket.SHUT_WR)
 
     with pytest.raises(Exception):  # noqa: B017 - the transport's error for a peer gone mid-frame
-        await parts.puts.receive(conn, [_item("first", first), _item("second", second)], PutOptions())
+        await parts.puts.receive(WirePeer(conn), [_item("first", first), _item("second", second)], PutOptions())
 
     assert len(parts.ctx.tiers) == 0 and parts.ctx.tiers.dram.used_bytes == 0
 
@@ -360,15 +398,15 @@ async def test_a_put_whose_socket_closes_mid_chunk_keeps_none_of_its_chunks(part
 async def test_lease_pins_the_keys_held_and_answers_misses_for_the_rest(parts, wire):
     conn, client = wire
     await _stored(parts, conn, client, {"held": b"h" * 2048})
-    session = FakeSession(conn)
+    peer = WirePeer(conn)
 
-    meta, _ = await parts.ops.handle(Op.LEASE, bytearray(encode_lease_request(["held", "absent"], 5000, 0)), session)
+    meta, _ = await _ask(parts, Op.LEASE, bytearray(encode_lease_request(["held", "absent"], 5000, 0)), peer)
 
     lease_id, found = decode_lease_response(meta, ["held", "absent"])
     assert lease_id > 0 and len(parts.ctx.tiers.leases) == 1
     assert found[0] is not None and found[0][0].key == "held" and found[0][1] is None  # a lock only: no offset
     assert found[1] is None
-    released, _ = await parts.ops.handle(Op.RELEASE, bytearray(encode_release(lease_id)), session)
+    released, _ = await _ask(parts, Op.RELEASE, bytearray(encode_release(lease_id)), peer)
     assert decode_json(released) == {"released": 1} and len(parts.ctx.tiers.leases) == 0
 
 
@@ -378,7 +416,7 @@ async def test_a_mapped_lease_answers_the_chunks_offset_in_the_arena_and_counts_
     await _stored(parts, conn, client, {"k": payload})
 
     request = bytearray(encode_lease_request(["k", "absent"], 5000, LEASE_MAP))
-    meta, _ = await parts.ops.handle(Op.LEASE, request, FakeSession(conn))
+    meta, _ = await _ask(parts, Op.LEASE, request, WirePeer(conn))
 
     _, found = decode_lease_response(meta, ["k", "absent"])
     assert found[0] is not None and found[1] is None
@@ -400,7 +438,7 @@ async def test_a_lease_for_a_connection_that_closed_meanwhile_is_released_at_onc
     await _stored(parts, conn, client, {"held": b"h" * 100})
     conn.close()  # its session's teardown (release_owner) has already run
 
-    await parts.ops.handle(Op.LEASE, bytearray(encode_lease_request(["held"], 5000, 0)), FakeSession(conn))
+    await _ask(parts, Op.LEASE, bytearray(encode_lease_request(["held"], 5000, 0)), WirePeer(conn))
 
     assert len(parts.ctx.tiers.leases) == 0  # nobody is left to release it
 
@@ -409,7 +447,7 @@ async def test_delete_drops_the_chunks_and_withdraws_them_under_the_nodes_identi
     conn, client = wire
     await _stored(parts, conn, client, {"gone": b"g" * 100, "kept": b"k" * 100})
 
-    meta, _ = await parts.ops.handle(Op.DELETE_BATCH, bytearray(encode_keys(["gone", "never"])), FakeSession(conn))
+    meta, _ = await _ask(parts, Op.DELETE_BATCH, bytearray(encode_keys(["gone", "never"])), WirePeer(conn))
 
     assert decode_flags(meta, 2) == [1, 0]
     assert parts.index.withdrawn() == [(NODE_ID, 42, ["gone"])]
@@ -420,8 +458,8 @@ async def test_ping_and_stat_answer_the_identity_the_node_joined_with(parts, wir
     conn, _ = wire
     parts.stats.count_also(Counter({"collected_nodes": 3}))  # a part that keeps its own counters
 
-    ping, _ = await parts.ops.handle(Op.PING, bytearray(), FakeSession(conn))
-    stat, _ = await parts.ops.handle(Op.STAT, bytearray(), FakeSession(conn))
+    ping, _ = await _ask(parts, Op.PING, bytearray(), WirePeer(conn))
+    stat, _ = await _ask(parts, Op.STAT, bytearray(), WirePeer(conn))
 
     assert decode_json(ping) == {"node_id": NODE_ID, "epoch": 42}
     report = decode_json(stat)
@@ -434,7 +472,58 @@ async def test_channel_get_on_a_node_without_a_channel_is_refused(parts, wire):
 
     conn, _ = wire
     with pytest.raises(ProtocolError, match="serves no channel"):
-        await parts.ops.handle(Op.CHANNEL_GET, bytearray(), FakeSession(conn))
+        await _ask(parts, Op.CHANNEL_GET, bytearray(), WirePeer(conn))
+
+
+# -- the op table (ops.py) ---------------------------------------------------------------
+async def test_every_request_op_but_hello_and_auth_has_a_handler_and_only_put_batch_carries_data(parts):
+    handled = {op for op in Op if op not in (Op.HELLO, Op.AUTH)}
+
+    assert set(parts.ops.table) == handled
+    assert [op for op in Op if parts.ops.carries_data(op)] == [Op.PUT_BATCH]
+
+
+async def test_an_op_that_is_not_a_request_is_answered_as_a_protocol_error(parts, wire):
+    from backend.errors import ProtocolError
+
+    conn, _ = wire
+    with pytest.raises(ProtocolError, match="op 99 is not a request"):
+        await _ask(parts, 99, bytearray(), WirePeer(conn))
+
+
+async def test_a_put_batch_takes_its_bytes_in_its_handler_and_commits_them_in_its_answer(parts, wire):
+    conn, client = wire
+    chunks = {"a": b"a" * 1000, "b": bytes(range(256)) * 4}
+    items = [_item(k, v) for k, v in chunks.items()]
+    peer = WirePeer(conn)
+    client.sendall(b"".join(chunks.values()))
+
+    await parts.ops.handle(_request(Op.PUT_BATCH, encode_put_batch(items, PutOptions()), 2024), peer)
+
+    # In stream order: every byte is off the connection and held when the handler returns ...
+    assert all(parts.ctx.tiers.holds(k, checksum(v)) for k, v in chunks.items())
+    assert parts.index.committed == []  # ... but committed only by its answer
+    ((_, work),) = peer.answers
+    meta, _ = await work()
+    assert decode_flags(meta, 2) == [PUT_STORED, PUT_STORED]
+    assert [key for key, _ in parts.index.committed] == ["a", "b"]
+
+
+async def test_a_put_batch_larger_than_the_node_is_answered_before_its_bytes_are_read_past(parts, wire):
+    conn, client = wire
+    huge = _item("huge", b"h" * (DRAM_BYTES + 1))
+    peer = WirePeer(conn)
+    handled = asyncio.ensure_future(
+        parts.ops.handle(_request(Op.PUT_BATCH, encode_put_batch([huge], PutOptions()), huge.nbytes), peer)
+    )
+
+    await _until(lambda: len(peer.answers) == 1)  # not one byte sent yet
+    assert not handled.done()  # still reading past its bytes, so the stream stays in step
+    with pytest.raises(CapacityError, match="larger than node"):
+        await peer.answers[0][1]()
+    client.sendall(b"h" * huge.nbytes)
+    await asyncio.wait_for(handled, 10)
+    assert parts.ctx.tiers.dram.used_bytes == 0
 
 
 # -- the publisher (publisher.py) ----------------------------------------------------

@@ -15,22 +15,14 @@ needed: an idle node costs no memory, and a full ``/dev/shm`` is an allocation t
 fails cleanly (the chunk then lives in private memory and is served over TCP) rather
 than a SIGBUS on first touch.
 
-Taking pages costs about 1 GB/s here (the kernel zeroes each one), so once the arena
-is in use a grower thread keeps ``GROW_AHEAD_BYTES`` of pages ready past the last
-allocation, off the event loop (``posix_fallocate`` and a ctypes ``madvise`` both
-run without the GIL) and at the lowest CPU priority, so that during a burst of puts
-it does not take the core the event loop needs. An allocation that still finds no room grows inline, after
-waiting for a step the thread has under way.
+How the pages come (in steps as the arena is used, grown ahead by a thread, or all
+at start with ``--prefault``) and the free list of page-aligned regions are
+``pages.py``'s (:class:`~backend.node.pages.PageSpace`). A node without shared memory
+keeps DRAM in a :class:`PrivateArena` (anonymous memory, the same allocator), so freed
+regions keep their pages; without ``--prefault`` its pages come from the kernel as
+chunks are first written there.
 
-A node started with ``--prefault`` (the default) takes every step at start instead
-(:meth:`PageSpace.prefault`, on a worker thread, before the node registers), up to what
-the directory and the machine can give; the grower then has nothing left to do. A
-node without shared memory keeps DRAM in a :class:`PrivateArena` (anonymous memory,
-the same allocator), so freed regions keep their pages; without ``--prefault`` its
-pages come from the kernel as chunks are first written there.
-
-Allocation is first-fit over an offset-ordered free list of page-aligned regions, with
-coalescing; chunks are mostly of one size, so the list stays short. A chunk of at most
+A chunk larger than 2 KiB takes a region of whole pages; a chunk of at most
 2 KiB takes a cell of a page shared with chunks of its size class instead
 (``cells.py``). Every chunk is counted at what it occupies (:func:`room_of`): its cell,
 or its region rounded up to pages; the DRAM tier counts the same, so ``--dram`` bounds
@@ -46,23 +38,20 @@ A view's end is seen through a weak reference to the array behind it.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import contextlib
 import ctypes
 import errno
-import logging
 import mmap
 import os
 import secrets
-import threading
-import time
 import weakref
 from pathlib import Path
 
 import numpy as np
 
-from backend.node.cells import PAGE_BYTES, SMALL_MAX_BYTES, Cells, cell_room
+from backend.node.cells import SMALL_MAX_BYTES, Cells, cell_room
+from backend.node.pages import ALIGN_BYTES, PageSpace, align, memory_available_bytes
 from backend.protocol import ArenaReport
 from backend.shm import (
     ARENA_MAGIC,
@@ -76,29 +65,15 @@ from backend.shm import (
     remove_abandoned_stages,
 )
 
-__all__ = ["Arena", "PageSpace", "PrivateArena", "ShmArena", "remove_stale_arenas", "room_of"]
+__all__ = ["Arena", "PrivateArena", "ShmArena", "remove_stale_arenas", "room_of"]
 
-logger = logging.getLogger(__name__)
-
-ALIGN_BYTES = PAGE_BYTES  # page-aligned regions: memcpy at full speed, no false sharing
-GROW_STEP_BYTES = 64 * 1024 * 1024
-GROW_AHEAD_BYTES = 256 * 1024 * 1024  # free room kept ready at the grown end, once the arena is in use
-GROWER_NICE = 19  # the grower runs when the node's loop and its clients leave a core idle
-GROW_RETRY_S = 5.0  # after /dev/shm refused pages, do not ask again for this long
-# A prefault leaves this much of the machine's available memory (MemAvailable) untaken: past it the
-# kernel would not refuse pages cleanly but reclaim the page cache and then call the OOM killer.
-PREFAULT_KEEP_FREE_BYTES = 512 * 1024 * 1024
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python's mmap names it from 3.12
-
-
-def _align(nbytes: int) -> int:
-    return (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
 def room_of(nbytes: int) -> int:
     """What a chunk of ``nbytes`` occupies in the arena, and is counted at in the DRAM tier: its cell
     (at most SMALL_MAX_BYTES, ``cells.py``), or its region of whole pages."""
-    return cell_room(nbytes) if nbytes <= SMALL_MAX_BYTES else _align(nbytes)
+    return cell_room(nbytes) if nbytes <= SMALL_MAX_BYTES else align(nbytes)
 
 
 class _ViewRef(weakref.ref):  # type: ignore[type-arg]
@@ -106,211 +81,6 @@ class _ViewRef(weakref.ref):  # type: ignore[type-arg]
 
     __slots__ = ("offset",)
     offset: int
-
-
-class PageSpace:
-    """The arena's mapping as page-aligned regions: a free list, and pages taken as needed (or all at once).
-
-    The backing is a subclass's: :class:`ShmArena` (a shared-memory file clients on this
-    host map) or :class:`PrivateArena` (anonymous memory, for a node without one).
-    """
-
-    grows_ahead = True  # keep GROW_AHEAD_BYTES of pages ready once in use (False: the kernel gives them lazily)
-
-    def __init__(self, mapping: mmap.mmap, size_bytes: int) -> None:
-        self.size_bytes = size_bytes
-        self._map = mapping
-        self._array = np.frombuffer(self._map, dtype=np.uint8)
-        self._base_address = int(self._array.ctypes.data)
-        self._lock = threading.Lock()
-        self._free_starts: list[int] = []  # offset-ordered starts of free regions
-        self._free_size: dict[int, int] = {}  # start -> size
-        self._free_end: dict[int, int] = {}  # end -> start, to coalesce with the left neighbour
-        self._grown = HEADER_BYTES  # pages below this offset exist in /dev/shm
-        self._refused_at = 0.0
-        self._growing = False  # the grower thread is adding pages at _grown (outside the lock)
-        self._grow_done = threading.Condition(self._lock)
-        self._wake_grower = threading.Event()
-        self._closed = False
-        self._grower = threading.Thread(target=self._grow_ahead, name="kvpool-arena-grow", daemon=True)
-        self._grower.start()
-
-    def _alloc_region(self, need: int) -> int | None:
-        """The start of a free region of ``need`` bytes (a multiple of pages), growing if needed. Caller holds
-        the lock."""
-        start = self._first_fit(need)
-        if start is None and self._grow(need):
-            start = self._first_fit(need)
-        if start is None:
-            return None
-        self._take(start, need)
-        end = HEADER_BYTES + self.size_bytes
-        if self.grows_ahead and self._tail_room() < GROW_AHEAD_BYTES and self._grown < end:
-            self._wake_grower.set()
-        return start
-
-    def _first_fit(self, need: int) -> int | None:
-        for start in self._free_starts:
-            if self._free_size[start] >= need:
-                return start
-        return None
-
-    def _take(self, start: int, need: int) -> None:
-        size = self._remove_free(start)
-        if size > need:
-            self._add_free(start + need, size - need)
-
-    def _release_region(self, start: int, size: int) -> None:
-        left = self._free_end.get(start)
-        if left is not None:  # coalesce with the free region that ends where this starts
-            size += self._remove_free(left)
-            start = left
-        if start + size in self._free_size:
-            size += self._remove_free(start + size)
-        self._add_free(start, size)
-
-    def _add_free(self, start: int, size: int) -> None:
-        bisect.insort(self._free_starts, start)
-        self._free_size[start] = size
-        self._free_end[start + size] = start
-
-    def _remove_free(self, start: int) -> int:
-        self._free_starts.pop(bisect.bisect_left(self._free_starts, start))
-        size = self._free_size.pop(start)
-        del self._free_end[start + size]
-        return size
-
-    def _tail_room(self) -> int:
-        """Free bytes touching the grown end (what the next allocations can take without growing)."""
-        tail = self._free_end.get(self._grown)
-        return self._grown - tail if tail is not None else 0
-
-    def _grow(self, need: int) -> bool:
-        """Allocate more pages at the end of the grown part; False if none can be had. Caller holds the lock."""
-        while self._growing:  # the grower thread's step may be all that is needed
-            self._grow_done.wait(timeout=1.0)
-        if self._first_fit(need) is not None:
-            return True
-        end = HEADER_BYTES + self.size_bytes
-        if self._grown >= end or time.monotonic() - self._refused_at < GROW_RETRY_S:
-            return False
-        step = min(max(GROW_STEP_BYTES, _align(need - self._tail_room())), end - self._grown)
-        if not self._take_pages(self._grown, step):
-            return False
-        self._release_region(self._grown, step)
-        self._grown += step
-        return True
-
-    def _take_pages(self, start: int, step: int) -> bool:
-        """Back ``[start, start + step)`` with pages; False (and no retry for a while) if they are refused."""
-        try:
-            self._back(start, step)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                raise
-            self._refused_at = time.monotonic()
-            logger.warning(
-                "%s arena could not grow by %d bytes (%s); new chunks use private memory and are served over TCP",
-                self._where(),
-                step,
-                exc.strerror,
-            )
-            return False
-        return True
-
-    def _back(self, start: int, step: int) -> None:
-        """Take the pages of ``[start, start + step)``; OSError (ENOSPC, ENOMEM) if they cannot be had."""
-        raise NotImplementedError
-
-    def _where(self) -> str:
-        raise NotImplementedError
-
-    def _available_bytes(self) -> int | None:
-        """How many more bytes the backing can give, where that is known."""
-        return None
-
-    def _grow_ahead(self) -> None:
-        """Grower thread: keep GROW_AHEAD_BYTES of pages ready at the grown end, outside the lock."""
-        with contextlib.suppress(OSError, AttributeError):  # Linux: this thread only, lowest priority
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GROWER_NICE)
-        while True:
-            self._wake_grower.wait()
-            self._wake_grower.clear()
-            while self._grow_step(ahead_only=True):
-                pass
-            if self._closed:
-                return
-
-    def prefault(self) -> int:
-        """Take every page of the arena now (blocking: run it off the event loop); returns the bytes taken.
-
-        Takes no more than the backing can give (``_available_bytes``) and stops, with a
-        warning, where pages are refused: the rest is then taken as chunks arrive, as
-        without a prefault, and chunks that find no room live in private memory.
-        """
-        end = HEADER_BYTES + self.size_bytes
-        limit = end
-        available = self._available_bytes()
-        if available is not None and self._grown + available < end:
-            limit = self._grown + max(available, 0) // ALIGN_BYTES * ALIGN_BYTES
-            logger.warning(
-                "%s arena: %d bytes to take at start, but only %d can be had there; taking those, "
-                "the rest as chunks arrive",
-                self._where(),
-                end - self._grown,
-                max(available, 0),
-            )
-        before = self._grown
-        while self._grow_step(ahead_only=False, until=limit):
-            pass
-        return self._grown - before
-
-    def _grow_step(self, *, ahead_only: bool, until: int = 0) -> bool:
-        """Take one step of pages at the grown end, outside the lock; False when there is nothing to take
-        (grown up to ``until``, by default the arena's end; enough room ahead with ``ahead_only``; closed;
-        or pages refused lately)."""
-        end = min(until, HEADER_BYTES + self.size_bytes) if until else HEADER_BYTES + self.size_bytes
-        with self._lock:
-            while self._growing and not ahead_only:  # prefault: let the grower's step finish first
-                self._grow_done.wait(timeout=1.0)
-            if (
-                self._closed
-                or self._growing
-                or self._grown >= end
-                or (ahead_only and self._tail_room() >= GROW_AHEAD_BYTES)
-                or time.monotonic() - self._refused_at < GROW_RETRY_S
-            ):
-                return False
-            start, step = self._grown, min(GROW_STEP_BYTES, end - self._grown)
-            self._growing = True
-        grown = False
-        try:
-            grown = self._take_pages(start, step)
-        except OSError as exc:
-            logger.warning("%s arena: growing failed: %s", self._where(), exc)
-        finally:
-            with self._lock:
-                if grown:
-                    self._release_region(start, step)
-                    self._grown += step
-                self._growing = False
-                self._grow_done.notify_all()
-        return grown
-
-    @property
-    def grown_bytes(self) -> int:
-        return self._grown - HEADER_BYTES
-
-    def close(self) -> None:
-        """Stop the grower, after the step of pages under way if any (a prefault's, on a worker thread, when a
-        start is abandoned): what backs the pages may be closed next. Buffers still held keep the mapping
-        alive until they are dropped."""
-        with self._lock:
-            self._closed = True
-            while self._growing:
-                self._grow_done.wait(timeout=1.0)
-        self._wake_grower.set()
-        self._grower.join(timeout=5.0)
 
 
 class Arena(PageSpace):
@@ -348,7 +118,7 @@ class Arena(PageSpace):
             if nbytes <= SMALL_MAX_BYTES:
                 start = self._cells.alloc(nbytes)
             else:
-                start = self._alloc_region(_align(nbytes))
+                start = self._alloc_region(align(nbytes))
             if start is None:
                 self.fallbacks += 1
                 return None
@@ -427,7 +197,7 @@ class Arena(PageSpace):
         if self._cells.owns(offset):
             self._cells.free(offset)
         else:
-            self._release_region(offset, _align(nbytes))
+            self._release_region(offset, align(nbytes))
 
     def report(self) -> ArenaReport:
         """What STAT carries of the arena."""
@@ -448,7 +218,7 @@ class ShmArena(Arena):
     def __init__(self, directory: Path, size_bytes: int) -> None:
         if size_bytes <= 0:
             raise ValueError("arena size must be positive")
-        size_bytes = _align(size_bytes)
+        size_bytes = align(size_bytes)
         self.token = secrets.token_hex(16)
         self.path = Path(directory) / f"{FILE_PREFIX}{os.getpid()}-{self.token[:8]}{ARENA_SUFFIX}"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -477,7 +247,7 @@ class ShmArena(Arena):
     def _available_bytes(self) -> int | None:
         with contextlib.suppress(OSError):
             info = os.statvfs(self.path.parent)
-            memory = _memory_available_bytes()
+            memory = memory_available_bytes()
             return min(info.f_bavail * info.f_frsize, memory if memory is not None else 1 << 62)
         return None
 
@@ -502,7 +272,7 @@ class PrivateArena(Arena):
     def __init__(self, size_bytes: int, *, populate: bool = True) -> None:
         if size_bytes <= 0:
             raise ValueError("arena size must be positive")
-        size_bytes = _align(size_bytes)
+        size_bytes = align(size_bytes)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (0 if populate else MAP_NORESERVE)
         mapping = mmap.mmap(-1, HEADER_BYTES + size_bytes, flags=flags)
         self.populate = populate
@@ -521,7 +291,7 @@ class PrivateArena(Arena):
         return "private memory"
 
     def _available_bytes(self) -> int | None:
-        return _memory_available_bytes()
+        return memory_available_bytes()
 
 
 def _address_of(view: memoryview) -> int:
@@ -530,15 +300,6 @@ def _address_of(view: memoryview) -> int:
         return ctypes.addressof(ctypes.c_char.from_buffer(view))  # writable and not empty: the quick way
     except (TypeError, ValueError):
         return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-
-
-def _memory_available_bytes() -> int | None:
-    """What a prefault may take of the machine's memory: MemAvailable (Linux) less PREFAULT_KEEP_FREE_BYTES."""
-    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024 - PREFAULT_KEEP_FREE_BYTES
-    return None
 
 
 def remove_stale_arenas(directory: Path) -> int:

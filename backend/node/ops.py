@@ -1,21 +1,26 @@
-"""What the node answers to each request op: one handler per op, looked up in a table.
+"""What the node answers to each request op: one handler per op, in one table.
 
-A handler takes the request's meta section and the session it came on, and returns
-the reply's meta and data buffers. HELLO, AUTH and PUT_BATCH are not here: the
-session answers the first two itself (they decide whether the connection may ask
-anything else) and receives PUT_BATCH's bytes in stream order before committing it
-with :class:`~backend.node.puts.PutReceiver`.
+Every op's handler is in :attr:`OpTable.table`, looked up by op code. It gets the
+request (``peer.py``: header, meta section) and the :class:`~backend.node.peer.Peer`
+it came on, runs in stream order, and hands its answer to ``peer.answer``. Most ops
+carry no data: their whole work is the answer (``_beside``). PUT_BATCH receives its
+bytes in its handler, since they must leave the socket in order; verification,
+commit and reply overlap with the next request (``puts.py``). HELLO and AUTH are not
+here: the session answers them itself (they decide whether the connection may ask
+anything else).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from backend.errors import ProtocolError
+from backend.errors import CapacityError, KVPoolError, ProtocolError
 from backend.node.context import NodeContext
 from backend.node.dram import StoredChunk
 from backend.node.leases import MAX_LEASE_TTL_MS
+from backend.node.peer import Answer, Peer, Reply, Request
 from backend.node.publisher import ANSWER_FLUSH_S, IndexPublisher
 from backend.node.puts import PutReceiver
 from backend.node.stats import NodeStats
@@ -31,6 +36,7 @@ from backend.protocol import (
     decode_inventory_request,
     decode_keys,
     decode_lease_request,
+    decode_put_batch,
     decode_release,
     encode_channel_response,
     encode_flags,
@@ -42,17 +48,16 @@ from backend.protocol import (
 )
 from backend.transport import Buffer
 
-if TYPE_CHECKING:
-    from backend.node.session import Session
+__all__ = ["OpTable"]
 
-__all__ = ["OpHandlers"]
+Handler = Callable[[Request, Peer], Awaitable[None]]  # runs in stream order; answers through the peer
+Answering = Callable[[bytearray, Peer], Awaitable[Reply]]  # an op with no data: its answer from its meta
 
-Reply = tuple[bytes, list[Buffer]]
-Handler = Callable[[bytearray, "Session"], Awaitable[Reply]]
+CARRY_DATA = frozenset({Op.PUT_BATCH})  # the ops whose frames have a data section
 
 
-class OpHandlers:
-    """The node's request handlers, by op."""
+class OpTable:
+    """The node's operations: op code -> handler."""
 
     def __init__(self, ctx: NodeContext, stats: NodeStats, publisher: IndexPublisher, puts: PutReceiver) -> None:
         self.ctx = ctx
@@ -60,7 +65,7 @@ class OpHandlers:
         self.publisher = publisher
         self.puts = puts
         self.channel: Any = None  # nccl_channel.channel.ChannelServer, once the node serves one (use_channel)
-        self.table: dict[int, Handler] = {
+        answering: dict[int, Answering] = {
             Op.GET_BATCH: self.get_batch,
             Op.EXISTS_BATCH: self.exists_batch,
             Op.DELETE_BATCH: self.delete_batch,
@@ -73,16 +78,42 @@ class OpHandlers:
             Op.STAT: self.stat,
             Op.PING: self.ping,
         }
+        self.table: dict[int, Handler] = {op: _beside(answer) for op, answer in answering.items()}
+        self.table[Op.PUT_BATCH] = self.put_batch
 
     def use_channel(self, channel: Any) -> None:
         """Answer CHANNEL_GET with ``channel`` (``nccl_channel.channel.ChannelServer``)."""
         self.channel = channel
 
-    async def handle(self, op: int, meta: bytearray, session: Session) -> Reply:
-        handler = self.table.get(op)
+    @staticmethod
+    def carries_data(op: int) -> bool:
+        """Whether a frame of ``op`` may have a data section (any other op's is a protocol error)."""
+        return op in CARRY_DATA
+
+    async def handle(self, request: Request, peer: Peer) -> None:
+        """Run ``request``'s handler: in stream order, its answer handed to ``peer``."""
+        handler = self.table.get(request.op)
         if handler is None:
-            raise ProtocolError(f"op {op} is not a request")
-        return await handler(meta, session)
+            await peer.answer(request, _refusal(ProtocolError(f"op {request.op} is not a request")))
+            return
+        await handler(request, peer)
+
+    async def put_batch(self, request: Request, peer: Peer) -> None:
+        """PUT_BATCH: its bytes received here, in stream order; verification, commit and reply in its answer."""
+        config, puts = self.ctx.config, self.puts
+        items, options = decode_put_batch(request.meta, request.data_len, config.limits)
+        try:
+            puts.refuse_oversized(items)
+        except CapacityError as exc:
+            # Answered at once, before any room is taken; its bytes are read past, so the
+            # connection stays in step.
+            await peer.answer(request, _refusal(exc))
+            async with asyncio.timeout(config.frame_timeout_s):
+                await peer.recv_data([request.data_len])
+            return
+        async with asyncio.timeout(config.frame_timeout_s):
+            received = await puts.receive(peer, items, options)
+        await peer.answer(request, lambda: puts.commit(received, options))
 
     async def _fetch(self, keys: list[str], *, channel: bool) -> tuple[list[ItemMeta | None], list[Buffer]]:
         """Each key's chunk (an NVMe hit is promoted), within one reply's data limit; keys past it are misses.
@@ -111,17 +142,17 @@ class OpHandlers:
                 budget -= chunk.meta.nbytes
         return found, data
 
-    async def get_batch(self, meta: bytearray, session: Session) -> Reply:
+    async def get_batch(self, meta: bytearray, peer: Peer) -> Reply:
         limits = self.ctx.config.limits
         found, data = await self._fetch(decode_keys(meta, limits), channel=False)
         self.ctx.counters["get_bytes"] += sum(item.nbytes for item in found if item is not None)
         return encode_get_response(found, limits), data
 
-    async def exists_batch(self, meta: bytearray, session: Session) -> Reply:
+    async def exists_batch(self, meta: bytearray, peer: Peer) -> Reply:
         tiers = self.ctx.tiers
         return encode_flags([int(tiers.contains(key)) for key in decode_keys(meta, self.ctx.config.limits)]), []
 
-    async def delete_batch(self, meta: bytearray, session: Session) -> Reply:
+    async def delete_batch(self, meta: bytearray, peer: Peer) -> Reply:
         ctx = self.ctx
         keys = decode_keys(meta, ctx.config.limits)
         deleted = [key for key in keys if await ctx.tiers.delete(key)]
@@ -133,22 +164,22 @@ class OpHandlers:
         gone = set(deleted)
         return encode_flags([int(key in gone) for key in keys]), []
 
-    async def inventory(self, meta: bytearray, session: Session) -> Reply:
+    async def inventory(self, meta: bytearray, peer: Peer) -> Reply:
         """One page of what this node holds after the request's ``after`` key, in key order."""
         after, limit = decode_inventory_request(meta)
         held, more = self.ctx.tiers.page(after, limit)
         rows = tuple(InventoryRow(item.key, tier, item.nbytes, item.checksum) for item, tier in held)
         return encode_inventory_response(InventoryPage(rows, more)), []
 
-    async def verify_batch(self, meta: bytearray, session: Session) -> Reply:
+    async def verify_batch(self, meta: bytearray, peer: Peer) -> Reply:
         tiers = self.ctx.tiers
         flags = [Verified[(await tiers.verify(k)).upper()] for k in decode_keys(meta, self.ctx.config.limits)]
         if any(flags):  # a dropped corrupt copy leaves the index now (if Redis answers in time), not at the beat
             await self.publisher.flush_index_within(ANSWER_FLUSH_S)
         return encode_flags(flags), []
 
-    async def lease(self, meta: bytearray, session: Session) -> Reply:
-        """Pin the keys this node holds for the session; with LEASE_MAP, also answer their arena offsets.
+    async def lease(self, meta: bytearray, peer: Peer) -> Reply:
+        """Pin the keys this node holds for the peer (its connection); with LEASE_MAP, also answer their arena offsets.
 
         A mapped read is a GET whose bytes the client copies itself: the chunk is
         fetched (an NVMe hit is promoted into the arena) and the lease holds the
@@ -184,22 +215,21 @@ class OpHandlers:
                 if item is None:
                     continue
             held.append(key)
-        conn = session.conn
-        lease_id = tiers.leases.grant(held, chunks, ttl_ms, owner=conn) if held else 0
-        if lease_id and conn.closed:
-            tiers.leases.release_owner(conn)  # it closed while we fetched: its teardown has already run
+        lease_id = tiers.leases.grant(held, chunks, ttl_ms, owner=peer) if held else 0
+        if lease_id and peer.closed:
+            tiers.leases.release_owner(peer)  # it closed while we fetched: its teardown has already run
         return encode_lease_response(lease_id, found, ctx.config.limits), []
 
-    async def release(self, meta: bytearray, session: Session) -> Reply:
+    async def release(self, meta: bytearray, peer: Peer) -> Reply:
         lease_id, keys = decode_release(meta, self.ctx.config.limits)
         return encode_json({"released": self.ctx.tiers.leases.release(lease_id, keys)}), []
 
-    async def put_staged(self, meta: bytearray, session: Session) -> Reply:
+    async def put_staged(self, meta: bytearray, peer: Peer) -> Reply:
         puts = self.puts
-        received, options = await puts.receive_staged(meta, session)
+        received, options = await puts.receive_staged(meta, peer)
         return await puts.commit(received, options)
 
-    async def channel_get(self, meta: bytearray, session: Session) -> Reply:
+    async def channel_get(self, meta: bytearray, peer: Peer) -> Reply:
         """CHANNEL_GET: join the pair if new, answer which keys are held, send their bytes over the pair."""
         ctx, channel = self.ctx, self.channel
         if channel is None:
@@ -218,8 +248,26 @@ class OpHandlers:
             ctx.spawn(channel.send(pair, buffers))
         return encode_channel_response(found, ctx.config.limits), []
 
-    async def stat(self, meta: bytearray, session: Session) -> Reply:
+    async def stat(self, meta: bytearray, peer: Peer) -> Reply:
         return encode_node_report(self.stats.report()), []
 
-    async def ping(self, meta: bytearray, session: Session) -> Reply:
+    async def ping(self, meta: bytearray, peer: Peer) -> Reply:
         return encode_json({"node_id": self.ctx.node_id, "epoch": self.ctx.epoch}), []
+
+
+def _beside(answer: Answering) -> Handler:
+    """The handler of an op with no data section: its whole work is its answer, beside the next requests."""
+
+    async def handle(request: Request, peer: Peer) -> None:
+        await peer.answer(request, lambda: answer(request.meta, peer))
+
+    return handle
+
+
+def _refusal(exc: KVPoolError) -> Answer:
+    """An answer that is ``exc`` (answered as an error frame)."""
+
+    async def refuse() -> Reply:
+        raise exc
+
+    return refuse

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from backend.config.values import ms_to_s
 from backend.errors import CapacityError, MetadataError, ProtocolError
@@ -33,6 +33,7 @@ from backend.node.buffers import ChunkBuffer
 from backend.node.context import NodeContext
 from backend.node.dram import StoredChunk
 from backend.node.intake import STAGED_WINDOW_BYTES, AheadBounds, ChunkSource, Intake, Received, RoomAhead
+from backend.node.peer import Peer
 from backend.node.publisher import IndexPublisher
 from backend.node.tiers import DRAM
 from backend.protocol import (
@@ -48,10 +49,7 @@ from backend.protocol import (
 )
 from backend.shm import HEADER_BYTES, ArenaView
 from backend.threads import map_in_threads
-from backend.transport import BULK_BYTES, Buffer, FrameSocket
-
-if TYPE_CHECKING:
-    from backend.node.session import Session
+from backend.transport import BULK_BYTES, Buffer
 
 __all__ = ["PutReceiver", "Received", "commit_wait_s"]
 
@@ -97,16 +95,16 @@ class PutReceiver:
                 f"ever hold ({tiers.capacity_bytes} bytes, {dram_bytes} of them DRAM)"
             )
 
-    async def receive(self, conn: FrameSocket, items: list[ItemMeta], options: PutOptions) -> Received:
-        """Receive a PUT_BATCH's chunks off the socket (see :meth:`take_chunks`)."""
-        source = _FromSocket(conn, self.ahead.bounds.connection_bytes)
+    async def receive(self, peer: Peer, items: list[ItemMeta], options: PutOptions) -> Received:
+        """Receive a PUT_BATCH's chunks off its connection (see :meth:`take_chunks`)."""
+        source = _FromSocket(peer, self.ahead.bounds.connection_bytes)
         return await self.take_chunks(items, source, options)
 
-    async def receive_staged(self, meta: bytearray, session: Session) -> tuple[Received, PutOptions]:
+    async def receive_staged(self, meta: bytearray, peer: Peer) -> tuple[Received, PutOptions]:
         """Copy a PUT_STAGED's chunks out of the client's stage (see :meth:`take_chunks`); with its options."""
         name, token, items, offsets, options = decode_put_staged(meta, self.ctx.config.limits)
         self.refuse_oversized(items)  # (take_chunks checks again: before the stage is even mapped)
-        stage = session.stage(name, token)
+        stage = peer.stage(name, token)
         for item, offset in zip(items, offsets):  # before anything is reserved for them
             if offset < HEADER_BYTES or offset + item.nbytes > stage.size_bytes:
                 raise ProtocolError(
@@ -135,7 +133,7 @@ class PutReceiver:
         """
         self.refuse_oversized(items)
         put_id = options.put_id or -next(self._own_ids)
-        # The session gives a frame's bytes frame_timeout_s: the wait leaves half of it for them.
+        # A frame's bytes get frame_timeout_s (OpTable.put_batch): the wait leaves half of it for them.
         wait_s = min(ms_to_s(options.wait_ms), self.ctx.config.frame_timeout_s / 2)
         until = asyncio.get_running_loop().time() + wait_s
         intake = Intake(self.ctx.tiers, self.ahead, source, put_id=put_id, until=until)
@@ -204,23 +202,23 @@ class PutReceiver:
 class _FromSocket:
     """A PUT_BATCH's chunk bytes, off its connection: room ahead of them counted for the client's host."""
 
-    def __init__(self, conn: FrameSocket, window_bytes: int) -> None:
-        self.conn = conn
-        self.host = conn.peer.rpartition(":")[0] or conn.peer  # "ADDRESS:PORT": its host is ADDRESS
+    def __init__(self, peer: Peer, window_bytes: int) -> None:
+        self.peer = peer
+        self.host = peer.host
         self.window_bytes = window_bytes
 
     async def fill(self, window: list[tuple[ItemMeta, ChunkBuffer]]) -> list[int]:
-        return await self.conn.recv_many([buffer for _, buffer in window], checksum)
+        return await self.peer.recv_data([buffer for _, buffer in window], checksum)
 
     async def fill_part(self, item: ItemMeta, start: int, view: memoryview, running: Any) -> None:
         def hashed(part: memoryview) -> int:
             running.update(part)  # on the worker thread that received it, as fill's checksums are
             return 0
 
-        await self.conn.recv_many([view], hashed)
+        await self.peer.recv_data([view], hashed)
 
     async def drop(self, nbytes: int) -> None:
-        await self.conn.recv_many([nbytes])  # a large drop is read on a worker thread, not the loop
+        await self.peer.recv_data([nbytes])  # a large drop is read on a worker thread, not the loop
 
 
 class _FromStage:

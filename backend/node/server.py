@@ -38,7 +38,7 @@ from backend.node.admission import Admission
 from backend.node.claim import IdClaim, chosen_node_id
 from backend.node.context import NodeContext
 from backend.node.dirlock import DirectoryLock
-from backend.node.ops import OpHandlers
+from backend.node.ops import OpTable
 from backend.node.publisher import Advert, IndexPublisher
 from backend.node.puts import PutReceiver
 from backend.node.reaper import DeadNodeReaper
@@ -91,8 +91,8 @@ class PoolNode:
         self.admission = Admission(self.counters, config.max_pending_connections)  # those not yet admitted
         self.publisher = IndexPublisher(self.ctx, self.stats)
         self.puts = PutReceiver(self.ctx, self.publisher)
-        self.ops = OpHandlers(self.ctx, self.stats, self.publisher, self.puts)
-        self.acceptor = Acceptor(self.ctx, self.admission, self.stats, self.ops, self.puts)
+        self.ops = OpTable(self.ctx, self.stats, self.publisher, self.puts)
+        self.acceptor = Acceptor(self.ctx, self.admission, self.stats, self.ops)
         # Made by start():
         self.tls: ssl.SSLContext | None = None
         self.listener: socket.socket | None = None

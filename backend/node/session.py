@@ -4,8 +4,9 @@ A session sniffs TLS (a node with a certificate serves TLS only, and tells a
 plaintext kvpool client so in a plaintext error frame), runs the mutual handshake
 (``backend.handshake``: HELLO and its answer carry both sides' nonces and the node's
 proof of the token, AUTH the client's), then runs the frame loop:
-requests are received in stream order, and each is answered by its handler
-(``ops.py``) while the next one is received, up to 32 in flight. Once a header has
+requests are received in stream order, each handed to its op's handler in the op
+table (``ops.py``), which sees the connection as a ``Peer`` (``peer.py``) and is
+answered while the next one is received, up to 32 in flight. Once a header has
 arrived the rest of its frame must follow within ``frame_timeout_s``; a reply the
 client does not read within ``REPLY_TIMEOUT_S`` closes the connection. A malformed
 frame is answered with an error frame and closes this connection only.
@@ -28,26 +29,17 @@ import logging
 import socket
 import ssl
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from backend.errors import AuthError, CapacityError, KVPoolError, NodeUnavailable, ProtocolError
+from backend.errors import AuthError, KVPoolError, NodeUnavailable, ProtocolError
 from backend.handshake import NodeHello
 from backend.node.admission import Admission
 from backend.node.context import NodeContext
-from backend.node.ops import OpHandlers
-from backend.node.puts import PutReceiver
+from backend.node.ops import OpTable
+from backend.node.peer import Answer, Reply, Request, host_of
 from backend.node.stats import NodeStats
-from backend.protocol import (
-    MAGIC,
-    RESPONSE_BIT,
-    Header,
-    Op,
-    decode_json,
-    decode_put_batch,
-    encode_header,
-    encode_json,
-    status_for_error,
-)
+from backend.protocol import MAGIC, RESPONSE_BIT, Header, Op, decode_json, encode_header, encode_json, status_for_error
 from backend.shm import STAGE_NAME_RE, ArenaView
 from backend.transport import Buffer, FrameSocket
 
@@ -66,28 +58,24 @@ class Served:
 
     admission: Admission  # what the connection gets until its handshake is done
     stats: NodeStats  # each answered request's service time
-    ops: OpHandlers
-    puts: PutReceiver  # PUT_BATCH: received in stream order, then committed
+    ops: OpTable  # each request's handler, by op
     tls: ssl.SSLContext | None = None  # the node serves TLS only when set
 
 
 class Acceptor:
     """The node's door: accepts connections, serves each in a :class:`Session`, and closes them all at stop."""
 
-    def __init__(
-        self, ctx: NodeContext, admission: Admission, stats: NodeStats, ops: OpHandlers, puts: PutReceiver
-    ) -> None:
+    def __init__(self, ctx: NodeContext, admission: Admission, stats: NodeStats, ops: OpTable) -> None:
         self.ctx = ctx
         self.admission = admission
         self.stats = stats
         self.ops = ops
-        self.puts = puts
         self.connections: set[FrameSocket] = set()
 
     async def accept_loop(self, listener: socket.socket, tls: ssl.SSLContext | None) -> None:
         """Accept connections on ``listener`` until cancelled; a session task per connection."""
         ctx = self.ctx
-        served = Served(self.admission, self.stats, self.ops, self.puts, tls)
+        served = Served(self.admission, self.stats, self.ops, tls)
         loop = asyncio.get_running_loop()
         try:
             while True:
@@ -123,7 +111,10 @@ class Acceptor:
 
 
 class Session:
-    """One client connection: TLS, authentication, the frame loop, and what the connection holds."""
+    """One client connection: TLS, authentication, the frame loop, and what the connection holds.
+
+    It is the ``Peer`` its requests' handlers see (``peer.py``), and the owner of the leases they take.
+    """
 
     def __init__(self, ctx: NodeContext, served: Served, conn: FrameSocket) -> None:
         self.ctx = ctx
@@ -179,12 +170,12 @@ class Session:
             admission.admitted(conn)  # (if it never was, it is gone now: no longer pending)
             # Its client is gone (crashed, or gave up on the connection): nobody will release
             # what it leased, and pinned DRAM would refuse puts until the ttl ran out.
-            ctx.tiers.leases.release_owner(conn)
+            ctx.tiers.leases.release_owner(self)
             self.stages.clear()
 
     async def _receive_request(self, header: Header, deadline: asyncio.Timeout) -> None:
-        """Receive the rest of the frame ``header`` starts and answer it, or start its handler."""
-        ctx, conn, config, served = self.ctx, self.conn, self.ctx.config, self.served
+        """Receive the rest of the frame ``header`` starts and answer it, or run its handler."""
+        ctx, conn, config, ops = self.ctx, self.conn, self.ctx.config, self.served.ops
         started = time.perf_counter()
         handshake_limit = config.limits.max_handshake_meta_bytes
         if header.meta_len > handshake_limit and (not self._admitted or header.base_op in (Op.HELLO, Op.AUTH)):
@@ -198,7 +189,7 @@ class Session:
         if header.is_response:
             raise ProtocolError(f"client sent a response frame (op {header.op})")
         op = header.base_op
-        if op != Op.PUT_BATCH and header.data_len:
+        if header.data_len and not ops.carries_data(op):
             raise ProtocolError(f"op {op} carries no data, got {header.data_len} bytes")
         if op in (Op.HELLO, Op.AUTH):
             await self._reply(header, self._handshake(op, meta))
@@ -208,27 +199,7 @@ class Session:
             ctx.counters["auth_failures"] += 1
             raise AuthError("this node requires a token: send HELLO and AUTH first")
         self._admit_once_authed(deadline)
-        if op == Op.PUT_BATCH:
-            # Bytes must leave the socket in order, so the receive happens here;
-            # verification, commit and reply overlap with the next request.
-            items, options = decode_put_batch(meta, header.data_len, config.limits)
-            try:
-                served.puts.refuse_oversized(items)
-            except CapacityError as exc:
-                # Answered at once, before any room is taken; its bytes are read past, so the
-                # connection stays in step.
-                await self._in_flight.acquire()
-                ctx.spawn(self._finish(header, _raise(exc), started))
-                async with asyncio.timeout(config.frame_timeout_s):
-                    await conn.recv_many([header.data_len])
-                return
-            async with asyncio.timeout(config.frame_timeout_s):
-                received = await served.puts.receive(conn, items, options)
-            await self._in_flight.acquire()
-            ctx.spawn(self._finish(header, served.puts.commit(received, options), started))
-            return
-        await self._in_flight.acquire()
-        ctx.spawn(self._finish(header, served.ops.handle(op, meta, self), started))
+        await ops.handle(Request(header, meta, started), self)
 
     def _admit_once_authed(self, deadline: asyncio.Timeout) -> None:
         """Once authenticated (at once on a node without a token): no deadline, no place among the pending."""
@@ -276,6 +247,23 @@ class Session:
                         await self._reply_error(header, exc)
             return False
 
+    # -- what its requests' handlers may touch (Peer) ----------------------------------------
+    @property
+    def host(self) -> str:
+        return host_of(self.conn.peer)
+
+    @property
+    def closed(self) -> bool:
+        return self.conn.closed
+
+    async def recv_data(self, targets: Sequence[Buffer | int], digest: Callable[[Any], int] | None = None) -> list[int]:
+        return await self.conn.recv_many(targets, digest)
+
+    async def answer(self, request: Request, work: Answer) -> None:
+        """Answer ``request`` with ``work``'s reply beside the next requests, once fewer than 32 are in flight."""
+        await self._in_flight.acquire()
+        self.ctx.spawn(self._finish(request, work()))
+
     def stage(self, name: str, token: str) -> ArenaView:
         """The client's stage named in a PUT_STAGED, mapped read-only once per connection.
 
@@ -296,8 +284,8 @@ class Session:
             self.stages[(name, token)] = view
         return view
 
-    async def _finish(self, header: Header, work: Any, started: float) -> None:
-        ctx, conn = self.ctx, self.conn
+    async def _finish(self, request: Request, work: Awaitable[Reply]) -> None:
+        ctx, conn, header = self.ctx, self.conn, request.header
         try:
             try:
                 meta, data = await work
@@ -313,7 +301,7 @@ class Session:
                     conn.close()
                 return
             await self._reply(header, meta, data)
-            self.served.stats.served(Op(header.base_op).name.lower(), started)
+            self.served.stats.served(Op(header.base_op).name.lower(), request.started)
         except (NodeUnavailable, OSError):
             conn.close()
         finally:
@@ -335,8 +323,3 @@ class Session:
         op = (header.base_op if header is not None else Op.PING) | RESPONSE_BIT
         request_id = header.request_id if header is not None else 0
         await self.conn.send([encode_header(op, request_id, message, 0, status_for_error(exc)), message])
-
-
-async def _raise(exc: KVPoolError) -> tuple[bytes, list[Buffer]]:
-    """A request's work that is its refusal (``Session._finish`` answers the error)."""
-    raise exc
