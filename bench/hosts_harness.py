@@ -52,12 +52,22 @@ from pathlib import Path
 from typing import Any
 
 from bench.hosts import JsonLines
+from bench.plan import (
+    CHUNK_SHAPES,
+    GIB,
+    MIB,
+    REAL_ROUNDS,
+    SMOKE_SHAPES,
+    Plan,
+    make_plan,
+    parse_names,
+    parse_rounds,
+)
+from bench.provenance import machine, revision
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results"
-MIB, GIB = 1 << 20, 1 << 30
+RESULTS = Path(__file__).resolve().parent / "results"
 
 HOSTS = ("client", "redis", "node1", "node2", "server")
 BACKENDS = ("kvpool", "kvpool-1node", "lm", "resp", "redis")
@@ -99,21 +109,19 @@ def conditions(rtts_ms: Sequence[float], rate: bool) -> list[Condition]:
     return found
 
 
-def make_plan(smoke: bool, chunks: Sequence[str] | None, rounds: int | None) -> Any:
+def hosts_plan(smoke: bool, chunks: Sequence[str] | None, rounds: int | None) -> Plan:
     """The harness's plan for these cells: batch 8, one client; cells sized to keep a run within minutes."""
-    from bench import harness
-
     if smoke:
-        plan = harness.make_plan(smoke=True, quick=True, batches=[8], clients=[1], rounds=1)
+        plan = make_plan(smoke=True, quick=True, batches=[8], clients=[1], rounds=1)
     else:
         plan = replace(
-            harness.make_plan(targets=True, rounds=harness.REAL_ROUNDS),
+            make_plan(targets=True, rounds=REAL_ROUNDS),
             cell_bytes=256 * MIB,
             min_calls=3,
             memcpy_bytes=0,
             tcp_bytes=0,
         )
-    known = harness.SMOKE_SHAPES if smoke else harness.CHUNK_SHAPES
+    known = SMOKE_SHAPES if smoke else CHUNK_SHAPES
     if chunks:
         unknown = [c for c in chunks if c not in known]
         if unknown:
@@ -128,7 +136,7 @@ def make_plan(smoke: bool, chunks: Sequence[str] | None, rounds: int | None) -> 
 class Worker(JsonLines):
     """``python -m bench.hosts_harness worker`` on the client host: one JSON command in, one JSON answer out."""
 
-    def __init__(self, bed: Any, host: str, plan: Any, probe: bool = False) -> None:
+    def __init__(self, bed: Any, host: str, plan: Plan, probe: bool = False) -> None:
         plan_json = json.dumps({**asdict(plan), "shapes": {k: list(v) for k, v in plan.shapes.items()}})
         argv = [sys.executable, "-m", "bench.hosts_harness", "worker", plan_json, *(["--probe"] if probe else [])]
         super().__init__(bed.popen(host, argv), echo=True, close_wait_s=30.0)
@@ -222,7 +230,7 @@ def stream_ceilings(bed: Any, worker: Worker, condition: Condition, nbytes: int)
 
 
 def run_condition(
-    condition: Condition, plan: Any, backends: Sequence[str], dram_bytes: int, smoke: bool, probe: bool = False
+    condition: Condition, plan: Plan, backends: Sequence[str], dram_bytes: int, smoke: bool, probe: bool = False
 ) -> dict:
     from bench.hosts import HostBed
     from bench.rounds import combine_cells
@@ -279,7 +287,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
-def ratios(out: dict[str, Any], plan: Any) -> list[dict[str, Any]]:
+def ratios(out: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
     """Per chunk size and kvpool pool: get and put over the best of lm://, resp://, and over redis://."""
     rows = []
     for chunk in plan.shapes:
@@ -431,15 +439,15 @@ def _worker_peer(spec: dict[str, Any]) -> Any:
     return HostLMPeer()
 
 
-def worker_round(plan: Any, bases: dict[str, Any], spec: dict[str, Any], round_no: int) -> dict[str, Any]:
-    from bench import harness
+def worker_round(plan: Plan, bases: dict[str, Any], spec: dict[str, Any], round_no: int) -> dict[str, Any]:
+    from bench import cells
 
     peer = _worker_peer(spec)
     _probe_spec.clear()
     _probe_spec.update(spec)
     out: dict[str, Any] = {"round_cells": [], "fills": [], "errors": [], "seconds": 0.0}
     try:
-        harness._run_cells(peer, plan, bases, round_no, out)
+        cells.run_cells(peer, plan, bases, round_no, out)
     except Exception as exc:
         import traceback
 
@@ -525,14 +533,14 @@ def serve_worker(plan_json: str, probe: bool = False) -> None:
 
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from bench import harness
+    from bench.cells import base_bytes
 
     fields = json.loads(plan_json)
     fields["shapes"] = {k: tuple(v) for k, v in fields["shapes"].items()}
     for name in ("batches", "clients"):
         fields[name] = tuple(fields[name])
-    plan = harness.Plan(**fields)
-    bases = {size: harness.base_bytes(shape) for size, shape in plan.shapes.items()}
+    plan = Plan(**fields)
+    bases = {size: base_bytes(shape) for size, shape in plan.shapes.items()}
     if probe:
         install_probe()
     real_stdout = sys.stdout
@@ -625,7 +633,7 @@ class Probe:
         import redis
 
         from backend.config import PoolConfig
-        from bench.harness import command_calls
+        from bench.cells import command_calls
 
         with redis.Redis.from_url(PoolConfig.from_url(self.spec["url"]).redis_url, socket_timeout=30) as client:
             return command_calls(client)
@@ -673,10 +681,10 @@ def install_probe() -> None:
     """Wrap the harness's cells, the stack's put and get, and the client's node requests with :class:`Probe`."""
     from backend.client.connection import NodePool
     from backend.protocol import Op
-    from bench import harness
+    from bench import cells
     from bench.lmcache_stack import LMCacheStack
 
-    run_cell, put, get, request = harness.run_cell, LMCacheStack.put, LMCacheStack.get, NodePool.request
+    run_cell, put, get, request = cells.run_cell, LMCacheStack.put, LMCacheStack.get, NodePool.request
 
     def probed_put(stack: Any, *args: Any, **kwargs: Any) -> Any:
         if Probe.active is None:
@@ -707,7 +715,7 @@ def install_probe() -> None:
         print(f"[probe] {_probe_spec['name']} {json.dumps(cell['probe'])}", flush=True)
         return cell, keys
 
-    harness.run_cell = probed_cell
+    cells.run_cell = probed_cell
     LMCacheStack.put = probed_put  # type: ignore[method-assign]
     LMCacheStack.get = probed_get  # type: ignore[method-assign]
     NodePool.request = probed_request  # type: ignore[method-assign]
@@ -735,8 +743,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["sink"]:
         serve_sink(argv[1], int(argv[2]))
         return 0
-    from bench.harness import parse_names, parse_rounds
-
     parser = argparse.ArgumentParser(prog="python -m bench.harness --hosts", description=__doc__.split("\n")[0])
     parser.add_argument("--hosts", action="store_true", help="(this mode)")
     parser.add_argument("--rtts", type=parse_rtts, default=list(RTTS_MS), help="added RTTs in ms (default 0,0.2,1)")
@@ -757,11 +763,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not backends:
         parser.error(f"--backends: unknown {unknown}; choose from {','.join(BACKENDS)}")
     try:
-        plan = make_plan(args.smoke, args.chunks, args.rounds)
+        plan = hosts_plan(args.smoke, args.chunks, args.rounds)
     except ValueError as exc:
         parser.error(str(exc))
-    from bench.harness import machine, revision
-
     dram_bytes = plan.kvpool_dram_bytes()
     stamp = dt.datetime.now().strftime("%Y-%m-%dT%H%M%S")
     command = "python -m bench.harness " + " ".join(argv)
