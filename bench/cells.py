@@ -4,7 +4,7 @@ What every mode that drives LMCache's storage shares: building and closing a sta
 (``bench.lmcache_stack``), allocating from LMCache's allocator, the stamps that show a
 chunk read under the wrong key, the cells of a round with their warm-up and eviction
 check, and the lookups' command counter. ``bench.harness`` runs the cells in this
-process, ``bench.hosts_harness``'s worker on the client host of the bed, and
+process, ``bench.hosts_worker`` on the client host of the bed, and
 ``bench.lookups`` builds its stacks here; none of them is imported back.
 """
 
