@@ -37,6 +37,9 @@ untimed put and get of a full batch (connections open, buffers touched); then ev
 call starts on a barrier and its time is the first start to the last finish, so byte
 checks are never timed. Results go to ``bench/results/harness-<timestamp>.json`` (and
 ``.png`` when matplotlib is installed); ``bench.report`` prints the table.
+
+The plan is ``bench.plan``'s, the cells and their byte checks ``bench.cells``' (shared
+with ``--lookups`` and ``--hosts``' worker, which import neither this module nor each other).
 """
 
 from __future__ import annotations
