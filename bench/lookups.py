@@ -32,24 +32,20 @@ from typing import Any
 
 import redis
 
-from bench.harness import (
-    LOOKUP_PUT_BATCH,
-    LOOKUP_SHAPE,
-    MIB,
+from bench.cells import (
     PUT_TIMEOUT_S,
     ROUND_TRIP_SETTLE_S,
     allocate,
     build_stack,
-    chunk_bytes,
     close_stack,
     command_calls,
     latency_ms,
     local_cpu_gib,
-    machine,
-    revision,
 )
 from bench.lmcache_stack import LMCacheStack
 from bench.peers import Peer, make_peers
+from bench.plan import LOOKUP_PUT_BATCH, LOOKUP_SHAPE, MIB, chunk_bytes
+from bench.provenance import machine, revision
 from bench.resp_proxy import CountingProxy
 
 __all__ = ["SIZES", "CASES", "LOOKUP_BACKENDS", "run_lookups"]

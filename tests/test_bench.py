@@ -22,8 +22,10 @@ import torch
 
 from backend.embedded import EmbeddedRedis
 from bench import report
-from bench.harness import SMOKE_SHAPES, base_bytes, byte_view, identical, parse_args, stamp
+from bench.cells import base_bytes, byte_view, identical, stamp
+from bench.harness import parse_args
 from bench.peers import PEER_NAMES
+from bench.plan import SMOKE_SHAPES
 from bench.resp_proxy import CountingProxy, RespCounter
 from bench.rounds import combine_cells
 from tests.conftest import REPO

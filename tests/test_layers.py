@@ -4,12 +4,14 @@ The table is the layout of docs/design.md as a rule. A new module must be placed
 it (the test names the one that is not); a room that imports one at its own level
 or above is a cycle in the making, or a door through a wall (the admin verbs
 speaking to Redis behind the client's back, the client reaching into the node).
+Inside a room the modules import each other in one direction too: no module of
+backend/, nccl_channel/ or bench/ is part of an import circle.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tests.test_class_sizes import REPO
@@ -105,6 +107,82 @@ def _imports(path: Path, package: str = "") -> Iterator[tuple[str, list[str], in
 
 def _backend_files() -> list[Path]:
     return sorted((REPO / "backend").rglob("*.py"))
+
+
+# Where import circles are refused: every package of the project, sub-packages included.
+CIRCLE_FREE = ("backend", "nccl_channel", "bench")
+
+
+def import_graph(root: Path, packages: Sequence[str]) -> dict[str, set[str]]:
+    """module -> the project modules it imports, for every module under ``packages`` of ``root``.
+
+    Every import counts wherever it is written (module level, a function body, under
+    ``if TYPE_CHECKING``): a circle of type-only imports still means no module of it
+    can be read without the others. ``from package import name`` is an edge to the
+    module ``package.name`` when there is one, else to the package's ``__init__``.
+    Importing ``package.module`` is no edge to ``package``'s ``__init__`` (Python runs it
+    first, but counting that would make every ``__init__`` that re-exports a circle).
+    """
+    files = {".".join(_parts(path.relative_to(root))): path for p in packages for path in (root / p).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges = graph.setdefault(module, set())
+        for imported, names, _ in _imports(path, package):
+            targets = [f"{imported}.{n}" for n in names if f"{imported}.{n}" in files]
+            if len(targets) < len(names) or not names:
+                targets.append(imported)
+            edges.update(t for t in targets if t in files and t != module)
+    return graph
+
+
+def _parts(relative: Path) -> tuple[str, ...]:
+    parts = relative.with_suffix("").parts
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's), each sorted, in order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in sorted(graph.get(module, ())):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(circles)
+
+
+def _circle_files(circle: list[str]) -> str:
+    """``a.b <-> a.c`` as the files a reader opens: ``a/b.py <-> a/c.py``."""
+    paths = []
+    for module in circle:
+        path = REPO.joinpath(*module.split("."))
+        paths.append(str((path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).relative_to(REPO)))
+    return " <-> ".join(paths)
 
 
 def test_every_room_of_backend_is_placed_in_the_layer_table() -> None:
@@ -236,6 +314,38 @@ def test_no_part_of_the_node_imports_the_node_process() -> None:
             if imported == owner or (imported == _room(module) and owner.rsplit(".", 1)[1] in names):
                 reach.append(f"{path.relative_to(REPO)}:{line} imports {owner}")
     assert reach == [], "give the part a NodeContext (backend/node/context.py) and the parts it uses"
+
+
+def test_no_package_holds_an_import_circle() -> None:
+    graph = import_graph(REPO, CIRCLE_FREE)
+    assert len(graph) > 100 and sum(map(len, graph.values())) > 100, "the scan is looking in the wrong place"
+    circles = [_circle_files(circle) for circle in import_circles(graph)]
+    assert not circles, (
+        "import circles (move what the modules of each share into a module none of them imports back):\n"
+        + "\n".join(circles)
+    )
+
+
+def test_the_circle_scan_finds_a_circle_of_lazy_and_type_only_imports(tmp_path: Path) -> None:
+    """A function-level import and a TYPE_CHECKING one close a circle; a name an __init__ re-exports leads to it."""
+    files = {
+        "pkg/__init__.py": "from pkg.a import A\n",
+        "pkg/a.py": "class A:\n    def f(self):\n        from pkg import b\n",
+        "pkg/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import C\n",
+        "pkg/c.py": "import pkg.a\nfrom pkg.sub import d\n",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/d.py": "from pkg import A\n",
+        "other/e.py": "from pkg.a import A\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path, ("pkg", "other"))
+    assert graph["pkg.c"] == {"pkg.a", "pkg.sub.d"}
+    assert graph["pkg.sub.d"] == {"pkg"}
+    assert import_circles(graph) == [["pkg", "pkg.a", "pkg.b", "pkg.c", "pkg.sub.d"]]
+    (tmp_path / "pkg/sub/d.py").write_text("")
+    assert import_circles(import_graph(tmp_path, ("pkg", "other"))) == [["pkg.a", "pkg.b", "pkg.c"]]
 
 
 def test_the_rules_catch_a_breach(tmp_path: Path) -> None:
