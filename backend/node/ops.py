@@ -13,8 +13,9 @@ anything else).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 from backend.errors import CapacityError, KVPoolError, ProtocolError
 from backend.node.context import NodeContext
@@ -56,6 +57,23 @@ Answering = Callable[[bytearray, Peer], Awaitable[Reply]]  # an op with no data:
 CARRY_DATA = frozenset({Op.PUT_BATCH})  # the ops whose frames have a data section
 
 
+class ChannelServing(Protocol):
+    """What the ops and the node ask of the channel server (nccl_channel.node.ChannelServer)."""
+
+    counters: Counter[str]
+
+    @property
+    def kind(self) -> str: ...
+
+    async def start_join(self, session: str, digest: str) -> None: ...
+
+    async def join(self, session: str) -> None: ...
+
+    async def send(self, session: str, buffers: Sequence[Buffer]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
 class OpTable:
     """The node's operations: op code -> handler."""
 
@@ -64,7 +82,7 @@ class OpTable:
         self.stats = stats
         self.publisher = publisher
         self.puts = puts
-        self.channel: Any = None  # nccl_channel.channel.ChannelServer, once the node serves one (use_channel)
+        self.channel: ChannelServing | None = None  # once the node serves one (use_channel)
         answering: dict[int, Answering] = {
             Op.GET_BATCH: self.get_batch,
             Op.EXISTS_BATCH: self.exists_batch,
@@ -81,7 +99,7 @@ class OpTable:
         self.table: dict[int, Handler] = {op: _beside(answer) for op, answer in answering.items()}
         self.table[Op.PUT_BATCH] = self.put_batch
 
-    def use_channel(self, channel: Any) -> None:
+    def use_channel(self, channel: ChannelServing) -> None:
         """Answer CHANNEL_GET with ``channel`` (``nccl_channel.channel.ChannelServer``)."""
         self.channel = channel
 

@@ -38,7 +38,7 @@ from backend.node.admission import Admission
 from backend.node.claim import IdClaim, chosen_node_id
 from backend.node.context import NodeContext
 from backend.node.dirlock import DirectoryLock
-from backend.node.ops import OpTable
+from backend.node.ops import ChannelServing, OpTable
 from backend.node.publisher import Advert, IndexPublisher
 from backend.node.puts import PutReceiver
 from backend.node.reaper import DeadNodeReaper
@@ -98,7 +98,7 @@ class PoolNode:
         self.listener: socket.socket | None = None
         self._dir_lock: DirectoryLock | None = None  # the NVMe directory's, held while the node runs
         self.metrics: NodeMetricsServer | None = None
-        self.channel: Any = None  # nccl_channel.channel.ChannelServer, if configured
+        self.channel: ChannelServing | None = None  # nccl_channel.node.ChannelServer, if configured
         self.reaper: DeadNodeReaper | None = None  # made once the node id is known
         self.prefaulted_bytes = 0  # DRAM arena memory taken at start (--prefault), and how long it took
         self.prefault_s = 0.0
