@@ -35,14 +35,14 @@ LEVELS = {
     "backend.placement": 4,
     "backend.node": 5,
     "backend.client": 5,
-    "backend.admin": 6,
+    "backend.admin": 6,  # a package: one module per verb family
     "backend.doctor": 6,  # kvpool doctor and selftest: what is wrong and why (beside admin, not above it)
     "backend.lmcache": 7,  # the LMCache layer (backend/lmcache/)
     # the module paths LMCache configs name: re-exports of the LMCache layer
     "backend.lmcache_connector": 8,
     "backend.lmcache_l2_adapter": 8,
     "backend": 8,  # the package's own __init__: the public names
-    "backend.cli": 9,
+    "backend.cli": 9,  # a package: one module per verb family, main.py on top
 }
 # Where MetadataStore, or one of its parts, may be named: the metadata layer itself and its two users.
 # Everyone else goes through PoolClient.index (backend/client/index.py).
