@@ -21,7 +21,7 @@ from bench.processes import REPO, STOP_TIMEOUT_S, ServerProcess
 
 __all__ = ["NodeProcess", "READY_RE", "NODE_START_TIMEOUT_S", "STOP_TIMEOUT_S"]
 
-READY_RE = re.compile(r"kvpool node (\S+) ready at (\S+):(\d+) \(epoch (\d+)\)")  # backend/cli.py prints it
+READY_RE = re.compile(r"kvpool node (\S+) ready at (\S+):(\d+) \(epoch (\d+)\)")  # backend/cli/serve.py prints it
 NODE_START_TIMEOUT_S = 30.0
 
 

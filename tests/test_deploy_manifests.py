@@ -44,7 +44,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from backend.cli import _node_settings, build_parser, main
+from backend.cli import build_parser, main
+from backend.cli.options import node_settings
 from backend.config import NodeConfig, PoolConfig
 from backend.lmcache.config import remote_url_pool_config, url_config_key
 from backend.node.tiers import ARENA_MIN_SLACK_BYTES, ARENA_SLACK
@@ -377,7 +378,7 @@ def node_config(objects: list[Obj], tmp: Path) -> tuple[NodeConfig, Obj, Obj]:
     assert argv[:2] == ["kvpool", "node"], f"the node container runs {argv[:2]}, not kvpool node"
     args = build_parser().parse_args(argv[1:])
     args.environ = env
-    settings = _node_settings(args)
+    settings = node_settings(args)
     files = _mounted_files(objects, pod, container)
     for name in ("token_file", "redis_password_file"):
         assert settings[name] is not None, f"the node is given no --{name.replace('_', '-')}"

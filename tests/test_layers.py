@@ -35,14 +35,14 @@ LEVELS = {
     "backend.placement": 4,
     "backend.node": 5,
     "backend.client": 5,
-    "backend.admin": 6,
+    "backend.admin": 6,  # a package: one module per verb family
     "backend.doctor": 6,  # kvpool doctor and selftest: what is wrong and why (beside admin, not above it)
     "backend.lmcache": 7,  # the LMCache layer (backend/lmcache/)
     # the module paths LMCache configs name: re-exports of the LMCache layer
     "backend.lmcache_connector": 8,
     "backend.lmcache_l2_adapter": 8,
     "backend": 8,  # the package's own __init__: the public names
-    "backend.cli": 9,
+    "backend.cli": 9,  # a package: one module per verb family, main.py on top
 }
 # Where MetadataStore, or one of its parts, may be named: the metadata layer itself and its two users.
 # Everyone else goes through PoolClient.index (backend/client/index.py).
@@ -300,6 +300,44 @@ def test_the_protocol_package_exports_every_part_s_wire_api() -> None:
     parts = [name for module in PROTOCOL_PARTS for name in _public_names(_path_of(module))]
     assert sorted(backend.protocol.__all__) == sorted(parts)
     assert [name for name in parts if not hasattr(backend.protocol, name)] == []
+
+
+# The verb rooms: each module of backend/admin/ and backend/cli/ is placed here. Level 0: what the
+# verb families share; 1: one family each (a verb is read without the other families); above: what
+# gathers them. A module imports only modules of its room at a lower level.
+VERB_ROOMS = {
+    "backend.admin": {"shared": 0, "listing": 1, "removal": 1, "draining": 1, "fsck": 1, "__init__": 2},
+    "backend.cli": {
+        **dict.fromkeys(("exits", "options", "output"), 0),
+        **dict.fromkeys(("serve", "listing", "maintenance", "diagnose", "lmcache"), 1),
+        "main": 2,
+        "__init__": 3,
+        "__main__": 4,
+    },
+}
+
+
+def _verb_room_breaches(room: str, levels: dict[str, int]) -> list[str]:
+    """Imports inside ``room`` that do not go to a lower level (``from room import x`` is to module x)."""
+    breaches = []
+    for path in sorted(REPO.joinpath(*room.split(".")).glob("*.py")):
+        level = levels[path.stem]
+        for imported, names, line in _imports(path, room):
+            if imported == room:
+                targets = [name if name in levels else "__init__" for name in names]
+            elif imported.startswith(room + "."):
+                targets = [imported.removeprefix(room + ".")]
+            else:
+                continue
+            breaches += [f"{path.relative_to(REPO)}:{line} imports {t}" for t in targets if levels[t] >= level]
+    return breaches
+
+
+def test_no_verb_family_imports_another_and_every_module_of_the_verb_rooms_is_placed() -> None:
+    for room, levels in VERB_ROOMS.items():
+        modules = sorted(p.stem for p in REPO.joinpath(*room.split(".")).glob("*.py"))
+        assert modules == sorted(levels), f"place the new module of {room} in VERB_ROOMS (and in docs/design.md)"
+        assert _verb_room_breaches(room, levels) == [], "move what two families share beneath them"
 
 
 def test_no_part_of_the_node_imports_the_node_process() -> None:

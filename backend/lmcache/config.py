@@ -15,7 +15,7 @@ remote backends and write every chunk twice):
 
 LMCache logs its whole configuration at INFO ("LMCache Configuration: {...}"), pool
 URL and adapter parameters included: a secret written into that URL ends up in every
-engine log. What ``kvpool`` prints carries none (see ``backend.cli``), and
+engine log. What ``kvpool`` prints carries none (see ``backend.cli.lmcache``), and
 :func:`warn_if_secrets_inline` tells, once and masked, when a URL given to LMCache does.
 """
 

@@ -25,7 +25,7 @@ puts, and what this run does is newer than any file found:
 LRU order after a restart follows file age within each shard directory. Progress is
 STAT's ``recovery`` (files adopted, indexed, fraction of shard directories scanned,
 done), the ``recovery_*`` gauges, a log line every tenth, and a bar on a terminal
-(``backend/cli.py``). Entries of the old epoch that pointed at DRAM read as misses.
+(``backend/cli/serve.py``). Entries of the old epoch that pointed at DRAM read as misses.
 """
 
 from __future__ import annotations

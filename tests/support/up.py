@@ -12,7 +12,7 @@ from bench.processes import REPO, STOP_TIMEOUT_S, ServerProcess
 
 __all__ = ["UpProcess"]
 
-UP_READY_RE = re.compile(r"^Ctrl-C stops the pool\.")  # backend/cli.py prints it after the URL and config
+UP_READY_RE = re.compile(r"^Ctrl-C stops the pool\.")  # backend/cli/serve.py prints it after the URL and config
 POOL_URL_RE = re.compile(r"Pool URL:\n  (\S+)")
 
 

@@ -1,0 +1,79 @@
+"""The ``kvpool`` entry point: the parser of every verb family, and the one place errors become exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from backend.cli import diagnose, listing, lmcache, maintenance, serve
+from backend.cli.exits import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_USAGE
+from backend.config import ENV_DEBUG, ENV_URL, env_flag
+from backend.errors import ConfigError, KVPoolError
+from backend.version import __version__
+
+__all__ = ["main", "build_parser"]
+
+SERVER_VERBS = ("up", "node")  # long-running: they log their progress at INFO
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpool", description="Run and manage a kvpool KV-cache pool.")
+    parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    # Not required here: main() names an unknown flag before it says a verb is missing.
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
+    serve.add_verbs(verbs)
+    listing.add_verbs(verbs)
+    maintenance.add_verbs(verbs)
+    diagnose.add_verbs(verbs)
+    lmcache.add_verbs(verbs)
+    return parser
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    **serve.COMMANDS,
+    **listing.COMMANDS,
+    **maintenance.COMMANDS,
+    **diagnose.COMMANDS,
+    **lmcache.COMMANDS,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # before the missing verb: `kvpool --bogus` names --bogus
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.verb is None:
+        parser.error("the following arguments are required: VERB")
+    # The one place the CLI reads the environment: the configs take it from here.
+    args.environ = dict(os.environ)
+    if getattr(args, "url", "") is None:
+        args.url = args.environ.get(ENV_URL)
+    debug = args.debug or env_flag(args.environ, ENV_DEBUG)
+    # The servers (up, node) log what they do at INFO; a one-shot verb prints its answer
+    # and keeps stderr for warnings and errors.
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO if args.verb in SERVER_VERBS else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return COMMANDS[args.verb](args)
+    except KVPoolError as exc:
+        if debug:
+            raise
+        print(f"kvpool: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_ERROR
+    except BrokenPipeError:
+        # The reader went away (`kvpool ls | head`): stop quietly. Point stdout at /dev/null
+        # so the interpreter's final flush does not report the same broken pipe again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        return 130
