@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 from backend.errors import KVPoolError, NcclError
@@ -49,6 +49,7 @@ class NcclChannel(Generic[N]):
         max_pairs: int = MAX_PAIRS,
         backoff_s: float = BACKOFF_S,
         pair_timeout_s: float = PAIR_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.transport = transport
         self._verifier = Verifier()
@@ -63,7 +64,8 @@ class NcclChannel(Generic[N]):
         self._pairs = PairCache(max_pairs)
         self._creating: dict[tuple[str, int], asyncio.Lock] = {}
         self._pairing: dict[tuple[str, int], asyncio.Task[None]] = {}  # background pairings under way
-        self._backoff_until: dict[str, float] = {}  # node id -> monotonic time the channel may try it again
+        self._clock = clock  # the back-off's time (monotonic s); a test advances its own instead of sleeping
+        self._backoff_until: dict[str, float] = {}  # node id -> ``clock`` time the channel may try it again
         self._closed = False
 
     @property
@@ -76,7 +78,7 @@ class NcclChannel(Generic[N]):
             bool(self.cluster)
             and node.cluster == self.cluster
             and node.channel == self.kind
-            and time.monotonic() >= self._backoff_until.get(node.node_id, 0.0)
+            and self._clock() >= self._backoff_until.get(node.node_id, 0.0)
         )
 
     def engaged(self, node: N) -> bool:
@@ -238,7 +240,7 @@ class NcclChannel(Generic[N]):
 
     def _back_off(self, node: N) -> None:
         """Read ``node`` over TCP for ``backoff_s``: a failing node should not cost a timeout per batch."""
-        self._backoff_until[node.node_id] = time.monotonic() + self.backoff_s
+        self._backoff_until[node.node_id] = self._clock() + self.backoff_s
         logger.info("channel: node %s read over TCP for %.0f s after a channel failure", node.node_id, self.backoff_s)
 
     async def close(self) -> None:

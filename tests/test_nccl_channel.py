@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -22,7 +21,8 @@ from kvpool import Chunk, KVPoolError, NcclError, PoolClient, PoolConfig, Protoc
 from nccl_channel.channel import ChannelServer, CpuTransport, NcclChannel
 from nccl_channel.outcome import Landed, NotBrought, Why
 from nccl_channel.rendezvous import Offer, Rendezvous, new_session
-from tests.support.waits import wait_until
+from tests.support.clock import ManualClock
+from tests.support.waits import until, wait_until
 
 CLUSTER = "rack-a"
 TIMEOUT_S = 1.0
@@ -98,11 +98,7 @@ async def test_an_untaken_offer_expires_in_redis(redis_server, namespace):
         await Rendezvous(store.rendezvous, ttl_ms=100).publish(offer)
         redis = store.connection.redis
         assert 0 < await redis.pttl(store.rendezvous.rendezvous_key(offer.session)) <= 100
-        for _ in range(100):  # bounded: at most ~5 s
-            if not await redis.exists(store.rendezvous.rendezvous_key(offer.session)):
-                break
-            await asyncio.sleep(0.05)
-        assert not await redis.exists(store.rendezvous.rendezvous_key(offer.session))
+        await until(lambda: redis.exists(store.rendezvous.rendezvous_key(offer.session)), lambda n: n == 0, 5.0)
     finally:
         await store.close()
 
@@ -160,10 +156,9 @@ async def test_a_batch_arrives_byte_identical_and_the_pair_is_reused(node_factor
         assert stats["counters"]["channel_pairs"] == 1
         assert stats["counters"]["channel_hits"] == 24 and stats["counters"]["channel_misses"] == 1
         # A send's bytes count once its thread has returned, which may be after the client has them all.
-        deadline = time.monotonic() + 5.0
-        while stats["counters"]["channel_bytes"] < 2 * 12 * 300_000 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-            stats = await client.node_stats(info)
+        stats = await until(
+            lambda: client.node_stats(info), lambda s: s["counters"]["channel_bytes"] >= 2 * 12 * 300_000, 5.0
+        )
         assert stats["counters"]["channel_bytes"] == 2 * 12 * 300_000
     finally:
         await channel.close()
@@ -364,9 +359,7 @@ async def test_a_cancelled_get_aborts_the_pair_only_after_its_receive_thread_ret
         with pytest.raises(asyncio.CancelledError):
             await fetch
         assert channel.pair_count() == 0
-        async with asyncio.timeout(10):  # the abort runs on this loop: poll without blocking it
-            while "abort" not in transport.events:
-                await asyncio.sleep(0.05)
+        await until(lambda: "abort" in transport.events, timeout_s=10.0)  # the abort runs on this loop
         assert transport.events == ["recv start", "recv end", "abort"]
         assert channel.serves(info)  # a cancelled call is not the node's failure: no back-off
     finally:
@@ -380,6 +373,7 @@ async def test_after_a_channel_failure_the_node_is_read_over_tcp_for_the_backoff
     await client.put(chunks)
     info = await _node_info(client, node.node_id)
     transport = CpuTransport(progress=lambda index: node.pause() if index == 0 else None)
+    clock = ManualClock()  # the back-off's time: advanced by hand, not slept through
     channel = NcclChannel(
         transport,
         Rendezvous(client.index),
@@ -388,13 +382,16 @@ async def test_after_a_channel_failure_the_node_is_read_over_tcp_for_the_backoff
         client.channel_request,
         client.config.progress_timeout_s,
         backoff_s=3.0,
+        clock=clock,
     )
     try:
         assert channel.serves(info)
         with pytest.raises(NcclError, match="timed out after"):
             await channel.get(info, [c.key for c in chunks], BytesSink())
         assert not channel.serves(info)
-        await asyncio.sleep(3.1)
+        clock.advance(2.9)
+        assert not channel.serves(info)  # still within the back-off
+        clock.advance(0.1)
         assert channel.serves(info)
     finally:
         node.resume()

@@ -20,7 +20,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,10 +177,11 @@ def test_every_lookup_misses_when_no_node_is_alive_anywhere_and_the_connector_sa
     # The start check searched the other namespaces (a SCAN of the whole keyspace); the checks every
     # POOL_RECHECK_S ask for this namespace's nodes alone, or every engine would SCAN on a timer.
     with redis.Redis(port=empty.port) as raw:
-        scans = lambda: raw.info("commandstats").get("cmdstat_scan", {}).get("calls", 0)  # noqa: E731
-        before = scans()
-        time.sleep(1.0)  # five rechecks
-        assert scans() == before
+        calls = lambda command: raw.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)  # noqa: E731
+        scans_before, pings_before = calls("scan"), calls("ping")
+        # Each recheck begins with a PING (and nothing else here pings): three of them, then count the SCANs.
+        assert wait_until(lambda: calls("ping") >= pings_before + 3, 10.0, interval_s=0.02)
+        assert calls("scan") == scans_before
 
     node = NodeProcess(
         ["--redis", empty.url, "--namespace", "engines", "--dram", "16MiB", "--shm-dir", "off"], NODE_ENV

@@ -25,7 +25,7 @@ from backend.embedded import EmbeddedRedis
 from kvpool import Chunk, MetadataError, PoolClient, PoolConfig, SyncPoolClient
 from tests.support.chunks import all_read_back, seeded_chunks
 from tests.support.cli import kvpool
-from tests.support.waits import wait_until
+from tests.support.waits import until, wait_until
 from tests.test_metrics import _metrics_port
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: the 30 s form
@@ -142,11 +142,9 @@ def test_a_delete_on_a_node_during_a_redis_pause_is_answered_in_time(node_factor
                 started = time.monotonic()
                 deleted = await client.node_admin.delete_on(node, gone)
                 took_s = time.monotonic() - started
-            await asyncio.sleep(PAUSE_MS / 1000)
-            for _ in range(100):  # the heartbeat's flush removes the entries once Redis takes writes
-                if await client.contains(gone) == [False] * len(gone):
-                    break
-                await asyncio.sleep(0.1)
+            await asyncio.sleep(PAUSE_MS / 1000)  # Redis's own pause runs out (reads wait meanwhile under ALL)
+            # The heartbeat's flush removes the entries once Redis takes writes.
+            await until(lambda: client.contains(gone), lambda found: not any(found), 10.0, interval_s=0.1)
             return deleted, took_s, client.counters.get("nodes_marked_down", 0), await client.contains(gone)
 
     deleted, took_s, marked_down, still_indexed = asyncio.run(main())
@@ -209,12 +207,21 @@ def test_a_node_whose_redis_user_may_not_run_info_says_the_full_redis_is_over_on
             client.put(seeded_chunks("refused", 1, 16 * KIB))
         assert wait_until(lambda: _health(port)["redis"] == "full", 5.0)
         raw.config_set("maxmemory", 0)
-        time.sleep(2.0)  # beats land meanwhile; without INFO they cannot tell that Redis has room
+        # Two beats land (the second begun after Redis had room): without INFO they cannot tell that it has.
+        for _ in range(2):
+            beat_at = _beat_at(client)
+            assert wait_until(lambda beat_at=beat_at: _beat_at(client) > beat_at, 5.0)
         assert _health(port)["redis"] == "full"
         client.put(seeded_chunks("room-again", 2, 16 * KIB))
         assert wait_until(lambda: _health(port)["redis"] == "ok", 5.0), _health(port)
         # The state flips before the line is written, and the node's log reaches the test through a pipe.
         assert wait_until(lambda: "Redis answers and takes writes again" in node.log, 5.0), node.log[-2000:]
+
+
+def _beat_at(client: SyncPoolClient) -> float:
+    """When the pool's one node last beat, by the registry (its wall clock)."""
+    [node] = client.nodes(refresh=True)
+    return node.heartbeat_at
 
 
 def _health(port: int) -> dict[str, Any]:
