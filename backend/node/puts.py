@@ -40,7 +40,7 @@ from backend.node.tiers import DRAM
 from backend.protocol import (
     PUT_BUSY,
     PUT_INTEGRITY,
-    PUT_NO_CAPACITY,
+    PUT_NO_ROOM,
     PUT_STORED,
     ItemMeta,
     PutOptions,
@@ -127,7 +127,7 @@ class PutReceiver:
         so cannot be lost if this put fails). Every chunk is marked with the put's id
         (``options.put_id``, shared by the stripes of one client put), so no stripe of the
         put evicts another's chunks. An item with no room is dropped (``source`` reads its
-        bytes past): at once when nothing could make room (``PUT_NO_CAPACITY``), else once
+        bytes past): at once when nothing could make room (``PUT_NO_ROOM``), else once
         DRAM stayed full of other puts in flight until ``options.wait_ms`` after the request
         came (``PUT_BUSY``). A request larger than this node can ever hold raises
         CapacityError before anything is reserved (:meth:`refuse_oversized`).
@@ -172,7 +172,7 @@ class PutReceiver:
             if flag == PUT_STORED:
                 visible.append((item.key, ctx.location(item, tiers.tier_of(item.key) or DRAM)))
             flags.append(flag)
-        counters[NodeCounter.PUT_REFUSED_NO_ROOM] += flags.count(PUT_NO_CAPACITY)
+        counters[NodeCounter.PUT_REFUSED_NO_ROOM] += flags.count(PUT_NO_ROOM)
         counters[NodeCounter.PUT_REFUSED_BUSY] += flags.count(PUT_BUSY)
         counters[NodeCounter.INTEGRITY_FAILURES] += flags.count(PUT_INTEGRITY)
         try:
