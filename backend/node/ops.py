@@ -61,7 +61,7 @@ CARRY_DATA = frozenset({Op.PUT_BATCH})  # the ops whose frames have a data secti
 class ChannelServing(Protocol):
     """What the ops and the node ask of the channel server (nccl_channel.node.ChannelServer)."""
 
-    counters: Counter[str]
+    counters: Counter[NodeCounter]
 
     @property
     def kind(self) -> str: ...
