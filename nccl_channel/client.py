@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
+from backend.counters import ChannelCounter
 from backend.errors import KVPoolError, NcclError
 from backend.protocol import ItemMeta, decode_channel_response, encode_channel_request
 from nccl_channel.link import Link, Transport, transfer_timeout
@@ -59,7 +60,7 @@ class NcclChannel(Generic[N]):
         self.timeout_s = timeout_s
         self.backoff_s = backoff_s
         self.pair_timeout_s = pair_timeout_s
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[ChannelCounter] = Counter()
         self._request = request
         self._pairs = PairCache(max_pairs)
         self._creating: dict[tuple[str, int], asyncio.Lock] = {}
@@ -103,7 +104,7 @@ class NcclChannel(Generic[N]):
         try:
             await self._pair(node)
         except Exception as exc:  # NcclError, the control path's KVPoolError, or a transport's own bug
-            self.counters["pair_failures"] += 1
+            self.counters[ChannelCounter.PAIR_FAILURES] += 1
             self._back_off(node)
             logger.warning("channel: pairing with node %s failed; reading it over TCP: %s", node.node_id, exc)
 
@@ -122,7 +123,7 @@ class NcclChannel(Generic[N]):
             link, session = await self._connect(node)
             pair = Pair(session, link)
             self._pairs.add(ident, pair)
-            self.counters["pairs_created"] += 1
+            self.counters[ChannelCounter.PAIRS_CREATED] += 1
             return pair
 
     async def _connect(self, node: N) -> tuple[Link, str]:
@@ -179,7 +180,7 @@ class NcclChannel(Generic[N]):
                 results = await self._receive(pair, found, sink, transfer_timeout(self.timeout_s, total))
             except BaseException as exc:
                 self._pairs.retire((node.node_id, node.epoch), pair)
-                self.counters["pair_failures"] += 1
+                self.counters[ChannelCounter.PAIR_FAILURES] += 1
                 if not isinstance(exc, Exception):
                     raise  # cancelled: not the node's failure, no back-off
                 self._back_off(node)
@@ -188,7 +189,7 @@ class NcclChannel(Generic[N]):
                 raise _untyped(exc, f"a transfer from node {node.node_id}") from exc
             finally:
                 pair.transfer = None
-            self.counters["bytes"] += total
+            self.counters[ChannelCounter.BYTES] += total
             return results
 
     async def _receive(
@@ -232,7 +233,7 @@ class NcclChannel(Generic[N]):
                 results.append(NotBrought(Why.NO_ROOM))
             elif not good[index]:
                 sink.release(handle)
-                self.counters["integrity_failures"] += 1
+                self.counters[ChannelCounter.INTEGRITY_FAILURES] += 1
                 results.append(NotBrought(Why.CORRUPT))
             else:
                 results.append(Landed(handle))

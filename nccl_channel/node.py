@@ -7,6 +7,7 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 
+from backend.counters import NodeCounter
 from backend.errors import NcclError
 from nccl_channel.link import Buffer, Transport, transfer_timeout
 from nccl_channel.pairs import MAX_PAIRS, PAIR_TIMEOUT_S, Pair, PairCache, abort_joined
@@ -36,7 +37,7 @@ class ChannelServer:
         self.cluster = cluster
         self.timeout_s = timeout_s
         self.pair_timeout_s = pair_timeout_s
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[NodeCounter] = Counter()
         self._pairs = PairCache(max_pairs)
         self._joins: dict[str, asyncio.Task[None]] = {}  # session -> its join, while under way
 
@@ -80,11 +81,11 @@ class ChannelServer:
             joining.add_done_callback(abort_joined)  # the node is stopping: a link that still lands is aborted
             raise
         except Exception as exc:
-            self.counters["channel_errors"] += 1
+            self.counters[NodeCounter.CHANNEL_ERRORS] += 1
             logger.warning("channel: node %s could not pair with %s: %s", self.node_id, offer.initiator, exc)
             raise
         self._pairs.add(session, Pair(session, link))
-        self.counters["channel_pairs"] += 1
+        self.counters[NodeCounter.CHANNEL_PAIRS] += 1
         logger.info("channel: node %s paired with %s over %s", self.node_id, offer.initiator, self.kind)
 
     async def join(self, session: str) -> None:
@@ -102,7 +103,7 @@ class ChannelServer:
         """Send ``buffers`` as one batch over the pair of ``session``; a failure drops the pair."""
         pair = self._pairs.live(session)
         if pair is None:
-            self.counters["channel_errors"] += 1
+            self.counters[NodeCounter.CHANNEL_ERRORS] += 1
             logger.warning("channel: node %s has no pair for session %s; nothing sent", self.node_id, session)
             return
         nbytes = sum(len(memoryview(b).cast("B")) for b in buffers)
@@ -113,7 +114,7 @@ class ChannelServer:
             try:
                 await asyncio.shield(pair.transfer)
             except Exception as exc:  # NcclError, or anything else a link let through: never reuse the pair
-                self.counters["channel_errors"] += 1
+                self.counters[NodeCounter.CHANNEL_ERRORS] += 1
                 self._pairs.retire(session, pair)
                 logger.warning("channel: send to session %s failed, pair dropped: %s", session, exc)
                 return
@@ -122,7 +123,7 @@ class ChannelServer:
                 raise
             finally:
                 pair.transfer = None
-        self.counters["channel_bytes"] += nbytes
+        self.counters[NodeCounter.CHANNEL_BYTES] += nbytes
 
     def register_host(self, memory: memoryview) -> None:
         """Memory chunks are sent from (the node's arena, one mapping): the transport may page-lock it once."""

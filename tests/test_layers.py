@@ -20,6 +20,7 @@ from tests.test_class_sizes import REPO
 LEVELS = {
     "backend.errors": 0,
     "backend.version": 0,
+    "backend.counters": 0,  # the names of what the node, the client and the LMCache layer count
     "backend.protocol": 1,
     "backend.handshake": 1,
     "backend.redis_topology": 1,
@@ -56,12 +57,12 @@ FRAME_CODEC_USERS = ("backend.protocol", "backend.transport", "backend.shm", "ba
 OWNERS = {"backend.node": "backend.node.server"}
 
 
-# What nccl_channel may import of backend: the errors and the channel's part of the wire codec
+# What nccl_channel may import of backend: the errors, the counter names and the channel's part of the wire codec
 # (CHANNEL_GET, and the item meta and checksum it carries), from the package or from those parts.
 # Never the node, nor anything that needs redis-py (the GPU machine has none, and nodes load the
 # channel lazily).
 NCCL_CHANNEL_PROTOCOL_PARTS = ("backend.protocol.channel", "backend.protocol.meta", "backend.protocol.frame")
-NCCL_CHANNEL_MAY_IMPORT = ("backend.errors", "backend.protocol", *NCCL_CHANNEL_PROTOCOL_PARTS)
+NCCL_CHANNEL_MAY_IMPORT = ("backend.errors", "backend.counters", "backend.protocol", *NCCL_CHANNEL_PROTOCOL_PARTS)
 NCCL_CHANNEL_NEVER_IMPORTS = ("redis", "hiredis", "lmcache")
 
 # The parts of backend/protocol/ and their order: a part imports only parts before it, so the

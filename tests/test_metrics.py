@@ -15,7 +15,8 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend import metrics
+from backend import counters, metrics
+from backend.counters import ConnectorCounter, MissCause, NodeCounter
 from backend.embedded import EmbeddedRedis
 from backend.metrics import NodeMetricsServer, register_connector_metrics, unregister_connector_metrics
 from kvpool import Chunk, PoolConfig, SyncPoolClient
@@ -348,20 +349,19 @@ def _source_counters() -> tuple[set[str], set[str]]:
     """Counter names the node and the connector can report, read from their code.
 
     A counter appears in a scrape only once it happened, so a scrape alone cannot list them.
+    The code counts under members of backend/counters.py: the names it uses are those members' values.
     """
-    literal = re.compile(r'"([a-z_][a-z0-9_]*)"')
     node = set()
     sources = [path.read_text() for path in sorted((REPO / "backend" / "node").glob("*.py"))]
     channel = (REPO / "nccl_channel" / "node.py").read_text()
     sources.append(channel[channel.index("class ChannelServer") :])  # a node started with --channel adds these
     for text in sources:
-        for index in re.findall(r"counters\[([^\]]+)\]", text):
-            node |= set(literal.findall(index))
+        node |= {NodeCounter[member].value for member in re.findall(r"\bNodeCounter\.([A-Z_]+)", text)}
     # The in-process connector and the chunk conversion it reads through (its misses go through MissBoundary).
     source = "".join((REPO / "backend" / "lmcache" / name).read_text() for name in ("connector.py", "chunks.py"))
-    connector = {name for index in re.findall(r"counters\[([^\]]+)\]", source) for name in literal.findall(index)}
-    connector |= set(CLIENT_COUNTERS)  # the client's counters the connector reports as its own
-    connector |= {f"miss_{cause}" for cause in re.findall(r'\.miss\(\s*"([a-z_]+)"', source)}
+    connector = {ConnectorCounter[member].value for member in re.findall(r"\bConnectorCounter\.([A-Z_]+)", source)}
+    connector |= {str(name) for name in CLIENT_COUNTERS}  # the client's counters the connector reports as its own
+    connector |= {MissCause[member].counter for member in re.findall(r"\bMissCause\.([A-Z_]+)", source)}
     return node, connector
 
 
@@ -388,6 +388,35 @@ def test_every_metric_a_node_emits_is_documented(node_factory, pool_url, tmp_pat
         "kvpool_node_request_latency_seconds_count",
     } <= emitted
     assert _missing_from_docs(emitted) == []
+
+
+def test_every_counter_name_is_counted_somewhere():
+    """A name of backend/counters.py that no code counts under would be a series that never moves."""
+    sources = "".join(
+        path.read_text()
+        for root in ("backend", "nccl_channel")
+        for path in sorted((REPO / root).rglob("*.py"))
+        if path.name != "counters.py" and "metrics" not in path.parts
+    )
+    owners = [counters.NodeCounter, counters.ClientCounter, counters.ChannelCounter]
+    owners += [counters.ConnectorCounter, counters.L2Counter, counters.MissCause]
+    unused = [f"{owner.__name__}.{member.name}" for owner in owners for member in owner]
+    unused = [name for name in unused if not re.search(rf"\b{re.escape(name)}\b", sources)]
+    assert unused == []
+
+
+def test_counter_names_reach_stat_and_the_client_as_their_plain_names(node_factory, pool_url):
+    node_factory()
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        chunks = _chunks("typed", 2, 256)
+        client.put(chunks)
+        assert all(client.get([c.key for c in chunks]))
+        (node,) = client.nodes()
+        stat = client.node_stats(node)["counters"]
+        mine = client.counters
+    assert mine["put_chunks"] == 2 and mine["get_hits"] == 2
+    assert {type(name) for name in [*mine, *stat]} == {str}  # not the enum: what json and callers see
+    assert stat["puts"] == 2 and stat["hits"] == 2 and stat[NodeCounter.GETS] == 2
 
 
 def test_every_counter_in_the_source_is_documented():

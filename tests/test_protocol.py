@@ -32,7 +32,7 @@ from backend.protocol import (
     MAX_PUT_WAIT_MS,
     PUT_BUSY,
     PUT_INTEGRITY,
-    PUT_NO_CAPACITY,
+    PUT_NO_ROOM,
     PUT_STORED,
     RESPONSE_BIT,
     VERSION,
@@ -164,7 +164,7 @@ def test_op_and_status_codes_have_their_wire_values() -> None:
         "UNAVAILABLE": 7,
     }
     assert RESPONSE_BIT == 0x80
-    assert (PUT_STORED, PUT_INTEGRITY, PUT_NO_CAPACITY) == (0, 1, 2)
+    assert (PUT_STORED, PUT_INTEGRITY, PUT_NO_ROOM) == (0, 1, 2)
 
 
 def test_default_limits_have_their_documented_values() -> None:
@@ -336,7 +336,7 @@ def test_put_options_of_another_size_or_out_of_range_are_protocol_errors() -> No
 
 
 def test_every_put_flag_is_one_outcome_and_an_unknown_flag_is_not_stored() -> None:
-    assert [put_outcome(f) for f in (PUT_STORED, PUT_INTEGRITY, PUT_NO_CAPACITY, PUT_BUSY)] == [
+    assert [put_outcome(f) for f in (PUT_STORED, PUT_INTEGRITY, PUT_NO_ROOM, PUT_BUSY)] == [
         PutOutcome.STORED,
         PutOutcome.CORRUPT,
         PutOutcome.NO_ROOM,
@@ -479,7 +479,7 @@ def test_encode_keys_refuses_empty_long_and_too_many_keys() -> None:
 
 
 def test_flags_round_trip() -> None:
-    flags = [PUT_STORED, PUT_INTEGRITY, PUT_NO_CAPACITY, 1, 0]
+    flags = [PUT_STORED, PUT_INTEGRITY, PUT_NO_ROOM, 1, 0]
 
     meta = encode_flags(flags)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from backend.admin.shared import key_pattern, stats_of
 from backend.client import PoolClient
+from backend.counters import NodeCounter
 from backend.errors import MetadataError
 from backend.latency import Histogram, LatencyHistograms
 from backend.metadata import LiveNamespaces, RedisMemory
@@ -154,8 +155,8 @@ async def pool_status(client: PoolClient) -> PoolStatus:
         free_bytes=sum(n.free_bytes for n in alive),
         objects=sum(n.object_count for n in alive),
         tiers=tiers,
-        gets=sum(s.counters.get("gets", 0) for s in stats.values()),
-        hits=sum(s.counters.get("hits", 0) for s in stats.values()),
+        gets=sum(s.counters.get(NodeCounter.GETS, 0) for s in stats.values()),
+        hits=sum(s.counters.get(NodeCounter.HITS, 0) for s in stats.values()),
         recent=RecentHits(
             window_s=max((s.recent.window_s for s in stats.values()), default=0),
             gets=sum(s.recent.gets for s in stats.values()),

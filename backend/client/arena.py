@@ -16,6 +16,7 @@ from backend.client.chunks import DECLINED, MISS, Fallback, Hit, Outcome, Sink, 
 from backend.client.connection import MAX_FRAME_ITEMS, Connections, NodePool
 from backend.client.context import ClientContext, logger
 from backend.config.values import ms_to_s
+from backend.counters import ClientCounter
 from backend.errors import CapacityError, KVPoolError, ProtocolError
 from backend.metadata import NodeInfo
 from backend.protocol import LEASE_MAP, ItemMeta, Op, decode_lease_response, encode_lease_request, encode_release
@@ -134,7 +135,7 @@ class ArenaReader:
                 self.ctx.spawn(_release_quietly(pool, lease_id))
         for (index, item, _, _), digest in zip(jobs, digests):
             if digest == item.checksum and time.monotonic() < trust_until:
-                self.ctx.counters["shm_get_bytes"] += item.nbytes
+                self.ctx.counters[ClientCounter.SHM_GET_BYTES] += item.nbytes
                 continue
             logger.debug("kvpool: mapped copy of %r not trusted; reading it over TCP", item.key)
             release_hits(sink, [outcomes[index]])

@@ -23,6 +23,7 @@ from backend.client.chunks import Fallback, Hit, Outcome, Sink, Wanted
 from backend.client.context import ClientContext
 from backend.client.index import PoolIndex
 from backend.config import PoolConfig
+from backend.counters import ClientCounter
 from backend.errors import KVPoolError, NcclError
 from backend.metadata import NodeInfo
 from nccl_channel.outcome import ChannelResult, NotBrought
@@ -103,7 +104,7 @@ class ChannelReader:
         try:
             got = await self.channel.get(node, [w.key for w in wanted], sink)
         except KVPoolError as exc:  # NcclError (a CUDA error among them), the node's control path: TCP still works
-            self.ctx.counters["channel_fallbacks"] += len(wanted)
+            self.ctx.counters[ClientCounter.CHANNEL_FALLBACKS] += len(wanted)
             self.ctx.warn_once("channel", "kvpool: channel to node %s failed, reading over TCP: %s", node.node_id, exc)
             return [Fallback(f"channel failed: {exc}")] * len(wanted)
         outcomes: list[Outcome] = []
@@ -112,7 +113,7 @@ class ChannelReader:
                 outcomes.append(Fallback(f"not brought by the channel: {result.why.value}"))  # TCP decides
                 continue
             outcomes.append(Hit(result.handle))
-            self.ctx.counters["get_bytes_channel"] += item.nbytes
+            self.ctx.counters[ClientCounter.GET_BYTES_CHANNEL] += item.nbytes
         if any(isinstance(o, Hit) for o in outcomes):
             self.ctx.recovered("channel")
         return outcomes

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from backend.config import PoolConfig
+from backend.counters import ClientCounter
 from backend.errors import KVPoolError
 from backend.threads import map_in_threads
 
@@ -32,7 +33,7 @@ class ClientContext:
 
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
-        self.counters: defaultdict[str, int] = defaultdict(int)
+        self.counters: defaultdict[ClientCounter, int] = defaultdict(int)
         self._warned: set[str] = set()
         self._background: set[asyncio.Task[Any]] = set()
         self._bulk: ThreadPoolExecutor | None = None

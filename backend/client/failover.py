@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 from backend.client.chunks import Declined, Failed, Fallback, Hit, Miss, Outcome, Sink, Wanted, release_hits
 from backend.client.context import ClientContext, logger
 from backend.client.registry import Locator, RegistryView
+from backend.counters import ClientCounter
 from backend.errors import IntegrityError, KVPoolError, NodeUnavailable
 from backend.metadata import Location, NodeInfo
 
@@ -92,7 +93,7 @@ class Getter:
                             self._copy_failed(keys[i], loc, outcome, stale)
                             if candidates[i]:
                                 todo.append(i)
-                                self.ctx.counters["get_failovers"] += isinstance(outcome, Failed)
+                                self.ctx.counters[ClientCounter.GET_FAILOVERS] += isinstance(outcome, Failed)
                 tasks = []
         except BaseException:
             # Cancelled (LMCache gave up) or failed: hand back every buffer taken so far.
@@ -109,8 +110,8 @@ class Getter:
         if stale:
             self.locator.clean_later(stale, confirmed=True)
         hits = sum(1 for r in results if r is not None)
-        self.ctx.counters["get_hits"] += hits
-        self.ctx.counters["get_misses"] += len(keys) - hits
+        self.ctx.counters[ClientCounter.GET_HITS] += hits
+        self.ctx.counters[ClientCounter.GET_MISSES] += len(keys) - hits
         return results
 
     def _read_early(self, keys: Sequence[str], sink: Sink[Any]) -> _Early | None:
@@ -125,7 +126,7 @@ class Getter:
         if len(local) != 1:
             return None
         node, index = local[0]
-        self.ctx.counters["early_reads"] += 1
+        self.ctx.counters[ClientCounter.EARLY_READS] += 1
         read = self.readers[index].read(node, [Wanted(key, 0) for key in keys], sink)
         return node.node_id, index, asyncio.ensure_future(read)
 
@@ -171,7 +172,7 @@ class Getter:
         if isinstance(outcome, Miss):
             stale.append((key, loc))
         elif isinstance(outcome, Failed) and isinstance(outcome.error, IntegrityError):
-            self.ctx.counters["integrity_failures"] += 1
+            self.ctx.counters[ClientCounter.INTEGRITY_FAILURES] += 1
             logger.warning("kvpool: %s on node %s; dropping that copy", outcome.error, loc.node_id)
             stale.append((key, loc))
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from backend.client.context import ClientContext, logger
+from backend.counters import ClientCounter
 from backend.errors import KVPoolError, NodeUnavailable
 from backend.metadata import NodeInfo
 
@@ -52,7 +53,7 @@ class NodeHealth:
         if not isinstance(error, NodeUnavailable) or ident in self._down or self.ctx.closed:
             return
         self._down[ident] = time.monotonic()
-        self.ctx.counters["nodes_marked_down"] += 1
+        self.ctx.counters[ClientCounter.NODES_MARKED_DOWN] += 1
         logger.warning(
             "kvpool: node %s marked down (%s); reads go to replicas or miss, puts to other nodes, probing every %.1f s",
             node.node_id,
@@ -90,5 +91,5 @@ class NodeHealth:
                 await self._probe(node)
             except KVPoolError:
                 continue
-            self.ctx.counters["nodes_restored"] += 1
+            self.ctx.counters[ClientCounter.NODES_RESTORED] += 1
             self._restore(ident)

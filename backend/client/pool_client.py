@@ -42,6 +42,7 @@ from backend.client.registry import Locator, RegistryView
 from backend.client.stage import StagedWriter
 from backend.client.tcp import TcpReader
 from backend.config import PoolConfig
+from backend.counters import ClientCounter
 from backend.errors import KVPoolError, NodeUnavailable
 from backend.metadata import MetadataStore, NodeInfo
 from backend.protocol import Op, check_key
@@ -71,7 +72,7 @@ class PoolClient:
         )
         self.index = PoolIndex(self._store)
         self._ctx = ClientContext(config)
-        self.counters: defaultdict[str, int] = self._ctx.counters
+        self.counters: defaultdict[ClientCounter, int] = self._ctx.counters
         self.connections = Connections(config, tls, lambda: self._ctx.bulk)
         self.health = NodeHealth(self._ctx, self.connections.probe, self.connections.drop)
         self.connections.watch = self.health

@@ -22,6 +22,7 @@ from backend.client.registry import RegistryView
 from backend.client.stage import StagedWriter
 from backend.client.tcp import stripes
 from backend.config.values import ms_to_s, s_to_ms
+from backend.counters import ClientCounter
 from backend.errors import BusyError, CapacityError, KVPoolError, NodeUnavailable, PutOutcome, refused_outcome
 from backend.metadata import NodeInfo
 from backend.placement import choose_nodes, next_fallback, rank_nodes
@@ -111,10 +112,10 @@ class PutPlanner:
                     self.ctx.warn_once(f"put:{nid}", "kvpool: put to node %s failed: %s", nid, error)
         eligible = sum(1 for n in nodes if not n.draining)
         failed = {item.key for item in items if len(stored[item.key]) < min(replicas, max(eligible, 1))}
-        self.ctx.counters["put_chunks"] += len(items) - len(failed)
-        self.ctx.counters["put_bytes"] += sum(i.nbytes for i in items if i.key not in failed)
+        self.ctx.counters[ClientCounter.PUT_CHUNKS] += len(items) - len(failed)
+        self.ctx.counters[ClientCounter.PUT_BYTES] += sum(i.nbytes for i in items if i.key not in failed)
         if failed:
-            self.ctx.counters["put_failures"] += len(failed)
+            self.ctx.counters[ClientCounter.PUT_FAILURES] += len(failed)
             # A key never answered for (no node left to try) counts as failed.
             raise put_error(
                 {i.key: refused.get(i.key, PutOutcome.FAILED) if i.key in failed else PutOutcome.STORED for i in items},
@@ -149,7 +150,7 @@ class PutPlanner:
         if self.staged.serves(node):
             staged = await self.staged.put(node, group, data, sums, options)
             if staged is not None:
-                self.ctx.counters["integrity_failures"] += staged[0].count(PutOutcome.CORRUPT)
+                self.ctx.counters[ClientCounter.INTEGRITY_FAILURES] += staged[0].count(PutOutcome.CORRUPT)
                 return staged
         await self._checksummed(group, data, sums)
         group = [dataclasses.replace(item, checksum=sums[item.key]) for item in group]
@@ -176,7 +177,7 @@ class PutPlanner:
             elif isinstance(answer, BaseException):
                 raise answer
             results.extend(answer)
-        self.ctx.counters["integrity_failures"] += results.count(PutOutcome.CORRUPT)
+        self.ctx.counters[ClientCounter.INTEGRITY_FAILURES] += results.count(PutOutcome.CORRUPT)
         return results, error
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 from backend.client.context import ClientContext
 from backend.client.health import NodeHealth
+from backend.counters import ClientCounter
 from backend.errors import KVPoolError, MetadataError
 from backend.metadata import IndexEntry, LiveCopies, Location, MetadataStore, NodeInfo
 
@@ -190,7 +191,7 @@ class Locator:
                     found = await self._lookup(keys, prefix, copies)
         except MetadataError as exc:
             self.ctx.warn_once("redis", "kvpool: Redis lookup failed, reading as misses until it is back: %s", exc)
-            self.ctx.counters["lookup_failures"] += 1
+            self.ctx.counters[ClientCounter.LOOKUP_FAILURES] += 1
             return LiveCopies.missing(len(keys))
         self.ctx.recovered("redis")
         if found.others:
@@ -218,5 +219,5 @@ class Locator:
             if not confirmed:
                 await self.registry.refresh()
                 stale = [(key, loc) for key, loc in stale if not self.registry.alive(loc)]
-            self.ctx.counters["stale_entries"] += len(stale)
+            self.ctx.counters[ClientCounter.STALE_ENTRIES] += len(stale)
             await self.store.index.remove_stale(stale)

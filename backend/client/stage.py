@@ -25,6 +25,7 @@ from backend.client.arena import ArenaReader
 from backend.client.connection import MAX_FRAME_ITEMS, Connections, NodePool
 from backend.client.context import ClientContext, logger
 from backend.client.tcp import stripes
+from backend.counters import ClientCounter
 from backend.errors import KVPoolError, PutOutcome, refused_outcome
 from backend.metadata import NodeInfo
 from backend.protocol import ItemMeta, Op, PutOptions, decode_flags, encode_put_staged, put_outcome
@@ -100,7 +101,7 @@ class StagedWriter:
                 part_outcomes, part_error = await self._put_part(pool, stage, part, data, sums, options)
                 outcomes += part_outcomes
                 error = part_error or error
-            self.ctx.counters["staged_put_bytes"] += sum(item.nbytes for item in group)
+            self.ctx.counters[ClientCounter.STAGED_PUT_BYTES] += sum(item.nbytes for item in group)
             return outcomes, error
 
     async def _put_part(

@@ -34,7 +34,7 @@ class SyncPoolClient:
 
     @property
     def counters(self) -> dict[str, int]:
-        return dict(self._client.counters)
+        return {str(name): value for name, value in self._client.counters.items()}
 
     def prepare_puts(self) -> int:
         return self._call(self._client.prepare_puts())

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from backend.client.chunks import Hit, Outcome, Sink, Wanted, release_hits
 from backend.client.connection import Connections, NodePool, frames
 from backend.client.context import ClientContext
+from backend.counters import ClientCounter
 from backend.metadata import NodeInfo
 from backend.protocol import Op, encode_keys
 from backend.transport import BULK_BYTES
@@ -44,7 +45,9 @@ class TcpReader:
             outcomes = await _read_stripe(pool, parts[0], sink)
         else:
             outcomes = await _read_stripes(pool, parts, sink)
-        self.ctx.counters["get_bytes_tcp"] += sum(w.nbytes for w, o in zip(wanted, outcomes) if isinstance(o, Hit))
+        self.ctx.counters[ClientCounter.GET_BYTES_TCP] += sum(
+            w.nbytes for w, o in zip(wanted, outcomes) if isinstance(o, Hit)
+        )
         return outcomes
 
 

@@ -12,6 +12,7 @@ import logging
 from collections import Counter
 from typing import Any
 
+from backend.counters import MissCause
 from backend.errors import KVPoolError
 
 __all__ = ["MissBoundary"]
@@ -27,24 +28,24 @@ class MissBoundary:
         self._label = label  # names the layer in "recovered" lines ("L2 " for the adapter)
         self._reported: set[str] = set()
 
-    def miss(self, cause: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
+    def miss(self, cause: MissCause, message: str, *args: Any, level: int = logging.WARNING) -> None:
         """Count a miss of ``cause``; log ``message`` (prefixed ``kvpool: ``) if the outage is new."""
-        self.counters[f"miss_{cause}"] += 1
+        self.counters[cause.counter] += 1
         if cause not in self._reported:
             self._reported.add(cause)
             logger.log(level, "kvpool: " + message, *args)
 
-    def failed(self, cause: str, what: str, exc: BaseException) -> None:
+    def failed(self, cause: MissCause, what: str, exc: BaseException) -> None:
         """A task's error, as a miss: pool errors are logged once per outage, anything else with its trace."""
         if isinstance(exc, KVPoolError):
             self.miss(cause, "%s: %s", what, exc)
             return
-        self.counters[f"miss_{cause}"] += 1
+        self.counters[cause.counter] += 1
         if f"bug:{cause}" not in self._reported:
             self._reported.add(f"bug:{cause}")
             logger.error("kvpool: %s (unexpected error)", what, exc_info=exc)
 
-    def recovered(self, cause: str) -> None:
+    def recovered(self, cause: MissCause) -> None:
         """``cause`` worked again: say so once if its outage was logged."""
         if cause in self._reported:
             self._reported.discard(cause)

@@ -29,6 +29,7 @@ import torch
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from backend.client import Chunk
+from backend.counters import MissCause
 from backend.errors import KVPoolError
 from backend.lmcache.boundary import MissBoundary
 from backend.protocol import ItemMeta
@@ -114,7 +115,7 @@ class LMCacheSink:
         try:
             shapes, dtypes = rebuild_layout(meta, self.engine_shapes, self.engine_dtypes)
         except KVPoolError as exc:
-            self.misses.miss("size", "%s; reading as a miss", exc)
+            self.misses.miss(MissCause.SIZE, "%s; reading as a miss", exc)
             return None
         fmt = MemoryFormat(meta.fmt)
         # One group is passed as LMCache's single shape and dtype, several as its lists.
@@ -128,7 +129,7 @@ class LMCacheSink:
                 if len(view) != meta.nbytes:
                     obj.ref_count_down()
                     self.misses.miss(
-                        "size",
+                        MissCause.SIZE,
                         "LMCache allocated %d bytes for %r, which holds %d; reading as a miss",
                         len(view),
                         meta.key,
@@ -138,7 +139,7 @@ class LMCacheSink:
                 return obj, view
             if time.monotonic() >= deadline:
                 self.misses.miss(
-                    "allocate",
+                    MissCause.ALLOCATE,
                     "LMCache's local buffer stayed full for %.1f s; reading as a miss (raise max_local_cpu_size)",
                     ALLOCATE_TIMEOUT_S,
                 )

@@ -37,6 +37,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from backend.client import PoolClient
 from backend.config import PoolConfig
+from backend.counters import ClientCounter, ConnectorCounter, MissCause
 from backend.doctor import TROUBLESHOOTING, Finding, reach
 from backend.errors import BusyError, ConfigError, KVPoolError
 from backend.lmcache.boundary import MissBoundary
@@ -68,17 +69,17 @@ CLOSE_TIMEOUT_S = 1.0
 # so that its metric turns to 1 (and one line says so) once the pool is up.
 POOL_RECHECK_S = 10.0
 # The client's counters a connector reports as its own (the metrics and `kvpool doctor` show them).
-CLIENT_COUNTERS = (
-    "integrity_failures",
-    "stale_entries",
-    "get_failovers",
-    "shm_get_bytes",
-    "get_bytes_tcp",
-    "get_bytes_channel",
-    "channel_fallbacks",
-    "staged_put_bytes",
-    "nodes_marked_down",
-    "nodes_restored",
+CLIENT_COUNTERS: tuple[ClientCounter, ...] = (
+    ClientCounter.INTEGRITY_FAILURES,
+    ClientCounter.STALE_ENTRIES,
+    ClientCounter.GET_FAILOVERS,
+    ClientCounter.SHM_GET_BYTES,
+    ClientCounter.GET_BYTES_TCP,
+    ClientCounter.GET_BYTES_CHANNEL,
+    ClientCounter.CHANNEL_FALLBACKS,
+    ClientCounter.STAGED_PUT_BYTES,
+    ClientCounter.NODES_MARKED_DOWN,
+    ClientCounter.NODES_RESTORED,
 )
 FIX_HINT = (
     "start a pool with `kvpool up` (it prints the URL), or check "
@@ -108,7 +109,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self.client = PoolClient(pool_config)
-        self._own_counters: Counter[str] = Counter()
+        self._own_counters: Counter[str] = Counter()  # ConnectorCounter and MissCause.counter names
         self.misses = MissBoundary(self._own_counters)
         # meta_shapes/meta_dtypes: the engine's groups, set by RemoteConnector from LMCache's metadata.
         self._sink = LMCacheSink(local_cpu_backend, self.meta_shapes, self.meta_dtypes, self.misses)
@@ -130,11 +131,11 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         """The connector's counters plus the client's: integrity, stale entries, failovers, bytes per path."""
         merged = Counter(self._own_counters)
         for name in CLIENT_COUNTERS:
-            merged[name] = self.client.counters[name]
+            merged[str(name)] = self.client.counters[name]
         return merged
 
     def _metric_counters(self) -> dict[str, int]:
-        return dict(self.counters)
+        return {str(name): value for name, value in self.counters.items()}
 
     def _pool_state(self) -> tuple[bool, str] | None:
         """For the ``pool_up`` metric: usable or not, and why not (None before the start check answered)."""
@@ -241,9 +242,9 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         try:
             hits = await self.client.hit_prefix([k.to_string() for k in keys])
         except KVPoolError as exc:
-            self.misses.miss("lookup", "lookup failed, reading as misses: %s", exc)
+            self.misses.miss(MissCause.LOOKUP, "lookup failed, reading as misses: %s", exc)
             return 0
-        self.misses.recovered("lookup")
+        self.misses.recovered(MissCause.LOOKUP)
         return int(hits)
 
     def support_batched_contains(self) -> bool:
@@ -253,7 +254,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         try:
             return int(self._run_sync(self.client.hit_prefix([k.to_string() for k in keys]), "batched_contains"))
         except KVPoolError as exc:
-            self.misses.miss("lookup", "lookup failed, reading as misses: %s", exc)
+            self.misses.miss(MissCause.LOOKUP, "lookup failed, reading as misses: %s", exc)
             return 0
 
     # -- put --------------------------------------------------------------------------
@@ -270,15 +271,15 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         except BusyError as exc:
             # The pool was saturated, nothing failed: a skipped put, as when LMCache skips one.
             skipped = sum(exc.not_stored().values())
-            self._own_counters["put_skipped_busy"] += skipped
-            self._own_counters["put_chunks"] += len(keys) - skipped
+            self._own_counters[ConnectorCounter.PUT_SKIPPED_BUSY] += skipped
+            self._own_counters[ConnectorCounter.PUT_CHUNKS] += len(keys) - skipped
             logger.debug("kvpool: put skipped, the pool is busy: %s", exc)
             return
         except KVPoolError as exc:
-            self.misses.miss("put", "put failed, those chunks stay uncached: %s", exc)
+            self.misses.miss(MissCause.PUT, "put failed, those chunks stay uncached: %s", exc)
             return
-        self.misses.recovered("put")
-        self._own_counters["put_chunks"] += len(keys)
+        self.misses.recovered(MissCause.PUT)
+        self._own_counters[ConnectorCounter.PUT_CHUNKS] += len(keys)
 
     # -- get --------------------------------------------------------------------------
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
@@ -291,12 +292,12 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         try:
             objs = await self.client.get([k.to_string() for k in keys], self._sink)
         except KVPoolError as exc:
-            self.misses.miss("get", "get failed, reading as misses: %s", exc)
+            self.misses.miss(MissCause.GET, "get failed, reading as misses: %s", exc)
             return [None] * len(keys)
-        self.misses.recovered("get")
+        self.misses.recovered(MissCause.GET)
         hits = sum(1 for o in objs if o is not None)
-        self._own_counters["get_hits"] += hits
-        self._own_counters["get_misses"] += len(keys) - hits
+        self._own_counters[ConnectorCounter.GET_HITS] += hits
+        self._own_counters[ConnectorCounter.GET_MISSES] += len(keys) - hits
         return list(objs)
 
     def support_batched_get_non_blocking(self) -> bool:
@@ -321,14 +322,14 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         try:
             return await self.client.list_keys()
         except KVPoolError as exc:
-            self.misses.miss("list", "list failed: %s", exc)
+            self.misses.miss(MissCause.LIST, "list failed: %s", exc)
             return []
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
         try:
             return bool(self._run_sync(self.client.delete([key.to_string()]), "remove_sync"))
         except KVPoolError as exc:
-            self.misses.miss("remove", "remove failed: %s", exc)
+            self.misses.miss(MissCause.REMOVE, "remove failed: %s", exc)
             return False
 
     def support_ping(self) -> bool:

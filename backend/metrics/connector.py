@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from backend.counters import ClientCounter, ConnectorCounter
 from backend.metrics.node import METRIC_NAME
 
 __all__ = [
@@ -38,15 +39,15 @@ POOL_UP_HELP = (
 PoolState = Callable[[], "tuple[bool, str] | None"]
 
 CONNECTOR_COUNTERS: dict[str, str] = {
-    "put_chunks": "Chunks LMCache handed to the pool and the pool stored.",
-    "put_skipped_busy": "Chunks of LMCache's puts not stored because every node tried was busy (skipped, not errors).",
-    "get_hits": "Chunks LMCache asked the pool for and received.",
-    "get_misses": "Chunks LMCache asked the pool for and did not receive.",
-    "shm_get_bytes": "Bytes read through a same-host node's shared-memory arena instead of TCP.",
-    "get_bytes_tcp": "Payload bytes of hits received over the nodes' TCP protocol.",
-    "staged_put_bytes": "Payload bytes put through this client's stage to a node on its host, instead of TCP.",
-    "get_bytes_channel": "Payload bytes of hits received over the channel (nccl=on, same cluster).",
-    "channel_fallbacks": "Chunks the channel failed to bring (NcclError, node or pair failure), then read over TCP.",
+    ConnectorCounter.PUT_CHUNKS: "Chunks LMCache handed to the pool and the pool stored.",
+    ConnectorCounter.PUT_SKIPPED_BUSY: "Chunks of LMCache's puts not stored because every node tried was busy (skipped, not errors).",
+    ConnectorCounter.GET_HITS: "Chunks LMCache asked the pool for and received.",
+    ConnectorCounter.GET_MISSES: "Chunks LMCache asked the pool for and did not receive.",
+    ClientCounter.SHM_GET_BYTES: "Bytes read through a same-host node's shared-memory arena instead of TCP.",
+    ClientCounter.GET_BYTES_TCP: "Payload bytes of hits received over the nodes' TCP protocol.",
+    ClientCounter.STAGED_PUT_BYTES: "Payload bytes put through this client's stage to a node on its host, instead of TCP.",
+    ClientCounter.GET_BYTES_CHANNEL: "Payload bytes of hits received over the channel (nccl=on, same cluster).",
+    ClientCounter.CHANNEL_FALLBACKS: "Chunks the channel failed to bring (NcclError, node or pair failure), then read over TCP.",
 }
 
 

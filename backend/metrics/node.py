@@ -15,6 +15,7 @@ from typing import Any
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from backend.counters import NodeCounter
 from backend.latency import LatencyHistograms
 from backend.protocol import NodeReport, RecoveryReport, TierReport
 
@@ -28,46 +29,48 @@ METRIC_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 # Counters a node always exposes, 0 until they first happen, so that rate() and ratios
 # work from the first scrape. Any other counter the node reports appears once non-zero.
-NODE_COUNTERS: dict[str, str] = {
-    "puts": "Chunks stored and committed to the index.",
-    "put_bytes": "Payload bytes of chunks stored.",
-    "put_rejected_capacity": "Chunks of a put refused for lack of capacity (the client tries another node).",
-    "put_rejected_busy": "Chunks of a put refused as busy: DRAM stayed full of puts in flight until the put's deadline.",
-    "gets": "Keys asked for by GET requests.",
-    "hits": "Keys a GET found and returned.",
-    "misses": "Keys a GET did not return.",
-    "get_bytes": "Payload bytes returned by GETs.",
-    "get_over_frame_limit": "Chunks held but not returned because the response frame was full (also misses).",
-    "deletes": "Chunks removed by DELETE requests.",
-    "evictions": "Chunks dropped from DRAM for room (no NVMe tier, or the disk would not take them).",
-    "demotions": "Chunks moved from DRAM to NVMe.",
-    "promotions": "Chunks read back from NVMe into DRAM.",
-    "nvme_writes": "Files written to the NVMe tier.",
-    "nvme_reads": "Chunks read from the NVMe tier.",
-    "nvme_evictions": "Files deleted from the NVMe tier for room.",
-    "disk_full": "Disk-full episodes: the disk refused an NVMe write (ENOSPC/EDQUOT) and demotion paused.",
-    "integrity_failures": "Checksum mismatches: on arrival of a put, in DRAM, or on NVMe read.",
-    "quarantined": "NVMe files moved to quarantine/.",
-    "republished": "Index entries republished after Redis lost the namespace.",
-    "auth_failures": "Requests refused for a missing or wrong token.",
-    "tls_failures": "Connections closed because their TLS handshake failed (a plaintext client, an untrusted peer).",
-    "protocol_errors": "Connections or requests refused as malformed.",
-    "request_errors": "Requests answered with an error.",
-    "stalled_connections": "Connections closed because a frame stalled mid-way.",
-    "handshake_timeouts": "Connections closed because they did not finish their handshake in time.",
-    "connections_shed": "Connections closed, oldest first, beyond the cap on those without a finished handshake.",
-    "accept_errors": "Failed accepts (EMFILE and the like).",
-    "requests": "Requests answered successfully (HELLO and AUTH not counted).",
-    "shm_get_bytes": "Payload bytes same-host clients copied from the shared-memory arena (not sent).",
-    "staged_put_bytes": "Payload bytes of staged puts: copied in from same-host clients' stages (not received).",
-    "stages_removed": "Put stages of same-host clients that died without closing them, removed by the node.",
-    "leases_granted": "Leases granted (same-host reads and locks).",
-    "leases_released": "Leases ended by their client.",
-    "leases_expired": "Leases ended by their deadline (client gone or slow).",
-    "leases_refused": "Leases refused because the node held its maximum.",
-    "leases_disconnected": "Leases ended because the connection that took them closed (client gone).",
-    "connections_accepted": "Client connections accepted.",
+NODE_COUNTERS: dict[NodeCounter, str] = {
+    NodeCounter.PUTS: "Chunks stored and committed to the index.",
+    NodeCounter.PUT_BYTES: "Payload bytes of chunks stored.",
+    NodeCounter.PUT_REFUSED_NO_ROOM: "Chunks of a put refused for lack of room (the client tries another node).",
+    NodeCounter.PUT_REFUSED_BUSY: "Chunks of a put refused as busy: DRAM stayed full of puts in flight until the put's deadline.",
+    NodeCounter.GETS: "Keys asked for by GET requests.",
+    NodeCounter.HITS: "Keys a GET found and returned.",
+    NodeCounter.MISSES: "Keys a GET did not return.",
+    NodeCounter.GET_BYTES: "Payload bytes returned by GETs.",
+    NodeCounter.GET_OVER_FRAME_LIMIT: "Chunks held but not returned because the response frame was full (also misses).",
+    NodeCounter.DELETES: "Chunks removed by DELETE requests.",
+    NodeCounter.EVICTIONS: "Chunks dropped from DRAM for room (no NVMe tier, or the disk would not take them).",
+    NodeCounter.DEMOTIONS: "Chunks moved from DRAM to NVMe.",
+    NodeCounter.PROMOTIONS: "Chunks read back from NVMe into DRAM.",
+    NodeCounter.NVME_WRITES: "Files written to the NVMe tier.",
+    NodeCounter.NVME_READS: "Chunks read from the NVMe tier.",
+    NodeCounter.NVME_EVICTIONS: "Files deleted from the NVMe tier for room.",
+    NodeCounter.DISK_FULL: "Disk-full episodes: the disk refused an NVMe write (ENOSPC/EDQUOT) and demotion paused.",
+    NodeCounter.INTEGRITY_FAILURES: "Checksum mismatches: on arrival of a put, in DRAM, or on NVMe read.",
+    NodeCounter.QUARANTINED: "NVMe files moved to quarantine/.",
+    NodeCounter.REPUBLISHED: "Index entries republished after Redis lost the namespace.",
+    NodeCounter.AUTH_FAILURES: "Requests refused for a missing or wrong token.",
+    NodeCounter.TLS_FAILURES: "Connections closed because their TLS handshake failed (a plaintext client, an untrusted peer).",
+    NodeCounter.PROTOCOL_ERRORS: "Connections or requests refused as malformed.",
+    NodeCounter.REQUEST_ERRORS: "Requests answered with an error.",
+    NodeCounter.STALLED_CONNECTIONS: "Connections closed because a frame stalled mid-way.",
+    NodeCounter.HANDSHAKE_TIMEOUTS: "Connections closed because they did not finish their handshake in time.",
+    NodeCounter.CONNECTIONS_SHED: "Connections closed, oldest first, beyond the cap on those without a finished handshake.",
+    NodeCounter.ACCEPT_ERRORS: "Failed accepts (EMFILE and the like).",
+    NodeCounter.REQUESTS: "Requests answered successfully (HELLO and AUTH not counted).",
+    NodeCounter.SHM_GET_BYTES: "Payload bytes same-host clients copied from the shared-memory arena (not sent).",
+    NodeCounter.STAGED_PUT_BYTES: "Payload bytes of staged puts: copied in from same-host clients' stages (not received).",
+    NodeCounter.STAGES_REMOVED: "Put stages of same-host clients that died without closing them, removed by the node.",
+    NodeCounter.LEASES_GRANTED: "Leases granted (same-host reads and locks).",
+    NodeCounter.LEASES_RELEASED: "Leases ended by their client.",
+    NodeCounter.LEASES_EXPIRED: "Leases ended by their deadline (client gone or slow).",
+    NodeCounter.LEASES_REFUSED: "Leases refused because the node held its maximum.",
+    NodeCounter.LEASES_DISCONNECTED: "Leases ended because the connection that took them closed (client gone).",
+    NodeCounter.CONNECTIONS_ACCEPTED: "Client connections accepted.",
 }
+# STAT carries the names as strings (a node of another version may report names this one lacks).
+_COUNTER_HELP = {str(name): text for name, text in NODE_COUNTERS.items()}
 
 
 class NodeCollector:
@@ -125,13 +128,13 @@ def _gauge(name: str, documentation: str, node: str, value: float) -> GaugeMetri
 
 
 def _node_counters(node: str, counters: Mapping[str, int]) -> Iterator[Metric]:
-    values = {name: 0 for name in NODE_COUNTERS} | dict(counters)
+    values = {str(name): 0 for name in NODE_COUNTERS} | dict(counters)
     for name in sorted(values):
         if not METRIC_NAME.fullmatch(name):
             logger.warning("metrics: node counter %r is not a valid metric name; skipped", name)
             continue
         family = CounterMetricFamily(
-            NODE_PREFIX + name, NODE_COUNTERS.get(name, f"Node counter {name}."), labels=["node"]
+            NODE_PREFIX + name, _COUNTER_HELP.get(name, f"Node counter {name}."), labels=["node"]
         )
         family.add_metric([node], values[name])
         yield family

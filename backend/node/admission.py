@@ -40,6 +40,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from backend.counters import NodeCounter
 from backend.protocol import RESPONSE_BIT, Op, Status, encode_header
 from backend.transport import FrameSocket
 
@@ -74,7 +75,7 @@ class ThrottledWarning:
 class Admission:
     """The node's pending connections, oldest first, and the cap on how many there are."""
 
-    def __init__(self, counters: Counter[str], max_pending: int) -> None:
+    def __init__(self, counters: Counter[NodeCounter], max_pending: int) -> None:
         self.counters = counters
         self.max_pending = max_pending
         self._pending: dict[FrameSocket, None] = {}  # insertion order: oldest first
@@ -99,7 +100,7 @@ class Admission:
                 "--max-pending-connections)",
             )
             oldest.close()
-            self.counters["connections_shed"] += 1
+            self.counters[NodeCounter.CONNECTIONS_SHED] += 1
             self._shed_warning.warn(
                 "node %s: over %d connections without a finished handshake; closed the oldest (%s)",
                 node_id,
@@ -119,7 +120,7 @@ class Admission:
             f"node {node_id} closed this connection: its handshake did not finish within {timeout_s:.1f} s of the "
             "connect (--handshake-timeout-s)",
         )
-        self.counters["handshake_timeouts"] += 1
+        self.counters[NodeCounter.HANDSHAKE_TIMEOUTS] += 1
         self._timeout_warning.warn(
             "node %s: %s did not finish its handshake within %.1f s; closed", node_id, conn.peer, timeout_s
         )

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from backend.config import NodeConfig
+from backend.counters import NodeCounter
 from backend.handshake import KeyRing, handshake_key
 from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, RedisMemory
 from backend.node.tiers import DRAM, TierManager
@@ -70,7 +71,7 @@ class NodeContext:
         self.config = config
         self.tiers = tiers
         self.index = index
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[NodeCounter] = Counter()
         self.identity = Identity(config.node_id)
         # The handshake keys a client may prove (one; two during a rotation): the token, stretched once here.
         self.keys = KeyRing([handshake_key(config.token, config.namespace)] if config.token else [])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+from backend.counters import NodeCounter
 from backend.errors import CapacityError
 from backend.node.bookkeeping import NVME, IndexChanges
 from backend.node.dram import DramTier, StoredChunk
@@ -36,7 +37,7 @@ class Demoter:
         dram: DramTier,
         nvme: NvmeTier | None,
         changes: IndexChanges,
-        counters: Counter[str],
+        counters: Counter[NodeCounter],
         *,
         high_watermark: float,
         low_watermark: float,
@@ -116,7 +117,7 @@ class Demoter:
         if self.dram.is_current(chunk):
             self.dram.delete(key)
             self.changes.moved[key] = NVME
-            self.counters["demotions"] += 1
+            self.counters[NodeCounter.DEMOTIONS] += 1
         elif key in self.dram and not self.dram.holds(key, chunk.meta.checksum):
             self.nvme.forget(record)  # replaced by other bytes while we wrote
 
@@ -126,7 +127,7 @@ class Demoter:
         if chunk is None or self.dram.is_current(chunk):
             self.dram.delete(key)
             self.changes.removed.add(key)
-            self.counters["evictions"] += 1
+            self.counters[NodeCounter.EVICTIONS] += 1
 
     async def _write(self, chunk: StoredChunk) -> NvmeFile | None:
         """Write a DRAM chunk's file; None if the chunk was deleted or replaced meanwhile."""
@@ -135,7 +136,7 @@ class Demoter:
         if not self.dram.holds(chunk.meta.key, chunk.meta.checksum) or not self.nvme.add(record):
             await self.nvme.unlink(record.path)  # the bytes we wrote are no longer wanted
             return None
-        self.counters["nvme_writes"] += 1
+        self.counters[NodeCounter.NVME_WRITES] += 1
         return record
 
     async def _loop(self) -> None:

@@ -45,7 +45,7 @@ from backend.errors import BusyError, CapacityError
 from backend.node.buffers import ChunkBuffer
 from backend.node.dram import StoredChunk
 from backend.node.tiers import TierManager
-from backend.protocol import PUT_BUSY, PUT_INTEGRITY, PUT_NO_CAPACITY, PUT_STORED, ItemMeta, checksum_stream
+from backend.protocol import PUT_BUSY, PUT_INTEGRITY, PUT_NO_ROOM, PUT_STORED, ItemMeta, checksum_stream
 
 __all__ = ["AheadBounds", "ChunkSource", "Intake", "Received", "RoomAhead", "STAGED_WINDOW_BYTES"]
 
@@ -239,7 +239,7 @@ class Intake:
         except BusyError:
             return PUT_BUSY
         except CapacityError:
-            return PUT_NO_CAPACITY
+            return PUT_NO_ROOM
         return PUT_STORED
 
     async def _hold(self, nbytes: int, *, wait_for_ahead: bool, wait_for_dram: bool) -> None:

@@ -21,6 +21,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from backend.config.values import ms_to_s
+from backend.counters import NodeCounter
 from backend.errors import CapacityError
 from backend.node.dram import StoredChunk
 
@@ -51,7 +52,7 @@ class LeaseTable:
         self.max_leases = max_leases
         self.pinned: Counter[str] = Counter()  # key -> leases holding it (keys under none are absent)
         self._on_pin = on_pin  # told of each key that becomes pinned, or unpinned
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[NodeCounter] = Counter()
         self._leases: dict[int, Lease] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._owned: defaultdict[Hashable, set[int]] = defaultdict(set)  # owner -> its lease ids
@@ -71,7 +72,7 @@ class LeaseTable:
             raise ValueError(f"lease ttl_ms {ttl_ms} is outside 1..{MAX_LEASE_TTL_MS}")
         self.expire()
         if len(self._leases) >= self.max_leases:
-            self.counters["leases_refused"] += 1
+            self.counters[NodeCounter.LEASES_REFUSED] += 1
             raise CapacityError(f"node holds {len(self._leases)} leases, the limit; release some first")
         lease_id = secrets.randbits(63) or 1  # not guessable: one client cannot end another's lease
         while lease_id in self._leases:
@@ -83,7 +84,7 @@ class LeaseTable:
         for key in lease.keys:
             self._pin(key)
         heapq.heappush(self._deadlines, (lease.expires_at, lease.lease_id))
-        self.counters["leases_granted"] += 1
+        self.counters[NodeCounter.LEASES_GRANTED] += 1
         return lease.lease_id
 
     def release(self, lease_id: int, keys: Sequence[str] = ()) -> int:
@@ -96,7 +97,7 @@ class LeaseTable:
         if not lease.keys:
             del self._leases[lease_id]
             self._disown(lease)
-            self.counters["leases_released"] += 1
+            self.counters[NodeCounter.LEASES_RELEASED] += 1
         return len(let_go)
 
     def release_owner(self, owner: Hashable) -> int:
@@ -107,7 +108,7 @@ class LeaseTable:
             if lease is not None:
                 self._unpin(lease, set(lease.keys))
                 ended += 1
-        self.counters["leases_disconnected"] += ended
+        self.counters[NodeCounter.LEASES_DISCONNECTED] += ended
         return ended
 
     def expire(self, now: float | None = None) -> int:
@@ -121,7 +122,7 @@ class LeaseTable:
                 self._disown(lease)
                 self._unpin(lease, set(lease.keys))
                 ended += 1
-        self.counters["leases_expired"] += ended
+        self.counters[NodeCounter.LEASES_EXPIRED] += ended
         return ended
 
     def _disown(self, lease: Lease) -> None:

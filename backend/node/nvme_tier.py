@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.config.values import format_size
+from backend.counters import NodeCounter
 from backend.errors import CapacityError
 from backend.node.bookkeeping import NO_SLOT, ON_NVME, PINNED, ChunkTable
 from backend.node.buffers import ChunkBuffer
@@ -70,7 +71,7 @@ class NvmeTier:
         capacity_bytes: int,
         *,
         io_threads: int,
-        counters: Counter[str],
+        counters: Counter[NodeCounter],
         table: ChunkTable,
         on_gone: Callable[[str], None],
         on_room: Callable[[], None],
@@ -247,7 +248,7 @@ class NvmeTier:
             if oldest is None:
                 raise CapacityError("NVMe tier is full of leased chunks")
             self.forget(oldest)
-            self.counters["nvme_evictions"] += 1
+            self.counters[NodeCounter.NVME_EVICTIONS] += 1
         job = asyncio.get_running_loop().run_in_executor(self._io, write_chunk, self.root, chunk.meta, chunk.buffer)
         try:
             record: NvmeFile = await asyncio.shield(job)
@@ -260,7 +261,7 @@ class NvmeTier:
             if exc.errno in _DISK_FULL:
                 self._disk_full_begins(need, exc)
             else:
-                self.counters["nvme_write_errors"] += 1
+                self.counters[NodeCounter.NVME_WRITE_ERRORS] += 1
                 logger.warning(
                     "NVMe tier %s: writing a chunk failed (%s); it is evicted from DRAM instead",
                     self.root,
@@ -277,8 +278,8 @@ class NvmeTier:
         asyncio.get_running_loop().run_in_executor(self._io, _unlink, record.path)
 
     async def quarantine(self, record: NvmeFile, exc: BaseException) -> None:
-        self.counters["integrity_failures"] += 1
-        self.counters["quarantined"] += 1
+        self.counters[NodeCounter.INTEGRITY_FAILURES] += 1
+        self.counters[NodeCounter.QUARANTINED] += 1
         logger.error("NVMe tier: %s; quarantining %s", exc, os.path.basename(record.path))
         if self.is_current(record):
             self.remove(record.meta.key)
@@ -293,7 +294,7 @@ class NvmeTier:
             return
         self.disk_full = True
         self._disk_full_since = time.monotonic()
-        self.counters["disk_full"] += 1
+        self.counters[NodeCounter.DISK_FULL] += 1
         logger.error(
             "NVMe tier %s: disk full (%s); demotion paused, DRAM evicts its least recently used chunks "
             "instead until %d bytes are free",

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
+from backend.counters import NodeCounter
 from backend.errors import CapacityError, KVPoolError, ProtocolError
 from backend.node.context import NodeContext
 from backend.node.dram import StoredChunk
@@ -60,7 +61,7 @@ CARRY_DATA = frozenset({Op.PUT_BATCH})  # the ops whose frames have a data secti
 class ChannelServing(Protocol):
     """What the ops and the node ask of the channel server (nccl_channel.node.ChannelServer)."""
 
-    counters: Counter[str]
+    counters: Counter[NodeCounter]
 
     @property
     def kind(self) -> str: ...
@@ -146,15 +147,15 @@ class OpTable:
         budget = self.ctx.config.limits.max_data_bytes
         for key in keys:
             chunk = await tiers.get(key)
-            counters["channel_gets" if channel else "gets"] += 1
+            counters[NodeCounter.CHANNEL_GETS if channel else NodeCounter.GETS] += 1
             if chunk is not None and chunk.meta.nbytes > budget:
-                counters["get_over_frame_limit"] += 1
+                counters[NodeCounter.GET_OVER_FRAME_LIMIT] += 1
                 chunk = None
             if chunk is None:
-                counters["channel_misses" if channel else "misses"] += 1
+                counters[NodeCounter.CHANNEL_MISSES if channel else NodeCounter.MISSES] += 1
                 found.append(None)
             else:
-                counters["channel_hits" if channel else "hits"] += 1
+                counters[NodeCounter.CHANNEL_HITS if channel else NodeCounter.HITS] += 1
                 found.append(chunk.meta)
                 data.append(chunk.buffer)
                 budget -= chunk.meta.nbytes
@@ -163,7 +164,7 @@ class OpTable:
     async def get_batch(self, meta: bytearray, peer: Peer) -> Reply:
         limits = self.ctx.config.limits
         found, data = await self._fetch(decode_keys(meta, limits), channel=False)
-        self.ctx.counters["get_bytes"] += sum(item.nbytes for item in found if item is not None)
+        self.ctx.counters[NodeCounter.GET_BYTES] += sum(item.nbytes for item in found if item is not None)
         return encode_get_response(found, limits), data
 
     async def exists_batch(self, meta: bytearray, peer: Peer) -> Reply:
@@ -178,7 +179,7 @@ class OpTable:
         # waits out a paused Redis (an entry that outlives its bytes reads as a miss meanwhile).
         ctx.tiers.changes.put_back(set(deleted), {})
         await self.publisher.flush_index_within(ANSWER_FLUSH_S)
-        ctx.counters["deletes"] += len(deleted)
+        ctx.counters[NodeCounter.DELETES] += len(deleted)
         gone = set(deleted)
         return encode_flags([int(key in gone) for key in keys]), []
 
@@ -216,15 +217,15 @@ class OpTable:
         for key in keys:
             if want_map:
                 chunk = await tiers.get(key)
-                counters["gets"] += 1
+                counters[NodeCounter.GETS] += 1
                 if chunk is None:
-                    counters["misses"] += 1
+                    counters[NodeCounter.MISSES] += 1
                     found.append(None)
                     continue
                 offset = arena.offset_of(chunk.buffer) if arena is not None else None
-                counters["hits"] += 1
+                counters[NodeCounter.HITS] += 1
                 if offset is not None:
-                    counters["shm_get_bytes"] += chunk.meta.nbytes
+                    counters[NodeCounter.SHM_GET_BYTES] += chunk.meta.nbytes
                 found.append((chunk.meta, NO_OFFSET if offset is None else offset))
                 chunks.append(chunk)
             else:

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from backend.config.values import ms_to_s
+from backend.counters import NodeCounter
 from backend.errors import CapacityError, MetadataError, ProtocolError
 from backend.metadata import Location
 from backend.node.buffers import ChunkBuffer
@@ -39,7 +40,7 @@ from backend.node.tiers import DRAM
 from backend.protocol import (
     PUT_BUSY,
     PUT_INTEGRITY,
-    PUT_NO_CAPACITY,
+    PUT_NO_ROOM,
     PUT_STORED,
     ItemMeta,
     PutOptions,
@@ -111,7 +112,7 @@ class PutReceiver:
                     f"PUT_STAGED offset of {item.key!r}: {offset}+{item.nbytes} is outside the stage "
                     f"({stage.size_bytes} bytes)"
                 )
-        self.ctx.counters["staged_put_bytes"] += sum(item.nbytes for item in items)
+        self.ctx.counters[NodeCounter.STAGED_PUT_BYTES] += sum(item.nbytes for item in items)
         return await self.take_chunks(items, _FromStage(self.ctx, stage, items, offsets), options), options
 
     async def take_chunks(self, items: list[ItemMeta], source: ChunkSource, options: PutOptions) -> Received:
@@ -126,7 +127,7 @@ class PutReceiver:
         so cannot be lost if this put fails). Every chunk is marked with the put's id
         (``options.put_id``, shared by the stripes of one client put), so no stripe of the
         put evicts another's chunks. An item with no room is dropped (``source`` reads its
-        bytes past): at once when nothing could make room (``PUT_NO_CAPACITY``), else once
+        bytes past): at once when nothing could make room (``PUT_NO_ROOM``), else once
         DRAM stayed full of other puts in flight until ``options.wait_ms`` after the request
         came (``PUT_BUSY``). A request larger than this node can ever hold raises
         CapacityError before anything is reserved (:meth:`refuse_oversized`).
@@ -171,9 +172,9 @@ class PutReceiver:
             if flag == PUT_STORED:
                 visible.append((item.key, ctx.location(item, tiers.tier_of(item.key) or DRAM)))
             flags.append(flag)
-        counters["put_rejected_capacity"] += flags.count(PUT_NO_CAPACITY)
-        counters["put_rejected_busy"] += flags.count(PUT_BUSY)
-        counters["integrity_failures"] += flags.count(PUT_INTEGRITY)
+        counters[NodeCounter.PUT_REFUSED_NO_ROOM] += flags.count(PUT_NO_ROOM)
+        counters[NodeCounter.PUT_REFUSED_BUSY] += flags.count(PUT_BUSY)
+        counters[NodeCounter.INTEGRITY_FAILURES] += flags.count(PUT_INTEGRITY)
         try:
             # The commit and what the batch evicted go to Redis side by side: one round trip before
             # the ack, not two. They touch different keys (an evicted key is not held, a committed one
@@ -194,8 +195,8 @@ class PutReceiver:
             tiers.settle([c for _, _, c in received if c is not None])  # committed or dropped: they may move now
         if visible:
             self.publisher.took_writes()  # a commit that needed memory landed: Redis is not full (any more)
-        counters["puts"] += len(visible)
-        counters["put_bytes"] += sum(loc.nbytes for _, loc in visible)
+        counters[NodeCounter.PUTS] += len(visible)
+        counters[NodeCounter.PUT_BYTES] += sum(loc.nbytes for _, loc in visible)
         return encode_flags(flags), []
 
 

@@ -37,6 +37,7 @@ import logging
 import time
 from collections import Counter
 
+from backend.counters import NodeCounter
 from backend.metadata import SWEEP_PAGE, MetadataStore, NodeInfo
 
 __all__ = ["DeadNodeReaper", "SCAN_COUNT", "DEFAULT_GRACE_S", "STEP_BUDGET_S"]
@@ -62,7 +63,7 @@ class DeadNodeReaper:
         self.node_id = node_id
         self.grace_s = grace_s
         self.budget_s = budget_s
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[NodeCounter] = Counter()
         self._dead_since: dict[str, float] = {}  # node id, or "#slot" for a slot no id holds -> first seen dead
         self._dead_slots: set[int] = set()  # slots whose fields go, until a walk begun with them ends
         self._met: set[int] = set()  # slots no id holds, met in the index during the current walk
@@ -108,9 +109,9 @@ class DeadNodeReaper:
                 self._begin_walk(live, dead, urgent)
             page = await self.store.index.sweep_step(self._cursor, live, dead)
             self._cursor = page.cursor
-            self.counters["collector_keys_read"] += page.keys
+            self.counters[NodeCounter.COLLECTOR_KEYS_READ] += page.keys
             if page.removed:
-                self.counters["collected_index_fields"] += page.removed
+                self.counters[NodeCounter.COLLECTED_INDEX_FIELDS] += page.removed
                 self._walk_removed += page.removed
             for slot in page.unknown - held:  # met in the index, held by no id (a node's grace is by its id)
                 self._met.add(slot)
@@ -146,7 +147,7 @@ class DeadNodeReaper:
         self._walk = None
         self._dead_since = {k: t for k, t in self._dead_since.items() if k[0] != "#" or int(k[1:]) in self._met}
         self._met = set()
-        self.counters["collector_sweeps"] += 1  # the counter names are in STAT and /metrics: kept
+        self.counters[NodeCounter.COLLECTOR_SWEEPS] += 1  # the counter names are in STAT and /metrics: kept
         if self._walk_removed:
             logger.info(
                 "node %s: swept the index in %.1f s: %d fields of dead nodes and ended runs removed",
@@ -170,7 +171,7 @@ class DeadNodeReaper:
         for node in nodes:
             if not node.alive and self._dead_long_enough(node.node_id, now):
                 await self.store.registry.forget_node(node.node_id)
-                self.counters["collected_nodes"] += 1
+                self.counters[NodeCounter.COLLECTED_NODES] += 1
                 logger.info(
                     "node %s: forgot node %s, dead for %.0f s or more", self.node_id, node.node_id, self.grace_s
                 )

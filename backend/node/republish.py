@@ -34,6 +34,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from backend.counters import NodeCounter
 from backend.errors import MetadataError
 from backend.metadata import Location
 from backend.node.context import NodeContext
@@ -166,7 +167,7 @@ class Republisher:
         if held:
             self._cursor = held[-1][0].key
         walk.published += len(held)
-        self.ctx.counters["republished"] += len(held)
+        self.ctx.counters[NodeCounter.REPUBLISHED] += len(held)
         if end and not walk.wrapped and walk.until:
             walk.wrapped, self._cursor = True, ""  # round past the last key, to where the walk began
         elif end:

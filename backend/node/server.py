@@ -31,6 +31,7 @@ from collections import Counter
 from typing import Any
 
 from backend.config import NodeConfig
+from backend.counters import NodeCounter
 from backend.errors import ConfigError, KVPoolError, NcclError
 from backend.metadata import ClaimHolder, MetadataStore, NodeInfo, NodeMetadata
 from backend.metrics import NodeMetricsServer
@@ -86,7 +87,7 @@ class PoolNode:
         # The tiers' memory (the DRAM arena) is taken at start, once Redis and the node id are checked.
         self.ctx = NodeContext(config, TierManager(tier_config(config), defer_memory=True), NodeMetadata(self._store))
         self.tiers = self.ctx.tiers
-        self.counters: Counter[str] = self.ctx.counters
+        self.counters: Counter[NodeCounter] = self.ctx.counters
         self.stats = NodeStats(self.ctx)
         self.admission = Admission(self.counters, config.max_pending_connections)  # those not yet admitted
         self.publisher = IndexPublisher(self.ctx, self.stats)

@@ -32,6 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from backend.counters import NodeCounter
 from backend.errors import AuthError, KVPoolError, NodeUnavailable, ProtocolError
 from backend.handshake import NodeHello
 from backend.node.admission import Admission
@@ -82,11 +83,11 @@ class Acceptor:
                 try:
                     sock, address = await loop.sock_accept(listener)
                 except OSError as exc:  # EMFILE, ECONNABORTED, ...: keep accepting
-                    ctx.counters["accept_errors"] += 1
+                    ctx.counters[NodeCounter.ACCEPT_ERRORS] += 1
                     logger.warning("node %s: accept failed: %s", ctx.node_id, exc)
                     await asyncio.sleep(ACCEPT_RETRY_S)
                     continue
-                ctx.counters["connections_accepted"] += 1
+                ctx.counters[NodeCounter.CONNECTIONS_ACCEPTED] += 1
                 conn = FrameSocket(sock, loop, f"{address[0]}:{address[1]}", ctx.bulk)
                 ctx.spawn(self._serve(Session(ctx, served, conn)))
         except asyncio.CancelledError:
@@ -150,15 +151,15 @@ class Session:
             if deadline.expired():
                 admission.timed_out(conn, ctx.node_id, handshake_timeout_s)
             else:
-                ctx.counters["stalled_connections"] += 1
+                ctx.counters[NodeCounter.STALLED_CONNECTIONS] += 1
                 logger.warning(
                     "node %s: %s stalled mid-frame for %.0f s; closing", ctx.node_id, conn.peer, config.frame_timeout_s
                 )
         except KVPoolError as exc:
             if isinstance(exc, ProtocolError):
-                ctx.counters["protocol_errors"] += 1
+                ctx.counters[NodeCounter.PROTOCOL_ERRORS] += 1
             elif not isinstance(exc, AuthError):  # refused tokens are counted once, as auth_failures
-                ctx.counters["connection_errors"] += 1
+                ctx.counters[NodeCounter.CONNECTION_ERRORS] += 1
             logger.warning("node %s: closing connection from %s: %s", ctx.node_id, conn.peer, exc)
             with contextlib.suppress(KVPoolError, OSError):
                 async with asyncio.timeout(1.0):
@@ -196,7 +197,7 @@ class Session:
             self._admit_once_authed(deadline)
             return
         if not self._authed:
-            ctx.counters["auth_failures"] += 1
+            ctx.counters[NodeCounter.AUTH_FAILURES] += 1
             raise AuthError("this node requires a token: send HELLO and AUTH first")
         self._admit_once_authed(deadline)
         await ops.handle(Request(header, meta, started), self)
@@ -220,7 +221,7 @@ class Session:
             self._authed = True
             return encode_json(answer)
         except AuthError:
-            self.ctx.counters["auth_failures"] += 1
+            self.ctx.counters[NodeCounter.AUTH_FAILURES] += 1
             raise
 
     async def _start_tls(self, context: ssl.SSLContext) -> bool:
@@ -239,7 +240,7 @@ class Session:
         except KVPoolError as exc:
             if conn.closed:
                 return False  # closed by this node (shed, or stopping): no failure of the peer's
-            ctx.counters["tls_failures"] += 1
+            ctx.counters[NodeCounter.TLS_FAILURES] += 1
             logger.warning("node %s: TLS from %s failed: %s", ctx.node_id, conn.peer, exc)
             if header is not None:
                 with contextlib.suppress(KVPoolError, OSError):
@@ -290,13 +291,13 @@ class Session:
             try:
                 meta, data = await work
             except Exception as exc:
-                ctx.counters["request_errors"] += 1
+                ctx.counters[NodeCounter.REQUEST_ERRORS] += 1
                 if not isinstance(exc, KVPoolError):
                     logger.exception("node %s: internal error serving op %d", ctx.node_id, header.base_op)
                 await self._reply_error(header, exc)
                 if isinstance(exc, ProtocolError):
                     # A malformed request: this peer's stream can't be trusted any more.
-                    ctx.counters["protocol_errors"] += 1
+                    ctx.counters[NodeCounter.PROTOCOL_ERRORS] += 1
                     logger.warning("node %s: closing connection from %s: %s", ctx.node_id, conn.peer, exc)
                     conn.close()
                 return

@@ -17,6 +17,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from backend.counters import NodeCounter
 from backend.node.context import NodeContext
 from backend.shm import remove_abandoned_stages
 
@@ -34,7 +35,7 @@ async def sweep_stages(ctx: NodeContext, directory: Path) -> None:
         await asyncio.sleep(STAGE_SWEEP_INTERVAL_S)
         removed = await asyncio.to_thread(remove_abandoned_stages, directory)
         if removed:
-            ctx.counters["stages_removed"] += removed
+            ctx.counters[NodeCounter.STAGES_REMOVED] += removed
             logger.info(
                 "node %s: removed %d put stage(s) in %s left by clients that are gone", ctx.node_id, removed, directory
             )

@@ -6,6 +6,7 @@ import collections
 import time
 from collections import Counter
 
+from backend.counters import NodeCounter
 from backend.latency import LatencyHistograms
 from backend.node.context import NodeContext
 from backend.protocol import NodeReport, RecentReport, RecoveryReport, RepublishReport
@@ -25,10 +26,10 @@ class NodeStats:
 
     def __init__(self, ctx: NodeContext) -> None:
         self.ctx = ctx
-        self.counters: Counter[str] = ctx.counters
+        self.counters: Counter[NodeCounter] = ctx.counters
         self.recovery: RecoveryReport | None = None  # the NVMe tier's recovery at start, so far (recovery.py)
         self.republish = RepublishReport()  # the republish under way, else the last one (republish.py)
-        self._others: list[Counter[str]] = []
+        self._others: list[Counter[NodeCounter]] = []
         self._started_monotonic = time.monotonic()
         self._snapshots: collections.deque[tuple[float, int, int, int]] = collections.deque(maxlen=RECENT_SNAPSHOTS)
         self._snapshots.append((time.monotonic(), 0, 0, 0))  # the window of a young node starts at zero
@@ -36,26 +37,28 @@ class NodeStats:
 
     def served(self, op_name: str, started: float) -> None:
         """One request answered: counted, and its service time recorded."""
-        self.counters["requests"] += 1
+        self.counters[NodeCounter.REQUESTS] += 1
         self.latency.observe(op_name, time.perf_counter() - started)
 
     def tick(self) -> None:
         """Keep a snapshot for the recent rates (once per heartbeat)."""
         self._snapshots.append(self._snapshot())
 
-    def count_also(self, counters: Counter[str]) -> None:
+    def count_also(self, counters: Counter[NodeCounter]) -> None:
         """Report ``counters`` (kept, and counted, by another part) with the node's own."""
         self._others.append(counters)
 
     def report(self) -> NodeReport:
         """STAT's answer (and what /metrics exports)."""
         tiers, identity = self.ctx.tiers, self.ctx.identity
-        others = sum(self._others, Counter[str]())
+        counters = self.counters + tiers.counters + tiers.leases.counters
+        for other in self._others:
+            counters.update(other)
         return NodeReport(
             node_id=identity.node_id,
             epoch=identity.epoch,
             uptime_s=round(time.monotonic() - self._started_monotonic, 3),
-            counters=dict(self.counters + tiers.counters + tiers.leases.counters + others),
+            counters={str(name): value for name, value in counters.items() if value > 0},
             objects=len(tiers),
             leases=len(tiers.leases),
             arena=tiers.arena.report() if tiers.arena is not None else None,
@@ -68,7 +71,7 @@ class NodeStats:
 
     def _snapshot(self) -> tuple[float, int, int, int]:
         c = self.counters
-        return (time.monotonic(), c["requests"], c["gets"], c["hits"])
+        return (time.monotonic(), c[NodeCounter.REQUESTS], c[NodeCounter.GETS], c[NodeCounter.HITS])
 
     def _recent(self) -> RecentReport:
         """Requests, gets and hits over the last ``RECENT_WINDOW_S`` (or since start)."""

@@ -38,6 +38,7 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
+from backend.counters import NodeCounter
 from backend.errors import BusyError, CapacityError, IntegrityError
 from backend.node.arena import Arena, PrivateArena, ShmArena, remove_stale_arenas, room_of
 from backend.node.bookkeeping import DRAM, NO_SLOT, NVME, ChunkTable, IndexChanges
@@ -80,7 +81,7 @@ class TierManager:
 
     def __init__(self, config: TierConfig, *, defer_memory: bool = False) -> None:
         self.config = config
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[NodeCounter] = Counter()
         self.table = ChunkTable(pinned=self._pinned)
         self.changes = IndexChanges()
         self.arena: Arena | None = None  # where DRAM chunks live (take_memory); None: each its own buffer
@@ -333,13 +334,13 @@ class TierManager:
             if key not in self.dram:
                 self.dram.insert(chunk)
                 self.changes.moved[key] = DRAM
-                self.counters["promotions"] += 1
+                self.counters[NodeCounter.PROMOTIONS] += 1
             else:  # a put of the same key landed while we read
                 self.release(room)
                 current = self.dram.peek(key)
                 assert current is not None
                 chunk = current
-        self.counters["nvme_reads"] += 1
+        self.counters[NodeCounter.NVME_READS] += 1
         return chunk
 
     async def verify(self, key: str) -> str:
@@ -349,7 +350,7 @@ class TierManager:
             if checksum(chunk.buffer) == chunk.meta.checksum:
                 return "ok"
             self.dram.delete(key)  # memory went bad: never serve it
-            self.counters["integrity_failures"] += 1
+            self.counters[NodeCounter.INTEGRITY_FAILURES] += 1
             if self.nvme is None or key not in self.nvme:
                 self.changes.removed.add(key)
         record = self.nvme.touch(key) if self.nvme is not None else None

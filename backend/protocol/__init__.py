@@ -72,7 +72,7 @@ from backend.protocol.puts import (
     MAX_STAGE_NAME_BYTES,
     PUT_BUSY,
     PUT_INTEGRITY,
-    PUT_NO_CAPACITY,
+    PUT_NO_ROOM,
     PUT_STORED,
     STAGE_TOKEN_BYTES,
     PutOptions,
@@ -139,7 +139,7 @@ __all__ = [
     # puts
     "PUT_STORED",
     "PUT_INTEGRITY",
-    "PUT_NO_CAPACITY",
+    "PUT_NO_ROOM",
     "PUT_BUSY",
     "put_outcome",
     "encode_items",

@@ -19,7 +19,7 @@ from backend.protocol.meta import U8, U32, U64, ItemMeta, MetaReader, bounded, r
 __all__ = [
     "PUT_STORED",
     "PUT_INTEGRITY",
-    "PUT_NO_CAPACITY",
+    "PUT_NO_ROOM",
     "PUT_BUSY",
     "put_outcome",
     "encode_items",
@@ -38,12 +38,12 @@ __all__ = [
 # Per-item outcome of a PUT_BATCH or PUT_STAGED, in the response's flag list.
 PUT_STORED = 0
 PUT_INTEGRITY = 1
-PUT_NO_CAPACITY = 2
+PUT_NO_ROOM = 2
 PUT_BUSY = 3  # DRAM stayed full of puts in flight until the request's wait ran out
 _PUT_OUTCOMES = {
     PUT_STORED: PutOutcome.STORED,
     PUT_INTEGRITY: PutOutcome.CORRUPT,
-    PUT_NO_CAPACITY: PutOutcome.NO_ROOM,
+    PUT_NO_ROOM: PutOutcome.NO_ROOM,
     PUT_BUSY: PutOutcome.BUSY,
 }
 

@@ -15,6 +15,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2TaskId
 
 from backend.client import Lock, PoolClient
 from backend.config.values import ms_to_s
+from backend.counters import L2Counter, MissCause
 from backend.errors import KVPoolError
 from backend.lmcache.boundary import MissBoundary
 from backend.lmcache.l2.keys import pool_key
@@ -45,7 +46,7 @@ class BufferSink:
         if len(view) != meta.nbytes:
             # Another layout under the same key (a different L1 chunk shape): a miss, never a partial copy.
             self.misses.miss(
-                "size",
+                MissCause.SIZE,
                 "%s holds %d bytes but LMCache's buffer has %d; reading as a miss",
                 meta.key,
                 meta.nbytes,
@@ -103,9 +104,9 @@ class Prefetcher:
                         self._held[key].append((ends, lock))
                 if now >= self._next_prune:
                     self._prune(now)
-            self.misses.recovered("lookup")
+            self.misses.recovered(MissCause.LOOKUP)
         except Exception as exc:  # the task must complete, or LMCache waits on it forever
-            self.misses.failed("lookup", "L2 lookup failed, reading as misses", exc)
+            self.misses.failed(MissCause.LOOKUP, "L2 lookup failed, reading as misses", exc)
         self.lookups.finish(task_id, bitmap)
 
     def _prune(self, now: float) -> None:
@@ -157,7 +158,7 @@ class Prefetcher:
             except KVPoolError as exc:
                 if attempt == UNLOCK_ATTEMPTS - 1:
                     self.misses.miss(
-                        "unlock",
+                        MissCause.UNLOCK,
                         "unlock of %d chunks failed (%s); their leases end after %d ms",
                         len(locks),
                         exc,
@@ -194,13 +195,13 @@ class Prefetcher:
                     views[i][:] = views[first[name]]
                 bitmap.set(i)
                 loaded.append(keys[i])
-            self.counters["loaded_chunks"] += len(loaded)
-            self.counters["load_misses"] += len(keys) - len(loaded)
+            self.counters[L2Counter.LOADED_CHUNKS] += len(loaded)
+            self.counters[L2Counter.LOAD_MISSES] += len(keys) - len(loaded)
             if loaded:
                 self._notify_accessed(loaded)
-            self.misses.recovered("load")
+            self.misses.recovered(MissCause.LOAD)
         except Exception as exc:
-            self.misses.failed("load", "L2 load failed, reading as misses", exc)
+            self.misses.failed(MissCause.LOAD, "L2 load failed, reading as misses", exc)
         self.loads.finish(task_id, bitmap)
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2TaskId
 
 from backend.client import PoolClient
+from backend.counters import L2Counter, MissCause
 from backend.errors import BusyError, KVPoolError, PutOutcome
 from backend.lmcache.boundary import MissBoundary
 from backend.lmcache.chunks import to_chunk
@@ -73,19 +74,19 @@ class Storer:
             except BusyError as exc:
                 # The pool was saturated, nothing failed: the busy chunks are a skipped store.
                 skipped = {key for key, outcome in exc.outcomes.items() if outcome is not PutOutcome.STORED}
-                self.counters["store_skipped_busy"] += len(skipped)
+                self.counters[L2Counter.STORE_SKIPPED_BUSY] += len(skipped)
                 logger.debug("kvpool: L2 store skipped %d chunks, the pool is busy: %s", len(skipped), exc)
             for i, chunk in zip(todo, chunks):
                 if chunk.key not in skipped:
                     stored.append(keys[i])
                     sizes.append(len(memoryview(chunk.data)))
             sent_bytes = sum(sizes)
-            self.misses.recovered("store")
+            self.misses.recovered(MissCause.STORE)
         except Exception as exc:  # the task must complete, or LMCache waits on it forever
             ok = False
-            self.misses.failed("store", "L2 store failed, those chunks stay out of the pool", exc)
+            self.misses.failed(MissCause.STORE, "L2 store failed, those chunks stay out of the pool", exc)
         if stored:
-            self.counters["stored_chunks"] += len(stored)
+            self.counters[L2Counter.STORED_CHUNKS] += len(stored)
             self.usage.count_salt_bytes(stored, sizes, +1)
             self._notify_stored(stored, sizes)
         self.stores.finish(task_id, L2StoreResult(ok, sent_bytes))

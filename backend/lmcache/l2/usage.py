@@ -20,6 +20,7 @@ from lmcache.v1.distributed.l2_adapters.base import AdapterUsage
 
 from backend.client import PoolClient
 from backend.client.index import glob_escape
+from backend.counters import MissCause
 from backend.errors import KVPoolError
 from backend.lmcache.boundary import MissBoundary
 from backend.lmcache.l2.keys import MP_KEY_PREFIX, object_key_from_pool_key
@@ -91,9 +92,9 @@ class UsageView:
             with self._lock:
                 self._salt_delta.update(before)
             self.view = dataclasses.replace(self.view, reachable=False, live_nodes=0)
-            self.misses.miss("registry", "L2 adapter cannot read the pool registry: %s", exc)
+            self.misses.miss(MissCause.REGISTRY, "L2 adapter cannot read the pool registry: %s", exc)
             return
-        self.misses.recovered("registry")
+        self.misses.recovered(MissCause.REGISTRY)
         self.view = PoolView(
             capacity_bytes=sum(n.capacity_bytes for n in nodes),
             used_bytes=sum(n.used_bytes for n in nodes),
