@@ -8,8 +8,8 @@ blocking twin.
 """
 
 from backend.client.chunks import BytesSink, Chunk, Fetched, Lock, Sink
-from backend.client.locks import MAX_LOCK_TTL_MS
+from backend.client.leases import MAX_LEASE_TTL_MS
 from backend.client.pool_client import PoolClient
 from backend.client.sync import SyncPoolClient
 
-__all__ = ["BytesSink", "Chunk", "Fetched", "Lock", "MAX_LOCK_TTL_MS", "PoolClient", "Sink", "SyncPoolClient"]
+__all__ = ["BytesSink", "Chunk", "Fetched", "Lock", "MAX_LEASE_TTL_MS", "PoolClient", "Sink", "SyncPoolClient"]
