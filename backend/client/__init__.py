@@ -1,7 +1,7 @@
 """The pool's client: batched put/get/contains/delete against one namespace.
 
 Lookups are one pipelined Redis round trip; bytes move between the client and the
-nodes over per-node pools of multiplexed connections, or, for a node on this host,
+nodes over per-node sets of multiplexed connections, or, for a node on this host,
 straight out of its shared-memory arena. ``PoolClient`` is a thin facade over the
 parts (``backend/client/pool_client.py`` lists them); ``SyncPoolClient`` is its
 blocking twin.

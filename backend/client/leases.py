@@ -52,7 +52,7 @@ class Leases:
             for start in range(0, len(indexes), MAX_FRAME_ITEMS):
                 part = indexes[start : start + MAX_FRAME_ITEMS]
                 names = [keys[i] for i in part]
-                reply = await self.connections.pool(node).request(Op.LEASE, encode_lease_request(names, ttl_ms, 0))
+                reply = await self.connections.to(node).request(Op.LEASE, encode_lease_request(names, ttl_ms, 0))
                 lease_id, found = decode_lease_response(reply, names)
                 for index, entry in zip(part, found):
                     if entry is not None:
@@ -90,9 +90,9 @@ class Leases:
             node = self.registry.node(nid)
             if node is None or node.epoch != epoch:
                 continue  # the node restarted: its leases died with it
-            pool = self.connections.pool(node)
+            conns = self.connections.to(node)
             releases += [
-                pool.request(Op.RELEASE, encode_release(lease_id, names[i : i + MAX_FRAME_ITEMS]))
+                conns.request(Op.RELEASE, encode_release(lease_id, names[i : i + MAX_FRAME_ITEMS]))
                 for i in range(0, len(names), MAX_FRAME_ITEMS)
             ]
         outcomes = await asyncio.gather(*releases, return_exceptions=True)

@@ -160,7 +160,7 @@ class PoolClient:
 
     async def channel_request(self, node: NodeInfo, meta: bytes) -> bytes:
         """One CHANNEL_GET to ``node`` over its TCP protocol; returns the response meta."""
-        return bytes(await self.connections.pool(node).request(Op.CHANNEL_GET, meta))
+        return bytes(await self.connections.to(node).request(Op.CHANNEL_GET, meta))
 
     # -- delete, admin, stats ---------------------------------------------------------
     async def delete(self, keys: Sequence[str]) -> int:
