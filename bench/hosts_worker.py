@@ -312,12 +312,12 @@ class Probe:
 
 def install_probe() -> None:
     """Wrap the harness's cells, the stack's put and get, and the client's node requests with :class:`Probe`."""
-    from backend.client.connection import NodePool
+    from backend.client.connection import NodeConnectionSet
     from backend.protocol import Op
     from bench import cells
     from bench.lmcache_stack import LMCacheStack
 
-    run_cell, put, get, request = cells.run_cell, LMCacheStack.put, LMCacheStack.get, NodePool.request
+    run_cell, put, get, request = cells.run_cell, LMCacheStack.put, LMCacheStack.get, NodeConnectionSet.request
 
     def probed_put(stack: Any, *args: Any, **kwargs: Any) -> Any:
         if Probe.active is None:
@@ -329,10 +329,10 @@ def install_probe() -> None:
             return get(stack, *args, **kwargs)
         return Probe.active.timed("get", lambda: get(stack, *args, **kwargs))
 
-    async def probed_request(pool: Any, op: int, meta: bytes, **kwargs: Any) -> Any:
+    async def probed_request(conns: Any, op: int, meta: bytes, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
-            return await request(pool, op, meta, **kwargs)
+            return await request(conns, op, meta, **kwargs)
         finally:
             if (probe := Probe.active) is not None:
                 probe.requests[probe.phase][Op(op).name] += 1
@@ -351,7 +351,7 @@ def install_probe() -> None:
     cells.run_cell = probed_cell
     LMCacheStack.put = probed_put  # type: ignore[method-assign]
     LMCacheStack.get = probed_get  # type: ignore[method-assign]
-    NodePool.request = probed_request  # type: ignore[method-assign]
+    NodeConnectionSet.request = probed_request  # type: ignore[method-assign]
 
 
 _probe_spec: dict[str, Any] = {}  # the backend the worker's current round measures

@@ -4,8 +4,8 @@
 
 A node's chunks live in its DRAM arena, an mmap'd /dev/shm file: here a batch of 8
 chunks (4 MiB, then 32 MiB) sits in such a file. One 1-rank communicator moves them
-with ``nccl_channel.transport_nccl.exchange_self``: the node link's staging
-(``stage_out``) and the client link's landing (``recv_pointer``/``copy_in``/``land``)
+with ``nccl_channel.transport_nccl.exchange_self``: the node link's copy out
+(``copy_out``, into its slot) and the client link's landing (``recv_pointer``/``copy_in``/``land``)
 are the channel's, as is the pipeline that verifies each chunk's checksum as it lands
 (``nccl_channel.pipeline.receive_batch``); only the group pairs each send with its
 receive, as NCCL needs for a rank sending to itself. Sinks are pinned host buffers

@@ -111,11 +111,13 @@ CLOCK = Clock()
 
 
 def _instrument() -> None:
-    from backend.client.connection import NodePool
+    from backend.client.connection import NodeConnectionSet
 
     CLOCK.wrap(KVPoolConnector, "batched_get", "connector")
     CLOCK.wrap(Locator, "lookup", "lookup")
-    CLOCK.wrap(NodePool, "request", lambda self, op, meta, **k: {Op.LEASE: "lease", Op.GET_BATCH: "request"}.get(op))
+    CLOCK.wrap(
+        NodeConnectionSet, "request", lambda self, op, meta, **k: {Op.LEASE: "lease", Op.GET_BATCH: "request"}.get(op)
+    )
     CLOCK.wrap(LMCacheSink, "allocate", "allocation")
     CLOCK.wrap(ClientContext, "map_in_threads", "copy (wall)")
     CLOCK.wrap(FrameSocket, "recv_many", "receive (wall)")

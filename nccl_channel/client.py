@@ -20,7 +20,7 @@ from nccl_channel.link import Link, Transport, transfer_timeout
 from nccl_channel.outcome import ChannelResult, Landed, NotBrought, Why
 from nccl_channel.pairs import MAX_PAIRS, PAIR_TIMEOUT_S, Pair, PairCache, Peer, Request, Sink, abort_joined, in_thread
 from nccl_channel.pipeline import Verifier, receive_batch
-from nccl_channel.rendezvous import Offer, Rendezvous, new_session
+from nccl_channel.rendezvous import Offer, Rendezvous, new_pair_id
 
 __all__ = ["NcclChannel", "BACKOFF_S"]
 
@@ -120,8 +120,8 @@ class NcclChannel(Generic[N]):
             pair = self._pairs.live(ident)
             if pair is not None:
                 return pair
-            link, session = await self._connect(node)
-            pair = Pair(session, link)
+            link, pair_id = await self._connect(node)
+            pair = Pair(pair_id, link)
             self._pairs.add(ident, pair)
             self.counters[ChannelCounter.PAIRS_CREATED] += 1
             return pair
@@ -129,17 +129,17 @@ class NcclChannel(Generic[N]):
     async def _connect(self, node: N) -> tuple[Link, str]:
         if self._closed:
             raise NcclError("the channel is closed")
-        session = new_session()
+        pair_id = new_pair_id()
         unique_id, state = await in_thread(self.transport.prepare, "making a unique id")  # NCCL's first takes s
         try:
-            offer = Offer(session, self.transport.kind, unique_id, self.endpoint_id, node.node_id, self.cluster)
+            offer = Offer(pair_id, self.transport.kind, unique_id, self.endpoint_id, node.node_id, self.cluster)
             await self.rendezvous.publish(offer)
             joining = asyncio.ensure_future(
                 asyncio.to_thread(self.transport.join, unique_id, 0, state, self.pair_timeout_s)
             )
             try:
                 # Answered as soon as the node took the offer; its join runs on in the background.
-                await self._request(node, encode_channel_request(session, [], offer.digest()))
+                await self._request(node, encode_channel_request(pair_id, [], offer.digest()))
             except BaseException:
                 self.transport.discard(state)  # a CPU accept fails at once instead of at its deadline
                 joining.add_done_callback(abort_joined)
@@ -151,8 +151,8 @@ class NcclChannel(Generic[N]):
                 raise
         finally:
             self.transport.discard(state)
-        logger.info("channel: paired with node %s over %s (session %s)", node.node_id, self.kind, session)
-        return link, session
+        logger.info("channel: paired with node %s over %s (pair %s)", node.node_id, self.kind, pair_id)
+        return link, pair_id
 
     async def get(self, node: N, keys: Sequence[str], sink: Sink[T]) -> list[ChannelResult[T]]:
         """Fetch ``keys`` from ``node`` over the channel into ``sink`` buffers.
@@ -174,7 +174,7 @@ class NcclChannel(Generic[N]):
             raise _untyped(exc, f"pairing with node {node.node_id}") from exc
         async with pair.lock:
             try:
-                reply = await self._request(node, encode_channel_request(pair.session, keys))
+                reply = await self._request(node, encode_channel_request(pair.pair_id, keys))
                 found = decode_channel_response(reply, keys)
                 total = sum(item.nbytes for item in found if item is not None)
                 results = await self._receive(pair, found, sink, transfer_timeout(self.timeout_s, total))

@@ -39,39 +39,41 @@ class ChannelServer:
         self.pair_timeout_s = pair_timeout_s
         self.counters: Counter[NodeCounter] = Counter()
         self._pairs = PairCache(max_pairs)
-        self._joins: dict[str, asyncio.Task[None]] = {}  # session -> its join, while under way
+        self._joins: dict[str, asyncio.Task[None]] = {}  # pair_id -> its join, while under way
 
     @property
     def kind(self) -> str:
         return self.transport.kind
 
-    async def start_join(self, session: str, digest: str) -> None:
-        """Take the offer of ``session`` (the one whose digest is ``digest``) and join its pair in the
+    async def start_join(self, pair_id: str, digest: str) -> None:
+        """Take the offer of ``pair_id`` (the one whose digest is ``digest``) and join its pair in the
         background; NcclError if there is no such offer.
 
         Returns once the offer is taken, so the pairing request is answered at once: the
         join itself (a cold NCCL init takes seconds) is bounded by ``pair_timeout_s``,
         not by any request's timeout.
         """
-        if self._pairs.live(session) is not None or session in self._joins:
+        if self._pairs.live(pair_id) is not None or pair_id in self._joins:
             return
         if not digest:
-            raise NcclError(f"pairing session {session} names no offer digest (a client of an older release?)")
+            raise NcclError(
+                f"the pairing request for pair {pair_id} names no offer digest (a client of an older release?)"
+            )
         offer = await self.rendezvous.take(
-            session, target=self.node_id, cluster=self.cluster, transport=self.kind, digest=digest
+            pair_id, target=self.node_id, cluster=self.cluster, transport=self.kind, digest=digest
         )
-        if session in self._joins:  # a concurrent request for the same session took it first
+        if pair_id in self._joins:  # a concurrent request for the same pair took it first
             return
-        task = asyncio.ensure_future(self._join(session, offer))
-        self._joins[session] = task
-        task.add_done_callback(lambda done: self._joined(session, done))
+        task = asyncio.ensure_future(self._join(pair_id, offer))
+        self._joins[pair_id] = task
+        task.add_done_callback(lambda done: self._joined(pair_id, done))
 
-    def _joined(self, session: str, task: asyncio.Task[None]) -> None:
-        self._joins.pop(session, None)
+    def _joined(self, pair_id: str, task: asyncio.Task[None]) -> None:
+        self._joins.pop(pair_id, None)
         if not task.cancelled():
             task.exception()  # logged by _join; a request waiting on it gets it too
 
-    async def _join(self, session: str, offer: Offer) -> None:
+    async def _join(self, pair_id: str, offer: Offer) -> None:
         joining = asyncio.ensure_future(
             asyncio.to_thread(self.transport.join, offer.unique_id, 1, None, self.pair_timeout_s)
         )
@@ -84,27 +86,27 @@ class ChannelServer:
             self.counters[NodeCounter.CHANNEL_ERRORS] += 1
             logger.warning("channel: node %s could not pair with %s: %s", self.node_id, offer.initiator, exc)
             raise
-        self._pairs.add(session, Pair(session, link))
+        self._pairs.add(pair_id, Pair(pair_id, link))
         self.counters[NodeCounter.CHANNEL_PAIRS] += 1
         logger.info("channel: node %s paired with %s over %s", self.node_id, offer.initiator, self.kind)
 
-    async def join(self, session: str) -> None:
-        """Make sure the pair of ``session`` exists: wait for its join (started by the pairing request). NcclError
+    async def join(self, pair_id: str) -> None:
+        """Make sure the pair of ``pair_id`` exists: wait for its join (started by the pairing request). NcclError
         on failure."""
-        if self._pairs.live(session) is not None:
+        if self._pairs.live(pair_id) is not None:
             return
-        task = self._joins.get(session)
+        task = self._joins.get(pair_id)
         if task is not None:
             await asyncio.shield(task)
-        if self._pairs.live(session) is None:
-            raise NcclError(f"session {session} has no pair on node {self.node_id} (never paired, or its join failed)")
+        if self._pairs.live(pair_id) is None:
+            raise NcclError(f"pair {pair_id} is not on node {self.node_id} (never paired, or its join failed)")
 
-    async def send(self, session: str, buffers: Sequence[Buffer]) -> None:
-        """Send ``buffers`` as one batch over the pair of ``session``; a failure drops the pair."""
-        pair = self._pairs.live(session)
+    async def send(self, pair_id: str, buffers: Sequence[Buffer]) -> None:
+        """Send ``buffers`` as one batch over the pair of ``pair_id``; a failure drops the pair."""
+        pair = self._pairs.live(pair_id)
         if pair is None:
             self.counters[NodeCounter.CHANNEL_ERRORS] += 1
-            logger.warning("channel: node %s has no pair for session %s; nothing sent", self.node_id, session)
+            logger.warning("channel: node %s has no pair %s; nothing sent", self.node_id, pair_id)
             return
         nbytes = sum(len(memoryview(b).cast("B")) for b in buffers)
         async with pair.lock:
@@ -115,11 +117,11 @@ class ChannelServer:
                 await asyncio.shield(pair.transfer)
             except Exception as exc:  # NcclError, or anything else a link let through: never reuse the pair
                 self.counters[NodeCounter.CHANNEL_ERRORS] += 1
-                self._pairs.retire(session, pair)
-                logger.warning("channel: send to session %s failed, pair dropped: %s", session, exc)
+                self._pairs.retire(pair_id, pair)
+                logger.warning("channel: send to pair %s failed, pair dropped: %s", pair_id, exc)
                 return
             except BaseException:
-                self._pairs.retire(session, pair)  # cancelled (node stopping): aborted once the thread returns
+                self._pairs.retire(pair_id, pair)  # cancelled (node stopping): aborted once the thread returns
                 raise
             finally:
                 pair.transfer = None

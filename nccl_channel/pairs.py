@@ -1,6 +1,6 @@
 """What both ends of the channel share: the peers and sinks they serve, and the pair cache.
 
-A pair is one link and the session that made it; transfers on a pair are serialised
+A pair is one link and the id it was paired under; transfers on a pair are serialised
 by its lock. Retiring a pair aborts its link in a worker thread, and only once no
 transfer thread uses it: NCCL forbids concurrent calls on one communicator, and the
 event loop never waits on NCCL.
@@ -75,7 +75,7 @@ class Request(Protocol[P]):
 
 @dataclasses.dataclass
 class Pair:
-    session: str
+    pair_id: str
     link: Link
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     transfer: asyncio.Future[Any] | None = None  # the worker thread's send or recv, while one runs

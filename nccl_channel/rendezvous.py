@@ -2,8 +2,8 @@
 each other's id can build a communicator.
 
 The side that starts a pair (rank 0, the client) makes the transport's unique id
-and publishes an :class:`Offer` under a fresh session id, as a Redis key with a TTL
-(``kvp:{NS}:rdv:<session>``). It then tells the peer the session id over the node's
+and publishes an :class:`Offer` under a fresh pair id, as a Redis key with a TTL
+(``kvp:{NS}:rdv:<pair id>``). It then tells the peer the pair id over the node's
 TCP protocol, with the offer's digest; the peer takes the offer (read and delete: it is
 joined once), checks that it is meant for it and that it is the offer the client made
 (the digest came over the authenticated connection: an offer rewritten in Redis by
@@ -23,7 +23,7 @@ from typing import Protocol
 
 from backend.errors import MetadataError, NcclError
 
-__all__ = ["Offer", "RendezvousStore", "Rendezvous", "new_session"]
+__all__ = ["Offer", "RendezvousStore", "Rendezvous", "new_pair_id"]
 
 DEFAULT_TTL_MS = 30_000
 
@@ -31,16 +31,16 @@ DEFAULT_TTL_MS = 30_000
 class RendezvousStore(Protocol):
     """What the rendezvous needs of the metadata layer (``backend.metadata.Rendezvous``)."""
 
-    async def offer_rendezvous(self, session: str, value: str, ttl_ms: int) -> None: ...
+    async def offer_rendezvous(self, pair_id: str, value: str, ttl_ms: int) -> None: ...
 
-    async def take_rendezvous(self, session: str) -> str | None: ...
+    async def take_rendezvous(self, pair_id: str) -> str | None: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class Offer:
     """What rank 0 publishes: who offers, to whom, over which transport, with which id."""
 
-    session: str
+    pair_id: str
     transport: str
     unique_id: bytes
     initiator: str  # endpoint id of rank 0
@@ -49,6 +49,7 @@ class Offer:
 
     def encode(self) -> str:
         body = dataclasses.asdict(self)
+        body["session"] = body.pop("pair_id")  # the stored offer's field keeps its name (wire)
         body["unique_id"] = self.unique_id.hex()
         return json.dumps(body, sort_keys=True)
 
@@ -61,7 +62,7 @@ class Offer:
         try:
             body = json.loads(text)
             return cls(
-                session=str(body["session"]),
+                pair_id=str(body["session"]),
                 transport=str(body["transport"]),
                 unique_id=bytes.fromhex(str(body["unique_id"])),
                 initiator=str(body["initiator"]),
@@ -72,7 +73,7 @@ class Offer:
             raise NcclError(f"rendezvous offer is malformed: {exc}") from None
 
 
-def new_session() -> str:
+def new_pair_id() -> str:
     return uuid.uuid4().hex
 
 
@@ -87,33 +88,33 @@ class Rendezvous:
 
     async def publish(self, offer: Offer) -> None:
         try:
-            await self.store.offer_rendezvous(offer.session, offer.encode(), self.ttl_ms)
+            await self.store.offer_rendezvous(offer.pair_id, offer.encode(), self.ttl_ms)
         except MetadataError as exc:
-            raise NcclError(f"cannot publish rendezvous {offer.session}: {exc}") from None
+            raise NcclError(f"cannot publish rendezvous {offer.pair_id}: {exc}") from None
 
     async def take(
-        self, session: str, *, target: str, cluster: str, transport: str, digest: str | None = None
+        self, pair_id: str, *, target: str, cluster: str, transport: str, digest: str | None = None
     ) -> Offer:
-        """The offer for ``session``, checked to be meant for this endpoint and (unless ``digest`` is None:
+        """The offer for ``pair_id``, checked to be meant for this endpoint and (unless ``digest`` is None:
         two ranks of one test that share no connection) to be the one whose :meth:`Offer.digest` is
         ``digest``; NcclError otherwise."""
         try:
-            text = await self.store.take_rendezvous(session)
+            text = await self.store.take_rendezvous(pair_id)
         except MetadataError as exc:
-            raise NcclError(f"cannot read rendezvous {session}: {exc}") from None
+            raise NcclError(f"cannot read rendezvous {pair_id}: {exc}") from None
         if text is None:
-            raise NcclError(f"rendezvous {session} is missing or expired")
+            raise NcclError(f"rendezvous {pair_id} is missing or expired")
         offer = Offer.decode(text)
         if digest is not None and not hmac.compare_digest(
             offer.digest().encode("ascii"), digest.encode("ascii", "replace")
         ):
             raise NcclError(
-                f"rendezvous {session} is not the offer the client made (rewritten in Redis?): refusing to join it"
+                f"rendezvous {pair_id} is not the offer the client made (rewritten in Redis?): refusing to join it"
             )
-        if offer.session != session or offer.target != target:
-            raise NcclError(f"rendezvous {session} is meant for {offer.target!r}, not {target!r}")
+        if offer.pair_id != pair_id or offer.target != target:
+            raise NcclError(f"rendezvous {pair_id} is meant for {offer.target!r}, not {target!r}")
         if offer.cluster != cluster:
-            raise NcclError(f"rendezvous {session} comes from cluster {offer.cluster!r}; this is {cluster!r}")
+            raise NcclError(f"rendezvous {pair_id} comes from cluster {offer.cluster!r}; this is {cluster!r}")
         if offer.transport != transport:
-            raise NcclError(f"rendezvous {session} wants transport {offer.transport!r}; this side has {transport!r}")
+            raise NcclError(f"rendezvous {pair_id} wants transport {offer.transport!r}; this side has {transport!r}")
         return offer

@@ -55,12 +55,12 @@ class NcclLink:
         ring = self._ring_for(max((len(v) for v in views), default=0))
 
         def issue(index: int) -> Any:
-            pointer, staged = self.stage_out(ring, index, views[index])
-            return self.comm.issue([(pointer, len(views[index]), "send")], timeout_s, after=staged, started=started)
+            pointer, copied = self.copy_out(ring, index, views[index])
+            return self.comm.issue([(pointer, len(views[index]), "send")], timeout_s, after=copied, started=started)
 
         self.run_ring(len(views), issue, lambda _index: None, timeout_s, started, "send")
 
-    def stage_out(self, ring: StagingRing, index: int, view: memoryview) -> tuple[int, Any]:
+    def copy_out(self, ring: StagingRing, index: int, view: memoryview) -> tuple[int, Any]:
         """Where NCCL sends chunk ``index`` from (its ring slot), and the event its staging copy completes.
 
         The chunk's slot is free: its previous chunk's send completed (``run_ring`` waited for it).
@@ -72,9 +72,9 @@ class NcclLink:
                 if not self._pinned(view):
                     source = ring.bounce(index % ring.depth)[: len(view)].copy_(source)
                 slot.copy_(source, non_blocking=True)
-            staged = torch.cuda.Event()
-            staged.record(self._copies)
-        return int(slot.data_ptr()), staged
+            copied = torch.cuda.Event()
+            copied.record(self._copies)
+        return int(slot.data_ptr()), copied
 
     def recv_into(
         self,
@@ -196,10 +196,10 @@ def exchange_self(
 
     def issue(index: int) -> Any:
         size, target = len(views[index]), targets[index]
-        source, staged = node.stage_out(out_ring, index, views[index])
+        source, copied = node.copy_out(out_ring, index, views[index])
         into = client.recv_pointer(in_ring, index, size, target)
         arrived = client.comm.issue(
-            [(source, size, "send"), (into, size, "recv")], timeout_s, peer=0, after=staged, started=started
+            [(source, size, "send"), (into, size, "recv")], timeout_s, peer=0, after=copied, started=started
         )
         return client.copy_in(in_ring, index, target, arrived, bounced)
 

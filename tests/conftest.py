@@ -145,4 +145,4 @@ async def raw_request(client: PoolClient, node: NodeInfo, op: int, meta: bytes) 
     For tests that send what no client method sends (a lease by hand, a bad flag):
     the client's own requests go through its typed methods.
     """
-    return bytes(await client.connections.pool(node).request(op, meta))
+    return bytes(await client.connections.to(node).request(op, meta))

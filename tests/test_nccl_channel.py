@@ -20,7 +20,7 @@ from backend.protocol import Op, encode_channel_request, encode_json
 from kvpool import Chunk, KVPoolError, NcclError, PoolClient, PoolConfig, ProtocolError
 from nccl_channel.channel import ChannelServer, CpuTransport, NcclChannel
 from nccl_channel.outcome import Landed, NotBrought, Why
-from nccl_channel.rendezvous import Offer, Rendezvous, new_session
+from nccl_channel.rendezvous import Offer, Rendezvous, new_pair_id
 from tests.support.clock import ManualClock
 from tests.support.waits import until, wait_until
 
@@ -66,27 +66,27 @@ async def test_an_offer_is_taken_once_and_only_by_its_target(redis_server, names
     store = MetadataStore(redis_server.url, namespace)
     rdv = Rendezvous(store.rendezvous)
     try:
-        offer = Offer(new_session(), "cpu", b"\x01\x02", "client-1", "node-1", CLUSTER)
+        offer = Offer(new_pair_id(), "cpu", b"\x01\x02", "client-1", "node-1", CLUSTER)
         await rdv.publish(offer)
         with pytest.raises(NcclError, match="meant for 'node-1', not 'node-2'"):
-            await rdv.take(offer.session, target="node-2", cluster=CLUSTER, transport="cpu")
+            await rdv.take(offer.pair_id, target="node-2", cluster=CLUSTER, transport="cpu")
         await rdv.publish(offer)
-        got = await rdv.take(offer.session, target="node-1", cluster=CLUSTER, transport="cpu", digest=offer.digest())
+        got = await rdv.take(offer.pair_id, target="node-1", cluster=CLUSTER, transport="cpu", digest=offer.digest())
         assert got == offer
         with pytest.raises(NcclError, match="missing or expired"):
-            await rdv.take(offer.session, target="node-1", cluster=CLUSTER, transport="cpu")
+            await rdv.take(offer.pair_id, target="node-1", cluster=CLUSTER, transport="cpu")
         await rdv.publish(offer)
         with pytest.raises(NcclError, match="comes from cluster 'rack-a'; this is 'rack-b'"):
-            await rdv.take(offer.session, target="node-1", cluster="rack-b", transport="cpu")
+            await rdv.take(offer.pair_id, target="node-1", cluster="rack-b", transport="cpu")
         await rdv.publish(offer)
         with pytest.raises(NcclError, match="wants transport 'cpu'; this side has 'nccl'"):
-            await rdv.take(offer.session, target="node-1", cluster=CLUSTER, transport="nccl")
+            await rdv.take(offer.pair_id, target="node-1", cluster=CLUSTER, transport="nccl")
         # Someone with the Redis password but not the token rewrites the offer (their own unique id):
         # the node, told the offer's digest over its authenticated connection, refuses to join it.
         forged = dataclasses.replace(offer, unique_id=b"\x66" * 2, initiator="intruder")
         await rdv.publish(forged)
         with pytest.raises(NcclError, match="not the offer the client made"):
-            await rdv.take(offer.session, target="node-1", cluster=CLUSTER, transport="cpu", digest=offer.digest())
+            await rdv.take(offer.pair_id, target="node-1", cluster=CLUSTER, transport="cpu", digest=offer.digest())
     finally:
         await store.close()
 
@@ -94,11 +94,11 @@ async def test_an_offer_is_taken_once_and_only_by_its_target(redis_server, names
 async def test_an_untaken_offer_expires_in_redis(redis_server, namespace):
     store = MetadataStore(redis_server.url, namespace)
     try:
-        offer = Offer(new_session(), "cpu", b"id", "client-1", "node-1", CLUSTER)
+        offer = Offer(new_pair_id(), "cpu", b"id", "client-1", "node-1", CLUSTER)
         await Rendezvous(store.rendezvous, ttl_ms=100).publish(offer)
         redis = store.connection.redis
-        assert 0 < await redis.pttl(store.rendezvous.rendezvous_key(offer.session)) <= 100
-        await until(lambda: redis.exists(store.rendezvous.rendezvous_key(offer.session)), lambda n: n == 0, 5.0)
+        assert 0 < await redis.pttl(store.rendezvous.rendezvous_key(offer.pair_id)) <= 100
+        await until(lambda: redis.exists(store.rendezvous.rendezvous_key(offer.pair_id)), lambda n: n == 0, 5.0)
     finally:
         await store.close()
 
@@ -109,12 +109,12 @@ async def test_cpu_transport_pairs_two_ends_from_the_published_id_alone(redis_se
     transport = CpuTransport()
     unique_id, state = transport.prepare()
     try:
-        session = new_session()
-        offer = Offer(session, "cpu", unique_id, "client-x", "node-x", CLUSTER)
+        pair_id = new_pair_id()
+        offer = Offer(pair_id, "cpu", unique_id, "client-x", "node-x", CLUSTER)
         await Rendezvous(store.rendezvous).publish(offer)
-        await server.start_join(session, offer.digest())
+        await server.start_join(pair_id, offer.digest())
         link, _ = await asyncio.gather(
-            asyncio.to_thread(transport.join, unique_id, 0, state, 5.0), server.join(session)
+            asyncio.to_thread(transport.join, unique_id, 0, state, 5.0), server.join(pair_id)
         )
         payload = [os.urandom(1000), b"", os.urandom(70_000)]
         got = [bytearray(len(p)) for p in payload]
@@ -124,7 +124,7 @@ async def test_cpu_transport_pairs_two_ends_from_the_published_id_alone(redis_se
                 link.recv_into, [len(p) for p in payload], [memoryview(g) for g in got], 5.0, landed.append
             )
         )
-        await server.send(session, payload)
+        await server.send(pair_id, payload)
         await received
         assert [bytes(g) for g in got] == payload and landed == [0, 1, 2]
         assert server.counters["channel_bytes"] == 71_000
@@ -213,18 +213,18 @@ async def test_a_node_of_another_cluster_or_without_channel_is_not_served(node_f
     assert not channel.serves(nodes[other.node_id])
     assert not channel.serves(nodes[plain.node_id])
     with pytest.raises(KVPoolError, match="serves no channel"):
-        await client.channel_request(nodes[plain.node_id], encode_channel_request(new_session(), []))
+        await client.channel_request(nodes[plain.node_id], encode_channel_request(new_pair_id(), []))
 
 
 async def test_a_node_refuses_an_unknown_session_and_a_malformed_request(node_factory, client):
     node = node_factory("--cluster", CLUSTER, "--channel", "cpu")
     info = await _node_info(client, node.node_id)
     with pytest.raises(KVPoolError, match="never paired"):
-        await client.channel_request(info, encode_channel_request(new_session(), ["k"]))
+        await client.channel_request(info, encode_channel_request(new_pair_id(), ["k"]))
     with pytest.raises(KVPoolError, match="missing or expired"):
-        await client.channel_request(info, encode_channel_request(new_session(), [], "d" * 64))
+        await client.channel_request(info, encode_channel_request(new_pair_id(), [], "d" * 64))
     with pytest.raises(KVPoolError, match="names no offer digest"):
-        await client.channel_request(info, encode_channel_request(new_session(), []))
+        await client.channel_request(info, encode_channel_request(new_pair_id(), []))
     with pytest.raises(ProtocolError, match="session must be"):
         await client.channel_request(info, encode_json({"keys": []}))
     assert node.alive()

@@ -189,7 +189,7 @@ PAIR_WORKER = textwrap.dedent("""
     from nccl_channel.channel import NcclTransport
     from nccl_channel.rendezvous import Offer, Rendezvous
 
-    rank, redis_url, namespace, session = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    rank, redis_url, namespace, pair_id = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     transport = NcclTransport(f"cuda:{rank}")
 
     async def main():
@@ -197,11 +197,11 @@ PAIR_WORKER = textwrap.dedent("""
         rdv = Rendezvous(store.rendezvous)
         if rank == 0:
             uid, state = transport.prepare()
-            await rdv.publish(Offer(session, "nccl", uid, "rank0", "rank1", "c"))
+            await rdv.publish(Offer(pair_id, "nccl", uid, "rank0", "rank1", "c"))
         else:
             for _ in range(600):
                 try:
-                    uid = (await rdv.take(session, target="rank1", cluster="c", transport="nccl")).unique_id
+                    uid = (await rdv.take(pair_id, target="rank1", cluster="c", transport="nccl")).unique_id
                     break
                 except Exception:
                     await asyncio.sleep(0.05)
@@ -225,10 +225,10 @@ PAIR_WORKER = textwrap.dedent("""
 def test_two_processes_pair_through_redis_and_move_a_batch(lib, redis_server, namespace):
     import uuid
 
-    session = uuid.uuid4().hex
+    pair_id = uuid.uuid4().hex
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", PAIR_WORKER, str(rank), redis_server.url, namespace, session],
+            [sys.executable, "-c", PAIR_WORKER, str(rank), redis_server.url, namespace, pair_id],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

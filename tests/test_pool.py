@@ -332,8 +332,8 @@ async def test_cancelling_one_request_does_not_break_the_others_on_its_connectio
         conn = None
         while conn is None:  # cancel once the GET is on the wire, before its answer is back
             await asyncio.sleep(0)
-            pools = client.connections.pools()
-            conns = [c for p in pools for c in p.connections if any(x.op == Op.GET_BATCH for x in c._pending.values())]
+            sets = client.connections.sets()
+            conns = [c for s in sets for c in s.connections if any(x.op == Op.GET_BATCH for x in c._pending.values())]
             conn = conns[0] if conns else None
         slow.cancel()
         got = await client.get([c.key for c in small])

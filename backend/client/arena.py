@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from backend.client.chunks import DECLINED, MISS, Fallback, Hit, Outcome, Sink, Wanted, allocate_view, release_hits
-from backend.client.connection import MAX_FRAME_ITEMS, Connections, NodePool
+from backend.client.connection import MAX_FRAME_ITEMS, Connections, NodeConnectionSet
 from backend.client.context import ClientContext, logger
 from backend.config.values import ms_to_s
 from backend.counters import ClientCounter
@@ -86,23 +86,23 @@ class ArenaReader:
         """
         arena = self.view(node)
         assert arena is not None
-        pool = self.connections.pool(node)
+        conns = self.connections.to(node)
         outcomes: list[Outcome] = []
         try:
             for start in range(0, len(wanted), MAX_FRAME_ITEMS):
-                outcomes += await self._read_leased(pool, arena, wanted[start : start + MAX_FRAME_ITEMS], sink)
+                outcomes += await self._read_leased(conns, arena, wanted[start : start + MAX_FRAME_ITEMS], sink)
         except BaseException:
             release_hits(sink, outcomes)
             raise
         return outcomes
 
     async def _read_leased(
-        self, pool: NodePool, arena: ArenaView, part: Sequence[Wanted], sink: Sink[Any]
+        self, conns: NodeConnectionSet, arena: ArenaView, part: Sequence[Wanted], sink: Sink[Any]
     ) -> list[Outcome]:
         keys = [w.key for w in part]
         trust_until = time.monotonic() + ms_to_s(SHM_LEASE_MS) * SHM_LEASE_TRUST
         try:
-            reply = await pool.request(Op.LEASE, encode_lease_request(keys, SHM_LEASE_MS, LEASE_MAP))
+            reply = await conns.request(Op.LEASE, encode_lease_request(keys, SHM_LEASE_MS, LEASE_MAP))
         except CapacityError:
             return [Fallback("the node's lease table is full")] * len(keys)
         lease_id, found = decode_lease_response(reply, keys)
@@ -132,7 +132,7 @@ class ArenaReader:
             raise
         finally:
             if lease_id:
-                self.ctx.spawn(_release_quietly(pool, lease_id))
+                self.ctx.spawn(_release_quietly(conns, lease_id))
         for (index, item, _, _), digest in zip(jobs, digests):
             if digest == item.checksum and time.monotonic() < trust_until:
                 self.ctx.counters[ClientCounter.SHM_GET_BYTES] += item.nbytes
@@ -159,8 +159,8 @@ class ArenaReader:
         return list(await self.ctx.map_in_threads(copy, jobs))
 
 
-async def _release_quietly(pool: NodePool, lease_id: int) -> None:
+async def _release_quietly(conns: NodeConnectionSet, lease_id: int) -> None:
     try:
-        await pool.request(Op.RELEASE, encode_release(lease_id, ()))
+        await conns.request(Op.RELEASE, encode_release(lease_id, ()))
     except KVPoolError as exc:  # the lease ends at its deadline instead
-        logger.debug("kvpool: releasing lease on node %s failed: %s", pool.node.node_id, exc)
+        logger.debug("kvpool: releasing lease on node %s failed: %s", conns.node.node_id, exc)

@@ -1,4 +1,4 @@
-"""What a client stores and hands back: chunks, sinks, locks, and a read's typed outcome.
+"""What a client stores and hands back: chunks, sinks, leases (``Lock``), and a read's typed outcome.
 
 A get puts bytes into buffers that a *sink* hands out, so the LMCache connector
 receives straight into LMCache's own memory. Every reader answers each key with one
@@ -57,7 +57,10 @@ class Chunk:
 
 @dataclasses.dataclass(frozen=True)
 class Lock:
-    """A key pinned on one node by :meth:`PoolClient.lock` until unlocked or its ttl ends."""
+    """A lease on one key, taken on its node by :meth:`PoolClient.lock` until unlocked or its ttl ends.
+
+    The public name says lock: a lock *is* a lease (the node's LEASE, ``lease_id``).
+    """
 
     key: str
     node_id: str

@@ -40,7 +40,7 @@ from backend.transport import Buffer, FrameSocket
 __all__ = [
     "Connections",
     "NodeConnection",
-    "NodePool",
+    "NodeConnectionSet",
     "NodeWatch",
     "check_tls_agrees",
     "frames",
@@ -347,7 +347,7 @@ class NodeWatch(Protocol):
     def answered(self, node: NodeInfo) -> None: ...
 
 
-class NodePool:
+class NodeConnectionSet:
     """Up to ``connections_per_node`` connections to one node, least-loaded first."""
 
     def __init__(
@@ -386,7 +386,7 @@ class NodePool:
         return result
 
     async def open_all(self) -> list[NodeConnection]:
-        """Open now every connection this pool may have (``connections_per_node``), which the first
+        """Open now every connection this set may have (``connections_per_node``), which the first
         requests would otherwise open one by one, each paying a connect and handshake."""
         self.connections = [c for c in self.connections if not c.broken]
         while len(self.connections) < self.config.connections_per_node:
@@ -425,21 +425,22 @@ def frames(items: Sequence[T]) -> list[list[T]]:
 
 
 class Connections:
-    """One :class:`NodePool` per live node (by id and epoch), closed when the node leaves the registry."""
+    """One :class:`NodeConnectionSet` per live node (by id and epoch), closed when the node leaves the registry."""
 
     def __init__(self, config: PoolConfig, tls: ssl.SSLContext | None, bulk: Callable[[], Executor]) -> None:
         self.config = config
         self.tls = tls
         self._bulk = bulk
-        self.watch: NodeWatch | None = None  # given to every pool made from now on
-        self._pools: dict[tuple[str, int], NodePool] = {}
+        self.watch: NodeWatch | None = None  # given to every set made from now on
+        self._sets: dict[tuple[str, int], NodeConnectionSet] = {}
 
-    def pool(self, node: NodeInfo) -> NodePool:
+    def to(self, node: NodeInfo) -> NodeConnectionSet:
+        """The connections to ``node``, made the first time it is named."""
         ident = (node.node_id, node.epoch)
-        pool = self._pools.get(ident)
-        if pool is None:
-            pool = self._pools[ident] = NodePool(node, self.config, self.tls, self._bulk(), self.watch)
-        return pool
+        conns = self._sets.get(ident)
+        if conns is None:
+            conns = self._sets[ident] = NodeConnectionSet(node, self.config, self.tls, self._bulk(), self.watch)
+        return conns
 
     async def probe(self, node: NodeInfo) -> None:
         """Whether ``node`` answers: connect (``connect_timeout_s``), HELLO and PING (each
@@ -453,23 +454,23 @@ class Connections:
 
     def drop(self, node: NodeInfo) -> None:
         """Close every connection to ``node`` (it stopped answering): requests waiting on them fail now."""
-        pool = self._pools.get((node.node_id, node.epoch))
-        if pool is not None:
-            pool.close()
+        conns = self._sets.get((node.node_id, node.epoch))
+        if conns is not None:
+            conns.close()
 
-    def pools(self) -> list[NodePool]:
-        return list(self._pools.values())
+    def sets(self) -> list[NodeConnectionSet]:
+        return list(self._sets.values())
 
     def prune(self, live: set[tuple[str, int]]) -> None:
-        """Close the pools of nodes that left or restarted."""
-        for ident in [i for i in self._pools if i not in live]:
-            self._pools.pop(ident).close()
+        """Close the connections of nodes that left or restarted."""
+        for ident in [i for i in self._sets if i not in live]:
+            self._sets.pop(ident).close()
 
     def forget(self) -> None:
         """After a fork: the sockets belong to the parent, never use (or close) them here."""
-        self._pools = {}
+        self._sets = {}
 
     def close(self) -> None:
-        for pool in self._pools.values():
-            pool.close()
-        self._pools = {}
+        for conns in self._sets.values():
+            conns.close()
+        self._sets = {}

@@ -103,8 +103,8 @@ class PoolIndex:
         await self._store.registry.forget_node(node_id)
 
     # -- channel rendezvous (nccl_channel.rendezvous.RendezvousStore) -------------------
-    async def offer_rendezvous(self, session: str, value: str, ttl_ms: int) -> None:
-        await self._store.rendezvous.offer_rendezvous(session, value, ttl_ms)
+    async def offer_rendezvous(self, pair_id: str, value: str, ttl_ms: int) -> None:
+        await self._store.rendezvous.offer_rendezvous(pair_id, value, ttl_ms)
 
-    async def take_rendezvous(self, session: str) -> str | None:
-        return await self._store.rendezvous.take_rendezvous(session)
+    async def take_rendezvous(self, pair_id: str) -> str | None:
+        return await self._store.rendezvous.take_rendezvous(pair_id)

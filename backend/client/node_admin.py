@@ -42,7 +42,7 @@ class NodeAdmin:
         self._connections = connections
 
     async def _request(self, node: NodeInfo, op: Op, meta: bytes) -> Any:
-        return await self._connections.pool(node).request(op, meta)
+        return await self._connections.to(node).request(op, meta)
 
     async def inventory(self, node: NodeInfo, after: str = "", limit: int = INVENTORY_PAGE) -> InventoryPage:
         """Up to ``limit`` chunks ``node`` holds, in key order, all with keys greater than ``after``."""

@@ -3,7 +3,7 @@
 It wires the parts together and delegates: the registry view and the index lookup
 (``registry``), one reader per path (``channel``, ``arena``, ``tcp``) behind the get
 failover (``failover``); the channel too is built here, from the config
-(``channel.open_channel``: ``nccl=on``), so every user of the client reads through it, the put planner (``putter``), locks (``locks``), and the
+(``channel.open_channel``: ``nccl=on``), so every user of the client reads through it, the put planner (``putter``), leases (``leases``: the public ``lock``/``unlock``), and the
 connections (``connection``). ``node_admin`` (``backend.client.node_admin.NodeAdmin``)
 holds the typed requests the admin verbs address to one node. ``index``
 (``backend.client.index.PoolIndex``) is the only way its users reach the metadata;
@@ -35,7 +35,7 @@ from backend.client.context import ClientContext
 from backend.client.failover import Getter, Reader
 from backend.client.health import NodeHealth
 from backend.client.index import PoolIndex
-from backend.client.locks import Locker
+from backend.client.leases import Leases
 from backend.client.node_admin import NodeAdmin
 from backend.client.putter import PutPlanner
 from backend.client.registry import Locator, RegistryView
@@ -89,7 +89,7 @@ class PoolClient:
         self._getter = Getter(self._ctx, self.registry, self._locator, readers)
         self._staged = StagedWriter(self._ctx, self.connections, self.arena)
         self._putter = PutPlanner(self._ctx, self.registry, self.connections, self._staged)
-        self._locker = Locker(self._ctx, self.registry, self._locator, self.connections)
+        self._leases = Leases(self._ctx, self.registry, self._locator, self.connections)
 
     def _check_open(self) -> None:
         if self._ctx.check_open():  # forked: the parent's sockets and mappings are not ours
@@ -147,19 +147,20 @@ class PoolClient:
         return await self._getter.get(keys, sink if sink is not None else BytesSink())  # type: ignore[arg-type]
 
     async def lock(self, keys: Sequence[str], ttl_ms: int) -> list[Lock | None]:
-        """Pin each key on the node that serves it for ``ttl_ms`` (see ``backend.client.locks``)."""
+        """Lease each key on the node that serves it for ``ttl_ms`` (see ``backend.client.leases``): the public
+        name says lock, and a :class:`Lock` is the lease taken; None where the pool lacks the key."""
         self._check_open()
         _check_keys(keys)
-        return await self._locker.lock(keys, ttl_ms)
+        return await self._leases.take(keys, ttl_ms)
 
     async def unlock(self, locks: Sequence[Lock | None]) -> None:
-        """End locks taken by :meth:`lock`; idempotent."""
+        """End the leases taken by :meth:`lock`; idempotent."""
         self._check_open()
-        await self._locker.unlock(locks)
+        await self._leases.release(locks)
 
     async def channel_request(self, node: NodeInfo, meta: bytes) -> bytes:
         """One CHANNEL_GET to ``node`` over its TCP protocol; returns the response meta."""
-        return bytes(await self.connections.pool(node).request(Op.CHANNEL_GET, meta))
+        return bytes(await self.connections.to(node).request(Op.CHANNEL_GET, meta))
 
     # -- delete, admin, stats ---------------------------------------------------------
     async def delete(self, keys: Sequence[str]) -> int:

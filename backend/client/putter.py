@@ -154,13 +154,13 @@ class PutPlanner:
                 return staged
         await self._checksummed(group, data, sums)
         group = [dataclasses.replace(item, checksum=sums[item.key]) for item in group]
-        pool = self.connections.pool(node)
+        conns = self.connections.to(node)
 
         async def stripe(part: Sequence[ItemMeta]) -> list[PutOutcome]:
             results: list[PutOutcome] = []
             for frame in frames(part):
                 meta = encode_put_batch(frame, options)
-                reply = await pool.request(
+                reply = await conns.request(
                     Op.PUT_BATCH, meta, data=[data[i.key] for i in frame], hold_s=ms_to_s(options.wait_ms)
                 )
                 results.extend(put_outcome(flag) for flag in decode_flags(reply, len(frame)))

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 
 from backend.client.arena import ArenaReader
-from backend.client.connection import MAX_FRAME_ITEMS, Connections, NodePool
+from backend.client.connection import MAX_FRAME_ITEMS, Connections, NodeConnectionSet
 from backend.client.context import ClientContext, logger
 from backend.client.tcp import stripes
 from backend.counters import ClientCounter
@@ -70,7 +70,7 @@ class StagedWriter:
                 return False
             with contextlib.suppress(KVPoolError):  # then the first puts open them, as without this
                 empty = encode_put_staged(stage.name, stage.token, [], [])
-                connections = await self.connections.pool(node).open_all()
+                connections = await self.connections.to(node).open_all()
                 await asyncio.gather(*(conn.request(Op.PUT_STAGED, empty) for conn in connections))
             return True
 
@@ -94,11 +94,11 @@ class StagedWriter:
             stage = await self._stage(os.path.dirname(node.shm_path))
             if stage is None:
                 return None
-            pool = self.connections.pool(node)
+            conns = self.connections.to(node)
             outcomes: list[PutOutcome] = []
             error: KVPoolError | None = None
             for part in _parts(group):
-                part_outcomes, part_error = await self._put_part(pool, stage, part, data, sums, options)
+                part_outcomes, part_error = await self._put_part(conns, stage, part, data, sums, options)
                 outcomes += part_outcomes
                 error = part_error or error
             self.ctx.counters[ClientCounter.STAGED_PUT_BYTES] += sum(item.nbytes for item in group)
@@ -106,7 +106,7 @@ class StagedWriter:
 
     async def _put_part(
         self,
-        pool: NodePool,
+        conns: NodeConnectionSet,
         stage: PutStage,
         part: Sequence[ItemMeta],
         data: dict[str, Buffer],
@@ -138,7 +138,7 @@ class StagedWriter:
                 meta = encode_put_staged(
                     stage.name, stage.token, items, [offset_of[i.key] for i in items], options=options
                 )
-                requests.append(asyncio.ensure_future(pool.request(Op.PUT_STAGED, meta)))
+                requests.append(asyncio.ensure_future(conns.request(Op.PUT_STAGED, meta)))
             await asyncio.wait(requests)
         except BaseException:
             for request in requests:

@@ -55,9 +55,11 @@ class SyncPoolClient:
         return self._call(self._client.delete(keys))
 
     def lock(self, keys: Sequence[str], ttl_ms: int) -> list[Lock | None]:
+        """Lease each key on its node for ``ttl_ms`` (:meth:`PoolClient.lock`)."""
         return self._call(self._client.lock(keys, ttl_ms))
 
     def unlock(self, locks: Sequence[Lock | None]) -> None:
+        """End the leases taken by :meth:`lock` (:meth:`PoolClient.unlock`)."""
         self._call(self._client.unlock(locks))
 
     def nodes(self, refresh: bool = True) -> list[NodeInfo]:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from backend.client.chunks import Hit, Outcome, Sink, Wanted, release_hits
-from backend.client.connection import Connections, NodePool, frames
+from backend.client.connection import Connections, NodeConnectionSet, frames
 from backend.client.context import ClientContext
 from backend.counters import ClientCounter
 from backend.metadata import NodeInfo
@@ -39,21 +39,21 @@ class TcpReader:
         return True
 
     async def read(self, node: NodeInfo, wanted: Sequence[Wanted], sink: Sink[Any]) -> list[Outcome]:
-        pool = self.connections.pool(node)
+        conns = self.connections.to(node)
         parts = stripes(wanted, self.ctx.config.connections_per_node)
         if len(parts) == 1:
-            outcomes = await _read_stripe(pool, parts[0], sink)
+            outcomes = await _read_stripe(conns, parts[0], sink)
         else:
-            outcomes = await _read_stripes(pool, parts, sink)
+            outcomes = await _read_stripes(conns, parts, sink)
         self.ctx.counters[ClientCounter.GET_BYTES_TCP] += sum(
             w.nbytes for w, o in zip(wanted, outcomes) if isinstance(o, Hit)
         )
         return outcomes
 
 
-async def _read_stripes(pool: NodePool, parts: Sequence[Sequence[Wanted]], sink: Sink[Any]) -> list[Outcome]:
+async def _read_stripes(conns: NodeConnectionSet, parts: Sequence[Sequence[Wanted]], sink: Sink[Any]) -> list[Outcome]:
     """Every stripe at once; if one fails (or this is cancelled), the others' buffers go back too."""
-    tasks = [asyncio.ensure_future(_read_stripe(pool, part, sink)) for part in parts]
+    tasks = [asyncio.ensure_future(_read_stripe(conns, part, sink)) for part in parts]
     try:
         await asyncio.wait(tasks)
         for task in tasks:
@@ -70,14 +70,14 @@ async def _read_stripes(pool: NodePool, parts: Sequence[Sequence[Wanted]], sink:
     return [outcome for task in tasks for outcome in task.result()]
 
 
-async def _read_stripe(pool: NodePool, wanted: Sequence[Wanted], sink: Sink[Any]) -> list[Outcome]:
+async def _read_stripe(conns: NodeConnectionSet, wanted: Sequence[Wanted], sink: Sink[Any]) -> list[Outcome]:
     """GET_BATCH in frames within the size limits; bytes arrive straight in the sink's buffers."""
     out: list[Outcome] = []
     try:
         for frame in frames(wanted):
             keys = [w.key for w in frame]
             expect = sum(w.nbytes for w in frame)
-            out.extend(await pool.request(Op.GET_BATCH, encode_keys(keys), keys=keys, sink=sink, expect_bytes=expect))
+            out.extend(await conns.request(Op.GET_BATCH, encode_keys(keys), keys=keys, sink=sink, expect_bytes=expect))
     except BaseException:
         release_hits(sink, out)  # an earlier frame's buffers are ours to give back
         raise

@@ -254,7 +254,7 @@ class OpTable:
         if channel is None:
             raise ProtocolError(f"node {ctx.node_id} serves no channel (start it with --channel)")
         request = decode_channel_request(meta, ctx.config.limits)
-        pair, keys = request.session, request.keys
+        pair, keys = request.pair_id, request.keys
         if not keys:
             # Pairing: answered once the offer is taken; the join runs on with its own deadline,
             # so a slow NCCL init never holds this request (and the client's connection) open.

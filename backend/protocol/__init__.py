@@ -20,7 +20,7 @@ none needs another op family's codec to be read. The handshake's codec (HELLO, A
 
 from backend.protocol.channel import (
     MAX_OFFER_DIGEST_CHARS,
-    MAX_SESSION_BYTES,
+    MAX_PAIR_ID_BYTES,
     ChannelRequest,
     decode_channel_request,
     decode_channel_response,
@@ -165,7 +165,7 @@ __all__ = [
     "encode_release",
     "decode_release",
     # channel
-    "MAX_SESSION_BYTES",
+    "MAX_PAIR_ID_BYTES",
     "MAX_OFFER_DIGEST_CHARS",
     "ChannelRequest",
     "encode_channel_request",

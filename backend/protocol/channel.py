@@ -16,7 +16,7 @@ from backend.protocol.frame import DEFAULT_LIMITS, Limits
 from backend.protocol.meta import ItemMeta, bounded, decode_json, encode_json
 
 __all__ = [
-    "MAX_SESSION_BYTES",
+    "MAX_PAIR_ID_BYTES",
     "MAX_OFFER_DIGEST_CHARS",
     "ChannelRequest",
     "encode_channel_request",
@@ -25,28 +25,28 @@ __all__ = [
     "decode_channel_response",
 ]
 
-MAX_SESSION_BYTES = 64
+MAX_PAIR_ID_BYTES = 64
 MAX_OFFER_DIGEST_CHARS = 128
 
 
 @dataclass(frozen=True)
 class ChannelRequest:
-    """A CHANNEL_GET: the pair's rendezvous session, the keys wanted, and, when it pairs (no keys), the
+    """A CHANNEL_GET: the pair's id (``session`` on the wire), the keys wanted, and, when it pairs (no keys), the
     digest of the offer the client published (``nccl_channel.rendezvous.Offer.digest``)."""
 
-    session: str
+    pair_id: str
     keys: list[str]
     offer: str = ""
 
 
 def encode_channel_request(
-    session: str, keys: Sequence[str], offer: str = "", limits: Limits = DEFAULT_LIMITS
+    pair_id: str, keys: Sequence[str], offer: str = "", limits: Limits = DEFAULT_LIMITS
 ) -> bytes:
-    """Meta of a CHANNEL_GET: the rendezvous session of the pair and the keys wanted (none: pair, naming
+    """Meta of a CHANNEL_GET: the pair's id (``session`` on the wire) and the keys wanted (none: pair, naming
     ``offer``, the digest of the offer published for it)."""
     if len(keys) > limits.max_items:
         raise ProtocolError(f"{len(keys)} keys exceed the limit of {limits.max_items}")
-    body: dict[str, Any] = {"session": session, "keys": list(keys)}
+    body: dict[str, Any] = {"session": pair_id, "keys": list(keys)}
     if offer:
         body["offer"] = offer
     return bounded(bytearray(encode_json(body)), limits)
@@ -54,9 +54,9 @@ def encode_channel_request(
 
 def decode_channel_request(meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> ChannelRequest:
     body = decode_json(meta)
-    session, keys, offer = body.get("session"), body.get("keys"), body.get("offer", "")
-    if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_BYTES or not session.isascii():
-        raise ProtocolError(f"CHANNEL_GET session must be 1..{MAX_SESSION_BYTES} ASCII characters")
+    pair_id, keys, offer = body.get("session"), body.get("keys"), body.get("offer", "")
+    if not isinstance(pair_id, str) or not 0 < len(pair_id) <= MAX_PAIR_ID_BYTES or not pair_id.isascii():
+        raise ProtocolError(f"CHANNEL_GET session must be 1..{MAX_PAIR_ID_BYTES} ASCII characters")
     if not isinstance(keys, list) or len(keys) > limits.max_items:
         raise ProtocolError(f"CHANNEL_GET keys must be a list of at most {limits.max_items}")
     for key in keys:
@@ -64,7 +64,7 @@ def decode_channel_request(meta: bytes | bytearray | memoryview, limits: Limits 
             raise ProtocolError(f"CHANNEL_GET key outside 1..{limits.max_key_bytes} bytes")
     if not isinstance(offer, str) or len(offer) > MAX_OFFER_DIGEST_CHARS or not offer.isascii():
         raise ProtocolError(f"CHANNEL_GET offer must be at most {MAX_OFFER_DIGEST_CHARS} ASCII characters")
-    return ChannelRequest(session, keys, offer)
+    return ChannelRequest(pair_id, keys, offer)
 
 
 def encode_channel_response(found: Sequence[ItemMeta | None], limits: Limits = DEFAULT_LIMITS) -> bytes:

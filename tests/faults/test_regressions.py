@@ -112,8 +112,8 @@ async def test_requests_issued_during_the_handshake_wait_for_it(node_factory, re
     async with PoolClient(config) as client:
         node = (await client.nodes())[0]
         first = asyncio.ensure_future(client.node_stats(node))
-        pool = client.connections.pool(node)
-        while not pool.connections or pool.connections[0].sock is None:
+        conns = client.connections.to(node)
+        while not conns.connections or conns.connections[0].sock is None:
             await asyncio.sleep(0)  # connected, HELLO/AUTH still in flight
         rest = [client.node_stats(node) for _ in range(4)]
         results = await asyncio.gather(first, *rest, return_exceptions=True)

@@ -140,13 +140,13 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def submit_lookup_and_lock_task(
         self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
     ) -> L2TaskId:
-        return self._prefetch.submit_lookup_and_lock(keys)
+        return self._prefetch.submit_lookup_and_lease(keys)
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         return self._prefetch.lookups.pop(task_id)
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
-        self._prefetch.submit_unlock(keys)
+        self._prefetch.submit_release(keys)
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         _same_length(keys, objects, "objects")

@@ -7,23 +7,30 @@ from typing import Any
 
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 
-from backend.client import MAX_LOCK_TTL_MS
+from backend.client import MAX_LEASE_TTL_MS
 from backend.config import PoolConfig
 from backend.errors import ConfigError
 from backend.lmcache.config import pool_config_from
 
-__all__ = ["KVPoolL2AdapterConfig", "ADAPTER_PARAMS", "DEFAULT_LOCK_TTL_MS", "DEFAULT_USAGE_REFRESH_MS"]
+__all__ = ["KVPoolL2AdapterConfig", "ADAPTER_PARAMS", "DEFAULT_LEASE_TTL_MS", "DEFAULT_USAGE_REFRESH_MS"]
 
-DEFAULT_LOCK_TTL_MS = 30_000  # longer than LMCache's lookup -> load window; a crash frees it by itself
+DEFAULT_LEASE_TTL_MS = 30_000  # longer than LMCache's lookup -> load window; a crash frees it by itself
 DEFAULT_USAGE_REFRESH_MS = 10_000  # registry capacity and per-salt bytes are at most this old
 ADAPTER_PARAMS = ("url", "lock_ttl_ms", "usage_refresh_ms")
 
 
 class KVPoolL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
-    """``adapter_params`` of the kvpool L2 adapter: the pool URL and lease settings."""
+    """``adapter_params`` of the kvpool L2 adapter: the pool URL and lease settings.
+
+    ``lock_ttl_ms`` (the public key, after LMCache's lookup-and-lock) is the ttl of the lease
+    each looked-up chunk takes on its node.
+    """
 
     def __init__(
-        self, pool: PoolConfig, lock_ttl_ms: int = DEFAULT_LOCK_TTL_MS, usage_refresh_ms: int = DEFAULT_USAGE_REFRESH_MS
+        self,
+        pool: PoolConfig,
+        lock_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
+        usage_refresh_ms: int = DEFAULT_USAGE_REFRESH_MS,
     ) -> None:
         super().__init__()
         self.pool = pool
@@ -39,10 +46,10 @@ class KVPoolL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
         if unknown:
             raise ConfigError(f"adapter_params.{unknown[0]}", f"unknown option; known: {', '.join(ADAPTER_PARAMS)}")
         pool = pool_config_from(d.get("url") or None, "adapter_params.url")
-        lock_ttl_ms = _positive_int(d, "lock_ttl_ms", DEFAULT_LOCK_TTL_MS)
-        if lock_ttl_ms > MAX_LOCK_TTL_MS:
+        lock_ttl_ms = _positive_int(d, "lock_ttl_ms", DEFAULT_LEASE_TTL_MS)
+        if lock_ttl_ms > MAX_LEASE_TTL_MS:
             raise ConfigError(
-                "adapter_params.lock_ttl_ms", f"{lock_ttl_ms} exceeds the nodes' bound of {MAX_LOCK_TTL_MS}"
+                "adapter_params.lock_ttl_ms", f"{lock_ttl_ms} exceeds the nodes' bound of {MAX_LEASE_TTL_MS}"
             )
         return cls(pool, lock_ttl_ms, _positive_int(d, "usage_refresh_ms", DEFAULT_USAGE_REFRESH_MS))
 
@@ -52,7 +59,7 @@ class KVPoolL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             "kvpool L2 adapter (load with type 'plugin', module_path 'kvpool.lmcache_l2_adapter',\n"
             "class_name 'KVPoolL2Adapter'). adapter_params:\n"
             "- url (str): kvpool://[:TOKEN@]REDIS_HOST:PORT/NAMESPACE[?options] (or KVPOOL_URL)\n"
-            f"- lock_ttl_ms (int): lease of a looked-up chunk (default {DEFAULT_LOCK_TTL_MS})\n"
+            f"- lock_ttl_ms (int): lease of a looked-up chunk (default {DEFAULT_LEASE_TTL_MS})\n"
             f"- usage_refresh_ms (int): how often capacity and per-salt usage are refreshed "
             f"(default {DEFAULT_USAGE_REFRESH_MS})"
         )

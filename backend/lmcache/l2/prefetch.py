@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Prefetcher"]
 
-UNLOCK_ATTEMPTS = 3  # then the lease's TTL frees the chunk
-UNLOCK_RETRY_S = 0.2
+RELEASE_ATTEMPTS = 3  # then the lease's TTL frees the chunk
+RELEASE_RETRY_S = 0.2
 
 
 class BufferSink:
@@ -68,14 +68,14 @@ class Prefetcher:
         tasks: TaskRunner,
         misses: MissBoundary,
         counters: Counter[str],
-        lock_ttl_ms: int,
+        lease_ttl_ms: int,
         notify_accessed: Callable[[list[ObjectKey]], None],
     ) -> None:
         self.client = client
         self.tasks = tasks
         self.misses = misses
         self.counters = counters
-        self.lock_ttl_ms = lock_ttl_ms
+        self.lease_ttl_ms = lease_ttl_ms
         self._notify_accessed = notify_accessed
         self._lock = threading.Lock()
         # One lease per successful lookup, with the monotonic time its ttl ends; oldest first.
@@ -84,24 +84,24 @@ class Prefetcher:
         self.lookups: Completed[Bitmap] = Completed()
         self.loads: Completed[Bitmap] = Completed()
 
-    # -- lookup and lock --------------------------------------------------------------
-    def submit_lookup_and_lock(self, keys: list[ObjectKey]) -> L2TaskId:
+    # -- lookup and lease -------------------------------------------------------------
+    def submit_lookup_and_lease(self, keys: list[ObjectKey]) -> L2TaskId:
         task_id = self.tasks.new_task_id()
-        self.tasks.submit(self._lookup_and_lock(task_id, list(keys)))
+        self.tasks.submit(self._lookup_and_lease(task_id, list(keys)))
         return task_id
 
-    async def _lookup_and_lock(self, task_id: L2TaskId, keys: list[ObjectKey]) -> None:
+    async def _lookup_and_lease(self, task_id: L2TaskId, keys: list[ObjectKey]) -> None:
         bitmap = Bitmap(len(keys))
         try:
             # One Redis round trip, then one LEASE per node: a hit is also a lease.
-            locks = await self.client.lock([pool_key(k) for k in keys], self.lock_ttl_ms)
+            leases = await self.client.lock([pool_key(k) for k in keys], self.lease_ttl_ms)
             now = time.monotonic()
-            ends = now + ms_to_s(self.lock_ttl_ms)
+            ends = now + ms_to_s(self.lease_ttl_ms)
             with self._lock:
-                for i, (key, lock) in enumerate(zip(keys, locks)):
-                    if lock is not None:
+                for i, (key, lease) in enumerate(zip(keys, leases)):
+                    if lease is not None:
                         bitmap.set(i)
-                        self._held[key].append((ends, lock))
+                        self._held[key].append((ends, lease))
                 if now >= self._next_prune:
                     self._prune(now)
             self.misses.recovered(MissCause.LOOKUP)
@@ -114,12 +114,12 @@ class Prefetcher:
         held stays bounded by the lookups of the last ttl and a half, however many chunks LMCache looks up.
         Caller holds the lock; runs at most twice per ttl."""
         for key in list(self._held):
-            live = [(ends, lock) for ends, lock in self._held[key] if ends > now]
+            live = [(ends, lease) for ends, lease in self._held[key] if ends > now]
             if live:
                 self._held[key] = live
             else:
                 del self._held[key]
-        self._next_prune = now + ms_to_s(self.lock_ttl_ms) / 2
+        self._next_prune = now + ms_to_s(self.lease_ttl_ms) / 2
 
     @property
     def held_count(self) -> int:
@@ -129,43 +129,44 @@ class Prefetcher:
     def take_all_held(self) -> list[Lock]:
         """Every lease still held, now no longer tracked (for close)."""
         with self._lock:
-            held = [lock for locks in self._held.values() for _, lock in locks]
+            held = [lease for leases in self._held.values() for _, lease in leases]
             self._held.clear()
         return held
 
-    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+    def submit_release(self, keys: list[ObjectKey]) -> None:
+        """End the oldest lease held of each key (LMCache's unlock); keys holding none are ignored."""
         with self._lock:
-            locks = [self._held_pop(k) for k in keys]
-        released = [lock for lock in locks if lock is not None]
-        if released and not self.tasks.closed:
-            self.tasks.submit(self._unlock(released))
+            popped = [self._held_pop(k) for k in keys]
+        leases = [lease for lease in popped if lease is not None]
+        if leases and not self.tasks.closed:
+            self.tasks.submit(self._release(leases))
 
     def _held_pop(self, key: ObjectKey) -> Lock | None:
         held = self._held.get(key)
         if not held:
             return None
-        _, lock = held.pop(0)
+        _, lease = held.pop(0)
         if not held:
             del self._held[key]
-        return lock
+        return lease
 
-    async def _unlock(self, locks: list[Lock]) -> None:
+    async def _release(self, leases: list[Lock]) -> None:
         # LMCache never retries an unlock: try a few times; after that the lease's TTL frees the chunk.
-        for attempt in range(UNLOCK_ATTEMPTS):
+        for attempt in range(RELEASE_ATTEMPTS):
             try:
-                await self.client.unlock(locks)
+                await self.client.unlock(leases)
                 return
             except KVPoolError as exc:
-                if attempt == UNLOCK_ATTEMPTS - 1:
+                if attempt == RELEASE_ATTEMPTS - 1:
                     self.misses.miss(
                         MissCause.UNLOCK,
                         "unlock of %d chunks failed (%s); their leases end after %d ms",
-                        len(locks),
+                        len(leases),
                         exc,
-                        self.lock_ttl_ms,
+                        self.lease_ttl_ms,
                     )
                     return
-                await asyncio.sleep(UNLOCK_RETRY_S)
+                await asyncio.sleep(RELEASE_RETRY_S)
 
     # -- load -------------------------------------------------------------------------
     def submit_load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:

@@ -1,4 +1,7 @@
-"""Locks: keys pinned on the node that serves them (LMCache's multiprocess lookup-and-lock)."""
+"""Leases: keys pinned on the node that serves them (LMCache's multiprocess lookup-and-lock).
+
+The public names say lock (``PoolClient.lock``/``unlock``, :class:`Lock`): a lock *is* a lease.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +17,12 @@ from backend.errors import ConfigError, KVPoolError
 from backend.metadata import NodeInfo
 from backend.protocol import Op, decode_lease_response, encode_lease_request, encode_release
 
-__all__ = ["Locker", "MAX_LOCK_TTL_MS"]
+__all__ = ["Leases", "MAX_LEASE_TTL_MS"]
 
-MAX_LOCK_TTL_MS = 600_000  # the node's bound (backend.node.leases.MAX_LEASE_TTL_MS)
+MAX_LEASE_TTL_MS = 600_000  # the node's bound (backend.node.leases.MAX_LEASE_TTL_MS)
 
 
-class Locker:
+class Leases:
     """Takes and ends node leases that keep keys from being demoted or evicted."""
 
     def __init__(self, ctx: ClientContext, registry: RegistryView, locator: Locator, connections: Connections) -> None:
@@ -28,14 +31,14 @@ class Locker:
         self.locator = locator
         self.connections = connections
 
-    async def lock(self, keys: Sequence[str], ttl_ms: int) -> list[Lock | None]:
+    async def take(self, keys: Sequence[str], ttl_ms: int) -> list[Lock | None]:
         """Pin each key on the node that serves it for ``ttl_ms``; None where the pool lacks it.
 
         One Redis round trip for the locations, then one LEASE per node. A node that
         fails costs only its keys (None), like a miss.
         """
-        if not 0 < ttl_ms <= MAX_LOCK_TTL_MS:
-            raise ConfigError("ttl_ms", f"{ttl_ms} is outside 1..{MAX_LOCK_TTL_MS}")
+        if not 0 < ttl_ms <= MAX_LEASE_TTL_MS:
+            raise ConfigError("ttl_ms", f"{ttl_ms} is outside 1..{MAX_LEASE_TTL_MS}")
         results: list[Lock | None] = [None] * len(keys)
         if not keys:
             return results
@@ -49,7 +52,7 @@ class Locker:
             for start in range(0, len(indexes), MAX_FRAME_ITEMS):
                 part = indexes[start : start + MAX_FRAME_ITEMS]
                 names = [keys[i] for i in part]
-                reply = await self.connections.pool(node).request(Op.LEASE, encode_lease_request(names, ttl_ms, 0))
+                reply = await self.connections.to(node).request(Op.LEASE, encode_lease_request(names, ttl_ms, 0))
                 lease_id, found = decode_lease_response(reply, names)
                 for index, entry in zip(part, found):
                     if entry is not None:
@@ -61,20 +64,22 @@ class Locker:
         )
         for nid, outcome in zip([nid for nid, node in nodes.items() if node is not None], outcomes):
             if isinstance(outcome, KVPoolError):
-                self.ctx.warn_once(f"lock:{nid}", "kvpool: lock on node %s failed, reading as misses: %s", nid, outcome)
+                self.ctx.warn_once(
+                    f"lease:{nid}", "kvpool: lease on node %s failed, reading as misses: %s", nid, outcome
+                )
             elif isinstance(outcome, BaseException):
                 raise outcome
         return results
 
-    async def unlock(self, locks: Sequence[Lock | None]) -> None:
-        """End locks taken by :meth:`lock`; idempotent, so a failed call may simply be repeated.
+    async def release(self, leases: Sequence[Lock | None]) -> None:
+        """End leases taken by :meth:`take`; idempotent, so a failed call may simply be repeated.
 
-        Locks on nodes gone from the registry or restarted are ignored (their leases
+        Leases on nodes gone from the registry or restarted are ignored (they
         died with them). Every node is tried; then the first failure (a node that did
-        not answer) is raised, and its locks end at their ttl unless a retry succeeds.
+        not answer) is raised, and its leases end at their ttl unless a retry succeeds.
         """
         by_lease: dict[tuple[str, int, int], list[str]] = defaultdict(list)
-        for held in locks:
+        for held in leases:
             if held is not None:
                 by_lease[(held.node_id, held.epoch, held.lease_id)].append(held.key)
         if not by_lease:
@@ -85,9 +90,9 @@ class Locker:
             node = self.registry.node(nid)
             if node is None or node.epoch != epoch:
                 continue  # the node restarted: its leases died with it
-            pool = self.connections.pool(node)
+            conns = self.connections.to(node)
             releases += [
-                pool.request(Op.RELEASE, encode_release(lease_id, names[i : i + MAX_FRAME_ITEMS]))
+                conns.request(Op.RELEASE, encode_release(lease_id, names[i : i + MAX_FRAME_ITEMS]))
                 for i in range(0, len(names), MAX_FRAME_ITEMS)
             ]
         outcomes = await asyncio.gather(*releases, return_exceptions=True)
