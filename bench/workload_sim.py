@@ -537,23 +537,26 @@ def run_table(
     capacities: Iterable[float],
     costs: Costs,
     runs: Sequence[tuple[str, str]] = DEFAULT_RUNS,
+    local_fraction: float = 0.0,
 ) -> list[Result]:
     return [
-        simulate(trace, policy, fraction, costs, admission) for fraction in capacities for policy, admission in runs
+        simulate(trace, policy, fraction, costs, admission, local_fraction=local_fraction)
+        for fraction in capacities
+        for policy, admission in runs
     ]
 
 
 def format_table(results: Sequence[Result]) -> str:
     lines = [
-        "| trace | capacity | policy | token hit rate | loaded GiB | stored GiB | mean TTFT s | p99 TTFT s | TTFT vs no cache |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| trace | capacity | policy | token hit rate | pool hit rate | loaded GiB | stored GiB | mean TTFT s | p99 TTFT s | TTFT vs no cache |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         ttft = sorted(result.ttft_s)
         p99 = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]
         lines.append(
             f"| {result.trace} | {result.capacity_fraction:g} ({result.capacity_chunks} chunks) | {result.policy}"
-            f" | {100 * result.token_hit_rate:.1f} % | {result.loaded_bytes / 2**30:.1f} | {result.stored_bytes / 2**30:.1f}"
+            f" | {100 * result.token_hit_rate:.1f} % | {100 * result.pool_hit_rate:.1f} % | {result.loaded_bytes / 2**30:.1f} | {result.stored_bytes / 2**30:.1f}"
             f" | {result.mean_ttft_s:.3f} | {p99:.3f} | {result.ttft_vs_no_cache:.2f} |"
         )
     return "\n".join(lines)
@@ -596,6 +599,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--capacity", type=float, action="append", help="fraction of the working set (repeatable)")
     parser.add_argument("--all", action="store_true", help="every trace at 0.25, 0.5 and 1.0")
     parser.add_argument("--model", choices=list(PRESETS), default="llama-3.1-8b")
+    parser.add_argument(
+        "--local",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="each engine's local tier, fraction of the working set",
+    )
     parser.add_argument("--load-gbps", type=float, default=LOAD_GBPS, help="pool load rate, GB/s")
     parser.add_argument("--prefill-tps", type=float, help="prefill tokens/s (default: modeled from the preset)")
     parser.add_argument("--seed", type=int, default=0)
@@ -625,7 +635,7 @@ def main(argv: Sequence[str] | None = None, print_line: Callable[[str], None] = 
         print_line(
             f"a pool that never evicts hits {100 * unbounded_hit_tokens(trace) / trace.total_tokens:.1f} % of tokens"
         )
-        results.extend(run_table(trace, capacities, costs))
+        results.extend(run_table(trace, capacities, costs, local_fraction=args.local))
     for line in format_table(results).splitlines():
         print_line(line)
     if args.plot:
