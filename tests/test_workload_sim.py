@@ -143,3 +143,13 @@ def test_the_command_prints_a_row_per_policy_at_each_capacity() -> None:
     assert len(results) == len(DEFAULT_RUNS)
     assert sum(1 for line in lines if line.startswith("| agent | 0.5")) == len(DEFAULT_RUNS)
     assert CAPACITIES == (0.25, 0.5, 1.0)
+
+
+def test_an_engine_local_tier_serves_the_heads_and_the_pool_only_what_follows(reduced: Trace) -> None:
+    for policy in POLICIES:
+        pool_only = simulate(reduced, policy, 0.5, COSTS)
+        with_local = simulate(reduced, policy, 0.5, COSTS, local_fraction=0.05)
+        assert pool_only.pool_hit_tokens == pool_only.hit_tokens, policy
+        assert with_local.pool_hit_tokens < with_local.hit_tokens, policy
+        assert with_local.hit_tokens >= pool_only.hit_tokens, policy
+        assert with_local.mean_ttft_s < pool_only.mean_ttft_s, policy  # local hits load for free in the model
