@@ -159,6 +159,7 @@ class OpTable:
                 found.append(chunk.meta)
                 data.append(chunk.buffer)
                 budget -= chunk.meta.nbytes
+        tiers.held.touch_chain(keys)  # read as one chain, in prefix order (the eviction order links and touches it)
         return found, data
 
     async def get_batch(self, meta: bytearray, peer: Peer) -> Reply:
@@ -234,6 +235,7 @@ class OpTable:
                 if item is None:
                     continue
             held.append(key)
+        tiers.held.touch_chain(held)  # a lease is taken to read: the chain was used
         lease_id = tiers.leases.grant(held, chunks, ttl_ms, owner=peer) if held else 0
         if lease_id and peer.closed:
             tiers.leases.release_owner(peer)  # it closed while we fetched: its teardown has already run
