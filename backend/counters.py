@@ -46,6 +46,7 @@ class NodeCounter(StrEnum):
     GET_OVER_FRAME_LIMIT = "get_over_frame_limit"
     SHM_GET_BYTES = "shm_get_bytes"
     DELETES = "deletes"
+    TOUCHED_KEYS = "touched_keys"  # keys of TOUCH requests: lookups' hits the eviction order heard of
     # tiers
     EVICTIONS = "evictions"
     DEMOTIONS = "demotions"

@@ -150,3 +150,33 @@ def test_a_prefix_node_keeps_whole_prefixes_where_an_lru_node_keeps_tails(node_f
         node.stop()
     assert found["lru"] == [0, 0, 4, 4]  # the third chain's head went first; its tail stays, unreachable
     assert found["prefix"] == [0, 2, 4, 4]  # the third chain's tail went first; its head still hits
+
+
+@pytest.mark.parametrize("touched", [False, True])
+def test_a_lookups_touch_keeps_a_looked_up_only_prefix_in_the_pool(node_factory, redis_server, touched):
+    """Chain A is put, then only looked up (served from an engine's own tier, say) while B and C are put:
+    told by TOUCH, the node keeps A's head and lets B's tail go; not told, A's tail goes first and
+    then its head."""
+    import asyncio
+
+    from backend.protocol import Op, encode_touch
+    from kvpool import PoolClient
+
+    ns = f"touch-{int(touched)}"
+    node_factory("--eviction", "prefix", dram=str(10 * CHUNK_BYTES), ns=ns)
+    a, b, c = (numbered_chunks(name, 4, CHUNK_BYTES, seed=i) for i, name in enumerate("abc"))
+
+    async def scenario() -> list[int]:
+        url = f"kvpool://127.0.0.1:{redis_server.port}/{ns}?connections_per_node=1"
+        async with PoolClient(PoolConfig.from_url(url)) as client:
+            await client.put(a)
+            await client.put(b)
+            if touched:
+                (node,) = await client.nodes(refresh=True)
+                answer = await client.connections.pool(node).request(Op.TOUCH, encode_touch([[x.key for x in a]]))
+                assert answer is not None
+            await client.put(c)  # 12 chunks in a DRAM of 10: two leave
+            return [await client.hit_prefix([x.key for x in chain]) for chain in (a, b, c)]
+
+    found = asyncio.run(scenario())
+    assert found == ([4, 2, 4] if touched else [2, 4, 4])
