@@ -173,10 +173,70 @@ def test_a_lookups_touch_keeps_a_looked_up_only_prefix_in_the_pool(node_factory,
             await client.put(b)
             if touched:
                 (node,) = await client.nodes(refresh=True)
-                answer = await client.connections.pool(node).request(Op.TOUCH, encode_touch([[x.key for x in a]]))
+                answer = await client.connections.to(node).request(Op.TOUCH, encode_touch([[x.key for x in a]]))
                 assert answer is not None
             await client.put(c)  # 12 chunks in a DRAM of 10: two leave
             return [await client.hit_prefix([x.key for x in chain]) for chain in (a, b, c)]
 
     found = asyncio.run(scenario())
     assert found == ([4, 2, 4] if touched else [2, 4, 4])
+
+
+@pytest.mark.parametrize("touch", ["off", "on"])
+def test_with_touch_on_a_lookup_keeps_the_prefix_it_found_hot_on_its_node(node_factory, redis_server, touch):
+    """The client's side of the test above: ``hit_prefix`` alone (no get) is told to the node, batched."""
+    from backend.counters import ClientCounter
+    from tests.support.waits import wait_until
+
+    ns = f"client-touch-{touch}"
+    node_factory("--eviction", "prefix", dram=str(10 * CHUNK_BYTES), ns=ns)
+    a, b, c = (numbered_chunks(name, 4, CHUNK_BYTES, seed=i) for i, name in enumerate("abc"))
+    url = f"kvpool://127.0.0.1:{redis_server.port}/{ns}?connections_per_node=1&touch={touch}"
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        client.put(a)
+        client.put(b)
+        assert client.hit_prefix([x.key for x in a]) == 4  # a lookup that found A; no get follows
+        (node,) = client.nodes()
+        if touch == "on":
+            assert wait_until(lambda: client.node_stats(node)["counters"].get("touched_keys", 0) == 4)
+            assert client.counters[ClientCounter.TOUCHES_SENT] == 1
+        client.put(c)
+        found = [client.hit_prefix([x.key for x in chain]) for chain in (a, b, c)]
+    assert found == ([4, 2, 4] if touch == "on" else [2, 4, 4])
+
+
+def test_a_node_that_refuses_touch_is_not_touched_again_and_is_counted_once(caplog):
+    """An older node answers TOUCH with a protocol error (its decode_header knows no op 15); one cannot be
+    started from this tree, so the refusal is injected through the sender, the part's transport seam."""
+    import asyncio
+
+    from backend.client.context import ClientContext
+    from backend.client.touch import LookupTouches
+    from backend.counters import ClientCounter
+    from backend.errors import ProtocolError
+    from backend.metadata import Location, NodeInfo
+
+    old, new = NodeInfo("old", "127.0.0.1", 1, 7), NodeInfo("new", "127.0.0.1", 2, 1)
+    sent: list[tuple[str, bytes]] = []
+
+    async def locate(keys):
+        return [[Location("old", 7, "dram", 1, 0), Location("new", 1, "dram", 1, 0)] for _ in keys]
+
+    async def send(node, meta):
+        sent.append((node.node_id, meta))
+        if node.node_id == "old":
+            raise ProtocolError("node: unknown op code 15")
+
+    async def scenario() -> ClientContext:
+        ctx = ClientContext(PoolConfig.from_url("kvpool://127.0.0.1:1/ns?touch=on"))
+        touches = LookupTouches(ctx, locate, {"old": old, "new": new}.get, send)
+        for _ in range(3):
+            await touches.flush([["k@0", "k@1"]])
+        return ctx
+
+    ctx = asyncio.run(scenario())
+    assert [node for node, _ in sent] == ["old", "new", "new", "new"]  # tried once, then left alone
+    assert ctx.counters[ClientCounter.TOUCH_REFUSALS] == 1
+    assert ctx.counters[ClientCounter.TOUCHES_SENT] == 3
+    assert ctx.counters[ClientCounter.TOUCHES_DROPPED] == 6  # the old node's share of each batch
+    assert sum("does not take lookup touches" in r.message for r in caplog.records) == 1
