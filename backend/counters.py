@@ -46,6 +46,7 @@ class NodeCounter(StrEnum):
     GET_OVER_FRAME_LIMIT = "get_over_frame_limit"
     SHM_GET_BYTES = "shm_get_bytes"
     DELETES = "deletes"
+    TOUCHED_KEYS = "touched_keys"  # keys of TOUCH requests: lookups' hits the eviction order heard of
     # tiers
     EVICTIONS = "evictions"
     DEMOTIONS = "demotions"
@@ -99,6 +100,9 @@ class ClientCounter(StrEnum):
     STALE_ENTRIES = "stale_entries"
     NODES_MARKED_DOWN = "nodes_marked_down"
     NODES_RESTORED = "nodes_restored"
+    TOUCHES_SENT = "touches_sent"  # TOUCH requests sent (lookups' found prefixes, batched, to one node)
+    TOUCHES_DROPPED = "touches_dropped"  # found keys not told to their node (backlog full, node slow, down or refusing)
+    TOUCH_REFUSALS = "touch_refusals"  # node epochs that refused TOUCH (an older build): not touched again
 
 
 @unique

@@ -178,7 +178,7 @@ async def _round(client: PoolClient, node: _Held, times: dict[str, list[float]])
     assert all(isinstance(outcome, Hit) for outcome in got) and len(flags), "a held key was not found"
 
 
-def measure_node(chunks: int = DEFAULT_CHUNKS) -> dict[str, Any]:
+def measure_node(chunks: int = DEFAULT_CHUNKS, eviction: str = "lru") -> dict[str, Any]:
     """Real nodes full of tiny chunks, one of SMALL_CHUNKS and one of ``chunks``: the large one's RSS per chunk
     (bookkeeping beyond each value's room and its key), and on both, with the oldest 10 % leased, puts that
     evict and EXISTS/GET of 1,000 keys, in interleaved rounds."""
@@ -188,6 +188,7 @@ def measure_node(chunks: int = DEFAULT_CHUNKS) -> dict[str, Any]:
     try:
         for node_id, held in (("small", SMALL_CHUNKS), ("large", chunks)):
             args = ["--redis", redis.url, "--namespace", "scale-node", "--dram", str(held * room), "--nvme", "0"]
+            args += ["--eviction", eviction]
             nodes.append(NodeProcess([*args, "--shm-dir", "off", "--prefault", "off", "--node-id", node_id]).start())
         config = PoolConfig.from_url(
             f"kvpool://127.0.0.1:{redis.port}/scale-node?shm=off&connect_timeout_s=60&progress_timeout_s=60"
@@ -250,10 +251,10 @@ async def _node_scenario(config: PoolConfig, small: NodeProcess, large: NodeProc
 # -- the tier manager in this process ---------------------------------------------------
 
 
-async def _filled(held: int) -> tuple[TierManager, list[str]]:
+async def _filled(held: int, eviction: str) -> tuple[TierManager, list[str]]:
     """A tier manager holding ``held`` chunks (DRAM exactly full), the oldest PINNED_SHARE pinned."""
     room = room_of(VALUE_BYTES)
-    tiers = TierManager(TierConfig(dram_bytes=held * room))
+    tiers = TierManager(TierConfig(dram_bytes=held * room, eviction=eviction))
     keys = [layerwise_key(i) for i in range(held)]
     landing = int(held * PINNED_SHARE / 2)
     leased = int(held * PINNED_SHARE) - landing
@@ -293,9 +294,9 @@ async def _lookups(tiers: TierManager, keys: list[str], rng: random.Random, time
     assert found == LOOKUP_KEYS, "a held key was not found"
 
 
-async def _eviction_scenario(chunks: int) -> dict[str, Any]:
+async def _eviction_scenario(chunks: int, eviction: str) -> dict[str, Any]:
     sizes = (SMALL_CHUNKS, chunks)
-    managers = [await _filled(held) for held in sizes]
+    managers = [await _filled(held, eviction) for held in sizes]
     try:
         pinned = [int(held * PINNED_SHARE) for held in sizes]
         # The puts evict the oldest unpinned chunks, in order: past them, every key stays.
@@ -334,10 +335,10 @@ async def _eviction_scenario(chunks: int) -> dict[str, Any]:
     }
 
 
-def measure_eviction(chunks: int = DEFAULT_CHUNKS) -> dict[str, Any]:
+def measure_eviction(chunks: int = DEFAULT_CHUNKS, eviction: str = "lru") -> dict[str, Any]:
     """A put's eviction cost and lookups of 1,000 keys in the tier manager at SMALL_CHUNKS and ``chunks`` held,
     10 % pinned (the oldest), measured in interleaved rounds; the ratios beside TARGET_RATIO."""
-    return asyncio.run(_eviction_scenario(chunks))
+    return asyncio.run(_eviction_scenario(chunks, eviction))
 
 
 def _rss_bytes() -> int:
@@ -406,13 +407,15 @@ def _ratio_row(label: str, small: float, large: float, unit: str, n: str) -> str
     )
 
 
-def run(chunks: int = DEFAULT_CHUNKS) -> dict[str, Any]:
+def run(chunks: int = DEFAULT_CHUNKS, eviction: str = "lru") -> dict[str, Any]:
     """The three measurements at ``chunks``, printed beside the targets; the figures as a dict."""
-    node = measure_node(chunks)
+    node = measure_node(chunks, eviction)
     nvme = measure_nvme_records(chunks)  # in this process while its heap is still small: what it grows is the records
-    eviction = measure_eviction(chunks)
+    evicting = measure_eviction(chunks, eviction)
     n, s = f"{chunks:,}", f"{SMALL_CHUNKS:,}"
-    print(f"node memory and eviction at {n} chunks ({VALUE_BYTES}-byte values, layerwise LMCache keys)")
+    print(
+        f"node memory and eviction at {n} chunks ({VALUE_BYTES}-byte values, layerwise LMCache keys), --eviction {eviction}"
+    )
     print(
         f"  fill through the put path: {node['fill_chunks_per_s']:,.0f} chunks/s; node RSS "
         f"{node['rss_small_node_bytes'] / 2**20:.0f} MiB holding {s}, {node['rss_bytes'] / 2**20:.0f} MiB holding {n}"
@@ -445,18 +448,19 @@ def run(chunks: int = DEFAULT_CHUNKS) -> dict[str, Any]:
         ("contains() of 1,000 keys", "contains_1000_ms", "ms"),
         ("get() of 1,000 keys", "get_1000_ms", "ms"),
     ):
-        small, large = eviction["small"][name]["p50"], eviction["large"][name]["p50"]
+        small, large = evicting["small"][name]["p50"], evicting["large"][name]["p50"]
         print(_ratio_row(label, small, large, unit, n))
-    return {"node": node, "eviction": eviction, "nvme_records": nvme}
+    return {"node": node, "eviction": evicting, "nvme_records": nvme}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunks", type=int, default=DEFAULT_CHUNKS, help="chunks held at the large size")
+    parser.add_argument("--eviction", choices=("lru", "prefix"), default="lru", help="the nodes' eviction order")
     args = parser.parse_args(argv)
     if args.chunks <= SMALL_CHUNKS:
         parser.error(f"--chunks must be more than {SMALL_CHUNKS:,}")
-    run(args.chunks)
+    run(args.chunks, args.eviction)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,7 @@ def test_op_and_status_codes_have_their_wire_values() -> None:
         "RELEASE": 12,
         "CHANNEL_GET": 13,
         "PUT_STAGED": 14,
+        "TOUCH": 15,
     }
     assert {s.name: int(s) for s in Status} == {
         "OK": 0,
@@ -832,3 +833,29 @@ def test_a_malformed_stat_answer_is_a_protocol_error_naming_the_field(change: di
     body = _stat_body() | change
     with pytest.raises(ProtocolError):
         decode_node_report(encode_json(body))
+
+
+# -- TOUCH -------------------------------------------------------------------------------------
+def test_touch_chains_round_trip_and_their_keys_are_bounded_in_all() -> None:
+    from backend.protocol import decode_touch, encode_touch
+
+    chains = [["a@0", "a@1", "a@2"], ["b@0"]]
+    assert decode_touch(encode_touch(chains)) == chains
+    small = Limits(max_items=3)
+    with pytest.raises(ProtocolError, match="exceed"):
+        encode_touch(chains, small)  # 4 keys in all
+    with pytest.raises(ProtocolError, match="TOUCH chain"):
+        decode_touch(encode_touch(chains), small)  # a node counts them in all, too
+    with pytest.raises(ProtocolError, match="empty"):
+        encode_touch([["a@0"], []])
+    with pytest.raises(ProtocolError, match="TOUCH chain"):
+        decode_touch(count(1) + count(0))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_random_bytes_never_crash_decode_touch(data: bytes) -> None:
+    from backend.protocol import decode_touch
+
+    _decodes_or_protocol_error(lambda: decode_touch(data), list)
+    _decodes_or_protocol_error(lambda: decode_touch(count(1) + count(2) + data), list)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
@@ -41,6 +42,7 @@ from backend.client.putter import PutPlanner
 from backend.client.registry import Locator, RegistryView
 from backend.client.stage import StagedWriter
 from backend.client.tcp import TcpReader
+from backend.client.touch import LookupTouches
 from backend.config import PoolConfig
 from backend.counters import ClientCounter
 from backend.errors import KVPoolError, NodeUnavailable
@@ -90,12 +92,20 @@ class PoolClient:
         self._staged = StagedWriter(self._ctx, self.connections, self.arena)
         self._putter = PutPlanner(self._ctx, self.registry, self.connections, self._staged)
         self._leases = Leases(self._ctx, self.registry, self._locator, self.connections)
+        # Lookup touches go on connections of their own (one a node): an older node closes the
+        # connection of an op it does not know, and no read must share it.
+        self._touch_connections = Connections(
+            dataclasses.replace(config, connections_per_node=1), tls, lambda: self._ctx.bulk
+        )
+        self.registry.on_change.append(self._touch_connections.prune)
+        self._touches = LookupTouches(self._ctx, self._locator.lookup, self.registry.node, self._send_touch)
 
     def _check_open(self) -> None:
         if self._ctx.check_open():  # forked: the parent's sockets and mappings are not ours
             self.connections.forget()
             self.arena.forget()
             self._staged.forget()
+            self._touch_connections.forget()
 
     @property
     def channel(self) -> Channel | None:
@@ -115,16 +125,24 @@ class PoolClient:
         return sum([await self._staged.prepare(node) for node in await self.registry.nodes(False)])
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is held by a live node (one Redis round trip)."""
+        """Whether each key is held by a live node (one Redis round trip). With ``touch=on`` the nodes
+        holding the keys found from the start hear of them, later (``backend.client.touch``)."""
         self._check_open()
         _check_keys(keys)
-        return await self._locator.contains(keys)
+        hits = await self._locator.contains(keys)
+        if self.config.touch:
+            self._touches.found(keys[: hits.index(False) if False in hits else len(hits)])
+        return hits
 
     async def hit_prefix(self, keys: Sequence[str]) -> int:
-        """How many keys from the start are all present (one Redis round trip that stops at the first miss)."""
+        """How many keys from the start are all present (one Redis round trip that stops at the first miss).
+        With ``touch=on`` the nodes holding them hear of it, later (``backend.client.touch``)."""
         self._check_open()
         _check_keys(keys)
-        return await self._locator.hit_prefix(keys)
+        found = await self._locator.hit_prefix(keys)
+        if self.config.touch:
+            self._touches.found(keys[:found])
+        return found
 
     async def put(self, chunks: Sequence[Chunk], *, only: Sequence[str] | None = None) -> None:
         """Store every chunk on ``replicas`` nodes; raises if any chunk could not be stored.
@@ -157,6 +175,9 @@ class PoolClient:
         """End the leases taken by :meth:`lock`; idempotent."""
         self._check_open()
         await self._leases.release(locks)
+
+    async def _send_touch(self, node: NodeInfo, meta: bytes) -> None:
+        await self._touch_connections.to(node).request(Op.TOUCH, meta)
 
     async def channel_request(self, node: NodeInfo, meta: bytes) -> bytes:
         """One CHANNEL_GET to ``node`` over its TCP protocol; returns the response meta."""
@@ -217,6 +238,7 @@ class PoolClient:
                 async with asyncio.timeout(CLOSE_BOUND_S):
                     await self._channel.close()
         self.connections.close()
+        self._touch_connections.close()
         self.arena.close()
         self._staged.close()
         await self._ctx.close()

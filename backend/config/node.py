@@ -60,6 +60,7 @@ DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
 DEFAULT_MAX_PENDING_CONNECTIONS = 1024
 MAX_PENDING_CONNECTIONS = 1_000_000
 _CHANNELS = ("off", "nccl", "cpu")
+_EVICTIONS = ("lru", "prefix")  # backend/node/eviction.py ORDERS
 ENV_PREFAULT = "KVPOOL_PREFAULT"
 
 
@@ -217,6 +218,14 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
         metavar="on|off",
         env=ENV_PREFAULT,
     ),
+    NodeOption(
+        "eviction",
+        choice(_EVICTIONS),
+        "lru",
+        "which chunks leave a full tier first: lru (least recently used) or prefix (tails of cold prefix "
+        "chains first, chunks whose prefix left before any still reachable); default lru",
+        choices=_EVICTIONS,
+    ),
     NodeOption("token", text_value, "", "the pool token clients must prove", env="KVPOOL_TOKEN", flag=False),
     NodeOption("redis_password", text_value, "", "the Redis ACL password", env="KVPOOL_REDIS_PASSWORD", flag=False),
 )
@@ -322,6 +331,7 @@ class NodeConfig:
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     shm_dir: Path | None = None  # shared-memory arena for same-host clients; None: off
     prefault: bool = False  # take the DRAM arena's pages at start (the flag's default is on; see NODE_OPTIONS)
+    eviction: str = "lru"  # which chunks leave a full tier first: "lru" or "prefix" (backend/node/eviction.py)
     channel: str = "off"  # serve CHANNEL_GET over this transport: "off", "cpu" or "nccl" (nccl_channel)
     device: str = "cuda:0"  # the CUDA device of the NCCL channel
     tls_cert: Path | None = None  # PEM certificate chain: serve the node protocol over TLS only
@@ -353,6 +363,8 @@ class NodeConfig:
             raise ConfigError("--cluster", f"{self.cluster!r} must be A-Z a-z 0-9 _ . -")
         if self.dram_bytes <= 0:
             raise ConfigError("--dram", f"{self.dram_bytes} is not a positive size")
+        if self.eviction not in _EVICTIONS:
+            raise ConfigError("--eviction", f"{self.eviction!r} is not one of {', '.join(_EVICTIONS)}")
         if self.channel not in _CHANNELS:
             raise ConfigError("--channel", f"{self.channel!r} is not one of {', '.join(_CHANNELS)}")
         if self.channel != "off" and not self.cluster:
@@ -416,6 +428,7 @@ class NodeConfig:
             metrics_port=values["metrics_port"],
             shm_dir=values["shm_dir"],
             prefault=values["prefault"],
+            eviction=values["eviction"],
             channel=values["channel"],
             device=values["device"],
             tls_cert=values["tls_cert"],

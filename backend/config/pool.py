@@ -85,6 +85,7 @@ class PoolConfig:
     token_file: str = ""  # the token is this file's content (whitespace stripped); a path, never the secret
     redis_password_file: str = ""  # likewise for redis_password
     pair_timeout_s: float = 30.0  # deadline of one channel pairing (a cold NCCL init takes seconds)
+    touch: bool = False  # tell the nodes what lookups found (backend/client/touch.py)
 
     def __post_init__(self) -> None:
         if not NAMESPACE_RE.match(self.namespace):
@@ -354,6 +355,7 @@ _OPTION_PARSERS: dict[str, Any] = {
     "token_file": lambda k, v: str(v),
     "redis_password_file": lambda k, v: str(v),
     "pair_timeout_s": lambda k, v: parse_seconds(k, v, MIN_TIMEOUT_S, MAX_TIMEOUT_S),
+    "touch": parse_bool,
 }
 OPTION_NAMES = tuple(_OPTION_PARSERS)  # what a URL query, YAML or KVPOOL_* may set, in canonical order
 # The old names, in milliseconds: still read, with a deprecation line (backend/config/renamed.py).

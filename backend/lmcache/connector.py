@@ -80,6 +80,9 @@ CLIENT_COUNTERS: tuple[ClientCounter, ...] = (
     ClientCounter.STAGED_PUT_BYTES,
     ClientCounter.NODES_MARKED_DOWN,
     ClientCounter.NODES_RESTORED,
+    ClientCounter.TOUCHES_SENT,
+    ClientCounter.TOUCHES_DROPPED,
+    ClientCounter.TOUCH_REFUSALS,
 )
 FIX_HINT = (
     "start a pool with `kvpool up` (it prints the URL), or check "

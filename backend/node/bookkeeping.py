@@ -21,7 +21,7 @@ drain`` walk a node this way), in O(log N + L) for a page of L keys.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from backend.node.columns import column, grown
 from backend.node.eviction import EvictionOrder
@@ -225,9 +225,18 @@ class ChunkTable:
         for tier, order in self.orders.items():
             if where & tier:
                 if pinned:
-                    order.remove(slot)
+                    order.pin(slot)
                 else:
-                    order.add(slot)
+                    order.unpin(slot)
+
+    def touch_chain(self, keys: Sequence[str]) -> None:
+        """The keys of one batch (a put, a get, a lease, a lookup's touch), in prefix order, were used: each
+        tier's order hears of those it holds, as one chain (``EvictionOrder.touch_chain``). Keys not held are
+        skipped: the chain a node keeps is the part of the batch it holds."""
+        for tier, order in self.orders.items():
+            slots = [s for s in map(self._index.get, keys) if s != NO_SLOT and self.where[s] & tier]
+            if slots:
+                order.touch_chain(slots)
 
     def slots(self) -> list[int]:
         """Every live slot, in slot order (a snapshot: the table may change while it is walked)."""

@@ -190,8 +190,7 @@ class DramTier:
         slot = self._slot(key)
         if slot == NO_SLOT:
             return False
-        if not self.table.where[slot] & PINNED:
-            self.order.remove(slot)
+        self.order.remove(slot)  # pinned or not: it leaves the tier (and the chains it is in)
         self._let_go(slot)
         self._count -= 1
         self.table.leave(slot, IN_DRAM)

@@ -174,8 +174,7 @@ class NvmeTier:
         if slot == NO_SLOT:
             return None
         record = self._record(slot)
-        if not self.table.where[slot] & PINNED:
-            self.order.remove(slot)
+        self.order.remove(slot)  # pinned or not: it leaves the tier (and the chains it is in)
         self._count -= 1
         self.used_bytes -= record.file_bytes
         self.table.leave(slot, ON_NVME)

@@ -40,6 +40,7 @@ from backend.protocol import (
     decode_lease_request,
     decode_put_batch,
     decode_release,
+    decode_touch,
     encode_channel_response,
     encode_flags,
     encode_get_response,
@@ -96,6 +97,7 @@ class OpTable:
             Op.CHANNEL_GET: self.channel_get,
             Op.STAT: self.stat,
             Op.PING: self.ping,
+            Op.TOUCH: self.touch,
         }
         self.table: dict[int, Handler] = {op: _beside(answer) for op, answer in answering.items()}
         self.table[Op.PUT_BATCH] = self.put_batch
@@ -159,6 +161,7 @@ class OpTable:
                 found.append(chunk.meta)
                 data.append(chunk.buffer)
                 budget -= chunk.meta.nbytes
+        tiers.held.touch_chain(keys)  # read as one chain, in prefix order (the eviction order links and touches it)
         return found, data
 
     async def get_batch(self, meta: bytearray, peer: Peer) -> Reply:
@@ -234,6 +237,7 @@ class OpTable:
                 if item is None:
                     continue
             held.append(key)
+        tiers.held.touch_chain(held)  # a lease is taken to read: the chain was used
         lease_id = tiers.leases.grant(held, chunks, ttl_ms, owner=peer) if held else 0
         if lease_id and peer.closed:
             tiers.leases.release_owner(peer)  # it closed while we fetched: its teardown has already run
@@ -266,6 +270,15 @@ class OpTable:
             # The client receives after reading the answer; the pair's lock keeps batches in order.
             ctx.spawn(channel.send(pair, buffers))
         return encode_channel_response(found, ctx.config.limits), []
+
+    async def touch(self, meta: bytearray, peer: Peer) -> Reply:
+        """TOUCH: chains a client's lookups found, each touched as one batch (the eviction order's
+        ``touch_chain``); keys not held are skipped."""
+        ctx = self.ctx
+        for chain in decode_touch(meta, ctx.config.limits):
+            ctx.tiers.held.touch_chain(chain)
+            ctx.counters[NodeCounter.TOUCHED_KEYS] += len(chain)
+        return encode_flags([]), []
 
     async def stat(self, meta: bytearray, peer: Peer) -> Reply:
         return encode_node_report(self.stats.report()), []

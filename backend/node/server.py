@@ -69,6 +69,7 @@ def tier_config(config: NodeConfig) -> TierConfig:
         low_watermark=config.low_watermark,
         shm_dir=config.shm_dir,
         prefault=config.prefault,
+        eviction=config.eviction,
     )
 
 

@@ -1,4 +1,4 @@
-"""Tier manager: DRAM (LRU) in front of an optional NVMe tier; what a put, a get and a delete do to them.
+"""Tier manager: DRAM in front of an optional NVMe tier; what a put, a get and a delete do to them.
 
 * A put reserves DRAM space. If DRAM is full, its least recently used chunks are
   demoted to NVMe (or, with no NVMe tier, evicted) until the chunk fits
@@ -45,6 +45,7 @@ from backend.node.bookkeeping import DRAM, NO_SLOT, NVME, ChunkTable, IndexChang
 from backend.node.buffers import BufferFactory, ChunkBuffer
 from backend.node.demotion import Demoter
 from backend.node.dram import DramTier, StoredChunk
+from backend.node.eviction import order_named
 from backend.node.landing import Landing
 from backend.node.leases import LeaseTable
 from backend.node.nvme_format import NvmeFile
@@ -70,6 +71,7 @@ class TierConfig:
     io_threads: int = 4
     shm_dir: Path | None = None  # where the shared-memory arena lives; None: the arena is private memory
     prefault: bool = False  # the arena's pages are taken at start (else as chunks need them)
+    eviction: str = "lru"  # each tier's eviction order (``eviction.ORDERS``)
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark < self.high_watermark <= 1:
@@ -86,7 +88,7 @@ class TierManager:
         self.changes = IndexChanges()
         self.arena: Arena | None = None  # where DRAM chunks live (take_memory); None: each its own buffer
         self.buffers = BufferFactory(0)  # private buffers (take_memory)
-        self.dram = DramTier(config.dram_bytes, self.table)
+        self.dram = DramTier(config.dram_bytes, self.table, order=order_named(config.eviction))
         self.nvme: NvmeTier | None = None
         if config.nvme_dir and config.nvme_bytes:
             self.nvme = NvmeTier(
@@ -97,6 +99,7 @@ class TierManager:
                 table=self.table,
                 on_gone=self._gone_from_nvme,
                 on_room=self._wake_demoter,
+                order=order_named(config.eviction),
             )
         self.leases = LeaseTable(on_pin=self.table.repin, on_unpinned=self._wake_demoter)
         self.demoter = Demoter(

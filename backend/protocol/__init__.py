@@ -91,10 +91,12 @@ from backend.protocol.reads import (
     decode_lease_request,
     decode_lease_response,
     decode_release,
+    decode_touch,
     encode_get_response,
     encode_lease_request,
     encode_lease_response,
     encode_release,
+    encode_touch,
 )
 from backend.protocol.reports import (
     ArenaReport,
@@ -164,6 +166,8 @@ __all__ = [
     "decode_lease_response",
     "encode_release",
     "decode_release",
+    "encode_touch",
+    "decode_touch",
     # channel
     "MAX_PAIR_ID_BYTES",
     "MAX_OFFER_DIGEST_CHARS",

@@ -73,6 +73,7 @@ class Op(enum.IntEnum):
     RELEASE = 12  # end a lease (or its hold on some keys)
     CHANNEL_GET = 13  # ask for chunks whose bytes travel over the channel (nccl_channel), not this socket
     PUT_STAGED = 14  # a put whose bytes wait in the client's shared-memory stage on the node's host
+    TOUCH = 15  # chains of keys a lookup found: the node's eviction order hears they were used; no answer data
 
 
 class Status(enum.IntEnum):

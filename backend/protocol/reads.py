@@ -1,5 +1,9 @@
 """GET_BATCH's answer, and LEASE/RELEASE: a same-host read pins keys, reads the node's arena, lets go.
 
+A TOUCH is chains of keys (each in prefix order) that lookups found: a count of chains,
+then each chain as a key list; at most ``limits.max_items`` keys in all. It is answered
+with an empty flag list.
+
 GET, EXISTS and DELETE requests are a key list (``encode_keys``); EXISTS and DELETE are
 answered with a flag per key (``encode_flags``), GET with :func:`encode_get_response`. A
 LEASE is answered like a GET plus, per found key, its offset in the node's arena.
@@ -36,6 +40,8 @@ __all__ = [
     "decode_lease_response",
     "encode_release",
     "decode_release",
+    "encode_touch",
+    "decode_touch",
 ]
 
 # LEASE request flags, and the offset of a leased chunk that has no arena region.
@@ -149,3 +155,30 @@ def decode_release(meta: bytes | bytearray | memoryview, limits: Limits = DEFAUL
         raise ProtocolError("RELEASE meta truncated before its lease id")
     (lease_id,) = U64.unpack(bytes(meta[: U64.size]))
     return int(lease_id), decode_keys(memoryview(meta)[U64.size :], limits)
+
+
+def encode_touch(chains: Sequence[Sequence[str]], limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Meta of a TOUCH request: ``chains``, each a non-empty key list in prefix order."""
+    keys = sum(len(chain) for chain in chains)
+    if keys > limits.max_items:
+        raise ProtocolError(f"{keys} keys exceed the limit of {limits.max_items}")
+    if any(not chain for chain in chains):
+        raise ProtocolError("a TOUCH chain is empty")
+    out = bytearray(U32.pack(len(chains)))
+    for chain in chains:
+        out += encode_keys(chain, limits)
+    return bounded(out, limits)
+
+
+def decode_touch(meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> list[list[str]]:
+    reader = MetaReader(meta)
+    chains: list[list[str]] = []
+    budget = limits.max_items
+    for _ in range(reader.count(limits)):
+        count = reader.count(limits)
+        if not count or count > budget:
+            raise ProtocolError(f"a TOUCH chain of {count} keys: chains are 1..{limits.max_items} keys in all")
+        budget -= count
+        chains.append([reader.key(limits) for _ in range(count)])
+    reader.done()
+    return chains

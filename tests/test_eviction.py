@@ -1,0 +1,242 @@
+"""Which chunks leave a full tier first: the prefix-aware order in-process, and both policies on real nodes.
+
+LMCache looks a request's chunks up in prefix order and stops at the first miss, so a
+chunk is worth something only while the chunks before it are held. ``eviction=prefix``
+(``backend/node/eviction.py`` ``PrefixOrder``) keeps whole prefixes where LRU keeps tails.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backend.node.columns import MIN_ITEMS
+from backend.node.eviction import LruOrder, PrefixOrder
+from kvpool import PoolConfig, SyncPoolClient
+from tests.support.chunks import numbered_chunks
+
+CHUNK_BYTES = 256 * 1024
+
+
+def _order(order: LruOrder | PrefixOrder) -> list[int]:
+    return list(order.coldest())
+
+
+# -- PrefixOrder in-process ---------------------------------------------------------------------
+def test_a_chains_tail_leaves_first_and_its_head_last():
+    order = PrefixOrder()
+    for slot in range(4):  # a put: the chunks enter head first ...
+        order.add(slot)
+    order.touch_chain([0, 1, 2, 3])  # ... and the batch is touched as one chain
+    assert _order(order) == [3, 2, 1, 0]
+
+    lru = LruOrder()
+    for slot in range(4):
+        lru.add(slot)
+    lru.touch_chain([0, 1, 2, 3])
+    assert _order(lru) == [0, 1, 2, 3]  # LRU: the head, and with it the whole chain's value, goes first
+
+
+def test_a_head_shared_by_many_chains_stays_while_their_tails_leave():
+    order = PrefixOrder()
+    shared = [0, 1]  # a system prompt
+    for user in range(3):
+        tail = [10 * (user + 1), 10 * (user + 1) + 1]
+        for slot in tail if user else shared + tail:
+            order.add(slot)
+        order.touch_chain(shared + tail)
+    coldest = _order(order)
+    assert coldest[-2:] == [1, 0]  # the shared head is the most recent: it leaves last
+    assert coldest[:2] == [11, 10]  # the first user's tail, tail first
+
+
+def test_when_a_chunk_leaves_the_chunks_after_it_leave_before_anything_reachable():
+    order = PrefixOrder()
+    for slot in range(8):
+        order.add(slot)
+    order.touch_chain([0, 1, 2, 3])  # chain A
+    order.touch_chain([4, 5, 6, 7])  # chain B, more recent
+    order.remove(1)  # A's second chunk leaves (deleted): 2 and 3 can no longer be reached
+    assert _order(order)[:1] == [2]  # its child is cut off: first to go
+    order.remove(2)
+    assert _order(order)[:1] == [3]  # and then the child's child
+    order.remove(3)
+    assert _order(order) == [0, 7, 6, 5, 4]  # only then the reachable chains, by recency
+    assert len(order) == 5
+
+
+def test_a_pinned_chunk_keeps_its_chain_and_a_cut_off_chunk_linked_again_is_reachable():
+    order = PrefixOrder()
+    for slot in range(3):
+        order.add(slot)
+    order.touch_chain([0, 1, 2])
+    order.pin(0)  # a lease on the head: not walked, but its chain holds
+    assert _order(order) == [2, 1]
+    order.unpin(0)
+    assert _order(order) == [2, 1, 0]
+    order.remove(0)
+    assert _order(order)[:1] == [1]  # cut off
+    order.add(0)  # the head is put again, with its chain
+    order.touch_chain([0, 1, 2])
+    assert _order(order) == [2, 1, 0]  # reachable again, tail first
+
+
+def test_a_slot_reused_after_leaving_carries_nothing_of_its_old_chain():
+    order = PrefixOrder()
+    for slot in range(3):
+        order.add(slot)
+    order.touch_chain([0, 1, 2])
+    order.remove(1)
+    order.remove(2)
+    order.add(1)  # slot 1 now holds another key, a chain head of its own
+    order.remove(0)
+    assert _order(order) == [1]  # not cut off by its slot's old parent
+
+
+@pytest.mark.parametrize("policy", [LruOrder, PrefixOrder])
+def test_an_order_keeps_no_object_per_chunk_and_stays_consistent_under_random_use(policy):
+    """Columns only (24 bytes a slot for prefix, 8 for LRU); every listed slot walked once, whatever the ops."""
+    rng = random.Random(7)
+    order = policy()
+    held: set[int] = set()
+    pinned: set[int] = set()
+    for _ in range(20_000):
+        op = rng.random()
+        slot = rng.randrange(3 * MIN_ITEMS)
+        if slot not in held and slot not in pinned:
+            order.add(slot)
+            held.add(slot)
+        elif op < 0.2:
+            order.remove(slot)
+            held.discard(slot)
+            pinned.discard(slot)
+        elif op < 0.3 and slot in held:
+            order.pin(slot)
+            held.discard(slot)
+            pinned.add(slot)
+        elif op < 0.4 and slot in pinned:
+            order.unpin(slot)
+            pinned.discard(slot)
+            held.add(slot)
+        elif op < 0.7:
+            chain = [s for s in rng.sample(range(3 * MIN_ITEMS), 6) if s in held or s in pinned]
+            order.touch_chain(chain)
+        else:
+            order.touch(slot)
+    walked = _order(order)
+    assert sorted(walked) == sorted(held) and len(order) == len(held)
+    columns = [v for v in vars(order).values() if isinstance(v, memoryview)]
+    columns += [v for v in vars(getattr(order, "_lists", None) or order._list).values() if isinstance(v, memoryview)]
+    per_slot = sum(c.itemsize for c in columns)
+    assert per_slot == (24 if policy is PrefixOrder else 8)
+
+
+# -- both policies on real nodes ----------------------------------------------------------------
+def test_a_prefix_node_keeps_whole_prefixes_where_an_lru_node_keeps_tails(node_factory, redis_server):
+    """Four chains of 4 chunks into a DRAM of 10: LRU keeps the third chain's tail (unreachable: no prefix
+    hits), prefix keeps its head."""
+    chains = [numbered_chunks(f"chain{c}", 4, CHUNK_BYTES, seed=c) for c in range(4)]
+    found = {}
+    for policy in ("lru", "prefix"):
+        node = node_factory("--eviction", policy, dram=str(10 * CHUNK_BYTES), ns=f"ev-{policy}")
+        url = f"kvpool://127.0.0.1:{redis_server.port}/ev-{policy}?connections_per_node=1"
+        with SyncPoolClient(PoolConfig.from_url(url)) as client:
+            for chain in chains:
+                client.put(chain)  # one batch each, in prefix order
+            found[policy] = [client.hit_prefix([c.key for c in chain]) for chain in chains]
+            held = [sum(client.contains([c.key for c in chain])) for chain in chains]
+        assert sum(held) == 10, (policy, held)
+        node.stop()
+    assert found["lru"] == [0, 0, 4, 4]  # the third chain's head went first; its tail stays, unreachable
+    assert found["prefix"] == [0, 2, 4, 4]  # the third chain's tail went first; its head still hits
+
+
+@pytest.mark.parametrize("touched", [False, True])
+def test_a_lookups_touch_keeps_a_looked_up_only_prefix_in_the_pool(node_factory, redis_server, touched):
+    """Chain A is put, then only looked up (served from an engine's own tier, say) while B and C are put:
+    told by TOUCH, the node keeps A's head and lets B's tail go; not told, A's tail goes first and
+    then its head."""
+    import asyncio
+
+    from backend.protocol import Op, encode_touch
+    from kvpool import PoolClient
+
+    ns = f"touch-{int(touched)}"
+    node_factory("--eviction", "prefix", dram=str(10 * CHUNK_BYTES), ns=ns)
+    a, b, c = (numbered_chunks(name, 4, CHUNK_BYTES, seed=i) for i, name in enumerate("abc"))
+
+    async def scenario() -> list[int]:
+        url = f"kvpool://127.0.0.1:{redis_server.port}/{ns}?connections_per_node=1"
+        async with PoolClient(PoolConfig.from_url(url)) as client:
+            await client.put(a)
+            await client.put(b)
+            if touched:
+                (node,) = await client.nodes(refresh=True)
+                answer = await client.connections.to(node).request(Op.TOUCH, encode_touch([[x.key for x in a]]))
+                assert answer is not None
+            await client.put(c)  # 12 chunks in a DRAM of 10: two leave
+            return [await client.hit_prefix([x.key for x in chain]) for chain in (a, b, c)]
+
+    found = asyncio.run(scenario())
+    assert found == ([4, 2, 4] if touched else [2, 4, 4])
+
+
+@pytest.mark.parametrize("touch", ["off", "on"])
+def test_with_touch_on_a_lookup_keeps_the_prefix_it_found_hot_on_its_node(node_factory, redis_server, touch):
+    """The client's side of the test above: ``hit_prefix`` alone (no get) is told to the node, batched."""
+    from backend.counters import ClientCounter
+    from tests.support.waits import wait_until
+
+    ns = f"client-touch-{touch}"
+    node_factory("--eviction", "prefix", dram=str(10 * CHUNK_BYTES), ns=ns)
+    a, b, c = (numbered_chunks(name, 4, CHUNK_BYTES, seed=i) for i, name in enumerate("abc"))
+    url = f"kvpool://127.0.0.1:{redis_server.port}/{ns}?connections_per_node=1&touch={touch}"
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        client.put(a)
+        client.put(b)
+        assert client.hit_prefix([x.key for x in a]) == 4  # a lookup that found A; no get follows
+        (node,) = client.nodes()
+        if touch == "on":
+            assert wait_until(lambda: client.node_stats(node)["counters"].get("touched_keys", 0) == 4)
+            assert client.counters[ClientCounter.TOUCHES_SENT] == 1
+        client.put(c)
+        found = [client.hit_prefix([x.key for x in chain]) for chain in (a, b, c)]
+    assert found == ([4, 2, 4] if touch == "on" else [2, 4, 4])
+
+
+def test_a_node_that_refuses_touch_is_not_touched_again_and_is_counted_once(caplog):
+    """An older node answers TOUCH with a protocol error (its decode_header knows no op 15); one cannot be
+    started from this tree, so the refusal is injected through the sender, the part's transport seam."""
+    import asyncio
+
+    from backend.client.context import ClientContext
+    from backend.client.touch import LookupTouches
+    from backend.counters import ClientCounter
+    from backend.errors import ProtocolError
+    from backend.metadata import Location, NodeInfo
+
+    old, new = NodeInfo("old", "127.0.0.1", 1, 7), NodeInfo("new", "127.0.0.1", 2, 1)
+    sent: list[tuple[str, bytes]] = []
+
+    async def locate(keys):
+        return [[Location("old", 7, "dram", 1, 0), Location("new", 1, "dram", 1, 0)] for _ in keys]
+
+    async def send(node, meta):
+        sent.append((node.node_id, meta))
+        if node.node_id == "old":
+            raise ProtocolError("node: unknown op code 15")
+
+    async def scenario() -> ClientContext:
+        ctx = ClientContext(PoolConfig.from_url("kvpool://127.0.0.1:1/ns?touch=on"))
+        touches = LookupTouches(ctx, locate, {"old": old, "new": new}.get, send)
+        for _ in range(3):
+            await touches.flush([["k@0", "k@1"]])
+        return ctx
+
+    ctx = asyncio.run(scenario())
+    assert [node for node, _ in sent] == ["old", "new", "new", "new"]  # tried once, then left alone
+    assert ctx.counters[ClientCounter.TOUCH_REFUSALS] == 1
+    assert ctx.counters[ClientCounter.TOUCHES_SENT] == 3
+    assert ctx.counters[ClientCounter.TOUCHES_DROPPED] == 6  # the old node's share of each batch
+    assert sum("does not take lookup touches" in r.message for r in caplog.records) == 1
