@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +27,7 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 import torch
 
 from backend.lmcache.config import lmcache_mp_server_args
+from tests.support.waits import wait_until
 
 MODEL = "kvpool-demo/tiny-model"
 CHUNK_TOKENS = 16
@@ -130,15 +130,6 @@ class MPStack:
         self.manager.close()
 
 
-def wait_until(predicate: Any, timeout_s: float = WAIT_S, interval_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return False
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one side of an LMCache multiprocess-mode round trip")
     parser.add_argument("role", choices=("put", "get"))
@@ -154,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opts.role == "put":
             out["accepted"] = stack.put(keys, [stack.payload(i, opts.seed) for i in range(opts.chunks)])
             # The store controller pushes to L2 on its own thread: wait for the pool to hold them.
-            out["stored"] = wait_until(lambda: stack.adapter.counters["stored_chunks"] >= opts.chunks)
+            out["stored"] = wait_until(lambda: stack.adapter.counters["stored_chunks"] >= opts.chunks, WAIT_S)
         else:
             out["hits"], out["l2_hits"] = stack.prefetch(keys)
             got = stack.read(keys) if out["hits"] == opts.chunks else None
