@@ -105,18 +105,19 @@ class KVPoolPeer(Peer):
 
     ``shm=False`` measures the TCP path, as a client on another host sees it (the
     node is the same default node, DRAM in its arena; the client says ``shm=off``);
-    ``shm=True`` measures the same-host fast path. Its DRAM is
+    ``shm=True`` measures the same-host fast path; ``up_args`` are more flags of
+    ``kvpool up`` (the workload replay's ``--eviction``). Its DRAM is
     filled before each chunk size (``fill``), so measured puts evict as in service.
     """
 
-    def __init__(self, dram: str, *, shm: bool = False) -> None:
+    def __init__(self, dram: str, *, shm: bool = False, up_args: Sequence[str] = ()) -> None:
         self.dram = dram
         self.shm = shm
         self.name = "kvpool-shm" if shm else "kvpool"
         self.ceiling = "memcpy" if shm else "tcp_loopback"
         self.url = ""
         self.full: FullPool | None = None
-        command = [sys.executable, "-m", "backend.cli", "up", "--dram", dram, "--nvme", "0"]
+        command = [sys.executable, "-m", "backend.cli", "up", "--dram", dram, "--nvme", "0", *up_args]
         self.server = ServerProcess("kvpool up", command, KVPOOL_URL_RE)
 
     def start(self) -> None:
