@@ -29,6 +29,7 @@ import datetime as dt
 import json
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,17 +40,15 @@ from bench.plan import MIB
 from bench.provenance import machine, revision
 from bench.workload_engine import Served
 from bench.workload_runs import ReplayRun, RunSpec, eviction_policies, make_workload_peer
-from bench.workload_traces import PRESETS, ModelPreset, Request, Trace
+from bench.workload_sim import PREFILL_MFU, modeled_prefill_tokens_per_s
+from bench.workload_traces import PRESETS, Request, Trace
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BACKENDS = ("kvpool", "redis", "resp", "lm", "fs", "mooncake")
 
 
-# The modeled prefill: 2 x parameters FLOPs a token at half of an H100 SXM's 989 dense bf16
-# TFLOPS (attention's share left out). An estimate and a parameter, not a measurement.
-H100_BF16_DENSE_FLOPS = 989e12
-PREFILL_UTILIZATION = 0.5
-PREFILL_MODEL = "llama-3.1-8b"  # the default prefill rate is this model's, whatever KV shape is moved
+# The default prefill rate is this model's, whatever KV shape is moved (the simulator's model of it).
+PREFILL_MODEL = "llama-3.1-8b"
 
 # The reduced traces: a replay in the tests' time on two cores.
 REDUCED: dict[str, dict[str, object]] = {
@@ -58,10 +57,6 @@ REDUCED: dict[str, dict[str, object]] = {
     "agent": {"agents": 4, "tool_chunks": 4, "context_chunks": 8, "steps": 4},
     "mooncake": {"requests": 40},
 }
-
-
-def prefill_tokens_per_s(preset: ModelPreset) -> float:
-    return H100_BF16_DENSE_FLOPS * PREFILL_UTILIZATION / (2 * preset.params_billion * 1e9)
 
 
 def make_trace(name: str, engines: int, seed: int, reduced: bool) -> Trace:
@@ -88,12 +83,15 @@ class RunResult:
     bytes_stored: int
     lookup_load_ms_p50: float
     lookup_load_ms_p99: float
+    lookup_load_ms_max: float
     ttft_ms_mean: float  # modeled
     no_cache_ttft_ms_mean: float  # modeled: every token recomputed
     engines_with_pool_hits: int
     used_bytes: int | None  # what the store held at the end, where it says
     evictions: int | None
     seconds: float
+    failure: str | None = None  # what ended the run early (its figures are then of what was served)
+    served: tuple[tuple[int, Served], ...] = ()  # (engine, answer) per request, in trace order
 
     @property
     def pool_hit_rate(self) -> float:
@@ -104,7 +102,9 @@ class RunResult:
         return self.local_hit_tokens / self.tokens if self.tokens else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        record = asdict(self)
+        record["served"] = [{"engine": engine, **asdict(answer)} for engine, answer in self.served]
+        return record
 
 
 def summarize(run: RunSpec, served: Sequence[tuple[int, Served]], seconds: float) -> dict[str, Any]:
@@ -138,6 +138,7 @@ def summarize(run: RunSpec, served: Sequence[tuple[int, Served]], seconds: float
         "bytes_stored": sum(a.bytes_stored for _, a in served),
         "lookup_load_ms_p50": quantile(lookup_load_ms, 0.5) if served else 0.0,
         "lookup_load_ms_p99": quantile(lookup_load_ms, 0.99) if served else 0.0,
+        "lookup_load_ms_max": lookup_load_ms[-1] if served else 0.0,
         "ttft_ms_mean": 1000 * sum(ttft_s) / len(ttft_s) if served else 0.0,
         "no_cache_ttft_ms_mean": 1000 * sum(no_cache_s) / len(no_cache_s) if served else 0.0,
         "engines_with_pool_hits": len(engines_hit),
@@ -149,9 +150,16 @@ def replay(run: RunSpec, trace_requests: Sequence[Request]) -> RunResult:
     """Start the backend bounded to the run's capacity, replay the trace through the engines, stop it."""
     started = time.monotonic()
     peer = make_workload_peer(run)
-    with ReplayRun(run, peer) as replaying:
-        served = replaying.serve(trace_requests)
-        used, evictions = replaying.store_state()
+    served: list[tuple[int, Served]] = []
+    used = evictions = None
+    failure = None
+    try:
+        with ReplayRun(run, peer) as replaying:
+            replaying.serve(trace_requests, served)
+            used, evictions = replaying.store_state()
+    except Exception as exc:  # one backend that fails must not end the others' runs
+        traceback.print_exc()
+        failure = repr(exc)
     return RunResult(
         backend=run.label,
         trace=run.trace,
@@ -160,6 +168,8 @@ def replay(run: RunSpec, trace_requests: Sequence[Request]) -> RunResult:
         bound=peer.bound,
         used_bytes=used,
         evictions=evictions,
+        failure=failure,
+        served=tuple(served),
         **summarize(run, served, time.monotonic() - started),
     )
 
@@ -234,7 +244,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--prefill-tokens-per-s",
         type=float,
         help=f"the modeled prefill rate (default: {PREFILL_MODEL}'s on one H100, "
-        f"{prefill_tokens_per_s(PRESETS[PREFILL_MODEL]):.0f} tokens/s)",
+        f"{modeled_prefill_tokens_per_s(PRESETS[PREFILL_MODEL]):.0f} tokens/s)",
     )
     parser.add_argument(
         "--local-fraction",
@@ -257,11 +267,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     preset = PRESETS[args.preset]
-    prefill = args.prefill_tokens_per_s or prefill_tokens_per_s(PRESETS[PREFILL_MODEL])
+    prefill = args.prefill_tokens_per_s or modeled_prefill_tokens_per_s(PRESETS[PREFILL_MODEL])
     command = "python -m bench.workload" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     stamp = dt.datetime.now().strftime("%Y-%m-%dT%H%M%S")
     print(
-        f"[workload] preset {preset.describe()}; prefill modeled at {prefill:.0f} tokens/s (not measured)",
+        f"[workload] preset {preset.describe()}; prefill modeled at {prefill:.0f} tokens/s "
+        + ("(given)" if args.prefill_tokens_per_s else f"({PREFILL_MODEL} at {PREFILL_MFU:g} of an H100's BF16 peak)")
+        + ", not measured",
         flush=True,
     )
     results: list[RunResult] = []
@@ -311,9 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"[workload] results: {path}")
-    wrong = sum(r.wrong_chunks for r in results)
-    if wrong:
-        print(f"[workload] FAILED: {wrong} chunks loaded differ from what was stored")
+    problems = [f"{r.backend} at {r.capacity:g}: {r.failure}" for r in results if r.failure]
+    problems += [f"{r.backend} at {r.capacity:g}: {r.wrong_chunks} chunks differ" for r in results if r.wrong_chunks]
+    if problems:
+        print("[workload] FAILED:\n  " + "\n  ".join(problems))
         return 1
     return 0
 
@@ -322,4 +335,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["RunResult", "main", "make_trace", "prefill_tokens_per_s", "replay", "summarize", "table", "MIB"]
+__all__ = ["RunResult", "main", "make_trace", "replay", "summarize", "table", "MIB"]

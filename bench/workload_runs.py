@@ -33,6 +33,9 @@ ENGINE_STOP_TIMEOUT_S = 30.0
 LOCAL_IN_FLIGHT_REQUESTS = 3  # an engine's local buffer holds at least this many of the largest requests
 LOCAL_SLACK_BYTES = 4 * MIB  # LMCache's allocator rounds and aligns: room beyond the chunks
 UNBOUNDED = "none: it has no eviction"
+# LMCache's wait for a remote get (its default is 10 s, the harness's 60 s for 32 MiB chunks on two cores):
+# a replay's chunks are small, and a get that outlives this is a stall the table should show, not sit out.
+BLOCKING_TIMEOUT_S = 10
 
 
 def kvpool_evictions() -> tuple[str, ...]:
@@ -243,6 +246,7 @@ class ReplayRun:
         try:
             self.peer.start()
             config = self.peer.peer.lmcache_config(self.run.local_gib)
+            config["blocking_timeout_secs"] = BLOCKING_TIMEOUT_S
             layers, heads, head_size = self.run.shape
             spec = EngineSpec(config, layers, heads, head_size)
             self.engines = [EngineProcess(spec, Path(self._tmp.name), n) for n in range(self.run.engines)]
@@ -256,10 +260,12 @@ class ReplayRun:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
-    def serve(self, requests: Sequence[Request]) -> list[tuple[int, Served]]:
-        """Each request to its engine in trace order, one in flight per engine; (engine, answer) in request order."""
+    def serve(self, requests: Sequence[Request], served: list[tuple[int, Served]]) -> None:
+        """Each request to its engine in trace order, one in flight per engine; (engine, answer) into ``served``.
+
+        ``served`` keeps what was answered should an engine fail midway; it ends in request order.
+        """
         in_flight: set[int] = set()
-        served: list[tuple[int, Served]] = []
         for number, request in enumerate(requests):
             engine = request.engine % len(self.engines)
             if engine in in_flight:
@@ -267,8 +273,9 @@ class ReplayRun:
                 in_flight.discard(engine)
             self.engines[engine].send(number, request)
             in_flight.add(engine)
-        served += [(engine, self.engines[engine].answer()) for engine in sorted(in_flight)]
-        return sorted(served, key=lambda pair: pair[1].request)
+        for engine in sorted(in_flight):
+            served.append((engine, self.engines[engine].answer()))
+        served.sort(key=lambda pair: pair[1].request)
 
     def store_state(self) -> tuple[int | None, int | None]:
         return self.peer.store_state()
