@@ -106,12 +106,16 @@ class KVPoolPeer(Peer):
     ``shm=False`` measures the TCP path, as a client on another host sees it (the
     node is the same default node, DRAM in its arena; the client says ``shm=off``);
     ``shm=True`` measures the same-host fast path; ``up_args`` are more flags of
-    ``kvpool up`` (the workload replay's ``--eviction``). Its DRAM is
+    ``kvpool up`` and ``url_options`` more ``key=value`` options of the client's URL (the
+    workload replay's ``--eviction`` and ``touch=on``). Its DRAM is
     filled before each chunk size (``fill``), so measured puts evict as in service.
     """
 
-    def __init__(self, dram: str, *, shm: bool = False, up_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self, dram: str, *, shm: bool = False, up_args: Sequence[str] = (), url_options: Sequence[str] = ()
+    ) -> None:
         self.dram = dram
+        self.url_options = tuple(url_options)
         self.shm = shm
         self.name = "kvpool-shm" if shm else "kvpool"
         self.ceiling = "memcpy" if shm else "tcp_loopback"
@@ -137,8 +141,9 @@ class KVPoolPeer(Peer):
         parts = urlsplit(self.url)
         if redis_port is not None:
             parts = parts._replace(netloc=f"{parts.hostname}:{redis_port}")
-        if not self.shm:
-            parts = parts._replace(query="&".join(q for q in (parts.query, "shm=off") if q))
+        options = [*self.url_options, *(() if self.shm else ("shm=off",))]
+        if options:
+            parts = parts._replace(query="&".join(q for q in (parts.query, *options) if q))
         url = urlunsplit(parts)
         config = kvpool_lmcache_config(url, local_cpu_gib=local_cpu_gib)
         config["blocking_timeout_secs"] = LMCACHE_BLOCKING_TIMEOUT_S

@@ -157,7 +157,10 @@ def make_workload_peer(run: RunSpec) -> WorkloadPeer:
     capacity = run.capacity_bytes
     if run.backend == "kvpool":
         flags = ("--eviction", run.eviction) if run.eviction and kvpool_evictions() else ()
-        return WorkloadPeer(KVPoolPeer(str(capacity), up_args=flags), f"--dram {capacity / MIB:.1f}MiB", capacity)
+        # prefix eviction with the lookups' touches, as it is meant to run; lru as a pool runs today
+        options = ("touch=on",) if run.eviction == "prefix" else ()
+        bound = f"--dram {capacity / MIB:.1f}MiB" + (", touch=on" if options else "")
+        return WorkloadPeer(KVPoolPeer(str(capacity), up_args=flags, url_options=options), bound, capacity)
     if run.backend in ("redis", "resp"):
         return WorkloadPeer(RedisPeer(run.backend, SharedRedis()), "maxmemory, allkeys-lru", capacity)
     if run.backend == "lm":
