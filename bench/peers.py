@@ -105,18 +105,23 @@ class KVPoolPeer(Peer):
 
     ``shm=False`` measures the TCP path, as a client on another host sees it (the
     node is the same default node, DRAM in its arena; the client says ``shm=off``);
-    ``shm=True`` measures the same-host fast path. Its DRAM is
+    ``shm=True`` measures the same-host fast path; ``up_args`` are more flags of
+    ``kvpool up`` and ``url_options`` more ``key=value`` options of the client's URL (the
+    workload replay's ``--eviction`` and ``touch=on``). Its DRAM is
     filled before each chunk size (``fill``), so measured puts evict as in service.
     """
 
-    def __init__(self, dram: str, *, shm: bool = False) -> None:
+    def __init__(
+        self, dram: str, *, shm: bool = False, up_args: Sequence[str] = (), url_options: Sequence[str] = ()
+    ) -> None:
         self.dram = dram
+        self.url_options = tuple(url_options)
         self.shm = shm
         self.name = "kvpool-shm" if shm else "kvpool"
         self.ceiling = "memcpy" if shm else "tcp_loopback"
         self.url = ""
         self.full: FullPool | None = None
-        command = [sys.executable, "-m", "backend.cli", "up", "--dram", dram, "--nvme", "0"]
+        command = [sys.executable, "-m", "backend.cli", "up", "--dram", dram, "--nvme", "0", *up_args]
         self.server = ServerProcess("kvpool up", command, KVPOOL_URL_RE)
 
     def start(self) -> None:
@@ -136,8 +141,9 @@ class KVPoolPeer(Peer):
         parts = urlsplit(self.url)
         if redis_port is not None:
             parts = parts._replace(netloc=f"{parts.hostname}:{redis_port}")
-        if not self.shm:
-            parts = parts._replace(query="&".join(q for q in (parts.query, "shm=off") if q))
+        options = [*self.url_options, *(() if self.shm else ("shm=off",))]
+        if options:
+            parts = parts._replace(query="&".join(q for q in (parts.query, *options) if q))
         url = urlunsplit(parts)
         config = kvpool_lmcache_config(url, local_cpu_gib=local_cpu_gib)
         config["blocking_timeout_secs"] = LMCACHE_BLOCKING_TIMEOUT_S

@@ -1,0 +1,293 @@
+"""One replay run: a backend bounded to a capacity, and the engine processes that replay a trace on it.
+
+``bench.workload`` builds a ``RunSpec`` per backend x trace x capacity (x kvpool's
+eviction policy), a ``WorkloadPeer`` (a ``bench.peers`` peer and how it was bounded)
+and runs the trace through a ``ReplayRun``: ``--engines`` processes of
+``bench.workload_engine``, each fed its requests in trace order on stdin.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+import redis
+
+from bench.peers import FSPeer, KVPoolPeer, LMServerPeer, MooncakePeer, Peer, RedisPeer, SharedRedis
+from bench.plan import GIB, MIB, chunk_bytes
+from bench.workload_engine import READY, EngineSpec, Served
+from bench.workload_traces import Request
+
+REPO = Path(__file__).resolve().parent.parent
+ENGINE_START_TIMEOUT_S = 180.0
+ENGINE_STOP_TIMEOUT_S = 30.0
+LOCAL_IN_FLIGHT_REQUESTS = 3  # an engine's local buffer holds at least this many of the largest requests
+LOCAL_SLACK_BYTES = 4 * MIB  # LMCache's allocator rounds and aligns: room beyond the chunks
+UNBOUNDED = "none: it has no eviction"
+# LMCache's wait for a remote get (its default is 10 s, the harness's 60 s for 32 MiB chunks on two cores):
+# a replay's chunks are small, and a get that outlives this is a stall the table should show, not sit out.
+BLOCKING_TIMEOUT_S = 10
+
+
+def kvpool_evictions() -> tuple[str, ...]:
+    """The eviction policies ``kvpool up --eviction`` offers, or () where the node has one (LRU) and no flag."""
+    from backend.cli.main import build_parser
+
+    verbs = next(a for a in build_parser()._actions if a.dest == "verb")
+    for action in verbs.choices["up"]._actions:  # type: ignore[union-attr]
+        if "--eviction" in action.option_strings:
+            return tuple(action.choices or ())
+    return ()
+
+
+def eviction_policies(backend: str) -> list[str | None]:
+    """kvpool's policies to run (lru first); None for the other backends, whose eviction is their own."""
+    if backend != "kvpool":
+        return [None]
+    offered = kvpool_evictions()
+    if not offered:
+        return ["lru"]  # the node's only policy, no flag to pass
+    return sorted(offered, key=lambda name: name != "lru")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What one run replays on what: the backend, its bound, the engines' shape, the prefill model."""
+
+    backend: str
+    eviction: str | None
+    trace: str
+    capacity: float
+    capacity_bytes: int
+    shape: tuple[int, int, int]  # layers, KV heads, head size
+    engines: int
+    local_gib: float
+    prefill_tokens_per_s: float
+    trace_tokens: Sequence[Sequence[int]] = field(repr=False)  # per request, the tokens of each chunk
+
+    @classmethod
+    def make(
+        cls,
+        *,
+        backend: str,
+        eviction: str | None,
+        trace: str,
+        capacity: float,
+        working_set_chunks: int,
+        preset: tuple[int, int, int],
+        engines: int,
+        local_fraction: float,
+        prefill_tokens_per_s: float,
+        trace_tokens: Sequence[Sequence[int]],
+    ) -> RunSpec:
+        size = chunk_bytes(preset)
+        largest = max((len(t) for t in trace_tokens), default=1)
+        local_bytes = max(local_fraction * working_set_chunks * size, LOCAL_IN_FLIGHT_REQUESTS * largest * size)
+        return cls(
+            backend=backend,
+            eviction=eviction,
+            trace=trace,
+            capacity=capacity,
+            capacity_bytes=math.ceil(capacity * working_set_chunks) * size,
+            shape=preset,
+            engines=engines,
+            local_gib=(local_bytes + LOCAL_SLACK_BYTES) / GIB,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+            trace_tokens=trace_tokens,
+        )
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend} {self.eviction}" if self.eviction else self.backend
+
+    @property
+    def skip_reason(self) -> str | None:
+        return MooncakePeer(0).skip_reason if self.backend == "mooncake" else None
+
+
+class WorkloadPeer:
+    """A harness peer held to the run's capacity where it can be; ``bound`` says how, or why not."""
+
+    def __init__(self, peer: Peer, bound: str, capacity_bytes: int) -> None:
+        self.peer = peer
+        self.bound = bound
+        self.capacity_bytes = capacity_bytes
+        self._redis_baseline = 0
+
+    def start(self) -> None:
+        self.peer.start()
+        if isinstance(self.peer, RedisPeer):
+            with self._redis() as client:
+                client.flushall()
+                self._redis_baseline = int(client.info("memory")["used_memory"])
+                # maxmemory counts everything the server holds: its empty footprint, then the capacity.
+                client.config_set("maxmemory", self._redis_baseline + self.capacity_bytes)
+                client.config_set("maxmemory-policy", "allkeys-lru")
+
+    def _redis(self) -> redis.Redis:
+        return redis.Redis(port=self.peer.redis_port, socket_timeout=30)
+
+    def store_state(self) -> tuple[int | None, int | None]:
+        """Bytes the store holds now and the evictions it counted, where it says."""
+        if isinstance(self.peer, KVPoolPeer) and self.peer.full is not None:
+            state = self.peer.full.state()
+            return state.used_bytes, state.evictions
+        if isinstance(self.peer, RedisPeer):
+            with self._redis() as client:
+                used = int(client.info("memory")["used_memory"]) - self._redis_baseline
+                return used, int(client.info("stats")["evicted_keys"])
+        if isinstance(self.peer, FSPeer) and self.peer.path is not None:
+            return sum(p.stat().st_size for p in self.peer.path.rglob("*") if p.is_file()), None
+        return None, None
+
+    def stop(self) -> None:
+        self.peer.stop()
+
+
+def make_workload_peer(run: RunSpec) -> WorkloadPeer:
+    capacity = run.capacity_bytes
+    if run.backend == "kvpool":
+        flags = ("--eviction", run.eviction) if run.eviction and kvpool_evictions() else ()
+        # prefix eviction with the lookups' touches, as it is meant to run; lru as a pool runs today
+        options = ("touch=on",) if run.eviction == "prefix" else ()
+        bound = f"--dram {capacity / MIB:.1f}MiB" + (", touch=on" if options else "")
+        return WorkloadPeer(KVPoolPeer(str(capacity), up_args=flags, url_options=options), bound, capacity)
+    if run.backend in ("redis", "resp"):
+        return WorkloadPeer(RedisPeer(run.backend, SharedRedis()), "maxmemory, allkeys-lru", capacity)
+    if run.backend == "lm":
+        return WorkloadPeer(LMServerPeer(), UNBOUNDED, capacity)
+    if run.backend == "fs":
+        return WorkloadPeer(FSPeer(), UNBOUNDED, capacity)
+    if run.backend == "mooncake":
+        return WorkloadPeer(MooncakePeer(capacity), "global segment size", capacity)
+    raise ValueError(f"no replay peer called {run.backend!r}")
+
+
+class EngineProcess:
+    """One ``bench.workload_engine`` child: a request a line on stdin, its ``Served`` a line on stdout."""
+
+    def __init__(self, spec: EngineSpec, workdir: Path, number: int) -> None:
+        spec_path = workdir / f"engine-{number}.json"
+        spec_path.write_text(spec.to_json())
+        self.log_path = workdir / f"engine-{number}.log"
+        self._log: IO[str] = self.log_path.open("w")
+        env = {**os.environ, "PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "bench.workload_engine", str(spec_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            cwd=REPO,
+            env=env,
+        )
+        self.number = number
+
+    def _line(self) -> str:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine {self.number} exited ({self.process.poll()}): {self.tail()}")
+        return line
+
+    def wait_ready(self) -> None:
+        while (line := self._line().strip()) != READY:
+            print(f"[engine {self.number}] {line}", flush=True)
+
+    def send(self, number: int, request: Request) -> None:
+        assert self.process.stdin is not None
+        line = {
+            "request": number,
+            "contents": request.contents,
+            "chunk_tokens": request.chunk_tokens,
+            "keys": request.keys,
+        }
+        self.process.stdin.write(json.dumps(line) + "\n")
+        self.process.stdin.flush()
+
+    def answer(self) -> Served:
+        return Served.from_json(self._line())
+
+    def tail(self, lines: int = 20) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """Close its stdin (it closes LMCache and exits), else kill it by its pid."""
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            try:
+                self.process.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            self.process.wait(ENGINE_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
+class ReplayRun:
+    """The backend started and bounded, ``run.engines`` engine processes on it; stopped on exit."""
+
+    def __init__(self, run: RunSpec, peer: WorkloadPeer) -> None:
+        self.run = run
+        self.peer = peer
+        self.engines: list[EngineProcess] = []
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvpool-workload-")
+
+    def __enter__(self) -> ReplayRun:
+        try:
+            self.peer.start()
+            config = self.peer.peer.lmcache_config(self.run.local_gib)
+            config["blocking_timeout_secs"] = BLOCKING_TIMEOUT_S
+            layers, heads, head_size = self.run.shape
+            spec = EngineSpec(config, layers, heads, head_size)
+            self.engines = [EngineProcess(spec, Path(self._tmp.name), n) for n in range(self.run.engines)]
+            for engine in self.engines:
+                engine.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def serve(self, requests: Sequence[Request], served: list[tuple[int, Served]]) -> None:
+        """Each request to its engine in trace order, one in flight per engine; (engine, answer) into ``served``.
+
+        ``served`` keeps what was answered should an engine fail midway; it ends in request order.
+        """
+        in_flight: set[int] = set()
+        for number, request in enumerate(requests):
+            engine = request.engine % len(self.engines)
+            if engine in in_flight:
+                served.append((engine, self.engines[engine].answer()))
+                in_flight.discard(engine)
+            self.engines[engine].send(number, request)
+            in_flight.add(engine)
+        for engine in sorted(in_flight):
+            served.append((engine, self.engines[engine].answer()))
+        served.sort(key=lambda pair: pair[1].request)
+
+    def store_state(self) -> tuple[int | None, int | None]:
+        return self.peer.store_state()
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.stop()
+        self.engines = []
+        try:
+            self.peer.stop()
+        finally:
+            self._tmp.cleanup()
