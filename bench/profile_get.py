@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # before LMCache is imported: its INFO lines drown the table
+if __name__ == "__main__":  # run as a script only: an importer keeps its own environment
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # before LMCache is imported: its INFO lines drown the table
 
 import numpy as np
 import xxhash

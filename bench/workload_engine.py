@@ -29,16 +29,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
 
 from bench.cells import allocate, base_bytes, byte_view, identical, stamp
 from bench.lmcache_stack import LMCacheStack

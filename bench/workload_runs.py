@@ -180,7 +180,13 @@ class EngineProcess:
         spec_path.write_text(spec.to_json())
         self.log_path = workdir / f"engine-{number}.log"
         self._log: IO[str] = self.log_path.open("w")
-        env = {**os.environ, "PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false"}
+        # LMCache's per-stack warnings would drown the engine's log; set here, for the child only.
+        env = {
+            "LMCACHE_LOG_LEVEL": "ERROR",
+            **os.environ,
+            "PYTHONHASHSEED": "0",
+            "LMCACHE_TRACK_USAGE": "false",
+        }
         self.process = subprocess.Popen(
             [sys.executable, "-m", "bench.workload_engine", str(spec_path)],
             stdin=subprocess.PIPE,

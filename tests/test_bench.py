@@ -392,3 +392,27 @@ def test_first_hour_summary_is_the_median_node_per_round_and_the_first_over_last
     assert summary["first_over_last"] == {"shm_put_gbps": 0.2, "tcp_get_gbps": 0.5}
     assert (summary["put_p50_ms"], summary["put_p99_ms"], summary["put_p99_over_p50"]) == (10.0, 30.0, 3.0)
     assert "r1/r3" in render("on", summary) and "p99/p50 3.00" in render("on", summary)
+
+
+@pytest.mark.usefixtures("processes")
+def test_importing_a_bench_module_changes_no_environment_variable():
+    """A module that sets os.environ as it is imported leaks into every process its importer starts later.
+
+    (A test worker that imported the replay's engine module once gave every later ``kvpool doctor``
+    LMCACHE_LOG_LEVEL=ERROR, and LMCache's config dump vanished from its output.) Set a child's
+    environment where the child is started instead. In a fresh interpreter: one that imported a
+    module already would not run its top level again.
+    """
+    modules = sorted(f"bench.{p.stem}" for p in (REPO / "bench").glob("*.py") if p.stem != "__init__")
+    code = (
+        "import importlib, json, os, sys\nbefore = dict(os.environ)\nchanged = {}\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "    keys = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))\n"
+        "    if keys:\n        changed[name] = keys\n        before = dict(os.environ)\n"
+        "print(json.dumps(changed))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_LOG")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
