@@ -21,7 +21,8 @@ node leases them); a chunk that finds no room ends the request's store. Policies
   before them) leave before anything still reachable;
 * ``prefix-freq``: which chains stay: the fewest reads leave first (counts halved every four
   pools' worth of requested chunks), unreachable chunks before all, tail first inside a chain, and a
-  newcomer does not evict a chunk read as often as it (:class:`PrefixFrequency`). Simulated
+  newcomer does not evict a chunk read as often as it, its past refusals counted as reads
+  (:class:`PrefixFrequency`). Simulated
   only: the node's ``eviction=prefix`` is the ``prefix`` rule;
 * ``belady``: the chunk whose next request is furthest away (or never) leaves. A reference,
   not a bound: for prefix chains keeping the furthest-used chunk is not optimal (a chunk is
@@ -172,6 +173,8 @@ class PrefixFrequency(Policy):
     touched tail first (inside a chain the tail leaves first). A newcomer does not evict a chunk
     read as often as it: the store is refused, so a loop over more chains than fit keeps the ones
     it holds instead of thrashing them all (the finding ``prefix`` alone did not beat LRU on).
+    A refused chunk is remembered (a ghost count, aged with the reads): offered again, it counts
+    its refusals as reads, so a new working set that keeps coming back gets in as the old cools.
     """
 
     name = "prefix-freq"
@@ -187,6 +190,7 @@ class PrefixFrequency(Policy):
         self._clock = 0
         self._heap: list[tuple[int, int, int]] = []  # (reads, tick, key), stale entries skipped
         self._requested = 0
+        self._ghost: dict[int, int] = {}  # refused chunk -> refusals (halved with the reads)
         self._parent: dict[int, int | None] = {}
         self._children: defaultdict[int, set[int]] = defaultdict(set)
         self._orphans: OrderedDict[int, None] = OrderedDict()
@@ -209,6 +213,7 @@ class PrefixFrequency(Policy):
         self._requested = 0
         for key in self._reads:
             self._reads[key] //= 2
+        self._ghost = {key: refused // 2 for key, refused in self._ghost.items() if refused > 1}
         self._heap = [(reads, self._tick[key], key) for key, reads in self._reads.items()]
         heapq.heapify(self._heap)
 
@@ -242,11 +247,15 @@ class PrefixFrequency(Policy):
             self._orphans[child] = None
 
     def store(self, key: int, parent: int | None, pinned: set[int]) -> bool:
+        worth = self.NEW_READS + self._ghost.get(key, 0)
         while len(self._reads) >= self.capacity:
             victim = self._victim(pinned)
-            if victim is None or victim[1] >= self.NEW_READS:
-                return False  # nothing evictable, or everything left is read as often as a newcomer
+            if victim is None or victim[1] >= worth:
+                # nothing evictable, or everything left is read as often as this newcomer
+                self._ghost[key] = self._ghost.get(key, 0) + 1
+                return False
             self._remove(victim[0])
+        self._ghost.pop(key, None)
         self._reads[key] = self.NEW_READS
         self._parent[key] = parent
         if parent is not None:
