@@ -19,6 +19,11 @@ node leases them); a chunk that finds no room ends the request's store. Policies
 * ``prefix``: the node's rule (``eviction=prefix``): a request's chunks touched tail first, and
   when a chunk leaves, the chunks after it in its chain (now unreachable: a lookup stops
   before them) leave before anything still reachable;
+* ``prefix-freq``: which chains stay: the fewest reads leave first (counts halved every four
+  pools' worth of requested chunks), unreachable chunks before all, tail first inside a chain, and a
+  newcomer does not evict a chunk read as often as it, its past refusals counted as reads
+  (:class:`PrefixFrequency`). Simulated
+  only: the node's ``eviction=prefix`` is the ``prefix`` rule;
 * ``belady``: the chunk whose next request is furthest away (or never) leaves. A reference,
   not a bound: for prefix chains keeping the furthest-used chunk is not optimal (a chunk is
   worth nothing without its prefix), so a policy may beat it;
@@ -156,6 +161,115 @@ class Prefix(TailFirst):
         for child in self._children.get(key, ()):
             self._orphans.pop(child, None)
         return True
+
+
+class PrefixFrequency(Policy):
+    """Which chains stay: the most read, held against newcomers until they cool (``prefix-freq``).
+
+    Every chunk counts the lookups that found it; a stored chunk starts at one read, and every
+    ``AGE_EVERY_CAPACITY`` pools' worth of requested chunks all counts are halved (aging), so a
+    chain nobody reads cools to zero and newcomers get in again. The victim is an unreachable chunk first (as
+    ``prefix``), then the fewest reads, the least recent among equals with a request's chunks
+    touched tail first (inside a chain the tail leaves first). A newcomer does not evict a chunk
+    read as often as it: the store is refused, so a loop over more chains than fit keeps the ones
+    it holds instead of thrashing them all (the finding ``prefix`` alone did not beat LRU on).
+    A refused chunk is remembered (a ghost count, aged with the reads): offered again, it counts
+    its refusals as reads, so a new working set that keeps coming back gets in as the old cools.
+    """
+
+    name = "prefix-freq"
+    NEW_READS = 1
+    # halve every count after this many pools' worth of requested chunks: 2 adapts faster to a
+    # new working set but lost long-doc-qa at 0.5 (13.6 %); 8 never adapted to one (seen, --all)
+    AGE_EVERY_CAPACITY = 4
+
+    def __init__(self, capacity: int, trace: Trace) -> None:
+        super().__init__(capacity, trace)
+        self._reads: dict[int, int] = {}
+        self._tick: dict[int, int] = {}
+        self._clock = 0
+        self._heap: list[tuple[int, int, int]] = []  # (reads, tick, key), stale entries skipped
+        self._requested = 0
+        self._ghost: dict[int, int] = {}  # refused chunk -> refusals (halved with the reads)
+        self._parent: dict[int, int | None] = {}
+        self._children: defaultdict[int, set[int]] = defaultdict(set)
+        self._orphans: OrderedDict[int, None] = OrderedDict()
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._reads
+
+    def __len__(self) -> int:
+        return len(self._reads)
+
+    def _index(self, key: int) -> None:
+        self._clock += 1
+        self._tick[key] = self._clock
+        heapq.heappush(self._heap, (self._reads[key], self._clock, key))
+
+    def begin(self, index: int, keys: Sequence[int]) -> None:
+        self._requested += len(keys)  # the node sees each: found ones touched, missed ones put
+        if self._requested < self.AGE_EVERY_CAPACITY * self.capacity:
+            return
+        self._requested = 0
+        for key in self._reads:
+            self._reads[key] //= 2
+        self._ghost = {key: refused // 2 for key, refused in self._ghost.items() if refused > 1}
+        self._heap = [(reads, self._tick[key], key) for key, reads in self._reads.items()]
+        heapq.heapify(self._heap)
+
+    def _victim(self, pinned: set[int]) -> tuple[int, int] | None:
+        """The next victim and its reads (-1: unreachable)."""
+        for orphan in self._orphans:
+            if orphan not in pinned:
+                return orphan, -1
+        skipped: list[tuple[int, int, int]] = []
+        victim: tuple[int, int] | None = None
+        while self._heap:
+            reads, tick, key = self._heap[0]
+            if self._tick.get(key) != tick:
+                heapq.heappop(self._heap)
+            elif key in pinned:
+                skipped.append(heapq.heappop(self._heap))
+            else:
+                victim = key, reads
+                break
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return victim
+
+    def _remove(self, key: int) -> None:
+        del self._reads[key], self._tick[key]
+        self._orphans.pop(key, None)
+        parent = self._parent.pop(key)
+        if parent is not None:
+            self._children[parent].discard(key)
+        for child in self._children.get(key, ()):
+            self._orphans[child] = None
+
+    def store(self, key: int, parent: int | None, pinned: set[int]) -> bool:
+        worth = self.NEW_READS + self._ghost.get(key, 0)
+        while len(self._reads) >= self.capacity:
+            victim = self._victim(pinned)
+            if victim is None or victim[1] >= worth:
+                # nothing evictable, or everything left is read as often as this newcomer
+                self._ghost[key] = self._ghost.get(key, 0) + 1
+                return False
+            self._remove(victim[0])
+        self._ghost.pop(key, None)
+        self._reads[key] = self.NEW_READS
+        self._parent[key] = parent
+        if parent is not None:
+            self._children[parent].add(key)
+        for child in self._children.get(key, ()):
+            self._orphans.pop(child, None)
+        self._index(key)
+        return True
+
+    def served(self, read: Sequence[int], new: Sequence[int]) -> None:
+        for key in read:
+            self._reads[key] += 1
+        for key in reversed([*read, *new]):  # tail first: the head is the most recent
+            self._index(key)
 
 
 class LFU(Policy):
@@ -316,7 +430,7 @@ class Belady(Policy):
             heapq.heappush(self._heap, (-self.next_use(key), key))
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, TailFirst, LFU, S3FIFO, Prefix, Belady)}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, TailFirst, LFU, S3FIFO, Prefix, PrefixFrequency, Belady)}
 
 
 class Admission:
@@ -372,6 +486,7 @@ DEFAULT_RUNS: tuple[tuple[str, str], ...] = (
     ("lru", "oracle"),
     ("prefix", "oracle"),
     ("prefix", "second"),
+    ("prefix-freq", "oracle"),
     ("belady", "oracle"),
 )
 
@@ -442,13 +557,13 @@ def simulate(
     With ``local_fraction``, each engine keeps a local tier of that fraction of the working set
     (LMCache's local CPU tier, tail first) in front of the pool: a request reads its found
     prefix locally first, and gets from the pool only the chunks after that. ``sees_lookups``
-    (default: only for ``prefix``) lets the pool count every chunk a lookup found as read, as
+    (default: only for the ``prefix`` policies) lets the pool count every chunk a lookup found as read, as
     kvpool's batched touch does; without it the pool sees only its gets.
     """
     capacity = max(1, round(capacity_fraction * trace.working_set_chunks))
     pool = POLICIES[policy](capacity, trace)
     admit = _admission(admission, trace)
-    touch_found = policy == "prefix" if sees_lookups is None else sees_lookups
+    touch_found = policy.startswith("prefix") if sees_lookups is None else sees_lookups
     local_capacity = round(local_fraction * trace.working_set_chunks)
     engines = {e: TailFirst(local_capacity, trace) for e in range(trace.engines)} if local_capacity else {}
     hit_tokens = pool_tokens = loaded = stored = peak = 0
