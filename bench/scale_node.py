@@ -62,6 +62,7 @@ from backend.embedded import EmbeddedRedis
 from backend.metadata import NodeInfo
 from backend.node.arena import room_of
 from backend.node.dram import StoredChunk
+from backend.node.eviction import ORDERS
 from backend.node.nvme_format import NvmeFile
 from backend.node.tiers import TierConfig, TierManager
 from backend.protocol import ItemMeta, Op, checksum, encode_keys
@@ -456,7 +457,7 @@ def run(chunks: int = DEFAULT_CHUNKS, eviction: str = "lru") -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunks", type=int, default=DEFAULT_CHUNKS, help="chunks held at the large size")
-    parser.add_argument("--eviction", choices=("lru", "prefix"), default="lru", help="the nodes' eviction order")
+    parser.add_argument("--eviction", choices=sorted(ORDERS), default="lru", help="the nodes' eviction order")
     args = parser.parse_args(argv)
     if args.chunks <= SMALL_CHUNKS:
         parser.error(f"--chunks must be more than {SMALL_CHUNKS:,}")

@@ -141,6 +141,10 @@ class Intake:
         """Bring ``item`` in (in the current window, or in parts), or read past it with the refusal's flag."""
         source = self.source
         room = self.tiers.room_of(item.nbytes)
+        if not self.tiers.admits(item.key, room):  # the eviction order keeps what it holds: not stored
+            await source.drop(item.nbytes)
+            self.received.append((PUT_NO_ROOM, item, None))
+            return
         if source.host and room > source.window_bytes:
             await self.flush()
             await self._take_in_parts(item, room)
