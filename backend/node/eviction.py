@@ -378,9 +378,7 @@ class PrefixFrequencyOrder(PrefixOrder):
                 self._count_read(slot)
         for slot in reversed(slots):
             self.touch(slot)
-        self._named += len(slots)
-        if self._named >= AGE_EVERY_HELD * max(len(self), 1):
-            self._age_all()
+        self._named_by_batches(len(slots))
 
     def coldest(self) -> Iterator[int]:
         for which in range(2 + MAX_READS):
@@ -397,6 +395,7 @@ class PrefixFrequencyOrder(PrefixOrder):
         for index in self._cells(key):
             self._sketch[index] = min(self._sketch[index] + 1, 0xFF)
         self.refused += 1
+        self._named_by_batches(1)  # asked for and not held: it counts toward aging as a miss put would
         return False
 
     def refusals(self, key: str) -> int:
@@ -420,6 +419,13 @@ class PrefixFrequencyOrder(PrefixOrder):
         self._reads[slot] = reads + 1
         if listed:
             lists.append(slot, self._which(slot))
+
+    def _named_by_batches(self, chunks: int) -> None:
+        """``chunks`` more were named by batches (held, or refused): age once the tier's were, AGE_EVERY_HELD
+        times over."""
+        self._named += chunks
+        if self._named >= AGE_EVERY_HELD * max(len(self), 1):
+            self._age_all()
 
     def _age_all(self) -> None:
         """Halve every count: splice the lists of counts 2r and 2r+1 into r's (O(MAX_READS)), halve the sketch
