@@ -7,7 +7,7 @@ they are pinned and put back when they are not, so the walk never passes over th
 finding a victim costs O(1) however many chunks are pinned (``tiers.py``).
 
 Every operation is O(1) (amortised) and an order keeps no object per chunk: columns
-indexed by the chunk's slot (``bookkeeping.ChunkTable``). Two orders, chosen by the
+indexed by the chunk's slot (``bookkeeping.ChunkTable``). Three orders, chosen by the
 node's ``eviction`` setting (:data:`ORDERS`):
 
 * :class:`LruOrder` (``lru``): least recently used first; a doubly linked list threaded
@@ -21,6 +21,10 @@ node's ``eviction`` setting (:data:`ORDERS`):
   unreachable) are *cut off* and leave before anything still reachable. 24 bytes a
   chunk: the recency list (8) and the chain as a tree (parent, first child, and the
   siblings' list: 16), since a shared head (a system prompt) has many continuations.
+* :class:`PrefixFrequencyOrder` (``prefix-freq``): ``prefix``'s chains, and the most-read
+  chains stay: fewest reads first (counts aged), and a newcomer that would evict a chunk
+  read as often is refused (:meth:`EvictionOrder.admits`; the put answers it "no room").
+  26 bytes a chunk, and 16 KiB a tier for the counts of refused keys.
 """
 
 from __future__ import annotations
