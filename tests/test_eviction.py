@@ -167,15 +167,17 @@ def test_prefix_freq_ages_counts_so_a_chain_nobody_reads_cools_and_newcomers_get
 
 def test_prefix_freq_remembers_refused_keys_in_fixed_bytes():
     """Refused keys are counted in a sketch of fixed size (never a set of keys), an estimate never under the
-    count: each of 2,000 keys refused once gets in when offered again."""
+    count (a key sharing all its counters with others may be over: let in at once): each of 2,000 keys refused
+    once gets in when offered again."""
     order = PrefixFrequencyOrder()
     for slot in range(3000):
         order.add(slot)  # each only put: NEW_READS
     keys = [f"key{n}" for n in range(2000)]
-    assert not any(order.admits(key) for key in keys)
+    refused_first = [key for key in keys if not order.admits(key)]
+    assert len(refused_first) > 0.8 * len(keys) and order.refused == len(refused_first)
     assert len(order._sketch) == SKETCH_ROWS * SKETCH_WIDTH and order.agings == 0
-    assert all(order.refusals(key) >= 1 for key in keys)
-    assert all(order.admits(key) for key in keys) and order.refused == len(keys)
+    assert all(order.refusals(key) >= 1 for key in refused_first)
+    assert all(order.admits(key) for key in refused_first)
 
 
 @pytest.mark.parametrize("policy", [LruOrder, PrefixOrder, PrefixFrequencyOrder])

@@ -220,14 +220,6 @@ class TierManager:
                 return buffer
         return self.buffers.take(nbytes)
 
-    def admits(self, key: str, room: int) -> bool:
-        """Whether a put of ``key`` (``room`` bytes) may make its room by eviction: False when DRAM is full,
-        evicts (no NVMe tier below it), and its order refuses the newcomer (``prefix-freq``: the coldest chunk
-        was read as often). A key held already, or one that fits, is never refused here."""
-        if self.nvme is not None or self.dram.fits(room) or self.contains(key):
-            return True
-        return self.dram.order.admits(key)
-
     async def reserve(self, room: int, *, put_id: int = 0) -> None:
         """Reserve ``room`` bytes of DRAM (``room_of`` a chunk, or a part of one) for put ``put_id``,
         demoting or evicting older chunks as needed.
