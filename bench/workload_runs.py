@@ -157,8 +157,8 @@ def make_workload_peer(run: RunSpec) -> WorkloadPeer:
     capacity = run.capacity_bytes
     if run.backend == "kvpool":
         flags = ("--eviction", run.eviction) if run.eviction and kvpool_evictions() else ()
-        # prefix eviction with the lookups' touches, as it is meant to run; lru as a pool runs today
-        options = ("touch=on",) if run.eviction == "prefix" else ()
+        # the prefix orders with the lookups' touches, as they are meant to run; lru as a pool runs today
+        options = ("touch=on",) if run.eviction in ("prefix", "prefix-freq") else ()
         bound = f"--dram {capacity / MIB:.1f}MiB" + (", touch=on" if options else "")
         return WorkloadPeer(KVPoolPeer(str(capacity), up_args=flags, url_options=options), bound, capacity)
     if run.backend in ("redis", "resp"):

@@ -12,14 +12,23 @@ import random
 import pytest
 
 from backend.node.columns import MIN_ITEMS
-from backend.node.eviction import LruOrder, PrefixOrder
+from backend.node.eviction import (
+    AGE_EVERY_HELD,
+    MAX_READS,
+    NEW_READS,
+    SKETCH_ROWS,
+    SKETCH_WIDTH,
+    LruOrder,
+    PrefixFrequencyOrder,
+    PrefixOrder,
+)
 from kvpool import PoolConfig, SyncPoolClient
 from tests.support.chunks import numbered_chunks
 
 CHUNK_BYTES = 256 * 1024
 
 
-def _order(order: LruOrder | PrefixOrder) -> list[int]:
+def _order(order: LruOrder | PrefixOrder | PrefixFrequencyOrder) -> list[int]:
     return list(order.coldest())
 
 
@@ -94,9 +103,87 @@ def test_a_slot_reused_after_leaving_carries_nothing_of_its_old_chain():
     assert _order(order) == [1]  # not cut off by its slot's old parent
 
 
-@pytest.mark.parametrize("policy", [LruOrder, PrefixOrder])
+# -- PrefixFrequencyOrder (prefix-freq) in-process -------------------------------------------------
+def _put_and_read(order: PrefixFrequencyOrder, chain: list[int], reads: int) -> None:
+    for slot in chain:
+        order.add(slot)
+    order.touch_chain(chain, read=False)  # the put
+    for _ in range(reads):
+        order.touch_chain(chain)  # a get, a lease, a lookup's touch
+
+
+def test_prefix_freq_keeps_the_most_read_chain_over_a_more_recent_one_read_less():
+    """A chain read twice outlasts one put after it and never read (prefix would evict the older chain first);
+    inside each chain the tail leaves first."""
+    order = PrefixFrequencyOrder()
+    _put_and_read(order, [0, 1, 2], reads=2)
+    _put_and_read(order, [3, 4, 5], reads=0)
+    assert _order(order) == [5, 4, 3, 2, 1, 0]
+    assert [order.reads(s) for s in (0, 5)] == [NEW_READS + 2, NEW_READS]
+
+
+def test_prefix_freq_refuses_a_newcomer_while_the_coldest_is_read_as_often_and_counts_refusals():
+    """The coldest chunk read at least as often as a newcomer counts: refused (and counted); refused once, the
+    same key counts its refusal as a read and gets in against a chunk only put."""
+    order = PrefixFrequencyOrder()
+    _put_and_read(order, [0, 1], reads=1)
+    assert not order.admits("new") and order.refused == 1 and order.refusals("new") == 1
+    assert not order.admits("new")  # worth 1 + 1, the coldest was read twice: still refused
+    fresh = PrefixFrequencyOrder()
+    _put_and_read(fresh, [0, 1], reads=0)
+    assert not fresh.admits("again")  # a newcomer against a chunk only put: as often, refused
+    assert fresh.admits("again")  # offered again, its refusal counts: it gets in
+    assert fresh.refused == 1
+
+
+def test_prefix_freq_lets_cut_off_chunks_go_first_whatever_their_reads():
+    """A chunk whose prefix left is worth nothing: it leaves first even read often (before a newer chunk only
+    put), and never refuses a newcomer."""
+    order = PrefixFrequencyOrder()
+    _put_and_read(order, [0, 1, 2], reads=2)
+    _put_and_read(order, [3], reads=0)
+    order.remove(0)
+    assert _order(order) == [1, 3, 2]  # 1 is cut off; 3 was read less than 2
+    assert order.admits("new")
+
+
+def test_prefix_freq_ages_counts_so_a_chain_nobody_reads_cools_and_newcomers_get_in():
+    """Every AGE_EVERY_HELD times the chunks held were named by batches, every count halves (lazily: no pass
+    over the chunks), so a chain nobody reads any more cools and stops refusing newcomers."""
+    order = PrefixFrequencyOrder()
+    others = list(range(10, 110))
+    _put_and_read(order, others, reads=0)
+    _put_and_read(order, [0, 1], reads=MAX_READS + 5)  # capped
+    assert order.agings == 0 and order.reads(0) == MAX_READS
+    batches = 0
+    while order.agings < 4:  # 15 -> 7 -> 3 -> 1 -> 0
+        order.touch_chain(others, read=False)
+        batches += 1
+    assert batches * len(others) >= 4 * AGE_EVERY_HELD * len(order) - 2 * len(others)  # ages with traffic
+    assert order.reads(0) == order.reads(1) == 0
+    assert sorted(_order(order)) == sorted([0, 1, *others])
+    assert order.admits("new")  # the coldest is read 0 times now
+
+
+def test_prefix_freq_remembers_refused_keys_in_fixed_bytes():
+    """Refused keys are counted in a sketch of fixed size (never a set of keys), an estimate never under the
+    count (a key sharing all its counters with others may be over: let in at once): each of 2,000 keys refused
+    once gets in when offered again."""
+    order = PrefixFrequencyOrder()
+    for slot in range(3000):
+        order.add(slot)  # each only put: NEW_READS
+    keys = [f"key{n}" for n in range(2000)]
+    refused_first = [key for key in keys if not order.admits(key)]
+    assert len(refused_first) > 0.8 * len(keys) and order.refused == len(refused_first)
+    assert len(order._sketch) == SKETCH_ROWS * SKETCH_WIDTH and order.agings == 0
+    assert all(order.refusals(key) >= 1 for key in refused_first)
+    assert all(order.admits(key) for key in refused_first)
+
+
+@pytest.mark.parametrize("policy", [LruOrder, PrefixOrder, PrefixFrequencyOrder])
 def test_an_order_keeps_no_object_per_chunk_and_stays_consistent_under_random_use(policy):
-    """Columns only (24 bytes a slot for prefix, 8 for LRU); every listed slot walked once, whatever the ops."""
+    """Columns only (26 bytes a slot for prefix-freq, 24 for prefix, 8 for LRU); every listed slot walked once,
+    whatever the ops."""
     rng = random.Random(7)
     order = policy()
     held: set[int] = set()
@@ -121,7 +208,7 @@ def test_an_order_keeps_no_object_per_chunk_and_stays_consistent_under_random_us
             held.add(slot)
         elif op < 0.7:
             chain = [s for s in rng.sample(range(3 * MIN_ITEMS), 6) if s in held or s in pinned]
-            order.touch_chain(chain)
+            order.touch_chain(chain, read=op < 0.6)
         else:
             order.touch(slot)
     walked = _order(order)
@@ -129,7 +216,7 @@ def test_an_order_keeps_no_object_per_chunk_and_stays_consistent_under_random_us
     columns = [v for v in vars(order).values() if isinstance(v, memoryview)]
     columns += [v for v in vars(getattr(order, "_lists", None) or order._list).values() if isinstance(v, memoryview)]
     per_slot = sum(c.itemsize for c in columns)
-    assert per_slot == (24 if policy is PrefixOrder else 8)
+    assert per_slot == {LruOrder: 8, PrefixOrder: 24, PrefixFrequencyOrder: 26}[policy]
 
 
 # -- both policies on real nodes ----------------------------------------------------------------
@@ -240,3 +327,28 @@ def test_a_node_that_refuses_touch_is_not_touched_again_and_is_counted_once(capl
     assert ctx.counters[ClientCounter.TOUCHES_SENT] == 3
     assert ctx.counters[ClientCounter.TOUCHES_DROPPED] == 6  # the old node's share of each batch
     assert sum("does not take lookup touches" in r.message for r in caplog.records) == 1
+
+
+def test_a_prefix_freq_node_keeps_a_read_chain_and_refuses_newcomers_chunk_by_chunk(node_factory, redis_server):
+    """Chain A is put and read twice, B put, then C into a DRAM of 10: prefix would evict A's tail; prefix-freq
+    keeps A (read more often than any newcomer counts) and refuses C's last two chunks, each as "no room"
+    (not stored, the rest of the put stored), counted by the node."""
+    from backend.errors import CapacityError, PutOutcome
+
+    ns = "ev-prefix-freq"
+    node_factory("--eviction", "prefix-freq", dram=str(10 * CHUNK_BYTES), ns=ns)
+    a, b, c = (numbered_chunks(name, 4, CHUNK_BYTES, seed=i) for i, name in enumerate("abc"))
+    url = f"kvpool://127.0.0.1:{redis_server.port}/{ns}?connections_per_node=1"
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        client.put(a)
+        for _ in range(2):
+            assert all(client.get([x.key for x in a]))
+        client.put(b)
+        with pytest.raises(CapacityError) as refused:
+            client.put(c)
+        found = [client.hit_prefix([x.key for x in chain]) for chain in (a, b, c)]
+        (node,) = client.nodes()
+        counters = client.node_stats(node)["counters"]
+    assert found == [4, 4, 2]
+    assert [refused.value.outcomes[x.key] for x in c] == [PutOutcome.STORED] * 2 + [PutOutcome.NO_ROOM] * 2
+    assert counters.get("put_rejected_capacity") == 2

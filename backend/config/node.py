@@ -60,7 +60,7 @@ DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
 DEFAULT_MAX_PENDING_CONNECTIONS = 1024
 MAX_PENDING_CONNECTIONS = 1_000_000
 _CHANNELS = ("off", "nccl", "cpu")
-_EVICTIONS = ("lru", "prefix")  # backend/node/eviction.py ORDERS
+_EVICTIONS = ("lru", "prefix", "prefix-freq")  # backend/node/eviction.py ORDERS
 ENV_PREFAULT = "KVPOOL_PREFAULT"
 
 

@@ -229,14 +229,14 @@ class ChunkTable:
                 else:
                     order.unpin(slot)
 
-    def touch_chain(self, keys: Sequence[str]) -> None:
-        """The keys of one batch (a put, a get, a lease, a lookup's touch), in prefix order, were used: each
-        tier's order hears of those it holds, as one chain (``EvictionOrder.touch_chain``). Keys not held are
-        skipped: the chain a node keeps is the part of the batch it holds."""
+    def touch_chain(self, keys: Sequence[str], read: bool = True) -> None:
+        """The keys of one batch (a get, a lease, a lookup's touch: ``read``; or a put), in prefix order, were
+        used: each tier's order hears of those it holds, as one chain (``EvictionOrder.touch_chain``). Keys not
+        held are skipped: the chain a node keeps is the part of the batch it holds."""
         for tier, order in self.orders.items():
             slots = [s for s in map(self._index.get, keys) if s != NO_SLOT and self.where[s] & tier]
             if slots:
-                order.touch_chain(slots)
+                order.touch_chain(slots, read)
 
     def slots(self) -> list[int]:
         """Every live slot, in slot order (a snapshot: the table may change while it is walked)."""

@@ -7,7 +7,7 @@ they are pinned and put back when they are not, so the walk never passes over th
 finding a victim costs O(1) however many chunks are pinned (``tiers.py``).
 
 Every operation is O(1) (amortised) and an order keeps no object per chunk: columns
-indexed by the chunk's slot (``bookkeeping.ChunkTable``). Two orders, chosen by the
+indexed by the chunk's slot (``bookkeeping.ChunkTable``). Three orders, chosen by the
 node's ``eviction`` setting (:data:`ORDERS`):
 
 * :class:`LruOrder` (``lru``): least recently used first; a doubly linked list threaded
@@ -21,6 +21,10 @@ node's ``eviction`` setting (:data:`ORDERS`):
   unreachable) are *cut off* and leave before anything still reachable. 24 bytes a
   chunk: the recency list (8) and the chain as a tree (parent, first child, and the
   siblings' list: 16), since a shared head (a system prompt) has many continuations.
+* :class:`PrefixFrequencyOrder` (``prefix-freq``): ``prefix``'s chains, and the most-read
+  chains stay: fewest reads first (counts aged), and a newcomer that would evict a chunk
+  read as often is refused (:meth:`EvictionOrder.admits`; the put answers it "no room").
+  26 bytes a chunk, and 16 KiB a tier for the counts of refused keys.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Protocol
 
 from backend.node.columns import column, grown
 
-__all__ = ["EvictionOrder", "LruOrder", "PrefixOrder", "ORDERS", "order_named"]
+__all__ = ["EvictionOrder", "LruOrder", "PrefixOrder", "PrefixFrequencyOrder", "ORDERS", "order_named"]
 
 _END = -1  # no slot: the end of a list, a chain's head (no parent)
 _OUT = -2  # in ``prev``: the slot is in no list (not in the tier, or pinned)
@@ -58,11 +62,15 @@ class EvictionOrder(Protocol):
     def touch(self, slot: int) -> None:
         """A chunk was read."""
 
-    def touch_chain(self, slots: Sequence[int]) -> None:
-        """The chunks of one batch were put, read or looked up, in prefix order (pinned ones included)."""
+    def touch_chain(self, slots: Sequence[int], read: bool = True) -> None:
+        """The chunks of one batch were read or looked up (``read``), or put, in prefix order (pinned ones
+        included)."""
 
     def coldest(self) -> Iterator[int]:
         """Slots from the first to leave on; valid until the order next changes."""
+
+    def admits(self, key: str) -> bool:
+        """Whether a chunk ``key`` not held may evict the coldest chunk to come in (False: the order refuses it)."""
 
 
 class _Recency:
@@ -145,13 +153,16 @@ class LruOrder:
             self._list.unlink(slot, 0)
             self._list.append(slot, 0)
 
-    def touch_chain(self, slots: Sequence[int]) -> None:
+    def touch_chain(self, slots: Sequence[int], read: bool = True) -> None:
         """Each in turn, head first: what a batch's reads one by one did before chains were known."""
         for slot in slots:
             self.touch(slot)
 
     def coldest(self) -> Iterator[int]:
         return self._list.walk(0)
+
+    def admits(self, key: str) -> bool:
+        return True
 
 
 _REACHABLE, _CUT_OFF = 0, 1  # PrefixOrder's two lists: cut-off chunks are walked first
@@ -225,21 +236,27 @@ class PrefixOrder:
             lists.unlink(slot, which)
             lists.append(slot, which)
 
-    def touch_chain(self, slots: Sequence[int]) -> None:
-        """Link each chunk to the one before it, then touch them tail first: the head is the most recent.
-
-        The first chunk keeps the parent it had (a batch may begin in the middle of a chain)."""
-        for before, slot in pairwise(slots):
-            if slot != before:
-                self._grow(max(slot, before))
-                if self._parent[slot] != before:
-                    self._set_parent(slot, before)
+    def touch_chain(self, slots: Sequence[int], read: bool = True) -> None:
+        """Link each chunk to the one before it, then touch them tail first: the head is the most recent."""
+        self._link(slots)
         for slot in reversed(slots):
             self.touch(slot)
 
     def coldest(self) -> Iterator[int]:
         yield from self._lists.walk(_CUT_OFF)
         yield from self._lists.walk(_REACHABLE)
+
+    def admits(self, key: str) -> bool:
+        return True
+
+    def _link(self, slots: Sequence[int]) -> None:
+        """Make each chunk of a batch the child of the one before it; the first keeps the parent it had (a
+        batch may begin in the middle of a chain)."""
+        for before, slot in pairwise(slots):
+            if slot != before:
+                self._grow(max(slot, before))
+                if self._parent[slot] != before:
+                    self._set_parent(slot, before)
 
     def _set_parent(self, slot: int, parent: int) -> None:
         """Make ``parent`` (a slot, or ``_CUT``) the chunk before ``slot``; a listed slot moves list if its
@@ -276,7 +293,171 @@ class PrefixOrder:
         self._parent[slot] = _END
 
 
-ORDERS: dict[str, Callable[[], EvictionOrder]] = {"lru": LruOrder, "prefix": PrefixOrder}  # the ``eviction`` setting
+MAX_READS = 15  # a chunk's read count stops here: one recency list per count, and 4 agings take any to 0
+NEW_READS = 1  # a chunk put starts as read once (as in the simulator's ``prefix-freq``)
+# Halve every count after this many times the tier's chunks were named by batches (reads and puts):
+# the simulator's AGE_EVERY_CAPACITY, tuned there (2 lost long-doc-qa at 0.5; 8 never adapted).
+AGE_EVERY_HELD = 4
+_CUT_OFF_LIST = 0  # PrefixFrequencyOrder's first list: cut-off chunks, whatever their counts
+_FRESH = 0xFF  # in ``reads``: the slot has no count yet (it starts at NEW_READS when next seen)
+_HALVED = bytes(n // 2 for n in range(256))  # a translate table: every counter of the sketch halved
+# The counts of refused keys: a count-min sketch of SKETCH_ROWS rows of SKETCH_WIDTH one-byte counters
+# (16 KiB a tier, whatever it holds): a key's estimate is its smallest counter, never below its count.
+SKETCH_ROWS, SKETCH_WIDTH = 4, 4096
+_SKETCH_BITS = 16  # the hash bits each row takes its column from (SKETCH_WIDTH <= 1 << _SKETCH_BITS)
+
+
+class PrefixFrequencyOrder(PrefixOrder):
+    """The most-read chains stay: cut-off chunks first, then the fewest reads, least recent first among equals
+    (a batch touches tail first, so inside a chain the tail leaves first); and a newcomer is refused
+    (:meth:`admits`) when the chunk it would evict was read at least as often as it counts.
+
+    The simulator's ``prefix-freq`` (``bench/workload_sim.py`` ``PrefixFrequency``), ported to columns.
+    A read is a batch that read or looked a chunk up (``touch_chain(read=True)``); a put starts a chunk at
+    NEW_READS. A refused key's refusals are counted in a fixed-size sketch and count as its reads when it
+    is offered again, so a new working set that keeps coming back gets in as the old one cools.
+
+    Every operation O(1), amortised. 26 bytes per slot: PrefixOrder's 24, ``reads`` (1) and ``epoch`` (1).
+    One recency list per count (``1 + reads``) after the cut-off list (0). Aging halves every count without
+    visiting a chunk: the lists of counts 2r and 2r+1 are spliced into the list of r (the lower first), and
+    a chunk's stored count is halved by the agings it missed when it is next read (its ``epoch``, mod 256,
+    against the order's). A chunk unread for 256 agings or more may keep a stale count when it sits
+    inside a list: a tie-break error, never a broken list (a list's ends are checked, :meth:`_which`).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lists = _Recency(2 + MAX_READS)
+        self._reads = column("B", fill=_FRESH)
+        self._epoch = column("B")
+        self._age = 0  # agings so far
+        self._named = 0  # chunks named by batches since the last aging
+        self._sketch = bytearray(SKETCH_ROWS * SKETCH_WIDTH)
+        self.refused = 0  # newcomers refused (``admits``)
+        self.agings = 0
+
+    def _grow(self, slot: int) -> None:
+        super()._grow(slot)
+        if slot >= len(self._reads):
+            self._reads = grown(self._reads, slot + 1, _FRESH)
+            self._epoch = grown(self._epoch, slot + 1)
+
+    def remove(self, slot: int) -> None:
+        super().remove(slot)
+        if slot < len(self._reads):
+            self._reads[slot] = _FRESH  # a slot reused later starts afresh
+
+    def reads(self, slot: int) -> int:
+        """How often the chunk in ``slot`` was read, aged (NEW_READS when it was only put)."""
+        self._grow(slot)
+        stored, age = self._reads[slot], self._age & 0xFF
+        if stored == _FRESH:
+            self._reads[slot], self._epoch[slot] = NEW_READS, age
+            return NEW_READS
+        missed = (age - self._epoch[slot]) & 0xFF
+        if missed:
+            stored >>= min(missed, 8)
+            self._reads[slot], self._epoch[slot] = stored, age
+        return stored
+
+    def _which(self, slot: int) -> int:
+        if self._parent[slot] == _CUT:
+            return _CUT_OFF_LIST
+        which = 1 + self.reads(slot)
+        lists = self._lists
+        if lists.listed(slot) and (
+            (lists.prev[slot] == _END and lists.ends[2 * which] != slot)
+            or (lists.next[slot] == _END and lists.ends[2 * which + 1] != slot)
+        ):  # a count gone stale past the epoch's wrap: the list whose end it is says its count
+            end = 2 * which if lists.prev[slot] == _END else 2 * which + 1
+            which = next(n for n in range(1, 2 + MAX_READS) if lists.ends[2 * n + end % 2] == slot)
+            self._reads[slot] = which - 1
+        return which
+
+    def touch_chain(self, slots: Sequence[int], read: bool = True) -> None:
+        """Link the batch's chunks as PrefixOrder does; a read counts once more for each; touch them tail first."""
+        self._link(slots)
+        if read:
+            for slot in slots:
+                self._count_read(slot)
+        for slot in reversed(slots):
+            self.touch(slot)
+        self._named_by_batches(len(slots))
+
+    def coldest(self) -> Iterator[int]:
+        for which in range(2 + MAX_READS):
+            yield from self._lists.walk(which)
+
+    def admits(self, key: str) -> bool:
+        """Whether ``key`` may evict the coldest chunk: yes when that one is cut off or read fewer times than
+        NEW_READS and the key's refusals; else the refusal is counted (in the sketch and ``refused``)."""
+        coldest = next(self.coldest(), _END)
+        if coldest == _END or self._parent[coldest] == _CUT:
+            return True
+        if self.reads(coldest) < NEW_READS + self.refusals(key):
+            return True
+        for index in self._cells(key):
+            self._sketch[index] = min(self._sketch[index] + 1, 0xFF)
+        self.refused += 1
+        self._named_by_batches(1)  # asked for and not held: it counts toward aging as a miss put would
+        return False
+
+    def refusals(self, key: str) -> int:
+        """How often ``key`` was refused (aged as the reads are; never under, may be over: a sketch)."""
+        return min(self._sketch[index] for index in self._cells(key))
+
+    @staticmethod
+    def _cells(key: str) -> Iterator[int]:
+        digest = hash(key)
+        for row in range(SKETCH_ROWS):
+            yield row * SKETCH_WIDTH + ((digest >> (row * _SKETCH_BITS)) & (SKETCH_WIDTH - 1))
+
+    def _count_read(self, slot: int) -> None:
+        reads = self.reads(slot)
+        if reads >= MAX_READS:
+            return
+        lists = self._lists
+        listed = lists.listed(slot)
+        if listed:
+            lists.unlink(slot, self._which(slot))
+        self._reads[slot] = reads + 1
+        if listed:
+            lists.append(slot, self._which(slot))
+
+    def _named_by_batches(self, chunks: int) -> None:
+        """``chunks`` more were named by batches (held, or refused): age once the tier's were, AGE_EVERY_HELD
+        times over."""
+        self._named += chunks
+        if self._named >= AGE_EVERY_HELD * max(len(self), 1):
+            self._age_all()
+
+    def _age_all(self) -> None:
+        """Halve every count: splice the lists of counts 2r and 2r+1 into r's (O(MAX_READS)), halve the sketch
+        (its fixed bytes), and let each chunk halve its stored count when next read (its epoch)."""
+        self._named = 0
+        self._age += 1
+        self.agings += 1
+        lists = self._lists
+        ends = lists.ends
+        for reads in range(MAX_READS // 2 + 1):
+            low, high = 1 + 2 * reads, 2 + 2 * reads
+            first, last = ends[2 * low], ends[2 * low + 1]
+            if first == _END:
+                first, last = ends[2 * high], ends[2 * high + 1]
+            elif ends[2 * high] != _END:
+                lists.next[last], lists.prev[ends[2 * high]] = ends[2 * high], last
+                last = ends[2 * high + 1]
+            ends[2 * (1 + reads)], ends[2 * (1 + reads) + 1] = first, last
+        for reads in range(MAX_READS // 2 + 1, MAX_READS + 1):
+            ends[2 * (1 + reads)] = ends[2 * (1 + reads) + 1] = _END
+        self._sketch = bytearray(self._sketch.translate(_HALVED))
+
+
+ORDERS: dict[str, Callable[[], EvictionOrder]] = {
+    "lru": LruOrder,
+    "prefix": PrefixOrder,
+    "prefix-freq": PrefixFrequencyOrder,
+}  # the ``eviction`` setting
 
 
 def order_named(name: str) -> EvictionOrder:

@@ -141,6 +141,11 @@ class Intake:
         """Bring ``item`` in (in the current window, or in parts), or read past it with the refusal's flag."""
         source = self.source
         room = self.tiers.room_of(item.nbytes)
+        if not _admitted(self.tiers, item.key, room):  # the eviction order keeps what it holds: not stored
+            await self.flush()  # the window's bytes come before this chunk's
+            await source.drop(item.nbytes)
+            self.received.append((PUT_NO_ROOM, item, None))
+            return
         if source.host and room > source.window_bytes:
             await self.flush()
             await self._take_in_parts(item, room)
@@ -273,3 +278,12 @@ class Intake:
     def _give_back(self, nbytes: int) -> None:
         if self.source.host and nbytes:
             self.ahead.give_back(self.source.host, nbytes)
+
+
+def _admitted(tiers: TierManager, key: str, room: int) -> bool:
+    """Whether a put of ``key`` (``room`` bytes) may make its room by eviction: False when DRAM is full, evicts
+    (no NVMe tier below it), and its order refuses the newcomer (``prefix-freq``: the coldest chunk was read as
+    often). A key held already, or one that fits, is never refused here."""
+    if tiers.nvme is not None or tiers.dram.fits(room) or tiers.contains(key):
+        return True
+    return tiers.dram.order.admits(key)

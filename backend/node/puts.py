@@ -193,7 +193,7 @@ class PutReceiver:
             raise
         finally:
             tiers.settle([c for _, _, c in received if c is not None])  # committed or dropped: they may move now
-        tiers.held.touch_chain([item.key for _, item, _ in received])  # the batch's chain, in prefix order
+        tiers.held.touch_chain([item.key for _, item, _ in received], read=False)  # the batch's chain, in prefix order
         if visible:
             self.publisher.took_writes()  # a commit that needed memory landed: Redis is not full (any more)
         counters[NodeCounter.PUTS] += len(visible)
