@@ -35,11 +35,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import workload_traces
+from bench import workload_report
 from bench.plan import MIB
 from bench.provenance import machine, revision
 from bench.workload_engine import Served
-from bench.workload_runs import ReplayRun, RunSpec, eviction_policies, make_workload_peer
+from bench.workload_runs import ReplayRun, RunSpec, eviction_policies, make_trace, make_workload_peer
 from bench.workload_sim import PREFILL_MFU, modeled_prefill_tokens_per_s
 from bench.workload_traces import PRESETS, Request, Trace
 
@@ -49,19 +49,6 @@ BACKENDS = ("kvpool", "redis", "resp", "lm", "fs", "mooncake")
 
 # The default prefill rate is this model's, whatever KV shape is moved (the simulator's model of it).
 PREFILL_MODEL = "llama-3.1-8b"
-
-# The reduced traces: a replay in the tests' time on two cores.
-REDUCED: dict[str, dict[str, object]] = {
-    "multi-round": {"users": 6, "system_chunks": 4, "rounds": 4, "round_chunks": 2},
-    "long-doc-qa": {"documents": 4, "document_chunks": 8, "questions": 2},
-    "agent": {"agents": 4, "tool_chunks": 4, "context_chunks": 8, "steps": 4},
-    "mooncake": {"requests": 40},
-}
-
-
-def make_trace(name: str, engines: int, seed: int, reduced: bool) -> Trace:
-    params: dict[str, object] = {"engines": engines, "seed": seed, **(REDUCED.get(name, {}) if reduced else {})}
-    return workload_traces.make_trace(name, **params)
 
 
 @dataclass(frozen=True)
@@ -255,6 +242,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reduced", action="store_true", help="the trace's reduced form (for tests)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="DIR",
+        help="write the pool hit rate and modeled TTFT PNGs there (needs matplotlib)",
+    )
     args = parser.parse_args(argv)
     unknown = [b for b in args.backends if b not in BACKENDS]
     if unknown:
@@ -278,8 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     results: list[RunResult] = []
     skipped: list[str] = []
+    traces: dict[str, Trace] = {}
     for name in args.trace:
-        trace = make_trace(name, args.engines, args.seed, args.reduced)
+        trace = traces[name] = make_trace(name, args.engines, args.seed, args.reduced)
         print(f"[workload] {trace.describe()}", flush=True)
         tokens = [r.chunk_tokens for r in trace.requests]
         for backend in args.backends:
@@ -307,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     for line in dict.fromkeys(skipped):
         print(f"[workload] skipped {line}")
+    workload_report.report(
+        [workload_report.Measured.from_json(r.to_json()) for r in results], traces, args.local_fraction, args.plot
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"workload-{stamp}.json"
     record = {
@@ -316,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         "preset": args.preset,
         "prefill_tokens_per_s": prefill,
         "prefill": "modeled",
+        "engines": args.engines,
+        "seed": args.seed,
+        "reduced": args.reduced,
+        "local_fraction": args.local_fraction,
         "machine": machine(),
         "revision": revision(),
         "results": [r.to_json() for r in results],

@@ -22,10 +22,11 @@ from typing import IO
 
 import redis
 
+from bench import workload_traces
 from bench.peers import FSPeer, KVPoolPeer, LMServerPeer, MooncakePeer, Peer, RedisPeer, SharedRedis
 from bench.plan import GIB, MIB, chunk_bytes
 from bench.workload_engine import READY, EngineSpec, Served
-from bench.workload_traces import Request
+from bench.workload_traces import Request, Trace
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_START_TIMEOUT_S = 180.0
@@ -59,6 +60,28 @@ def eviction_policies(backend: str) -> list[str | None]:
     return sorted(offered, key=lambda name: name != "lru")
 
 
+# The reduced traces: a replay in the tests' time on two cores.
+REDUCED: dict[str, dict[str, object]] = {
+    "multi-round": {"users": 6, "system_chunks": 4, "rounds": 4, "round_chunks": 2},
+    "long-doc-qa": {"documents": 4, "document_chunks": 8, "questions": 2},
+    "agent": {"agents": 4, "tool_chunks": 4, "context_chunks": 8, "steps": 4},
+    "mooncake": {"requests": 40},
+}
+
+
+def make_trace(name: str, engines: int, seed: int, reduced: bool) -> Trace:
+    params: dict[str, object] = {"engines": engines, "seed": seed, **(REDUCED.get(name, {}) if reduced else {})}
+    return workload_traces.make_trace(name, **params)
+
+
+def local_chunks(working_set_chunks: int, trace_tokens: Sequence[Sequence[int]], local_fraction: float) -> float:
+    """Chunks each engine's local tier holds: ``local_fraction`` of the working set, and at least
+    ``LOCAL_IN_FLIGHT_REQUESTS`` of the trace's largest requests (LMCache's ``allocate()`` blocks while
+    the local buffer is full, so a request must fit in it with room to spare)."""
+    largest = max((len(t) for t in trace_tokens), default=1)
+    return max(local_fraction * working_set_chunks, float(LOCAL_IN_FLIGHT_REQUESTS * largest))
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """What one run replays on what: the backend, its bound, the engines' shape, the prefill model."""
@@ -90,8 +113,7 @@ class RunSpec:
         trace_tokens: Sequence[Sequence[int]],
     ) -> RunSpec:
         size = chunk_bytes(preset)
-        largest = max((len(t) for t in trace_tokens), default=1)
-        local_bytes = max(local_fraction * working_set_chunks * size, LOCAL_IN_FLIGHT_REQUESTS * largest * size)
+        local_bytes = local_chunks(working_set_chunks, trace_tokens, local_fraction) * size
         return cls(
             backend=backend,
             eviction=eviction,
