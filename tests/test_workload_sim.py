@@ -185,6 +185,7 @@ def test_traces_are_seeded_and_the_model_presets_sized_from_their_configs() -> N
     assert (len(trace.requests), trace.working_set_chunks) == (320, 8 + 40 * 8 * 4)
     assert PRESETS["llama-3.1-8b"].kv_bytes_per_token == 128 * 1024
     assert PRESETS["qwen2.5-7b"].kv_bytes_per_token == 28 * 4 * 128 * 2 * 2
+    assert PRESETS["ci-micro"].kv_bytes_per_chunk == 16 * 1024  # the Mooncake sample's 42,560 chunks: 665 MiB
 
 
 def test_the_command_prints_a_row_per_policy_at_each_capacity() -> None:
