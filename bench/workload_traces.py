@@ -82,7 +82,7 @@ PRESETS: dict[str, ModelPreset] = {
         # A small model for CI: KV of 1 KiB/token (256 KiB a chunk) keeps a replay on two cores short.
         ModelPreset("ci-tiny", layers=2, kv_heads=2, head_dim=64, params_billion=0.05),
         # Smaller still, for the Mooncake sample's 42,560-chunk working set (16 KiB a chunk: 665 MiB in all).
-        ModelPreset("ci-micro", layers=1, kv_heads=1, head_dim=32, params_billion=0.01),
+        ModelPreset("ci-micro", layers=1, kv_heads=1, head_dim=16, params_billion=0.01),
     )
 }
 
