@@ -47,6 +47,7 @@ class NodeCounter(StrEnum):
     SHM_GET_BYTES = "shm_get_bytes"
     DELETES = "deletes"
     TOUCHED_KEYS = "touched_keys"  # keys of TOUCH requests: lookups' hits the eviction order heard of
+    LAYOUT_MISSES = "layout_misses"  # keys a read found stored with another layout fingerprint: misses, no bytes
     # tiers
     EVICTIONS = "evictions"
     DEMOTIONS = "demotions"
@@ -98,6 +99,7 @@ class ClientCounter(StrEnum):
     INTEGRITY_FAILURES = "integrity_failures"
     LOOKUP_FAILURES = "lookup_failures"
     STALE_ENTRIES = "stale_entries"
+    LAYOUT_MISSES = "layout_misses"  # keys held with another layout fingerprint than the reader's: misses
     NODES_MARKED_DOWN = "nodes_marked_down"
     NODES_RESTORED = "nodes_restored"
     TOUCHES_SENT = "touches_sent"  # TOUCH requests sent (lookups' found prefixes, batched, to one node)

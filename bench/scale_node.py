@@ -66,7 +66,7 @@ from backend.node.dram import StoredChunk
 from backend.node.eviction import ORDERS
 from backend.node.nvme_format import NvmeFile
 from backend.node.tiers import TierConfig, TierManager
-from backend.protocol import ItemMeta, Op, checksum, encode_keys
+from backend.protocol import ItemMeta, Op, checksum, encode_get_request, encode_keys
 from bench.nodes import NodeProcess
 from bench.processes import REPO
 from kvpool import Chunk, PoolClient, PoolConfig
@@ -104,6 +104,10 @@ def layerwise_key(i: int) -> str:
     return f"{MODEL}@8@{chunk % 8}@{(chunk * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF:x}@bfloat16@{layer}"
 
 
+# Every chunk carries a layout fingerprint, as an LMCache engine's do: what it costs a node is in the figures.
+LAYOUT_FINGERPRINT = 0x6B76_706F_6F6C_0001
+
+
 def value_of(i: int) -> bytes:
     return i.to_bytes(8, "little") * (VALUE_BYTES // 8)
 
@@ -127,7 +131,8 @@ async def fill(
 
     async def worker() -> None:
         for batch in queue:
-            await client.put([Chunk(layerwise_key(i), value_of(i)) for i in batch], only=only)
+            chunks = [Chunk(layerwise_key(i), value_of(i), fingerprint=LAYOUT_FINGERPRINT) for i in batch]
+            await client.put(chunks, only=only)
 
     await asyncio.gather(*(worker() for _ in range(in_flight)))
 
@@ -159,7 +164,10 @@ class _Held:
     def fresh(self) -> list[Chunk]:
         """EVICT_BATCH chunks the node never held: each one it takes evicts one."""
         self.new += EVICT_BATCH
-        return [Chunk(f"fresh@{self.held}@{n}", value_of(n)) for n in range(self.new - EVICT_BATCH, self.new)]
+        return [
+            Chunk(f"fresh@{self.held}@{n}", value_of(n), fingerprint=LAYOUT_FINGERPRINT)
+            for n in range(self.new - EVICT_BATCH, self.new)
+        ]
 
 
 async def _round(client: PoolClient, node: _Held, times: dict[str, list[float]]) -> None:
@@ -178,7 +186,9 @@ async def _round(client: PoolClient, node: _Held, times: dict[str, list[float]])
     flags = await conns.request(Op.EXISTS_BATCH, meta)
     times["exists"].append((time.perf_counter() - started) * 1000)
     started = time.perf_counter()
-    got = await conns.request(Op.GET_BATCH, meta, keys=keys, sink=BytesSink(), expect_bytes=VALUE_BYTES * len(keys))
+    get = encode_get_request(keys, LAYOUT_FINGERPRINT)
+    sink = BytesSink(LAYOUT_FINGERPRINT)
+    got = await conns.request(Op.GET_BATCH, get, keys=keys, sink=sink, expect_bytes=VALUE_BYTES * len(keys))
     times["get"].append((time.perf_counter() - started) * 1000)
     assert all(isinstance(outcome, Hit) for outcome in got) and len(flags), "a held key was not found"
 

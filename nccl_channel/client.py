@@ -15,7 +15,7 @@ from typing import Generic, TypeVar
 
 from backend.counters import ChannelCounter
 from backend.errors import KVPoolError, NcclError
-from backend.protocol import ItemMeta, decode_channel_response, encode_channel_request
+from backend.protocol import ANY_FINGERPRINT, ItemMeta, decode_channel_response, encode_channel_request
 from nccl_channel.link import Link, Transport, transfer_timeout
 from nccl_channel.outcome import ChannelResult, Landed, NotBrought, Why
 from nccl_channel.pairs import MAX_PAIRS, PAIR_TIMEOUT_S, Pair, PairCache, Peer, Request, Sink, abort_joined, in_thread
@@ -154,8 +154,9 @@ class NcclChannel(Generic[N]):
         logger.info("channel: paired with node %s over %s (pair %s)", node.node_id, self.kind, pair_id)
         return link, pair_id
 
-    async def get(self, node: N, keys: Sequence[str], sink: Sink[T]) -> list[ChannelResult[T]]:
-        """Fetch ``keys`` from ``node`` over the channel into ``sink`` buffers.
+    async def get(self, node: N, keys: Sequence[str], sink: Sink[T], fingerprint: int = 0) -> list[ChannelResult[T]]:
+        """Fetch ``keys`` from ``node`` over the channel into ``sink`` buffers, each only if it was stored with
+        the layout ``fingerprint`` (0: none; the node answers a chunk of another layout as not held).
 
         Per key, in order: :class:`Landed` (in its sink buffer, checksum verified) or
         :class:`NotBrought` with why (the node does not hold it, the sink had no room,
@@ -174,10 +175,11 @@ class NcclChannel(Generic[N]):
             raise _untyped(exc, f"pairing with node {node.node_id}") from exc
         async with pair.lock:
             try:
-                reply = await self._request(node, encode_channel_request(pair.pair_id, keys))
+                reply = await self._request(node, encode_channel_request(pair.pair_id, keys, fingerprint=fingerprint))
                 found = decode_channel_response(reply, keys)
                 total = sum(item.nbytes for item in found if item is not None)
-                results = await self._receive(pair, found, sink, transfer_timeout(self.timeout_s, total))
+                timeout_s = transfer_timeout(self.timeout_s, total)
+                results = await self._receive(pair, found, sink, timeout_s, fingerprint)
             except BaseException as exc:
                 self._pairs.retire((node.node_id, node.epoch), pair)
                 self.counters[ChannelCounter.PAIR_FAILURES] += 1
@@ -193,15 +195,20 @@ class NcclChannel(Generic[N]):
             return results
 
     async def _receive(
-        self, pair: Pair, found: list[ItemMeta | None], sink: Sink[T], timeout_s: float
+        self, pair: Pair, found: list[ItemMeta | None], sink: Sink[T], timeout_s: float, fingerprint: int
     ) -> list[ChannelResult[T]]:
-        """Sink buffers first, then the batch straight into them, each chunk verified as it lands."""
+        """Sink buffers first, then the batch straight into them, each chunk verified as it lands. A chunk
+        the node sent stored with another layout fingerprint (an older node does not check) is dropped."""
         handles: list[T | None] = [None] * len(found)
         items = [(index, item) for index, item in enumerate(found) if item is not None]
         targets: list[memoryview | None] = []
         verdicts: list[bool] = []
+        other_layout = {i for i, item in items if fingerprint != ANY_FINGERPRINT and item.fingerprint != fingerprint}
         try:
             for index, item in items:
+                if index in other_layout:
+                    targets.append(None)  # received and dropped
+                    continue
                 allocated = await sink.allocate(item)
                 if allocated is None:
                     targets.append(None)  # no room this time: received and dropped, a miss for this call only
@@ -229,6 +236,8 @@ class NcclChannel(Generic[N]):
         for index, handle in enumerate(handles):
             if found[index] is None:
                 results.append(NotBrought(Why.NOT_HELD))
+            elif index in other_layout:
+                results.append(NotBrought(Why.OTHER_LAYOUT))
             elif handle is None:
                 results.append(NotBrought(Why.NO_ROOM))
             elif not good[index]:

@@ -27,6 +27,7 @@ class Why(enum.Enum):
     NOT_HELD = "the node does not hold it"
     NO_ROOM = "the sink had no room"
     CORRUPT = "checksum mismatch over the channel"
+    OTHER_LAYOUT = "stored with another layout fingerprint"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

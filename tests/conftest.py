@@ -123,15 +123,16 @@ def pool_url(redis_server: EmbeddedRedis, namespace: str) -> str:
 
 @pytest.fixture
 def stack_factory(processes: None) -> Iterator[Any]:
-    """Build LMCache's storage stack for a pool URL (``make(url, form=..., **config_overrides)``); closed at teardown."""
+    """Build LMCache's storage stack for a pool URL (``make(url, form=..., engine=..., **config_overrides)``;
+    ``engine``: LMCacheStack's keyword arguments, the engine's model and layout); closed at teardown."""
     from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config  # imports lmcache: only its users pay
 
     made: list[LMCacheStack] = []
 
-    def make(url: str, form: str = "plugin", **config: Any) -> LMCacheStack:
+    def make(url: str, form: str = "plugin", engine: dict[str, Any] | None = None, **config: Any) -> LMCacheStack:
         cfg = kvpool_lmcache_config(url, form=form)
         cfg.update(config)
-        made.append(LMCacheStack(cfg))
+        made.append(LMCacheStack(cfg, **(engine or {})))
         return made[-1]
 
     yield make

@@ -378,6 +378,7 @@ class HybridEngine:
 def test_an_object_of_two_shape_groups_is_stored_and_read_back_whole_by_another_engine(
     node_factory, pool_url, tmp_path
 ):
+    from backend.protocol import ANY_FINGERPRINT
     from kvpool import Chunk, PoolConfig, SyncPoolClient
 
     node_factory()
@@ -392,11 +393,17 @@ def test_an_object_of_two_shape_groups_is_stored_and_read_back_whole_by_another_
         assert all(done.acquire(timeout=30) for _ in keys)
         LMCacheStack.release([full, partial])
         with SyncPoolClient(PoolConfig.from_url(pool_url)) as pool:  # stored as its bytes, with its format
-            stored = pool.get([k.to_string() for k in keys])
+            # Read as an admin copy does (any layout fingerprint): a reader of none would miss them.
+            stored = pool.get([k.to_string() for k in keys], fingerprint=ANY_FINGERPRINT)
             assert [(s.meta.dtype, s.meta.shape, s.meta.fmt) for s in stored] == [
                 ("uint8", (len(e),), int(full.get_memory_format().value)) for e in expected
             ]
-            pool.put([Chunk(writer.key(3).to_string(), bytes(10240 * 7 + 1), fmt=stored[0].meta.fmt)])
+            fingerprint = stored[0].meta.fingerprint
+            assert fingerprint and fingerprint == stored[1].meta.fingerprint  # the engine's layout, both groups
+            odd = Chunk(
+                writer.key(3).to_string(), bytes(10240 * 7 + 1), fmt=stored[0].meta.fmt, fingerprint=fingerprint
+            )
+            pool.put([odd])
         # Bytes that are no whole number of this engine's tokens (10240 bytes each) are a miss, not a wrong
         # object; that key alone: the others of its batch still hit, and the node is not held suspect.
         mixed = reader.remote.batched_get_blocking([writer.key(3), *keys])

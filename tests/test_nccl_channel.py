@@ -281,7 +281,7 @@ def test_channel_messages_round_trip_and_reject_what_is_malformed():
     )
 
     assert Op.CHANNEL_GET == 13  # 11 and 12 belong to other ops
-    assert decode_channel_request(encode_channel_request("s1", ["a", "b"])) == ChannelRequest("s1", ["a", "b"])
+    assert decode_channel_request(encode_channel_request("s1", ["a", "b"])) == ChannelRequest("s1", ["a", "b"], "", 0)
     assert decode_channel_request(encode_channel_request("s1", [], "d" * 64)) == ChannelRequest("s1", [], "d" * 64)
     item = ItemMeta("b", 10, 99, "bfloat16", (2, 5), 1)
     meta = encode_channel_response([None, item])

@@ -320,9 +320,9 @@ def test_a_node_that_only_serves_reads_keeps_no_record_of_the_views_it_handed_ou
 def test_a_chunks_meta_made_from_its_slot_is_the_item_meta_it_was_stored_with():
     from backend.node.bookkeeping import item_meta
 
-    made = item_meta("k@1", 32, 7, "bfloat16", (2, 8), 1)
-    assert made == ItemMeta("k@1", 32, 7, "bfloat16", (2, 8), 1) and hash(made) == hash(
-        ItemMeta("k@1", 32, 7, "bfloat16", (2, 8), 1)
+    made = item_meta("k@1", 32, 7, "bfloat16", (2, 8), 1, 0xFEED)
+    assert made == ItemMeta("k@1", 32, 7, "bfloat16", (2, 8), 1, 0xFEED) and hash(made) == hash(
+        ItemMeta("k@1", 32, 7, "bfloat16", (2, 8), 1, 0xFEED)
     )
     assert type(made) is ItemMeta and made.shape == (2, 8)
     with pytest.raises(AttributeError):

@@ -130,7 +130,9 @@ async def _move_all(
             copy = [(row.key, row.nbytes) for row in group if row.key not in elsewhere]
             fetched = await client.fetch_from(source, copy) if copy else []
             chunks = [
-                Chunk(f.meta.key, f.data, f.meta.dtype, f.meta.shape, f.meta.fmt) for f in fetched if f is not None
+                Chunk(f.meta.key, f.data, f.meta.dtype, f.meta.shape, f.meta.fmt, f.meta.fingerprint)
+                for f in fetched
+                if f is not None
             ]
             lost += sum(1 for f in fetched if f is None)
             if chunks:

@@ -12,14 +12,34 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from backend.client.chunks import DECLINED, MISS, Fallback, Hit, Outcome, Sink, Wanted, allocate_view, release_hits
+from backend.client.chunks import (
+    DECLINED,
+    MISS,
+    Fallback,
+    Hit,
+    Outcome,
+    Sink,
+    Wanted,
+    allocate_view,
+    layout_differs,
+    release_hits,
+    sink_fingerprint,
+)
 from backend.client.connection import MAX_FRAME_ITEMS, Connections, NodeConnectionSet
 from backend.client.context import ClientContext, logger
 from backend.config.values import ms_to_s
 from backend.counters import ClientCounter
 from backend.errors import CapacityError, KVPoolError, ProtocolError
 from backend.metadata import NodeInfo
-from backend.protocol import LEASE_MAP, ItemMeta, Op, decode_lease_response, encode_lease_request, encode_release
+from backend.protocol import (
+    LEASE_MAP,
+    ItemMeta,
+    Op,
+    OtherLayout,
+    decode_lease_response,
+    encode_lease_request,
+    encode_release,
+)
 from backend.shm import ArenaView
 from backend.transport import BULK_BYTES
 
@@ -102,10 +122,11 @@ class ArenaReader:
         keys = [w.key for w in part]
         trust_until = time.monotonic() + ms_to_s(SHM_LEASE_MS) * SHM_LEASE_TRUST
         try:
-            reply = await conns.request(Op.LEASE, encode_lease_request(keys, SHM_LEASE_MS, LEASE_MAP))
+            meta = encode_lease_request(keys, SHM_LEASE_MS, LEASE_MAP, fingerprint=sink_fingerprint(sink))
+            reply = await conns.request(Op.LEASE, meta)
         except CapacityError:
             return [Fallback("the node's lease table is full")] * len(keys)
-        lease_id, found = decode_lease_response(reply, keys)
+        lease_id, found = decode_lease_response(reply, keys, fingerprints=True)
         outcomes: list[Outcome] = []
         jobs: list[_Job] = []
         try:
@@ -113,7 +134,13 @@ class ArenaReader:
                 if entry is None:
                     outcomes.append(MISS)
                     continue
+                if isinstance(entry, OtherLayout):
+                    outcomes.append(entry)
+                    continue
                 item, offset = entry
+                if layout_differs(sink, item):
+                    outcomes.append(OtherLayout(item.key))
+                    continue
                 if offset is None:
                     outcomes.append(Fallback("not in the arena"))
                     continue

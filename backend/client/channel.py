@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, TypeVar
 
-from backend.client.chunks import Fallback, Hit, Outcome, Sink, Wanted
+from backend.client.chunks import Fallback, Hit, Outcome, Sink, Wanted, sink_fingerprint
 from backend.client.context import ClientContext
 from backend.client.index import PoolIndex
 from backend.config import PoolConfig
@@ -45,8 +45,11 @@ class Channel(Protocol):
     def engaged(self, node: NodeInfo) -> bool:
         """Whether to read ``node`` over the channel now (served and paired); starts pairing if not yet."""
 
-    async def get(self, node: NodeInfo, keys: Sequence[str], sink: Sink[T]) -> list[ChannelResult[T]]:
-        """Per key: landed in a sink buffer and verified, or not brought and why; raises KVPoolError."""
+    async def get(
+        self, node: NodeInfo, keys: Sequence[str], sink: Sink[T], fingerprint: int = 0
+    ) -> list[ChannelResult[T]]:
+        """Per key: landed in a sink buffer and verified (stored with the layout ``fingerprint``), or not brought
+        and why; raises KVPoolError."""
 
     async def close(self) -> None:
         """Abort every pair; bounded."""
@@ -102,7 +105,7 @@ class ChannelReader:
 
     async def read(self, node: NodeInfo, wanted: Sequence[Wanted], sink: Sink[T]) -> list[Outcome]:
         try:
-            got = await self.channel.get(node, [w.key for w in wanted], sink)
+            got = await self.channel.get(node, [w.key for w in wanted], sink, sink_fingerprint(sink))
         except KVPoolError as exc:  # NcclError (a CUDA error among them), the node's control path: TCP still works
             self.ctx.counters[ClientCounter.CHANNEL_FALLBACKS] += len(wanted)
             self.ctx.warn_once("channel", "kvpool: channel to node %s failed, reading over TCP: %s", node.node_id, exc)

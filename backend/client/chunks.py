@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, Generic, Protocol, TypeVar, Union
 
 from backend.errors import KVPoolError, ProtocolError
-from backend.protocol import ItemMeta, check_item
+from backend.protocol import ANY_FINGERPRINT, NO_FINGERPRINT, ItemMeta, OtherLayout, check_item
 from backend.transport import Buffer
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "Wanted",
     "Hit",
     "Miss",
+    "OtherLayout",
     "Declined",
     "Fallback",
     "Failed",
@@ -31,6 +32,8 @@ __all__ = [
     "DECLINED",
     "allocate_view",
     "release_hits",
+    "sink_fingerprint",
+    "layout_differs",
 ]
 
 T = TypeVar("T")
@@ -38,19 +41,21 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """One value to store: bytes plus the tensor layout they will be rebuilt with."""
+    """One value to store: bytes plus the tensor layout they will be rebuilt with, and the layout fingerprint of
+    the engine that wrote them (0: none; only a reader of the same fingerprint gets the bytes back)."""
 
     key: str
     data: Buffer
     dtype: str = "uint8"
     shape: tuple[int, ...] = ()
     fmt: int = 0
+    fingerprint: int = NO_FINGERPRINT
 
     def layout(self) -> ItemMeta:
         """The chunk's meta without its checksum (0), after checking the key, size and layout
         against the protocol's limits: a value no node would take is refused before it is hashed."""
         nbytes = memoryview(self.data).nbytes
-        item = ItemMeta(self.key, nbytes, 0, self.dtype, self.shape or (nbytes,), self.fmt)
+        item = ItemMeta(self.key, nbytes, 0, self.dtype, self.shape or (nbytes,), self.fmt, self.fingerprint)
         check_item(item)
         return item
 
@@ -79,7 +84,9 @@ class Fetched:
 class Sink(Protocol[T]):  # type: ignore[misc]
     """Where a get puts bytes: hands out a buffer per item, takes it back on failure.
 
-    ``allocate`` runs on the client's event loop; None means no room this time.
+    ``allocate`` runs on the client's event loop; None means no room this time. A sink may
+    name the layout fingerprint its buffers are for (``fingerprint``, see :func:`sink_fingerprint`):
+    only chunks stored with that fingerprint are read into them.
     """
 
     async def allocate(self, meta: ItemMeta) -> tuple[T, Buffer] | None: ...
@@ -87,8 +94,25 @@ class Sink(Protocol[T]):  # type: ignore[misc]
     def release(self, handle: T) -> None: ...
 
 
+def sink_fingerprint(sink: Sink[Any]) -> int:
+    """The layout fingerprint a read into ``sink`` asks for: its ``fingerprint``; a sink that names none
+    reads chunks stored without one (``NO_FINGERPRINT``)."""
+    return int(getattr(sink, "fingerprint", NO_FINGERPRINT))
+
+
+def layout_differs(sink: Sink[Any], item: ItemMeta) -> bool:
+    """Whether a found ``item`` was stored with another layout fingerprint than ``sink`` reads: a node checks
+    this itself; the client checks again, so that no path hands such bytes to a sink."""
+    wanted = sink_fingerprint(sink)
+    return wanted != ANY_FINGERPRINT and item.fingerprint != wanted
+
+
 class BytesSink:
-    """The default sink: a fresh bytearray per item."""
+    """The default sink: a fresh bytearray per item. ``fingerprint``: the layout fingerprint it reads
+    (``ANY_FINGERPRINT``: every chunk, whatever its fingerprint, as an admin copy does)."""
+
+    def __init__(self, fingerprint: int = NO_FINGERPRINT) -> None:
+        self.fingerprint = fingerprint
 
     async def allocate(self, meta: ItemMeta) -> tuple[Fetched, Buffer] | None:
         data = bytearray(meta.nbytes)
@@ -141,7 +165,9 @@ class Failed:
 
 MISS = Miss()
 DECLINED = Declined()
-Outcome = Union[Hit[Any], Miss, Declined, Fallback, Failed]
+# OtherLayout (backend.protocol): the node holds the key stored with another layout fingerprint than the
+# reader's: a miss for this reader, the copy itself is fine (its index entry stays).
+Outcome = Union[Hit[Any], Miss, OtherLayout, Declined, Fallback, Failed]
 
 
 async def allocate_view(sink: Sink[T], item: ItemMeta) -> tuple[T, memoryview] | None:

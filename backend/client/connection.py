@@ -18,7 +18,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol, TypeVar
 
-from backend.client.chunks import DECLINED, MISS, Failed, Hit, Outcome, Sink, allocate_view, release_hits
+from backend.client.chunks import (
+    DECLINED,
+    MISS,
+    Failed,
+    Hit,
+    Outcome,
+    Sink,
+    allocate_view,
+    layout_differs,
+    release_hits,
+)
 from backend.config import PoolConfig
 from backend.errors import IntegrityError, KVPoolError, NodeUnavailable, ProtocolError
 from backend.handshake import ClientHello, handshake_key
@@ -27,6 +37,7 @@ from backend.protocol import (
     DEFAULT_LIMITS,
     ItemMeta,
     Op,
+    OtherLayout,
     Status,
     checksum,
     decode_get_response,
@@ -292,7 +303,10 @@ class NodeConnection:
             raise
 
     async def _receive_get(self, sock: FrameSocket, data_len: int, meta: bytearray, pending: _Pending) -> list[Outcome]:
-        """Take a buffer per found chunk from the sink, then receive and verify them all in one transfer."""
+        """Take a buffer per found chunk from the sink, then receive and verify them all in one transfer.
+
+        The request carried the sink's layout fingerprint (``encode_get_request``): a chunk of another
+        layout is answered OtherLayout, and one the node sent anyway is received and dropped as one."""
         found = decode_get_response(meta, pending.keys, data_len)
         sink = pending.sink
         assert sink is not None
@@ -303,6 +317,13 @@ class NodeConnection:
             for item in found:
                 if item is None:
                     outcomes.append(MISS)
+                    continue
+                if isinstance(item, OtherLayout):
+                    outcomes.append(item)
+                    continue
+                if layout_differs(sink, item):
+                    outcomes.append(OtherLayout(item.key))
+                    targets.append(item.nbytes)
                     continue
                 allocated = await allocate_view(sink, item)
                 if allocated is None:

@@ -19,7 +19,18 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, Protocol, TypeVar
 
-from backend.client.chunks import Declined, Failed, Fallback, Hit, Miss, Outcome, Sink, Wanted, release_hits
+from backend.client.chunks import (
+    Declined,
+    Failed,
+    Fallback,
+    Hit,
+    Miss,
+    OtherLayout,
+    Outcome,
+    Sink,
+    Wanted,
+    release_hits,
+)
 from backend.client.context import ClientContext, logger
 from backend.client.registry import Locator, RegistryView
 from backend.counters import ClientCounter
@@ -168,8 +179,19 @@ class Getter:
         return [Failed(error)] * count
 
     def _copy_failed(self, key: str, loc: Location, outcome: Outcome, stale: list[tuple[str, Location]]) -> None:
-        """A copy did not deliver: a missing or corrupt copy leaves the index (a failed node keeps its entries)."""
-        if isinstance(outcome, Miss):
+        """A copy did not deliver: a missing or corrupt copy leaves the index (a failed node keeps its entries;
+        a copy of another layout is fine, for the engines of its layout)."""
+        if isinstance(outcome, OtherLayout):
+            self.ctx.counters[ClientCounter.LAYOUT_MISSES] += 1
+            self.ctx.warn_once(
+                "layout",
+                "kvpool: %r is held (node %s) from an engine of another KV layout (model, dtype, shape, chunk size, "
+                "TP or KV-cache groups differ): read as a miss, no bytes (counted as layout_misses; docs/design.md, "
+                "'layout fingerprint')",
+                key,
+                loc.node_id,
+            )
+        elif isinstance(outcome, Miss):
             stale.append((key, loc))
         elif isinstance(outcome, Failed) and isinstance(outcome.error, IntegrityError):
             self.ctx.counters[ClientCounter.INTEGRITY_FAILURES] += 1

@@ -47,7 +47,7 @@ from backend.config import PoolConfig
 from backend.counters import ClientCounter
 from backend.errors import KVPoolError, NodeUnavailable
 from backend.metadata import MetadataStore, NodeInfo
-from backend.protocol import Op, check_key
+from backend.protocol import ANY_FINGERPRINT, NO_FINGERPRINT, Op, check_key
 from backend.transport import client_tls_context
 
 __all__ = ["PoolClient"]
@@ -154,15 +154,20 @@ class PoolClient:
         self._check_open()
         await self._putter.put(chunks, only)
 
-    async def get(self, keys: Sequence[str], sink: Sink[T] | None = None) -> list[T | None]:
+    async def get(
+        self, keys: Sequence[str], sink: Sink[T] | None = None, *, fingerprint: int = NO_FINGERPRINT
+    ) -> list[T | None]:
         """Fetch keys into buffers from ``sink`` (default: new bytearrays); misses are None.
 
         Every chunk is checked against its checksum before it is returned; a
-        mismatch is a miss, and that copy is dropped from the index.
+        mismatch is a miss, and that copy is dropped from the index. Only chunks stored
+        with the reader's layout fingerprint are returned: the sink's (``sink.fingerprint``),
+        else ``fingerprint`` (0: chunks stored without one); any other is a miss.
         """
         self._check_open()
         _check_keys(keys)
-        return await self._getter.get(keys, sink if sink is not None else BytesSink())  # type: ignore[arg-type]
+        chosen = sink if sink is not None else BytesSink(fingerprint)
+        return await self._getter.get(keys, chosen)  # type: ignore[arg-type]
 
     async def lock(self, keys: Sequence[str], ttl_ms: int) -> list[Lock | None]:
         """Lease each key on the node that serves it for ``ttl_ms`` (see ``backend.client.leases``): the public
@@ -212,8 +217,9 @@ class PoolClient:
         return nodes[node_id]
 
     async def fetch_from(self, node: NodeInfo, wanted: Sequence[tuple[str, int]]) -> list[Fetched | None]:
-        """Read ``(key, nbytes)`` from one given node (not any replica); verified like ``get``."""
-        sink = BytesSink()
+        """Read ``(key, nbytes)`` from one given node (not any replica), whatever layout fingerprint each was
+        stored with (``Fetched.meta.fingerprint`` says which: an admin copy keeps it); verified like ``get``."""
+        sink = BytesSink(ANY_FINGERPRINT)
         outcomes = await self._getter.read_node(node, [Wanted(key, nbytes) for key, nbytes in wanted], sink)
         self.registry.trust(node.node_id)  # it answers reads again: no longer tried last
         return [o.handle if isinstance(o, Hit) else None for o in outcomes]

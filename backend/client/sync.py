@@ -10,6 +10,7 @@ from backend.client.chunks import Chunk, Fetched, Lock
 from backend.client.pool_client import PoolClient
 from backend.config import PoolConfig
 from backend.metadata import NodeInfo
+from backend.protocol import NO_FINGERPRINT
 from backend.threads import LoopThread
 
 __all__ = ["SyncPoolClient"]
@@ -42,8 +43,8 @@ class SyncPoolClient:
     def put(self, chunks: Sequence[Chunk]) -> None:
         self._call(self._client.put(chunks))
 
-    def get(self, keys: Sequence[str]) -> list[Fetched | None]:
-        return self._call(self._client.get(keys))
+    def get(self, keys: Sequence[str], *, fingerprint: int = NO_FINGERPRINT) -> list[Fetched | None]:
+        return self._call(self._client.get(keys, fingerprint=fingerprint))
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         return self._call(self._client.contains(keys))

@@ -12,12 +12,12 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from backend.client.chunks import Hit, Outcome, Sink, Wanted, release_hits
+from backend.client.chunks import Hit, Outcome, Sink, Wanted, release_hits, sink_fingerprint
 from backend.client.connection import Connections, NodeConnectionSet, frames
 from backend.client.context import ClientContext
 from backend.counters import ClientCounter
 from backend.metadata import NodeInfo
-from backend.protocol import Op, encode_keys
+from backend.protocol import Op, encode_get_request
 from backend.transport import BULK_BYTES
 
 __all__ = ["TcpReader", "stripes"]
@@ -73,11 +73,13 @@ async def _read_stripes(conns: NodeConnectionSet, parts: Sequence[Sequence[Wante
 async def _read_stripe(conns: NodeConnectionSet, wanted: Sequence[Wanted], sink: Sink[Any]) -> list[Outcome]:
     """GET_BATCH in frames within the size limits; bytes arrive straight in the sink's buffers."""
     out: list[Outcome] = []
+    fingerprint = sink_fingerprint(sink)
     try:
         for frame in frames(wanted):
             keys = [w.key for w in frame]
             expect = sum(w.nbytes for w in frame)
-            out.extend(await conns.request(Op.GET_BATCH, encode_keys(keys), keys=keys, sink=sink, expect_bytes=expect))
+            meta = encode_get_request(keys, fingerprint)
+            out.extend(await conns.request(Op.GET_BATCH, meta, keys=keys, sink=sink, expect_bytes=expect))
     except BaseException:
         release_hits(sink, out)  # an earlier frame's buffers are ours to give back
         raise

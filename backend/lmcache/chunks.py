@@ -14,8 +14,10 @@ own connectors do the same when they save no chunk meta. Reading back:
   many tokens as the bytes hold, as LMCache does for a chunk it reads without meta;
   bytes that are not a whole number of the engine's tokens are a miss.
 
-In-process keys carry the model, world size, worker id and dtype, so the engine that
-reads a key has the layout of the engine that wrote it.
+In-process keys carry the model, world size, worker id and dtype, but not the rest of the
+layout (KV shape, chunk size, MLA, KV-cache groups): the connector stores each chunk with
+its engine's layout fingerprint (``backend.lmcache.layout``), and its sink reads only chunks
+of that fingerprint, so an engine never rebuilds another layout's bytes as its own.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from backend.client import Chunk
 from backend.counters import MissCause
 from backend.errors import KVPoolError
 from backend.lmcache.boundary import MissBoundary
-from backend.protocol import ItemMeta
+from backend.lmcache.layout import EngineFingerprint
+from backend.protocol import NO_FINGERPRINT, ItemMeta
 
 __all__ = ["LMCacheSink", "to_chunk", "rebuild_layout", "PLAIN_DTYPE"]
 
@@ -59,14 +62,16 @@ def _groups(obj: MemoryObj) -> tuple[list[torch.Size], list[torch.dtype]]:
     return list(shapes), list(dtypes)
 
 
-def to_chunk(key: str, obj: MemoryObj) -> Chunk:
-    """The pool chunk of a memory object: its bytes, with its layout when it has one shape group."""
+def to_chunk(key: str, obj: MemoryObj, fingerprint: int = NO_FINGERPRINT) -> Chunk:
+    """The pool chunk of a memory object: its bytes, with its layout when it has one shape group, stored with
+    the writer's layout ``fingerprint``."""
     data = memoryview(obj.byte_array).cast("B")
     fmt = int(obj.get_memory_format().value)
     shapes, dtypes = _groups(obj)
     if len(shapes) == 1:
-        return Chunk(key, data, dtype=dtype_name(dtypes[0]), shape=tuple(int(d) for d in shapes[0]), fmt=fmt)
-    return Chunk(key, data, dtype=PLAIN_DTYPE, shape=(len(data),), fmt=fmt)
+        shape = tuple(int(d) for d in shapes[0])
+        return Chunk(key, data, dtype=dtype_name(dtypes[0]), shape=shape, fmt=fmt, fingerprint=fingerprint)
+    return Chunk(key, data, dtype=PLAIN_DTYPE, shape=(len(data),), fmt=fmt, fingerprint=fingerprint)
 
 
 def is_plain(meta: ItemMeta) -> bool:
@@ -92,7 +97,8 @@ def rebuild_layout(
 
 
 class LMCacheSink:
-    """Receives chunks straight into memory objects from LMCache's own allocator (in-process mode)."""
+    """Receives chunks straight into memory objects from LMCache's own allocator (in-process mode), only
+    chunks stored with the engine's layout fingerprint (``layout``; None: chunks stored without one)."""
 
     def __init__(
         self,
@@ -100,11 +106,18 @@ class LMCacheSink:
         engine_shapes: Sequence[torch.Size],
         engine_dtypes: Sequence[torch.dtype],
         misses: MissBoundary,
+        layout: EngineFingerprint | None = None,
     ) -> None:
         self.local_cpu_backend = local_cpu_backend
         self.engine_shapes = list(engine_shapes)
         self.engine_dtypes = list(engine_dtypes)
         self.misses = misses
+        self.layout = layout
+
+    @property
+    def fingerprint(self) -> int:
+        """The layout fingerprint a read into this sink asks for (``backend.client.chunks.sink_fingerprint``)."""
+        return self.layout.value if self.layout is not None else NO_FINGERPRINT
 
     async def allocate(self, meta: ItemMeta) -> tuple[MemoryObj, Any] | None:
         """A memory object for the chunk, or None: that key alone reads as a miss.

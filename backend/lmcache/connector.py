@@ -50,6 +50,7 @@ from backend.lmcache.config import (
     url_config_key,
     warn_if_secrets_inline,
 )
+from backend.lmcache.layout import EngineFingerprint
 from backend.metrics import register_connector_metrics, unregister_connector_metrics
 
 __all__ = [
@@ -72,6 +73,7 @@ POOL_RECHECK_S = 10.0
 CLIENT_COUNTERS: tuple[ClientCounter, ...] = (
     ClientCounter.INTEGRITY_FAILURES,
     ClientCounter.STALE_ENTRIES,
+    ClientCounter.LAYOUT_MISSES,
     ClientCounter.GET_FAILOVERS,
     ClientCounter.SHM_GET_BYTES,
     ClientCounter.GET_BYTES_TCP,
@@ -114,8 +116,10 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self.client = PoolClient(pool_config)
         self._own_counters: Counter[str] = Counter()  # ConnectorCounter and MissCause.counter names
         self.misses = MissBoundary(self._own_counters)
+        # What every chunk is stored with and read back by: only this layout's engines share chunks.
+        self.layout = EngineFingerprint(metadata, config)
         # meta_shapes/meta_dtypes: the engine's groups, set by RemoteConnector from LMCache's metadata.
-        self._sink = LMCacheSink(local_cpu_backend, self.meta_shapes, self.meta_dtypes, self.misses)
+        self._sink = LMCacheSink(local_cpu_backend, self.meta_shapes, self.meta_dtypes, self.misses, self.layout)
         self._closed = False
         self._plugin = plugin_name
         # Why the pool is not usable (None: it is); unknown until the start check answers.
@@ -270,7 +274,8 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
     async def batched_put(self, keys: Sequence[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         # Returns only after the nodes answered: LMCache may reuse the buffers then.
         try:
-            await self.client.put([to_chunk(k.to_string(), o) for k, o in zip(keys, memory_objs)])
+            fingerprint = self.layout.value
+            await self.client.put([to_chunk(k.to_string(), o, fingerprint) for k, o in zip(keys, memory_objs)])
         except BusyError as exc:
             # The pool was saturated, nothing failed: a skipped put, as when LMCache skips one.
             skipped = sum(exc.not_stored().values())

@@ -48,6 +48,8 @@ CONNECTOR_COUNTERS: dict[str, str] = {
     ClientCounter.STAGED_PUT_BYTES: "Payload bytes put through this client's stage to a node on its host, instead of TCP.",
     ClientCounter.GET_BYTES_CHANNEL: "Payload bytes of hits received over the channel (nccl=on, same cluster).",
     ClientCounter.CHANNEL_FALLBACKS: "Chunks the channel failed to bring (NcclError, node or pair failure), then read over TCP.",
+    ClientCounter.LAYOUT_MISSES: "Chunks LMCache asked for that the pool holds from an engine of another KV layout "
+    "(another layout fingerprint): read as misses, no bytes.",
 }
 
 

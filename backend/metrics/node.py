@@ -43,6 +43,8 @@ NODE_COUNTERS: dict[NodeCounter, str] = {
     NodeCounter.EVICTIONS: "Chunks dropped from DRAM for room (no NVMe tier, or the disk would not take them).",
     NodeCounter.DEMOTIONS: "Chunks moved from DRAM to NVMe.",
     NodeCounter.PROMOTIONS: "Chunks read back from NVMe into DRAM.",
+    NodeCounter.LAYOUT_MISSES: "Keys a read found stored with another KV layout fingerprint than the reader's: "
+    "answered as misses, no bytes.",
     NodeCounter.NVME_WRITES: "Files written to the NVMe tier.",
     NodeCounter.NVME_READS: "Chunks read from the NVMe tier.",
     NodeCounter.NVME_EVICTIONS: "Files deleted from the NVMe tier for room.",

@@ -118,7 +118,7 @@ class Demoter:
             self.dram.delete(key)
             self.changes.moved[key] = NVME
             self.counters[NodeCounter.DEMOTIONS] += 1
-        elif key in self.dram and not self.dram.holds(key, chunk.meta.checksum):
+        elif key in self.dram and not self.dram.holds(key, chunk.meta.checksum, chunk.meta.fingerprint):
             self.nvme.forget(record)  # replaced by other bytes while we wrote
 
     def evict(self, key: str, chunk: StoredChunk | None = None) -> None:
@@ -133,7 +133,9 @@ class Demoter:
         """Write a DRAM chunk's file; None if the chunk was deleted or replaced meanwhile."""
         assert self.nvme is not None
         record = await self.nvme.write(chunk)
-        if not self.dram.holds(chunk.meta.key, chunk.meta.checksum) or not self.nvme.add(record):
+        if not self.dram.holds(chunk.meta.key, chunk.meta.checksum, chunk.meta.fingerprint) or not self.nvme.add(
+            record
+        ):
             await self.nvme.unlink(record.path)  # the bytes we wrote are no longer wanted
             return None
         self.counters[NodeCounter.NVME_WRITES] += 1

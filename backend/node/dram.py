@@ -124,10 +124,10 @@ class DramTier:
         if slot != NO_SLOT:
             self._put[slot] = put_id & _PUT_ID_MASK
 
-    def holds(self, key: str, checksum: int) -> bool:
-        """Whether ``key`` is here with these bytes."""
+    def holds(self, key: str, checksum: int, fingerprint: int) -> bool:
+        """Whether ``key`` is here with these bytes, stored with this layout fingerprint."""
         slot = self._slot(key)
-        return slot != NO_SLOT and self.table.checksum[slot] == checksum
+        return slot != NO_SLOT and self.table.checksum[slot] == checksum and self.table.fingerprint(slot) == fingerprint
 
     def peek(self, key: str) -> StoredChunk | None:
         """The chunk for ``key`` without touching its recency."""

@@ -221,7 +221,9 @@ class Intake:
         if digest != item.checksum:
             tiers.release(tiers.room_of(item.nbytes))
             self.received.append((PUT_INTEGRITY, item, None))
-        elif tiers.holds(item.key, item.checksum):  # the same bytes are here already: not stored twice
+        elif tiers.holds(
+            item.key, item.checksum, item.fingerprint
+        ):  # the same bytes are here already: not stored twice
             tiers.release(tiers.room_of(item.nbytes))
             tiers.claim(item.key, self.put_id)
             self.received.append((PUT_STORED, item, None))

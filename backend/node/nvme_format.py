@@ -6,8 +6,9 @@ File layout (the safetensors format: https://github.com/huggingface/safetensors)
 
 The header holds one tensor, ``kv``, with the chunk's dtype and shape, and a
 ``__metadata__`` map (all strings): the LMCache key, memory format, payload
-checksum (xxh3-64), byte length, the original dtype and shape, and the format
-version. Any safetensors reader loads these files (``safetensors.torch.load_file``).
+checksum (xxh3-64), byte length, the original dtype and shape, the format
+version and, for a chunk stored with one, its layout fingerprint (``layout``:
+16 lowercase hex digits; absent: none, as in files of earlier versions). Any safetensors reader loads these files (``safetensors.torch.load_file``).
 
 kvpool writes and parses the format itself instead of going through the
 safetensors library: the library needs a torch tensor (so torch in every node) and
@@ -152,6 +153,8 @@ def header_bytes(meta: ItemMeta) -> bytes:
             "shape": json.dumps(list(meta.shape)),
         },
     }
+    if meta.fingerprint:
+        header["__metadata__"]["layout"] = f"{meta.fingerprint:016x}"
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # the payload starts 8-byte aligned
     return _U64.pack(len(raw)) + raw
@@ -244,6 +247,7 @@ def read_header_and_mtime(path: Path | str) -> tuple[NvmeFile, float]:
             dtype=str(info["dtype"]),
             shape=tuple(int(d) for d in json.loads(info["shape"])),
             fmt=int(info["fmt"]),
+            fingerprint=_fingerprint(info.get("layout")),
         )
         offsets = tensor["data_offsets"]
     except FileCodecError:
@@ -256,6 +260,15 @@ def read_header_and_mtime(path: Path | str) -> tuple[NvmeFile, float]:
     if st.st_size != data_offset + nbytes:
         raise FileCodecError(f"file is {st.st_size} bytes, header promises {data_offset + nbytes}")
     return NvmeFile(str(path), meta, data_offset), st.st_mtime
+
+
+def _fingerprint(text: Any) -> int:
+    """A header's ``layout`` (16 hex digits) as its fingerprint; absent: none (0)."""
+    if text is None:
+        return 0
+    if not isinstance(text, str) or len(text) != 16:
+        raise FileCodecError(f"layout fingerprint {text!r} is not 16 hex digits")
+    return int(text, 16)  # ValueError for a non-hex one: the caller's FileCodecError
 
 
 def read_payload(record: NvmeFile, into: Any) -> None:

@@ -27,14 +27,18 @@ from backend.node.publisher import ANSWER_FLUSH_S, IndexPublisher
 from backend.node.puts import PutReceiver
 from backend.node.stats import NodeStats
 from backend.protocol import (
+    ANY_FINGERPRINT,
     LEASE_MAP,
+    NO_FINGERPRINT,
     NO_OFFSET,
     InventoryPage,
     InventoryRow,
     ItemMeta,
     Op,
+    OtherLayout,
     Verified,
     decode_channel_request,
+    decode_get_request,
     decode_inventory_request,
     decode_keys,
     decode_lease_request,
@@ -136,20 +140,50 @@ class OpTable:
             received = await puts.receive(peer, items, options)
         await peer.answer(request, lambda: puts.commit(received, options))
 
-    async def _fetch(self, keys: list[str], *, channel: bool) -> tuple[list[ItemMeta | None], list[Buffer]]:
+    def _other_layout(self, key: str, stored: ItemMeta | None, fingerprint: int | None) -> OtherLayout | None:
+        """OtherLayout (counted) if this node holds ``key`` stored with another layout fingerprint than the
+        reader's (``fingerprint``; None: an older client's read, which names none), else None."""
+        if stored is None or fingerprint == ANY_FINGERPRINT:
+            return None
+        if stored.fingerprint == (NO_FINGERPRINT if fingerprint is None else fingerprint):
+            return None
+        self.ctx.counters[NodeCounter.LAYOUT_MISSES] += 1
+        return OtherLayout(key)
+
+    async def _read(self, key: str, fingerprint: int | None) -> StoredChunk | OtherLayout | None:
+        """``key``'s chunk for a reader of ``fingerprint`` (an NVMe hit is promoted), OtherLayout when it is stored
+        with another one (looked at before the fetch, so such a chunk is not promoted, and after), or None."""
+        tiers = self.ctx.tiers
+        other = self._other_layout(key, tiers.meta_of(key), fingerprint)
+        if other is not None:
+            return other
+        chunk = await tiers.get(key)
+        if chunk is None:
+            return None
+        return self._other_layout(key, chunk.meta, fingerprint) or chunk
+
+    async def _fetch(
+        self, keys: list[str], fingerprint: int | None, *, channel: bool
+    ) -> tuple[list[ItemMeta | OtherLayout | None], list[Buffer]]:
         """Each key's chunk (an NVMe hit is promoted), within one reply's data limit; keys past it are misses.
 
         A reply never exceeds what a client accepts (``limits.max_data_bytes``); the
         client reads the keys answered as misses again (over TCP, or in its next GET).
-        Counted as the channel's gets, hits and misses with ``channel``.
+        A chunk stored with another layout fingerprint than the reader's is OtherLayout, and
+        its bytes are never read (docs/protocol.md, "Layout fingerprints"). Counted as the
+        channel's gets, hits and misses with ``channel``.
         """
         tiers, counters = self.ctx.tiers, self.ctx.counters
-        found: list[ItemMeta | None] = []
+        found: list[ItemMeta | OtherLayout | None] = []
         data: list[Buffer] = []
         budget = self.ctx.config.limits.max_data_bytes
         for key in keys:
-            chunk = await tiers.get(key)
             counters[NodeCounter.CHANNEL_GETS if channel else NodeCounter.GETS] += 1
+            chunk = await self._read(key, fingerprint)
+            if isinstance(chunk, OtherLayout):
+                counters[NodeCounter.CHANNEL_MISSES if channel else NodeCounter.MISSES] += 1
+                found.append(chunk)
+                continue
             if chunk is not None and chunk.meta.nbytes > budget:
                 counters[NodeCounter.GET_OVER_FRAME_LIMIT] += 1
                 chunk = None
@@ -166,9 +200,10 @@ class OpTable:
 
     async def get_batch(self, meta: bytearray, peer: Peer) -> Reply:
         limits = self.ctx.config.limits
-        found, data = await self._fetch(decode_keys(meta, limits), channel=False)
-        self.ctx.counters[NodeCounter.GET_BYTES] += sum(item.nbytes for item in found if item is not None)
-        return encode_get_response(found, limits), data
+        keys, fingerprint = decode_get_request(meta, limits)
+        found, data = await self._fetch(keys, fingerprint, channel=False)
+        self.ctx.counters[NodeCounter.GET_BYTES] += sum(item.nbytes for item in found if isinstance(item, ItemMeta))
+        return encode_get_response(found, limits, fingerprints=fingerprint is not None), data
 
     async def exists_batch(self, meta: bytearray, peer: Peer) -> Reply:
         tiers = self.ctx.tiers
@@ -209,21 +244,21 @@ class OpTable:
         Without LEASE_MAP this is a lock only: nothing moves, so it never waits.
         """
         ctx, tiers, counters = self.ctx, self.ctx.tiers, self.ctx.counters
-        ttl_ms, lease_flags, keys = decode_lease_request(meta, ctx.config.limits)
+        ttl_ms, lease_flags, keys, fingerprint = decode_lease_request(meta, ctx.config.limits)
         if ttl_ms > MAX_LEASE_TTL_MS:
             raise ProtocolError(f"lease ttl_ms {ttl_ms} exceeds {MAX_LEASE_TTL_MS}")
         want_map = bool(lease_flags & LEASE_MAP)
-        found: list[tuple[ItemMeta, int] | None] = []
+        found: list[tuple[ItemMeta, int] | OtherLayout | None] = []
         held: list[str] = []
         chunks: list[StoredChunk] = []
         arena = tiers.shm_arena  # a private arena's offsets mean nothing to a client
         for key in keys:
-            if want_map:
-                chunk = await tiers.get(key)
+            if want_map:  # a read: only of a chunk of the reader's layout (a lock pins whatever is held)
                 counters[NodeCounter.GETS] += 1
-                if chunk is None:
+                chunk = await self._read(key, fingerprint)
+                if chunk is None or isinstance(chunk, OtherLayout):
                     counters[NodeCounter.MISSES] += 1
-                    found.append(None)
+                    found.append(chunk)
                     continue
                 offset = arena.offset_of(chunk.buffer) if arena is not None else None
                 counters[NodeCounter.HITS] += 1
@@ -241,7 +276,7 @@ class OpTable:
         lease_id = tiers.leases.grant(held, chunks, ttl_ms, owner=peer) if held else 0
         if lease_id and peer.closed:
             tiers.leases.release_owner(peer)  # it closed while we fetched: its teardown has already run
-        return encode_lease_response(lease_id, found, ctx.config.limits), []
+        return encode_lease_response(lease_id, found, ctx.config.limits, fingerprints=fingerprint is not None), []
 
     async def release(self, meta: bytearray, peer: Peer) -> Reply:
         lease_id, keys = decode_release(meta, self.ctx.config.limits)
@@ -265,11 +300,13 @@ class OpTable:
             await channel.start_join(pair, request.offer)
             return encode_channel_response([], ctx.config.limits), []
         await channel.join(pair)  # NcclError: answered as an error; the client falls back to TCP
-        found, buffers = await self._fetch(keys, channel=True)  # keys past the limit are read over TCP
+        # Keys past the limit, and of another layout, are answered null: the client reads them over TCP.
+        found, buffers = await self._fetch(keys, request.fingerprint, channel=True)
         if buffers:
             # The client receives after reading the answer; the pair's lock keeps batches in order.
             ctx.spawn(channel.send(pair, buffers))
-        return encode_channel_response(found, ctx.config.limits), []
+        rows = [item if isinstance(item, ItemMeta) else None for item in found]
+        return encode_channel_response(rows, ctx.config.limits, fingerprints=request.fingerprint is not None), []
 
     async def touch(self, meta: bytearray, peer: Peer) -> Reply:
         """TOUCH: chains a client's lookups found, each touched as one batch (the eviction order's

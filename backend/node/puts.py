@@ -165,7 +165,7 @@ class PutReceiver:
         flags: list[int] = []
         visible: list[tuple[str, Location]] = []
         for flag, item, _ in received:
-            if flag == PUT_STORED and not tiers.holds(item.key, item.checksum):
+            if flag == PUT_STORED and not tiers.holds(item.key, item.checksum, item.fingerprint):
                 # Evicted while its request waited for room (DRAM full of puts in flight): never
                 # acknowledge it. Busy, not no room: the pressure passes, a later put is stored.
                 flag = PUT_BUSY

@@ -50,7 +50,7 @@ from backend.node.landing import Landing
 from backend.node.leases import LeaseTable
 from backend.node.nvme_format import NvmeFile
 from backend.node.nvme_tier import NvmeTier
-from backend.protocol import ItemMeta, TierReport, checksum
+from backend.protocol import NO_FINGERPRINT, ItemMeta, TierReport, checksum
 
 __all__ = ["TierConfig", "TierManager", "DRAM", "NVME"]
 
@@ -269,7 +269,7 @@ class TierManager:
         bytes is dropped first. A put's chunk is not moved until the put settles it (``settle``)."""
         if self.nvme is not None:
             old = self.nvme.record(chunk.meta.key)
-            if old is not None and old.meta.checksum != chunk.meta.checksum:
+            if old is not None and not _same_chunk(old.meta, chunk.meta):
                 self.nvme.forget(old)
         self.dram.insert(chunk, put_id)
         if self.recovering is not None:
@@ -282,10 +282,10 @@ class TierManager:
         """A put found ``key`` already held with its bytes: that put will not evict it either."""
         self.dram.claim(key, put_id)
 
-    def holds(self, key: str, item_checksum: int) -> bool:
-        """Whether this node holds ``key`` with exactly these bytes (DRAM or NVMe: both hold the same)."""
-        slot = self.table.slot(key)
-        return slot != NO_SLOT and self.table.checksum[slot] == item_checksum
+    def holds(self, key: str, item_checksum: int, fingerprint: int = NO_FINGERPRINT) -> bool:
+        """Whether this node holds ``key`` with these bytes and layout fingerprint (DRAM or NVMe: both the same)."""
+        slot, table = self.table.slot(key), self.table
+        return slot != NO_SLOT and table.checksum[slot] == item_checksum and table.fingerprint(slot) == fingerprint
 
     async def discard(self, chunk: StoredChunk) -> None:
         """Undo ``insert`` (the put was not committed), unless the key was replaced since."""
@@ -295,7 +295,7 @@ class TierManager:
         elif key in self.dram:
             return  # a newer put of the key owns it now
         record = self.nvme.record(key) if self.nvme is not None else None
-        if record is not None and record.meta.checksum == chunk.meta.checksum:
+        if record is not None and _same_chunk(record.meta, chunk.meta):
             assert self.nvme is not None
             self.nvme.remove(key)
             await self.nvme.unlink(record.path)
@@ -409,3 +409,8 @@ def _open_arena(config: TierConfig) -> Arena | None:
     except OSError as exc:
         logger.warning("no private arena of %d bytes (%s): each chunk is a buffer of its own", size, exc.strerror)
         return None
+
+
+def _same_chunk(a: ItemMeta, b: ItemMeta) -> bool:
+    """Whether two copies of one key are the same chunk: the same bytes, stored with the same layout fingerprint."""
+    return a.checksum == b.checksum and a.fingerprint == b.fingerprint

@@ -56,7 +56,10 @@ from backend.protocol.inventory import (
     encode_inventory_response,
 )
 from backend.protocol.meta import (
+    ANY_FINGERPRINT,
+    NO_FINGERPRINT,
     ItemMeta,
+    OtherLayout,
     check_item,
     check_key,
     decode_flags,
@@ -87,11 +90,13 @@ from backend.protocol.puts import (
 from backend.protocol.reads import (
     LEASE_MAP,
     NO_OFFSET,
+    decode_get_request,
     decode_get_response,
     decode_lease_request,
     decode_lease_response,
     decode_release,
     decode_touch,
+    encode_get_request,
     encode_get_response,
     encode_lease_request,
     encode_lease_response,
@@ -130,6 +135,9 @@ __all__ = [
     "status_for_error",
     # meta
     "ItemMeta",
+    "NO_FINGERPRINT",
+    "ANY_FINGERPRINT",
+    "OtherLayout",
     "check_key",
     "check_item",
     "encode_keys",
@@ -156,6 +164,8 @@ __all__ = [
     "encode_put_staged",
     "decode_put_staged",
     # reads
+    "encode_get_request",
+    "decode_get_request",
     "encode_get_response",
     "decode_get_response",
     "LEASE_MAP",

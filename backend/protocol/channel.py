@@ -13,7 +13,7 @@ from typing import Any
 
 from backend.errors import ProtocolError
 from backend.protocol.frame import DEFAULT_LIMITS, Limits
-from backend.protocol.meta import ItemMeta, bounded, decode_json, encode_json
+from backend.protocol.meta import ItemMeta, bounded, check_fingerprint, decode_json, encode_json
 
 __all__ = [
     "MAX_PAIR_ID_BYTES",
@@ -32,21 +32,25 @@ MAX_OFFER_DIGEST_CHARS = 128
 @dataclass(frozen=True)
 class ChannelRequest:
     """A CHANNEL_GET: the pair's id (``session`` on the wire), the keys wanted, and, when it pairs (no keys), the
-    digest of the offer the client published (``nccl_channel.rendezvous.Offer.digest``)."""
+    digest of the offer the client published (``nccl_channel.rendezvous.Offer.digest``); ``fingerprint``: the
+    reader's layout fingerprint (None: an older client sent none)."""
 
     pair_id: str
     keys: list[str]
     offer: str = ""
+    fingerprint: int | None = None
 
 
 def encode_channel_request(
-    pair_id: str, keys: Sequence[str], offer: str = "", limits: Limits = DEFAULT_LIMITS
+    pair_id: str, keys: Sequence[str], offer: str = "", limits: Limits = DEFAULT_LIMITS, fingerprint: int = 0
 ) -> bytes:
-    """Meta of a CHANNEL_GET: the pair's id (``session`` on the wire) and the keys wanted (none: pair, naming
-    ``offer``, the digest of the offer published for it)."""
+    """Meta of a CHANNEL_GET: the pair's id (``session`` on the wire), the keys wanted (none: pair, naming
+    ``offer``, the digest of the offer published for it) and the reader's layout ``fingerprint``."""
     if len(keys) > limits.max_items:
         raise ProtocolError(f"{len(keys)} keys exceed the limit of {limits.max_items}")
     body: dict[str, Any] = {"session": pair_id, "keys": list(keys)}
+    if keys:
+        body["fingerprint"] = check_fingerprint(fingerprint, "CHANNEL_GET")
     if offer:
         body["offer"] = offer
     return bounded(bytearray(encode_json(body)), limits)
@@ -55,6 +59,7 @@ def encode_channel_request(
 def decode_channel_request(meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> ChannelRequest:
     body = decode_json(meta)
     pair_id, keys, offer = body.get("session"), body.get("keys"), body.get("offer", "")
+    fingerprint = body.get("fingerprint")
     if not isinstance(pair_id, str) or not 0 < len(pair_id) <= MAX_PAIR_ID_BYTES or not pair_id.isascii():
         raise ProtocolError(f"CHANNEL_GET session must be 1..{MAX_PAIR_ID_BYTES} ASCII characters")
     if not isinstance(keys, list) or len(keys) > limits.max_items:
@@ -64,13 +69,22 @@ def decode_channel_request(meta: bytes | bytearray | memoryview, limits: Limits 
             raise ProtocolError(f"CHANNEL_GET key outside 1..{limits.max_key_bytes} bytes")
     if not isinstance(offer, str) or len(offer) > MAX_OFFER_DIGEST_CHARS or not offer.isascii():
         raise ProtocolError(f"CHANNEL_GET offer must be at most {MAX_OFFER_DIGEST_CHARS} ASCII characters")
-    return ChannelRequest(pair_id, keys, offer)
+    if fingerprint is not None and (type(fingerprint) is not int or not 0 <= fingerprint < 2**64):
+        raise ProtocolError("CHANNEL_GET fingerprint must be an integer in 0..2**64-1")
+    return ChannelRequest(pair_id, keys, offer, fingerprint)
 
 
-def encode_channel_response(found: Sequence[ItemMeta | None], limits: Limits = DEFAULT_LIMITS) -> bytes:
-    """Meta of a CHANNEL_GET response: per key null or [nbytes, checksum, dtype, shape, fmt]."""
+def encode_channel_response(
+    found: Sequence[ItemMeta | None], limits: Limits = DEFAULT_LIMITS, *, fingerprints: bool = True
+) -> bytes:
+    """Meta of a CHANNEL_GET response: per key null or [nbytes, checksum, dtype, shape, fmt, fingerprint]
+    (without the fingerprint for a request that carried none). A chunk of another layout is answered null."""
     rows = [
-        None if item is None else [item.nbytes, item.checksum, item.dtype, list(item.shape), item.fmt] for item in found
+        None
+        if item is None
+        else [item.nbytes, item.checksum, item.dtype, list(item.shape), item.fmt]
+        + ([item.fingerprint] if fingerprints else [])
+        for item in found
     ]
     return bounded(bytearray(encode_json({"found": rows})), limits)
 
@@ -87,9 +101,12 @@ def decode_channel_response(
             found.append(None)
             continue
         try:
-            nbytes, item_sum, dtype, shape, fmt = row
-            item = ItemMeta(key, int(nbytes), int(item_sum), str(dtype), tuple(int(d) for d in shape), int(fmt))
-        except (TypeError, ValueError):
+            nbytes, item_sum, dtype, shape, fmt, *rest = row
+            fingerprint = int(rest[0]) if rest else 0  # an older node sends none
+            item = ItemMeta(
+                key, int(nbytes), int(item_sum), str(dtype), tuple(int(d) for d in shape), int(fmt), fingerprint
+            )
+        except (TypeError, ValueError, IndexError):
             raise ProtocolError(f"CHANNEL_GET response row for {key[:80]!r} is malformed") from None
         if not 0 <= item.nbytes <= limits.max_data_bytes or len(item.shape) > limits.max_ndim:
             raise ProtocolError(f"CHANNEL_GET response row for {key[:80]!r} is out of range")

@@ -18,6 +18,9 @@ from backend.protocol.frame import DEFAULT_LIMITS, Limits
 
 __all__ = [
     "ItemMeta",
+    "NO_FINGERPRINT",
+    "ANY_FINGERPRINT",
+    "OtherLayout",
     "check_key",
     "check_item",
     "encode_keys",
@@ -36,10 +39,16 @@ U32 = struct.Struct("<I")
 U64 = struct.Struct("<Q")
 _ITEM_FIXED = struct.Struct("<QQH")  # nbytes, checksum, fmt
 
+# The layout fingerprint of a chunk (docs/protocol.md, "Layout fingerprints"): an xxh3-64 of the
+# writer's KV layout, 0 for a chunk stored without one. A reader that names ANY_FINGERPRINT is
+# answered whatever the chunk's (an admin copy, ``kvpool drain``); no real fingerprint is either value.
+NO_FINGERPRINT = 0
+ANY_FINGERPRINT = 2**64 - 1
+
 
 @dataclass(frozen=True)
 class ItemMeta:
-    """One chunk: its key, byte length, xxh3-64 checksum and tensor layout."""
+    """One chunk: its key, byte length, xxh3-64 checksum, tensor layout and layout fingerprint (0: none)."""
 
     key: str
     nbytes: int
@@ -47,6 +56,15 @@ class ItemMeta:
     dtype: str
     shape: tuple[int, ...]
     fmt: int
+    fingerprint: int = NO_FINGERPRINT
+
+
+@dataclass(frozen=True)
+class OtherLayout:
+    """A read's answer for a key the node holds with another layout fingerprint than the reader's:
+    a miss for this reader (no bytes), while the chunk itself is fine."""
+
+    key: str
 
 
 class MetaReader:
@@ -122,6 +140,8 @@ def check_item(item: ItemMeta, limits: Limits = DEFAULT_LIMITS) -> bytes:
         raise ProtocolError(f"item {item.key[:80]!r}: shape {item.shape} has a negative or huge dimension")
     if len(item.shape) > limits.max_ndim:
         raise ProtocolError(f"item {item.key[:80]!r}: shape has more than {limits.max_ndim} dimensions (max_ndim)")
+    if not 0 <= item.fingerprint < ANY_FINGERPRINT:
+        raise ProtocolError(f"item {item.key[:80]!r}: layout fingerprint {item.fingerprint!r} is not a stored one")
     if not item.dtype.isascii():
         raise ProtocolError(f"item {item.key[:80]!r}: dtype name {item.dtype!r} is not ASCII")
     dtype = item.dtype.encode("ascii")
@@ -130,6 +150,13 @@ def check_item(item: ItemMeta, limits: Limits = DEFAULT_LIMITS) -> bytes:
             f"dtype name {item.dtype!r} is empty or too long: 1..{limits.max_dtype_bytes} bytes (max_dtype_bytes)"
         )
     return dtype
+
+
+def check_fingerprint(fingerprint: int, what: str) -> int:
+    """``fingerprint`` if it fits a u64; a ProtocolError naming ``what`` if not."""
+    if not 0 <= fingerprint <= ANY_FINGERPRINT:
+        raise ProtocolError(f"{what}: layout fingerprint {fingerprint!r} is not a u64")
+    return fingerprint
 
 
 def write_key(out: bytearray, key: str, limits: Limits) -> None:

@@ -8,13 +8,24 @@ item's offset in it. Both are answered with one flag per item (``encode_flags``)
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from backend.errors import ProtocolError, PutOutcome
 from backend.protocol.frame import DEFAULT_LIMITS, Limits
-from backend.protocol.meta import U8, U32, U64, ItemMeta, MetaReader, bounded, read_item, write_item
+from backend.protocol.meta import (
+    ANY_FINGERPRINT,
+    U8,
+    U32,
+    U64,
+    ItemMeta,
+    MetaReader,
+    bounded,
+    read_item,
+    write_item,
+)
 
 __all__ = [
     "PUT_STORED",
@@ -103,26 +114,46 @@ class PutOptions:
             )
 
 
-def _put_options(reader: MetaReader) -> PutOptions:
-    """The trailer if the meta has one (exactly its size left), else the defaults."""
-    if reader.remaining != _PUT_OPTIONS.size:
-        return PutOptions()
+def _put_trailer(reader: MetaReader, items: list[ItemMeta]) -> tuple[list[ItemMeta], PutOptions]:
+    """The items with their layout fingerprints and the put options, from what follows the items: nothing
+    (an older client: the defaults), the options (exactly their size left), or the options and one u64
+    fingerprint per item. Anything else is left for ``reader.done()`` to refuse."""
+    left = reader.remaining
+    if left not in (_PUT_OPTIONS.size, _PUT_OPTIONS.size + U64.size * len(items)):
+        return items, PutOptions()
     put_id, wait_ms = reader.unpack(_PUT_OPTIONS, "put options")
-    return PutOptions(int(put_id), int(wait_ms))
+    if reader.remaining:
+        fingerprints = struct.unpack(f"<{len(items)}Q", reader.take(U64.size * len(items), "layout fingerprints"))
+        items = [
+            item if not fp else dataclasses.replace(item, fingerprint=int(fp)) for item, fp in zip(items, fingerprints)
+        ]
+        if any(item.fingerprint == ANY_FINGERPRINT for item in items):
+            raise ProtocolError("a put item carries the any-layout fingerprint, which no chunk is stored with")
+    return items, PutOptions(int(put_id), int(wait_ms))
+
+
+def _options_and_fingerprints(items: Sequence[ItemMeta], options: PutOptions) -> bytes:
+    """The put options, then the items' layout fingerprints if any item has one (none: the older form)."""
+    out = _PUT_OPTIONS.pack(options.put_id, options.wait_ms)
+    if any(item.fingerprint for item in items):
+        out += struct.pack(f"<{len(items)}Q", *(item.fingerprint for item in items))
+    return out
 
 
 def encode_put_batch(items: Sequence[ItemMeta], options: PutOptions, limits: Limits = DEFAULT_LIMITS) -> bytes:
-    """Meta of a PUT_BATCH request: the items (as :func:`encode_items`), then the put options."""
-    return bounded(bytearray(encode_items(items, limits) + _PUT_OPTIONS.pack(options.put_id, options.wait_ms)), limits)
+    """Meta of a PUT_BATCH request: the items (as :func:`encode_items`), then the put options and, when an
+    item has a layout fingerprint, every item's fingerprint."""
+    return bounded(bytearray(encode_items(items, limits) + _options_and_fingerprints(items, options)), limits)
 
 
 def decode_put_batch(
     meta: bytes | bytearray | memoryview, data_len: int, limits: Limits = DEFAULT_LIMITS
 ) -> tuple[list[ItemMeta], PutOptions]:
-    """Decode PUT_BATCH meta (items, and the put options if present); the items must add up to ``data_len``."""
+    """Decode PUT_BATCH meta (items, the put options and fingerprints if present); the items must add up to
+    ``data_len``."""
     reader = MetaReader(meta)
     items = [read_item(reader, limits) for _ in range(reader.count(limits))]
-    options = _put_options(reader)
+    items, options = _put_trailer(reader, items)
     reader.done()
     total = sum(item.nbytes for item in items)
     if total != data_len:
@@ -143,7 +174,8 @@ def encode_put_staged(
     options: PutOptions | None = None,
 ) -> bytes:
     """Meta of a PUT_STAGED request: the stage's file name and token, the items as in PUT_BATCH,
-    each item's offset in the stage, then the put options (none: the node's defaults)."""
+    each item's offset in the stage, then the put options (none: the node's defaults) and, as in
+    PUT_BATCH, the fingerprints (an item with one needs ``options``)."""
     name, secret = stage.encode("ascii"), token.encode("ascii")
     if not 0 < len(name) <= MAX_STAGE_NAME_BYTES or len(secret) != STAGE_TOKEN_BYTES or len(offsets) != len(items):
         raise ProtocolError("PUT_STAGED needs a stage name, its 32-character token and an offset per item")
@@ -151,7 +183,9 @@ def encode_put_staged(
     out += encode_items(items, limits)
     out += b"".join(U64.pack(offset) for offset in offsets)
     if options is not None:
-        out += _PUT_OPTIONS.pack(options.put_id, options.wait_ms)
+        out += _options_and_fingerprints(items, options)
+    elif any(item.fingerprint for item in items):
+        raise ProtocolError("PUT_STAGED items with layout fingerprints need put options before them")
     return bounded(out, limits)
 
 
@@ -167,6 +201,6 @@ def decode_put_staged(
     token = reader.text(STAGE_TOKEN_BYTES, "stage token")
     items = [read_item(reader, limits) for _ in range(reader.count(limits))]
     offsets = [int(reader.unpack(U64, "stage offset")[0]) for _ in items]
-    options = _put_options(reader)
+    items, options = _put_trailer(reader, items)
     reader.done()
     return name, token, items, offsets, options

@@ -4,9 +4,12 @@ A TOUCH is chains of keys (each in prefix order) that lookups found: a count of 
 then each chain as a key list; at most ``limits.max_items`` keys in all. It is answered
 with an empty flag list.
 
-GET, EXISTS and DELETE requests are a key list (``encode_keys``); EXISTS and DELETE are
-answered with a flag per key (``encode_flags``), GET with :func:`encode_get_response`. A
-LEASE is answered like a GET plus, per found key, its offset in the node's arena.
+EXISTS and DELETE requests are a key list (``encode_keys``), answered with a flag per key
+(``encode_flags``). A GET is a key list and the reader's layout fingerprint
+(:func:`encode_get_request`), answered with :func:`encode_get_response`; a LEASE is answered
+like a GET plus, per found key, its offset in the node's arena. A GET or LEASE of an older
+client carries no fingerprint: it is answered in the older form (no fingerprints, and a chunk
+of another layout as not found).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from backend.protocol.meta import (
     U64,
     ItemMeta,
     MetaReader,
+    OtherLayout,
     bounded,
+    check_fingerprint,
     decode_keys,
     encode_keys,
     read_item,
@@ -30,6 +35,8 @@ from backend.protocol.meta import (
 )
 
 __all__ = [
+    "encode_get_request",
+    "decode_get_request",
     "encode_get_response",
     "decode_get_response",
     "LEASE_MAP",
@@ -49,36 +56,84 @@ LEASE_MAP = 0x1
 NO_OFFSET = 2**64 - 1
 
 _LEASE_HEAD = struct.Struct("<IB")  # ttl_ms, flags
+# A GET or LEASE answer's found byte: not held, held (the item follows), held with another layout fingerprint
+# than the reader's (nothing follows; only to a request that carried a fingerprint).
+_NOT_FOUND, _FOUND, _OTHER_LAYOUT = 0, 1, 2
 
 
-def encode_get_response(found: Sequence[ItemMeta | None], limits: Limits = DEFAULT_LIMITS) -> bytes:
-    """Meta of a GET_BATCH response: per key a found byte and, if found, the item."""
+def _keys_and_fingerprint(reader: MetaReader, limits: Limits, what: str) -> tuple[list[str], int | None]:
+    """A key list, then the reader's layout fingerprint if the request carries one (None: an older client)."""
+    keys = [reader.key(limits) for _ in range(reader.count(limits))]
+    fingerprint = None
+    if reader.remaining == U64.size:
+        (fingerprint,) = reader.unpack(U64, f"{what} layout fingerprint")
+    reader.done()
+    return keys, fingerprint
+
+
+def encode_get_request(keys: Sequence[str], fingerprint: int, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Meta of a GET_BATCH request: the keys (as :func:`encode_keys`), then the reader's layout fingerprint."""
+    return bounded(bytearray(encode_keys(keys, limits) + U64.pack(check_fingerprint(fingerprint, "GET"))), limits)
+
+
+def decode_get_request(
+    meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> tuple[list[str], int | None]:
+    """``(keys, the reader's layout fingerprint)`` of a GET_BATCH request (None: an older client's, without one)."""
+    return _keys_and_fingerprint(MetaReader(meta), limits, "GET")
+
+
+def _write_answer(out: bytearray, entry: ItemMeta | OtherLayout | None, limits: Limits, fingerprints: bool) -> bool:
+    """Append one key's found byte and, for a hit, its item (and fingerprint); True for a hit."""
+    if entry is None or isinstance(entry, OtherLayout):
+        out += U8.pack(_OTHER_LAYOUT if entry is not None and fingerprints else _NOT_FOUND)
+        return False
+    out += U8.pack(_FOUND)
+    write_item(out, entry, limits)
+    if fingerprints:
+        out += U64.pack(entry.fingerprint)
+    return True
+
+
+def encode_get_response(
+    found: Sequence[ItemMeta | OtherLayout | None], limits: Limits = DEFAULT_LIMITS, *, fingerprints: bool = True
+) -> bytes:
+    """Meta of a GET_BATCH response: per key a found byte and, if found, the item and its layout fingerprint.
+    ``fingerprints=False``: the older form, for a request without a fingerprint (another layout: not found)."""
     out = bytearray(U32.pack(len(found)))
-    for item in found:
-        if item is None:
-            out += b"\x00"
-        else:
-            out += b"\x01"
-            write_item(out, item, limits)
+    for entry in found:
+        _write_answer(out, entry, limits, fingerprints)
     return bounded(out, limits)
 
 
+Answer = tuple[ItemMeta, int | None] | OtherLayout | None  # a GET or LEASE answer for one key (with its offset)
+
+
 def _decode_answers(
-    reader: MetaReader, keys: Sequence[str], what: str, limits: Limits, *, offsets: bool
-) -> list[tuple[ItemMeta, int | None] | None]:
-    """Per key of a GET or LEASE answer: None (not found) or its item and, for LEASE, its offset."""
+    reader: MetaReader, keys: Sequence[str], what: str, limits: Limits, *, offsets: bool, fingerprints: bool
+) -> list[Answer]:
+    """Per key of a GET or LEASE answer: None (not found), OtherLayout, or its item (with its fingerprint when
+    ``fingerprints``) and, for LEASE, its offset."""
     n = reader.count(limits)
     if n != len(keys):
         raise ProtocolError(f"{what} response carries {n} results for {len(keys)} keys")
-    found: list[tuple[ItemMeta, int | None] | None] = []
+    found: list[Answer] = []
     for key in keys:
         (flag,) = reader.unpack(U8, "found flag")
-        if flag == 0:
+        if flag == _NOT_FOUND:
             found.append(None)
             continue
+        if flag == _OTHER_LAYOUT and fingerprints:
+            found.append(OtherLayout(key))
+            continue
+        if flag != _FOUND:
+            raise ProtocolError(f"{what} response has found flag {flag} for {key[:80]!r}")
         item = read_item(reader, limits)
         if item.key != key:
             raise ProtocolError(f"{what} response answered {item.key!r} for {key!r}")
+        if fingerprints:
+            (fingerprint,) = reader.unpack(U64, "layout fingerprint")
+            item = ItemMeta(item.key, item.nbytes, item.checksum, item.dtype, item.shape, item.fmt, int(fingerprint))
         offset = None
         if offsets:
             (raw,) = reader.unpack(U64, "offset")
@@ -88,59 +143,81 @@ def _decode_answers(
 
 
 def decode_get_response(
-    meta: bytes | bytearray | memoryview, keys: Sequence[str], data_len: int, limits: Limits = DEFAULT_LIMITS
-) -> list[ItemMeta | None]:
+    meta: bytes | bytearray | memoryview,
+    keys: Sequence[str],
+    data_len: int,
+    limits: Limits = DEFAULT_LIMITS,
+    *,
+    fingerprints: bool = True,
+) -> list[ItemMeta | OtherLayout | None]:
+    """Per key: its item (hits; their payloads are the data section, in key order), OtherLayout, or None.
+    ``fingerprints``: whether the request carried the reader's fingerprint (:func:`encode_get_request`)."""
     reader = MetaReader(meta)
-    found = [None if a is None else a[0] for a in _decode_answers(reader, keys, "GET", limits, offsets=False)]
+    found = [
+        a[0] if isinstance(a, tuple) else a
+        for a in _decode_answers(reader, keys, "GET", limits, offsets=False, fingerprints=fingerprints)
+    ]
     reader.done()
-    total = sum(item.nbytes for item in found if item is not None)
+    total = sum(item.nbytes for item in found if isinstance(item, ItemMeta))
     if total != data_len:
         raise ProtocolError(f"GET response declares {total} bytes but carries {data_len}")
     return found
 
 
-def encode_lease_request(keys: Sequence[str], ttl_ms: int, flags: int, limits: Limits = DEFAULT_LIMITS) -> bytes:
-    """Meta of a LEASE request: ttl, flags, then the keys as in GET."""
+def encode_lease_request(
+    keys: Sequence[str], ttl_ms: int, flags: int, limits: Limits = DEFAULT_LIMITS, *, fingerprint: int | None = None
+) -> bytes:
+    """Meta of a LEASE request: ttl, flags, then the keys as in GET and, for a read (``LEASE_MAP``), the reader's
+    layout fingerprint (None: none is sent, as by an older client; a lock sends none)."""
     if not 0 < ttl_ms < 2**32 or not 0 <= flags <= 255:
         raise ProtocolError(f"lease ttl_ms {ttl_ms} or flags {flags} out of range")
-    return _LEASE_HEAD.pack(ttl_ms, flags) + encode_keys(keys, limits)
+    out = _LEASE_HEAD.pack(ttl_ms, flags) + encode_keys(keys, limits)
+    if fingerprint is not None:
+        out += U64.pack(check_fingerprint(fingerprint, "LEASE"))
+    return bounded(bytearray(out), limits)
 
 
 def decode_lease_request(
     meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
-) -> tuple[int, int, list[str]]:
-    """``(ttl_ms, flags, keys)`` of a LEASE request."""
+) -> tuple[int, int, list[str], int | None]:
+    """``(ttl_ms, flags, keys, the reader's layout fingerprint or None)`` of a LEASE request."""
     if len(meta) < _LEASE_HEAD.size:
         raise ProtocolError("LEASE meta truncated before its ttl and flags")
     ttl_ms, flags = _LEASE_HEAD.unpack(bytes(meta[: _LEASE_HEAD.size]))
     if flags & ~LEASE_MAP:
         raise ProtocolError(f"unknown LEASE flags {flags:#x}")
-    return int(ttl_ms), int(flags), decode_keys(memoryview(meta)[_LEASE_HEAD.size :], limits)
+    keys, fingerprint = _keys_and_fingerprint(MetaReader(memoryview(meta)[_LEASE_HEAD.size :]), limits, "LEASE")
+    return int(ttl_ms), int(flags), keys, fingerprint
 
 
 def encode_lease_response(
-    lease_id: int, found: Sequence[tuple[ItemMeta, int] | None], limits: Limits = DEFAULT_LIMITS
+    lease_id: int,
+    found: Sequence[tuple[ItemMeta, int] | OtherLayout | None],
+    limits: Limits = DEFAULT_LIMITS,
+    *,
+    fingerprints: bool = False,
 ) -> bytes:
-    """Meta of a LEASE response: the lease id, then per key a found byte and, if found, item + offset."""
+    """Meta of a LEASE response: the lease id, then per key a found byte and, if found, item (+ its layout
+    fingerprint, when the request carried the reader's) + offset."""
     out = bytearray(U64.pack(lease_id) + U32.pack(len(found)))
     for entry in found:
-        if entry is None:
-            out += b"\x00"
-            continue
-        item, offset = entry
-        out += b"\x01"
-        write_item(out, item, limits)
-        out += U64.pack(offset)
+        if _write_answer(out, entry[0] if isinstance(entry, tuple) else entry, limits, fingerprints):
+            assert isinstance(entry, tuple)
+            out += U64.pack(entry[1])
     return bounded(out, limits)
 
 
 def decode_lease_response(
-    meta: bytes | bytearray | memoryview, keys: Sequence[str], limits: Limits = DEFAULT_LIMITS
-) -> tuple[int, list[tuple[ItemMeta, int | None] | None]]:
-    """``(lease_id, per key None or (item, offset or None))`` of a LEASE response."""
+    meta: bytes | bytearray | memoryview,
+    keys: Sequence[str],
+    limits: Limits = DEFAULT_LIMITS,
+    *,
+    fingerprints: bool = False,
+) -> tuple[int, list[Answer]]:
+    """``(lease_id, per key None, OtherLayout or (item, offset or None))`` of a LEASE response."""
     reader = MetaReader(meta)
     (lease_id,) = reader.unpack(U64, "lease id")
-    found = _decode_answers(reader, keys, "LEASE", limits, offsets=True)
+    found = _decode_answers(reader, keys, "LEASE", limits, offsets=True, fingerprints=fingerprints)
     reader.done()
     return int(lease_id), found
 

@@ -17,7 +17,7 @@ import asyncio
 import pytest
 
 from backend.node.arena import room_of
-from bench.scale_node import VALUE_BYTES, fill, layerwise_key, value_of
+from bench.scale_node import LAYOUT_FINGERPRINT, VALUE_BYTES, fill, layerwise_key, value_of
 from kvpool import PoolClient, PoolConfig
 from tests.faults.proxy import FULL
 
@@ -46,7 +46,7 @@ def test_a_node_full_of_tiny_chunks_stays_within_dram_plus_its_bookkeeping(node_
             after = node.memory()
             stats = await client.node_stats(info)
             newest = [layerwise_key(i) for i in range(2 * HELD - 100, 2 * HELD)]
-            got = await client.get(newest)
+            got = await client.get(newest, fingerprint=LAYOUT_FINGERPRINT)
             assert [bytes(g.data) if g else None for g in got] == [value_of(i) for i in range(2 * HELD - 100, 2 * HELD)]
             return {"baseline": baseline, "full": full, "after": after, "stats": stats}
 

@@ -1,0 +1,252 @@
+"""Layout fingerprints on the wire and on a node: a read gets a chunk's bytes only with the fingerprint it was stored with.
+
+The rule (docs/protocol.md, "Layout fingerprints"): no fingerprint on either side is
+today's behaviour; a fingerprint on one side only, or two that differ, is a miss with no
+bytes, counted by the node and the client; an older client's read (no fingerprint sent)
+is answered in the older form, a chunk of any layout as not found.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+from pathlib import Path
+
+import pytest
+
+from backend.client import BytesSink, connection
+from backend.config import PoolConfig
+from backend.counters import ClientCounter, NodeCounter
+from backend.errors import ProtocolError
+from backend.lmcache.layout import CANONICAL_VERSION, KVLayout, fingerprint_of
+from backend.node.nvme_format import CHUNKS_DIR, read_header
+from backend.protocol import (
+    ANY_FINGERPRINT,
+    ItemMeta,
+    Op,
+    OtherLayout,
+    PutOptions,
+    decode_channel_request,
+    decode_channel_response,
+    decode_get_request,
+    decode_get_response,
+    decode_lease_request,
+    decode_lease_response,
+    decode_put_batch,
+    decode_put_staged,
+    encode_channel_request,
+    encode_channel_response,
+    encode_get_request,
+    encode_get_response,
+    encode_items,
+    encode_keys,
+    encode_lease_request,
+    encode_lease_response,
+    encode_put_batch,
+    encode_put_staged,
+)
+from kvpool import Chunk, PoolClient, SyncPoolClient
+from tests.support.recovery import wait_recovered
+from tests.support.waits import wait_until
+
+F, G = 0x1234_5678_9ABC_DEF0, 0x0FED_CBA9_8765_4321
+KIB = 1024
+
+
+def _item(key: str, fingerprint: int = 0, nbytes: int = 8) -> ItemMeta:
+    return ItemMeta(key, nbytes, 7, "bfloat16", (2, 2), 1, fingerprint)
+
+
+# -- the codec ----------------------------------------------------------------------------
+
+
+def test_a_put_carries_each_items_fingerprint_and_an_older_clients_put_reads_as_none():
+    items = [_item("a", F), _item("b"), _item("c", G)]
+    decoded, options = decode_put_batch(encode_put_batch(items, PutOptions(9, 50)), 24)
+    assert decoded == items and options == PutOptions(9, 50)
+    plain = [_item("a"), _item("b")]
+    assert len(encode_put_batch(plain, PutOptions(9, 50))) == len(encode_items(plain)) + 12  # no fingerprints sent
+    assert decode_put_batch(encode_put_batch(plain, PutOptions(9, 50)), 16)[0] == plain
+    assert decode_put_batch(encode_items(plain), 16) == (plain, PutOptions())  # an older client: no options
+    staged = decode_put_staged(encode_put_staged("s", "t" * 32, items, [0, 8, 16], options=PutOptions(3, 10)))
+    assert staged[2] == items and staged[3] == [0, 8, 16]
+    with pytest.raises(ProtocolError, match="trailing"):
+        decode_put_batch(encode_put_batch(items, PutOptions(9, 50)) + b"\0" * 8, 24)
+    with pytest.raises(ProtocolError, match="not a stored one"):
+        encode_put_batch([_item("a", ANY_FINGERPRINT)], PutOptions())
+
+
+def test_a_get_carries_the_readers_fingerprint_and_is_answered_in_the_form_it_asked():
+    keys = ["a", "b", "c"]
+    assert decode_get_request(encode_get_request(keys, F)) == (keys, F)
+    assert decode_get_request(encode_keys(keys)) == (keys, None)  # an older client's GET
+    found = [_item("a", F), OtherLayout("b"), None]
+    assert decode_get_response(encode_get_response(found), keys, 8) == found
+    # The older form: no fingerprints, and a chunk of another layout is plain not found.
+    older = decode_get_response(encode_get_response(found, fingerprints=False), keys, 8, fingerprints=False)
+    assert older == [_item("a"), None, None]
+
+
+def test_a_lease_for_a_read_carries_the_fingerprint_and_a_lock_none():
+    keys = ["a", "b"]
+    assert decode_lease_request(encode_lease_request(keys, 100, 1, fingerprint=F)) == (100, 1, keys, F)
+    assert decode_lease_request(encode_lease_request(keys, 100, 0)) == (100, 0, keys, None)
+    answer = encode_lease_response(5, [(_item("a", F), 64), OtherLayout("b")], fingerprints=True)
+    assert decode_lease_response(answer, keys, fingerprints=True) == (5, [(_item("a", F), 64), OtherLayout("b")])
+
+
+def test_a_channel_get_carries_the_fingerprint_and_reads_an_older_nodes_rows_as_none():
+    request = decode_channel_request(encode_channel_request("pair", ["a"], fingerprint=F))
+    assert request.fingerprint == F
+    assert decode_channel_request(b'{"session":"pair","keys":["a"]}').fingerprint is None
+    assert decode_channel_response(encode_channel_response([_item("a", F), None]), ["a", "b"]) == [_item("a", F), None]
+    older = encode_channel_response([_item("a", F)], fingerprints=False)
+    assert decode_channel_response(older, ["a"]) == [_item("a")]
+
+
+# -- the canonical form ---------------------------------------------------------------------
+
+LAYOUT = KVLayout(
+    model="org/model",
+    world_size=2,
+    worker_id=1,
+    kv_dtype="bfloat16",
+    kv_shape=(4, 2, 256, 8, 64),
+    chunk_size=256,
+    mla=False,
+    layerwise=False,
+    groups=(("bfloat16", (2, 4, 256, 512)),),
+)
+
+
+def test_the_canonical_form_is_the_documented_text_and_its_fingerprint_never_changes():
+    assert LAYOUT.canonical() == (
+        f"{CANONICAL_VERSION}\nmodel=org/model\nworld_size=2\nworker_id=1\nkv_dtype=bfloat16\n"
+        "kv_shape=4,2,256,8,64\nchunk_size=256\nmla=0\nlayerwise=0\ngroups=bfloat16:2,4,256,512\n"
+    )
+    # Pinned: a release that changed it would make every stored chunk a miss for its engines.
+    assert LAYOUT.fingerprint == fingerprint_of(LAYOUT.canonical()) == 0x574C812B95EBADFB
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "org/other"},
+        {"world_size": 4},
+        {"worker_id": 0},
+        {"kv_dtype": "float16"},
+        {"kv_shape": (4, 2, 256, 4, 128)},
+        {"chunk_size": 128},
+        {"mla": True},
+        {"layerwise": True},
+        {"groups": (("bfloat16", (2, 4, 256, 512)), ("bfloat16", (1, 4, 256, 512)))},
+    ],
+    ids=lambda change: next(iter(change)),
+)
+def test_every_fact_of_the_layout_changes_the_fingerprint(change):
+    import dataclasses
+
+    assert dataclasses.replace(LAYOUT, **change).fingerprint != LAYOUT.fingerprint
+
+
+# -- a node's answers ------------------------------------------------------------------------
+
+
+def _data(seed: int, size: int = 4 * KIB) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+async def _read(client: PoolClient, keys: list[str], fingerprint: int) -> list[bytes | None]:
+    got = await client.get(keys, fingerprint=fingerprint)
+    return [None if g is None else bytes(g.data) for g in got]
+
+
+async def test_a_get_returns_bytes_only_to_a_reader_of_the_fingerprint_they_were_stored_with(node_factory, pool_url):
+    node_factory()
+    async with PoolClient(PoolConfig.from_url(pool_url)) as client:
+        await client.put([Chunk("with-f", _data(1), fingerprint=F), Chunk("without", _data(2))])
+        keys = ["with-f", "without"]
+        assert await _read(client, keys, F) == [_data(1), None]
+        assert await _read(client, keys, G) == [None, None]
+        assert await _read(client, keys, 0) == [None, _data(2)]  # no fingerprint on either side: as before
+        assert client.counters[ClientCounter.LAYOUT_MISSES] == 4
+        assert client.counters[ClientCounter.STALE_ENTRIES] == 0
+        assert await client.contains(keys) == [True, True]  # the index keeps both for their own readers
+        (node,) = await client.nodes(refresh=True)
+        stats = await client.node_stats(node)
+        assert stats["counters"][str(NodeCounter.LAYOUT_MISSES)] == 4
+        # An admin copy (``kvpool drain``) reads any layout and learns which, to store it with the same.
+        copies = await client.fetch_from(node, [("with-f", 4 * KIB), ("without", 4 * KIB)])
+        assert [(c.meta.fingerprint, bytes(c.data)) for c in copies if c] == [(F, _data(1)), (0, _data(2))]
+
+
+async def test_an_older_clients_get_without_a_fingerprint_is_answered_in_the_older_form(
+    node_factory, pool_url, monkeypatch
+):
+    node_factory()
+    async with PoolClient(PoolConfig.from_url(pool_url)) as client:
+        await client.put([Chunk("with-f", _data(1), fingerprint=F), Chunk("without", _data(2))])
+        (node,) = await client.nodes(refresh=True)
+        keys = ["with-f", "without"]
+        # A GET as an older build sends it (keys only), its answer read with that build's decoder.
+        older = functools.partial(connection.decode_get_response, fingerprints=False)
+        monkeypatch.setattr(connection, "decode_get_response", older)
+        answer = await client.connections.to(node).request(
+            Op.GET_BATCH, encode_keys(keys), keys=keys, sink=BytesSink(), expect_bytes=8 * KIB
+        )
+        assert [type(a).__name__ for a in answer] == ["Miss", "Hit"]
+        assert bytes(answer[1].handle.data) == _data(2)
+
+
+async def test_a_put_of_the_same_bytes_with_another_fingerprint_replaces_the_chunks_fingerprint(node_factory, pool_url):
+    """Two engines whose chunk has the same bytes under one key (a partial chunk of one is the full chunk of
+    the other): the second put is stored, not taken as the same chunk, and the last writer's readers hit."""
+    node_factory()
+    async with PoolClient(PoolConfig.from_url(pool_url)) as client:
+        await client.put([Chunk("same", _data(3), fingerprint=F)])
+        await client.put([Chunk("same", _data(3), fingerprint=G)])
+        assert await _read(client, ["same"], G) == [_data(3)]
+        assert await _read(client, ["same"], F) == [None]
+
+
+def test_the_fingerprint_survives_a_node_restart_from_its_nvme_tier(node_factory, pool_url, tmp_path: Path):
+    nvme = tmp_path / "nvme"
+    args = ("--node-id", "disk", "--nvme-dir", str(nvme), "--nvme", "64MiB")
+    node = node_factory(*args, dram="1MiB")
+    chunks = [Chunk(f"disk@{i}", _data(i, 128 * KIB), fingerprint=F) for i in range(16)]  # 2 MiB into 1 MiB
+    keys = [c.key for c in chunks]
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        for chunk in chunks:
+            client.put([chunk])
+        assert wait_until(lambda: len(list((nvme / CHUNKS_DIR).rglob("*.safetensors"))) >= 8, 10.0)
+    on_disk = {read_header(path).meta for path in (nvme / CHUNKS_DIR).rglob("*.safetensors")}
+    assert on_disk and {meta.fingerprint for meta in on_disk} == {F}
+    node.kill()
+    node_factory(*args, dram="1MiB")
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        assert wait_recovered(client)
+        recovered = [meta.key for meta in on_disk]
+        assert wait_until(lambda: client.hit_prefix(recovered) == len(recovered), 10.0)
+        assert client.get(recovered, fingerprint=G) == [None] * len(recovered)
+        assert client.counters[str(ClientCounter.LAYOUT_MISSES)] == len(recovered)
+        by_key = {c.key: bytes(c.data) for c in chunks}
+        got = client.get(recovered, fingerprint=F)
+        assert [bytes(g.data) for g in got] == [by_key[k] for k in recovered]
+        assert set(recovered) <= set(keys)
+
+
+def test_drain_moves_a_chunk_with_its_fingerprint(node_factory, pool_url):
+    from backend.admin.draining import drain
+
+    node_factory("--node-id", "from")
+    node_factory("--node-id", "to")
+
+    async def run() -> list[bytes | None]:
+        async with PoolClient(PoolConfig.from_url(pool_url)) as client:
+            await client.put([Chunk("moved", _data(5), fingerprint=F)], only=["from"])
+            report = await drain(client, "from", to="to")
+            assert report.moved == 1
+            return await _read(client, ["moved"], F) + await _read(client, ["moved"], 0)
+
+    assert asyncio.run(run()) == [_data(5), None]
