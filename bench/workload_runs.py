@@ -39,30 +39,19 @@ UNBOUNDED = "none: it has no eviction"
 BLOCKING_TIMEOUT_S = 10
 
 
-def kvpool_evictions() -> tuple[str, ...]:
-    """The eviction policies ``kvpool up --eviction`` offers, or () where the node has one (LRU) and no flag."""
-    from backend.cli.main import build_parser
-
-    verbs = next(a for a in build_parser()._actions if a.dest == "verb")
-    for action in verbs.choices["up"]._actions:  # type: ignore[union-attr]
-        if "--eviction" in action.option_strings:
-            return tuple(action.choices or ())
-    return ()
-
-
 def eviction_policies(backend: str) -> list[str | None]:
-    """kvpool's policies to run (lru first); None for the other backends, whose eviction is their own."""
+    """kvpool's policies to run (``kvpool up --eviction``'s, lru first); None for the other backends, whose
+    eviction is their own."""
+    from backend.config.node import EVICTIONS
+
     if backend != "kvpool":
         return [None]
-    offered = kvpool_evictions()
-    if not offered:
-        return ["lru"]  # the node's only policy, no flag to pass
-    return sorted(offered, key=lambda name: name != "lru")
+    return sorted(EVICTIONS, key=lambda name: name != "lru")
 
 
 # The reduced traces: a replay in the tests' time on two cores.
 REDUCED: dict[str, dict[str, object]] = {
-    "multi-round": {"users": 6, "system_chunks": 4, "rounds": 4, "round_chunks": 2},
+    "multi-round": {"users": 16, "system_chunks": 2, "rounds": 6, "round_chunks": 1},
     "long-doc-qa": {"documents": 4, "document_chunks": 8, "questions": 2},
     "agent": {"agents": 4, "tool_chunks": 4, "context_chunks": 8, "steps": 4},
     "mooncake": {"requests": 40},
@@ -178,11 +167,11 @@ class WorkloadPeer:
 def make_workload_peer(run: RunSpec) -> WorkloadPeer:
     capacity = run.capacity_bytes
     if run.backend == "kvpool":
-        flags = ("--eviction", run.eviction) if run.eviction and kvpool_evictions() else ()
-        # the prefix orders with the lookups' touches, as they are meant to run; lru as a pool runs today
-        options = ("touch=on",) if run.eviction in ("prefix", "prefix-freq") else ()
-        bound = f"--dram {capacity / MIB:.1f}MiB" + (", touch=on" if options else "")
-        return WorkloadPeer(KVPoolPeer(str(capacity), up_args=flags, url_options=options), bound, capacity)
+        flags = ("--eviction", run.eviction) if run.eviction else ()
+        # The engines' URLs say nothing of touches: by default (touch=auto) a client tells the lookups' found
+        # prefixes to the nodes whose order uses them (the prefix orders), none to an lru node.
+        bound = f"--dram {capacity / MIB:.1f}MiB"
+        return WorkloadPeer(KVPoolPeer(str(capacity), up_args=flags), bound, capacity)
     if run.backend in ("redis", "resp"):
         return WorkloadPeer(RedisPeer(run.backend, SharedRedis()), "maxmemory, allkeys-lru", capacity)
     if run.backend == "lm":

@@ -16,14 +16,14 @@ node leases them); a chunk that finds no room ends the request's store. Policies
 * ``s3-fifo``: a small FIFO (10 %) for new chunks, a main FIFO with second chances, a ghost
   list of keys evicted from the small one (a chunk read again while small, or seen in the
   ghost list, goes to main);
-* ``prefix``: the node's rule (``eviction=prefix``): a request's chunks touched tail first, and
-  when a chunk leaves, the chunks after it in its chain (now unreachable: a lookup stops
-  before them) leave before anything still reachable;
-* ``prefix-freq``: which chains stay: the fewest reads leave first (counts halved every four
-  pools' worth of requested chunks), unreachable chunks before all, tail first inside a chain, and a
-  newcomer does not evict a chunk read as often as it, its past refusals counted as reads
-  (:class:`PrefixFrequency`). Simulated
-  only: the node's ``eviction=prefix`` is the ``prefix`` rule;
+* ``prefix-recency``: the node's ``eviction=prefix-recency``: a request's chunks touched tail
+  first, and when a chunk leaves, the chunks after it in its chain (now unreachable: a lookup
+  stops before them) leave before anything still reachable (:class:`PrefixRecency`);
+* ``prefix``: the node's ``eviction=prefix``: which chains stay: the fewest reads leave first
+  (counts halved every four pools' worth of requested chunks), unreachable chunks before all,
+  tail first inside a chain, and a newcomer does not evict a chunk read as often as it, its past
+  refusals counted as reads (:class:`Prefix`; named ``prefix-freq`` until it became the node's
+  ``prefix``);
 * ``belady``: the chunk whose next request is furthest away (or never) leaves. A reference,
   not a bound: for prefix chains keeping the furthest-used chunk is not optimal (a chunk is
   worth nothing without its prefix), so a policy may beat it;
@@ -126,10 +126,10 @@ class TailFirst(LRU):
     tail_first = True
 
 
-class Prefix(TailFirst):
+class PrefixRecency(TailFirst):
     """Tail first, and the chunks a departed chunk leaves unreachable go before anything reachable."""
 
-    name = "prefix"
+    name = "prefix-recency"
 
     def __init__(self, capacity: int, trace: Trace) -> None:
         super().__init__(capacity, trace)
@@ -163,21 +163,21 @@ class Prefix(TailFirst):
         return True
 
 
-class PrefixFrequency(Policy):
-    """Which chains stay: the most read, held against newcomers until they cool (``prefix-freq``).
+class Prefix(Policy):
+    """Which chains stay: the most read, held against newcomers until they cool (``prefix``).
 
     Every chunk counts the lookups that found it; a stored chunk starts at one read, and every
     ``AGE_EVERY_CAPACITY`` pools' worth of requested chunks all counts are halved (aging), so a
     chain nobody reads cools to zero and newcomers get in again. The victim is an unreachable chunk first (as
-    ``prefix``), then the fewest reads, the least recent among equals with a request's chunks
+    ``prefix-recency``), then the fewest reads, the least recent among equals with a request's chunks
     touched tail first (inside a chain the tail leaves first). A newcomer does not evict a chunk
     read as often as it: the store is refused, so a loop over more chains than fit keeps the ones
-    it holds instead of thrashing them all (the finding ``prefix`` alone did not beat LRU on).
+    it holds instead of thrashing them all (the finding ``prefix-recency`` alone did not beat LRU on).
     A refused chunk is remembered (a ghost count, aged with the reads): offered again, it counts
     its refusals as reads, so a new working set that keeps coming back gets in as the old cools.
     """
 
-    name = "prefix-freq"
+    name = "prefix"
     NEW_READS = 1
     # halve every count after this many pools' worth of requested chunks: 2 adapts faster to a
     # new working set but lost long-doc-qa at 0.5 (13.6 %); 8 never adapted to one (seen, --all)
@@ -430,7 +430,7 @@ class Belady(Policy):
             heapq.heappush(self._heap, (-self.next_use(key), key))
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, TailFirst, LFU, S3FIFO, Prefix, PrefixFrequency, Belady)}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, TailFirst, LFU, S3FIFO, PrefixRecency, Prefix, Belady)}
 
 
 class Admission:
@@ -484,9 +484,9 @@ def _admission(name: str, trace: Trace) -> Admission:
 DEFAULT_RUNS: tuple[tuple[str, str], ...] = (
     *((name, "all") for name in POLICIES),
     ("lru", "oracle"),
+    ("prefix-recency", "oracle"),
+    ("prefix-recency", "second"),
     ("prefix", "oracle"),
-    ("prefix", "second"),
-    ("prefix-freq", "oracle"),
     ("belady", "oracle"),
 )
 

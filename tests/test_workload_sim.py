@@ -1,8 +1,8 @@
 """The eviction simulator (bench/workload_sim.py) and its traces (bench/workload_traces.py).
 
 Fast tier: no process. The hit rates asserted are the ones the reduced multi-round trace
-gave (16 users, 6 rounds, 392 chunks: at 0.5, lru 55.7 %, prefix 56.1 %, lfu 67.6 %,
-s3-fifo 63.1 %, prefix-freq 69.5 %, belady 67.9 %), with a margin.
+gave (16 users, 6 rounds, 392 chunks: at 0.5, lru 55.7 %, prefix-recency 56.1 %, lfu 67.6 %,
+s3-fifo 63.1 %, prefix 69.5 %, belady 67.9 %), with a margin.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from bench.workload_sim import (
     POLICIES,
     Costs,
     Prefix,
-    PrefixFrequency,
+    PrefixRecency,
     main,
     simulate,
     unbounded_hit_tokens,
@@ -81,29 +81,29 @@ def test_furthest_next_use_is_no_bound_for_prefix_chains(small_traces: list[Trac
     assert simulate(agent, "s3-fifo", 0.25, COSTS).token_hit_rate > belady + 0.03
 
 
-def test_on_multi_round_at_half_the_working_set_prefix_is_no_worse_than_lru_and_below_the_scan_resistant_policies(
+def test_on_multi_round_at_half_the_working_set_prefix_recency_is_no_worse_than_lru_and_below_the_scan_resistant_policies(
     reduced: Trace,
 ) -> None:
     rate = {policy: simulate(reduced, policy, 0.5, COSTS).token_hit_rate for policy in POLICIES}
-    assert rate["prefix"] >= rate["lru"]
-    assert rate["prefix"] >= rate["tail-first"]
+    assert rate["prefix-recency"] >= rate["lru"]
+    assert rate["prefix-recency"] >= rate["tail-first"]
     # chains are reused whole, so the order inside one does not decide what stays: keeping the
-    # right chains does (seen: lfu +11.5 points, s3-fifo +7.0, belady +11.8 over prefix)
-    assert rate["lfu"] >= rate["prefix"] + 0.08
-    assert rate["s3-fifo"] >= rate["prefix"] + 0.04
+    # right chains does (seen: lfu +11.5 points, s3-fifo +7.0, belady +11.8 over prefix-recency)
+    assert rate["lfu"] >= rate["prefix-recency"] + 0.08
+    assert rate["s3-fifo"] >= rate["prefix-recency"] + 0.04
     assert rate["belady"] >= rate["lfu"]
 
 
 def test_keeping_the_most_read_chains_beats_every_practical_baseline_on_multi_round(reduced: Trace) -> None:
     rate = {policy: simulate(reduced, policy, 0.5, COSTS).token_hit_rate for policy in POLICIES}
-    # seen: prefix-freq 69.5 %, lru 55.7 %, lfu 67.6 %, s3-fifo 63.1 %, prefix 56.1 %
-    assert rate["prefix-freq"] >= rate["lru"] + 0.10
-    assert rate["prefix-freq"] >= rate["prefix"] + 0.10
-    assert rate["prefix-freq"] > max(rate["lfu"], rate["s3-fifo"])
+    # seen: prefix 69.5 %, lru 55.7 %, lfu 67.6 %, s3-fifo 63.1 %, prefix-recency 56.1 %
+    assert rate["prefix"] >= rate["lru"] + 0.10
+    assert rate["prefix"] >= rate["prefix-recency"] + 0.10
+    assert rate["prefix"] > max(rate["lfu"], rate["s3-fifo"])
 
 
 def test_a_newcomer_does_not_evict_a_chunk_read_as_often_as_it() -> None:
-    pool = PrefixFrequency(2, make_trace("agent", agents=1, steps=1))
+    pool = Prefix(2, make_trace("agent", agents=1, steps=1))
     a0, a1, b0 = range(3)
     assert pool.store(a0, None, set()) and pool.store(a1, a0, {a0})
     assert not pool.store(b0, None, set())  # a full pool keeps the chain it holds
@@ -111,7 +111,7 @@ def test_a_newcomer_does_not_evict_a_chunk_read_as_often_as_it() -> None:
 
 
 def test_a_refused_chunk_offered_again_counts_its_refusals_as_reads() -> None:
-    pool = PrefixFrequency(2, make_trace("agent", agents=1, steps=1))
+    pool = Prefix(2, make_trace("agent", agents=1, steps=1))
     a0, a1, b0 = range(3)
     assert pool.store(a0, None, set()) and pool.store(a1, a0, {a0})
     pool.served([], [a0, a1])
@@ -121,11 +121,11 @@ def test_a_refused_chunk_offered_again_counts_its_refusals_as_reads() -> None:
 
 
 def test_the_least_read_chunk_leaves_first_and_inside_a_chain_the_tail() -> None:
-    pool = PrefixFrequency(3, make_trace("agent", agents=1, steps=1))
+    pool = Prefix(3, make_trace("agent", agents=1, steps=1))
     a0, a1, c0, d0, e0 = range(5)
     assert pool.store(a0, None, set()) and pool.store(a1, a0, {a0}) and pool.store(c0, None, set())
     pool.served([a0, a1], [])  # a chain read: 2 reads each, c0 1
-    cool = [0] * (PrefixFrequency.AGE_EVERY_CAPACITY * 3)  # a pool's worth of traffic x the aging period
+    cool = [0] * (Prefix.AGE_EVERY_CAPACITY * 3)  # a pool's worth of traffic x the aging period
     pool.begin(0, cool)  # halved: a0 and a1 1, c0 0
     assert pool.store(d0, None, set())
     assert c0 not in pool and a0 in pool and a1 in pool
@@ -138,21 +138,21 @@ def test_held_chains_cool_and_a_new_working_set_gets_in() -> None:
     first = make_trace("multi-round", users=16, rounds=6, seed=1)
     second = make_trace("multi-round", users=16, rounds=6, seed=2)
     both = Trace("two phases", {}, first.requests + second.requests)
-    hits = simulate(both, "prefix-freq", 0.25, COSTS).request_hit_tokens[len(first.requests) :]
+    hits = simulate(both, "prefix", 0.25, COSTS).request_hit_tokens[len(first.requests) :]
     # seen: 46.7 % of the second phase's tokens (lru 53.8 %; 25.0 % without the refusals counted)
     assert sum(hits) >= 0.35 * sum(request.tokens for request in second.requests)
 
 
 def test_oracle_admission_stores_less_and_hits_no_less(small_traces: list[Trace]) -> None:
     for trace in small_traces:
-        plain = simulate(trace, "prefix", 0.5, COSTS)
-        admitted = simulate(trace, "prefix", 0.5, COSTS, "oracle")
+        plain = simulate(trace, "prefix-recency", 0.5, COSTS)
+        admitted = simulate(trace, "prefix-recency", 0.5, COSTS, "oracle")
         assert admitted.stored_bytes <= plain.stored_bytes, trace.name
         assert admitted.token_hit_rate >= plain.token_hit_rate, trace.name
 
 
-def test_the_prefix_rule_evicts_a_departed_chunks_successors_before_anything_reachable() -> None:
-    pool = Prefix(4, make_trace("agent", agents=1, steps=1))
+def test_the_prefix_recency_rule_evicts_a_departed_chunks_successors_before_anything_reachable() -> None:
+    pool = PrefixRecency(4, make_trace("agent", agents=1, steps=1))
     a0, a1, a2, b0, c0, c1 = range(6)
     for key, parent in ((a0, None), (a1, a0), (a2, a1), (b0, None)):
         assert pool.store(key, parent, set())
