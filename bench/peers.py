@@ -161,10 +161,12 @@ class KVPoolPeer(Peer):
         return self.full.evictions()
 
     def stop(self) -> None:
-        if self.full is not None:
-            self.full.close()
-            self.full = None
-        self.server.stop(signal.SIGINT)  # Ctrl-C, as a user stops it
+        try:
+            if self.full is not None:
+                self.full.close()
+                self.full = None
+        finally:
+            self.server.stop(signal.SIGINT)  # Ctrl-C, as a user stops it
 
 
 class SharedRedis:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -108,3 +109,76 @@ def test_capacity_is_a_fraction_of_the_working_set_in_whole_chunks() -> None:
     chunk = 2 * 2 * 256 * 2 * 64 * 2
     assert run.capacity_bytes == 5 * chunk
     assert run.label == "kvpool lru"
+
+
+def _descendants(pid: int) -> set[int]:
+    """The live processes under ``pid`` (children, theirs, ...), from /proc."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if fields[0] != "Z":
+            parents[int(stat.parent.name)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.usefixtures("processes")
+def test_ctrl_c_stops_the_replay_promptly_with_the_node_and_engines_it_started(tmp_path: Path) -> None:
+    """SIGINT to the bench alone (not its children, as a terminal's Ctrl-C would also reach them) once its node
+    runs and its engines start: it exits 130 within seconds, saying so, and no process it started is left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.support.waits import wait_until
+
+    argv = ["--trace", "multi-round", "--engines", "2", "--capacity", "0.5", "--backends", "kvpool", "--reduced"]
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "bench.workload", *argv, "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    started: set[int] = set()
+
+    def engines() -> list[int]:
+        return [pid for pid in _descendants(bench.pid) if "bench.workload_engine" in _cmdline(pid)]
+
+    try:
+        assert wait_until(lambda: engines(), timeout_s=60), "no engine started"
+        started = _descendants(bench.pid)
+        assert any("backend.cli up" in _cmdline(p) for p in started)  # the node (and its Redis) run too
+        interrupted_at = time.monotonic()
+        bench.send_signal(signal.SIGINT)
+        out, _ = bench.communicate(timeout=30)
+        took_s = time.monotonic() - interrupted_at
+        assert bench.returncode == 130, out
+        assert "[workload] interrupted (Ctrl-C) after 0 run(s)" in out and "Traceback" not in out, out
+        assert took_s < 15, took_s  # the engines get 3 s, the node 10 s at most; seen: about 4 s
+        assert not [p for p in started if Path(f"/proc/{p}").exists() and _cmdline(p)], "processes left running"
+        assert not list(tmp_path.glob("workload-*.json"))
+    finally:
+        for pid in _descendants(bench.pid) | started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
