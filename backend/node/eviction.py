@@ -30,7 +30,7 @@ mapped by ``backend.config.node``):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from itertools import pairwise
 from typing import Protocol
 
@@ -70,8 +70,9 @@ class EvictionOrder(Protocol):
     def coldest(self) -> Iterator[int]:
         """Slots from the first to leave on; valid until the order next changes."""
 
-    def admits(self, key: str) -> bool:
-        """Whether a chunk ``key`` not held may evict the coldest chunk to come in (False: the order refuses it)."""
+    def admits(self, key: Hashable) -> bool:
+        """Whether a chunk ``key`` not held may evict the coldest chunk to come in (False: the order refuses it).
+        The key is only hashed (the node passes its key string, the simulator its int)."""
 
 
 class _Recency:
@@ -162,7 +163,7 @@ class LruOrder:
     def coldest(self) -> Iterator[int]:
         return self._list.walk(0)
 
-    def admits(self, key: str) -> bool:
+    def admits(self, key: Hashable) -> bool:
         return True
 
 
@@ -247,7 +248,7 @@ class PrefixRecencyOrder:
         yield from self._lists.walk(_CUT_OFF)
         yield from self._lists.walk(_REACHABLE)
 
-    def admits(self, key: str) -> bool:
+    def admits(self, key: Hashable) -> bool:
         return True
 
     def _link(self, slots: Sequence[int]) -> None:
@@ -295,9 +296,9 @@ class PrefixRecencyOrder:
 
 
 MAX_READS = 15  # a chunk's read count stops here: one recency list per count, and 4 agings take any to 0
-NEW_READS = 1  # a chunk put starts as read once (as in the simulator's ``prefix``)
+NEW_READS = 1  # a chunk put starts as read once
 # Halve every count after this many times the tier's chunks were named by batches (reads and puts):
-# the simulator's AGE_EVERY_CAPACITY, tuned there (2 lost long-doc-qa at 0.5; 8 never adapted).
+# tuned in the simulator, on its own copy of the rule then (2 lost long-doc-qa at 0.5; 8 never adapted).
 AGE_EVERY_HELD = 4
 _CUT_OFF_LIST = 0  # PrefixOrder's first list: cut-off chunks, whatever their counts
 _FRESH = 0xFF  # in ``reads``: the slot has no count yet (it starts at NEW_READS when next seen)
@@ -313,7 +314,7 @@ class PrefixOrder(PrefixRecencyOrder):
     (a batch touches tail first, so inside a chain the tail leaves first); and a newcomer is refused
     (:meth:`admits`) when the chunk it would evict was read at least as often as it counts.
 
-    The simulator's ``prefix`` (``bench/workload_sim.py`` ``Prefix``), ported to columns.
+    The simulator runs this class itself (``bench/workload_sim.py`` ``NodeOrder``), as it runs the others.
     A read is a batch that read or looked a chunk up (``touch_chain(read=True)``); a put starts a chunk at
     NEW_READS. A refused key's refusals are counted in a fixed-size sketch and count as its reads when it
     is offered again, so a new working set that keeps coming back gets in as the old one cools.
@@ -389,7 +390,7 @@ class PrefixOrder(PrefixRecencyOrder):
         for which in range(2 + MAX_READS):
             yield from self._lists.walk(which)
 
-    def admits(self, key: str) -> bool:
+    def admits(self, key: Hashable) -> bool:
         """Whether ``key`` may evict the coldest chunk: yes when that one is cut off or read fewer times than
         NEW_READS and the key's refusals; else the refusal is counted (in the sketch and ``refused``)."""
         coldest = next(self.coldest(), _END)
@@ -403,12 +404,12 @@ class PrefixOrder(PrefixRecencyOrder):
         self._named_by_batches(1)  # asked for and not held: it counts toward aging as a miss put would
         return False
 
-    def refusals(self, key: str) -> int:
+    def refusals(self, key: Hashable) -> int:
         """How often ``key`` was refused (aged as the reads are; never under, may be over: a sketch)."""
         return min(self._sketch[index] for index in self._cells(key))
 
     @staticmethod
-    def _cells(key: str) -> Iterator[int]:
+    def _cells(key: Hashable) -> Iterator[int]:
         digest = hash(key)
         for row in range(SKETCH_ROWS):
             yield row * SKETCH_WIDTH + ((digest >> (row * _SKETCH_BITS)) & (SKETCH_WIDTH - 1))
