@@ -106,8 +106,8 @@ class KVPoolPeer(Peer):
     ``shm=False`` measures the TCP path, as a client on another host sees it (the
     node is the same default node, DRAM in its arena; the client says ``shm=off``);
     ``shm=True`` measures the same-host fast path; ``up_args`` are more flags of
-    ``kvpool up`` and ``url_options`` more ``key=value`` options of the client's URL (the
-    workload replay's ``--eviction`` and ``touch=on``). Its DRAM is
+    ``kvpool up`` (the workload replay's ``--eviction``) and ``url_options`` more
+    ``key=value`` options of the client's URL. Its DRAM is
     filled before each chunk size (``fill``), so measured puts evict as in service.
     """
 
@@ -161,10 +161,12 @@ class KVPoolPeer(Peer):
         return self.full.evictions()
 
     def stop(self) -> None:
-        if self.full is not None:
-            self.full.close()
-            self.full = None
-        self.server.stop(signal.SIGINT)  # Ctrl-C, as a user stops it
+        try:
+            if self.full is not None:
+                self.full.close()
+                self.full = None
+        finally:
+            self.server.stop(signal.SIGINT)  # Ctrl-C, as a user stops it
 
 
 class SharedRedis:

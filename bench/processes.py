@@ -3,21 +3,24 @@
 :class:`ServerProcess` is what the harness's peers (``bench.peers``) and the pool
 nodes of the tests and the bench (``bench.nodes``) are run with. A process is
 stopped by its own pid, never by name: SIGTERM, then SIGKILL if it lingers.
+:func:`interrupts_held` keeps a Ctrl-C from cutting that cleanup short.
 Nothing here imports LMCache or redis-py, so the tests' fixtures stay light.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 
-__all__ = ["ServerProcess", "START_TIMEOUT_S", "STOP_TIMEOUT_S"]
+__all__ = ["Interrupts", "ServerProcess", "START_TIMEOUT_S", "STOP_TIMEOUT_S", "interrupts_held"]
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 60.0
@@ -121,6 +124,38 @@ class ServerProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(STOP_TIMEOUT_S)
+
+
+class Interrupts:
+    """The Ctrl-Cs (SIGINT) received while :func:`interrupts_held` held them; true once there was one."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def received(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[Interrupts]:
+    """Hold Ctrl-C (SIGINT) while the block stops child processes, so a second one cannot cut it short and leave
+    them running; the block may look at what it holds to hurry. Once it ends, a held Ctrl-C is raised as
+    KeyboardInterrupt (where SIGINT was handled so). Outside the main thread, where no handler can be set, the
+    block runs as is."""
+    interrupts = Interrupts()
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupts
+        return
+    previous = signal.signal(signal.SIGINT, interrupts.received)
+    try:
+        yield interrupts
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupts and callable(previous):
+        previous(signal.SIGINT, None)
 
 
 def _listening(port: int) -> bool:

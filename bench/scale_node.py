@@ -176,7 +176,7 @@ async def _round(client: PoolClient, node: _Held, times: dict[str, list[float]])
     started = time.perf_counter()
     try:
         await client.put(node.fresh(), only=[node.info.node_id])
-    except CapacityError as exc:  # ``prefix-freq`` refuses newcomers that would evict a chunk read as often
+    except CapacityError as exc:  # ``prefix`` refuses newcomers that would evict a chunk read as often
         assert set(exc.outcomes.values()) <= {PutOutcome.STORED, PutOutcome.NO_ROOM}, exc
     times["put_evicting"].append((time.perf_counter() - started) * 1000)
     keys = node.sample()

@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from bench.workload_sim import PREFILL_MFU, modeled_prefill_tokens_per_s
 from bench.workload_traces import PRESETS, Request, Trace
 
 RESULTS = Path(__file__).resolve().parent / "results"
+INTERRUPTED_EXIT = 130  # the shell's code for a command ended by SIGINT
 BACKENDS = ("kvpool", "redis", "resp", "lm", "fs", "mooncake")
 
 
@@ -257,23 +258,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+@dataclass
+class Replays:
+    """What a command's runs gave so far, kept as each ends: an interrupted command still has them."""
+
+    results: list[RunResult] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    traces: dict[str, Trace] = field(default_factory=dict)
+
+
+def replay_all(args: argparse.Namespace, prefill: float, done: Replays) -> None:
+    """Every run the arguments name, in order, each kept in ``done`` as it ends."""
     preset = PRESETS[args.preset]
-    prefill = args.prefill_tokens_per_s or modeled_prefill_tokens_per_s(PRESETS[PREFILL_MODEL])
-    command = "python -m bench.workload" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    stamp = dt.datetime.now().strftime("%Y-%m-%dT%H%M%S")
-    print(
-        f"[workload] preset {preset.describe()}; prefill modeled at {prefill:.0f} tokens/s "
-        + ("(given)" if args.prefill_tokens_per_s else f"({PREFILL_MODEL} at {PREFILL_MFU:g} of an H100's BF16 peak)")
-        + ", not measured",
-        flush=True,
-    )
-    results: list[RunResult] = []
-    skipped: list[str] = []
-    traces: dict[str, Trace] = {}
+    results, skipped = done.results, done.skipped
     for name in args.trace:
-        trace = traces[name] = make_trace(name, args.engines, args.seed, args.reduced)
+        trace = done.traces[name] = make_trace(name, args.engines, args.seed, args.reduced)
         print(f"[workload] {trace.describe()}", flush=True)
         tokens = [r.chunk_tokens for r in trace.requests]
         for backend in args.backends:
@@ -297,6 +296,33 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[workload] {run.label} on {name} at {capacity:g}: replaying", flush=True)
                     results.append(replay(run, trace.requests))
                     print(table(results[-1:]).splitlines()[-1], flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    preset = PRESETS[args.preset]
+    prefill = args.prefill_tokens_per_s or modeled_prefill_tokens_per_s(PRESETS[PREFILL_MODEL])
+    command = "python -m bench.workload" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    stamp = dt.datetime.now().strftime("%Y-%m-%dT%H%M%S")
+    print(
+        f"[workload] preset {preset.describe()}; prefill modeled at {prefill:.0f} tokens/s "
+        + ("(given)" if args.prefill_tokens_per_s else f"({PREFILL_MODEL} at {PREFILL_MFU:g} of an H100's BF16 peak)")
+        + ", not measured",
+        flush=True,
+    )
+    done = Replays()
+    try:
+        replay_all(args, prefill, done)
+    except KeyboardInterrupt:  # each run stopped what it started on the way out (ReplayRun)
+        print()
+        print(table(done.results))
+        print(
+            f"[workload] interrupted (Ctrl-C) after {len(done.results)} run(s): the engines and servers it started are "
+            "stopped; no results written",
+            flush=True,
+        )
+        return INTERRUPTED_EXIT
+    results, skipped, traces = done.results, done.skipped, done.traces
     print()
     print(table(results))
     for line in dict.fromkeys(skipped):

@@ -3,7 +3,10 @@
 ``bench.workload`` builds a ``RunSpec`` per backend x trace x capacity (x kvpool's
 eviction policy), a ``WorkloadPeer`` (a ``bench.peers`` peer and how it was bounded)
 and runs the trace through a ``ReplayRun``: ``--engines`` processes of
-``bench.workload_engine``, each fed its requests in trace order on stdin.
+``bench.workload_engine``, each fed its requests in trace order on stdin. A ``ReplayRun``
+stops every process it started when it ends, however it ends: interrupted (Ctrl-C), it
+gives the engines ``ENGINE_INTERRUPTED_STOP_S`` to exit before killing them, and a second
+Ctrl-C does not cut that short (``bench.processes.interrupts_held``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,12 +29,15 @@ import redis
 from bench import workload_traces
 from bench.peers import FSPeer, KVPoolPeer, LMServerPeer, MooncakePeer, Peer, RedisPeer, SharedRedis
 from bench.plan import GIB, MIB, chunk_bytes
+from bench.processes import Interrupts, interrupts_held
 from bench.workload_engine import READY, EngineSpec, Served
 from bench.workload_traces import Request, Trace
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_START_TIMEOUT_S = 180.0
 ENGINE_STOP_TIMEOUT_S = 30.0
+ENGINE_INTERRUPTED_STOP_S = 3.0  # after a Ctrl-C: an engine that has not closed LMCache by then is killed
+STOP_POLL_S = 0.05
 LOCAL_IN_FLIGHT_REQUESTS = 3  # an engine's local buffer holds at least this many of the largest requests
 LOCAL_SLACK_BYTES = 4 * MIB  # LMCache's allocator rounds and aligns: room beyond the chunks
 UNBOUNDED = "none: it has no eviction"
@@ -39,30 +46,19 @@ UNBOUNDED = "none: it has no eviction"
 BLOCKING_TIMEOUT_S = 10
 
 
-def kvpool_evictions() -> tuple[str, ...]:
-    """The eviction policies ``kvpool up --eviction`` offers, or () where the node has one (LRU) and no flag."""
-    from backend.cli.main import build_parser
-
-    verbs = next(a for a in build_parser()._actions if a.dest == "verb")
-    for action in verbs.choices["up"]._actions:  # type: ignore[union-attr]
-        if "--eviction" in action.option_strings:
-            return tuple(action.choices or ())
-    return ()
-
-
 def eviction_policies(backend: str) -> list[str | None]:
-    """kvpool's policies to run (lru first); None for the other backends, whose eviction is their own."""
+    """kvpool's policies to run (``kvpool up --eviction``'s, lru first); None for the other backends, whose
+    eviction is their own."""
+    from backend.config.node import EVICTIONS
+
     if backend != "kvpool":
         return [None]
-    offered = kvpool_evictions()
-    if not offered:
-        return ["lru"]  # the node's only policy, no flag to pass
-    return sorted(offered, key=lambda name: name != "lru")
+    return sorted(EVICTIONS, key=lambda name: name != "lru")
 
 
 # The reduced traces: a replay in the tests' time on two cores.
 REDUCED: dict[str, dict[str, object]] = {
-    "multi-round": {"users": 6, "system_chunks": 4, "rounds": 4, "round_chunks": 2},
+    "multi-round": {"users": 16, "system_chunks": 2, "rounds": 6, "round_chunks": 1},
     "long-doc-qa": {"documents": 4, "document_chunks": 8, "questions": 2},
     "agent": {"agents": 4, "tool_chunks": 4, "context_chunks": 8, "steps": 4},
     "mooncake": {"requests": 40},
@@ -178,11 +174,11 @@ class WorkloadPeer:
 def make_workload_peer(run: RunSpec) -> WorkloadPeer:
     capacity = run.capacity_bytes
     if run.backend == "kvpool":
-        flags = ("--eviction", run.eviction) if run.eviction and kvpool_evictions() else ()
-        # the prefix orders with the lookups' touches, as they are meant to run; lru as a pool runs today
-        options = ("touch=on",) if run.eviction in ("prefix", "prefix-freq") else ()
-        bound = f"--dram {capacity / MIB:.1f}MiB" + (", touch=on" if options else "")
-        return WorkloadPeer(KVPoolPeer(str(capacity), up_args=flags, url_options=options), bound, capacity)
+        flags = ("--eviction", run.eviction) if run.eviction else ()
+        # The engines' URLs say nothing of touches: by default (touch=auto) a client tells the lookups' found
+        # prefixes to the nodes whose order uses them (the prefix orders), none to an lru node.
+        bound = f"--dram {capacity / MIB:.1f}MiB"
+        return WorkloadPeer(KVPoolPeer(str(capacity), up_args=flags), bound, capacity)
     if run.backend in ("redis", "resp"):
         return WorkloadPeer(RedisPeer(run.backend, SharedRedis()), "maxmemory, allkeys-lru", capacity)
     if run.backend == "lm":
@@ -249,19 +245,35 @@ class EngineProcess:
         self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def stop(self) -> None:
-        """Close its stdin (it closes LMCache and exits), else kill it by its pid."""
+    def close_input(self) -> None:
+        """Close its stdin: it closes LMCache and exits."""
         if self.process.stdin is not None and not self.process.stdin.closed:
             try:
                 self.process.stdin.close()
             except BrokenPipeError:
                 pass
-        try:
-            self.process.wait(ENGINE_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
+
+    def kill(self) -> None:
+        """Kill it by its pid if it still runs, and close its log."""
+        if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
         self._log.close()
+
+
+def stop_engines(engines: Sequence[EngineProcess], patience_s: float, interrupts: Interrupts) -> None:
+    """Close every engine's stdin and wait for them together, ``patience_s`` at most (cut to
+    ENGINE_INTERRUPTED_STOP_S once a Ctrl-C is held in ``interrupts``); then kill the rest by their pids."""
+    for engine in engines:
+        engine.close_input()
+    deadline = time.monotonic() + patience_s
+    hurried = False
+    while any(engine.process.poll() is None for engine in engines) and time.monotonic() < deadline:
+        if interrupts and not hurried:
+            deadline, hurried = min(deadline, time.monotonic() + ENGINE_INTERRUPTED_STOP_S), True
+        time.sleep(STOP_POLL_S)
+    for engine in engines:
+        engine.kill()
 
 
 class ReplayRun:
@@ -280,16 +292,17 @@ class ReplayRun:
             config["blocking_timeout_secs"] = BLOCKING_TIMEOUT_S
             layers, heads, head_size = self.run.shape
             spec = EngineSpec(config, layers, heads, head_size)
-            self.engines = [EngineProcess(spec, Path(self._tmp.name), n) for n in range(self.run.engines)]
+            for number in range(self.run.engines):  # one by one: each is stopped by close() once it runs
+                self.engines.append(EngineProcess(spec, Path(self._tmp.name), number))
             for engine in self.engines:
                 engine.wait_ready()
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            self.close(interrupted=isinstance(exc, KeyboardInterrupt))
             raise
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
+        self.close(interrupted=isinstance(exc, KeyboardInterrupt))
 
     def serve(self, requests: Sequence[Request], served: list[tuple[int, Served]]) -> None:
         """Each request to its engine in trace order, one in flight per engine; (engine, answer) into ``served``.
@@ -311,11 +324,16 @@ class ReplayRun:
     def store_state(self) -> tuple[int | None, int | None]:
         return self.peer.store_state()
 
-    def close(self) -> None:
-        for engine in self.engines:
-            engine.stop()
-        self.engines = []
-        try:
-            self.peer.stop()
-        finally:
-            self._tmp.cleanup()
+    def close(self, interrupted: bool = False) -> None:
+        """Stop the engines (promptly when ``interrupted``), then the backend; a Ctrl-C meanwhile is held until
+        both are stopped, and hurries the engines."""
+        with interrupts_held() as interrupts:
+            try:
+                patience_s = ENGINE_INTERRUPTED_STOP_S if interrupted else ENGINE_STOP_TIMEOUT_S
+                stop_engines(self.engines, patience_s, interrupts)
+            finally:
+                self.engines = []
+                try:
+                    self.peer.stop()
+                finally:
+                    self._tmp.cleanup()

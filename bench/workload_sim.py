@@ -8,22 +8,26 @@ A pool of C chunks (a fraction of the trace's working set) replays the trace
 (:mod:`bench.workload_traces`): each request looks its chunks up in prefix order (hits until
 the first miss, as LMCache does), loads the hits and stores the chunks after the first miss
 that the pool does not hold. A request's own chunks are not evicted while it is served (the
-node leases them); a chunk that finds no room ends the request's store. Policies:
+node leases them); a chunk that finds no room ends the request's store. The node's orders
+(``lru``, ``prefix-recency``, ``prefix``, and ``tail-first`` on ``lru``'s lists) are the node's
+own classes (``backend/node/eviction.py``) driven through :class:`NodeOrder`, so a simulated
+row is what the node's rule does with the calls the node would make. Policies:
 
-* ``lru``: a request's chunks touched head first, so the head of a chain is its oldest chunk;
+* ``lru``: the node's ``eviction=lru``: a request's chunks touched head first, so the head of a
+  chain is its oldest chunk;
 * ``tail-first``: LMCache's local-tier rule (suffixes before prefixes): touched tail first;
 * ``lfu``: fewest reads first, the least recent among equals;
 * ``s3-fifo``: a small FIFO (10 %) for new chunks, a main FIFO with second chances, a ghost
   list of keys evicted from the small one (a chunk read again while small, or seen in the
   ghost list, goes to main);
-* ``prefix``: the node's rule (``eviction=prefix``): a request's chunks touched tail first, and
-  when a chunk leaves, the chunks after it in its chain (now unreachable: a lookup stops
-  before them) leave before anything still reachable;
-* ``prefix-freq``: which chains stay: the fewest reads leave first (counts halved every four
-  pools' worth of requested chunks), unreachable chunks before all, tail first inside a chain, and a
-  newcomer does not evict a chunk read as often as it, its past refusals counted as reads
-  (:class:`PrefixFrequency`). Simulated
-  only: the node's ``eviction=prefix`` is the ``prefix`` rule;
+* ``prefix-recency``: the node's ``eviction=prefix-recency``: a request's chunks touched tail
+  first, and when a chunk leaves, the chunks after it in its chain (now unreachable: a lookup
+  stops before them) leave before anything still reachable (:class:`PrefixRecency`);
+* ``prefix``: the node's ``eviction=prefix``: which chains stay: the fewest reads leave first
+  (counts halved each time the chunks held were named four times over by batches), unreachable
+  chunks before all, tail first inside a chain, and a newcomer does not evict a chunk read as
+  often as it, its past refusals counted as reads (:class:`Prefix`; named ``prefix-freq`` until
+  it became the node's ``prefix``);
 * ``belady``: the chunk whose next request is furthest away (or never) leaves. A reference,
   not a bound: for prefix chains keeping the furthest-used chunk is not optimal (a chunk is
   worth nothing without its prefix), so a policy may beat it;
@@ -47,6 +51,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend.node.eviction import EvictionOrder, order_named
 from bench.workload_traces import PRESETS, TRACES, ModelPreset, Trace, make_trace
 
 CAPACITIES = (0.25, 0.5, 1.0)
@@ -78,198 +83,113 @@ class Policy:
     def begin(self, index: int, keys: Sequence[int]) -> None:
         """Request ``index`` arrives (Belady learns the time)."""
 
-    def store(self, key: int, parent: int | None, pinned: set[int]) -> bool:
-        """Hold ``key``, evicting what is not ``pinned`` to make room; False: no room."""
+    def store(self, key: int, pinned: set[int]) -> bool:
+        """Hold ``key``, evicting what is not ``pinned`` to make room; False: no room (or not let in)."""
         raise NotImplementedError
 
     def served(self, read: Sequence[int], new: Sequence[int]) -> None:
         """A request was served: the chunks the node saw read, then those it stored, head first."""
 
 
-class LRU(Policy):
-    name = "lru"
-    tail_first = False
+class NodeOrder(Policy):
+    """A node's eviction order (``backend/node/eviction.py``, the ``eviction`` setting ``order_name``) as the pool.
 
-    def __init__(self, capacity: int, trace: Trace) -> None:
-        super().__init__(capacity, trace)
-        self._order: OrderedDict[int, None] = OrderedDict()
-
-    def __contains__(self, key: int) -> bool:
-        return key in self._order
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def _victim(self, pinned: set[int]) -> int | None:
-        return next((k for k in self._order if k not in pinned), None)
-
-    def _remove(self, key: int) -> None:
-        del self._order[key]
-
-    def store(self, key: int, parent: int | None, pinned: set[int]) -> bool:
-        while len(self._order) >= self.capacity:
-            victim = self._victim(pinned)
-            if victim is None:
-                return False
-            self._remove(victim)
-        self._order[key] = None
-        return True
-
-    def served(self, read: Sequence[int], new: Sequence[int]) -> None:
-        keys = [*read, *new]
-        for key in reversed(keys) if self.tail_first else keys:
-            self._order.move_to_end(key)
-
-
-class TailFirst(LRU):
-    name = "tail-first"
-    tail_first = True
-
-
-class Prefix(TailFirst):
-    """Tail first, and the chunks a departed chunk leaves unreachable go before anything reachable."""
-
-    name = "prefix"
-
-    def __init__(self, capacity: int, trace: Trace) -> None:
-        super().__init__(capacity, trace)
-        self._parent: dict[int, int | None] = {}
-        self._children: defaultdict[int, set[int]] = defaultdict(set)  # cached children, cached parent or not
-        self._orphans: OrderedDict[int, None] = OrderedDict()  # cached, parent not: unreachable
-
-    def _victim(self, pinned: set[int]) -> int | None:
-        for orphan in self._orphans:  # a lookup can never reach these
-            if orphan not in pinned:
-                return orphan
-        return super()._victim(pinned)
-
-    def _remove(self, key: int) -> None:
-        super()._remove(key)
-        self._orphans.pop(key, None)
-        parent = self._parent.pop(key)
-        if parent is not None:
-            self._children[parent].discard(key)
-        for child in self._children.get(key, ()):
-            self._orphans[child] = None
-
-    def store(self, key: int, parent: int | None, pinned: set[int]) -> bool:
-        if not super().store(key, parent, pinned):
-            return False
-        self._parent[key] = parent
-        if parent is not None:
-            self._children[parent].add(key)
-        for child in self._children.get(key, ()):
-            self._orphans.pop(child, None)
-        return True
-
-
-class PrefixFrequency(Policy):
-    """Which chains stay: the most read, held against newcomers until they cool (``prefix-freq``).
-
-    Every chunk counts the lookups that found it; a stored chunk starts at one read, and every
-    ``AGE_EVERY_CAPACITY`` pools' worth of requested chunks all counts are halved (aging), so a
-    chain nobody reads cools to zero and newcomers get in again. The victim is an unreachable chunk first (as
-    ``prefix``), then the fewest reads, the least recent among equals with a request's chunks
-    touched tail first (inside a chain the tail leaves first). A newcomer does not evict a chunk
-    read as often as it: the store is refused, so a loop over more chains than fit keeps the ones
-    it holds instead of thrashing them all (the finding ``prefix`` alone did not beat LRU on).
-    A refused chunk is remembered (a ghost count, aged with the reads): offered again, it counts
-    its refusals as reads, so a new working set that keeps coming back gets in as the old cools.
+    The rule is the node's own class, not a copy: this maps the simulator's keys to slots as the
+    node's chunk table does (a freed slot is reused first) and tells the order what the node
+    would. A store that needs room asks ``admits`` (the node's put refuses the newcomer when the
+    order does), then evicts the coldest chunk; a chunk of the request (``pinned``: found, or
+    just stored) met on the way is pinned, as a lease or a landing put pins it on the node, and a
+    stored chunk stays pinned (out of the order) until its request is served. Served, the request's
+    pins end, and the node hears two batches: the chunks it saw read (``touch_chain(read=True)``:
+    its get, or, where lookups are seen, their touch) and the chunks stored
+    (``touch_chain(read=False)``, the put). The node links a chunk to its parent only inside a batch, so the first stored
+    chunk joins the chain read before it when a later request reads both.
     """
 
-    name = "prefix-freq"
-    NEW_READS = 1
-    # halve every count after this many pools' worth of requested chunks: 2 adapts faster to a
-    # new working set but lost long-doc-qa at 0.5 (13.6 %); 8 never adapted to one (seen, --all)
-    AGE_EVERY_CAPACITY = 4
+    name = "lru"
+    order_name = "lru"
 
     def __init__(self, capacity: int, trace: Trace) -> None:
         super().__init__(capacity, trace)
-        self._reads: dict[int, int] = {}
-        self._tick: dict[int, int] = {}
-        self._clock = 0
-        self._heap: list[tuple[int, int, int]] = []  # (reads, tick, key), stale entries skipped
-        self._requested = 0
-        self._ghost: dict[int, int] = {}  # refused chunk -> refusals (halved with the reads)
-        self._parent: dict[int, int | None] = {}
-        self._children: defaultdict[int, set[int]] = defaultdict(set)
-        self._orphans: OrderedDict[int, None] = OrderedDict()
+        self.order: EvictionOrder = order_named(self.order_name)
+        self._slots: dict[int, int] = {}  # key -> slot
+        self._keys: list[int | None] = []  # slot -> key
+        self._free: list[int] = []  # freed slots, the last freed reused first (as ChunkTable)
+        self._pinned: dict[int, None] = {}  # slots out of the order until the request is served, in pin order
 
     def __contains__(self, key: int) -> bool:
-        return key in self._reads
+        return key in self._slots
 
     def __len__(self) -> int:
-        return len(self._reads)
+        return len(self._slots)
 
-    def _index(self, key: int) -> None:
-        self._clock += 1
-        self._tick[key] = self._clock
-        heapq.heappush(self._heap, (self._reads[key], self._clock, key))
-
-    def begin(self, index: int, keys: Sequence[int]) -> None:
-        self._requested += len(keys)  # the node sees each: found ones touched, missed ones put
-        if self._requested < self.AGE_EVERY_CAPACITY * self.capacity:
-            return
-        self._requested = 0
-        for key in self._reads:
-            self._reads[key] //= 2
-        self._ghost = {key: refused // 2 for key, refused in self._ghost.items() if refused > 1}
-        self._heap = [(reads, self._tick[key], key) for key, reads in self._reads.items()]
-        heapq.heapify(self._heap)
-
-    def _victim(self, pinned: set[int]) -> tuple[int, int] | None:
-        """The next victim and its reads (-1: unreachable)."""
-        for orphan in self._orphans:
-            if orphan not in pinned:
-                return orphan, -1
-        skipped: list[tuple[int, int, int]] = []
-        victim: tuple[int, int] | None = None
-        while self._heap:
-            reads, tick, key = self._heap[0]
-            if self._tick.get(key) != tick:
-                heapq.heappop(self._heap)
-            elif key in pinned:
-                skipped.append(heapq.heappop(self._heap))
-            else:
-                victim = key, reads
-                break
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
-        return victim
-
-    def _remove(self, key: int) -> None:
-        del self._reads[key], self._tick[key]
-        self._orphans.pop(key, None)
-        parent = self._parent.pop(key)
-        if parent is not None:
-            self._children[parent].discard(key)
-        for child in self._children.get(key, ()):
-            self._orphans[child] = None
-
-    def store(self, key: int, parent: int | None, pinned: set[int]) -> bool:
-        worth = self.NEW_READS + self._ghost.get(key, 0)
-        while len(self._reads) >= self.capacity:
-            victim = self._victim(pinned)
-            if victim is None or victim[1] >= worth:
-                # nothing evictable, or everything left is read as often as this newcomer
-                self._ghost[key] = self._ghost.get(key, 0) + 1
+    def store(self, key: int, pinned: set[int]) -> bool:
+        if len(self._slots) >= self.capacity and not self.order.admits(key):
+            return False  # the order keeps what it holds: the node answers the put "no room"
+        while len(self._slots) >= self.capacity:
+            victim = self._coldest(pinned)
+            if victim is None:
                 return False
-            self._remove(victim[0])
-        self._ghost.pop(key, None)
-        self._reads[key] = self.NEW_READS
-        self._parent[key] = parent
-        if parent is not None:
-            self._children[parent].add(key)
-        for child in self._children.get(key, ()):
-            self._orphans.pop(child, None)
-        self._index(key)
+            self.order.remove(victim)
+            gone, self._keys[victim] = self._keys[victim], None
+            assert gone is not None, f"slot {victim} is in the order but holds no key"
+            del self._slots[gone]
+            self._free.append(victim)
+        slot = self._free.pop() if self._free else len(self._keys)
+        if slot == len(self._keys):
+            self._keys.append(key)
+        else:
+            self._keys[slot] = key
+        self._slots[key] = slot
+        self._pinned[slot] = None  # landing: out of the order until its put commits
         return True
 
+    def _coldest(self, pinned: set[int]) -> int | None:
+        """The first slot to leave that holds no chunk of the request; those met first are pinned (out of the
+        walk, which is valid only until the order changes: it starts again)."""
+        while (slot := next(self.order.coldest(), None)) is not None and self._keys[slot] in pinned:
+            self.order.pin(slot)
+            self._pinned[slot] = None
+        return slot
+
     def served(self, read: Sequence[int], new: Sequence[int]) -> None:
-        for key in read:
-            self._reads[key] += 1
-        for key in reversed([*read, *new]):  # tail first: the head is the most recent
-            self._index(key)
+        for slot in self._pinned:  # the request's leases end and its put commits
+            self.order.unpin(slot)
+        self._pinned.clear()
+        self._touch([self._slots[key] for key in read], [self._slots[key] for key in new])
+
+    def _touch(self, read: list[int], new: list[int]) -> None:
+        if read:
+            self.order.touch_chain(read, read=True)
+        if new:
+            self.order.touch_chain(new, read=False)
+
+
+class LRU(NodeOrder):
+    """The node's ``eviction=lru``: a request's chunks touched head first."""
+
+
+class TailFirst(NodeOrder):
+    """LMCache's local-tier rule (suffixes before prefixes): LRU with a request's chunks touched tail first, as one
+    batch. Not a node order: the engines' local tiers of :func:`simulate`."""
+
+    name = "tail-first"
+
+    def _touch(self, read: list[int], new: list[int]) -> None:
+        self.order.touch_chain([*read, *new][::-1])
+
+
+class PrefixRecency(NodeOrder):
+    """The node's ``eviction=prefix-recency`` (``PrefixRecencyOrder``)."""
+
+    name = order_name = "prefix-recency"
+
+
+class Prefix(NodeOrder):
+    """The node's ``eviction=prefix`` (``PrefixOrder``): the most-read chains stay, held against newcomers until
+    they cool (named ``prefix-freq`` until it became the node's ``prefix``)."""
+
+    name = order_name = "prefix"
 
 
 class LFU(Policy):
@@ -292,7 +212,7 @@ class LFU(Policy):
         self._freq[key] = (reads, self._tick)
         heapq.heappush(self._heap, (reads, self._tick, key))
 
-    def store(self, key: int, parent: int | None, pinned: set[int]) -> bool:
+    def store(self, key: int, pinned: set[int]) -> bool:
         skipped: list[tuple[int, int, int]] = []
         while len(self._freq) >= self.capacity and self._heap:
             reads, tick, victim = heapq.heappop(self._heap)
@@ -359,7 +279,7 @@ class S3FIFO(Policy):
                 return False
         return False
 
-    def store(self, key: int, parent: int | None, pinned: set[int]) -> bool:
+    def store(self, key: int, pinned: set[int]) -> bool:
         while len(self._freq) >= self.capacity:
             if not self._evict(pinned):
                 return False
@@ -408,7 +328,7 @@ class Belady(Policy):
             if key in self._cached:  # its next use moved on: index it again
                 heapq.heappush(self._heap, (-self.next_use(key), key))
 
-    def store(self, key: int, parent: int | None, pinned: set[int]) -> bool:
+    def store(self, key: int, pinned: set[int]) -> bool:
         skipped: list[tuple[float, int]] = []
         while len(self._cached) >= self.capacity and self._heap:
             negative_use, victim = heapq.heappop(self._heap)
@@ -430,7 +350,7 @@ class Belady(Policy):
             heapq.heappush(self._heap, (-self.next_use(key), key))
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, TailFirst, LFU, S3FIFO, Prefix, PrefixFrequency, Belady)}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, TailFirst, LFU, S3FIFO, PrefixRecency, Prefix, Belady)}
 
 
 class Admission:
@@ -484,9 +404,9 @@ def _admission(name: str, trace: Trace) -> Admission:
 DEFAULT_RUNS: tuple[tuple[str, str], ...] = (
     *((name, "all") for name in POLICIES),
     ("lru", "oracle"),
+    ("prefix-recency", "oracle"),
+    ("prefix-recency", "second"),
     ("prefix", "oracle"),
-    ("prefix", "second"),
-    ("prefix-freq", "oracle"),
     ("belady", "oracle"),
 )
 
@@ -588,7 +508,7 @@ def simulate(
             storing = admit.admit(index, key) and storing
             if not storing:
                 continue
-            if not pool.store(key, keys[position - 1] if position else None, pinned):
+            if not pool.store(key, pinned):
                 break  # no room: the rest of the request is not stored
             pinned.add(key)
             new.append(key)
@@ -599,7 +519,8 @@ def simulate(
             raise AssertionError(f"{policy} holds {len(pool)} chunks in a pool of {capacity}")
         peak = max(peak, len(pool))
         if local is not None:
-            local_new = [key for key in keys if key not in local and local.store(key, None, set(keys))]
+            request_keys = set(keys)
+            local_new = [key for key in keys if key not in local and local.store(key, request_keys)]
             local.served([k for k in keys if k in local and k not in local_new], local_new)
         request_hit = sum(sizes[: max(found, local_found)])
         from_pool = sum(sizes[local_found:found])

@@ -79,6 +79,17 @@ def test_bool_options_accept_every_documented_spelling(text: str, expected: bool
     assert PoolConfig.from_url(f"kvpool://h:1/ns?nccl={text}").nccl is expected
 
 
+def test_touch_is_auto_by_default_takes_on_off_in_every_spelling_and_refuses_anything_else() -> None:
+    assert PoolConfig.from_url("kvpool://h:1/ns").touch == "auto"
+    assert PoolConfig.from_url("kvpool://h:1/ns").to_url() == "kvpool://h:1/ns"  # the default is not written out
+    for text, mode in (("auto", "auto"), ("AUTO", "auto"), ("on", "on"), ("yes", "on"), ("off", "off"), ("0", "off")):
+        config = PoolConfig.from_url(f"kvpool://h:1/ns?touch={text}")
+        assert config.touch == mode, text
+        assert PoolConfig.from_url(config.to_url()).touch == mode
+    with pytest.raises(ConfigError, match="touch: 'sometimes' is not auto, on or off"):
+        PoolConfig.from_url("kvpool://h:1/ns?touch=sometimes")
+
+
 @pytest.mark.parametrize(
     ("option", "low", "high"),
     [("replicas", 1, 8), ("connections_per_node", 1, 64)],
@@ -104,6 +115,7 @@ def fresh_deprecations(monkeypatch: pytest.MonkeyPatch) -> None:
     import backend.config.renamed as renamed
 
     monkeypatch.setattr(renamed, "_warned", set())
+    monkeypatch.setattr(renamed, "_warned_values", set())
 
 
 @pytest.mark.usefixtures("fresh_deprecations")
@@ -722,6 +734,8 @@ def test_prefault_is_on_by_default_and_parses_from_a_flag_the_environment_and_ya
         ({"prefault": "maybe"}, "", {}, "--prefault"),
         ({}, "", {"KVPOOL_PREFAULT": "2"}, "KVPOOL_PREFAULT"),
         ({}, "prefault: [on]", {}, "prefault (in "),
+        ({"eviction": "lfu"}, "", {}, "--eviction"),
+        ({}, "eviction: prefix-frequency", {}, "eviction (in "),
     ],
 )
 def test_a_bad_node_option_is_refused_naming_it_as_its_source_spells_it(tmp_path, flags, yaml_text, environ, key):
@@ -750,6 +764,34 @@ def test_a_node_takes_its_old_millisecond_flags_and_yaml_keys_with_a_deprecation
     assert len(lines) == 2, lines
     assert lines[0].startswith("--handshake-timeout-ms is deprecated: give --handshake-timeout-s instead")
     assert lines[1].startswith(f"dead_node_grace_ms (in {yaml_file}) is deprecated: give dead_node_grace_s (in ")
+
+
+@pytest.mark.usefixtures("fresh_deprecations")
+def test_the_old_eviction_name_prefix_freq_is_taken_as_prefix_with_one_line_naming_the_new_value(tmp_path, caplog):
+    """`prefix-freq` became `prefix` (and the old `prefix` rule `prefix-recency`): a node started with the old
+    value from a flag or its YAML file runs the rule it asked for, and is told the new name once."""
+    from backend.cli import build_parser
+    from backend.cli.options import node_settings
+    from backend.config import NodeConfig
+
+    yaml_file = tmp_path / "node.yaml"
+    yaml_file.write_text("redis: redis://r:1\neviction: prefix-freq\n")
+    args = build_parser().parse_args(["up", "--eviction", "prefix-freq"])  # the flag still parses
+    args.environ = {}
+    with caplog.at_level("WARNING", logger="backend.config"):
+        from_flag = node_settings(args)["eviction"]
+        from_yaml = NodeConfig.from_sources({}, config_file=yaml_file, environ={}).eviction
+        again = NodeConfig.from_sources({"redis": "redis://r:1", "eviction": "prefix-freq"}, environ={}).eviction
+
+    assert from_flag == from_yaml == again == "prefix"
+    lines = sorted(r.getMessage() for r in caplog.records if "deprecated" in r.getMessage())
+    assert lines == [
+        "--eviction prefix-freq is deprecated: it is now called prefix (give --eviction prefix; the old name "
+        "still works for now)",
+        f"eviction (in {yaml_file}) prefix-freq is deprecated: it is now called prefix (give eviction (in "
+        f"{yaml_file}) prefix; the old name still works for now)",
+    ]
+    assert NodeConfig.from_sources({"redis": "redis://r:1", "eviction": "prefix-recency"}).eviction == "prefix-recency"
 
 
 def test_node_flags_are_the_option_table(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
-"""Which chunks leave a full tier first: the prefix-aware order in-process, and both policies on real nodes.
+"""Which chunks leave a full tier first: the prefix-aware orders in-process, and the policies on real nodes.
 
 LMCache looks a request's chunks up in prefix order and stops at the first miss, so a
-chunk is worth something only while the chunks before it are held. ``eviction=prefix``
-(``backend/node/eviction.py`` ``PrefixOrder``) keeps whole prefixes where LRU keeps tails.
+chunk is worth something only while the chunks before it are held. ``eviction=prefix-recency``
+(``backend/node/eviction.py`` ``PrefixRecencyOrder``) keeps whole prefixes where LRU keeps tails;
+``eviction=prefix`` (``PrefixOrder``) keeps the most-read chains on top of that.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from backend.node.eviction import (
     SKETCH_ROWS,
     SKETCH_WIDTH,
     LruOrder,
-    PrefixFrequencyOrder,
     PrefixOrder,
+    PrefixRecencyOrder,
 )
 from kvpool import PoolConfig, SyncPoolClient
 from tests.support.chunks import numbered_chunks
@@ -28,13 +29,13 @@ from tests.support.chunks import numbered_chunks
 CHUNK_BYTES = 256 * 1024
 
 
-def _order(order: LruOrder | PrefixOrder | PrefixFrequencyOrder) -> list[int]:
+def _order(order: LruOrder | PrefixRecencyOrder | PrefixOrder) -> list[int]:
     return list(order.coldest())
 
 
-# -- PrefixOrder in-process ---------------------------------------------------------------------
+# -- PrefixRecencyOrder (prefix-recency) in-process -----------------------------------------------------------------
 def test_a_chains_tail_leaves_first_and_its_head_last():
-    order = PrefixOrder()
+    order = PrefixRecencyOrder()
     for slot in range(4):  # a put: the chunks enter head first ...
         order.add(slot)
     order.touch_chain([0, 1, 2, 3])  # ... and the batch is touched as one chain
@@ -48,7 +49,7 @@ def test_a_chains_tail_leaves_first_and_its_head_last():
 
 
 def test_a_head_shared_by_many_chains_stays_while_their_tails_leave():
-    order = PrefixOrder()
+    order = PrefixRecencyOrder()
     shared = [0, 1]  # a system prompt
     for user in range(3):
         tail = [10 * (user + 1), 10 * (user + 1) + 1]
@@ -61,7 +62,7 @@ def test_a_head_shared_by_many_chains_stays_while_their_tails_leave():
 
 
 def test_when_a_chunk_leaves_the_chunks_after_it_leave_before_anything_reachable():
-    order = PrefixOrder()
+    order = PrefixRecencyOrder()
     for slot in range(8):
         order.add(slot)
     order.touch_chain([0, 1, 2, 3])  # chain A
@@ -76,7 +77,7 @@ def test_when_a_chunk_leaves_the_chunks_after_it_leave_before_anything_reachable
 
 
 def test_a_pinned_chunk_keeps_its_chain_and_a_cut_off_chunk_linked_again_is_reachable():
-    order = PrefixOrder()
+    order = PrefixRecencyOrder()
     for slot in range(3):
         order.add(slot)
     order.touch_chain([0, 1, 2])
@@ -92,7 +93,7 @@ def test_a_pinned_chunk_keeps_its_chain_and_a_cut_off_chunk_linked_again_is_reac
 
 
 def test_a_slot_reused_after_leaving_carries_nothing_of_its_old_chain():
-    order = PrefixOrder()
+    order = PrefixRecencyOrder()
     for slot in range(3):
         order.add(slot)
     order.touch_chain([0, 1, 2])
@@ -103,8 +104,8 @@ def test_a_slot_reused_after_leaving_carries_nothing_of_its_old_chain():
     assert _order(order) == [1]  # not cut off by its slot's old parent
 
 
-# -- PrefixFrequencyOrder (prefix-freq) in-process -------------------------------------------------
-def _put_and_read(order: PrefixFrequencyOrder, chain: list[int], reads: int) -> None:
+# -- PrefixOrder (prefix) in-process -------------------------------------------------
+def _put_and_read(order: PrefixOrder, chain: list[int], reads: int) -> None:
     for slot in chain:
         order.add(slot)
     order.touch_chain(chain, read=False)  # the put
@@ -112,34 +113,34 @@ def _put_and_read(order: PrefixFrequencyOrder, chain: list[int], reads: int) -> 
         order.touch_chain(chain)  # a get, a lease, a lookup's touch
 
 
-def test_prefix_freq_keeps_the_most_read_chain_over_a_more_recent_one_read_less():
-    """A chain read twice outlasts one put after it and never read (prefix would evict the older chain first);
+def test_prefix_keeps_the_most_read_chain_over_a_more_recent_one_read_less():
+    """A chain read twice outlasts one put after it and never read (prefix-recency would evict the older chain first);
     inside each chain the tail leaves first."""
-    order = PrefixFrequencyOrder()
+    order = PrefixOrder()
     _put_and_read(order, [0, 1, 2], reads=2)
     _put_and_read(order, [3, 4, 5], reads=0)
     assert _order(order) == [5, 4, 3, 2, 1, 0]
     assert [order.reads(s) for s in (0, 5)] == [NEW_READS + 2, NEW_READS]
 
 
-def test_prefix_freq_refuses_a_newcomer_while_the_coldest_is_read_as_often_and_counts_refusals():
+def test_prefix_refuses_a_newcomer_while_the_coldest_is_read_as_often_and_counts_refusals():
     """The coldest chunk read at least as often as a newcomer counts: refused (and counted); refused once, the
     same key counts its refusal as a read and gets in against a chunk only put."""
-    order = PrefixFrequencyOrder()
+    order = PrefixOrder()
     _put_and_read(order, [0, 1], reads=1)
     assert not order.admits("new") and order.refused == 1 and order.refusals("new") == 1
     assert not order.admits("new")  # worth 1 + 1, the coldest was read twice: still refused
-    fresh = PrefixFrequencyOrder()
+    fresh = PrefixOrder()
     _put_and_read(fresh, [0, 1], reads=0)
     assert not fresh.admits("again")  # a newcomer against a chunk only put: as often, refused
     assert fresh.admits("again")  # offered again, its refusal counts: it gets in
     assert fresh.refused == 1
 
 
-def test_prefix_freq_lets_cut_off_chunks_go_first_whatever_their_reads():
+def test_prefix_lets_cut_off_chunks_go_first_whatever_their_reads():
     """A chunk whose prefix left is worth nothing: it leaves first even read often (before a newer chunk only
     put), and never refuses a newcomer."""
-    order = PrefixFrequencyOrder()
+    order = PrefixOrder()
     _put_and_read(order, [0, 1, 2], reads=2)
     _put_and_read(order, [3], reads=0)
     order.remove(0)
@@ -147,10 +148,10 @@ def test_prefix_freq_lets_cut_off_chunks_go_first_whatever_their_reads():
     assert order.admits("new")
 
 
-def test_prefix_freq_ages_counts_so_a_chain_nobody_reads_cools_and_newcomers_get_in():
+def test_prefix_ages_counts_so_a_chain_nobody_reads_cools_and_newcomers_get_in():
     """Every AGE_EVERY_HELD times the chunks held were named by batches, every count halves (lazily: no pass
     over the chunks), so a chain nobody reads any more cools and stops refusing newcomers."""
-    order = PrefixFrequencyOrder()
+    order = PrefixOrder()
     others = list(range(10, 110))
     _put_and_read(order, others, reads=0)
     _put_and_read(order, [0, 1], reads=MAX_READS + 5)  # capped
@@ -165,11 +166,11 @@ def test_prefix_freq_ages_counts_so_a_chain_nobody_reads_cools_and_newcomers_get
     assert order.admits("new")  # the coldest is read 0 times now
 
 
-def test_prefix_freq_remembers_refused_keys_in_fixed_bytes():
+def test_prefix_remembers_refused_keys_in_fixed_bytes():
     """Refused keys are counted in a sketch of fixed size (never a set of keys), an estimate never under the
     count (a key sharing all its counters with others may be over: let in at once): each of 2,000 keys refused
     once gets in when offered again."""
-    order = PrefixFrequencyOrder()
+    order = PrefixOrder()
     for slot in range(3000):
         order.add(slot)  # each only put: NEW_READS
     keys = [f"key{n}" for n in range(2000)]
@@ -180,9 +181,9 @@ def test_prefix_freq_remembers_refused_keys_in_fixed_bytes():
     assert all(order.admits(key) for key in refused_first)
 
 
-@pytest.mark.parametrize("policy", [LruOrder, PrefixOrder, PrefixFrequencyOrder])
+@pytest.mark.parametrize("policy", [LruOrder, PrefixRecencyOrder, PrefixOrder])
 def test_an_order_keeps_no_object_per_chunk_and_stays_consistent_under_random_use(policy):
-    """Columns only (26 bytes a slot for prefix-freq, 24 for prefix, 8 for LRU); every listed slot walked once,
+    """Columns only (26 bytes a slot for prefix, 24 for prefix-recency, 8 for LRU); every listed slot walked once,
     whatever the ops."""
     rng = random.Random(7)
     order = policy()
@@ -216,16 +217,16 @@ def test_an_order_keeps_no_object_per_chunk_and_stays_consistent_under_random_us
     columns = [v for v in vars(order).values() if isinstance(v, memoryview)]
     columns += [v for v in vars(getattr(order, "_lists", None) or order._list).values() if isinstance(v, memoryview)]
     per_slot = sum(c.itemsize for c in columns)
-    assert per_slot == {LruOrder: 8, PrefixOrder: 24, PrefixFrequencyOrder: 26}[policy]
+    assert per_slot == {LruOrder: 8, PrefixRecencyOrder: 24, PrefixOrder: 26}[policy]
 
 
 # -- both policies on real nodes ----------------------------------------------------------------
-def test_a_prefix_node_keeps_whole_prefixes_where_an_lru_node_keeps_tails(node_factory, redis_server):
+def test_a_prefix_recency_node_keeps_whole_prefixes_where_an_lru_node_keeps_tails(node_factory, redis_server):
     """Four chains of 4 chunks into a DRAM of 10: LRU keeps the third chain's tail (unreachable: no prefix
-    hits), prefix keeps its head."""
+    hits), prefix-recency keeps its head."""
     chains = [numbered_chunks(f"chain{c}", 4, CHUNK_BYTES, seed=c) for c in range(4)]
     found = {}
-    for policy in ("lru", "prefix"):
+    for policy in ("lru", "prefix-recency"):
         node = node_factory("--eviction", policy, dram=str(10 * CHUNK_BYTES), ns=f"ev-{policy}")
         url = f"kvpool://127.0.0.1:{redis_server.port}/ev-{policy}?connections_per_node=1"
         with SyncPoolClient(PoolConfig.from_url(url)) as client:
@@ -236,7 +237,7 @@ def test_a_prefix_node_keeps_whole_prefixes_where_an_lru_node_keeps_tails(node_f
         assert sum(held) == 10, (policy, held)
         node.stop()
     assert found["lru"] == [0, 0, 4, 4]  # the third chain's head went first; its tail stays, unreachable
-    assert found["prefix"] == [0, 2, 4, 4]  # the third chain's tail went first; its head still hits
+    assert found["prefix-recency"] == [0, 2, 4, 4]  # the third chain's tail went first; its head still hits
 
 
 @pytest.mark.parametrize("touched", [False, True])
@@ -250,11 +251,11 @@ def test_a_lookups_touch_keeps_a_looked_up_only_prefix_in_the_pool(node_factory,
     from kvpool import PoolClient
 
     ns = f"touch-{int(touched)}"
-    node_factory("--eviction", "prefix", dram=str(10 * CHUNK_BYTES), ns=ns)
+    node_factory("--eviction", "prefix-recency", dram=str(10 * CHUNK_BYTES), ns=ns)
     a, b, c = (numbered_chunks(name, 4, CHUNK_BYTES, seed=i) for i, name in enumerate("abc"))
 
     async def scenario() -> list[int]:
-        url = f"kvpool://127.0.0.1:{redis_server.port}/{ns}?connections_per_node=1"
+        url = f"kvpool://127.0.0.1:{redis_server.port}/{ns}?connections_per_node=1&touch=off"
         async with PoolClient(PoolConfig.from_url(url)) as client:
             await client.put(a)
             await client.put(b)
@@ -269,27 +270,96 @@ def test_a_lookups_touch_keeps_a_looked_up_only_prefix_in_the_pool(node_factory,
     assert found == ([4, 2, 4] if touched else [2, 4, 4])
 
 
-@pytest.mark.parametrize("touch", ["off", "on"])
-def test_with_touch_on_a_lookup_keeps_the_prefix_it_found_hot_on_its_node(node_factory, redis_server, touch):
-    """The client's side of the test above: ``hit_prefix`` alone (no get) is told to the node, batched."""
+@pytest.mark.parametrize("touch", ["off", "on", "auto"])
+def test_a_lookup_keeps_the_prefix_it_found_hot_on_a_prefix_node_unless_touch_is_off(node_factory, redis_server, touch):
+    """The client's side of the test above: ``hit_prefix`` alone (no get) is told to the node, batched; by
+    default (``touch=auto``) too, since the node's registry entry names a prefix order."""
     from backend.counters import ClientCounter
     from tests.support.waits import wait_until
 
     ns = f"client-touch-{touch}"
-    node_factory("--eviction", "prefix", dram=str(10 * CHUNK_BYTES), ns=ns)
+    node_factory("--eviction", "prefix-recency", dram=str(10 * CHUNK_BYTES), ns=ns)
     a, b, c = (numbered_chunks(name, 4, CHUNK_BYTES, seed=i) for i, name in enumerate("abc"))
-    url = f"kvpool://127.0.0.1:{redis_server.port}/{ns}?connections_per_node=1&touch={touch}"
+    query = "" if touch == "auto" else f"&touch={touch}"  # auto: the URL says nothing
+    url = f"kvpool://127.0.0.1:{redis_server.port}/{ns}?connections_per_node=1{query}"
     with SyncPoolClient(PoolConfig.from_url(url)) as client:
         client.put(a)
         client.put(b)
         assert client.hit_prefix([x.key for x in a]) == 4  # a lookup that found A; no get follows
         (node,) = client.nodes()
-        if touch == "on":
+        assert node.eviction == "prefix-recency" and node.takes_touches
+        if touch != "off":
             assert wait_until(lambda: client.node_stats(node)["counters"].get("touched_keys", 0) == 4)
             assert client.counters[ClientCounter.TOUCHES_SENT] == 1
         client.put(c)
         found = [client.hit_prefix([x.key for x in chain]) for chain in (a, b, c)]
-    assert found == ([4, 2, 4] if touch == "on" else [2, 4, 4])
+    assert found == ([2, 4, 4] if touch == "off" else [4, 2, 4])
+
+
+def test_by_default_a_client_keeps_no_lookup_for_an_lru_node_and_touches_it_only_when_told_to(
+    node_factory, redis_server
+):
+    """``touch=auto`` against a pool of lru nodes: no TOUCH sent, none counted as dropped (no found prefix is
+    kept); ``touch=on`` still touches it."""
+    import time
+
+    from backend.counters import ClientCounter
+    from tests.support.waits import wait_until
+
+    ns = "client-touch-lru"
+    node_factory(dram=str(10 * CHUNK_BYTES), ns=ns)  # --eviction lru, the default
+    a = numbered_chunks("a", 4, CHUNK_BYTES, seed=0)
+    base = f"kvpool://127.0.0.1:{redis_server.port}/{ns}?connections_per_node=1"
+    with SyncPoolClient(PoolConfig.from_url(base)) as client:
+        client.put(a)
+        assert client.hit_prefix([x.key for x in a]) == 4
+        (node,) = client.nodes()
+        assert node.eviction == "lru" and not node.takes_touches
+        time.sleep(0.3)  # six flush periods: a touch kept would have gone by now
+        assert client.node_stats(node)["counters"].get("touched_keys", 0) == 0
+        counters = client.counters
+        assert counters.get(ClientCounter.TOUCHES_SENT, 0) == counters.get(ClientCounter.TOUCHES_DROPPED, 0) == 0
+    with SyncPoolClient(PoolConfig.from_url(base + "&touch=on")) as client:
+        assert client.hit_prefix([x.key for x in a]) == 4
+        assert wait_until(lambda: client.node_stats(node)["counters"].get("touched_keys", 0) == 4)
+
+
+def test_a_registry_entry_without_an_eviction_order_is_an_lru_node_that_takes_no_touches_by_default():
+    """An entry written by an older build has no ``eviction`` field: lru, untouched under ``touch=auto``."""
+    import asyncio
+    import json
+
+    from backend.client.context import ClientContext
+    from backend.client.touch import LookupTouches
+    from backend.metadata import Location, NodeInfo
+
+    fields = json.loads(NodeInfo("old", "127.0.0.1", 1, 7).to_json())
+    del fields["eviction"]
+    old = NodeInfo.from_json(json.dumps(fields))
+    new = NodeInfo("new", "127.0.0.1", 2, 1, eviction="prefix")
+    assert (old.eviction, old.takes_touches, new.takes_touches) == ("lru", False, True)
+    sent: list[str] = []
+
+    async def locate(keys):
+        return [[Location("old", 7, "dram", 1, 0), Location("new", 1, "dram", 1, 0)] for _ in keys]
+
+    async def send(node, meta):
+        sent.append(node.node_id)
+
+    async def scenario(touch: str, nodes: dict[str, NodeInfo]) -> bool:
+        ctx = ClientContext(PoolConfig.from_url(f"kvpool://127.0.0.1:1/ns?touch={touch}"))
+        touches = LookupTouches(ctx, locate, nodes.get, send)
+        touches.nodes_changed({(n.node_id, n.epoch) for n in nodes.values()})
+        await touches.flush([["k@0", "k@1"]])
+        return touches.wanted
+
+    assert asyncio.run(scenario("auto", {"old": old, "new": new})) is True
+    assert sent == ["new"]
+    assert asyncio.run(scenario("auto", {"old": old})) is False  # nothing takes them: no lookup is kept
+    sent.clear()
+    assert asyncio.run(scenario("on", {"old": old, "new": new})) is True
+    assert sorted(sent) == ["new", "old"]
+    assert asyncio.run(scenario("off", {"old": old, "new": new})) is False
 
 
 def test_a_node_that_refuses_touch_is_not_touched_again_and_is_counted_once(caplog):
@@ -329,14 +399,14 @@ def test_a_node_that_refuses_touch_is_not_touched_again_and_is_counted_once(capl
     assert sum("does not take lookup touches" in r.message for r in caplog.records) == 1
 
 
-def test_a_prefix_freq_node_keeps_a_read_chain_and_refuses_newcomers_chunk_by_chunk(node_factory, redis_server):
-    """Chain A is put and read twice, B put, then C into a DRAM of 10: prefix would evict A's tail; prefix-freq
+def test_a_prefix_node_keeps_a_read_chain_and_refuses_newcomers_chunk_by_chunk(node_factory, redis_server):
+    """Chain A is put and read twice, B put, then C into a DRAM of 10: prefix-recency would evict A's tail; prefix
     keeps A (read more often than any newcomer counts) and refuses C's last two chunks, each as "no room"
     (not stored, the rest of the put stored), counted by the node."""
     from backend.errors import CapacityError, PutOutcome
 
-    ns = "ev-prefix-freq"
-    node_factory("--eviction", "prefix-freq", dram=str(10 * CHUNK_BYTES), ns=ns)
+    ns = "ev-prefix"
+    node_factory("--eviction", "prefix", dram=str(10 * CHUNK_BYTES), ns=ns)
     a, b, c = (numbered_chunks(name, 4, CHUNK_BYTES, seed=i) for i, name in enumerate("abc"))
     url = f"kvpool://127.0.0.1:{redis_server.port}/{ns}?connections_per_node=1"
     with SyncPoolClient(PoolConfig.from_url(url)) as client:

@@ -99,6 +99,7 @@ class PoolClient:
         )
         self.registry.on_change.append(self._touch_connections.prune)
         self._touches = LookupTouches(self._ctx, self._locator.lookup, self.registry.node, self._send_touch)
+        self.registry.on_change.append(self._touches.nodes_changed)
 
     def _check_open(self) -> None:
         if self._ctx.check_open():  # forked: the parent's sockets and mappings are not ours
@@ -125,22 +126,22 @@ class PoolClient:
         return sum([await self._staged.prepare(node) for node in await self.registry.nodes(False)])
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is held by a live node (one Redis round trip). With ``touch=on`` the nodes
-        holding the keys found from the start hear of them, later (``backend.client.touch``)."""
+        """Whether each key is held by a live node (one Redis round trip). The nodes holding the keys found
+        from the start hear of them, later, where ``touch`` says (``backend.client.touch``)."""
         self._check_open()
         _check_keys(keys)
         hits = await self._locator.contains(keys)
-        if self.config.touch:
+        if self._touches.wanted:
             self._touches.found(keys[: hits.index(False) if False in hits else len(hits)])
         return hits
 
     async def hit_prefix(self, keys: Sequence[str]) -> int:
         """How many keys from the start are all present (one Redis round trip that stops at the first miss).
-        With ``touch=on`` the nodes holding them hear of it, later (``backend.client.touch``)."""
+        The nodes holding them hear of it, later, where ``touch`` says (``backend.client.touch``)."""
         self._check_open()
         _check_keys(keys)
         found = await self._locator.hit_prefix(keys)
-        if self.config.touch:
+        if self._touches.wanted:
             self._touches.found(keys[:found])
         return found
 

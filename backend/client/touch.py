@@ -2,10 +2,14 @@
 
 A lookup is answered by Redis alone, so a node never sees that a prefix it holds was
 looked up, and a prefix an engine then serves from its own CPU tier goes cold in the
-pool. With ``touch=on`` the client keeps each lookup's found prefix (one chain, in
-prefix order) and, every ``TOUCH_FLUSH_S`` or once ``TOUCH_BATCH_KEYS`` keys wait, reads
-where those keys live (one Redis lookup for the whole batch) and sends each node one
-TOUCH of the chains' keys it holds (``backend.protocol.encode_touch``). Nothing waits
+pool. The client keeps each lookup's found prefix (one chain, in prefix order) and,
+every ``TOUCH_FLUSH_S`` or once ``TOUCH_BATCH_KEYS`` keys wait, reads where those keys
+live (one Redis lookup for the whole batch) and sends each node one TOUCH of the
+chains' keys it holds (``backend.protocol.encode_touch``). Which nodes: the pool URL's
+``touch`` (``PoolConfig.touch``): ``auto`` (the default) tells the nodes whose eviction
+order uses lookups (``NodeInfo.takes_touches``: their registry entry names an order other
+than lru), and keeps nothing while the view holds none, so a pool of lru nodes pays
+nothing; ``on`` tells every node, ``off`` none. Nothing waits
 for it: a lookup only appends to a list. Bounded: at most ``TOUCH_BACKLOG_KEYS`` keys
 wait (more are dropped and counted), a node gets ``progress_timeout_s`` to answer, on a
 connection of its own (``send``: an older node closes the connection of an op it does
@@ -47,15 +51,26 @@ class LookupTouches:
     def __init__(self, ctx: ClientContext, locate: Locate, node_of: NodeOf, send: Send) -> None:
         self.ctx = ctx
         self._locate, self._node_of, self._send = locate, node_of, send
+        self._mode = ctx.config.touch
+        self.wanted = self._mode == "on"  # whether a lookup's found prefix is kept (a node of the view takes it)
         self._chains: list[list[str]] = []
         self._keys = 0
         self._full = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._refused: set[tuple[str, int]] = set()  # node epochs that do not know TOUCH
 
+    def takes(self, node: NodeInfo) -> bool:
+        """Whether ``node`` is told what lookups found, under this client's ``touch``."""
+        return self._mode == "on" or (self._mode == "auto" and node.takes_touches)
+
+    def nodes_changed(self, live: set[tuple[str, int]]) -> None:
+        """The registry view changed (``RegistryView.on_change``): keep found prefixes while a node takes them."""
+        nodes = (self._node_of(node_id) for node_id, _ in live)
+        self.wanted = any(node is not None and self.takes(node) for node in nodes)
+
     def found(self, keys: Sequence[str]) -> None:
         """A lookup found ``keys`` (a prefix, in order): they will be touched on their nodes, soon."""
-        if not keys:
+        if not keys or not self.wanted:
             return
         chain = list(keys[:TOUCH_BATCH_KEYS])  # a chain's head is what matters most
         if self._keys + len(chain) > TOUCH_BACKLOG_KEYS:
@@ -111,6 +126,8 @@ class LookupTouches:
         counters = self.ctx.counters
         keys = sum(len(chain) for chain in chains)
         node = self._node_of(node_id)
+        if node is not None and not self.takes(node):
+            return  # its order has no use for lookups (lru, under touch=auto): not a drop
         if node is None or (node.node_id, node.epoch) in self._refused:
             counters[ClientCounter.TOUCHES_DROPPED] += keys
             return

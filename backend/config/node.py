@@ -39,6 +39,8 @@ from backend.protocol import DEFAULT_LIMITS, Limits
 from backend.redis_topology import RedisTarget, mask_url
 
 __all__ = [
+    "EVICTIONS",
+    "RENAMED_EVICTIONS",
     "NodeConfig",
     "NodeOption",
     "NODE_OPTIONS",
@@ -60,7 +62,10 @@ DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
 DEFAULT_MAX_PENDING_CONNECTIONS = 1024
 MAX_PENDING_CONNECTIONS = 1_000_000
 _CHANNELS = ("off", "nccl", "cpu")
-_EVICTIONS = ("lru", "prefix", "prefix-freq")  # backend/node/eviction.py ORDERS
+EVICTIONS = ("lru", "prefix", "prefix-recency")  # the node's eviction orders (backend/node/eviction.py ORDERS)
+# Old names of an order, still taken for a release with a deprecation line: the frequency-aware rule was
+# `prefix-freq` until it became `prefix` (the recency-only rule that was `prefix` is `prefix-recency`).
+RENAMED_EVICTIONS = {"prefix-freq": "prefix"}
 ENV_PREFAULT = "KVPOOL_PREFAULT"
 
 
@@ -220,11 +225,14 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
     ),
     NodeOption(
         "eviction",
-        choice(_EVICTIONS),
+        choice(EVICTIONS, RENAMED_EVICTIONS),
         "lru",
-        "which chunks leave a full tier first: lru (least recently used) or prefix (tails of cold prefix "
-        "chains first, chunks whose prefix left before any still reachable); default lru",
-        choices=_EVICTIONS,
+        "which chunks leave a full tier first: lru (least recently used); prefix, for a prefix cache (tails "
+        "of cold prefix chains first: the fewest reads leave first, tail first inside a chain, a chunk whose "
+        "prefix left before any still reachable, and a put that would evict a chunk read as often is refused); "
+        "prefix-recency (prefix's chains by recency alone); default lru. Clients tell a node of either prefix "
+        "order what their lookups found (the pool URL's touch=auto)",
+        metavar="{" + ",".join(EVICTIONS) + "}",  # no argparse choices: the parser also takes the old names
     ),
     NodeOption("token", text_value, "", "the pool token clients must prove", env="KVPOOL_TOKEN", flag=False),
     NodeOption("redis_password", text_value, "", "the Redis ACL password", env="KVPOOL_REDIS_PASSWORD", flag=False),
@@ -331,7 +339,7 @@ class NodeConfig:
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     shm_dir: Path | None = None  # shared-memory arena for same-host clients; None: off
     prefault: bool = False  # take the DRAM arena's pages at start (the flag's default is on; see NODE_OPTIONS)
-    eviction: str = "lru"  # which chunks leave a full tier first: "lru" or "prefix" (backend/node/eviction.py)
+    eviction: str = "lru"  # which chunks leave a full tier first: one of EVICTIONS (backend/node/eviction.py)
     channel: str = "off"  # serve CHANNEL_GET over this transport: "off", "cpu" or "nccl" (nccl_channel)
     device: str = "cuda:0"  # the CUDA device of the NCCL channel
     tls_cert: Path | None = None  # PEM certificate chain: serve the node protocol over TLS only
@@ -363,8 +371,8 @@ class NodeConfig:
             raise ConfigError("--cluster", f"{self.cluster!r} must be A-Z a-z 0-9 _ . -")
         if self.dram_bytes <= 0:
             raise ConfigError("--dram", f"{self.dram_bytes} is not a positive size")
-        if self.eviction not in _EVICTIONS:
-            raise ConfigError("--eviction", f"{self.eviction!r} is not one of {', '.join(_EVICTIONS)}")
+        if self.eviction not in EVICTIONS:
+            raise ConfigError("--eviction", f"{self.eviction!r} is not one of {', '.join(EVICTIONS)}")
         if self.channel not in _CHANNELS:
             raise ConfigError("--channel", f"{self.channel!r} is not one of {', '.join(_CHANNELS)}")
         if self.channel != "off" and not self.cluster:

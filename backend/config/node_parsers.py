@@ -7,10 +7,11 @@ raw value, and raises ConfigError naming that spelling.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from backend.config.renamed import renamed_value
 from backend.config.values import check_node_id, parse_int, parse_seconds, parse_size
 from backend.errors import ConfigError
 from backend.redis_topology import RedisTarget
@@ -70,9 +71,13 @@ def node_id_value(key: str, value: Any) -> str:
     return check_node_id(text, key) if text else ""
 
 
-def choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
+def choice(choices: tuple[str, ...], renamed: Mapping[str, str] | None = None) -> Callable[[str, Any], str]:
+    """One of ``choices``; an old name in ``renamed`` is taken as its new one, with a deprecation line."""
+
     def parse(key: str, value: Any) -> str:
         text = "off" if value is False else text_value(key, value).strip().lower()  # YAML reads a bare off as False
+        if renamed:
+            text = renamed_value(key, text, renamed)
         if text not in choices:
             raise ConfigError(key, f"{text!r} is not one of {', '.join(choices)}")
         return text

@@ -56,6 +56,9 @@ MAX_TIMEOUT_S = 600.0
 MIN_TIMEOUT_S = 0.001
 # What nccl=on moves bytes over: libnccl between GPUs, or the CPU transport (sockets, same contract).
 CHANNEL_TRANSPORTS = ("nccl", "cpu")
+# Whether lookups' found prefixes are told to the nodes (backend/client/touch.py): auto, to the nodes whose
+# eviction order uses them (their registry entry says: NodeInfo.takes_touches); on, to every node; off.
+TOUCH_MODES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +88,7 @@ class PoolConfig:
     token_file: str = ""  # the token is this file's content (whitespace stripped); a path, never the secret
     redis_password_file: str = ""  # likewise for redis_password
     pair_timeout_s: float = 30.0  # deadline of one channel pairing (a cold NCCL init takes seconds)
-    touch: bool = False  # tell the nodes what lookups found (backend/client/touch.py)
+    touch: str = "auto"  # tell the nodes what lookups found: one of TOUCH_MODES (backend/client/touch.py)
 
     def __post_init__(self) -> None:
         if not NAMESPACE_RE.match(self.namespace):
@@ -102,6 +105,8 @@ class PoolConfig:
             check_token(self.token, "token", "KVPOOL_TOKEN or the URL's :TOKEN@")
         if self.tls_ca and not self.tls:
             raise ConfigError("tls_ca", "a CA bundle only matters with TLS: add tls=on")
+        if self.touch not in TOUCH_MODES:
+            raise ConfigError("touch", f"{self.touch!r} is not one of {', '.join(TOUCH_MODES)}")
         if self.channel_transport not in CHANNEL_TRANSPORTS:
             raise ConfigError(
                 "channel_transport", f"{self.channel_transport!r} is not one of {', '.join(CHANNEL_TRANSPORTS)}"
@@ -266,6 +271,16 @@ def pool_config_of_redis(redis_url: str, namespace: str = DEFAULT_NAMESPACE, **o
     return PoolConfig(**where, tls=target.tls, namespace=namespace, **options)
 
 
+def _parse_touch(key: str, text: str) -> str:
+    """auto, or on/off (and their spellings: true/false, yes/no, 1/0)."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return "on" if parse_bool(key, str(text)) else "off"
+    except ConfigError:
+        raise ConfigError(key, f"{text!r} is not auto, on or off") from None
+
+
 def _render(value: Any) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -355,7 +370,7 @@ _OPTION_PARSERS: dict[str, Any] = {
     "token_file": lambda k, v: str(v),
     "redis_password_file": lambda k, v: str(v),
     "pair_timeout_s": lambda k, v: parse_seconds(k, v, MIN_TIMEOUT_S, MAX_TIMEOUT_S),
-    "touch": parse_bool,
+    "touch": _parse_touch,
 }
 OPTION_NAMES = tuple(_OPTION_PARSERS)  # what a URL query, YAML or KVPOOL_* may set, in canonical order
 # The old names, in milliseconds: still read, with a deprecation line (backend/config/renamed.py).

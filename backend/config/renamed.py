@@ -1,4 +1,4 @@
-"""Keys renamed to say what they bound: the old ``*_ms`` names keep working for a release.
+"""Keys (and values) renamed to say what they mean: the old names keep working for a release.
 
 A duration is configured in seconds under a name that says what it bounds
 (``progress_timeout_s``, ``handshake_timeout_s``). The old key (``timeout_ms``,
@@ -8,6 +8,10 @@ never a value, is logged once per process. An old key may stand for more than on
 one (``timeout_ms`` bounded both connecting and progress). Given beside a new key with a
 different value, it is a ConfigError naming both; with the same value it is only
 deprecated. ``to_url()`` and ``--help`` show only the new names.
+
+A value may be renamed too (:func:`renamed_value`): ``--eviction prefix-freq`` became
+``--eviction prefix`` (and the old ``prefix`` rule ``prefix-recency``). The old value is
+taken as the new one, with one deprecation line per process naming both.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ from typing import Any
 from backend.config.values import format_seconds, ms_to_s, parse_int
 from backend.errors import ConfigError
 
-__all__ = ["Renamed", "take_renamed"]
+__all__ = ["Renamed", "renamed_value", "take_renamed"]
 
 logger = logging.getLogger("backend.config")
 
 MAX_OLD_MS = 2**31 - 1  # what the old keys took at most (the node's flags; the URL's were lower, checked anew)
 _warned: set[str] = set()  # old keys already warned about in this process (configs are rebuilt often)
+_warned_values: set[tuple[str, str]] = set()  # (option, old value) already warned about
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +70,25 @@ def take_renamed(
             taken[new] = format_seconds(seconds)
         _warn_once(spell(rename.old), [spell(new) for new in rename.new])
     return taken
+
+
+def renamed_value(key: str, value: str, renamed: Mapping[str, str]) -> str:
+    """``value`` of the option ``key`` (as its source spells it), or the new name of a renamed value, warned
+    about once per process."""
+    new = renamed.get(value)
+    if new is None:
+        return value
+    if (key, value) not in _warned_values:
+        _warned_values.add((key, value))
+        logger.warning(
+            "%s %s is deprecated: it is now called %s (give %s %s; the old name still works for now)",
+            key,
+            value,
+            new,
+            key,
+            new,
+        )
+    return new
 
 
 def _warn_once(old: str, new: list[str]) -> None:

@@ -330,6 +330,7 @@ class NodeInfo:
     shm_token: str = ""  # written in the arena's header: proves a client opened this node's file
     channel: str = ""  # channel transport this node serves ("nccl", "cpu"), empty if none
     tls: bool = False  # the node protocol is served over TLS only
+    eviction: str = "lru"  # the node's eviction order (--eviction); an entry of an older build has none: lru
     draining: bool = False  # filled by NodeRegistry.nodes() from the draining set
     alive: bool = False  # filled by NodeRegistry.nodes(), never stored
     slot: int = 0  # the node's field in index entries (NodeSlots): filled by NodeRegistry.nodes(), 0 if none
@@ -357,6 +358,12 @@ class NodeInfo:
             self.capacity_bytes,
             tenth,
         )
+
+    @property
+    def takes_touches(self) -> bool:
+        """Whether the node's eviction order uses what lookups found (every order but lru: the prefix orders
+        count lookups as reads); a client with ``touch=auto`` tells only these nodes."""
+        return self.eviction != "lru"
 
     @property
     def address(self) -> str:

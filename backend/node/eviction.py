@@ -8,11 +8,12 @@ finding a victim costs O(1) however many chunks are pinned (``tiers.py``).
 
 Every operation is O(1) (amortised) and an order keeps no object per chunk: columns
 indexed by the chunk's slot (``bookkeeping.ChunkTable``). Three orders, chosen by the
-node's ``eviction`` setting (:data:`ORDERS`):
+node's ``eviction`` setting (:data:`ORDERS`; ``prefix-freq``, the old name of ``prefix``, is
+mapped by ``backend.config.node``):
 
 * :class:`LruOrder` (``lru``): least recently used first; a doubly linked list threaded
   through two columns, 8 bytes a chunk.
-* :class:`PrefixOrder` (``prefix``): for a prefix cache. LMCache looks a request's chunks
+* :class:`PrefixRecencyOrder` (``prefix-recency``): for a prefix cache. LMCache looks a request's chunks
   up in prefix order and stops at the first miss, so chunk *k* is worth something only
   while chunks *0..k-1* are held. A batch's chunks (a put, a get, a lookup's touch:
   keys in prefix order) are touched tail first, so a chain's head is its most recent
@@ -21,7 +22,7 @@ node's ``eviction`` setting (:data:`ORDERS`):
   unreachable) are *cut off* and leave before anything still reachable. 24 bytes a
   chunk: the recency list (8) and the chain as a tree (parent, first child, and the
   siblings' list: 16), since a shared head (a system prompt) has many continuations.
-* :class:`PrefixFrequencyOrder` (``prefix-freq``): ``prefix``'s chains, and the most-read
+* :class:`PrefixOrder` (``prefix``): ``prefix-recency``'s chains, and the most-read
   chains stay: fewest reads first (counts aged), and a newcomer that would evict a chunk
   read as often is refused (:meth:`EvictionOrder.admits`; the put answers it "no room").
   26 bytes a chunk, and 16 KiB a tier for the counts of refused keys.
@@ -29,13 +30,13 @@ node's ``eviction`` setting (:data:`ORDERS`):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from itertools import pairwise
 from typing import Protocol
 
 from backend.node.columns import column, grown
 
-__all__ = ["EvictionOrder", "LruOrder", "PrefixOrder", "PrefixFrequencyOrder", "ORDERS", "order_named"]
+__all__ = ["EvictionOrder", "LruOrder", "PrefixOrder", "PrefixRecencyOrder", "ORDERS", "order_named"]
 
 _END = -1  # no slot: the end of a list, a chain's head (no parent)
 _OUT = -2  # in ``prev``: the slot is in no list (not in the tier, or pinned)
@@ -69,8 +70,9 @@ class EvictionOrder(Protocol):
     def coldest(self) -> Iterator[int]:
         """Slots from the first to leave on; valid until the order next changes."""
 
-    def admits(self, key: str) -> bool:
-        """Whether a chunk ``key`` not held may evict the coldest chunk to come in (False: the order refuses it)."""
+    def admits(self, key: Hashable) -> bool:
+        """Whether a chunk ``key`` not held may evict the coldest chunk to come in (False: the order refuses it).
+        The key is only hashed (the node passes its key string, the simulator its int)."""
 
 
 class _Recency:
@@ -161,14 +163,14 @@ class LruOrder:
     def coldest(self) -> Iterator[int]:
         return self._list.walk(0)
 
-    def admits(self, key: str) -> bool:
+    def admits(self, key: Hashable) -> bool:
         return True
 
 
-_REACHABLE, _CUT_OFF = 0, 1  # PrefixOrder's two lists: cut-off chunks are walked first
+_REACHABLE, _CUT_OFF = 0, 1  # PrefixRecencyOrder's two lists: cut-off chunks are walked first
 
 
-class PrefixOrder:
+class PrefixRecencyOrder:
     """Tails of cold prefix chains first, and chunks whose prefix left before anything still reachable.
 
     Every operation O(1), amortised: a chunk is cut off once per link a batch made to
@@ -246,7 +248,7 @@ class PrefixOrder:
         yield from self._lists.walk(_CUT_OFF)
         yield from self._lists.walk(_REACHABLE)
 
-    def admits(self, key: str) -> bool:
+    def admits(self, key: Hashable) -> bool:
         return True
 
     def _link(self, slots: Sequence[int]) -> None:
@@ -294,11 +296,11 @@ class PrefixOrder:
 
 
 MAX_READS = 15  # a chunk's read count stops here: one recency list per count, and 4 agings take any to 0
-NEW_READS = 1  # a chunk put starts as read once (as in the simulator's ``prefix-freq``)
+NEW_READS = 1  # a chunk put starts as read once
 # Halve every count after this many times the tier's chunks were named by batches (reads and puts):
-# the simulator's AGE_EVERY_CAPACITY, tuned there (2 lost long-doc-qa at 0.5; 8 never adapted).
+# tuned in the simulator, on its own copy of the rule then (2 lost long-doc-qa at 0.5; 8 never adapted).
 AGE_EVERY_HELD = 4
-_CUT_OFF_LIST = 0  # PrefixFrequencyOrder's first list: cut-off chunks, whatever their counts
+_CUT_OFF_LIST = 0  # PrefixOrder's first list: cut-off chunks, whatever their counts
 _FRESH = 0xFF  # in ``reads``: the slot has no count yet (it starts at NEW_READS when next seen)
 _HALVED = bytes(n // 2 for n in range(256))  # a translate table: every counter of the sketch halved
 # The counts of refused keys: a count-min sketch of SKETCH_ROWS rows of SKETCH_WIDTH one-byte counters
@@ -307,17 +309,17 @@ SKETCH_ROWS, SKETCH_WIDTH = 4, 4096
 _SKETCH_BITS = 16  # the hash bits each row takes its column from (SKETCH_WIDTH <= 1 << _SKETCH_BITS)
 
 
-class PrefixFrequencyOrder(PrefixOrder):
+class PrefixOrder(PrefixRecencyOrder):
     """The most-read chains stay: cut-off chunks first, then the fewest reads, least recent first among equals
     (a batch touches tail first, so inside a chain the tail leaves first); and a newcomer is refused
     (:meth:`admits`) when the chunk it would evict was read at least as often as it counts.
 
-    The simulator's ``prefix-freq`` (``bench/workload_sim.py`` ``PrefixFrequency``), ported to columns.
+    The simulator runs this class itself (``bench/workload_sim.py`` ``NodeOrder``), as it runs the others.
     A read is a batch that read or looked a chunk up (``touch_chain(read=True)``); a put starts a chunk at
     NEW_READS. A refused key's refusals are counted in a fixed-size sketch and count as its reads when it
     is offered again, so a new working set that keeps coming back gets in as the old one cools.
 
-    Every operation O(1), amortised. 26 bytes per slot: PrefixOrder's 24, ``reads`` (1) and ``epoch`` (1).
+    Every operation O(1), amortised. 26 bytes per slot: PrefixRecencyOrder's 24, ``reads`` (1) and ``epoch`` (1).
     One recency list per count (``1 + reads``) after the cut-off list (0). Aging halves every count without
     visiting a chunk: the lists of counts 2r and 2r+1 are spliced into the list of r (the lower first), and
     a chunk's stored count is halved by the agings it missed when it is next read (its ``epoch``, mod 256,
@@ -375,7 +377,7 @@ class PrefixFrequencyOrder(PrefixOrder):
         return which
 
     def touch_chain(self, slots: Sequence[int], read: bool = True) -> None:
-        """Link the batch's chunks as PrefixOrder does; a read counts once more for each; touch them tail first."""
+        """Link the batch's chunks as PrefixRecencyOrder does; a read counts once more for each; touch them tail first."""
         self._link(slots)
         if read:
             for slot in slots:
@@ -388,7 +390,7 @@ class PrefixFrequencyOrder(PrefixOrder):
         for which in range(2 + MAX_READS):
             yield from self._lists.walk(which)
 
-    def admits(self, key: str) -> bool:
+    def admits(self, key: Hashable) -> bool:
         """Whether ``key`` may evict the coldest chunk: yes when that one is cut off or read fewer times than
         NEW_READS and the key's refusals; else the refusal is counted (in the sketch and ``refused``)."""
         coldest = next(self.coldest(), _END)
@@ -402,12 +404,12 @@ class PrefixFrequencyOrder(PrefixOrder):
         self._named_by_batches(1)  # asked for and not held: it counts toward aging as a miss put would
         return False
 
-    def refusals(self, key: str) -> int:
+    def refusals(self, key: Hashable) -> int:
         """How often ``key`` was refused (aged as the reads are; never under, may be over: a sketch)."""
         return min(self._sketch[index] for index in self._cells(key))
 
     @staticmethod
-    def _cells(key: str) -> Iterator[int]:
+    def _cells(key: Hashable) -> Iterator[int]:
         digest = hash(key)
         for row in range(SKETCH_ROWS):
             yield row * SKETCH_WIDTH + ((digest >> (row * _SKETCH_BITS)) & (SKETCH_WIDTH - 1))
@@ -456,7 +458,7 @@ class PrefixFrequencyOrder(PrefixOrder):
 ORDERS: dict[str, Callable[[], EvictionOrder]] = {
     "lru": LruOrder,
     "prefix": PrefixOrder,
-    "prefix-freq": PrefixFrequencyOrder,
+    "prefix-recency": PrefixRecencyOrder,
 }  # the ``eviction`` setting
 
 

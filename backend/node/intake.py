@@ -284,7 +284,7 @@ class Intake:
 
 def _admitted(tiers: TierManager, key: str, room: int) -> bool:
     """Whether a put of ``key`` (``room`` bytes) may make its room by eviction: False when DRAM is full, evicts
-    (no NVMe tier below it), and its order refuses the newcomer (``prefix-freq``: the coldest chunk was read as
+    (no NVMe tier below it), and its order refuses the newcomer (``prefix``: the coldest chunk was read as
     often). A key held already, or one that fits, is never refused here."""
     if tiers.nvme is not None or tiers.dram.fits(room) or tiers.contains(key):
         return True

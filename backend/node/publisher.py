@@ -239,6 +239,7 @@ class IndexPublisher:
             cluster=ctx.config.cluster,
             channel=advert.channel,
             tls=advert.tls,
+            eviction=ctx.config.eviction,
             hostname=socket.gethostname(),
             pid=os.getpid(),
             started_at=self.started_at,
