@@ -422,3 +422,31 @@ def test_a_prefix_node_keeps_a_read_chain_and_refuses_newcomers_chunk_by_chunk(n
     assert found == [4, 4, 2]
     assert [refused.value.outcomes[x.key] for x in c] == [PutOutcome.STORED] * 2 + [PutOutcome.NO_ROOM] * 2
     assert counters.get("put_rejected_capacity") == 2
+
+
+def test_a_prefix_node_refuses_the_rest_of_a_put_after_a_refused_chunk(node_factory, redis_server):
+    """A chunk refused by the order cuts its put's chain: a later chunk of the same put that the order alone
+    would let in (refused before, its refusal now counts as a read) is refused too, since no lookup could
+    reach it past the missing one; it would only have evicted a reachable chunk."""
+    from backend.errors import CapacityError, PutOutcome
+
+    ns = "ev-cut"
+    node_factory("--eviction", "prefix", dram=str(10 * CHUNK_BYTES), ns=ns)
+    a, b, c = (numbered_chunks(name, 4, CHUNK_BYTES, seed=i) for i, name in enumerate("abc"))
+    (x,) = numbered_chunks("x", 1, CHUNK_BYTES, seed=7)
+    url = f"kvpool://127.0.0.1:{redis_server.port}/{ns}?connections_per_node=1"
+    with SyncPoolClient(PoolConfig.from_url(url)) as client:
+        client.put(a)
+        for _ in range(2):
+            assert all(client.get([k.key for k in a]))
+        client.put(b)
+        with pytest.raises(CapacityError):
+            client.put(c)  # c2 and c3 refused, each remembered in the node's sketch
+        with pytest.raises(CapacityError) as refused:
+            client.put([x, c[3]])  # x is new and refused; c3, offered again, is worth more than the coldest
+        held = client.get([x.key, c[3].key])
+        (node,) = client.nodes()
+        counters = client.node_stats(node)["counters"]
+    assert [refused.value.outcomes[k.key] for k in (x, c[3])] == [PutOutcome.NO_ROOM] * 2
+    assert held == [None, None]
+    assert counters.get("put_rejected_capacity") == 4

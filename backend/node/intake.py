@@ -132,6 +132,9 @@ class Intake:
         self.received: Received = []
         self._window: list[tuple[ItemMeta, ChunkBuffer]] = []  # reserved, bytes not here yet
         self._window_bytes = 0
+        # A chunk the eviction order refused cuts the request's chain there: the chunks after it (a request's
+        # keys come in prefix order) are refused too, as no lookup could reach them past the missing one.
+        self._cut_off = False
 
     def inserted(self) -> list[StoredChunk]:
         """The chunks this request put into DRAM (not visible before the index commit)."""
@@ -141,7 +144,9 @@ class Intake:
         """Bring ``item`` in (in the current window, or in parts), or read past it with the refusal's flag."""
         source = self.source
         room = self.tiers.room_of(item.nbytes)
-        if not _admitted(self.tiers, item.key, room):  # the eviction order keeps what it holds: not stored
+        cut_off = self._cut_off and not self.tiers.contains(item.key)
+        if cut_off or not _admitted(self.tiers, item.key, room):  # the eviction order keeps what it holds
+            self._cut_off = True
             await self.flush()  # the window's bytes come before this chunk's
             await source.drop(item.nbytes)
             self.received.append((PUT_NO_ROOM, item, None))
