@@ -16,8 +16,6 @@ checked here before the node acts on it:
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +47,8 @@ __all__ = [
 
 MAX_PINS_PAGE = 10_000  # rows one PINS answer may carry
 OWNER_RULE = "1-128 characters of A-Z a-z 0-9 _ . : @ / -"
-_OWNER_RE = re.compile(r"[A-Za-z0-9_.:@/-]{1,128}")
+_OWNER_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:@/-")
+_MAX_OWNER_CHARS = 128
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,7 @@ class PinPage:
 
 def check_owner(owner: object) -> str:
     """``owner`` if it is a pin owner's name (``OWNER_RULE``); ProtocolError naming it otherwise."""
-    if not isinstance(owner, str) or not _OWNER_RE.fullmatch(owner):
+    if not isinstance(owner, str) or not 0 < len(owner) <= _MAX_OWNER_CHARS or not _OWNER_CHARS.issuperset(owner):
         raise ProtocolError(f"pin owner {str(owner)[:80]!r} must be {OWNER_RULE}")
     return owner
 
@@ -102,7 +101,7 @@ def check_owner(owner: object) -> str:
 def _ttl(value: object, what: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
         raise ProtocolError(f"{what} ttl_s {str(value)[:40]} is not a number of seconds >= 0 (or null)")
     return float(value)
 
