@@ -25,6 +25,9 @@ VERBS = [
     "undrain",
     "flush",
     "check",
+    "pin",
+    "unpin",
+    "pins",
     "doctor",
     "selftest",
     "lmcache-config",
@@ -43,7 +46,9 @@ not reach Redis with its credentials and a live node (unless `--offline`; nothin
 printed); `2` a usage error: a bad flag, URL, option, config
 file or environment variable, named in one line (nothing was changed); `3` from
 `kvpool check` when it found problems, whether or not `--fix` repaired them (`0` when the
-pool is clean), so a cron job can alert on it; `141` when the reader of stdout went away
+pool is clean), so a cron job can alert on it; `kvpool pin` of a key no live node holds, or
+of a `--prefix` that names none, is a usage error (nothing was pinned), a ttl over a node's cap
+is an error naming that cap, and `kvpool unpin` of a key its owner pins nowhere exits `1`; `141` when the reader of stdout went away
 (`kvpool ls | head`), quietly, as `cat` does. {url_json} take `--url kvpool://...`
 (default `$KVPOOL_URL`) and `--json`; `lmcache-config` takes `--url`; `selftest` takes the
 URL as its argument (default `$KVPOOL_URL`) and `--json`. What `doctor` finds is explained,

@@ -74,6 +74,7 @@ PROTOCOL_PARTS = {
     "backend.protocol.reads": 2,
     "backend.protocol.channel": 2,
     "backend.protocol.inventory": 2,
+    "backend.protocol.pins": 2,
     "backend.protocol.reports": 2,
 }
 # A pure codec: no I/O, no clock, nothing of backend but the errors.
@@ -307,10 +308,10 @@ def test_the_protocol_package_exports_every_part_s_wire_api() -> None:
 # verb families share; 1: one family each (a verb is read without the other families); above: what
 # gathers them. A module imports only modules of its room at a lower level.
 VERB_ROOMS = {
-    "backend.admin": {"shared": 0, "listing": 1, "removal": 1, "draining": 1, "fsck": 1, "__init__": 2},
+    "backend.admin": {"shared": 0, "listing": 1, "removal": 1, "draining": 1, "fsck": 1, "pinning": 1, "__init__": 2},
     "backend.cli": {
         **dict.fromkeys(("exits", "options", "output"), 0),
-        **dict.fromkeys(("serve", "listing", "maintenance", "diagnose", "lmcache"), 1),
+        **dict.fromkeys(("serve", "listing", "maintenance", "diagnose", "lmcache", "pinning"), 1),
         "main": 2,
         "__init__": 3,
         "__main__": 4,

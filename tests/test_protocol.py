@@ -153,6 +153,9 @@ def test_op_and_status_codes_have_their_wire_values() -> None:
         "CHANNEL_GET": 13,
         "PUT_STAGED": 14,
         "TOUCH": 15,
+        "PIN": 16,
+        "UNPIN": 17,
+        "PINS": 18,
     }
     assert {s.name: int(s) for s in Status} == {
         "OK": 0,
@@ -776,6 +779,8 @@ def _stat_body() -> dict[str, object]:
         "latency": {"bounds_s": [0.001, 1.0], "ops": {"get_batch": {"counts": [1, 0, 0], "sum_s": 0.0005}}},
         "recent": {"window_s": 12.5, "requests_per_s": 0.32, "gets": 4, "hits": 3},
         "republish": {"running": True, "pending": 7, "published": 3, "seconds": 0.5},
+        "pinned_chunks": 1,
+        "pinned_bytes": 4096,
     }
 
 

@@ -10,7 +10,8 @@ one batch of chunk bytes at a time. A node that refuses this client's token fail
 verb (AuthError naming the node): figures or removals without it would mislead.
 
 One module per verb family: ``listing`` (status, nodes, ls, stats), ``removal`` (evict,
-flush), ``draining`` (drain, undrain), ``fsck`` (check); ``shared`` holds what they share.
+flush), ``draining`` (drain, undrain), ``fsck`` (check), ``pinning`` (pin, unpin, pins);
+``shared`` holds what they share.
 None imports another family.
 """
 
@@ -29,6 +30,7 @@ from backend.admin.listing import (
     pool_status,
     redis_memory,
 )
+from backend.admin.pinning import DEFAULT_PIN_OWNER, NodePin, PinReport, UnpinReport, list_pins, pin, unpin
 from backend.admin.removal import EvictReport, FlushReport, evict, flush
 from backend.metadata import RedisMemory
 
@@ -45,6 +47,13 @@ __all__ = [
     "undrain",
     "flush",
     "check",
+    "pin",
+    "unpin",
+    "list_pins",
+    "DEFAULT_PIN_OWNER",
+    "PinReport",
+    "UnpinReport",
+    "NodePin",
     "DrainReport",
     "EvictReport",
     "FlushReport",

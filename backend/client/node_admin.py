@@ -4,7 +4,8 @@ The data path asks the index where a key lives and reads whichever copy answers;
 the admin verbs (``backend.admin``: drain, flush, check, status) instead address one
 given node: list what it holds (INVENTORY), ask whether it holds keys
 (EXISTS_BATCH), have it re-check its copies (VERIFY_BATCH), delete from it alone
-(DELETE_BATCH, leaving the index to the caller) and read its figures (STAT). Each
+(DELETE_BATCH, leaving the index to the caller), pin and unpin keys on it and list its pins
+(PIN, UNPIN, PINS) and read its figures (STAT). Each
 method encodes its request and decodes the answer with ``backend.protocol`` and
 returns typed values, so no caller handles frames or reads rows by position.
 """
@@ -22,17 +23,27 @@ from backend.protocol import (
     InventoryRow,
     NodeReport,
     Op,
+    PinPage,
+    PinRequest,
+    PinRow,
     Verified,
     decode_flags,
     decode_inventory_response,
     decode_node_report,
+    decode_pin_response,
+    decode_pins_response,
+    decode_unpin_response,
     encode_inventory_request,
     encode_keys,
+    encode_pin_request,
+    encode_pins_request,
+    encode_unpin_request,
 )
 
-__all__ = ["NodeAdmin", "INVENTORY_PAGE"]
+__all__ = ["NodeAdmin", "INVENTORY_PAGE", "PINS_PAGE"]
 
 INVENTORY_PAGE = 1000  # rows per INVENTORY request when walking a node
+PINS_PAGE = 1000  # rows per PINS request
 
 
 class NodeAdmin:
@@ -89,3 +100,28 @@ class NodeAdmin:
     async def stats(self, node: NodeInfo) -> NodeReport:
         """``node``'s STAT answer: counters, tiers, recent window, latency histograms (docs/operations.md)."""
         return decode_node_report(await self._request(node, Op.STAT, b""))
+
+    async def pin(self, node: NodeInfo, request: PinRequest) -> tuple[list[bool], float | None]:
+        """Pin keys on ``node``: ``(held per key, the ttl it applied or None for none)``. All or nothing: a key it
+        does not hold is False and then nothing was pinned. A ttl its settings refuse: KVPoolError naming it."""
+        answer = await self._request(node, Op.PIN, encode_pin_request(request))
+        return decode_pin_response(answer, len(request.keys))
+
+    async def unpin(self, node: NodeInfo, owner: str, keys: Sequence[str]) -> list[bool]:
+        """Let go of ``owner``'s newest pin of each key on ``node``; whether it had one."""
+        if not keys:
+            return []
+        return decode_unpin_response(await self._request(node, Op.UNPIN, encode_unpin_request(owner, keys)), len(keys))
+
+    async def pins(self, node: NodeInfo, prefix: str = "") -> list[PinRow]:
+        """Every key ``node`` pins (of keys starting with ``prefix``), one row per key and owner, in order."""
+        rows: list[PinRow] = []
+        after: tuple[str, str] | None = None
+        while True:
+            page: PinPage = decode_pins_response(
+                await self._request(node, Op.PINS, encode_pins_request(prefix, after, PINS_PAGE))
+            )
+            rows.extend(page.rows)
+            if not page.more or not page.rows:
+                return rows
+            after = (page.rows[-1].key, page.rows[-1].owner)

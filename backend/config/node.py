@@ -17,6 +17,7 @@ from backend.config.node_parsers import (
     parse_advertise,
     path_value,
     redis_value,
+    seconds_or_zero_value,
     seconds_value,
     shm_dir_value,
     size_value,
@@ -61,6 +62,9 @@ DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
 # stays small (a descriptor and at most max_handshake_meta_bytes each).
 DEFAULT_MAX_PENDING_CONNECTIONS = 1024
 MAX_PENDING_CONNECTIONS = 1_000_000
+# Pin deadlines (docs/fleet.md): Mooncake's soft pins' default and cap (its master's 30 min and 24 h).
+DEFAULT_PIN_TTL_S = 1800.0
+DEFAULT_PIN_TTL_MAX_S = 86400.0
 _CHANNELS = ("off", "nccl", "cpu")
 EVICTIONS = ("lru", "prefix", "prefix-recency")  # the node's eviction orders (backend/node/eviction.py ORDERS)
 # Old names of an order, still taken for a release with a deprecation line: the frequency-aware rule was
@@ -234,6 +238,22 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
         "order what their lookups found (the pool URL's touch=auto)",
         metavar="{" + ",".join(EVICTIONS) + "}",  # no argparse choices: the parser also takes the old names
     ),
+    NodeOption(
+        "pin_ttl_default_s",
+        seconds_or_zero_value,
+        DEFAULT_PIN_TTL_S,
+        "how long a pin (kvpool pin) lasts when it names no --ttl, in seconds; 0: no expiry, which needs "
+        f"--pin-ttl-max-s 0 (default {DEFAULT_PIN_TTL_S:g})",
+        metavar="S",
+    ),
+    NodeOption(
+        "pin_ttl_max_s",
+        seconds_or_zero_value,
+        DEFAULT_PIN_TTL_MAX_S,
+        f"the longest ttl a pin may ask for, in seconds; 0: no cap, and pins may ask for no expiry "
+        f"(default {DEFAULT_PIN_TTL_MAX_S:g})",
+        metavar="S",
+    ),
     NodeOption("token", text_value, "", "the pool token clients must prove", env="KVPOOL_TOKEN", flag=False),
     NodeOption("redis_password", text_value, "", "the Redis ACL password", env="KVPOOL_REDIS_PASSWORD", flag=False),
 )
@@ -352,6 +372,8 @@ class NodeConfig:
     max_pending_connections: int = DEFAULT_MAX_PENDING_CONNECTIONS  # not yet admitted; above it the oldest is closed
     token_file: str = ""  # where the token came from, if a file (so `kvpool up` can name it, never print it)
     redis_password_file: str = ""  # likewise for redis_password
+    pin_ttl_default_s: float = DEFAULT_PIN_TTL_S  # a pin's ttl when it names none; 0: no expiry (needs no cap)
+    pin_ttl_max_s: float = DEFAULT_PIN_TTL_MAX_S  # the longest a pin may ask for; 0: no cap
 
     def __post_init__(self) -> None:
         if not self.redis_url:
@@ -384,6 +406,14 @@ class NodeConfig:
         ):
             if value <= 0:
                 raise ConfigError(flag, f"{value} is not a positive number of seconds")
+        if self.pin_ttl_default_s < 0 or self.pin_ttl_max_s < 0:
+            raise ConfigError("--pin-ttl-default-s", "pin ttls are numbers of seconds >= 0")
+        if self.pin_ttl_max_s and not 0 < self.pin_ttl_default_s <= self.pin_ttl_max_s:
+            raise ConfigError(
+                "--pin-ttl-default-s",
+                f"{self.pin_ttl_default_s:g} must be within the cap --pin-ttl-max-s {self.pin_ttl_max_s:g} "
+                "(0, no expiry, needs --pin-ttl-max-s 0)",
+            )
         if self.max_pending_connections <= 0:
             raise ConfigError("--max-pending-connections", f"{self.max_pending_connections} is not a positive number")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -447,6 +477,8 @@ class NodeConfig:
             dead_node_grace_s=values["dead_node_grace_s"],
             handshake_timeout_s=values["handshake_timeout_s"],
             max_pending_connections=values["max_pending_connections"],
+            pin_ttl_default_s=values["pin_ttl_default_s"],
+            pin_ttl_max_s=values["pin_ttl_max_s"],
             token_file=str(token_file.resolve()) if token_file is not None else "",
             redis_password_file=str(password_file.resolve()) if password_file is not None else "",
         )

@@ -115,6 +115,11 @@ def seconds_value(key: str, value: Any) -> float:
     return parse_seconds(key, text_value(key, value), MIN_NODE_S, MAX_NODE_S)
 
 
+def seconds_or_zero_value(key: str, value: Any) -> float:
+    """Seconds, where 0 means none (no expiry, no cap)."""
+    return parse_seconds(key, text_value(key, value), 0, MAX_NODE_S)
+
+
 def shm_dir_value(key: str, value: Any) -> Path | None:
     text = "off" if value is False or value is None else text_value(key, value)
     if text.lower() == "off":

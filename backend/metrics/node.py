@@ -89,7 +89,11 @@ class NodeCollector:
         yield _gauge("uptime_seconds", "Seconds since the node process started.", node, report.uptime_s)
         yield _gauge("epoch", "Epoch this node took at its start (a restart takes a new one).", node, report.epoch)
         yield _gauge("objects", "Distinct chunks held, over all tiers.", node, report.objects)
-        yield _gauge("leases", "Leases currently held by clients.", node, report.leases)
+        yield _gauge("leases", "Leases currently held by clients (pins included).", node, report.leases)
+        yield _gauge(
+            "pinned_chunks", "Chunks held now under a pin (kvpool pin): never evicted.", node, report.pinned_chunks
+        )
+        yield _gauge("pinned_bytes", "Bytes of the chunks held now under a pin.", node, report.pinned_bytes)
         arena = report.arena
         if arena is not None:
             yield _gauge(

@@ -1,4 +1,4 @@
-"""What every part of one node shares: its config, tiers, index, counters, identity, worker threads and tasks.
+"""What every part of one node shares: its config, tiers, pins, index, counters, identity, worker threads and tasks.
 
 The node's parts (``session.py``, ``ops.py``, ``puts.py``, ``publisher.py``, ``stats.py``)
 each receive a :class:`NodeContext` and the other parts they use; none holds the node
@@ -18,6 +18,7 @@ from backend.config import NodeConfig
 from backend.counters import NodeCounter
 from backend.handshake import KeyRing, handshake_key
 from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, RedisMemory
+from backend.node.pins import PinBook, PinTtl
 from backend.node.tiers import DRAM, TierManager
 from backend.protocol import ItemMeta
 
@@ -70,6 +71,14 @@ class NodeContext:
     def __init__(self, config: NodeConfig, tiers: TierManager, index: NodeIndex) -> None:
         self.config = config
         self.tiers = tiers
+        # The pins (pins.py): leases of no connection, kept in the NVMe directory when there is one.
+        self.pins = PinBook(
+            tiers.leases,
+            tiers.held,
+            PinTtl(config.pin_ttl_default_s, config.pin_ttl_max_s),
+            tiers.nvme.root if tiers.nvme is not None else None,
+            save_copy=tiers.demoter.save_copy,
+        )
         self.index = index
         self.counters: Counter[NodeCounter] = Counter()
         self.identity = Identity(config.node_id)

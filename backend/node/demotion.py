@@ -121,6 +121,17 @@ class Demoter:
         elif key in self.dram and not self.dram.holds(key, chunk.meta.checksum, chunk.meta.fingerprint):
             self.nvme.forget(record)  # replaced by other bytes while we wrote
 
+    async def save_copy(self, key: str) -> None:
+        """Give ``key``'s DRAM chunk an NVMe file and keep it in DRAM too (a pinned chunk: the file outlives a
+        restart); nothing to do without an NVMe tier, or when the file is there. CapacityError if the disk refuses."""
+        if self.nvme is None:
+            return
+        async with self.lock:
+            chunk = self.dram.peek(key)
+            record = self.nvme.record(key)
+            if chunk is not None and (record is None or record.meta.checksum != chunk.meta.checksum):
+                await self._write(chunk)
+
     def evict(self, key: str, chunk: StoredChunk | None = None) -> None:
         """Drop a DRAM chunk that has no other place (no NVMe tier, or the disk will not take it); with
         ``chunk``, only if that is still the copy held (a demotion awaited the disk meanwhile)."""

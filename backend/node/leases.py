@@ -9,12 +9,19 @@ crashed, or gave up on it: nobody is left to release it), or at its deadline. A
 client killed while holding leases therefore pins nothing once the node sees its
 connection close, however long its ttl was. The table is bounded; a node refuses
 new leases past ``max_leases`` rather than grow without limit.
+
+A *pin* (``pins.py``) is a lease of this table with no connection: its owner is a name
+an operator gave (a :class:`~backend.node.pins.PinOwner`, never a connection, so no close ends
+it), it holds no chunk objects, and its deadline may be far off or none (``math.inf``: only
+an unpin ends it). A key under two leases or pins is held twice: :attr:`LeaseTable.pinned`
+is the reference count, and the chunk moves again only when it drops to zero.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import secrets
 import time
 from collections import Counter, defaultdict
@@ -36,8 +43,8 @@ class Lease:
     lease_id: int
     keys: set[str]
     chunks: dict[str, StoredChunk]  # held for same-host reads: their regions stay allocated
-    expires_at: float
-    owner: Hashable | None = None  # the connection that took it; its closing ends the lease
+    expires_at: float  # time.monotonic(); math.inf: no deadline (a pin without a ttl)
+    owner: Hashable | None = None  # the connection that took it (its closing ends the lease), or a pin's owner
 
 
 class LeaseTable:
@@ -55,7 +62,8 @@ class LeaseTable:
         self.counters: Counter[NodeCounter] = Counter()
         self._leases: dict[int, Lease] = {}
         self._deadlines: list[tuple[float, int]] = []
-        self._owned: defaultdict[Hashable, set[int]] = defaultdict(set)  # owner -> its lease ids
+        # owner -> its lease ids, oldest first (a dict as an ordered set: an unpin lets go of the newest pin)
+        self._owned: defaultdict[Hashable, dict[int, None]] = defaultdict(dict)
         self._on_unpinned = on_unpinned
 
     def __len__(self) -> int:
@@ -70,6 +78,16 @@ class LeaseTable:
         """
         if not 0 < ttl_ms <= MAX_LEASE_TTL_MS:
             raise ValueError(f"lease ttl_ms {ttl_ms} is outside 1..{MAX_LEASE_TTL_MS}")
+        return self._hold(keys, chunks, time.monotonic() + ms_to_s(ttl_ms), owner)
+
+    def hold(self, keys: Iterable[str], owner: Hashable, expires_at: float) -> int:
+        """A lease of no connection over ``keys`` until ``expires_at`` (``time.monotonic()``; ``math.inf``:
+        none): a pin (``pins.py``). It ends by :meth:`release_one`, :meth:`release` or its deadline."""
+        return self._hold(keys, (), expires_at, owner)
+
+    def _hold(
+        self, keys: Iterable[str], chunks: Sequence[StoredChunk], expires_at: float, owner: Hashable | None
+    ) -> int:
         self.expire()
         if len(self._leases) >= self.max_leases:
             self.counters[NodeCounter.LEASES_REFUSED] += 1
@@ -77,13 +95,14 @@ class LeaseTable:
         lease_id = secrets.randbits(63) or 1  # not guessable: one client cannot end another's lease
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1
-        lease = Lease(lease_id, set(keys), {c.meta.key: c for c in chunks}, time.monotonic() + ms_to_s(ttl_ms), owner)
+        lease = Lease(lease_id, set(keys), {c.meta.key: c for c in chunks}, expires_at, owner)
         self._leases[lease.lease_id] = lease
         if owner is not None:
-            self._owned[owner].add(lease_id)
+            self._owned[owner][lease_id] = None
         for key in lease.keys:
             self._pin(key)
-        heapq.heappush(self._deadlines, (lease.expires_at, lease.lease_id))
+        if expires_at != math.inf:
+            heapq.heappush(self._deadlines, (lease.expires_at, lease.lease_id))
         self.counters[NodeCounter.LEASES_GRANTED] += 1
         return lease.lease_id
 
@@ -103,13 +122,33 @@ class LeaseTable:
     def release_owner(self, owner: Hashable) -> int:
         """End every lease ``owner`` took (its connection closed); returns how many ended."""
         ended = 0
-        for lease_id in self._owned.pop(owner, set()):
+        for lease_id in self._owned.pop(owner, {}):
             lease = self._leases.pop(lease_id, None)
             if lease is not None:
                 self._unpin(lease, set(lease.keys))
                 ended += 1
         self.counters[NodeCounter.LEASES_DISCONNECTED] += ended
         return ended
+
+    def release_one(self, owner: Hashable, key: str) -> bool:
+        """Let go of one hold of ``key`` by ``owner``: its newest lease (or pin) holding it; whether it had one.
+
+        O(leases of ``owner``): an owner's pins are few (each PIN request is one)."""
+        for lease_id in reversed(self._owned.get(owner, {})):
+            if key in self._leases[lease_id].keys:
+                self.release(lease_id, (key,))
+                return True
+        return False
+
+    def owned_by(self, owner: Hashable) -> list[Lease]:
+        """The live leases (or pins) of ``owner``, oldest first."""
+        self.expire()
+        return [self._leases[lease_id] for lease_id in self._owned.get(owner, {})]
+
+    def owners(self) -> list[Hashable]:
+        """Every owner holding a lease or pin now."""
+        self.expire()
+        return list(self._owned)
 
     def expire(self, now: float | None = None) -> int:
         """End every lease past its deadline; returns how many ended."""
@@ -128,7 +167,7 @@ class LeaseTable:
     def _disown(self, lease: Lease) -> None:
         owned = self._owned.get(lease.owner) if lease.owner is not None else None
         if owned is not None:
-            owned.discard(lease.lease_id)
+            owned.pop(lease.lease_id, None)
             if not owned:
                 del self._owned[lease.owner]
 

@@ -42,9 +42,12 @@ from backend.protocol import (
     decode_inventory_request,
     decode_keys,
     decode_lease_request,
+    decode_pin_request,
+    decode_pins_request,
     decode_put_batch,
     decode_release,
     decode_touch,
+    decode_unpin_request,
     encode_channel_response,
     encode_flags,
     encode_get_response,
@@ -52,6 +55,9 @@ from backend.protocol import (
     encode_json,
     encode_lease_response,
     encode_node_report,
+    encode_pin_response,
+    encode_pins_response,
+    encode_unpin_response,
 )
 from backend.transport import Buffer
 
@@ -102,6 +108,9 @@ class OpTable:
             Op.STAT: self.stat,
             Op.PING: self.ping,
             Op.TOUCH: self.touch,
+            Op.PIN: self.pin,
+            Op.UNPIN: self.unpin,
+            Op.PINS: self.pins,
         }
         self.table: dict[int, Handler] = {op: _beside(answer) for op, answer in answering.items()}
         self.table[Op.PUT_BATCH] = self.put_batch
@@ -281,6 +290,18 @@ class OpTable:
     async def release(self, meta: bytearray, peer: Peer) -> Reply:
         lease_id, keys = decode_release(meta, self.ctx.config.limits)
         return encode_json({"released": self.ctx.tiers.leases.release(lease_id, keys)}), []
+
+    async def pin(self, meta: bytearray, peer: Peer) -> Reply:
+        """PIN: hold keys past any connection (``pins.py``); all or nothing, answered once saved."""
+        held, ttl_s = await self.ctx.pins.pin(decode_pin_request(meta, self.ctx.config.limits))
+        return encode_pin_response(held, ttl_s), []
+
+    async def unpin(self, meta: bytearray, peer: Peer) -> Reply:
+        owner, keys = decode_unpin_request(meta, self.ctx.config.limits)
+        return encode_unpin_response(await self.ctx.pins.unpin(owner, keys)), []
+
+    async def pins(self, meta: bytearray, peer: Peer) -> Reply:
+        return encode_pins_response(self.ctx.pins.page(*decode_pins_request(meta))), []
 
     async def put_staged(self, meta: bytearray, peer: Peer) -> Reply:
         puts = self.puts

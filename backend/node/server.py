@@ -5,7 +5,8 @@ The parts, one module each:
 * ``startup.py``: the start's order (secrets, Redis, the id's claim, arena, recovery, join) and what
   each step checks; ``claim.py``: one process per node id;
 * ``tiers.py`` (with ``dram.py``, ``nvme_tier.py`` and its file format ``nvme_format.py``,
-  ``demotion.py``, ``arena.py``, ``leases.py``): where chunks live; ``recovery.py``: the NVMe scan at start;
+  ``demotion.py``, ``arena.py``, ``leases.py``): where chunks live; ``pins.py``: pins, leases of no
+  connection; ``recovery.py``: the NVMe scan at start;
 * ``session.py``: the accept loop and one session per connection (TLS, auth, frames);
   ``admission.py``: what a connection gets before its handshake is done; ``stages.py``: the
   same-host clients' put stages, swept when their client is gone;
@@ -236,6 +237,7 @@ class PoolNode:
             channel=self.channel.kind if self.channel is not None else "",
         )
         if nvme is not None:
+            await self.ctx.pins.load()  # before recovery adopts files: a pinned chunk enters pinned
             NvmeRecovery(self.ctx, self.stats, nvme.root, written_before=self.started_at).start()
         await self.publisher.join(advert)
 

@@ -54,6 +54,7 @@ class NodeStats:
         counters = self.counters + tiers.counters + tiers.leases.counters
         for other in self._others:
             counters.update(other)
+        pinned_chunks, pinned_bytes = self.ctx.pins.totals()
         return NodeReport(
             node_id=identity.node_id,
             epoch=identity.epoch,
@@ -67,6 +68,8 @@ class NodeStats:
             latency=self.latency.to_json(),
             recent=self._recent(),
             republish=self.republish,
+            pinned_chunks=pinned_chunks,
+            pinned_bytes=pinned_bytes,
         )
 
     def _snapshot(self) -> tuple[float, int, int, int]:

@@ -11,6 +11,7 @@ One part per concern; every name of the wire API is importable from here
 - ``reads``: GET_BATCH's answer, LEASE and RELEASE;
 - ``channel``: CHANNEL_GET (the part ``nccl_channel`` uses);
 - ``inventory``: INVENTORY and VERIFY_BATCH (admin);
+- ``pins``: PIN, UNPIN and PINS;
 - ``reports``: STAT's answer (:class:`NodeReport` and its parts).
 
 Each part imports only ``frame`` and ``meta`` of this package (``meta`` only ``frame``), so
@@ -68,6 +69,26 @@ from backend.protocol.meta import (
     encode_flags,
     encode_json,
     encode_keys,
+)
+from backend.protocol.pins import (
+    MAX_PINS_PAGE,
+    OWNER_RULE,
+    PinPage,
+    PinRequest,
+    PinRow,
+    check_owner,
+    decode_pin_request,
+    decode_pin_response,
+    decode_pins_request,
+    decode_pins_response,
+    decode_unpin_request,
+    decode_unpin_response,
+    encode_pin_request,
+    encode_pin_response,
+    encode_pins_request,
+    encode_pins_response,
+    encode_unpin_request,
+    encode_unpin_response,
 )
 from backend.protocol.puts import (
     DEFAULT_PUT_WAIT_MS,
@@ -195,6 +216,25 @@ __all__ = [
     "decode_inventory_request",
     "encode_inventory_response",
     "decode_inventory_response",
+    # pins
+    "MAX_PINS_PAGE",
+    "OWNER_RULE",
+    "PinRequest",
+    "PinRow",
+    "PinPage",
+    "check_owner",
+    "encode_pin_request",
+    "decode_pin_request",
+    "encode_pin_response",
+    "decode_pin_response",
+    "encode_unpin_request",
+    "decode_unpin_request",
+    "encode_unpin_response",
+    "decode_unpin_response",
+    "encode_pins_request",
+    "decode_pins_request",
+    "encode_pins_response",
+    "decode_pins_response",
     # reports
     "TierReport",
     "tiers_from_json",

@@ -74,6 +74,9 @@ class Op(enum.IntEnum):
     CHANNEL_GET = 13  # ask for chunks whose bytes travel over the channel (nccl_channel), not this socket
     PUT_STAGED = 14  # a put whose bytes wait in the client's shared-memory stage on the node's host
     TOUCH = 15  # chains of keys a lookup found: the node's eviction order hears they were used; no answer data
+    PIN = 16  # hold keys on the node past any connection, reference-counted, with an optional ttl
+    UNPIN = 17  # let go of one of an owner's pins of each key
+    PINS = 18  # admin: page through the keys a node pins
 
 
 class Status(enum.IntEnum):

@@ -233,6 +233,8 @@ class NodeReport:
     recovery: RecoveryReport | None = None
     latency: dict[str, Any] | None = None
     republish: RepublishReport | None = None
+    pinned_chunks: int = 0  # chunks held now under a pin (PIN), and their bytes
+    pinned_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -248,6 +250,8 @@ class NodeReport:
             "latency": self.latency,
             "recent": self.recent.to_json(),
             "republish": self.republish.to_json() if self.republish is not None else None,
+            "pinned_chunks": self.pinned_chunks,
+            "pinned_bytes": self.pinned_bytes,
         }
 
     @classmethod
@@ -273,6 +277,9 @@ class NodeReport:
             recovery=RecoveryReport.from_json(recovery) if recovery is not None else None,
             latency=latency,
             republish=RepublishReport.from_json(republish) if republish is not None else None,
+            # absent from a node of an earlier version, which pins nothing
+            pinned_chunks=_field(body, "pinned_chunks", int, what) if "pinned_chunks" in body else 0,
+            pinned_bytes=_field(body, "pinned_bytes", int, what) if "pinned_bytes" in body else 0,
         )
 
 
