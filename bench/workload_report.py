@@ -16,6 +16,7 @@ policies dashed), and the modeled time to first token per backend at each capaci
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -238,14 +239,15 @@ def report(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.workload_report", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "results", type=Path, nargs="+", help="bench/results/workload-<stamp>.json file(s) of one trace setup"
+        "results", type=Path, nargs="+", help="bench/results/workload-<stamp>.json file(s) of one trace setup (.json.gz too)"
     )
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write the PNGs there")
     args = parser.parse_args(argv)
     measured: list[Measured] = []
     setups = set()
     for path in args.results:
-        record = json.loads(path.read_text())
+        raw = path.read_bytes()
+        record = json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
         if "engines" not in record:
             parser.error(f"{path}: written before the report's fields (engines, seed, reduced, local_fraction)")
         setups.add((record["engines"], record["seed"], record["reduced"], record["local_fraction"]))
