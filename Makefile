@@ -12,8 +12,8 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU torch pinned by constraints-cpu.txt; unpinned pip would pull a multi-GB CUDA build.
-	# [lmcache]: the tests, the demo and the bench run LMCache; a pool node needs only the core.
-	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[lmcache,test]'
+	# [lmcache]: the tests, the demo and the bench run LMCache; a pool node needs only the core. [events]: kvpool events.
+	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[lmcache,events,test]'
 	touch $(STAMP)
 
 redis:

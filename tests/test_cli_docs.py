@@ -28,6 +28,7 @@ VERBS = [
     "pin",
     "unpin",
     "pins",
+    "events",
     "doctor",
     "selftest",
     "lmcache-config",

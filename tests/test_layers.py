@@ -37,7 +37,8 @@ LEVELS = {
     "backend.node": 5,
     "backend.client": 5,
     "backend.admin": 6,  # a package: one module per verb family
-    "backend.doctor": 6,  # kvpool doctor and selftest: what is wrong and why (beside admin, not above it)
+    "backend.doctor": 6,
+    "backend.events": 6,  # kvpool events: the pool's KV events for routers (beside admin, over the client)  # kvpool doctor and selftest: what is wrong and why (beside admin, not above it)
     "backend.lmcache": 7,  # the LMCache layer (backend/lmcache/)
     # the module paths LMCache configs name: re-exports of the LMCache layer
     "backend.lmcache_connector": 8,
@@ -75,6 +76,7 @@ PROTOCOL_PARTS = {
     "backend.protocol.channel": 2,
     "backend.protocol.inventory": 2,
     "backend.protocol.pins": 2,
+    "backend.protocol.events": 2,
     "backend.protocol.reports": 2,
 }
 # A pure codec: no I/O, no clock, nothing of backend but the errors.
@@ -311,7 +313,7 @@ VERB_ROOMS = {
     "backend.admin": {"shared": 0, "listing": 1, "removal": 1, "draining": 1, "fsck": 1, "pinning": 1, "__init__": 2},
     "backend.cli": {
         **dict.fromkeys(("exits", "options", "output"), 0),
-        **dict.fromkeys(("serve", "listing", "maintenance", "diagnose", "lmcache", "pinning"), 1),
+        **dict.fromkeys(("serve", "listing", "maintenance", "diagnose", "lmcache", "pinning", "events"), 1),
         "main": 2,
         "__init__": 3,
         "__main__": 4,

@@ -156,6 +156,7 @@ def test_op_and_status_codes_have_their_wire_values() -> None:
         "PIN": 16,
         "UNPIN": 17,
         "PINS": 18,
+        "EVENTS": 19,
     }
     assert {s.name: int(s) for s in Status} == {
         "OK": 0,

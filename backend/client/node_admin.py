@@ -5,7 +5,7 @@ the admin verbs (``backend.admin``: drain, flush, check, status) instead address
 given node: list what it holds (INVENTORY), ask whether it holds keys
 (EXISTS_BATCH), have it re-check its copies (VERIFY_BATCH), delete from it alone
 (DELETE_BATCH, leaving the index to the caller), pin and unpin keys on it and list its pins
-(PIN, UNPIN, PINS) and read its figures (STAT). Each
+(PIN, UNPIN, PINS), read its ring of stores and removals (EVENTS) and read its figures (STAT). Each
 method encodes its request and decodes the answer with ``backend.protocol`` and
 returns typed values, so no caller handles frames or reads rows by position.
 """
@@ -19,6 +19,8 @@ from backend.client.connection import Connections
 from backend.errors import ProtocolError
 from backend.metadata import NodeInfo
 from backend.protocol import (
+    MAX_EVENTS_KEYS,
+    EventsPage,
     InventoryPage,
     InventoryRow,
     NodeReport,
@@ -27,12 +29,14 @@ from backend.protocol import (
     PinRequest,
     PinRow,
     Verified,
+    decode_events_response,
     decode_flags,
     decode_inventory_response,
     decode_node_report,
     decode_pin_response,
     decode_pins_response,
     decode_unpin_response,
+    encode_events_request,
     encode_inventory_request,
     encode_keys,
     encode_pin_request,
@@ -96,6 +100,10 @@ class NodeAdmin:
         if not keys:
             return []
         return [bool(f) for f in decode_flags(await self._request(node, Op.DELETE_BATCH, encode_keys(keys)), len(keys))]
+
+    async def events(self, node: NodeInfo, since: int, max_keys: int = MAX_EVENTS_KEYS) -> EventsPage:
+        """``node``'s ring of committed stores and removals from ``since`` (a `kvpool events` endpoint reads it)."""
+        return decode_events_response(await self._request(node, Op.EVENTS, encode_events_request(since, max_keys)))
 
     async def stats(self, node: NodeInfo) -> NodeReport:
         """``node``'s STAT answer: counters, tiers, recent window, latency histograms (docs/operations.md)."""

@@ -65,6 +65,8 @@ MAX_PENDING_CONNECTIONS = 1_000_000
 # Pin deadlines (docs/fleet.md): Mooncake's soft pins' default and cap (its master's 30 min and 24 h).
 DEFAULT_PIN_TTL_S = 1800.0
 DEFAULT_PIN_TTL_MAX_S = 86400.0
+# The ring a `kvpool events` endpoint reads (docs/fleet.md "Events for routers"): off unless set.
+MAX_EVENT_RING_KEYS = 16_777_216
 _CHANNELS = ("off", "nccl", "cpu")
 EVICTIONS = ("lru", "prefix", "prefix-recency")  # the node's eviction orders (backend/node/eviction.py ORDERS)
 # Old names of an order, still taken for a release with a deprecation line: the frequency-aware rule was
@@ -254,6 +256,14 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
         f"(default {DEFAULT_PIN_TTL_MAX_S:g})",
         metavar="S",
     ),
+    NodeOption(
+        "event_ring_keys",
+        int_in(0, MAX_EVENT_RING_KEYS),
+        0,
+        "keys kept in the ring of recent stores and removals a `kvpool events` endpoint reads; "
+        "0: no ring, no events (default 0)",
+        metavar="N",
+    ),
     NodeOption("token", text_value, "", "the pool token clients must prove", env="KVPOOL_TOKEN", flag=False),
     NodeOption("redis_password", text_value, "", "the Redis ACL password", env="KVPOOL_REDIS_PASSWORD", flag=False),
 )
@@ -374,6 +384,7 @@ class NodeConfig:
     redis_password_file: str = ""  # likewise for redis_password
     pin_ttl_default_s: float = DEFAULT_PIN_TTL_S  # a pin's ttl when it names none; 0: no expiry (needs no cap)
     pin_ttl_max_s: float = DEFAULT_PIN_TTL_MAX_S  # the longest a pin may ask for; 0: no cap
+    event_ring_keys: int = 0  # keys in the ring a `kvpool events` endpoint reads; 0: off
 
     def __post_init__(self) -> None:
         if not self.redis_url:
@@ -479,6 +490,7 @@ class NodeConfig:
             max_pending_connections=values["max_pending_connections"],
             pin_ttl_default_s=values["pin_ttl_default_s"],
             pin_ttl_max_s=values["pin_ttl_max_s"],
+            event_ring_keys=values["event_ring_keys"],
             token_file=str(token_file.resolve()) if token_file is not None else "",
             redis_password_file=str(password_file.resolve()) if password_file is not None else "",
         )

@@ -18,6 +18,7 @@ from backend.config import NodeConfig
 from backend.counters import NodeCounter
 from backend.handshake import KeyRing, handshake_key
 from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, RedisMemory
+from backend.node.events import EventRing
 from backend.node.pins import PinBook, PinTtl
 from backend.node.tiers import DRAM, TierManager
 from backend.protocol import ItemMeta
@@ -80,6 +81,8 @@ class NodeContext:
             save_copy=tiers.demoter.save_copy,
         )
         self.index = index
+        # Committed stores and removals for a `kvpool events` endpoint (events.py); None: off.
+        self.events = EventRing(config.event_ring_keys) if config.event_ring_keys else None
         self.counters: Counter[NodeCounter] = Counter()
         self.identity = Identity(config.node_id)
         # The handshake keys a client may prove (one; two during a rotation): the token, stretched once here.

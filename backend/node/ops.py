@@ -31,6 +31,8 @@ from backend.protocol import (
     LEASE_MAP,
     NO_FINGERPRINT,
     NO_OFFSET,
+    EventsEntry,
+    EventsPage,
     InventoryPage,
     InventoryRow,
     ItemMeta,
@@ -38,6 +40,7 @@ from backend.protocol import (
     OtherLayout,
     Verified,
     decode_channel_request,
+    decode_events_request,
     decode_get_request,
     decode_inventory_request,
     decode_keys,
@@ -49,6 +52,7 @@ from backend.protocol import (
     decode_touch,
     decode_unpin_request,
     encode_channel_response,
+    encode_events_response,
     encode_flags,
     encode_get_response,
     encode_inventory_response,
@@ -111,6 +115,7 @@ class OpTable:
             Op.PIN: self.pin,
             Op.UNPIN: self.unpin,
             Op.PINS: self.pins,
+            Op.EVENTS: self.events,
         }
         self.table: dict[int, Handler] = {op: _beside(answer) for op, answer in answering.items()}
         self.table[Op.PUT_BATCH] = self.put_batch
@@ -302,6 +307,16 @@ class OpTable:
 
     async def pins(self, meta: bytearray, peer: Peer) -> Reply:
         return encode_pins_response(self.ctx.pins.page(*decode_pins_request(meta))), []
+
+    async def events(self, meta: bytearray, peer: Peer) -> Reply:
+        """EVENTS: the ring's entries from a cursor (``events.py``), for a `kvpool events` endpoint."""
+        ring = self.ctx.events
+        if ring is None:
+            raise KVPoolError("this node keeps no event ring: start it with --event-ring-keys N (docs/fleet.md)")
+        since, max_keys = decode_events_request(meta)
+        page = ring.since(since, max_keys)
+        entries = tuple(EventsEntry(e.seq, int(e.kind), e.keys) for e in page.entries)
+        return encode_events_response(EventsPage(entries, page.next_seq, page.gap)), []
 
     async def put_staged(self, meta: bytearray, peer: Peer) -> Reply:
         puts = self.puts

@@ -287,6 +287,8 @@ class IndexPublisher:
                 moves.append((key, ctx.location(meta, tier)))
         try:
             await ctx.index.remove(ctx.node_id, ctx.epoch, gone)
+            if ctx.events is not None:
+                ctx.events.removed(gone)  # withdrawn: no reader finds them any more
             await ctx.index.move(moves)
         except BaseException:  # MetadataError, or cancelled (a put's commit could wait no longer)
             # Keep them for the next flush; an index entry that outlives its bytes reads as a miss.

@@ -195,6 +195,8 @@ class PutReceiver:
             tiers.settle([c for _, _, c in received if c is not None])  # committed or dropped: they may move now
         tiers.held.touch_chain([item.key for _, item, _ in received], read=False)  # the batch's chain, in prefix order
         if visible:
+            if ctx.events is not None:
+                ctx.events.stored([key for key, _ in visible])  # committed: readers can find them now
             self.publisher.took_writes()  # a commit that needed memory landed: Redis is not full (any more)
         counters[NodeCounter.PUTS] += len(visible)
         counters[NodeCounter.PUT_BYTES] += sum(loc.nbytes for _, loc in visible)

@@ -12,6 +12,7 @@ One part per concern; every name of the wire API is importable from here
 - ``channel``: CHANNEL_GET (the part ``nccl_channel`` uses);
 - ``inventory``: INVENTORY and VERIFY_BATCH (admin);
 - ``pins``: PIN, UNPIN and PINS;
+- ``events``: EVENTS (the node's ring of recent stores and removals);
 - ``reports``: STAT's answer (:class:`NodeReport` and its parts).
 
 Each part imports only ``frame`` and ``meta`` of this package (``meta`` only ``frame``), so
@@ -27,6 +28,17 @@ from backend.protocol.channel import (
     decode_channel_response,
     encode_channel_request,
     encode_channel_response,
+)
+from backend.protocol.events import (
+    EVENT_REMOVED,
+    EVENT_STORED,
+    MAX_EVENTS_KEYS,
+    EventsEntry,
+    EventsPage,
+    decode_events_request,
+    decode_events_response,
+    encode_events_request,
+    encode_events_response,
 )
 from backend.protocol.frame import (
     DEFAULT_LIMITS,
@@ -235,6 +247,16 @@ __all__ = [
     "decode_pins_request",
     "encode_pins_response",
     "decode_pins_response",
+    # events
+    "MAX_EVENTS_KEYS",
+    "EVENT_STORED",
+    "EVENT_REMOVED",
+    "EventsEntry",
+    "EventsPage",
+    "encode_events_request",
+    "decode_events_request",
+    "encode_events_response",
+    "decode_events_response",
     # reports
     "TierReport",
     "tiers_from_json",

@@ -77,6 +77,7 @@ class Op(enum.IntEnum):
     PIN = 16  # hold keys on the node past any connection, reference-counted, with an optional ttl
     UNPIN = 17  # let go of one of an owner's pins of each key
     PINS = 18  # admin: page through the keys a node pins
+    EVENTS = 19  # read the node's ring of recent stores and removals (a `kvpool events` endpoint)
 
 
 class Status(enum.IntEnum):

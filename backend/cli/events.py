@@ -1,0 +1,102 @@
+"""The ``events`` verb: run the pool's KV events endpoint for routers (docs/fleet.md, "Events for routers")."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+from backend.cli.exits import EXIT_OK
+from backend.cli.options import add_url_option, pool_config
+
+logger = logging.getLogger(__name__)
+
+
+def add_verbs(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    events = verbs.add_parser(
+        "events", help="publish what the pool holds as vLLM KV events (ZMQ PUB, CURVE with the pool token)"
+    )
+    add_url_option(events)
+    events.add_argument("--model", required=True, help="the model whose blocks are published (LMCache's model name)")
+    events.add_argument(
+        "--publish", default="tcp://*:5557", metavar="ADDR", help="ZMQ PUB address (default %(default)s)"
+    )
+    events.add_argument("--replay", metavar="ADDR", help="ZMQ ROUTER address for replays and snapshots (default: none)")
+    events.add_argument(
+        "--identity", default="", help="the pod name in the topic kv@IDENTITY@MODEL (default kvpool-NAMESPACE)"
+    )
+    events.add_argument(
+        "--block-size",
+        type=int,
+        default=256,
+        metavar="N",
+        help="tokens per block: LMCache's chunk_size (default %(default)s)",
+    )
+    events.add_argument("--medium", default="CPU", help="the medium every event names (default %(default)s)")
+    events.add_argument(
+        "--form",
+        choices=("map", "array"),
+        default="map",
+        help="events as tagged maps (vLLM now) or arrays (older vLLM)",
+    )
+    events.add_argument(
+        "--replay-batches", type=int, default=10_000, metavar="N", help="batches kept for replay (default %(default)s)"
+    )
+    events.add_argument(
+        "--poll-interval-s",
+        type=float,
+        default=0.2,
+        metavar="S",
+        help="how often the nodes' rings are read (default %(default)s)",
+    )
+    events.add_argument(
+        "--data-parallel-rank",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the batches' data_parallel_rank (default %(default)s)",
+    )
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    from backend.events import EndpointConfig, EventsEndpoint  # pyzmq and msgspec: the events extra
+
+    config = EndpointConfig(
+        model=args.model,
+        publish=args.publish,
+        replay=args.replay,
+        identity=args.identity,
+        block_size=args.block_size,
+        medium=args.medium,
+        form=args.form,
+        replay_batches=args.replay_batches,
+        poll_interval_s=args.poll_interval_s,
+        data_parallel_rank=args.data_parallel_rank,
+    )
+    endpoint = EventsEndpoint(pool_config(args), config)
+
+    async def serve() -> None:
+        endpoint.bind()
+        print(f"events: publishing {endpoint.topic.decode()} on {endpoint.publish_address}", flush=True)
+        if endpoint.replay_address:
+            print(f"events: replay on {endpoint.replay_address}", flush=True)
+        task = asyncio.create_task(endpoint.run())
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(serve())
+    finally:
+        endpoint.close()
+    print("events: stopped", file=sys.stderr)
+    return EXIT_OK
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"events": cmd_events}

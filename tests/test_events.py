@@ -1,0 +1,334 @@
+"""KV events for routers (docs/fleet.md, "Events for routers"): real node processes, a real redis-server,
+the endpoint on real ZMQ sockets, and a consumer written from vLLM's format (tests/support/vllm_events.py).
+
+The stream is checked against the pool itself: a mirror rebuilt from it holds exactly the blocks the
+live nodes' inventories hold, after puts, evictions, deletes, a node's death, a subscriber's reconnect
+(replay) and a late subscriber (snapshot). A subscriber without the token gets nothing. vLLM's own
+bytes (tests/data/vllm_events) decode, and the endpoint's encoder gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from backend.errors import NodeUnavailable
+from backend.events import EndpointConfig, EventsEndpoint, curve_keys
+from backend.events.keys import block_of
+from backend.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, Wire
+from backend.node.events import EventRing
+from kvpool import Chunk, PoolClient, PoolConfig
+from tests.support import vllm_events
+from tests.support.waits import until
+
+TOKEN = "events-token-0123456789abcdef0123456789"
+MODEL = "llama-test"
+CHUNK = 64 * 1024
+GOLDEN = Path(__file__).parent / "data" / "vllm_events"
+RING = ("--event-ring-keys", "100000")
+
+
+def chunks(first: int, count: int, seed: int = 0, model: str = MODEL) -> list[Chunk]:
+    rng = random.Random(seed + first)
+    return [Chunk(f"{model}@1@0@{h:x}@bfloat16", rng.randbytes(CHUNK)) for h in range(first, first + count)]
+
+
+def config(pool_url: str) -> PoolConfig:
+    return PoolConfig.from_url(pool_url, {"KVPOOL_TOKEN": TOKEN})
+
+
+async def pool_blocks(client: PoolClient) -> set[int]:
+    """The blocks of MODEL the live nodes hold, from their inventories: what the stream must rebuild."""
+    blocks: set[int] = set()
+    for node in await client.nodes(refresh=True):
+        async for page in client.node_admin.inventory_pages(node):
+            for row in page:
+                ref = block_of(row.key)
+                if ref is not None and ref.model == MODEL:
+                    blocks.add(ref.block_hash)
+    return blocks
+
+
+@contextlib.asynccontextmanager
+async def endpoint(pool_url: str, **options: object) -> AsyncIterator[EventsEndpoint]:
+    ep = EventsEndpoint(
+        config(pool_url),
+        EndpointConfig(
+            model=MODEL,
+            publish="tcp://127.0.0.1:*",
+            replay="tcp://127.0.0.1:*",
+            poll_interval_s=0.05,
+            **options,  # type: ignore[arg-type]
+        ),
+    )
+    ep.bind()
+    task = asyncio.create_task(ep.run())
+    try:
+        yield ep
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        ep.close()
+
+
+def subscriber(
+    ctx: zmq.asyncio.Context, ep: EventsEndpoint, token: str | None = TOKEN, array: bool = False
+) -> vllm_events.Subscriber:
+    keys = None
+    if token is not None:
+        k = curve_keys(token, ep.pool.namespace)
+        keys = (k.server_public, k.client_public, k.client_secret)
+    return vllm_events.Subscriber(ctx, ep.publish_address, ep.replay_address, ep.topic, keys, array=array)
+
+
+async def joined(sub: vllm_events.Subscriber, start: int = 0) -> list[int]:
+    """Let the SUB socket's subscription reach the endpoint, then replay from ``start``."""
+    await asyncio.sleep(0.3)  # ZMQ's slow joiner: a subscription takes a moment to reach the PUB side
+    return await sub.replay(start)
+
+
+async def in_step(sub: vllm_events.Subscriber, client: PoolClient, timeout_s: float = 15.0) -> None:
+    """Wait until the stream's mirror holds exactly what the pool holds (and the pool holds something
+    of what was asked, so an empty stream cannot pass); a contiguous sequence throughout."""
+
+    async def probe() -> bool:
+        await sub.drain()
+        try:
+            return sub.mirror.blocks == await pool_blocks(client)
+        except NodeUnavailable:  # a killed node the registry still lists: not settled yet
+            return False
+
+    await until(probe, timeout_s=timeout_s)
+    assert sub.seqs == list(range(sub.seqs[0], sub.seqs[0] + len(sub.seqs))) if sub.seqs else True
+
+
+async def test_the_stream_rebuilds_the_pool_through_puts_evictions_deletes_and_a_node_death(node_factory, pool_url):
+    env = {"KVPOOL_TOKEN": TOKEN}
+    node_factory(*RING, dram="1MiB", env=env)  # 16 chunks of 64 KiB: puts past that evict
+    second = node_factory(*RING, dram="2MiB", env=env)
+    ctx = zmq.asyncio.Context()
+    async with PoolClient(config(pool_url)) as client, endpoint(pool_url) as ep:
+        sub = subscriber(ctx, ep)
+        try:
+            await joined(sub)
+            await client.put(chunks(0, 8))
+            await in_step(sub, client)
+            assert len(sub.mirror.blocks) == 8
+            stored = sub.mirror.stored_events[-1]
+            assert (stored.block_size, stored.medium, stored.group_idx, stored.kv_cache_spec_kind) == (
+                256,
+                "CPU",
+                0,
+                "full_attention",
+            )
+            # No chain is claimed: a node sees only the chunks of a put it took (docs/fleet.md).
+            assert all(len(e.block_hashes) == 1 and e.parent_block_hash is None for e in sub.mirror.stored_events)
+
+            for first in range(100, 400, 10):  # far past the small node's DRAM: it evicts
+                await client.put(chunks(first, 10))
+            await in_step(sub, client)
+            stats = [await client.node_admin.stats(n) for n in await client.nodes(refresh=True)]
+            assert sum(s.counters.get("evictions", 0) for s in stats) > 0, "the pressure evicted"
+
+            doomed = [c.key for c in chunks(0, 4)] + [c.key for c in chunks(300, 5)]
+            await client.delete(doomed)
+            await in_step(sub, client)
+            assert not {0, 1, 2, 3, 300, 301, 302, 303, 304} & sub.mirror.blocks
+
+            before = await pool_blocks(client)
+            second.kill()  # SIGKILL: its blocks go when the registry stops listing it
+            await in_step(sub, client, timeout_s=20.0)
+            assert sub.mirror.blocks < before, "the dead node's blocks were removed"
+        finally:
+            sub.close()
+            ctx.destroy(linger=0)
+
+
+async def test_a_reconnecting_subscriber_replays_and_a_late_one_gets_a_snapshot(node_factory, pool_url):
+    node_factory(*RING, env={"KVPOOL_TOKEN": TOKEN})
+    ctx = zmq.asyncio.Context()
+    async with PoolClient(config(pool_url)) as client, endpoint(pool_url, replay_batches=4) as ep:
+        first = subscriber(ctx, ep)
+        try:
+            await joined(first)
+            await client.put(chunks(0, 4))
+            await in_step(first, client)
+            seen = first.mirror.last_seq
+            first.close()  # dropped: what follows it misses
+
+            await client.put(chunks(10, 3))
+            await client.delete([c.key for c in chunks(0, 2)])
+            # The endpoint published what was missed (it keeps the last 4 batches).
+
+            async def caught_up() -> bool:
+                return ep.view.blocks() == await pool_blocks(client)
+
+            await until(caught_up, timeout_s=10)
+            assert ep.last_seq > seen
+
+            again = subscriber(ctx, ep)
+            again.mirror.blocks, again.mirror.last_seq = set(first.mirror.blocks), seen
+            replayed = await joined(again, seen + 1)
+            assert replayed and replayed[0] == seen + 1, f"kept batches from {seen + 1} came back: {replayed}"
+            await in_step(again, client)
+
+            for first_hash in range(100, 160, 6):  # more batches than the endpoint keeps
+                await client.put(chunks(first_hash, 6))
+                await asyncio.sleep(0.1)
+            late = subscriber(ctx, ep)
+            got = await joined(late, 0)
+            assert len(got) == 1, "a late subscriber gets one snapshot batch, not history"
+            assert got[0] == late.mirror.last_seq
+            await in_step(late, client)
+            assert len(late.mirror.blocks) > 40
+            again.close()
+            late.close()
+        finally:
+            ctx.destroy(linger=0)
+
+
+async def test_a_subscriber_without_the_token_gets_nothing(node_factory, pool_url):
+    node_factory(*RING, env={"KVPOOL_TOKEN": TOKEN})
+    ctx = zmq.asyncio.Context()
+    async with PoolClient(config(pool_url)) as client, endpoint(pool_url) as ep:
+        good = subscriber(ctx, ep)
+        plain = subscriber(ctx, ep, token=None)
+        wrong = subscriber(ctx, ep, token="another-token-0123456789abcdef0123456789")
+        try:
+            await joined(good)
+            await asyncio.sleep(0.2)
+            await client.put(chunks(0, 6))
+            await in_step(good, client)
+            # Nothing to await for a message that must not come: poll each for a second.
+            assert await plain.sub.poll(1000) == 0 and await wrong.sub.poll(1000) == 0
+            assert plain.replay_socket is not None
+            await plain.replay_socket.send_multipart((b"", (0).to_bytes(8, "big")), flags=zmq.NOBLOCK)
+            assert await plain.replay_socket.poll(500) == 0
+        finally:
+            for s in (good, plain, wrong):
+                s.close()
+            ctx.destroy(linger=0)
+
+
+async def test_the_older_array_form_is_a_setting(node_factory, pool_url):
+    node_factory(*RING, env={"KVPOOL_TOKEN": TOKEN})
+    ctx = zmq.asyncio.Context()
+    async with PoolClient(config(pool_url)) as client, endpoint(pool_url, form="array") as ep:
+        sub = subscriber(ctx, ep, array=True)
+        try:
+            await joined(sub)
+            await client.put(chunks(0, 5))
+            await in_step(sub, client)
+            assert len(sub.mirror.blocks) == 5
+        finally:
+            sub.close()
+            ctx.destroy(linger=0)
+
+
+def test_the_endpoint_refuses_to_start_without_the_pool_token(pool_url):
+    with pytest.raises(Exception, match="token"):
+        EventsEndpoint(PoolConfig.from_url(pool_url, {}), EndpointConfig(model=MODEL))
+
+
+def _golden_batches() -> dict[str, KVEventBatch]:
+    common = {"token_ids": [], "block_size": 256, "lora_id": None, "medium": "CPU", "lora_name": None}
+    full = {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    return {
+        "stored_removed_cleared": KVEventBatch(
+            ts=1767225600.25,
+            events=[
+                AllBlocksCleared(),
+                BlockStored(
+                    block_hashes=[0x1111222233334444, 0xFEDCBA9876543210],
+                    parent_block_hash=None,
+                    **common,  # type: ignore[arg-type]
+                    **full,  # type: ignore[arg-type]
+                ),
+                BlockStored(
+                    block_hashes=[0x0123456789ABCDEF],
+                    parent_block_hash=0xFEDCBA9876543210,
+                    extra_keys=[("salt-a",)],
+                    **common,  # type: ignore[arg-type]
+                    **full,  # type: ignore[arg-type]
+                ),
+                BlockRemoved(block_hashes=[0x1111222233334444], medium="CPU", group_idx=0),
+            ],
+            data_parallel_rank=0,
+        ),
+        "stored_with_tokens": KVEventBatch(
+            ts=1767225601.5,
+            events=[
+                BlockStored(
+                    block_hashes=[42, 43],
+                    parent_block_hash=41,
+                    token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+                    block_size=4,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                )
+            ],
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", ["stored_removed_cleared", "stored_with_tokens"])
+def test_vllm_golden_bytes_decode_and_the_endpoint_encodes_the_same_bytes(name):
+    golden = (GOLDEN / f"{name}.msgpack").read_bytes()
+    expected = _golden_batches()[name]
+    decoded = vllm_events.MAP_DECODER.decode(golden)
+    assert decoded.ts == expected.ts and decoded.data_parallel_rank == expected.data_parallel_rank
+    assert [type(e).__name__ for e in decoded.events] == [type(e).__name__ for e in expected.events]
+    for got, want in zip(decoded.events, expected.events):
+        for field in want.__struct_fields__:
+            value = getattr(got, field)
+            assert (list(value) if isinstance(value, list) else value) == getattr(want, field), field
+    assert Wire("map").encode(expected) == golden  # the endpoint's encoder is byte-identical to vLLM's
+    assert Wire("map").decode(golden) == expected
+
+
+def test_the_array_form_round_trips_through_the_consumer():
+    batch = _golden_batches()["stored_removed_cleared"]
+    payload = Wire("array").encode(batch)
+    assert payload[0] == 0x93  # a three-element array, not a map
+    decoded = vllm_events.ARRAY_DECODER.decode(payload)
+    assert [type(e).__name__ for e in decoded.events] == [
+        "ArrayAllBlocksCleared",
+        "ArrayBlockStored",
+        "ArrayBlockStored",
+        "ArrayBlockRemoved",
+    ]
+    assert Wire("array").decode(payload) == batch
+
+
+def test_the_node_ring_is_bounded_by_keys_and_says_when_a_reader_fell_behind():
+    ring = EventRing(10)
+    ring.stored([f"k{i}" for i in range(6)])
+    ring.removed(["k0", "k1"])
+    page = ring.since(0, 100)
+    assert [(e.seq, e.kind.name, len(e.keys)) for e in page.entries] == [(0, "STORED", 6), (1, "REMOVED", 2)]
+    assert (page.next_seq, page.gap) == (2, False)
+    ring.stored([f"j{i}" for i in range(5)])  # 13 keys: the oldest entry leaves
+    assert ring.since(0, 100).gap and not ring.since(1, 100).gap
+    assert ring.since(2, 1).entries[0].keys == tuple(f"j{i}" for i in range(5))  # whole entries, at least one
+    assert ring.since(1 << 62, 1) == type(page)((), 3, True)  # a cursor from another run: read it whole
+
+
+def test_block_of_reads_lmcache_keys_and_refuses_others():
+    ref = block_of(f"{MODEL}@1@0@ffffffffffffffff1@bfloat16@lmcache.salt%abc")
+    assert ref is not None and (ref.model, ref.block_hash, ref.extra) == (
+        MODEL,
+        0xFFFFFFFFFFFFFFF1,
+        ("lmcache.salt%abc",),
+    )
+    mp = block_of("mp:s1@m@0x00000000@0@00000000000000ab")
+    assert mp is not None and (mp.model, mp.block_hash, mp.extra) == ("m", 0xAB, ("s1",))
+    assert block_of("plain@3") is None and block_of("m@1@0@zz@bfloat16") is None
