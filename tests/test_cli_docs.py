@@ -28,6 +28,7 @@ VERBS = [
     "pin",
     "unpin",
     "pins",
+    "quota",
     "doctor",
     "selftest",
     "lmcache-config",

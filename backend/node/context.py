@@ -54,6 +54,8 @@ class NodeIndex(Protocol):
 
     async def memory(self) -> RedisMemory: ...
 
+    async def quotas(self) -> dict[str, int]: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Identity:

@@ -130,6 +130,7 @@ from backend.protocol.reports import (
     RecentReport,
     RecoveryReport,
     RepublishReport,
+    TenantReport,
     TierReport,
     decode_node_report,
     encode_node_report,
@@ -243,6 +244,7 @@ __all__ = [
     "RepublishReport",
     "RecentReport",
     "NodeReport",
+    "TenantReport",
     "encode_node_report",
     "decode_node_report",
 ]
