@@ -149,3 +149,21 @@ def test_quota_refuses_a_negative_size_and_a_bad_tenant_name(processes, pool_url
     assert ok.returncode == 0, ok.stderr
     listed = kvpool("quota", "--url", pool_url)
     assert "alice" in listed.stdout and "1.0 MiB" in listed.stdout, listed.stdout
+
+
+def test_two_engines_of_two_tenants_keep_the_same_lmcache_keys_apart(node_factory, pool_url, stack_factory):
+    """The tenant rides on the connector's URL (LMCache 0.5.6 hands a remote connector no cache_salt)."""
+    node_factory()
+    alice, bob = stack_factory(f"{pool_url}?tenant=alice"), stack_factory(f"{pool_url}?tenant=bob")
+    keys = [alice.key(40 + i) for i in range(3)]
+    assert [k.to_string() for k in keys] == [bob.key(40 + i).to_string() for i in range(3)]  # the same LMCache keys
+    objs = [alice.make_object(i) for i in range(3)]
+    alice.put(keys, objs)
+    alice.release(objs)
+    assert alice.contains_prefix(keys) == 3
+    assert bob.contains_prefix(keys) == 0
+    assert bob.get(keys) == [None, None, None]
+    assert bob.remote.remove(keys[0]) is False
+    assert alice.contains_prefix(keys) == 3
+    listed = asyncio.run_coroutine_threadsafe(alice.connector().list(), alice.loop).result(10)
+    assert sorted(listed) == sorted(k.to_string() for k in keys)  # the engine's own names, no prefix
