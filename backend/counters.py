@@ -50,6 +50,7 @@ class NodeCounter(StrEnum):
     LAYOUT_MISSES = "layout_misses"  # keys a read found stored with another layout fingerprint: misses, no bytes
     # tiers
     EVICTIONS = "evictions"
+    QUOTA_EVICTIONS = "quota_evictions"
     DEMOTIONS = "demotions"
     PROMOTIONS = "promotions"
     NVME_WRITES = "nvme_writes"

@@ -239,7 +239,10 @@ def report(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.workload_report", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "results", type=Path, nargs="+", help="bench/results/workload-<stamp>.json file(s) of one trace setup (.json.gz too)"
+        "results",
+        type=Path,
+        nargs="+",
+        help="bench/results/workload-<stamp>.json file(s) of one trace setup (.json.gz too)",
     )
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write the PNGs there")
     args = parser.parse_args(argv)

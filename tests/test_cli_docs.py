@@ -29,6 +29,7 @@ VERBS = [
     "unpin",
     "pins",
     "events",
+    "quota",
     "doctor",
     "selftest",
     "lmcache-config",

@@ -26,6 +26,7 @@ LEVELS = {
     "backend.redis_topology": 1,
     "backend.threads": 1,
     "backend.embedded": 1,
+    "backend.tenants": 1,  # a tenant's keys: the prefix the client adds and the node reads (pure)
     "backend.latency": 1,
     "backend.iov": 1,
     "backend.transport": 2,
@@ -310,10 +311,19 @@ def test_the_protocol_package_exports_every_part_s_wire_api() -> None:
 # verb families share; 1: one family each (a verb is read without the other families); above: what
 # gathers them. A module imports only modules of its room at a lower level.
 VERB_ROOMS = {
-    "backend.admin": {"shared": 0, "listing": 1, "removal": 1, "draining": 1, "fsck": 1, "pinning": 1, "__init__": 2},
+    "backend.admin": {
+        "shared": 0,
+        "listing": 1,
+        "removal": 1,
+        "draining": 1,
+        "fsck": 1,
+        "pinning": 1,
+        "quotas": 1,
+        "__init__": 2,
+    },
     "backend.cli": {
         **dict.fromkeys(("exits", "options", "output"), 0),
-        **dict.fromkeys(("serve", "listing", "maintenance", "diagnose", "lmcache", "pinning", "events"), 1),
+        **dict.fromkeys(("serve", "listing", "maintenance", "diagnose", "lmcache", "pinning", "events", "quotas"), 1),
         "main": 2,
         "__init__": 3,
         "__main__": 4,

@@ -371,10 +371,11 @@ def _scrape_busy_nvme_node(node_factory, pool_url, tmp_path) -> set[str]:
     Such a node emits every family a DRAM-only node does, plus the NVMe and recovery ones.
     """
     node = node_factory("--metrics-port", "0", "--nvme-dir", str(tmp_path / "nvme"), "--nvme", "16MiB", shm=True)
-    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
-        chunks = _chunks("doc", 2, 1024)
-        client.put(chunks)
-        assert all(client.get([c.key for c in chunks]))
+    for url in (pool_url, f"{pool_url}?tenant=doc"):  # a tenant's chunks: the per-tenant families too
+        with SyncPoolClient(PoolConfig.from_url(url)) as client:
+            chunks = _chunks("doc", 2, 1024)
+            client.put(chunks)
+            assert all(client.get([c.key for c in chunks]))
     return {name for name, _ in _scrape(_metrics_port(node))}
 
 

@@ -110,6 +110,9 @@ class FakeIndex:
     async def memory(self) -> RedisMemory:
         return RedisMemory(0, 0, "noeviction")
 
+    async def quotas(self) -> dict[str, int]:
+        return {}
+
 
 @dataclass
 class Parts:

@@ -782,6 +782,9 @@ def _stat_body() -> dict[str, object]:
         "republish": {"running": True, "pending": 7, "published": 3, "seconds": 0.5},
         "pinned_chunks": 1,
         "pinned_bytes": 4096,
+        "tenants": {
+            "alice": {"held_bytes": 8, "quota_bytes": -1, "puts": 2, "hits": 1, "misses": 0, "quota_evictions": 0}
+        },
     }
 
 

@@ -10,7 +10,7 @@ one batch of chunk bytes at a time. A node that refuses this client's token fail
 verb (AuthError naming the node): figures or removals without it would mislead.
 
 One module per verb family: ``listing`` (status, nodes, ls, stats), ``removal`` (evict,
-flush), ``draining`` (drain, undrain), ``fsck`` (check), ``pinning`` (pin, unpin, pins);
+flush), ``draining`` (drain, undrain), ``fsck`` (check), ``pinning`` (pin, unpin, pins), ``quotas`` (quota);
 ``shared`` holds what they share.
 None imports another family.
 """
@@ -31,10 +31,15 @@ from backend.admin.listing import (
     redis_memory,
 )
 from backend.admin.pinning import DEFAULT_PIN_OWNER, NodePin, PinReport, UnpinReport, list_pins, pin, unpin
+from backend.admin.quotas import TenantRow, clear_quota, list_quotas, set_quota
 from backend.admin.removal import EvictReport, FlushReport, evict, flush
 from backend.metadata import RedisMemory
 
 __all__ = [
+    "TenantRow",
+    "clear_quota",
+    "list_quotas",
+    "set_quota",
     "DRAIN_BATCH_ITEMS",
     "RedisMemory",
     "redis_memory",

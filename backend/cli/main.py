@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from backend.cli import diagnose, events, listing, lmcache, maintenance, pinning, serve
+from backend.cli import diagnose, events, listing, lmcache, maintenance, pinning, quotas, serve
 from backend.cli.exits import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_USAGE
 from backend.config import ENV_DEBUG, ENV_URL, env_flag
 from backend.errors import ConfigError, KVPoolError
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     maintenance.add_verbs(verbs)
     pinning.add_verbs(verbs)
     events.add_verbs(verbs)
+    quotas.add_verbs(verbs)
     diagnose.add_verbs(verbs)
     lmcache.add_verbs(verbs)
     return parser
@@ -41,6 +42,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     **maintenance.COMMANDS,
     **pinning.COMMANDS,
     **events.COMMANDS,
+    **quotas.COMMANDS,
     **diagnose.COMMANDS,
     **lmcache.COMMANDS,
 }

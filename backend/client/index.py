@@ -94,6 +94,18 @@ class PoolIndex:
         """Drop exactly these locations, unless they changed since they were read."""
         await self._store.index.remove_stale(stale)
 
+    async def quotas(self) -> dict[str, int]:
+        """Every tenant's byte quota: tenant -> bytes."""
+        return await self._store.registry.quotas()
+
+    async def set_quota(self, tenant: str, quota_bytes: int) -> None:
+        """Set a tenant's byte quota (nodes apply it from their next heartbeat)."""
+        await self._store.registry.set_quota(tenant, quota_bytes)
+
+    async def clear_quota(self, tenant: str) -> bool:
+        """Drop a tenant's quota; whether it had one."""
+        return await self._store.registry.clear_quota(tenant)
+
     async def set_draining(self, node_id: str, draining: bool) -> bool:
         """Mark a node as draining (placement skips it) or not; whether the mark changed."""
         return await self._store.registry.set_draining(node_id, draining)

@@ -48,6 +48,7 @@ from backend.counters import ClientCounter
 from backend.errors import KVPoolError, NodeUnavailable
 from backend.metadata import MetadataStore, NodeInfo
 from backend.protocol import ANY_FINGERPRINT, NO_FINGERPRINT, Op, check_key
+from backend.tenants import scoped, unscoped
 from backend.transport import client_tls_context
 
 __all__ = ["PoolClient"]
@@ -129,7 +130,7 @@ class PoolClient:
         """Whether each key is held by a live node (one Redis round trip). The nodes holding the keys found
         from the start hear of them, later, where ``touch`` says (``backend.client.touch``)."""
         self._check_open()
-        _check_keys(keys)
+        keys = self._scope(keys)
         hits = await self._locator.contains(keys)
         if self._touches.wanted:
             self._touches.found(keys[: hits.index(False) if False in hits else len(hits)])
@@ -139,7 +140,7 @@ class PoolClient:
         """How many keys from the start are all present (one Redis round trip that stops at the first miss).
         The nodes holding them hear of it, later, where ``touch`` says (``backend.client.touch``)."""
         self._check_open()
-        _check_keys(keys)
+        keys = self._scope(keys)
         found = await self._locator.hit_prefix(keys)
         if self._touches.wanted:
             self._touches.found(keys[:found])
@@ -153,6 +154,9 @@ class PoolClient:
         ``only`` restricts placement to these node ids (``kvpool drain --to``).
         """
         self._check_open()
+        if self.config.tenant:
+            _check_keys([c.key for c in chunks])
+            chunks = [dataclasses.replace(c, key=scoped(self.config.tenant, c.key)) for c in chunks]
         await self._putter.put(chunks, only)
 
     async def get(
@@ -166,7 +170,7 @@ class PoolClient:
         else ``fingerprint`` (0: chunks stored without one); any other is a miss.
         """
         self._check_open()
-        _check_keys(keys)
+        keys = self._scope(keys)
         chosen = sink if sink is not None else BytesSink(fingerprint)
         return await self._getter.get(keys, chosen)  # type: ignore[arg-type]
 
@@ -174,8 +178,7 @@ class PoolClient:
         """Lease each key on the node that serves it for ``ttl_ms`` (see ``backend.client.leases``): the public
         name says lock, and a :class:`Lock` is the lease taken; None where the pool lacks the key."""
         self._check_open()
-        _check_keys(keys)
-        return await self._leases.take(keys, ttl_ms)
+        return await self._leases.take(self._scope(keys), ttl_ms)
 
     async def unlock(self, locks: Sequence[Lock | None]) -> None:
         """End the leases taken by :meth:`lock`; idempotent."""
@@ -192,7 +195,7 @@ class PoolClient:
     # -- delete, admin, stats ---------------------------------------------------------
     async def delete(self, keys: Sequence[str]) -> int:
         """Remove keys everywhere: index first (so nobody reads them), then the bytes."""
-        _check_keys(keys)
+        keys = self._scope(keys)
         entries = await self._store.index.lookup(keys)
         existed = await self._store.index.delete(keys)
         holders: dict[str, list[str]] = defaultdict(list)
@@ -226,7 +229,12 @@ class PoolClient:
         return [o.handle if isinstance(o, Hit) else None for o in outcomes]
 
     async def list_keys(self, match: str = "*") -> list[str]:
-        return [key async for key in self._store.index.scan_keys(match)]
+        """The keys the index holds that match the glob ``match``: a tenant's client sees its own keys only,
+        as its callers name them."""
+        tenant = self.config.tenant
+        if not tenant:
+            return [key async for key in self._store.index.scan_keys(match)]
+        return [unscoped(tenant, key) async for key in self._store.index.scan_keys(scoped(tenant, match))]
 
     async def node_stats(self, node: NodeInfo) -> dict[str, Any]:
         """One node's STAT answer as JSON (``node_admin.stats`` has it typed)."""
@@ -252,6 +260,16 @@ class PoolClient:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(CLOSE_BOUND_S):
                 await self._store.close()
+
+    def _scope(self, keys: Sequence[str]) -> Sequence[str]:
+        """Check ``keys`` (before any I/O) and make them the tenant's, when this client has one."""
+        _check_keys(keys)
+        tenant = self.config.tenant
+        if not tenant:
+            return keys
+        scoped_keys = [scoped(tenant, key) for key in keys]
+        _check_keys(scoped_keys)
+        return scoped_keys
 
     async def __aenter__(self) -> PoolClient:
         return self

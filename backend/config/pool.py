@@ -24,6 +24,7 @@ from backend.config.values import (
 )
 from backend.errors import ConfigError
 from backend.redis_topology import CLUSTER, REDIS_MODES, SINGLE, RedisTarget, parse_hosts, render_hosts
+from backend.tenants import check_tenant
 
 __all__ = [
     "PoolConfig",
@@ -89,6 +90,7 @@ class PoolConfig:
     redis_password_file: str = ""  # likewise for redis_password
     pair_timeout_s: float = 30.0  # deadline of one channel pairing (a cold NCCL init takes seconds)
     touch: str = "auto"  # tell the nodes what lookups found: one of TOUCH_MODES (backend/client/touch.py)
+    tenant: str = ""  # every key this client names is the tenant's (backend/tenants.py); empty: no tenant
 
     def __post_init__(self) -> None:
         if not NAMESPACE_RE.match(self.namespace):
@@ -105,6 +107,8 @@ class PoolConfig:
             check_token(self.token, "token", "KVPOOL_TOKEN or the URL's :TOKEN@")
         if self.tls_ca and not self.tls:
             raise ConfigError("tls_ca", "a CA bundle only matters with TLS: add tls=on")
+        if self.tenant:
+            check_tenant(self.tenant)
         if self.touch not in TOUCH_MODES:
             raise ConfigError("touch", f"{self.touch!r} is not one of {', '.join(TOUCH_MODES)}")
         if self.channel_transport not in CHANNEL_TRANSPORTS:
@@ -142,7 +146,8 @@ class PoolConfig:
             f"redis_user={self.redis_user!r}, redis_password={password}, shm={self.shm}, "
             f"channel_transport={self.channel_transport!r}, redis_mode={self.redis_mode!r}, "
             f"sentinel={self.sentinel!r}, redis_hosts={self.redis_hosts!r}, token_file={self.token_file!r}, "
-            f"redis_password_file={self.redis_password_file!r}, pair_timeout_s={self.pair_timeout_s})"
+            f"redis_password_file={self.redis_password_file!r}, pair_timeout_s={self.pair_timeout_s}, "
+            f"tenant={self.tenant!r})"
         )
 
     @property
@@ -371,6 +376,7 @@ _OPTION_PARSERS: dict[str, Any] = {
     "redis_password_file": lambda k, v: str(v),
     "pair_timeout_s": lambda k, v: parse_seconds(k, v, MIN_TIMEOUT_S, MAX_TIMEOUT_S),
     "touch": _parse_touch,
+    "tenant": lambda k, v: check_tenant(str(v).strip(), k),
 }
 OPTION_NAMES = tuple(_OPTION_PARSERS)  # what a URL query, YAML or KVPOOL_* may set, in canonical order
 # The old names, in milliseconds: still read, with a deprecation line (backend/config/renamed.py).

@@ -21,6 +21,7 @@ Key schema (``NS`` is the namespace)::
                              expires after the heartbeat TTL; renewed only by that run (registry.py)
     kvp:{NS}:holder:<node_id> that run's address and pid (ClaimHolder JSON), expiring with the beat
     kvp:{NS}:draining        set of node ids placement skips (kvpool drain)
+    kvp:{NS}:quotas          hash tenant -> byte quota (kvpool quota); nodes read it with each heartbeat
     kvp:{NS}:beats           sorted set node_id -> when its heartbeat expires (Redis server time, ms)
     kvp:{NS}:regv            registry version: bumped whenever what clients keep of a node changes
     kvp:{NS}:regchanges      list, newest first, of "version|node_id" per bump (the last REGISTRY_LOG_MAX)

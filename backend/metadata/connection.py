@@ -165,6 +165,7 @@ class RedisConnection:
         self.epoch_key = f"kvp:{tag}:epoch"
         self.nodes_key = nodes_key_of(namespace)
         self.draining_key = f"kvp:{tag}:draining"
+        self.quotas_key = f"kvp:{tag}:quotas"  # hash tenant -> quota bytes (kvpool quota)
         self.beats_key = f"kvp:{tag}:beats"
         self.version_key = f"kvp:{tag}:regv"
         self.changes_key = f"kvp:{tag}:regchanges"

@@ -81,3 +81,6 @@ class NodeMetadata:
 
     async def memory(self) -> RedisMemory:
         return await self._connection.memory()
+
+    async def quotas(self) -> dict[str, int]:
+        return await self._registry.quotas()

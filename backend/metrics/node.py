@@ -17,7 +17,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from backend.counters import NodeCounter
 from backend.latency import LatencyHistograms
-from backend.protocol import NodeReport, RecoveryReport, TierReport
+from backend.protocol import NodeReport, RecoveryReport, TenantReport, TierReport
 
 __all__ = ["METRIC_NAME", "NODE_COUNTERS", "NODE_PREFIX", "NodeCollector"]
 
@@ -102,6 +102,8 @@ class NodeCollector:
             yield _gauge(
                 "arena_grown_bytes", "Bytes of the shared-memory arena backed by memory.", node, arena.grown_bytes
             )
+        if report.tenants:
+            yield from _tenant_metrics(node, report.tenants)
         healthy = 1 if self.health().get("status") == "ok" else 0
         yield _gauge("healthy", "1 while /health answers ok, else 0.", node, healthy)
         yield from _tier_gauges(node, report.tiers)
@@ -125,6 +127,36 @@ class NodeCollector:
         histograms = _latency_histogram(node, latency) if latency else None
         if histograms is not None:
             yield histograms
+
+
+def _tenant_metrics(node: str, tenants: Mapping[str, TenantReport]) -> Iterator[Metric]:
+    """Per tenant (label ``tenant``): bytes held here, its quota, and what its keys saw."""
+    labels = ["node", "tenant"]
+    held = GaugeMetricFamily(
+        NODE_PREFIX + "tenant_held_bytes", "Payload bytes of a tenant's chunks held.", labels=labels
+    )
+    quota = GaugeMetricFamily(
+        NODE_PREFIX + "tenant_quota_bytes",
+        "A tenant's byte quota on this node (kvpool quota); -1: none.",
+        labels=labels,
+    )
+    counts = {
+        name: CounterMetricFamily(NODE_PREFIX + "tenant_" + name, documentation, labels=labels)
+        for name, documentation in (
+            ("puts", "A tenant's chunks stored and committed."),
+            ("hits", "A tenant's keys a GET found and returned."),
+            ("misses", "A tenant's keys a GET did not return."),
+            ("quota_evictions", "A tenant's chunks evicted to keep it within its quota."),
+        )
+    }
+    for name, tenant in sorted(tenants.items()):
+        held.add_metric([node, name], tenant.held_bytes)
+        quota.add_metric([node, name], tenant.quota_bytes)
+        for field, family in counts.items():
+            family.add_metric([node, name], getattr(tenant, field))
+    yield held
+    yield quota
+    yield from counts.values()
 
 
 def _gauge(name: str, documentation: str, node: str, value: float) -> GaugeMetricFamily:

@@ -21,12 +21,14 @@ drain`` walk a node this way), in O(log N + L) for a page of L keys.
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from backend.node.columns import column, grown
 from backend.node.eviction import EvictionOrder
 from backend.node.keys import NO_SLOT, KeyIndex, SortedKeys
 from backend.protocol import ItemMeta
+from backend.tenants import tenant_of
 
 __all__ = [
     "ChunkTable",
@@ -159,6 +161,8 @@ class ChunkTable:
         self.checksum = column("Q")
         self.layout = column("H")
         self.where = column("B")  # IN_DRAM | ON_NVME | PINNED
+        # tenant -> payload bytes of its chunks held here (backend/tenants.py: the key says the tenant)
+        self.tenant_bytes: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._index)
@@ -290,6 +294,9 @@ class ChunkTable:
     def _describe(self, slot: int, meta: ItemMeta, *, replacing: bool) -> None:
         if replacing:
             self._give_back_layout(slot)
+        tenant = tenant_of(meta.key)
+        if tenant is not None:
+            self.tenant_bytes[tenant] += meta.nbytes - (self.nbytes[slot] if replacing else 0)
         self.nbytes[slot] = meta.nbytes
         self.checksum[slot] = meta.checksum
         layout = (meta.dtype, tuple(meta.shape), meta.fmt, meta.fingerprint)
@@ -306,6 +313,13 @@ class ChunkTable:
 
     def _drop(self, slot: int) -> None:
         key = self.key(slot)
+        tenant = tenant_of(key)
+        if tenant is not None:
+            left = self.tenant_bytes[tenant] - self.nbytes[slot]
+            if left:
+                self.tenant_bytes[tenant] = left
+            else:
+                del self.tenant_bytes[tenant]
         self._index.remove(key)
         self._sorted.discard(key)
         self._give_back_layout(slot)

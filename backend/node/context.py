@@ -55,6 +55,8 @@ class NodeIndex(Protocol):
 
     async def memory(self) -> RedisMemory: ...
 
+    async def quotas(self) -> dict[str, int]: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Identity:

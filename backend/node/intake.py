@@ -145,7 +145,11 @@ class Intake:
         source = self.source
         room = self.tiers.room_of(item.nbytes)
         cut_off = self._cut_off and not self.tiers.contains(item.key)
-        if cut_off or not _admitted(self.tiers, item.key, room):  # the eviction order keeps what it holds
+        if (
+            cut_off
+            or not _admitted(self.tiers, item.key, room)  # the eviction order keeps what it holds
+            or not await self._within_quota(item)  # the tenant's own chunks could not make room for it
+        ):
             self._cut_off = True
             await self.flush()  # the window's bytes come before this chunk's
             await source.drop(item.nbytes)
@@ -164,6 +168,16 @@ class Intake:
             return
         self._window.append((item, self.tiers.take_buffer(item.nbytes)))
         self._window_bytes += room
+
+    async def _within_quota(self, item: ItemMeta) -> bool:
+        """Whether ``item`` fits its tenant's quota (``backend.node.quotas``), the tenant's coldest chunks evicted
+        as needed; the window's chunks of the same tenant, not landed yet, count as held."""
+        quotas = self.tiers.quotas
+        quota = quotas.quota_of(item.key)
+        if quota is None:
+            return True
+        pending = sum(i.nbytes for i, _ in self._window if quotas.quota_of(i.key) == quota)
+        return await quotas.make_room(item.key, item.nbytes, pending, self.put_id)
 
     async def flush(self) -> None:
         """Receive the window's bytes; each verified chunk enters DRAM."""
@@ -232,6 +246,9 @@ class Intake:
             tiers.release(tiers.room_of(item.nbytes))
             tiers.claim(item.key, self.put_id)
             self.received.append((PUT_STORED, item, None))
+        elif not tiers.quotas.fits(item.key, item.nbytes):  # other puts of its tenant filled the quota meanwhile
+            tiers.release(tiers.room_of(item.nbytes))
+            self.received.append((PUT_NO_ROOM, item, None))
         else:
             chunk = StoredChunk(item, buffer)
             tiers.insert(chunk, self.put_id)

@@ -195,12 +195,14 @@ class OpTable:
             counters[NodeCounter.CHANNEL_GETS if channel else NodeCounter.GETS] += 1
             chunk = await self._read(key, fingerprint)
             if isinstance(chunk, OtherLayout):
+                tiers.quotas.count_read(key, hit=False)
                 counters[NodeCounter.CHANNEL_MISSES if channel else NodeCounter.MISSES] += 1
                 found.append(chunk)
                 continue
             if chunk is not None and chunk.meta.nbytes > budget:
                 counters[NodeCounter.GET_OVER_FRAME_LIMIT] += 1
                 chunk = None
+            tiers.quotas.count_read(key, hit=chunk is not None)
             if chunk is None:
                 counters[NodeCounter.CHANNEL_MISSES if channel else NodeCounter.MISSES] += 1
                 found.append(None)
@@ -270,6 +272,7 @@ class OpTable:
             if want_map:  # a read: only of a chunk of the reader's layout (a lock pins whatever is held)
                 counters[NodeCounter.GETS] += 1
                 chunk = await self._read(key, fingerprint)
+                tiers.quotas.count_read(key, hit=chunk is not None and not isinstance(chunk, OtherLayout))
                 if chunk is None or isinstance(chunk, OtherLayout):
                     counters[NodeCounter.MISSES] += 1
                     found.append(chunk)

@@ -224,6 +224,10 @@ class IndexPublisher:
             )
         self._published_view = view
         self._beat_ok_at = time.monotonic()
+        try:  # the tenants' quotas ride on the beat: kvpool quota set applies from the next one
+            self.ctx.tiers.quotas.set_limits(await self.ctx.index.quotas())
+        except MetadataError as exc:
+            logger.debug("quotas not read at this heartbeat (the last ones stay): %s", exc)
         return beat
 
     def info(self) -> NodeInfo:

@@ -199,6 +199,7 @@ class PutReceiver:
                 ctx.events.stored([key for key, _ in visible])  # committed: readers can find them now
             self.publisher.took_writes()  # a commit that needed memory landed: Redis is not full (any more)
         counters[NodeCounter.PUTS] += len(visible)
+        tiers.quotas.count_puts(key for key, _ in visible)
         counters[NodeCounter.PUT_BYTES] += sum(loc.nbytes for _, loc in visible)
         return encode_flags(flags), []
 

@@ -70,6 +70,7 @@ class NodeStats:
             republish=self.republish,
             pinned_chunks=pinned_chunks,
             pinned_bytes=pinned_bytes,
+            tenants=tiers.quotas.reports(),
         )
 
     def _snapshot(self) -> tuple[float, int, int, int]:

@@ -50,6 +50,7 @@ from backend.node.landing import Landing
 from backend.node.leases import LeaseTable
 from backend.node.nvme_format import NvmeFile
 from backend.node.nvme_tier import NvmeTier
+from backend.node.quotas import TenantQuotas
 from backend.protocol import NO_FINGERPRINT, ItemMeta, TierReport, checksum
 
 __all__ = ["TierConfig", "TierManager", "DRAM", "NVME"]
@@ -110,6 +111,7 @@ class TierManager:
             high_watermark=config.high_watermark,
             low_watermark=config.low_watermark,
         )
+        self.quotas = TenantQuotas(self.table, self.delete, self.changes, self.counters)  # tenants' bytes and quotas
         # Chunks of puts not committed yet, and the puts waiting for room.
         self.landing = Landing(on_pin=self.table.repin)
         self.recovering: set[str] | None = None  # while NVMe recovery runs: the keys stored or deleted since
@@ -167,7 +169,6 @@ class TierManager:
         """Whether a lease or a landing put holds ``key`` (its chunk then stays out of the eviction orders)."""
         return key in self.leases.pinned or key in self.landing.keys
 
-    # -- accounting -------------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:
         return self.dram.capacity_bytes + (self.nvme.capacity_bytes if self.nvme else 0)

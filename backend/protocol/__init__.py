@@ -142,6 +142,7 @@ from backend.protocol.reports import (
     RecentReport,
     RecoveryReport,
     RepublishReport,
+    TenantReport,
     TierReport,
     decode_node_report,
     encode_node_report,
@@ -265,6 +266,7 @@ __all__ = [
     "RepublishReport",
     "RecentReport",
     "NodeReport",
+    "TenantReport",
     "encode_node_report",
     "decode_node_report",
 ]

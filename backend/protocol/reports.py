@@ -8,7 +8,7 @@ not send (arena, recovery, latency) decode to None.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from backend.errors import ProtocolError
@@ -22,6 +22,7 @@ __all__ = [
     "RepublishReport",
     "RecentReport",
     "NodeReport",
+    "TenantReport",
     "encode_node_report",
     "decode_node_report",
 ]
@@ -214,6 +215,38 @@ class RecentReport:
 
 
 @dataclass(frozen=True)
+class TenantReport:
+    """One tenant on one node: its bytes held, its quota (-1: none), and what its keys saw."""
+
+    held_bytes: int
+    quota_bytes: int
+    puts: int
+    hits: int
+    misses: int
+    quota_evictions: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "held_bytes": self.held_bytes,
+            "quota_bytes": self.quota_bytes,
+            "puts": self.puts,
+            "hits": self.hits,
+            "misses": self.misses,
+            "quota_evictions": self.quota_evictions,
+        }
+
+    @classmethod
+    def from_json(cls, body: Any) -> TenantReport:
+        what = "STAT tenant"
+        return cls(
+            *(
+                _field(body, name, int, what)
+                for name in ("held_bytes", "quota_bytes", "puts", "hits", "misses", "quota_evictions")
+            )
+        )
+
+
+@dataclass(frozen=True)
 class NodeReport:
     """STAT's answer: a node's identity, counters, tiers, arena, recovery, republish, recent rates and latency.
 
@@ -235,6 +268,7 @@ class NodeReport:
     republish: RepublishReport | None = None
     pinned_chunks: int = 0  # chunks held now under a pin (PIN), and their bytes
     pinned_bytes: int = 0
+    tenants: dict[str, TenantReport] = field(default_factory=dict)  # per tenant with bytes, a quota or counts
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -252,6 +286,7 @@ class NodeReport:
             "republish": self.republish.to_json() if self.republish is not None else None,
             "pinned_chunks": self.pinned_chunks,
             "pinned_bytes": self.pinned_bytes,
+            "tenants": {name: tenant.to_json() for name, tenant in self.tenants.items()},
         }
 
     @classmethod
@@ -280,7 +315,16 @@ class NodeReport:
             # absent from a node of an earlier version, which pins nothing
             pinned_chunks=_field(body, "pinned_chunks", int, what) if "pinned_chunks" in body else 0,
             pinned_bytes=_field(body, "pinned_bytes", int, what) if "pinned_bytes" in body else 0,
+            tenants=_tenants_from_json(body.get("tenants")),  # absent from a node of an earlier version
         )
+
+
+def _tenants_from_json(body: Any) -> dict[str, TenantReport]:
+    if body is None:
+        return {}
+    if not isinstance(body, dict):
+        raise ProtocolError(f"STAT answer: 'tenants' is {str(body)[:80]}, not an object")
+    return {str(name): TenantReport.from_json(tenant) for name, tenant in body.items()}
 
 
 def encode_node_report(report: NodeReport) -> bytes:
