@@ -315,7 +315,9 @@ class OpTable:
         """EVENTS: the ring's entries from a cursor (``events.py``), for a `kvpool events` endpoint."""
         ring = self.ctx.events
         if ring is None:
-            raise KVPoolError("this node keeps no event ring: start it with --event-ring-keys N (docs/fleet.md)")
+            raise ProtocolError(
+                f"node {self.ctx.node_id} keeps no event ring: start it with --event-ring-keys N (docs/fleet.md)"
+            )
         since, max_keys = decode_events_request(meta)
         page = ring.since(since, max_keys)
         entries = tuple(EventsEntry(e.seq, int(e.kind), e.keys) for e in page.entries)
