@@ -24,6 +24,7 @@ class NodeCounter(StrEnum):
     REQUEST_ERRORS = "request_errors"
     PROTOCOL_ERRORS = "protocol_errors"
     AUTH_FAILURES = "auth_failures"
+    TENANT_REFUSALS = "tenant_refusals"  # requests of a tenant-token connection outside its tenant (or admin ops)
     TLS_FAILURES = "tls_failures"
     CONNECTIONS_ACCEPTED = "connections_accepted"
     CONNECTION_ERRORS = "connection_errors"

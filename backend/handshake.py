@@ -145,16 +145,25 @@ def _version(body: Mapping[str, Any]) -> int:
 
 
 class KeyRing:
-    """The handshake keys a node accepts, by key id (one today; two during a rotation)."""
+    """The handshake keys a node accepts, by key id: the pool's (one; two during a rotation), each of
+    tenant None, and the tenants' tokens, each bound to its tenant (docs/security.md, "Tenant tokens")."""
 
-    def __init__(self, keys: list[bytes]) -> None:
-        self._keys = {key_id(key): key for key in keys if key}
+    def __init__(self, keys: list[bytes], tenants: Mapping[str, bytes] | None = None) -> None:
+        self._keys: dict[str, tuple[bytes, str | None]] = {key_id(key): (key, None) for key in keys if key}
+        for tenant, key in (tenants or {}).items():
+            self._keys[key_id(key)] = (key, tenant)
 
     def __bool__(self) -> bool:
         return bool(self._keys)
 
     def get(self, kid: str) -> bytes | None:
-        return self._keys.get(kid)
+        found = self._keys.get(kid)
+        return found[0] if found is not None else None
+
+    def tenant(self, kid: str) -> str | None:
+        """The tenant the key ``kid`` is bound to; None for a pool key (all tenants) or an unknown one."""
+        found = self._keys.get(kid)
+        return found[1] if found is not None else None
 
 
 class WrongNode(NodeUnavailable):
@@ -244,6 +253,7 @@ class NodeHello:
         self.address = address
         self._nonces: tuple[bytes, bytes] | None = None  # (client's, node's), set by a HELLO
         self._meant = ""  # whom the client said it meant, for a refusal's message
+        self.tenant: str | None = None  # once AUTH proved a tenant's token: the only tenant it may touch
 
     def answer(self, request: Mapping[str, Any], epoch: int) -> dict[str, Any]:
         """The HELLO answer: this node, whether it asks for a token, and a fresh nonce. It proves nothing
@@ -291,4 +301,9 @@ class NodeHello:
                 f"wrong or missing token proof (the client said it meant {self._meant}; this is node "
                 f"{self.node_id!r} at {self.address!r})"
             )
-        return {"ok": True, "proof": prove(key, NODE_PROVES, transcript)}
+        answer: dict[str, Any] = {"ok": True, "proof": prove(key, NODE_PROVES, transcript)}
+        self.tenant = self.keys.tenant(kid)
+        if self.tenant is not None:
+            # Outside the proof: it can only make the client use less (TCP, no channel), never more.
+            answer["tenant"] = self.tenant
+        return answer

@@ -236,6 +236,119 @@ async def test_the_older_array_form_is_a_setting(node_factory, pool_url):
             ctx.destroy(linger=0)
 
 
+async def test_a_tenants_endpoint_publishes_only_its_blocks_and_only_to_its_tokens_holders(
+    node_factory, pool_url, tmp_path
+):
+    alice_token, bob_token = "alice-token-0123456789abcdef0123456789", "bob-token-0123456789abcdef0123456789"
+    tenants = tmp_path / "tenants"
+    tenants.mkdir()
+    for name, token in (("alice", alice_token), ("bob", bob_token)):
+        (tenants / name).write_text(token)
+        (tenants / name).chmod(0o600)
+    node_factory(*RING, "--tenant-tokens", str(tenants), env={"KVPOOL_TOKEN": TOKEN})
+    alice = PoolClient(PoolConfig.from_url(pool_url + "?tenant=alice", {"KVPOOL_TOKEN": alice_token}))
+    bob = PoolClient(PoolConfig.from_url(pool_url + "?tenant=bob", {"KVPOOL_TOKEN": bob_token}))
+    mine, theirs, nobodys = chunks(0, 4), chunks(10, 4), chunks(20, 2)
+    ep = EventsEndpoint(
+        config(pool_url),
+        EndpointConfig(
+            model=MODEL, publish="tcp://127.0.0.1:*", replay="tcp://127.0.0.1:*", poll_interval_s=0.05, tenant="alice"
+        ),
+        alice_token,
+    )
+    assert ep.topic == f"kv@kvpool-{ep.pool.namespace}-alice@{MODEL}".encode()
+    ep.bind()
+    task = asyncio.create_task(ep.run())
+    ctx = zmq.asyncio.Context()
+    subs = {
+        who: subscriber(ctx, ep, token=token)
+        for who, token in (("alice", alice_token), ("bob", bob_token), ("pool", TOKEN))
+    }
+    try:
+        async with alice, bob, PoolClient(config(pool_url)) as operator:
+            await joined(subs["alice"])
+            await asyncio.sleep(0.2)
+            await alice.put(mine)
+            await bob.put(theirs)
+            await operator.put(nobodys)
+            want = {block_of(c.key).block_hash for c in mine}  # type: ignore[union-attr]
+
+            async def settled() -> bool:
+                await subs["alice"].drain()
+                return subs["alice"].mirror.blocks == want
+
+            await until(settled, timeout_s=15.0)
+            await alice.delete([mine[0].key])
+            want.discard(block_of(mine[0].key).block_hash)  # type: ignore[union-attr]
+            await until(settled, timeout_s=15.0)
+            await asyncio.sleep(0.3)  # a late event of bob's or nobody's blocks would show here
+            await subs["alice"].drain()
+            assert subs["alice"].mirror.blocks == want
+            # The pool's token and another tenant's complete no CURVE handshake with alice's endpoint.
+            assert await subs["bob"].sub.poll(500) == 0 and await subs["pool"].sub.poll(500) == 0
+    finally:
+        for sub in subs.values():
+            sub.close()
+        ctx.destroy(linger=0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        ep.close()
+
+
+async def test_during_a_rotation_holders_of_either_token_get_the_same_stream_each_on_its_own_sockets(
+    node_factory, pool_url
+):
+    next_token = "next-events-token-0123456789abcdef0123"
+    node_factory(*RING, env={"KVPOOL_TOKEN": TOKEN})
+    ep = EventsEndpoint(
+        config(pool_url),
+        EndpointConfig(
+            model=MODEL,
+            publish="tcp://127.0.0.1:*",
+            replay="tcp://127.0.0.1:*",
+            poll_interval_s=0.05,
+            publish_next="tcp://127.0.0.1:*",
+            replay_next="tcp://127.0.0.1:*",
+        ),
+        next_token=next_token,
+    )
+    ep.bind()
+    task = asyncio.create_task(ep.run())
+    ctx = zmq.asyncio.Context()
+    k = curve_keys(next_token, ep.pool.namespace)
+    next_keys = (k.server_public, k.client_public, k.client_secret)
+    old = subscriber(ctx, ep)
+    new = vllm_events.Subscriber(ctx, ep.next_publish_address, ep.next_replay_address, ep.topic, next_keys)
+    misplaced = vllm_events.Subscriber(ctx, ep.publish_address, None, ep.topic, next_keys)  # the next token, old socket
+    try:
+        async with PoolClient(config(pool_url)) as client:
+            await joined(old)
+            await joined(new)
+            await client.put(chunks(0, 5))
+            await in_step(old, client)
+            await in_step(new, client)
+            assert new.mirror.blocks == old.mirror.blocks and len(old.mirror.blocks) == 5
+            assert await misplaced.sub.poll(500) == 0
+    finally:
+        for sub in (old, new, misplaced):
+            sub.close()
+        ctx.destroy(linger=0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        ep.close()
+
+
+def test_a_tenants_endpoint_needs_that_tenants_own_token(pool_url):
+    with pytest.raises(Exception, match="needs that tenant's token"):
+        EventsEndpoint(config(pool_url), EndpointConfig(model=MODEL, tenant="alice"))
+    with pytest.raises(Exception, match="is the pool token"):
+        EventsEndpoint(config(pool_url), EndpointConfig(model=MODEL, tenant="alice"), TOKEN)
+    with pytest.raises(Exception, match="A-Z a-z 0-9"):
+        EndpointConfig(model=MODEL, tenant="a/b")
+
+
 def test_the_endpoint_refuses_to_start_without_the_pool_token(pool_url):
     with pytest.raises(Exception, match="token"):
         EventsEndpoint(PoolConfig.from_url(pool_url, {}), EndpointConfig(model=MODEL))

@@ -130,6 +130,7 @@ class WirePeer:
 
     conn: FrameSocket
     answers: list[tuple[Request, Answer]] = field(default_factory=list)
+    tenant: str | None = None  # the pool token's connection: every key (node/tenancy.py)
 
     @property
     def host(self) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from backend.cli.exits import EXIT_OK
 from backend.cli.options import add_url_option, pool_config
+from backend.config.values import check_token, read_secret_file
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,27 @@ def add_verbs(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="how often the nodes' rings are read (default %(default)s)",
     )
     events.add_argument(
+        "--tenant",
+        default="",
+        metavar="NAME",
+        help="publish only this tenant's blocks, to subscribers holding its token (needs --tenant-token-file)",
+    )
+    events.add_argument(
+        "--tenant-token-file",
+        default="",
+        metavar="PATH",
+        help="the file holding --tenant's token: its subscribers' CURVE keys derive from it (the URL keeps the "
+        "pool token, which reads the nodes)",
+    )
+    events.add_argument(
+        "--token-file-next",
+        default="",
+        metavar="PATH",
+        help="during a rotation: the next token, whose holders subscribe on --publish-next (and --replay-next)",
+    )
+    events.add_argument("--publish-next", metavar="ADDR", help="ZMQ PUB address for the next token's subscribers")
+    events.add_argument("--replay-next", metavar="ADDR", help="ZMQ ROUTER address for the next token's replays")
+    events.add_argument(
         "--data-parallel-rank",
         type=int,
         default=0,
@@ -76,14 +98,29 @@ def cmd_events(args: argparse.Namespace) -> int:
         replay_batches=args.replay_batches,
         poll_interval_s=args.poll_interval_s,
         data_parallel_rank=args.data_parallel_rank,
+        tenant=args.tenant,
+        publish_next=args.publish_next,
+        replay_next=args.replay_next,
     )
-    endpoint = EventsEndpoint(pool_config(args), config)
+    tenant_token = ""
+    if args.tenant_token_file:
+        tenant_token = read_secret_file(args.tenant_token_file, "--tenant-token-file")
+        check_token(tenant_token, "--tenant-token-file", args.tenant_token_file)
+    next_token = ""
+    if args.token_file_next:
+        next_token = read_secret_file(args.token_file_next, "--token-file-next")
+        check_token(next_token, "--token-file-next", args.token_file_next)
+    endpoint = EventsEndpoint(pool_config(args), config, tenant_token, next_token)
 
     async def serve() -> None:
         endpoint.bind()
         print(f"events: publishing {endpoint.topic.decode()} on {endpoint.publish_address}", flush=True)
         if endpoint.replay_address:
             print(f"events: replay on {endpoint.replay_address}", flush=True)
+        if endpoint.next_publish_address:
+            print(f"events: publishing to the next token's holders on {endpoint.next_publish_address}", flush=True)
+        if endpoint.next_replay_address:
+            print(f"events: the next token's replay on {endpoint.next_replay_address}", flush=True)
         task = asyncio.create_task(endpoint.run())
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

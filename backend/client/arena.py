@@ -29,7 +29,7 @@ from backend.client.connection import MAX_FRAME_ITEMS, Connections, NodeConnecti
 from backend.client.context import ClientContext, logger
 from backend.config.values import ms_to_s
 from backend.counters import ClientCounter
-from backend.errors import CapacityError, KVPoolError, ProtocolError
+from backend.errors import AuthError, CapacityError, KVPoolError, ProtocolError
 from backend.metadata import NodeInfo
 from backend.protocol import (
     LEASE_MAP,
@@ -79,7 +79,8 @@ class ArenaReader:
         return self._views[ident]
 
     def serves(self, node: NodeInfo) -> bool:
-        return self.view(node) is not None
+        # A node that bound this client to a tenant refuses mapped reads: its arena holds every tenant's bytes.
+        return self.view(node) is not None and self.connections.to(node).tenant is None
 
     def prune(self, live: set[tuple[str, int]]) -> None:
         """Let go of the arenas of nodes that left or restarted (their files are removed)."""
@@ -126,6 +127,10 @@ class ArenaReader:
             reply = await conns.request(Op.LEASE, meta)
         except CapacityError:
             return [Fallback("the node's lease table is full")] * len(keys)
+        except AuthError:
+            if conns.tenant is None:
+                raise
+            return [Fallback("a tenant's token reads over TCP")] * len(keys)  # the first read learns it
         lease_id, found = decode_lease_response(reply, keys, fingerprints=True)
         outcomes: list[Outcome] = []
         jobs: list[_Job] = []

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, TypeVar
 
 from backend.client.chunks import Fallback, Hit, Outcome, Sink, Wanted, sink_fingerprint
+from backend.client.connection import Connections
 from backend.client.context import ClientContext
 from backend.client.index import PoolIndex
 from backend.config import PoolConfig
@@ -96,11 +97,14 @@ class ChannelReader:
     speculative = False
     name = "channel"
 
-    def __init__(self, ctx: ClientContext, channel: Channel) -> None:
+    def __init__(self, ctx: ClientContext, channel: Channel, connections: Connections) -> None:
         self.ctx = ctx
         self.channel = channel
+        self.connections = connections
 
     def serves(self, node: NodeInfo) -> bool:
+        if self.connections.to(node).tenant is not None:
+            return False  # the node refuses CHANNEL_GET to a tenant's token: it reads past the connection
         return self.channel.engaged(node)  # starts pairing in the background when there is no pair yet
 
     async def read(self, node: NodeInfo, wanted: Sequence[Wanted], sink: Sink[T]) -> list[Outcome]:

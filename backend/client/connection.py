@@ -136,6 +136,9 @@ class NodeConnection:
         self._reader: asyncio.Task[None] | None = None
         self._connect_lock = asyncio.Lock()
         self._ready = False  # set once HELLO/AUTH succeeded; nothing else is sent before
+        # The tenant the node bound this connection to (this client's token is that tenant's): the node
+        # then refuses its arena, stages and channel, and the client reads and puts over TCP.
+        self.tenant: str | None = None
         self.broken = False
         self._closed_by: BaseException | None = None  # why it was closed: what a later request raises
         self._told = False  # the node said why it closes this connection (an error frame for request id 0)
@@ -163,7 +166,10 @@ class NodeConnection:
                 hello = decode_json(await self.request(Op.HELLO, encode_json(handshake.request())))
                 auth = handshake.answer(hello)  # the node is the one meant (None: the pool has no token)
                 if auth is not None:
-                    handshake.check(decode_json(await self.request(Op.AUTH, encode_json(auth))))
+                    answer = decode_json(await self.request(Op.AUTH, encode_json(auth)))
+                    handshake.check(answer)
+                    tenant = answer.get("tenant")
+                    self.tenant = tenant if isinstance(tenant, str) else None
                 if hello.get("epoch") != self.node.epoch:
                     raise NodeUnavailable(f"node {self.node.node_id} restarted (epoch {hello.get('epoch')})")
                 self._ready = True
@@ -385,6 +391,7 @@ class NodeConnectionSet:
         self.bulk = bulk
         self.watch = watch
         self.connections: list[NodeConnection] = []
+        self.tenant: str | None = None  # once a connection was bound to a tenant (NodeConnection.tenant)
 
     async def request(self, op: int, meta: bytes, **kwargs: Any) -> Any:
         self.connections = [c for c in self.connections if not c.broken]
@@ -395,6 +402,7 @@ class NodeConnectionSet:
             conn = min(self.connections, key=lambda c: c.load)
         try:
             await conn.ensure_open()
+            self.tenant = self.tenant or conn.tenant
             result = await conn.request(op, meta, **kwargs)
         except BaseException as exc:
             if not conn._ready and conn in self.connections:
@@ -418,6 +426,7 @@ class NodeConnectionSet:
             except BaseException:
                 self.connections.remove(conn)
                 raise
+            self.tenant = self.tenant or conn.tenant
         return list(self.connections)
 
     def close(self) -> None:

@@ -88,7 +88,7 @@ class PoolClient:
         self._channel = open_channel(config, self.index, self.channel_request)
         readers: list[Reader] = [self.arena, self._tcp]
         if self._channel is not None:
-            readers.insert(0, ChannelReader(self._ctx, self._channel))
+            readers.insert(0, ChannelReader(self._ctx, self._channel, self.connections))
         self._getter = Getter(self._ctx, self.registry, self._locator, readers)
         self._staged = StagedWriter(self._ctx, self.connections, self.arena)
         self._putter = PutPlanner(self._ctx, self.registry, self.connections, self._staged)

@@ -26,7 +26,7 @@ from backend.client.connection import MAX_FRAME_ITEMS, Connections, NodeConnecti
 from backend.client.context import ClientContext, logger
 from backend.client.tcp import stripes
 from backend.counters import ClientCounter
-from backend.errors import KVPoolError, PutOutcome, refused_outcome
+from backend.errors import AuthError, KVPoolError, PutOutcome, refused_outcome
 from backend.metadata import NodeInfo
 from backend.protocol import ItemMeta, Op, PutOptions, decode_flags, encode_put_staged, put_outcome
 from backend.shm import HEADER_BYTES, PutStage
@@ -52,7 +52,7 @@ class StagedWriter:
         self._lock = asyncio.Lock()  # one put at a time fills a stage
 
     def serves(self, node: NodeInfo) -> bool:
-        return self.arena.view(node) is not None
+        return self.arena.serves(node)
 
     async def prepare(self, node: NodeInfo) -> bool:
         """Map ``node``'s arena and make the stage for it now, so that the first same-host put does not
@@ -70,7 +70,10 @@ class StagedWriter:
                 return False
             with contextlib.suppress(KVPoolError):  # then the first puts open them, as without this
                 empty = encode_put_staged(stage.name, stage.token, [], [])
-                connections = await self.connections.to(node).open_all()
+                conns = self.connections.to(node)
+                connections = await conns.open_all()
+                if conns.tenant is not None:
+                    return False  # a tenant's token puts over TCP: the node refuses stages
                 await asyncio.gather(*(conn.request(Op.PUT_STAGED, empty) for conn in connections))
             return True
 
@@ -90,15 +93,19 @@ class StagedWriter:
         """
         if max(item.nbytes for item in group) > STAGE_BYTES - HEADER_BYTES:
             return None
+        conns = self.connections.to(node)
+        if conns.tenant is not None:
+            return None  # the node refuses stages to a tenant's token
         async with self._lock:
             stage = await self._stage(os.path.dirname(node.shm_path))
             if stage is None:
                 return None
-            conns = self.connections.to(node)
             outcomes: list[PutOutcome] = []
             error: KVPoolError | None = None
             for part in _parts(group):
                 part_outcomes, part_error = await self._put_part(conns, stage, part, data, sums, options)
+                if isinstance(part_error, AuthError) and conns.tenant is not None:
+                    return None  # the first put learnt the node bound this client to a tenant: nothing staged
                 outcomes += part_outcomes
                 error = part_error or error
             self.ctx.counters[ClientCounter.STAGED_PUT_BYTES] += sum(item.nbytes for item in group)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from backend.config.values import (
 from backend.errors import ConfigError
 from backend.protocol import DEFAULT_LIMITS, Limits
 from backend.redis_topology import RedisTarget, mask_url
+from backend.tenants import check_tenant
 
 __all__ = [
     "EVICTIONS",
@@ -178,6 +180,21 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
         None,
         "file holding the pool token (or set KVPOOL_TOKEN_FILE, as engines do, or KVPOOL_TOKEN)",
         env="KVPOOL_TOKEN_FILE",
+    ),
+    NodeOption(
+        "token_file_next",
+        optional(path_value),
+        None,
+        "file holding a second pool token the node accepts beside --token-file's, for a rotation "
+        "(docs/security.md, 'Rotating the token')",
+    ),
+    NodeOption(
+        "tenant_tokens",
+        optional(path_value),
+        None,
+        "directory of tenant tokens: the file NAME holds the token of tenant NAME, which may touch only "
+        "that tenant's keys (docs/security.md, 'Tenant tokens'); needs --token-file",
+        metavar="DIR",
     ),
     NodeOption(
         "tls_cert",
@@ -381,6 +398,11 @@ class NodeConfig:
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S  # from accept to admitted (backend/node/admission.py)
     max_pending_connections: int = DEFAULT_MAX_PENDING_CONNECTIONS  # not yet admitted; above it the oldest is closed
     token_file: str = ""  # where the token came from, if a file (so `kvpool up` can name it, never print it)
+    token_next: str = dataclasses.field(default="", repr=False)  # a second pool token, during a rotation
+    token_file_next: str = ""  # where it came from
+    # Tenant name -> its token (--tenant-tokens DIR): a connection that proves one touches only that tenant.
+    tenant_tokens: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
+    tenant_tokens_dir: str = ""  # where they came from
     redis_password_file: str = ""  # likewise for redis_password
     pin_ttl_default_s: float = DEFAULT_PIN_TTL_S  # a pin's ttl when it names none; 0: no expiry (needs no cap)
     pin_ttl_max_s: float = DEFAULT_PIN_TTL_MAX_S  # the longest a pin may ask for; 0: no cap
@@ -396,6 +418,7 @@ class NodeConfig:
             check_token(self.token, "--token-file", self.token_file)
         else:
             check_token(self.token, "KVPOOL_TOKEN", "KVPOOL_TOKEN")
+        self._check_other_tokens()
         if not NAMESPACE_RE.match(self.namespace):
             raise ConfigError("--namespace", f"{self.namespace!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
         if self.node_id:
@@ -437,6 +460,32 @@ class NodeConfig:
                 "--redis-ca", f"a CA bundle only matters for a rediss:// Redis, not {mask_url(self.redis_url)}"
             )
 
+    def _check_other_tokens(self) -> None:
+        """The rotation's second token and the tenant tokens: each a good token, none given twice, and only
+        beside a pool token (a node without one accepts anyone, so a tenant token would bound nothing)."""
+        if self.token_next:
+            if not self.token:
+                raise ConfigError("--token-file-next", "a second token is for a rotation: give --token-file too")
+            check_token(self.token_next, "--token-file-next", self.token_file_next or "--token-file-next")
+        if not self.tenant_tokens:
+            return
+        if not self.token:
+            raise ConfigError(
+                "--tenant-tokens", "tenant tokens need the pool token (--token-file): a node without one accepts anyone"
+            )
+        seen = {self.token: "the pool token"}
+        if self.token_next:
+            seen[self.token_next] = "the pool token of --token-file-next"
+        for name, token in sorted(self.tenant_tokens.items()):
+            check_tenant(name, "--tenant-tokens")
+            check_token(token, "--tenant-tokens", f"{self.tenant_tokens_dir or '--tenant-tokens'}/{name}")
+            if token in seen:
+                raise ConfigError(
+                    "--tenant-tokens",
+                    f"tenant {name}'s token is also {seen[token]}: every token must name one tenant (or the pool)",
+                )
+            seen[token] = f"tenant {name}'s"
+
     @classmethod
     def from_sources(
         cls,
@@ -455,6 +504,10 @@ class NodeConfig:
         token, token_file = values["token"], values["token_file"]
         if token_file is not None:
             token = _read_node_secret(token_file, "--token-file")
+        token_file_next = values["token_file_next"]
+        token_next = _read_node_secret(token_file_next, "--token-file-next") if token_file_next is not None else ""
+        tenants_dir = values["tenant_tokens"]
+        tenant_tokens = read_tenant_tokens(tenants_dir) if tenants_dir is not None else {}
         password, password_file = values["redis_password"], values["redis_password_file"]
         if password_file is not None:
             password = _read_node_secret(password_file, "--redis-password-file")
@@ -492,6 +545,10 @@ class NodeConfig:
             pin_ttl_max_s=values["pin_ttl_max_s"],
             event_ring_keys=values["event_ring_keys"],
             token_file=str(token_file.resolve()) if token_file is not None else "",
+            token_next=token_next,
+            token_file_next=str(token_file_next.resolve()) if token_file_next is not None else "",
+            tenant_tokens=tenant_tokens,
+            tenant_tokens_dir=str(tenants_dir.resolve()) if tenants_dir is not None else "",
             redis_password_file=str(password_file.resolve()) if password_file is not None else "",
         )
 
@@ -499,3 +556,23 @@ class NodeConfig:
 def _read_node_secret(path: Path, flag: str) -> str:
     why = "; a node without a token accepts anyone" if flag == "--token-file" else ""
     return read_secret_file(path, flag, if_empty=why)
+
+
+def read_tenant_tokens(directory: Path) -> dict[str, str]:
+    """Tenant name -> token from ``directory`` (--tenant-tokens): the file NAME holds tenant NAME's token.
+
+    Names starting with ``.`` are skipped (a Kubernetes secret volume keeps its ``..data`` links
+    there); any other name must be a tenant name. ConfigError naming the flag and the file otherwise.
+    """
+    flag = "--tenant-tokens"
+    try:
+        names = sorted(entry.name for entry in os.scandir(directory) if not entry.name.startswith("."))
+    except OSError as exc:
+        raise ConfigError(flag, f"cannot list {directory}: {exc.strerror}") from None
+    tokens = {}
+    for name in names:
+        check_tenant(name, f"{flag} ({directory}/{name})")
+        tokens[name] = read_secret_file(directory / name, f"{flag} ({directory}/{name})")
+    if not tokens:
+        raise ConfigError(flag, f"{directory} holds no tenant token (a file NAME holding tenant NAME's token)")
+    return tokens

@@ -16,7 +16,14 @@ cursor, so nothing that happened during the walk is lost. A node the registry no
 alive has its blocks removed. The endpoint holds no lock and takes no part in a put.
 
 Both sockets use CURVE with keys derived from the pool token (``auth.py``); the endpoint refuses
-to start without a token.
+to start without a token. An endpoint of one tenant (``tenant``) publishes only that tenant's
+blocks (its keys ``~t/NAME/KEY``, as the tenant's engines name them: ``KEY``), and derives its
+CURVE keys from that tenant's token instead: a subscriber holding tenant A's token is admitted
+by A's endpoint only, and no endpoint publishes another tenant's blocks to it. The endpoint still
+reads the nodes with the pool token (a tenant's token may not read their rings). An endpoint of
+no tenant publishes the keys of no tenant. During a rotation a second token's holders subscribe
+on their own sockets (``publish_next``, ``replay_next``: a CURVE server has one key pair), which
+carry the same batches.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,11 +43,12 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from backend.client import PoolClient
 from backend.config import PoolConfig
 from backend.errors import ConfigError, KVPoolError
-from backend.events.auth import curve_keys
+from backend.events.auth import CurveKeys, curve_keys
 from backend.events.view import BlockShape, PoolView
 from backend.events.wire import END_SEQ, KVEventBatch, Wire, seq_bytes
 from backend.metadata import NodeInfo
 from backend.protocol import EVENT_STORED, MAX_EVENTS_KEYS
+from backend.tenants import check_tenant, scoped, tenant_of
 
 __all__ = ["EndpointConfig", "EventsEndpoint"]
 
@@ -47,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_REPLAY_BATCHES = 10_000  # vLLM's buffer_steps
 DEFAULT_MEDIUM = "CPU"
+MAIN_DOMAIN, NEXT_DOMAIN = "", "next"  # ZAP domains: which token's client key a socket admits
 FAR_AHEAD = 1 << 62  # a cursor no ring has reached: EVENTS answers with its next sequence only
 
 
@@ -64,8 +74,14 @@ class EndpointConfig:
     replay_batches: int = DEFAULT_REPLAY_BATCHES
     poll_interval_s: float = 0.2
     data_parallel_rank: int = 0
+    tenant: str = ""  # publish only this tenant's blocks, to holders of its token ("": keys of no tenant)
+    # During a rotation: the same batches on these addresses, to holders of the next token.
+    publish_next: str | None = None
+    replay_next: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tenant:
+            check_tenant(self.tenant, "--tenant")
         if not self.model or "@" in self.model:
             raise ConfigError("--model", f"{self.model!r} is not a model name (non-empty, no '@')")
         if self.block_size <= 0:
@@ -76,9 +92,22 @@ class EndpointConfig:
             raise ConfigError("--poll-interval-s", f"{self.poll_interval_s} is outside (0, 60]")
         if self.form not in ("map", "array"):
             raise ConfigError("--form", f"{self.form!r} is not map or array")
+        if self.replay_next is not None and self.replay is None:
+            raise ConfigError("--replay-next", "a replay address for the next token needs --replay too")
 
     def topic(self, namespace: str) -> str:
-        return f"kv@{self.identity or 'kvpool-' + namespace}@{self.model}"
+        pod = f"kvpool-{namespace}-{self.tenant}" if self.tenant else f"kvpool-{namespace}"
+        return f"kv@{self.identity or pod}@{self.model}"
+
+
+class _OneKey:
+    """A ZAP credentials provider that admits one client key (Z85, as the authenticator passes it)."""
+
+    def __init__(self, allowed: bytes) -> None:
+        self.allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.allowed
 
 
 @dataclass
@@ -90,9 +119,18 @@ class _Cursor:
 class EventsEndpoint:
     """One endpoint over one pool and one model; :meth:`run` until cancelled, then :meth:`close`."""
 
-    def __init__(self, pool: PoolConfig, config: EndpointConfig) -> None:
+    def __init__(self, pool: PoolConfig, config: EndpointConfig, tenant_token: str = "", next_token: str = "") -> None:
+        """``tenant_token``: with ``config.tenant``, that tenant's token (its subscribers' CURVE keys).
+        ``next_token``: during a rotation, the token whose holders subscribe on ``config.publish_next``."""
         if not pool.token:
             raise ConfigError("token", "the events endpoint needs the pool token: events say what the pool holds")
+        if bool(config.tenant) != bool(tenant_token):
+            raise ConfigError(
+                "--tenant-token-file",
+                "a tenant's endpoint (--tenant NAME) needs that tenant's token (--tenant-token-file), and only it",
+            )
+        if tenant_token == pool.token:
+            raise ConfigError("--tenant-token-file", "the tenant's token is the pool token: give the tenant's own")
         self.pool = pool
         self.config = config
         self.topic = config.topic(pool.namespace).encode()
@@ -101,50 +139,86 @@ class EventsEndpoint:
         self._cursors: dict[str, _Cursor] = {}
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=config.replay_batches)
         self._last_seq = -1
-        self._keys = curve_keys(pool.token, pool.namespace)
+        if bool(next_token) != (config.publish_next is not None):
+            raise ConfigError(
+                "--publish-next", "a second token's subscribers need their own address: give both or neither"
+            )
+        if next_token and next_token == (tenant_token or pool.token):
+            raise ConfigError("--token-file-next", "the next token is the current one")
+        self._keys = curve_keys(tenant_token or pool.token, pool.namespace)
+        # A CURVE server has one key pair, derived from one token: the next token's holders get their own sockets.
+        self._next_keys = curve_keys(next_token, pool.namespace) if next_token else None
+        self._prefix = scoped(config.tenant, "") if config.tenant else ""
         self._ctx = zmq.asyncio.Context()
         self._auth = AsyncioAuthenticator(self._ctx)
         self._pub = self._ctx.socket(zmq.PUB)
         self._router: zmq.asyncio.Socket | None = None
+        self._next_pub: zmq.asyncio.Socket | None = None
+        self._next_router: zmq.asyncio.Socket | None = None
         self.publish_address = ""
         self.replay_address = ""
+        self.next_publish_address = ""
+        self.next_replay_address = ""
 
     @property
     def last_seq(self) -> int:
         """The sequence number of the last batch published (-1: none yet)."""
         return self._last_seq
 
-    def _secure(self, sock: zmq.asyncio.Socket) -> None:
-        sock.curve_secretkey = self._keys.server_secret
-        sock.curve_publickey = self._keys.server_public
+    @staticmethod
+    def _secure(sock: zmq.asyncio.Socket, keys: CurveKeys, domain: str) -> None:
+        sock.curve_secretkey = keys.server_secret
+        sock.curve_publickey = keys.server_public
         sock.curve_server = True
+        if domain:  # the main sockets keep ZMQ's default domain, which the authenticator names "*"
+            sock.zap_domain = domain.encode()
 
     def bind(self) -> None:
-        """Start the authenticator (it admits the one client key the token derives) and bind the sockets."""
+        """Start the authenticator (it admits, on each socket, the one client key its token derives) and bind
+        the sockets."""
         self._auth.start()
-        allowed = self._keys.client_public
+        # "*": the sockets of no ZAP domain (the main ones); a domain without a provider is refused.
+        self._auth.configure_curve_callback(domain="*", credentials_provider=_OneKey(self._keys.client_public))
+        if self._next_keys is not None:
+            self._auth.configure_curve_callback(
+                domain=NEXT_DOMAIN, credentials_provider=_OneKey(self._next_keys.client_public)
+            )
+        self._pub, self._router, self.publish_address, self.replay_address = self._bind(
+            self._keys, MAIN_DOMAIN, self.config.publish, self.config.replay, self._pub
+        )
+        if self._next_keys is not None and self.config.publish_next is not None:
+            sockets = self._bind(self._next_keys, NEXT_DOMAIN, self.config.publish_next, self.config.replay_next)
+            self._next_pub, self._next_router, self.next_publish_address, self.next_replay_address = sockets
 
-        class _OneKey:
-            def callback(self, domain: str, key: bytes) -> bool:
-                return key == allowed
-
-        self._auth.configure_curve_callback(domain="*", credentials_provider=_OneKey())
-        self._secure(self._pub)
-        self._pub.bind(self.config.publish)
-        self.publish_address = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        if self.config.replay is not None:
-            self._router = self._ctx.socket(zmq.ROUTER)
-            self._secure(self._router)
-            self._router.bind(self.config.replay)
-            self.replay_address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+    def _bind(
+        self,
+        keys: CurveKeys,
+        domain: str,
+        publish: str,
+        replay: str | None,
+        pub: zmq.asyncio.Socket | None = None,
+    ) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket | None, str, str]:
+        """One token's PUB socket (and ROUTER, with ``replay``), bound: (pub, router, their addresses)."""
+        pub = pub if pub is not None else self._ctx.socket(zmq.PUB)
+        self._secure(pub, keys, domain)
+        pub.bind(publish)
+        router: zmq.asyncio.Socket | None = None
+        replay_address = ""
+        if replay is not None:
+            router = self._ctx.socket(zmq.ROUTER)
+            self._secure(router, keys, domain)
+            router.bind(replay)
+            replay_address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        return pub, router, pub.getsockopt_string(zmq.LAST_ENDPOINT), replay_address
 
     async def run(self) -> None:
         """Poll the nodes and serve replays until cancelled."""
         async with PoolClient(self.pool) as client:
             self._publish([*self.view.snapshot()[:1]])  # AllBlocksCleared: a subscriber forgets an earlier run
             tasks = [asyncio.create_task(self._poll_loop(client))]
-            if self._router is not None:
-                tasks.append(asyncio.create_task(self._replay_loop(self._router)))
+            for router in (self._router, self._next_router):
+                if router is not None:
+                    tasks.append(asyncio.create_task(self._replay_loop(router)))
             try:
                 await asyncio.gather(*tasks)
             finally:
@@ -189,9 +263,9 @@ class EventsEndpoint:
                 return events + await self._resync(client, node)
             for entry in page.entries:
                 if entry.kind == EVENT_STORED:
-                    events += self.view.stored(node.node_id, entry.keys)
+                    events += self.view.stored(node.node_id, self._own(entry.keys))
                 else:
-                    events += self.view.removed(node.node_id, entry.keys)
+                    events += self.view.removed(node.node_id, self._own(entry.keys))
             cursor.next_seq = page.next_seq
             if not page.entries:
                 return events
@@ -203,7 +277,15 @@ class EventsEndpoint:
         async for page in client.node_admin.inventory_pages(node):
             keys += [row.key for row in page]
         self._cursors[node.node_id] = _Cursor(node.epoch, start)
-        return list(self.view.replace(node.node_id, keys))
+        return list(self.view.replace(node.node_id, self._own(keys)))
+
+    def _own(self, keys: Sequence[str]) -> list[str]:
+        """Of ``keys``, those this endpoint publishes, as their engines name them: the tenant's, unscoped;
+        without a tenant, the keys of none."""
+        prefix = self._prefix
+        if not prefix:
+            return [key for key in keys if tenant_of(key) is None]
+        return [key[len(prefix) :] for key in keys if key.startswith(prefix)]
 
     def _publish(self, events: list[object]) -> None:
         self._last_seq += 1
@@ -211,7 +293,9 @@ class EventsEndpoint:
         payload = self.wire.encode(batch)
         self._kept.append((self._last_seq, payload))
         # NOBLOCK: a PUB socket drops for a slow subscriber at its high-water mark, never blocks.
-        self._pub.send_multipart((self.topic, seq_bytes(self._last_seq), payload), flags=zmq.NOBLOCK)
+        for pub in (self._pub, self._next_pub):
+            if pub is not None:
+                pub.send_multipart((self.topic, seq_bytes(self._last_seq), payload), flags=zmq.NOBLOCK)
 
     async def _replay_loop(self, router: zmq.asyncio.Socket) -> None:
         while True:
@@ -240,7 +324,7 @@ class EventsEndpoint:
 
     def close(self) -> None:
         self._auth.stop()
-        self._pub.close(linger=0)
-        if self._router is not None:
-            self._router.close(linger=0)
+        for sock in (self._pub, self._router, self._next_pub, self._next_router):
+            if sock is not None:
+                sock.close(linger=0)
         self._ctx.term()

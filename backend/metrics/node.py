@@ -53,6 +53,8 @@ NODE_COUNTERS: dict[NodeCounter, str] = {
     NodeCounter.QUARANTINED: "NVMe files moved to quarantine/.",
     NodeCounter.REPUBLISHED: "Index entries republished after Redis lost the namespace.",
     NodeCounter.AUTH_FAILURES: "Requests refused for a missing or wrong token.",
+    NodeCounter.TENANT_REFUSALS: "Requests of a tenant token's connection refused: another tenant's keys, "
+    "an admin op, the arena, stages or the channel.",
     NodeCounter.TLS_FAILURES: "Connections closed because their TLS handshake failed (a plaintext client, an untrusted peer).",
     NodeCounter.PROTOCOL_ERRORS: "Connections or requests refused as malformed.",
     NodeCounter.REQUEST_ERRORS: "Requests answered with an error.",

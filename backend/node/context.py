@@ -87,8 +87,13 @@ class NodeContext:
         self.events = EventRing(config.event_ring_keys) if config.event_ring_keys else None
         self.counters: Counter[NodeCounter] = Counter()
         self.identity = Identity(config.node_id)
-        # The handshake keys a client may prove (one; two during a rotation): the token, stretched once here.
-        self.keys = KeyRing([handshake_key(config.token, config.namespace)] if config.token else [])
+        # The handshake keys a client may prove (one; two during a rotation): each token stretched once here.
+        # Tenant tokens bind a connection to one tenant's keys (the session's ``tenant``).
+        pool_tokens = [token for token in (config.token, config.token_next) if token]
+        self.keys = KeyRing(
+            [handshake_key(token, config.namespace) for token in pool_tokens],
+            {name: handshake_key(token, config.namespace) for name, token in config.tenant_tokens.items()},
+        )
         self.bulk = ThreadPoolExecutor(BULK_THREADS, thread_name_prefix="kvpool-node-bulk")
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = asyncio.Event()

@@ -119,6 +119,11 @@ class LeaseTable:
             self.counters[NodeCounter.LEASES_RELEASED] += 1
         return len(let_go)
 
+    def owner_of(self, lease_id: int) -> Hashable | None:
+        """Who took the lease ``lease_id`` (None: no such lease, or one of no owner)."""
+        lease = self._leases.get(lease_id)
+        return lease.owner if lease is not None else None
+
     def release_owner(self, owner: Hashable) -> int:
         """End every lease ``owner`` took (its connection closed); returns how many ended."""
         ended = 0

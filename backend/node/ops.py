@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from backend.counters import NodeCounter
-from backend.errors import CapacityError, KVPoolError, ProtocolError
+from backend.errors import AuthError, CapacityError, KVPoolError, ProtocolError
 from backend.node.context import NodeContext
 from backend.node.dram import StoredChunk
 from backend.node.leases import MAX_LEASE_TTL_MS
@@ -26,6 +26,7 @@ from backend.node.peer import Answer, Peer, Reply, Request
 from backend.node.publisher import ANSWER_FLUSH_S, IndexPublisher
 from backend.node.puts import PutReceiver
 from backend.node.stats import NodeStats
+from backend.node.tenancy import check_keys, refuse_mapped_read, refused_op
 from backend.protocol import (
     ANY_FINGERPRINT,
     LEASE_MAP,
@@ -135,15 +136,24 @@ class OpTable:
         if handler is None:
             await peer.answer(request, _refusal(ProtocolError(f"op {request.op} is not a request")))
             return
+        refused = refused_op(peer.tenant, request.op, self.ctx.counters)  # tenancy.py
+        if refused is not None:
+            await peer.answer(request, _refusal(refused))
+            return
         await handler(request, peer)
+
+    def _scope(self, peer: Peer, keys: Sequence[str]) -> None:
+        """AuthError unless every key is of the tenant whose token ``peer`` proved (any, for the pool token)."""
+        check_keys(peer.tenant, keys, self.ctx.counters)
 
     async def put_batch(self, request: Request, peer: Peer) -> None:
         """PUT_BATCH: its bytes received here, in stream order; verification, commit and reply in its answer."""
         config, puts = self.ctx.config, self.puts
         items, options = decode_put_batch(request.meta, request.data_len, config.limits)
         try:
+            self._scope(peer, [item.key for item in items])
             puts.refuse_oversized(items)
-        except CapacityError as exc:
+        except (CapacityError, AuthError) as exc:
             # Answered at once, before any room is taken; its bytes are read past, so the
             # connection stays in step.
             await peer.answer(request, _refusal(exc))
@@ -217,17 +227,20 @@ class OpTable:
     async def get_batch(self, meta: bytearray, peer: Peer) -> Reply:
         limits = self.ctx.config.limits
         keys, fingerprint = decode_get_request(meta, limits)
+        self._scope(peer, keys)
         found, data = await self._fetch(keys, fingerprint, channel=False)
         self.ctx.counters[NodeCounter.GET_BYTES] += sum(item.nbytes for item in found if isinstance(item, ItemMeta))
         return encode_get_response(found, limits, fingerprints=fingerprint is not None), data
 
     async def exists_batch(self, meta: bytearray, peer: Peer) -> Reply:
-        tiers = self.ctx.tiers
-        return encode_flags([int(tiers.contains(key)) for key in decode_keys(meta, self.ctx.config.limits)]), []
+        tiers, keys = self.ctx.tiers, decode_keys(meta, self.ctx.config.limits)
+        self._scope(peer, keys)
+        return encode_flags([int(tiers.contains(key)) for key in keys]), []
 
     async def delete_batch(self, meta: bytearray, peer: Peer) -> Reply:
         ctx = self.ctx
         keys = decode_keys(meta, ctx.config.limits)
+        self._scope(peer, keys)
         deleted = [key for key in keys if await ctx.tiers.delete(key)]
         # Their index entries go with the next flush, now if Redis answers in time: the client's answer never
         # waits out a paused Redis (an entry that outlives its bytes reads as a miss meanwhile).
@@ -245,8 +258,9 @@ class OpTable:
         return encode_inventory_response(InventoryPage(rows, more)), []
 
     async def verify_batch(self, meta: bytearray, peer: Peer) -> Reply:
-        tiers = self.ctx.tiers
-        flags = [Verified[(await tiers.verify(k)).upper()] for k in decode_keys(meta, self.ctx.config.limits)]
+        tiers, keys = self.ctx.tiers, decode_keys(meta, self.ctx.config.limits)
+        self._scope(peer, keys)
+        flags = [Verified[(await tiers.verify(k)).upper()] for k in keys]
         if any(flags):  # a dropped corrupt copy leaves the index now (if Redis answers in time), not at the beat
             await self.publisher.flush_index_within(ANSWER_FLUSH_S)
         return encode_flags(flags), []
@@ -264,6 +278,9 @@ class OpTable:
         if ttl_ms > MAX_LEASE_TTL_MS:
             raise ProtocolError(f"lease ttl_ms {ttl_ms} exceeds {MAX_LEASE_TTL_MS}")
         want_map = bool(lease_flags & LEASE_MAP)
+        self._scope(peer, keys)
+        if want_map:
+            refuse_mapped_read(peer.tenant, counters)
         found: list[tuple[ItemMeta, int] | OtherLayout | None] = []
         held: list[str] = []
         chunks: list[StoredChunk] = []
@@ -297,15 +314,20 @@ class OpTable:
 
     async def release(self, meta: bytearray, peer: Peer) -> Reply:
         lease_id, keys = decode_release(meta, self.ctx.config.limits)
+        if peer.tenant is not None and self.ctx.tiers.leases.owner_of(lease_id) is not peer:
+            return encode_json({"released": 0}), []  # a tenant ends only its own leases (ids are guessable)
         return encode_json({"released": self.ctx.tiers.leases.release(lease_id, keys)}), []
 
     async def pin(self, meta: bytearray, peer: Peer) -> Reply:
         """PIN: hold keys past any connection (``pins.py``); all or nothing, answered once saved."""
-        held, ttl_s = await self.ctx.pins.pin(decode_pin_request(meta, self.ctx.config.limits))
+        request = decode_pin_request(meta, self.ctx.config.limits)
+        self._scope(peer, request.keys)
+        held, ttl_s = await self.ctx.pins.pin(request)
         return encode_pin_response(held, ttl_s), []
 
     async def unpin(self, meta: bytearray, peer: Peer) -> Reply:
         owner, keys = decode_unpin_request(meta, self.ctx.config.limits)
+        self._scope(peer, keys)
         return encode_unpin_response(await self.ctx.pins.unpin(owner, keys)), []
 
     async def pins(self, meta: bytearray, peer: Peer) -> Reply:
@@ -353,7 +375,10 @@ class OpTable:
         """TOUCH: chains a client's lookups found, each touched as one batch (the eviction order's
         ``touch_chain``); keys not held are skipped."""
         ctx = self.ctx
-        for chain in decode_touch(meta, ctx.config.limits):
+        chains = decode_touch(meta, ctx.config.limits)
+        for chain in chains:
+            self._scope(peer, chain)
+        for chain in chains:
             ctx.tiers.held.touch_chain(chain)
             ctx.counters[NodeCounter.TOUCHED_KEYS] += len(chain)
         return encode_flags([]), []

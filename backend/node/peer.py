@@ -65,6 +65,12 @@ class Peer(Protocol):
         """Receive the next bytes of the request's data section (``FrameSocket.recv_many``)."""
         ...
 
+    @property
+    def tenant(self) -> str | None:
+        """The tenant whose token the connection proved: it may touch only that tenant's keys. None: the pool
+        token (or a node without one), every key."""
+        ...
+
     def stage(self, name: str, token: str) -> ArenaView:
         """The client's stage ``name`` (whose header carries ``token``), mapped read-only for this connection."""
         ...

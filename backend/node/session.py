@@ -257,6 +257,10 @@ class Session:
     def closed(self) -> bool:
         return self.conn.closed
 
+    @property
+    def tenant(self) -> str | None:
+        return self._hello.tenant
+
     async def recv_data(self, targets: Sequence[Buffer | int], digest: Callable[[Any], int] | None = None) -> list[int]:
         return await self.conn.recv_many(targets, digest)
 
