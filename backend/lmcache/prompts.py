@@ -1,0 +1,140 @@
+"""A prompt's chunks in the pool: LMCache's keys of its token ids, and pinning them (docs/fleet.md).
+
+LMCache names the chunks of a prompt with its ``ChunkedTokenDatabase``: the tokens cut in
+``chunk_size`` pieces (a last piece shorter than that gets a key only with
+``save_unfull_chunk``), each piece's hash chained on the hashes before it, and each
+hash made a ``CacheEngineKey`` of the engine's model, world size, worker and KV dtype
+(in layerwise mode, one key a layer). :class:`PromptKeys` builds that same class from the
+engine's own config and metadata, so its keys are the ones the engine stored: nothing of
+the hashing is copied here.
+
+:func:`pin_prompt` pins the chunks the pool holds from the start of the prompt up to the
+first missing one, as a lookup would find them (a chunk after a gap could never be
+read: LMCache loads a prefix), on every node holding a copy (``kvpool pin``'s path,
+``backend.admin.pinning``). A tenant's client pins its own keys (``~t/NAME/KEY``), and
+the pins count against that tenant's quota on each node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from backend import admin
+from backend.client import PoolClient
+from backend.errors import ConfigError
+from backend.tenants import scoped
+
+__all__ = ["PromptChunks", "PromptKeys", "PromptPin", "PromptPins", "pin_prompt", "unpin_prompt"]
+
+PromptChunks = list[list[str]]  # each keyed chunk's pool keys, in prompt order
+
+
+@dataclass(frozen=True)
+class PromptPin:
+    """What :func:`pin_prompt` did: the prompt's chunks with a key, how many from its start are pinned (the
+    pool's hit prefix), the pool keys pinned (one a chunk, or one a layer in layerwise mode), the copies
+    pinned on ``nodes``, and the ttl the nodes applied (None: no expiry)."""
+
+    chunks: int
+    pinned_chunks: int
+    keys: int
+    copies: int
+    nodes: tuple[str, ...]
+    owner: str
+    ttl_s: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class PromptKeys:
+    """The pool keys of a prompt's chunks, made by LMCache's own ``ChunkedTokenDatabase`` for one engine."""
+
+    def __init__(self, config: Any, metadata: Any) -> None:
+        """``config``: the engine's ``LMCacheEngineConfig``; ``metadata``: its ``LMCacheMetadata``."""
+        if getattr(config, "enable_blending", False):
+            raise ConfigError(
+                "enable_blending", "a blending engine names chunks by segments, not by token prefix: not supported"
+            )
+        from lmcache.v1.token_database import ChunkedTokenDatabase  # LMCache's users pay for its import
+
+        self._tokens = ChunkedTokenDatabase(config, metadata)
+        self.chunk_tokens = int(config.chunk_size)
+        # LMCache's layerwise engines store a chunk as one key a layer and count it a hit only if all are held.
+        self.keys_per_chunk = int(metadata.kv_shape[0]) if getattr(config, "use_layerwise", False) else 1
+
+    def chunks(self, tokens: Sequence[int] | Any) -> PromptChunks:
+        """Each keyed chunk's pool keys, in prompt order (``tokens``: token ids, a list or a 1-D tensor)."""
+        out: PromptChunks = []
+        for _start, _end, key in self._tokens.process_tokens(tokens=tokens):
+            if self.keys_per_chunk > 1:
+                out.append([layer.to_string() for layer in key.split_layers(self.keys_per_chunk)])
+            else:
+                out.append([key.to_string()])
+        return out
+
+
+def _stored(client: PoolClient, keys: Sequence[str]) -> list[str]:
+    """``keys`` as the nodes hold them: the operator's pin verbs name them so (a tenant's carry its prefix)."""
+    tenant = client.config.tenant
+    return [scoped(tenant, key) for key in keys] if tenant else list(keys)
+
+
+async def pin_prompt(
+    client: PoolClient,
+    chunks: Sequence[Sequence[str]],
+    *,
+    ttl_s: float | None = None,
+    owner: str = admin.DEFAULT_PIN_OWNER,
+) -> PromptPin:
+    """Pin the chunks of a prompt (:meth:`PromptKeys.chunks`) that the pool holds from its start up to the first
+    missing one. ConfigError, nothing pinned, when there is no keyed chunk or the pool holds not even the first;
+    a node refusing the ttl or the owner fails it with the node's reason."""
+    if not chunks:
+        raise ConfigError("tokens", "the prompt has no chunk with a key (fewer tokens than LMCache's chunk_size)")
+    flat = [key for chunk in chunks for key in chunk]
+    per_chunk = len(chunks[0])
+    found = await client.hit_prefix(flat) // per_chunk  # a chunk counts only with all its keys (layerwise)
+    if not found:
+        raise ConfigError(
+            "tokens", f"the pool holds none of the prompt's {len(chunks)} chunks (not even the first): nothing pinned"
+        )
+    keys = _stored(client, flat[: found * per_chunk])
+    report = await admin.pin(client, keys, owner=owner, ttl_s=ttl_s)
+    return PromptPin(len(chunks), found, report.keys, report.copies, report.nodes, owner, report.ttl_s)
+
+
+async def unpin_prompt(
+    client: PoolClient, chunks: Sequence[Sequence[str]], *, owner: str = admin.DEFAULT_PIN_OWNER
+) -> admin.UnpinReport:
+    """Let go of one of ``owner``'s pins of each of the prompt's chunks, wherever a live node pins it (a pin
+    outlives its chunk, so every chunk of the prompt is asked, held or not); ``not_pinned`` names the keys
+    ``owner`` pinned nowhere."""
+    if not chunks:
+        raise ConfigError("tokens", "the prompt has no chunk with a key (fewer tokens than LMCache's chunk_size)")
+    return await admin.unpin(client, _stored(client, [key for chunk in chunks for key in chunk]), owner=owner)
+
+
+class PromptPins:
+    """Pins of prompts by their token ids for one engine (what the connector's ``pin_prompt`` runs): the
+    engine's :class:`PromptKeys`, made on first use, over the connector's client."""
+
+    def __init__(self, client: PoolClient, config: Any, metadata: Any) -> None:
+        self._client = client
+        self._engine = (config, metadata)
+        self._keys: PromptKeys | None = None
+
+    def keys(self, tokens: Sequence[int] | Any) -> PromptChunks:
+        """The pool keys of the prompt's chunks, as this engine's LMCache names them."""
+        if self._keys is None:
+            self._keys = PromptKeys(*self._engine)
+        return self._keys.chunks(tokens)
+
+    async def pin(self, tokens: Sequence[int] | Any, ttl_s: float | None, owner: str) -> PromptPin:
+        return await pin_prompt(self._client, self.keys(tokens), ttl_s=ttl_s, owner=owner)
+
+    async def unpin(self, tokens: Sequence[int] | Any, owner: str) -> admin.UnpinReport:
+        return await unpin_prompt(self._client, self.keys(tokens), owner=owner)
