@@ -8,14 +8,18 @@ else and the prompt's chunks still hit, byte for byte; once unpinned, they go li
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
+import yaml
 
 from backend import admin
 from backend.errors import ConfigError, KVPoolError
 from backend.tenants import scoped
+from bench.lmcache_stack import kvpool_lmcache_config
 from kvpool import PoolClient, PoolConfig
+from tests.support.cli import kvpool
 
 CHUNK_TOKENS = 16  # the test engine's LMCache chunk_size: chunks of 8 KiB (2 layers, 2 heads of 64, bf16)
 ENGINE = {"num_layers": 2, "hidden": (2, 32)}
@@ -110,3 +114,32 @@ def test_pinning_a_prompt_the_pool_does_not_hold_is_refused_naming_the_tokens(no
     _store(stack, keys, 0)
     with pytest.raises(KVPoolError, match="over this node's cap"):
         conn.pin_prompt_sync(_tokens(7, 1), ttl_s=10**7)  # over the node's --pin-ttl-max-s
+
+
+def test_kvpool_pin_tokens_file_pins_the_prompt_an_engine_of_that_lmcache_config_stored(
+    node_factory, pool_url, stack_factory, tmp_path
+):
+    node_factory(dram="1MiB")
+    stack = _engine(stack_factory, pool_url)
+    prompt = _tokens(3000, 3)
+    keys = _lmcache_keys(stack, prompt)
+    _store(stack, keys, 0)
+    config = tmp_path / "lmcache.yaml"
+    config.write_text(yaml.safe_dump({**kvpool_lmcache_config(pool_url), "chunk_size": CHUNK_TOKENS}))
+    tokens = tmp_path / "prompt.json"
+    tokens.write_text(json.dumps(prompt + _tokens(70_000, 1)))  # then a chunk the pool never saw
+    engine = ("--tokens-file", str(tokens), "--lmcache-config", str(config), "--model", stack.model)
+
+    pinned = kvpool("pin", *engine, "--url", pool_url, "--owner", "cli", "--ttl", "60")
+    assert pinned.returncode == 0, pinned.stderr
+    assert "worker 0: pinned 3 of the prompt's 4 chunks (3 keys, 1 copies on 1 nodes) for owner cli" in pinned.stdout
+    listed = kvpool("pins", "--url", pool_url, "--owner", "cli", "--json")
+    assert sorted(row["key"] for row in json.loads(listed.stdout)) == sorted(key.to_string() for key in keys)
+
+    assert kvpool("unpin", *engine, "--url", pool_url, "--owner", "cli").stdout.startswith("unpinned 3 keys")
+    again = kvpool("unpin", *engine, "--url", pool_url, "--owner", "cli")
+    assert again.returncode == 1 and "--tokens-file: owner cli pins none of this prompt's chunks" in again.stderr
+    wrong_dtype = kvpool("pin", *engine, "--kv-dtype", "float17", "--url", pool_url)
+    assert wrong_dtype.returncode == 1 and "--kv-dtype: 'float17' is none of LMCache's" in wrong_dtype.stderr
+    no_model = kvpool("pin", "--tokens-file", str(tokens), "--lmcache-config", str(config), "--url", pool_url)
+    assert no_model.returncode != 0 and "--model" in no_model.stderr

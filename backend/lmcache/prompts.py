@@ -17,9 +17,12 @@ the pins count against that tenant's quota on each node.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from backend import admin
@@ -27,8 +30,18 @@ from backend.client import PoolClient
 from backend.errors import ConfigError
 from backend.tenants import scoped
 
-__all__ = ["PromptChunks", "PromptKeys", "PromptPin", "PromptPins", "pin_prompt", "unpin_prompt"]
+__all__ = [
+    "PromptChunks",
+    "PromptKeys",
+    "PromptPin",
+    "PromptPins",
+    "engine_prompt_keys",
+    "pin_prompt",
+    "read_tokens",
+    "unpin_prompt",
+]
 
+LOADER_LOGGERS = ("lmcache.v1.config", "lmcache.v1.config_base")
 PromptChunks = list[list[str]]  # each keyed chunk's pool keys, in prompt order
 
 
@@ -138,3 +151,76 @@ class PromptPins:
 
     async def unpin(self, tokens: Sequence[int] | Any, owner: str) -> admin.UnpinReport:
         return await unpin_prompt(self._client, self.keys(tokens), owner=owner)
+
+
+def engine_prompt_keys(
+    config_file: Path, model: str, world_size: int = 1, kv_dtype: str = "bfloat16", layers: int = 0
+) -> list[PromptKeys]:
+    """Each worker's :class:`PromptKeys` of an engine described by its LMCache config file (read with LMCache's
+    own loader, ``LMCACHE_*`` variables included, as the engine reads it) and what its keys carry: the model
+    name, the world size (one worker each), the KV dtype as LMCache spells it, and in layerwise mode the
+    layers. ConfigError naming the option that is wrong."""
+    from lmcache.utils import STR_DTYPE_TO_TORCH_DTYPE
+    from lmcache.v1.config import load_engine_config_with_overrides
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    if not config_file.is_file():
+        raise ConfigError("--lmcache-config", f"{config_file} is not a file")
+    if world_size < 1:
+        raise ConfigError("--world-size", f"{world_size} is not a number of workers >= 1")
+    dtype = STR_DTYPE_TO_TORCH_DTYPE.get(kv_dtype)
+    if dtype is None:
+        raise ConfigError(
+            "--kv-dtype", f"{kv_dtype!r} is none of LMCache's: {', '.join(sorted(STR_DTYPE_TO_TORCH_DTYPE))}"
+        )
+    with _quiet(LOADER_LOGGERS):  # LMCache logs the whole config it read, pool URL and its secrets included
+        config = load_engine_config_with_overrides(config_file_path=str(config_file))
+    if getattr(config, "use_layerwise", False) and layers < 1:
+        raise ConfigError("--layers", "the config is layerwise (use_layerwise): its keys name a layer, give the layers")
+    return [
+        PromptKeys(
+            config,
+            LMCacheMetadata(
+                model_name=model,
+                world_size=world_size,
+                local_world_size=world_size,
+                worker_id=worker,
+                local_worker_id=worker,
+                kv_dtype=dtype,
+                kv_shape=(max(layers, 1), 2, int(config.chunk_size), 1, 1),  # only the layers name keys
+            ),
+        )
+        for worker in range(world_size)
+    ]
+
+
+@contextlib.contextmanager
+def _quiet(names: Sequence[str]) -> Iterator[None]:
+    """LMCache's loggers ``names`` at WARNING while the block runs (they print to stderr at INFO)."""
+    loggers = [logging.getLogger(name) for name in names]
+    before = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, before):
+            logger.setLevel(level)
+
+
+def read_tokens(path: Path) -> list[int]:
+    """A prompt's token ids from a file: a JSON list of integers, or integers separated by white space or
+    commas. ConfigError naming the file for anything else."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError("--tokens-file", f"{path} cannot be read: {exc.strerror or exc}") from None
+    words = text.strip().removeprefix("[").removesuffix("]").replace(",", " ").split()
+    try:
+        tokens = [int(word) for word in words]
+    except ValueError:
+        bad = next(w for w in words if not w.lstrip("-").isdigit())
+        raise ConfigError("--tokens-file", f"{path}: {bad[:40]!r} is not a token id (integers only)") from None
+    if not tokens or min(tokens) < 0:
+        raise ConfigError("--tokens-file", f"{path} holds no token ids" if not tokens else f"{path}: a negative id")
+    return tokens
