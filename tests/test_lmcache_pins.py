@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from backend import admin
+from backend.cli.exits import EXIT_USAGE
 from backend.errors import ConfigError, KVPoolError
 from backend.tenants import scoped
 from bench.lmcache_stack import kvpool_lmcache_config
@@ -70,7 +71,7 @@ def test_a_prompt_pinned_by_its_tokens_survives_pressure_that_evicts_everything_
 
     asked = system + _tokens(9000, 2)  # the system prompt, then a question the pool never saw
     report = conn.pin_prompt_sync(asked, ttl_s=60, owner="sysprompt")
-    assert (report.chunks, report.pinned_chunks, report.keys, report.copies) == (6, 4, 4, 1)
+    assert (report.chunks, report.pinned_chunks, report.keys, report.copies, len(report.nodes)) == (6, 4, 4, 4, 1)
     assert report.ttl_s == 60.0
 
     first_pressed = _pressure(stack, 100_000)
@@ -132,14 +133,16 @@ def test_kvpool_pin_tokens_file_pins_the_prompt_an_engine_of_that_lmcache_config
 
     pinned = kvpool("pin", *engine, "--url", pool_url, "--owner", "cli", "--ttl", "60")
     assert pinned.returncode == 0, pinned.stderr
-    assert "worker 0: pinned 3 of the prompt's 4 chunks (3 keys, 1 copies on 1 nodes) for owner cli" in pinned.stdout
+    assert "worker 0: pinned 3 of the prompt's 4 chunks (3 keys, 3 copies on 1 nodes) for owner cli" in pinned.stdout
     listed = kvpool("pins", "--url", pool_url, "--owner", "cli", "--json")
     assert sorted(row["key"] for row in json.loads(listed.stdout)) == sorted(key.to_string() for key in keys)
 
     assert kvpool("unpin", *engine, "--url", pool_url, "--owner", "cli").stdout.startswith("unpinned 3 keys")
     again = kvpool("unpin", *engine, "--url", pool_url, "--owner", "cli")
-    assert again.returncode == 1 and "--tokens-file: owner cli pins none of this prompt's chunks" in again.stderr
+    assert (
+        again.returncode == EXIT_USAGE and "--tokens-file: owner cli pins none of this prompt's chunks" in again.stderr
+    )
     wrong_dtype = kvpool("pin", *engine, "--kv-dtype", "float17", "--url", pool_url)
-    assert wrong_dtype.returncode == 1 and "--kv-dtype: 'float17' is none of LMCache's" in wrong_dtype.stderr
+    assert wrong_dtype.returncode == EXIT_USAGE and "--kv-dtype: 'float17' is none of LMCache's" in wrong_dtype.stderr
     no_model = kvpool("pin", "--tokens-file", str(tokens), "--lmcache-config", str(config), "--url", pool_url)
     assert no_model.returncode != 0 and "--model" in no_model.stderr

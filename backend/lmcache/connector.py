@@ -35,8 +35,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from backend import admin
-from backend.admin import UnpinReport
+from backend.admin import DEFAULT_PIN_OWNER, UnpinReport
 from backend.client import PoolClient
 from backend.config import PoolConfig
 from backend.counters import ClientCounter, ConnectorCounter, MissCause
@@ -346,23 +345,23 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
 
     # -- pins of a prompt (backend/lmcache/prompts.py): unlike the data path, errors raise --------
     async def pin_prompt(
-        self, tokens: Sequence[int] | Any, ttl_s: float | None = None, owner: str = admin.DEFAULT_PIN_OWNER
+        self, tokens: Sequence[int] | Any, ttl_s: float | None = None, owner: str = DEFAULT_PIN_OWNER
     ) -> PromptPin:
         """Pin a prompt by its token ids (docs/fleet.md): its chunks the pool holds from the start up to the first
         missing one, until unpinned or ``ttl_s`` ends (None: the nodes' default). On LMCache's loop."""
         return await self.prompts.pin(tokens, ttl_s, owner)
 
     def pin_prompt_sync(
-        self, tokens: Sequence[int] | Any, ttl_s: float | None = None, owner: str = admin.DEFAULT_PIN_OWNER
+        self, tokens: Sequence[int] | Any, ttl_s: float | None = None, owner: str = DEFAULT_PIN_OWNER
     ) -> PromptPin:
         """:meth:`pin_prompt` from any thread but LMCache's loop (waits on the loop, bounded)."""
         return cast(PromptPin, self._run_sync(self.prompts.pin(tokens, ttl_s, owner), "pin_prompt_sync"))
 
-    async def unpin_prompt(self, tokens: Sequence[int] | Any, owner: str = admin.DEFAULT_PIN_OWNER) -> UnpinReport:
+    async def unpin_prompt(self, tokens: Sequence[int] | Any, owner: str = DEFAULT_PIN_OWNER) -> UnpinReport:
         """Let go of one of ``owner``'s pins of each chunk of the prompt. On LMCache's loop."""
         return await self.prompts.unpin(tokens, owner)
 
-    def unpin_prompt_sync(self, tokens: Sequence[int] | Any, owner: str = admin.DEFAULT_PIN_OWNER) -> UnpinReport:
+    def unpin_prompt_sync(self, tokens: Sequence[int] | Any, owner: str = DEFAULT_PIN_OWNER) -> UnpinReport:
         """:meth:`unpin_prompt` from any thread but LMCache's loop."""
         return cast(UnpinReport, self._run_sync(self.prompts.unpin(tokens, owner), "unpin_prompt_sync"))
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend import admin
+from backend.admin import DEFAULT_PIN_OWNER, UnpinReport, pin, unpin
 from backend.client import PoolClient
 from backend.errors import ConfigError
 from backend.tenants import scoped
@@ -101,7 +101,7 @@ async def pin_prompt(
     chunks: Sequence[Sequence[str]],
     *,
     ttl_s: float | None = None,
-    owner: str = admin.DEFAULT_PIN_OWNER,
+    owner: str = DEFAULT_PIN_OWNER,
 ) -> PromptPin:
     """Pin the chunks of a prompt (:meth:`PromptKeys.chunks`) that the pool holds from its start up to the first
     missing one. ConfigError, nothing pinned, when there is no keyed chunk or the pool holds not even the first;
@@ -116,19 +116,19 @@ async def pin_prompt(
             "tokens", f"the pool holds none of the prompt's {len(chunks)} chunks (not even the first): nothing pinned"
         )
     keys = _stored(client, flat[: found * per_chunk])
-    report = await admin.pin(client, keys, owner=owner, ttl_s=ttl_s)
+    report = await pin(client, keys, owner=owner, ttl_s=ttl_s)
     return PromptPin(len(chunks), found, report.keys, report.copies, report.nodes, owner, report.ttl_s)
 
 
 async def unpin_prompt(
-    client: PoolClient, chunks: Sequence[Sequence[str]], *, owner: str = admin.DEFAULT_PIN_OWNER
-) -> admin.UnpinReport:
+    client: PoolClient, chunks: Sequence[Sequence[str]], *, owner: str = DEFAULT_PIN_OWNER
+) -> UnpinReport:
     """Let go of one of ``owner``'s pins of each of the prompt's chunks, wherever a live node pins it (a pin
     outlives its chunk, so every chunk of the prompt is asked, held or not); ``not_pinned`` names the keys
     ``owner`` pinned nowhere."""
     if not chunks:
         raise ConfigError("tokens", "the prompt has no chunk with a key (fewer tokens than LMCache's chunk_size)")
-    return await admin.unpin(client, _stored(client, [key for chunk in chunks for key in chunk]), owner=owner)
+    return await unpin(client, _stored(client, [key for chunk in chunks for key in chunk]), owner=owner)
 
 
 class PromptPins:
@@ -149,7 +149,7 @@ class PromptPins:
     async def pin(self, tokens: Sequence[int] | Any, ttl_s: float | None, owner: str) -> PromptPin:
         return await pin_prompt(self._client, self.keys(tokens), ttl_s=ttl_s, owner=owner)
 
-    async def unpin(self, tokens: Sequence[int] | Any, owner: str) -> admin.UnpinReport:
+    async def unpin(self, tokens: Sequence[int] | Any, owner: str) -> UnpinReport:
         return await unpin_prompt(self._client, self.keys(tokens), owner=owner)
 
 
