@@ -126,13 +126,15 @@ def test_kvpool_pin_tokens_file_pins_the_prompt_an_engine_of_that_lmcache_config
     keys = _lmcache_keys(stack, prompt)
     _store(stack, keys, 0)
     config = tmp_path / "lmcache.yaml"
-    config.write_text(yaml.safe_dump({**kvpool_lmcache_config(pool_url), "chunk_size": CHUNK_TOKENS}))
+    engine_config = {**kvpool_lmcache_config(pool_url + "?token=never-printed-secret"), "chunk_size": CHUNK_TOKENS}
+    config.write_text(yaml.safe_dump(engine_config))  # its pool URL is the engine's: the CLI pins over --url
     tokens = tmp_path / "prompt.json"
     tokens.write_text(json.dumps(prompt + _tokens(70_000, 1)))  # then a chunk the pool never saw
     engine = ("--tokens-file", str(tokens), "--lmcache-config", str(config), "--model", stack.model)
 
     pinned = kvpool("pin", *engine, "--url", pool_url, "--owner", "cli", "--ttl", "60")
     assert pinned.returncode == 0, pinned.stderr
+    assert "never-printed-secret" not in pinned.stderr  # LMCache logs the config it loads: kept quiet
     assert "worker 0: pinned 3 of the prompt's 4 chunks (3 keys, 3 copies on 1 nodes) for owner cli" in pinned.stdout
     listed = kvpool("pins", "--url", pool_url, "--owner", "cli", "--json")
     assert sorted(row["key"] for row in json.loads(listed.stdout)) == sorted(key.to_string() for key in keys)

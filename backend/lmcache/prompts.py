@@ -41,7 +41,8 @@ __all__ = [
     "unpin_prompt",
 ]
 
-LOADER_LOGGERS = ("lmcache.v1.config", "lmcache.v1.config_base")
+# LMCache logs the whole config it read at INFO (the pool URL and its secrets), and the token database its setup.
+LOADER_LOGGERS = ("lmcache.v1.config", "lmcache.v1.config_base", "lmcache.v1.token_database")
 PromptChunks = list[list[str]]  # each keyed chunk's pool keys, in prompt order
 
 
@@ -160,6 +161,7 @@ def engine_prompt_keys(
     own loader, ``LMCACHE_*`` variables included, as the engine reads it) and what its keys carry: the model
     name, the world size (one worker each), the KV dtype as LMCache spells it, and in layerwise mode the
     layers. ConfigError naming the option that is wrong."""
+    import lmcache.v1.token_database  # noqa: F401  (its logger is set up on import: before it is quieted)
     from lmcache.utils import STR_DTYPE_TO_TORCH_DTYPE
     from lmcache.v1.config import load_engine_config_with_overrides
     from lmcache.v1.metadata import LMCacheMetadata
@@ -173,25 +175,27 @@ def engine_prompt_keys(
         raise ConfigError(
             "--kv-dtype", f"{kv_dtype!r} is none of LMCache's: {', '.join(sorted(STR_DTYPE_TO_TORCH_DTYPE))}"
         )
-    with _quiet(LOADER_LOGGERS):  # LMCache logs the whole config it read, pool URL and its secrets included
+    with _quiet(LOADER_LOGGERS):
         config = load_engine_config_with_overrides(config_file_path=str(config_file))
-    if getattr(config, "use_layerwise", False) and layers < 1:
-        raise ConfigError("--layers", "the config is layerwise (use_layerwise): its keys name a layer, give the layers")
-    return [
-        PromptKeys(
-            config,
-            LMCacheMetadata(
-                model_name=model,
-                world_size=world_size,
-                local_world_size=world_size,
-                worker_id=worker,
-                local_worker_id=worker,
-                kv_dtype=dtype,
-                kv_shape=(max(layers, 1), 2, int(config.chunk_size), 1, 1),  # only the layers name keys
-            ),
-        )
-        for worker in range(world_size)
-    ]
+        if getattr(config, "use_layerwise", False) and layers < 1:
+            raise ConfigError(
+                "--layers", "the config is layerwise (use_layerwise): its keys name a layer, give the layers"
+            )
+        return [
+            PromptKeys(
+                config,
+                LMCacheMetadata(
+                    model_name=model,
+                    world_size=world_size,
+                    local_world_size=world_size,
+                    worker_id=worker,
+                    local_worker_id=worker,
+                    kv_dtype=dtype,
+                    kv_shape=(max(layers, 1), 2, int(config.chunk_size), 1, 1),  # only the layers name keys
+                ),
+            )
+            for worker in range(world_size)
+        ]
 
 
 @contextlib.contextmanager
