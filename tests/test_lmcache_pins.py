@@ -148,3 +148,18 @@ def test_kvpool_pin_tokens_file_pins_the_prompt_an_engine_of_that_lmcache_config
     assert wrong_dtype.returncode == EXIT_USAGE and "--kv-dtype: 'float17' is none of LMCache's" in wrong_dtype.stderr
     no_model = kvpool("pin", "--tokens-file", str(tokens), "--lmcache-config", str(config), "--url", pool_url)
     assert no_model.returncode != 0 and "--model" in no_model.stderr
+
+
+def test_a_tokens_file_is_a_json_list_or_integers_and_anything_else_is_refused_naming_it(tmp_path):
+    from backend.lmcache.prompts import read_tokens
+
+    given = tmp_path / "prompt"
+    for text, tokens in (("[1, 2, 3]", [1, 2, 3]), ("4 5\n6", [4, 5, 6]), ("7,8", [7, 8])):
+        given.write_text(text)
+        assert read_tokens(given) == tokens
+    for text, said in (("[1, 2, x]", "'x' is not a token id"), ("", "holds no token ids"), ("1 -2", "a negative id")):
+        given.write_text(text)
+        with pytest.raises(ConfigError, match=f"--tokens-file: {given}.*{said}"):
+            read_tokens(given)
+    with pytest.raises(ConfigError, match=r"--tokens-file: .* cannot be read"):
+        read_tokens(tmp_path / "absent")
