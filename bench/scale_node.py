@@ -592,7 +592,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--chunks", type=int, default=DEFAULT_CHUNKS, help="chunks held at the large size")
     parser.add_argument("--eviction", choices=sorted(ORDERS), default="lru", help="the nodes' eviction order")
     parser.add_argument(
-        "--tenant", type=_tenant, default="", help="fill as this tenant's client (~t/NAME/KEY), its quota not binding"
+        "--tenant", type=_tenant, help="fill as this tenant's client (~t/NAME/KEY), its quota not binding"
     )
     parser.add_argument("--event-ring-keys", type=int, default=0, metavar="N", help="the nodes' event ring (0: off)")
     parser.add_argument(
@@ -606,7 +606,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--chunks must be more than {SMALL_CHUNKS:,}")
     if args.event_ring_keys < 0:
         parser.error(f"--event-ring-keys {args.event_ring_keys} is negative (0: off)")
-    run(args.chunks, args.eviction, Extras(args.tenant, args.event_ring_keys, args.pin_share), args.only)
+    run(args.chunks, args.eviction, Extras(args.tenant or "", args.event_ring_keys, args.pin_share), args.only)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,13 @@ def test_scale_node_fills_as_a_tenant_with_the_ring_on_and_pins_its_share(proces
     assert out["key_bytes_mean"] > len("~t/acme/") + 60  # the key the node holds: the tenant's prefix counted in
 
 
-def test_scale_node_refuses_a_tenant_name_no_client_could_use():
+def test_scale_node_refuses_a_tenant_name_no_client_could_use_and_needs_none(capsys):
     with pytest.raises(SystemExit):
         scale_node.main(["--tenant", "not a name", "--chunks", str(SMALL_FILL)])
+    assert "--tenant: tenant 'not a name' must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # no --tenant: the defaults parse, and the next check speaks
+        scale_node.main(["--chunks", "10"])
+    assert "--chunks must be more than 10,000" in capsys.readouterr().err
 
 
 def test_event_ack_times_puts_to_a_node_with_the_ring_and_one_without(processes):
