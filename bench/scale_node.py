@@ -34,6 +34,13 @@ them into its report) and are printed beside the issue's targets:
   This is where memory latency shows: at N the structures are hundreds of MB, so every
   operation's few touches of a chunk's slot miss the CPU caches that hold all of 10^4.
 
+Options for what fleets add to a chunk (docs/scale-node.md, "Tenants, pins and events"): ``--tenant
+NAME`` fills as a tenant's client does (``tenant=NAME`` in the URL: every key ``~t/NAME/KEY``) with a
+quota set that never binds, so the node's tenant accounting runs on every put; ``--event-ring-keys N``
+starts both nodes with that event ring; ``--pin-share F`` pins that share of the large node's chunks
+(``kvpool pin``'s path) once it is full and reads its RSS again: the growth per pinned key.
+``--only node`` runs the first measurement alone (the others do not depend on these options).
+
 What is simulated: the NVMe records (made in this process rather than read from 10^6
 files: the scan is measured by ``bench.scale_nvme``; the node's cost per record is what
 is measured here). Every DRAM chunk went through a real put (RSS) or the tier manager's
@@ -44,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import os
@@ -57,9 +65,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from backend import admin
+from backend.admin.pinning import PIN_BATCH
 from backend.client.chunks import BytesSink, Hit
 from backend.embedded import EmbeddedRedis
-from backend.errors import CapacityError, PutOutcome
+from backend.errors import CapacityError, ConfigError, PutOutcome
 from backend.metadata import NodeInfo
 from backend.node.arena import room_of
 from backend.node.dram import StoredChunk
@@ -67,6 +77,7 @@ from backend.node.eviction import ORDERS
 from backend.node.nvme_format import NvmeFile
 from backend.node.tiers import TierConfig, TierManager
 from backend.protocol import ItemMeta, Op, checksum, encode_get_request, encode_keys
+from backend.tenants import check_tenant, scoped
 from bench.nodes import NodeProcess
 from bench.processes import REPO
 from kvpool import Chunk, PoolClient, PoolConfig
@@ -96,6 +107,36 @@ LEASE_TTL_MS = 600_000
 PINNED_SHARE = 0.10
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 LAYERS = 32
+UNBOUND_QUOTA_BYTES = 1 << 50  # a tenant quota no fill reaches: the accounting runs, it never evicts
+PIN_TTL_S = 3600.0
+MAX_PIN_SHARE = 0.5  # pins are taken among the chunks no round evicts
+MEASURES = ("all", "node")
+
+
+@dataclasses.dataclass(frozen=True)
+class Extras:
+    """What a fleet adds to every chunk, measured on the real nodes: a tenant's keys (with a quota that does
+    not bind), the node's event ring, a share of the chunks pinned. The default adds nothing."""
+
+    tenant: str = ""
+    event_ring_keys: int = 0
+    pin_share: float = 0.0
+
+    def node_args(self) -> list[str]:
+        return ["--event-ring-keys", str(self.event_ring_keys)] if self.event_ring_keys else []
+
+    def url_query(self) -> str:
+        return f"&tenant={self.tenant}" if self.tenant else ""
+
+    def stored_key(self, key: str) -> str:
+        """``key`` as the node holds it (a tenant client's keys carry its prefix)."""
+        return scoped(self.tenant, key) if self.tenant else key
+
+    def describe(self) -> str:
+        parts = [f"tenant {self.tenant} (~t/{self.tenant}/KEY, quota not binding)"] if self.tenant else []
+        parts += [f"event ring of {self.event_ring_keys:,} keys"] if self.event_ring_keys else []
+        parts += [f"{self.pin_share:.1%} of the large node's chunks pinned"] if self.pin_share else []
+        return ", ".join(parts) or "no tenant, no event ring, no pins"
 
 
 def layerwise_key(i: int) -> str:
@@ -170,7 +211,7 @@ class _Held:
         ]
 
 
-async def _round(client: PoolClient, node: _Held, times: dict[str, list[float]]) -> None:
+async def _round(client: PoolClient, node: _Held, times: dict[str, list[float]], extras: Extras) -> None:
     """One put that evicts EVICT_BATCH chunks, then EXISTS_BATCH and GET_BATCH of LOOKUP_KEYS held keys sent
     straight to the node (no Redis in the way): milliseconds each."""
     started = time.perf_counter()
@@ -179,7 +220,7 @@ async def _round(client: PoolClient, node: _Held, times: dict[str, list[float]])
     except CapacityError as exc:  # ``prefix`` refuses newcomers that would evict a chunk read as often
         assert set(exc.outcomes.values()) <= {PutOutcome.STORED, PutOutcome.NO_ROOM}, exc
     times["put_evicting"].append((time.perf_counter() - started) * 1000)
-    keys = node.sample()
+    keys = [extras.stored_key(key) for key in node.sample()]  # straight to the node: as it holds them
     meta = encode_keys(keys)
     conns = client.connections.to(node.info)
     started = time.perf_counter()
@@ -193,33 +234,67 @@ async def _round(client: PoolClient, node: _Held, times: dict[str, list[float]])
     assert all(isinstance(outcome, Hit) for outcome in got) and len(flags), "a held key was not found"
 
 
-def measure_node(chunks: int = DEFAULT_CHUNKS, eviction: str = "lru") -> dict[str, Any]:
+def measure_node(chunks: int = DEFAULT_CHUNKS, eviction: str = "lru", extras: Extras = Extras()) -> dict[str, Any]:
     """Real nodes full of tiny chunks, one of SMALL_CHUNKS and one of ``chunks``: the large one's RSS per chunk
     (bookkeeping beyond each value's room and its key), and on both, with the oldest 10 % leased, puts that
-    evict and EXISTS/GET of 1,000 keys, in interleaved rounds."""
+    evict and EXISTS/GET of 1,000 keys, in interleaved rounds. ``extras``: a tenant, an event ring, pins."""
     room = room_of(VALUE_BYTES)
     redis = EmbeddedRedis().start()
     nodes: list[NodeProcess] = []
     try:
-        for node_id, held in (("small", SMALL_CHUNKS), ("large", chunks)):
-            args = ["--redis", redis.url, "--namespace", "scale-node", "--dram", str(held * room), "--nvme", "0"]
-            args += ["--eviction", eviction]
-            nodes.append(NodeProcess([*args, "--shm-dir", "off", "--prefault", "off", "--node-id", node_id]).start())
         config = PoolConfig.from_url(
             f"kvpool://127.0.0.1:{redis.port}/scale-node?shm=off&connect_timeout_s=60&progress_timeout_s=60"
+            + extras.url_query()
         )
-        return asyncio.run(_node_scenario(config, nodes[0], nodes[1], chunks))
+        if extras.tenant:  # before the nodes start: their first heartbeat reads it
+            asyncio.run(_set_quota(config, extras.tenant))
+        for node_id, held in (("small", SMALL_CHUNKS), ("large", chunks)):
+            args = ["--redis", redis.url, "--namespace", "scale-node", "--dram", str(held * room), "--nvme", "0"]
+            args += ["--eviction", eviction, *extras.node_args()]
+            nodes.append(NodeProcess([*args, "--shm-dir", "off", "--prefault", "off", "--node-id", node_id]).start())
+        return asyncio.run(_node_scenario(config, nodes[0], nodes[1], chunks, extras))
     finally:
         for node in nodes:
             node.stop()
         redis.cleanup()
 
 
-async def _node_scenario(config: PoolConfig, small: NodeProcess, large: NodeProcess, chunks: int) -> dict[str, Any]:
+async def _set_quota(config: PoolConfig, tenant: str) -> None:
+    async with PoolClient(config) as client:
+        await admin.set_quota(client, tenant, UNBOUND_QUOTA_BYTES)
+
+
+async def _wait_quota(client: PoolClient, nodes: Sequence[NodeInfo], tenant: str) -> None:
+    """Until every node has read the tenant's quota (at most a few heartbeats)."""
+    deadline = time.monotonic() + 30
+    for node in nodes:
+        while (await client.node_admin.stats(node)).tenants.get(tenant) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node {node.node_id} did not read tenant {tenant}'s quota in 30 s")
+            await asyncio.sleep(0.2)
+
+
+async def _pin_share(client: PoolClient, node: _Held, extras: Extras) -> int:
+    """Pin ``extras.pin_share`` of ``node``'s chunks, among those no round evicts, as ``kvpool pin KEY...``
+    does (the operator's verb names keys as the nodes hold them: a tenant's with its prefix)."""
+    count = int(node.held * extras.pin_share)
+    assert node.first_kept + count <= node.held, f"--pin-share {extras.pin_share} is more than the kept chunks"
+    keys = [extras.stored_key(node.key(i)) for i in range(node.first_kept, node.first_kept + count)]
+    for start in range(0, len(keys), PIN_BATCH):
+        await admin.pin(client, keys[start : start + PIN_BATCH], ttl_s=PIN_TTL_S, owner="bench")
+    return count
+
+
+async def _node_scenario(
+    config: PoolConfig, small: NodeProcess, large: NodeProcess, chunks: int, extras: Extras
+) -> dict[str, Any]:
     room = room_of(VALUE_BYTES)
-    key_bytes = statistics.fmean(len(layerwise_key(i)) for i in range(0, chunks, max(1, chunks // 1000)))
+    sampled = range(0, chunks, max(1, chunks // 1000))
+    key_bytes = statistics.fmean(len(extras.stored_key(layerwise_key(i))) for i in sampled)
     async with PoolClient(config) as client:
         infos = {info.node_id: info for info in await client.nodes()}
+        if extras.tenant:
+            await _wait_quota(client, list(infos.values()), extras.tenant)
         await fill(client, chunks, chunks + SMALL_CHUNKS, node_id="small", in_flight=1)  # keys of its own
         warm = PUTS_IN_FLIGHT * PUT_BATCH  # the requests in flight leave their high-water mark: before the baseline
         await fill(client, 0, warm, node_id="large")
@@ -229,6 +304,10 @@ async def _node_scenario(config: PoolConfig, small: NodeProcess, large: NodeProc
         fill_s = time.perf_counter() - started
         rss_full = large.memory()["VmRSS"]
         held = [_Held(infos["small"], chunks, SMALL_CHUNKS, 1), _Held(infos["large"], 0, chunks, PUTS_IN_FLIGHT)]
+        pinned_chunks, rss_pinned = 0, rss_full
+        if extras.pin_share:
+            pinned_chunks = await _pin_share(client, held[1], extras)
+            rss_pinned = large.memory()["VmRSS"]
         leases = []
         for node in held:
             pinned = [node.key(i) for i in range(node.pinned)]
@@ -238,15 +317,22 @@ async def _node_scenario(config: PoolConfig, small: NodeProcess, large: NodeProc
         times: list[dict[str, list[float]]] = [{"put_evicting": [], "exists": [], "get": []} for _ in held]
         for r in range(ROUNDS):  # interleaved, each size first in every other round
             for node, samples in list(zip(held, times))[:: 1 if r % 2 else -1]:
-                await _round(client, node, samples)
+                await _round(client, node, samples, extras)
         stats = await client.node_stats(infos["large"])
         await client.unlock([lease for lease in leases if lease is not None])
     dram = stats["tiers"]["dram"]
     answered = stats["counters"].get("evictions", 0) + stats["counters"].get("put_rejected_capacity", 0)
     assert dram["objects"] == chunks and answered == ROUNDS * EVICT_BATCH  # each new chunk evicted one, or was refused
     growth = (rss_full - rss_warm) / (chunks - warm)
+    if pinned_chunks:
+        assert stats["pinned_chunks"] == pinned_chunks, stats["pinned_chunks"]
+    if extras.tenant:  # the accounting ran: every chunk the large node holds is the tenant's
+        assert stats["tenants"][extras.tenant]["held_bytes"] == dram["objects"] * VALUE_BYTES, stats["tenants"]
     figures = {name: (_pcts(times[0][name]), _pcts(times[1][name])) for name in times[0]}
     return {
+        "extras": dataclasses.asdict(extras),
+        "pinned_chunks": pinned_chunks,
+        "pin_rss_per_pinned_key_bytes": (rss_pinned - rss_full) / pinned_chunks if pinned_chunks else 0.0,
         "chunks": chunks,
         "value_bytes": VALUE_BYTES,
         "value_room_bytes": room,
@@ -423,14 +509,16 @@ def _ratio_row(label: str, small: float, large: float, unit: str, n: str) -> str
     )
 
 
-def run(chunks: int = DEFAULT_CHUNKS, eviction: str = "lru") -> dict[str, Any]:
-    """The three measurements at ``chunks``, printed beside the targets; the figures as a dict."""
-    node = measure_node(chunks, eviction)
-    nvme = measure_nvme_records(chunks)  # in this process while its heap is still small: what it grows is the records
-    evicting = measure_eviction(chunks, eviction)
+def run(
+    chunks: int = DEFAULT_CHUNKS, eviction: str = "lru", extras: Extras = Extras(), only: str = "all"
+) -> dict[str, Any]:
+    """The three measurements at ``chunks`` (``only="node"``: the real nodes' alone), printed beside the targets;
+    the figures as a dict."""
+    node = measure_node(chunks, eviction, extras)
     n, s = f"{chunks:,}", f"{SMALL_CHUNKS:,}"
     print(
-        f"node memory and eviction at {n} chunks ({VALUE_BYTES}-byte values, layerwise LMCache keys), --eviction {eviction}"
+        f"node memory and eviction at {n} chunks ({VALUE_BYTES}-byte values, layerwise LMCache keys), --eviction "
+        f"{eviction}; {extras.describe()}"
     )
     print(
         f"  fill through the put path: {node['fill_chunks_per_s']:,.0f} chunks/s; node RSS "
@@ -443,12 +531,22 @@ def run(chunks: int = DEFAULT_CHUNKS, eviction: str = "lru") -> dict[str, Any]:
         f"+ key {node['key_bytes_mean']:.0f} B + bookkeeping; beyond the raw value "
         f"{node['overhead_beyond_value_bytes']:.0f} B)"
     )
-    records = nvme["overhead_per_record_bytes"]
-    print(_row(f"an NVMe file's record (beyond the key), {n} files", f"{records:.0f} B", "<= 256 B", records <= 256))
-    print(
-        f"  (recovery's records adopted at {nvme['load_us_per_record']:.1f} us each: "
-        f"{nvme['batch_ms']:.0f} ms of the node's loop per batch of {nvme['batch']:,})"
-    )
+    if node["pinned_chunks"]:
+        print(
+            f"  {node['pinned_chunks']:,} chunks pinned: RSS grew {node['pin_rss_per_pinned_key_bytes']:.0f} B per "
+            f"pinned key ({node['pin_rss_per_pinned_key_bytes'] * node['pinned_chunks'] / chunks:.1f} B per chunk held)"
+        )
+    nvme: dict[str, Any] = {}
+    if only == "all":
+        nvme = measure_nvme_records(chunks)
+        records = nvme["overhead_per_record_bytes"]
+        print(
+            _row(f"an NVMe file's record (beyond the key), {n} files", f"{records:.0f} B", "<= 256 B", records <= 256)
+        )
+        print(
+            f"  (recovery's records adopted at {nvme['load_us_per_record']:.1f} us each: "
+            f"{nvme['batch_ms']:.0f} ms of the node's loop per batch of {nvme['batch']:,})"
+        )
     print(
         f"  real nodes full at {s} and {n}, the oldest {PINNED_SHARE:.0%} leased, p50 of {ROUNDS} interleaved rounds:"
     )
@@ -458,6 +556,9 @@ def run(chunks: int = DEFAULT_CHUNKS, eviction: str = "lru") -> dict[str, Any]:
         ("GET_BATCH of 1,000 keys, from the node", "get"),
     ):
         print(_ratio_row(label, node["small_ms"][name]["p50"], node["large_ms"][name]["p50"], "ms", n))
+    if only != "all":
+        return {"node": node}
+    evicting = measure_eviction(chunks, eviction)
     print(f"  the tier manager alone (no socket), the oldest {PINNED_SHARE:.0%} pinned (leases and landing puts):")
     for label, name, unit in (
         ("a put that evicts one chunk", "put_evicting_us", "us"),
@@ -469,14 +570,43 @@ def run(chunks: int = DEFAULT_CHUNKS, eviction: str = "lru") -> dict[str, Any]:
     return {"node": node, "eviction": evicting, "nvme_records": nvme}
 
 
+def _share(text: str) -> float:
+    try:
+        share = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= share <= MAX_PIN_SHARE:
+        raise argparse.ArgumentTypeError(f"{share:g} is not a share in [0, {MAX_PIN_SHARE}] (0.01: 1 %)")
+    return share
+
+
+def _tenant(text: str) -> str:
+    try:
+        return check_tenant(text, "--tenant")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunks", type=int, default=DEFAULT_CHUNKS, help="chunks held at the large size")
     parser.add_argument("--eviction", choices=sorted(ORDERS), default="lru", help="the nodes' eviction order")
+    parser.add_argument(
+        "--tenant", type=_tenant, help="fill as this tenant's client (~t/NAME/KEY), its quota not binding"
+    )
+    parser.add_argument("--event-ring-keys", type=int, default=0, metavar="N", help="the nodes' event ring (0: off)")
+    parser.add_argument(
+        "--pin-share", type=_share, default=0.0, metavar="F", help="pin this share of the large node's chunks (0.01)"
+    )
+    parser.add_argument(
+        "--only", choices=MEASURES, default="all", help="node: the real nodes alone (what the options above change)"
+    )
     args = parser.parse_args(argv)
     if args.chunks <= SMALL_CHUNKS:
         parser.error(f"--chunks must be more than {SMALL_CHUNKS:,}")
-    run(args.chunks, args.eviction)
+    if args.event_ring_keys < 0:
+        parser.error(f"--event-ring-keys {args.event_ring_keys} is negative (0: off)")
+    run(args.chunks, args.eviction, Extras(args.tenant or "", args.event_ring_keys, args.pin_share), args.only)
 
 
 if __name__ == "__main__":

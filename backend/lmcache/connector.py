@@ -28,13 +28,14 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
+from backend.admin import DEFAULT_PIN_OWNER, UnpinReport
 from backend.client import PoolClient
 from backend.config import PoolConfig
 from backend.counters import ClientCounter, ConnectorCounter, MissCause
@@ -51,6 +52,7 @@ from backend.lmcache.config import (
     warn_if_secrets_inline,
 )
 from backend.lmcache.layout import EngineFingerprint
+from backend.lmcache.prompts import PromptPin, PromptPins
 from backend.metrics import register_connector_metrics, unregister_connector_metrics
 
 __all__ = [
@@ -118,6 +120,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self.misses = MissBoundary(self._own_counters)
         # What every chunk is stored with and read back by: only this layout's engines share chunks.
         self.layout = EngineFingerprint(metadata, config)
+        self.prompts = PromptPins(self.client, config, metadata)  # pin_prompt: a prompt's chunks by its tokens
         # meta_shapes/meta_dtypes: the engine's groups, set by RemoteConnector from LMCache's metadata.
         self._sink = LMCacheSink(local_cpu_backend, self.meta_shapes, self.meta_dtypes, self.misses, self.layout)
         self._closed = False
@@ -339,6 +342,28 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         except KVPoolError as exc:
             self.misses.miss(MissCause.REMOVE, "remove failed: %s", exc)
             return False
+
+    # -- pins of a prompt (backend/lmcache/prompts.py): unlike the data path, errors raise --------
+    async def pin_prompt(
+        self, tokens: Sequence[int] | Any, ttl_s: float | None = None, owner: str = DEFAULT_PIN_OWNER
+    ) -> PromptPin:
+        """Pin a prompt by its token ids (docs/fleet.md): its chunks the pool holds from the start up to the first
+        missing one, until unpinned or ``ttl_s`` ends (None: the nodes' default). On LMCache's loop."""
+        return await self.prompts.pin(tokens, ttl_s, owner)
+
+    def pin_prompt_sync(
+        self, tokens: Sequence[int] | Any, ttl_s: float | None = None, owner: str = DEFAULT_PIN_OWNER
+    ) -> PromptPin:
+        """:meth:`pin_prompt` from any thread but LMCache's loop (waits on the loop, bounded)."""
+        return cast(PromptPin, self._run_sync(self.prompts.pin(tokens, ttl_s, owner), "pin_prompt_sync"))
+
+    async def unpin_prompt(self, tokens: Sequence[int] | Any, owner: str = DEFAULT_PIN_OWNER) -> UnpinReport:
+        """Let go of one of ``owner``'s pins of each chunk of the prompt. On LMCache's loop."""
+        return await self.prompts.unpin(tokens, owner)
+
+    def unpin_prompt_sync(self, tokens: Sequence[int] | Any, owner: str = DEFAULT_PIN_OWNER) -> UnpinReport:
+        """:meth:`unpin_prompt` from any thread but LMCache's loop."""
+        return cast(UnpinReport, self._run_sync(self.prompts.unpin(tokens, owner), "unpin_prompt_sync"))
 
     def support_ping(self) -> bool:
         return True
