@@ -114,8 +114,9 @@ async def test_a_tenant_whose_pins_fill_its_quota_gets_no_room(node_factory, poo
         await alice.put(pinned)
         await admin.pin(admin_client, [scoped("alice", c.key) for c in pinned], ttl_s=60)
         (extra,) = numbered_chunks("x", 1, CHUNK, seed=6)
-        with pytest.raises(Exception, match="room"):
+        with pytest.raises(Exception, match="room") as refused:
             await alice.put([extra])
+        assert set(refused.value.outcomes) == {extra.key}  # as the tenant named it, not as the pool holds it
         assert await alice.contains([c.key for c in pinned] + [extra.key]) == [True, True, False]
 
 

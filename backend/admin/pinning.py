@@ -3,8 +3,8 @@
 A pin is kept by the nodes that hold the key (``backend/node/pins.py``), never in Redis: ``pin``
 finds the holders in the index and pins every copy; ``unpin`` and ``pins`` ask every live
 node, since a pin outlives its chunk (deleted, or lost from DRAM at a restart) and its index
-entry with it. Pins will count against a tenant's byte quota once tenants exist: a tenant will
-not pin past its quota (the seam is :func:`pin`'s ``owner``, which will carry the tenant).
+entry with it. A pinned chunk of a tenant counts against that tenant's byte quota, and a quota
+never evicts it (docs/fleet.md, "Tenants and quotas").
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from backend.client.arena import ArenaReader
@@ -154,10 +155,17 @@ class PoolClient:
         ``only`` restricts placement to these node ids (``kvpool drain --to``).
         """
         self._check_open()
-        if self.config.tenant:
-            _check_keys([c.key for c in chunks])
-            chunks = [dataclasses.replace(c, key=scoped(self.config.tenant, c.key)) for c in chunks]
-        await self._putter.put(chunks, only)
+        tenant = self.config.tenant
+        if not tenant:
+            await self._putter.put(chunks, only)
+            return
+        _check_keys([c.key for c in chunks])
+        try:
+            await self._putter.put([dataclasses.replace(c, key=scoped(tenant, c.key)) for c in chunks], only)
+        except KVPoolError as exc:  # the outcomes name the keys as the caller did, not as the pool holds them
+            if exc.outcomes:
+                exc.outcomes = MappingProxyType({unscoped(tenant, k): o for k, o in exc.outcomes.items()})
+            raise
 
     async def get(
         self, keys: Sequence[str], sink: Sink[T] | None = None, *, fingerprint: int = NO_FINGERPRINT
