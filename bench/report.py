@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.plots import pyplot, save
+
 __all__ = ["add_ratios", "targets", "render", "plot", "cell_line", "fill_line", "lookup_line"]
 
 MIB = 1 << 20
@@ -419,12 +421,8 @@ def _ceiling_rows(run: dict[str, Any]) -> list[list[str]]:
 # -- plot -------------------------------------------------------------------------------
 def plot(run: dict[str, Any], path: Path) -> Path | None:
     """GB/s against chunk size, one line per backend; None when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     plan = run["plan"]
     combos = [(b, c) for b in plan["batches"] for c in plan["clients"]]
@@ -453,7 +451,4 @@ def plot(run: dict[str, Any], path: Path) -> Path | None:
                 ax.set_xlabel("chunk size")
     axes[0][0].legend(fontsize="small")
     fig.suptitle(f"LMCache backends side by side ({run['started']}, {run['command']})", fontsize="medium")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save(plt, fig, path)

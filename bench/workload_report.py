@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import workload_sim
+from bench.plots import NO_MATPLOTLIB, pyplot, save
 from bench.workload_runs import local_chunks, make_trace
 from bench.workload_traces import PRESETS, Trace
 
@@ -146,13 +147,9 @@ def verdict(measured: Sequence[Measured], simulated: Sequence[Simulated]) -> lis
 # -- plots -----------------------------------------------------------------------------------
 def plot(measured: Sequence[Measured], simulated: Sequence[Simulated], directory: Path) -> list[Path]:
     """Per trace: pool hit rate vs capacity (measured solid, simulated dashed); modeled TTFT per backend."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no matplotlib (pip install -e '.[bench]'): no plots written")
+    plt = pyplot()
+    if plt is None:
+        print(NO_MATPLOTLIB)
         return []
     directory.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -175,7 +172,7 @@ def plot(measured: Sequence[Measured], simulated: Sequence[Simulated], directory
         axes.set_title(f"{trace}: pool hit rate, replayed (solid) and simulated (dashed)")
         axes.grid(alpha=0.3)
         axes.legend(fontsize=6, ncol=2)
-        written.append(_save(figure, plt, directory / f"workload-replay-{trace}-hits.png"))
+        written.append(save(plt, figure, directory / f"workload-replay-{trace}-hits.png"))
 
         capacities = sorted({m.capacity for m in rows})
         backends = list(dict.fromkeys(m.backend for m in rows))
@@ -199,15 +196,8 @@ def plot(measured: Sequence[Measured], simulated: Sequence[Simulated], directory
         )
         axes.grid(alpha=0.3, axis="y")
         axes.legend(fontsize=6, ncol=2)
-        written.append(_save(figure, plt, directory / f"workload-replay-{trace}-ttft.png"))
+        written.append(save(plt, figure, directory / f"workload-replay-{trace}-ttft.png"))
     return written
-
-
-def _save(figure: Any, plt: Any, path: Path) -> Path:
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
 
 
 # -- the report ------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.node.eviction import EvictionOrder, order_named
+from bench.plots import NO_MATPLOTLIB, pyplot, save
 from bench.workload_traces import PRESETS, TRACES, ModelPreset, Trace, make_trace
 
 CAPACITIES = (0.25, 0.5, 1.0)
@@ -600,13 +601,9 @@ def format_table(results: Sequence[Result]) -> str:
 
 def plot(results: Sequence[Result], directory: Path) -> list[Path]:
     """One PNG per trace: token hit rate against capacity, a line per policy."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no matplotlib (pip install -e '.[bench]'): no plots written")
+    plt = pyplot()
+    if plt is None:
+        print(NO_MATPLOTLIB)
         return []
     directory.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -621,11 +618,7 @@ def plot(results: Sequence[Result], directory: Path) -> list[Path]:
         axes.set_title(f"{trace}: token hit rate by eviction policy (simulated)")
         axes.grid(alpha=0.3)
         axes.legend(fontsize=7)
-        path = directory / f"workload-sim-{trace}.png"
-        figure.tight_layout()
-        figure.savefig(path, dpi=100)
-        plt.close(figure)
-        written.append(path)
+        written.append(save(plt, figure, directory / f"workload-sim-{trace}.png"))
     return written
 
 
