@@ -123,7 +123,8 @@ class ArenaReader:
         keys = [w.key for w in part]
         trust_until = time.monotonic() + ms_to_s(SHM_LEASE_MS) * SHM_LEASE_TRUST
         try:
-            meta = encode_lease_request(keys, SHM_LEASE_MS, LEASE_MAP, fingerprint=sink_fingerprint(sink))
+            wanted = sink_fingerprint(sink)
+            meta = encode_lease_request(keys, SHM_LEASE_MS, LEASE_MAP, fingerprint=wanted)
             reply = await conns.request(Op.LEASE, meta)
         except CapacityError:
             return [Fallback("the node's lease table is full")] * len(keys)
@@ -143,7 +144,7 @@ class ArenaReader:
                     outcomes.append(entry)
                     continue
                 item, offset = entry
-                if layout_differs(sink, item):
+                if layout_differs(wanted, item):
                     outcomes.append(OtherLayout(item.key))
                     continue
                 if offset is None:

@@ -100,10 +100,10 @@ def sink_fingerprint(sink: Sink[Any]) -> int:
     return int(getattr(sink, "fingerprint", NO_FINGERPRINT))
 
 
-def layout_differs(sink: Sink[Any], item: ItemMeta) -> bool:
-    """Whether a found ``item`` was stored with another layout fingerprint than ``sink`` reads: a node checks
-    this itself; the client checks again, so that no path hands such bytes to a sink."""
-    wanted = sink_fingerprint(sink)
+def layout_differs(wanted: int, item: ItemMeta) -> bool:
+    """Whether a found ``item`` was stored with another layout fingerprint than the read asked for
+    (``wanted``, its sink's: :func:`sink_fingerprint`, taken once per read): a node checks this itself;
+    the client checks again, so that no path hands such bytes to a sink."""
     return wanted != ANY_FINGERPRINT and item.fingerprint != wanted
 
 

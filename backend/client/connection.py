@@ -28,6 +28,7 @@ from backend.client.chunks import (
     allocate_view,
     layout_differs,
     release_hits,
+    sink_fingerprint,
 )
 from backend.config import PoolConfig
 from backend.errors import IntegrityError, KVPoolError, NodeUnavailable, ProtocolError
@@ -316,6 +317,7 @@ class NodeConnection:
         found = decode_get_response(meta, pending.keys, data_len)
         sink = pending.sink
         assert sink is not None
+        wanted = sink_fingerprint(sink)
         outcomes: list[Outcome] = []
         targets: list[Buffer | int] = []  # per found chunk: its buffer, or its size when it is dropped
         received: list[tuple[int, ItemMeta]] = []  # (index in outcomes, item) per buffer received
@@ -327,7 +329,7 @@ class NodeConnection:
                 if isinstance(item, OtherLayout):
                     outcomes.append(item)
                     continue
-                if layout_differs(sink, item):
+                if layout_differs(wanted, item):
                     outcomes.append(OtherLayout(item.key))
                     targets.append(item.nbytes)
                     continue
