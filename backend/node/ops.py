@@ -19,6 +19,7 @@ from typing import Protocol
 
 from backend.counters import NodeCounter
 from backend.errors import AuthError, CapacityError, KVPoolError, ProtocolError
+from backend.node.bookkeeping import NO_SLOT
 from backend.node.context import NodeContext
 from backend.node.dram import StoredChunk
 from backend.node.leases import MAX_LEASE_TTL_MS
@@ -164,12 +165,13 @@ class OpTable:
             received = await puts.receive(peer, items, options)
         await peer.answer(request, lambda: puts.commit(received, options))
 
-    def _other_layout(self, key: str, stored: ItemMeta | None, fingerprint: int | None) -> OtherLayout | None:
-        """OtherLayout (counted) if this node holds ``key`` stored with another layout fingerprint than the
-        reader's (``fingerprint``; None: an older client's read, which names none), else None."""
+    def _other_layout(self, key: str, stored: int | None, fingerprint: int | None) -> OtherLayout | None:
+        """OtherLayout (counted) if this node holds ``key`` stored with another layout fingerprint (``stored``;
+        None: not held) than the reader's (``fingerprint``; None: an older client's read, which names none),
+        else None."""
         if stored is None or fingerprint == ANY_FINGERPRINT:
             return None
-        if stored.fingerprint == (NO_FINGERPRINT if fingerprint is None else fingerprint):
+        if stored == (NO_FINGERPRINT if fingerprint is None else fingerprint):
             return None
         self.ctx.counters[NodeCounter.LAYOUT_MISSES] += 1
         return OtherLayout(key)
@@ -178,13 +180,15 @@ class OpTable:
         """``key``'s chunk for a reader of ``fingerprint`` (an NVMe hit is promoted), OtherLayout when it is stored
         with another one (looked at before the fetch, so such a chunk is not promoted, and after), or None."""
         tiers = self.ctx.tiers
-        other = self._other_layout(key, tiers.meta_of(key), fingerprint)
-        if other is not None:
-            return other
+        if fingerprint != ANY_FINGERPRINT:  # the stored fingerprint from its table row, no ItemMeta built
+            slot = tiers.table.slot(key)
+            other = self._other_layout(key, None if slot == NO_SLOT else tiers.table.fingerprint(slot), fingerprint)
+            if other is not None:
+                return other
         chunk = await tiers.get(key)
         if chunk is None:
             return None
-        return self._other_layout(key, chunk.meta, fingerprint) or chunk
+        return self._other_layout(key, chunk.meta.fingerprint, fingerprint) or chunk
 
     async def _fetch(
         self, keys: list[str], fingerprint: int | None, *, channel: bool
