@@ -327,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     for line in dict.fromkeys(skipped):
         print(f"[workload] skipped {line}")
+    records = [r.to_json() for r in results]  # every request's answer: built once, reported and saved
     workload_report.report(
-        [workload_report.Measured.from_json(r.to_json()) for r in results], traces, args.local_fraction, args.plot
+        [workload_report.Measured.from_json(r) for r in records], traces, args.local_fraction, args.plot
     )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"workload-{stamp}.json"
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         "local_fraction": args.local_fraction,
         "machine": machine(),
         "revision": revision(),
-        "results": [r.to_json() for r in results],
+        "results": records,
         "skipped": skipped,
     }
     path.write_text(json.dumps(record, indent=2) + "\n")

@@ -29,12 +29,10 @@ import redis
 from bench import workload_traces
 from bench.peers import FSPeer, KVPoolPeer, LMServerPeer, MooncakePeer, Peer, RedisPeer, SharedRedis
 from bench.plan import GIB, MIB, chunk_bytes
-from bench.processes import Interrupts, interrupts_held
+from bench.processes import REPO, Interrupts, interrupts_held
 from bench.workload_engine import READY, EngineSpec, Served
 from bench.workload_traces import Request, Trace
 
-REPO = Path(__file__).resolve().parent.parent
-ENGINE_START_TIMEOUT_S = 180.0
 ENGINE_STOP_TIMEOUT_S = 30.0
 ENGINE_INTERRUPTED_STOP_S = 3.0  # after a Ctrl-C: an engine that has not closed LMCache by then is killed
 STOP_POLL_S = 0.05
