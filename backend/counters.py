@@ -92,6 +92,7 @@ class ClientCounter(StrEnum):
     STAGED_PUT_BYTES = "staged_put_bytes"
     GET_HITS = "get_hits"
     GET_MISSES = "get_misses"
+    TENANT_REFUSED = "tenant_refused"  # keys whose request tag names no valid tenant (backend/lmcache/tenant_names.py)
     GET_FAILOVERS = "get_failovers"
     EARLY_READS = "early_reads"
     GET_BYTES_TCP = "get_bytes_tcp"
@@ -127,6 +128,7 @@ class ConnectorCounter(StrEnum):
     PUT_SKIPPED_BUSY = "put_skipped_busy"
     GET_HITS = "get_hits"
     GET_MISSES = "get_misses"
+    TENANT_REFUSED = "tenant_refused"  # keys whose request tag names no valid tenant (backend/lmcache/tenant_names.py)
 
 
 @unique
@@ -137,6 +139,7 @@ class L2Counter(StrEnum):
     STORE_SKIPPED_BUSY = "store_skipped_busy"
     LOADED_CHUNKS = "loaded_chunks"
     LOAD_MISSES = "load_misses"
+    TENANT_REFUSED = "tenant_refused"  # keys whose cache_salt is no valid tenant name (tenant_from_salt=on)
 
 
 @unique

@@ -10,6 +10,9 @@ keeps no field for it; a key without the prefix belongs to no tenant (quotas nev
 The prefix costs ``len(name) + 4`` bytes a chunk in the node's key string and in the
 index key's name in Redis (docs/fleet.md, "Tenants and quotas").
 
+Who names the tenant: the client's URL (``tenant=``, every key), or per key the LMCache
+layer (``backend/lmcache/tenant_names.py``: a request tag, or a multiprocess key's salt).
+
 Pure: no I/O; only the errors of ``backend``.
 """
 
@@ -19,7 +22,16 @@ import re
 
 from backend.errors import ConfigError
 
-__all__ = ["MAX_TENANT_CHARS", "TENANT_PREFIX", "check_tenant", "scoped", "tenant_of", "unscoped"]
+__all__ = [
+    "MAX_TENANT_CHARS",
+    "TENANT_PREFIX",
+    "check_tag_name",
+    "check_tenant",
+    "is_tenant",
+    "scoped",
+    "tenant_of",
+    "unscoped",
+]
 
 TENANT_PREFIX = "~t/"  # a key of a tenant starts so; then the name, then "/"
 MAX_TENANT_CHARS = 64
@@ -30,6 +42,21 @@ def check_tenant(name: str, option: str = "tenant") -> str:
     """``name`` if it may name a tenant (1-64 of A-Z a-z 0-9 _ . -), else ConfigError naming ``option``."""
     if not isinstance(name, str) or not _TENANT_RE.match(name):
         raise ConfigError(option, f"tenant {name!r} must be 1-{MAX_TENANT_CHARS} characters of A-Z a-z 0-9 _ . -")
+    return name
+
+
+def is_tenant(name: object) -> bool:
+    """Whether ``name`` may name a tenant (:func:`check_tenant`'s rule), without raising."""
+    return isinstance(name, str) and _TENANT_RE.match(name) is not None
+
+
+def check_tag_name(name: str, option: str = "tenant_tag") -> str:
+    """``name`` if it may name the LMCache request tag that names the tenant (``lmcache.tag.NAME``): the
+    tenant names' characters, so it never holds LMCache's key separators ``@`` and ``%``."""
+    if not isinstance(name, str) or not _TENANT_RE.match(name):
+        raise ConfigError(
+            option, f"tag name {name!r} must be 1-{MAX_TENANT_CHARS} characters of A-Z a-z 0-9 _ . - (lmcache.tag.NAME)"
+        )
     return name
 
 

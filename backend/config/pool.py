@@ -24,7 +24,7 @@ from backend.config.values import (
 )
 from backend.errors import ConfigError
 from backend.redis_topology import CLUSTER, REDIS_MODES, SINGLE, RedisTarget, parse_hosts, render_hosts
-from backend.tenants import check_tenant
+from backend.tenants import check_tag_name, check_tenant
 
 __all__ = [
     "PoolConfig",
@@ -91,6 +91,10 @@ class PoolConfig:
     pair_timeout_s: float = 30.0  # deadline of one channel pairing (a cold NCCL init takes seconds)
     touch: str = "auto"  # tell the nodes what lookups found: one of TOUCH_MODES (backend/client/touch.py)
     tenant: str = ""  # every key this client names is the tenant's (backend/tenants.py); empty: no tenant
+    # The LMCache connector: the value of each key's request tag lmcache.tag.<tenant_tag> names its tenant
+    # (backend/lmcache/tenant_names.py); ``tenant`` is then the tenant of a key without the tag.
+    tenant_tag: str = ""
+    tenant_from_salt: bool = False  # the L2 adapter: a key's cache_salt names its tenant (``tenant``: empty salts')
 
     def __post_init__(self) -> None:
         if not NAMESPACE_RE.match(self.namespace):
@@ -109,6 +113,14 @@ class PoolConfig:
             raise ConfigError("tls_ca", "a CA bundle only matters with TLS: add tls=on")
         if self.tenant:
             check_tenant(self.tenant)
+        if self.tenant_tag:
+            check_tag_name(self.tenant_tag)
+        if self.tenant_tag and self.tenant_from_salt:
+            raise ConfigError(
+                "tenant_tag",
+                "the tenant comes from a request tag (the LMCache connector) or from the cache_salt (the "
+                "multiprocess-mode adapter), not both",
+            )
         if self.touch not in TOUCH_MODES:
             raise ConfigError("touch", f"{self.touch!r} is not one of {', '.join(TOUCH_MODES)}")
         if self.channel_transport not in CHANNEL_TRANSPORTS:
@@ -147,7 +159,7 @@ class PoolConfig:
             f"channel_transport={self.channel_transport!r}, redis_mode={self.redis_mode!r}, "
             f"sentinel={self.sentinel!r}, redis_hosts={self.redis_hosts!r}, token_file={self.token_file!r}, "
             f"redis_password_file={self.redis_password_file!r}, pair_timeout_s={self.pair_timeout_s}, "
-            f"tenant={self.tenant!r})"
+            f"tenant={self.tenant!r}, tenant_tag={self.tenant_tag!r}, tenant_from_salt={self.tenant_from_salt})"
         )
 
     @property
@@ -377,6 +389,8 @@ _OPTION_PARSERS: dict[str, Any] = {
     "pair_timeout_s": lambda k, v: parse_seconds(k, v, MIN_TIMEOUT_S, MAX_TIMEOUT_S),
     "touch": _parse_touch,
     "tenant": lambda k, v: check_tenant(str(v).strip(), k),
+    "tenant_tag": lambda k, v: check_tag_name(str(v).strip(), k),
+    "tenant_from_salt": parse_bool,
 }
 OPTION_NAMES = tuple(_OPTION_PARSERS)  # what a URL query, YAML or KVPOOL_* may set, in canonical order
 # The old names, in milliseconds: still read, with a deprecation line (backend/config/renamed.py).

@@ -45,6 +45,7 @@ __all__ = [
     "REMOTE_URL_CLASS",
     "lmcache_remote_url",
     "remote_url_pool_config",
+    "check_tenant_source",
     "lmcache_config",
     "render_yaml",
     "render_env",
@@ -109,12 +110,16 @@ def warn_if_secrets_inline(url: str, where: str) -> None:
     )
 
 
-def pool_config_from(url: object, where: str, environ: Mapping[str, str] | None = None) -> PoolConfig:
+def pool_config_from(
+    url: object, where: str, environ: Mapping[str, str] | None = None, *, multiprocess: bool = False
+) -> PoolConfig:
     """The pool a ``kvpool://`` URL given to LMCache as ``where`` names, else the one in ``KVPOOL_URL``.
 
     ``KVPOOL_*`` variables override the URL's options, as everywhere. A URL written into
     LMCache's config that carries a secret is warned about (:func:`warn_if_secrets_inline`).
-    Raises :class:`ConfigError` naming ``where`` when there is no URL or it is not a string.
+    Raises :class:`ConfigError` naming ``where`` when there is no URL or it is not a string,
+    and naming the option when it names the tenant from what this layer's keys lack
+    (``multiprocess``: the L2 adapter's; else the connector's: :func:`check_tenant_source`).
     """
     env = os.environ if environ is None else environ
     if url is not None and not isinstance(url, str):
@@ -124,7 +129,24 @@ def pool_config_from(url: object, where: str, environ: Mapping[str, str] | None 
     text = url or env.get("KVPOOL_URL")
     if not text:
         raise ConfigError(where, "no pool URL given (nor KVPOOL_URL); e.g. kvpool://HOST:PORT/NAMESPACE")
-    return PoolConfig.from_url(text, env)
+    return check_tenant_source(PoolConfig.from_url(text, env), multiprocess=multiprocess)
+
+
+def check_tenant_source(config: PoolConfig, *, multiprocess: bool) -> PoolConfig:
+    """``config``, unless it names each key's tenant from what the keys of this LMCache layer do not carry: a
+    request tag (``tenant_tag``) in multiprocess mode, a ``cache_salt`` (``tenant_from_salt``) in process."""
+    if multiprocess and config.tenant_tag:
+        raise ConfigError(
+            "tenant_tag",
+            "multiprocess-mode keys carry no request tag: name the tenant by the cache_salt (tenant_from_salt=on)",
+        )
+    if not multiprocess and config.tenant_from_salt:
+        raise ConfigError(
+            "tenant_from_salt",
+            "LMCache 0.5.6 hands the connector keys without a cache_salt: name the tenant by a request tag "
+            "(tenant_tag=NAME, the request's kv_transfer_params lmcache.tag.NAME)",
+        )
+    return config
 
 
 def url_config_key(plugin_name: str = PLUGIN_NAME) -> str:
@@ -202,7 +224,7 @@ def remote_url_pool_config(remote_url: str, environ: Mapping[str, str] | None = 
         (SCHEME, parts.netloc, "/" + quote(namespace, safe=""), _encode_query(options), parts.fragment)
     )
     try:
-        return PoolConfig.from_url(pool_url, environ)
+        return check_tenant_source(PoolConfig.from_url(pool_url, environ), multiprocess=False)
     except ConfigError as exc:
         raise bad(exc.key, str(exc).removeprefix(f"{exc.key}: ")) from None
 

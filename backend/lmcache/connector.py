@@ -23,6 +23,7 @@ and counted. Memory objects become chunks and back by ``backend.lmcache.chunks``
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -53,6 +54,7 @@ from backend.lmcache.config import (
 )
 from backend.lmcache.layout import EngineFingerprint
 from backend.lmcache.prompts import PromptPin, PromptPins
+from backend.lmcache.tenant_names import key_names
 from backend.metrics import register_connector_metrics, unregister_connector_metrics
 
 __all__ = [
@@ -115,12 +117,16 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self.pool_config = pool_config
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
-        self.client = PoolClient(pool_config)
         self._own_counters: Counter[str] = Counter()  # ConnectorCounter and MissCause.counter names
+        # Each key's pool name; with tenant_tag= the key's tag names its tenant, and names come scoped.
+        self.names = key_names(pool_config, self._own_counters)
+        self.client = PoolClient(dataclasses.replace(pool_config, tenant="") if pool_config.tenant_tag else pool_config)
         self.misses = MissBoundary(self._own_counters)
         # What every chunk is stored with and read back by: only this layout's engines share chunks.
         self.layout = EngineFingerprint(metadata, config)
-        self.prompts = PromptPins(self.client, config, metadata)  # pin_prompt: a prompt's chunks by its tokens
+        self.prompts = PromptPins(
+            self.client, config, metadata, pool_config.tenant if pool_config.tenant_tag else ""
+        )  # pin_prompt: a prompt's chunks by its tokens
         # meta_shapes/meta_dtypes: the engine's groups, set by RemoteConnector from LMCache's metadata.
         self._sink = LMCacheSink(local_cpu_backend, self.meta_shapes, self.meta_dtypes, self.misses, self.layout)
         self._closed = False
@@ -250,7 +256,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
 
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
         try:
-            hits = await self.client.hit_prefix([k.to_string() for k in keys])
+            hits = await self.client.hit_prefix(self.names.prefix(keys))
         except KVPoolError as exc:
             self.misses.miss(MissCause.LOOKUP, "lookup failed, reading as misses: %s", exc)
             return 0
@@ -262,7 +268,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
 
     def batched_contains(self, keys: list[CacheEngineKey]) -> int:
         try:
-            return int(self._run_sync(self.client.hit_prefix([k.to_string() for k in keys]), "batched_contains"))
+            return int(self._run_sync(self.client.hit_prefix(self.names.prefix(keys)), "batched_contains"))
         except KVPoolError as exc:
             self.misses.miss(MissCause.LOOKUP, "lookup failed, reading as misses: %s", exc)
             return 0
@@ -276,21 +282,24 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
 
     async def batched_put(self, keys: Sequence[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         # Returns only after the nodes answered: LMCache may reuse the buffers then.
+        named = [(name, o) for name, o in zip(self.names.names(keys), memory_objs) if name is not None]
+        if not named:
+            return
         try:
             fingerprint = self.layout.value
-            await self.client.put([to_chunk(k.to_string(), o, fingerprint) for k, o in zip(keys, memory_objs)])
+            await self.client.put([to_chunk(name, o, fingerprint) for name, o in named])
         except BusyError as exc:
             # The pool was saturated, nothing failed: a skipped put, as when LMCache skips one.
             skipped = sum(exc.not_stored().values())
             self._own_counters[ConnectorCounter.PUT_SKIPPED_BUSY] += skipped
-            self._own_counters[ConnectorCounter.PUT_CHUNKS] += len(keys) - skipped
+            self._own_counters[ConnectorCounter.PUT_CHUNKS] += len(named) - skipped
             logger.debug("kvpool: put skipped, the pool is busy: %s", exc)
             return
         except KVPoolError as exc:
             self.misses.miss(MissCause.PUT, "put failed, those chunks stay uncached: %s", exc)
             return
         self.misses.recovered(MissCause.PUT)
-        self._own_counters[ConnectorCounter.PUT_CHUNKS] += len(keys)
+        self._own_counters[ConnectorCounter.PUT_CHUNKS] += len(named)
 
     # -- get --------------------------------------------------------------------------
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
@@ -300,45 +309,40 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         return True
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        names = self.names.names(keys)
         try:
-            objs = await self.client.get([k.to_string() for k in keys], self._sink)
+            got = iter(await self.client.get([n for n in names if n is not None], self._sink))
         except KVPoolError as exc:
             self.misses.miss(MissCause.GET, "get failed, reading as misses: %s", exc)
             return [None] * len(keys)
+        objs = [None if name is None else next(got) for name in names]  # a refused key: a miss, never asked
         self.misses.recovered(MissCause.GET)
         hits = sum(1 for o in objs if o is not None)
         self._own_counters[ConnectorCounter.GET_HITS] += hits
         self._own_counters[ConnectorCounter.GET_MISSES] += len(keys) - hits
-        return list(objs)
+        return objs
 
     def support_batched_get_non_blocking(self) -> bool:
         return True
 
     async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey]) -> list[MemoryObj]:
         """The hit prefix of ``keys``; objects after the first miss are released."""
-        objs = await self.batched_get(keys)
-        prefix: list[MemoryObj] = []
-        missed = False
-        for obj in objs:
-            if obj is None:
-                missed = True
-            elif missed:
-                obj.ref_count_down()
-            else:
-                prefix.append(obj)
-        return prefix
+        return _hit_prefix(await self.batched_get(keys))
 
     # -- admin ------------------------------------------------------------------------
     async def list(self) -> list[str]:
         try:
-            return await self.client.list_keys()
+            return [self.names.listed(key) for key in await self.client.list_keys()]
         except KVPoolError as exc:
             self.misses.miss(MissCause.LIST, "list failed: %s", exc)
             return []
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
+        (name,) = self.names.names([key])
+        if name is None:
+            return False
         try:
-            return bool(self._run_sync(self.client.delete([key.to_string()]), "remove_sync"))
+            return bool(self._run_sync(self.client.delete([name]), "remove_sync"))
         except KVPoolError as exc:
             self.misses.miss(MissCause.REMOVE, "remove failed: %s", exc)
             return False
@@ -434,6 +438,20 @@ class KVPoolConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
         if not url and context.url.startswith(f"{PLUGIN_NAME}://"):
             url = context.url
         return pool_config_from(url or None, f"extra_config['{url_config_key(plugin_name)}']")
+
+
+def _hit_prefix(objs: Sequence[MemoryObj | None]) -> list[MemoryObj]:
+    """The objects before the first miss; those after it are released (LMCache loads a prefix)."""
+    prefix: list[MemoryObj] = []
+    missed = False
+    for obj in objs:
+        if obj is None:
+            missed = True
+        elif missed:
+            obj.ref_count_down()
+        else:
+            prefix.append(obj)
+    return prefix
 
 
 def _engine_metadata(local_cpu_backend: Any, where: str) -> Any:

@@ -136,16 +136,19 @@ class PromptPins:
     """Pins of prompts by their token ids for one engine (what the connector's ``pin_prompt`` runs): the
     engine's :class:`PromptKeys`, made on first use, over the connector's client."""
 
-    def __init__(self, client: PoolClient, config: Any, metadata: Any) -> None:
+    def __init__(self, client: PoolClient, config: Any, metadata: Any, tenant: str = "") -> None:
+        """``tenant``: the tenant a client without one (the connector's under ``tenant_tag=``) pins for."""
         self._client = client
         self._engine = (config, metadata)
         self._keys: PromptKeys | None = None
+        self._tenant = tenant
 
     def keys(self, tokens: Sequence[int] | Any) -> PromptChunks:
-        """The pool keys of the prompt's chunks, as this engine's LMCache names them."""
+        """The pool keys of the prompt's chunks, as this engine's LMCache names them (``tenant``'s, if given)."""
         if self._keys is None:
             self._keys = PromptKeys(*self._engine)
-        return self._keys.chunks(tokens)
+        chunks = self._keys.chunks(tokens)
+        return [[scoped(self._tenant, key) for key in chunk] for chunk in chunks] if self._tenant else chunks
 
     async def pin(self, tokens: Sequence[int] | Any, ttl_s: float | None, owner: str) -> PromptPin:
         return await pin_prompt(self._client, self.keys(tokens), ttl_s=ttl_s, owner=owner)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -43,7 +44,9 @@ from backend.config.values import ms_to_s
 from backend.doctor import TROUBLESHOOTING, Finding, reach
 from backend.errors import KVPoolError
 from backend.lmcache.boundary import MissBoundary
+from backend.lmcache.config import check_tenant_source
 from backend.lmcache.l2.config import KVPoolL2AdapterConfig
+from backend.lmcache.l2.keys import SaltNames
 from backend.lmcache.l2.listing import check_page_size, list_page, parse_cursor
 from backend.lmcache.l2.prefetch import Prefetcher
 from backend.lmcache.l2.store import Storer
@@ -72,6 +75,7 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def __init__(self, config: KVPoolL2AdapterConfig | Mapping[str, Any], l1_memory_desc: Any = None) -> None:
         if not isinstance(config, KVPoolL2AdapterConfig):
             config = KVPoolL2AdapterConfig.from_dict(dict(config))
+        check_tenant_source(config.pool, multiprocess=True)
         # Capacity 0 for LMCache: the pool evicts on its own nodes, so LMCache's
         # aggregate L2 eviction stays off; get_usage still reports the pool's capacity.
         super().__init__(max_capacity_bytes=0)
@@ -79,13 +83,23 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self.counters: Counter[str] = Counter()
         self._misses = MissBoundary(self.counters, label="L2 ")
         self._tasks = TaskRunner("kvpool-l2")
-        self.client: PoolClient = self._tasks.call(_make_client(config.pool), CLOSE_TIMEOUT_S)
+        # Each key's pool name; with tenant_from_salt=on its salt names its tenant, and names come scoped.
+        self.names = SaltNames(config.pool, self.counters)
+        pool = dataclasses.replace(config.pool, tenant="") if config.pool.tenant_from_salt else config.pool
+        self.client: PoolClient = self._tasks.call(_make_client(pool), CLOSE_TIMEOUT_S)
         self._usage = UsageView(self.client, self._misses)
         self._prefetch = Prefetcher(
-            self.client, self._tasks, self._misses, self.counters, config.lock_ttl_ms, self._notify_keys_accessed
+            self.client,
+            self.names,
+            self._tasks,
+            self._misses,
+            self.counters,
+            config.lock_ttl_ms,
+            self._notify_keys_accessed,
         )
         self._store = Storer(
             self.client,
+            self.names,
             self._tasks,
             self._misses,
             self.counters,
@@ -165,7 +179,7 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     ) -> KeyListPage:
         """One page of this adapter's keys in the pool (Redis SCAN; ``cursor`` is opaque)."""
         scan_cursor, skip = parse_cursor(cursor)
-        page = list_page(self.client, model_name, check_page_size(page_size), scan_cursor, skip)
+        page = list_page(self.client, self.names, model_name, check_page_size(page_size), scan_cursor, skip)
         return self._tasks.call(page, self._bound_s)
 
     def get_usage(self) -> AdapterUsage:

@@ -45,7 +45,7 @@ class KVPoolL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
         unknown = sorted(set(d) - set(ADAPTER_PARAMS) - {"type"})
         if unknown:
             raise ConfigError(f"adapter_params.{unknown[0]}", f"unknown option; known: {', '.join(ADAPTER_PARAMS)}")
-        pool = pool_config_from(d.get("url") or None, "adapter_params.url")
+        pool = pool_config_from(d.get("url") or None, "adapter_params.url", multiprocess=True)
         lock_ttl_ms = _positive_int(d, "lock_ttl_ms", DEFAULT_LEASE_TTL_MS)
         if lock_ttl_ms > MAX_LEASE_TTL_MS:
             raise ConfigError(

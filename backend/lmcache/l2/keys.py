@@ -4,15 +4,33 @@
 or model name, so the mapping is injective and the salt is a prefix (per-salt usage
 is one SCAN). In-process keys (``MODEL@WS@WORKER@HASH@DTYPE``) never take this shape:
 their third field is a decimal worker id, never ``0x...``.
+
+A tenant's key carries ``~t/NAME/`` in front (``backend/tenants.py``): the URL's ``tenant=``
+for every key, or with ``tenant_from_salt=on`` the key's own salt (:class:`SaltNames`). The
+reverse mapping and the listing patterns take both shapes.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
+
 from lmcache.v1.distributed.api import ObjectKey
 
 from backend.client.index import glob_escape
+from backend.config import PoolConfig
+from backend.counters import L2Counter
+from backend.lmcache.tenant_names import TenantNames
+from backend.tenants import is_tenant, scoped, tenant_of, unscoped
 
-__all__ = ["MP_KEY_PREFIX", "pool_key", "object_key_from_pool_key", "salt_pattern", "listing_pattern"]
+__all__ = [
+    "MP_KEY_PREFIX",
+    "SaltNames",
+    "pool_key",
+    "object_key_from_pool_key",
+    "salt_pattern",
+    "listing_pattern",
+]
 
 MP_KEY_PREFIX = "mp:"
 
@@ -25,8 +43,41 @@ def pool_key(key: ObjectKey) -> str:
     )
 
 
+class SaltNames:
+    """The pool names of an adapter's keys: ``tenant_from_salt=on`` scopes each by its salt (an empty salt by the
+    URL's tenant, or none), refusing a salt that is no tenant name; otherwise the client scopes them."""
+
+    def __init__(self, config: PoolConfig, counters: Counter[str]) -> None:
+        source = "the cache_salt (tenant_from_salt=on)"
+        self.tenants = TenantNames(config.tenant, counters, L2Counter.TENANT_REFUSED, source)
+        self.from_salt = config.tenant_from_salt
+
+    def names(self, keys: Sequence[ObjectKey]) -> list[str | None]:
+        """Each key's name for the adapter's client; None for a key refused (its salt names no tenant)."""
+        if not self.from_salt:
+            return [pool_key(key) for key in keys]
+        return [self.tenants.name(key.cache_salt or None, pool_key(key)) for key in keys]
+
+    def stored(self, name: str) -> str:
+        """A name :meth:`names` gave, as the index and the nodes hold it (the client's scoping added)."""
+        fallback = self.tenants.fallback
+        return scoped(fallback, name) if fallback and not self.from_salt else name
+
+    def own(self, stored: str) -> ObjectKey | None:
+        """The object key of a stored pool key that this adapter stores under that very name (its tenant's, or
+        its salt's); None for another tenant's key or another shape. Counts and says no refusal."""
+        key = object_key_from_pool_key(stored)
+        if key is None or (self.from_salt and key.cache_salt and not is_tenant(key.cache_salt)):
+            return None
+        (name,) = self.names([key])
+        return key if name is not None and self.stored(name) == stored else None
+
+
 def object_key_from_pool_key(text: str) -> ObjectKey | None:
-    """Reverse :func:`pool_key`; None for keys of another shape (in-process keys)."""
+    """Reverse :func:`pool_key`, a tenant's key too; None for keys of another shape (in-process keys)."""
+    tenant = tenant_of(text)
+    if tenant is not None:
+        text = unscoped(tenant, text)
     if not text.startswith(MP_KEY_PREFIX):
         return None
     parts = text[len(MP_KEY_PREFIX) :].split("@")
@@ -46,5 +97,6 @@ def salt_pattern(cache_salt: str, model_name: str | None = None) -> str:
 
 
 def listing_pattern(model_name: str | None = None) -> str:
-    """A SCAN glob matching every multiprocess-mode key (of one model)."""
-    return glob_escape(MP_KEY_PREFIX) + "*" + (f"@{glob_escape(model_name)}@*" if model_name else "")
+    """A SCAN glob matching every multiprocess-mode key (of one model), tenants' (``~t/NAME/mp:...``) too; it
+    may match other keys holding ``mp:``: :func:`object_key_from_pool_key` tells them apart (None)."""
+    return "*" + glob_escape(MP_KEY_PREFIX) + "*" + (f"@{glob_escape(model_name)}@*" if model_name else "")

@@ -10,7 +10,7 @@ from lmcache.v1.distributed.api import EncodedObjectKey, KeyEntry, KeyListPage
 
 from backend.client import PoolClient
 from backend.errors import ConfigError
-from backend.lmcache.l2.keys import listing_pattern, object_key_from_pool_key
+from backend.lmcache.l2.keys import SaltNames, listing_pattern
 
 __all__ = ["list_page", "parse_cursor", "check_page_size"]
 
@@ -37,9 +37,10 @@ def parse_cursor(cursor: str | None) -> tuple[int, int]:
 
 
 async def list_page(
-    client: PoolClient, model_name: str | None, page_size: int, scan_cursor: int, skip: int
+    client: PoolClient, namer: SaltNames, model_name: str | None, page_size: int, scan_cursor: int, skip: int
 ) -> KeyListPage:
-    """One page of multiprocess-mode keys (of ``model_name``) that the index still locates, from a parsed cursor."""
+    """One page of this adapter's multiprocess-mode keys (of ``model_name``: those ``namer`` would store so, of
+    its tenants) that the index still locates, from a parsed cursor."""
     pattern = listing_pattern(model_name)
     names: list[str] = []
     token: str | None = None
@@ -60,7 +61,7 @@ async def list_page(
     entries = await client.index.lookup(names) if names else []
     out: list[KeyEntry] = []
     for name, entry in zip(names, entries):
-        key = object_key_from_pool_key(name)
+        key = namer.own(name)
         if key is not None and entry:
             out.append(
                 KeyEntry(

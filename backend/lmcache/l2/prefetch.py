@@ -18,7 +18,7 @@ from backend.config.values import ms_to_s
 from backend.counters import L2Counter, MissCause
 from backend.errors import KVPoolError
 from backend.lmcache.boundary import MissBoundary
-from backend.lmcache.l2.keys import pool_key
+from backend.lmcache.l2.keys import SaltNames
 from backend.lmcache.l2.tasks import Completed, TaskRunner
 from backend.protocol import ItemMeta
 from backend.transport import Buffer
@@ -65,6 +65,7 @@ class Prefetcher:
     def __init__(
         self,
         client: PoolClient,
+        names: SaltNames,
         tasks: TaskRunner,
         misses: MissBoundary,
         counters: Counter[str],
@@ -72,6 +73,7 @@ class Prefetcher:
         notify_accessed: Callable[[list[ObjectKey]], None],
     ) -> None:
         self.client = client
+        self.names = names
         self.tasks = tasks
         self.misses = misses
         self.counters = counters
@@ -93,8 +95,11 @@ class Prefetcher:
     async def _lookup_and_lease(self, task_id: L2TaskId, keys: list[ObjectKey]) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            # One Redis round trip, then one LEASE per node: a hit is also a lease.
-            leases = await self.client.lock([pool_key(k) for k in keys], self.lease_ttl_ms)
+            # One Redis round trip, then one LEASE per node: a hit is also a lease. A refused key is a miss.
+            names = self.names.names(keys)
+            asked = [name for name in names if name is not None]
+            got = iter(await self.client.lock(asked, self.lease_ttl_ms) if asked else [])
+            leases = [None if name is None else next(got) for name in names]
             now = time.monotonic()
             ends = now + ms_to_s(self.lease_ttl_ms)
             with self._lock:
@@ -177,18 +182,19 @@ class Prefetcher:
     async def _load(self, task_id: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            names = [pool_key(k) for k in keys]
+            names = self.names.names(keys)
             views = [memoryview(obj.byte_array).cast("B") for obj in objects]
             first: dict[str, int] = {}  # a key named twice is fetched once, then copied to its other objects
             for i, name in enumerate(names):
-                first.setdefault(name, i)
+                if name is not None:  # else refused: a miss
+                    first.setdefault(name, i)
             unique = list(first)
             sink = BufferSink({name: views[first[name]] for name in unique}, self.misses)
             handles = await self.client.get(unique, sink)
             got = dict(zip(unique, handles))
             loaded = []
             for i, name in enumerate(names):
-                if got[name] is None:
+                if name is None or got[name] is None:
                     continue
                 if i != first[name]:
                     if len(views[i]) != len(views[first[name]]):

@@ -16,7 +16,7 @@ from backend.counters import L2Counter, MissCause
 from backend.errors import BusyError, KVPoolError, PutOutcome
 from backend.lmcache.boundary import MissBoundary
 from backend.lmcache.chunks import to_chunk
-from backend.lmcache.l2.keys import pool_key
+from backend.lmcache.l2.keys import SaltNames
 from backend.lmcache.l2.tasks import Completed, TaskRunner
 from backend.lmcache.l2.usage import UsageView
 
@@ -36,6 +36,7 @@ class Storer:
     def __init__(
         self,
         client: PoolClient,
+        names: SaltNames,
         tasks: TaskRunner,
         misses: MissBoundary,
         counters: Counter[str],
@@ -44,6 +45,7 @@ class Storer:
         notify_deleted: Notify,
     ) -> None:
         self.client = client
+        self.names = names
         self.tasks = tasks
         self.misses = misses
         self.counters = counters
@@ -63,11 +65,11 @@ class Storer:
         stored: list[ObjectKey] = []
         sizes: list[int] = []
         try:
-            names = [pool_key(k) for k in keys]
+            named = [(i, name) for i, name in enumerate(self.names.names(keys)) if name is not None]  # else refused
             # Re-sending a chunk the pool has is wasted bandwidth and would count its bytes twice.
-            present = await self.client.contains(names)
-            todo = [i for i, hit in enumerate(present) if not hit]
-            chunks = [to_chunk(names[i], objects[i]) for i in todo]
+            present = await self.client.contains([name for _, name in named]) if named else []
+            todo = [(i, name) for (i, name), hit in zip(named, present) if not hit]
+            chunks = [to_chunk(name, objects[i]) for i, name in todo]
             skipped: set[str] = set()
             try:
                 await self.client.put(chunks)
@@ -76,7 +78,7 @@ class Storer:
                 skipped = {key for key, outcome in exc.outcomes.items() if outcome is not PutOutcome.STORED}
                 self.counters[L2Counter.STORE_SKIPPED_BUSY] += len(skipped)
                 logger.debug("kvpool: L2 store skipped %d chunks, the pool is busy: %s", len(skipped), exc)
-            for i, chunk in zip(todo, chunks):
+            for (i, _), chunk in zip(todo, chunks):
                 if chunk.key not in skipped:
                     stored.append(keys[i])
                     sizes.append(len(memoryview(chunk.data)))
@@ -105,8 +107,9 @@ class Storer:
             self._notify_deleted(deleted, sizes)
 
     async def _delete(self, keys: list[ObjectKey]) -> tuple[list[ObjectKey], list[int]]:
-        names = [pool_key(k) for k in keys]
-        entries = await self.client.index.lookup(names)
+        named = [(key, name) for key, name in zip(keys, self.names.names(keys)) if name is not None]
+        keys, names = [key for key, _ in named], [name for _, name in named]
+        entries = await self.client.index.lookup([self.names.stored(name) for name in names])  # as stored
         await self.client.delete(names)
         present = [(k, e[0].nbytes) for k, e in zip(keys, entries) if e]
         return [k for k, _ in present], [n for _, n in present]

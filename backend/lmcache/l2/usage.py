@@ -19,11 +19,10 @@ from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.l2_adapters.base import AdapterUsage
 
 from backend.client import PoolClient
-from backend.client.index import glob_escape
 from backend.counters import MissCause
 from backend.errors import KVPoolError
 from backend.lmcache.boundary import MissBoundary
-from backend.lmcache.l2.keys import MP_KEY_PREFIX, object_key_from_pool_key
+from backend.lmcache.l2.keys import listing_pattern, object_key_from_pool_key
 
 __all__ = ["PoolView", "UsageView"]
 
@@ -75,7 +74,7 @@ class UsageView:
     async def usage_by_salt(self) -> dict[str, int]:
         """Bytes per cache_salt of every multiprocess-mode key in the pool (SCAN + lookups)."""
         totals: dict[str, int] = defaultdict(int)
-        async for batch in self.client.index.scan_entries(glob_escape(MP_KEY_PREFIX) + "*"):
+        async for batch in self.client.index.scan_entries(listing_pattern()):
             for name, entry in batch:
                 key = object_key_from_pool_key(name)
                 if key is not None and entry:
