@@ -40,7 +40,7 @@ import hashlib
 import hmac
 import secrets
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from backend.errors import AuthError, NodeUnavailable, ProtocolError
@@ -146,12 +146,15 @@ def _version(body: Mapping[str, Any]) -> int:
 
 class KeyRing:
     """The handshake keys a node accepts, by key id: the pool's (one; two during a rotation), each of
-    tenant None, and the tenants' tokens, each bound to its tenant (docs/security.md, "Tenant tokens")."""
+    tenant None, and the tenants' tokens (one each; two during a rotation), each bound to its tenant
+    (docs/security.md, "Tenant tokens")."""
 
-    def __init__(self, keys: list[bytes], tenants: Mapping[str, bytes] | None = None) -> None:
+    def __init__(self, keys: list[bytes], tenants: Mapping[str, Sequence[bytes]] | None = None) -> None:
+        """``tenants``: each tenant's keys (one; two during a rotation of its token), all bound to it."""
         self._keys: dict[str, tuple[bytes, str | None]] = {key_id(key): (key, None) for key in keys if key}
-        for tenant, key in (tenants or {}).items():
-            self._keys[key_id(key)] = (key, tenant)
+        for tenant, tenant_keys in (tenants or {}).items():
+            for key in tenant_keys:
+                self._keys[key_id(key)] = (key, tenant)
 
     def __bool__(self) -> bool:
         return bool(self._keys)

@@ -70,6 +70,7 @@ DEFAULT_PIN_TTL_MAX_S = 86400.0
 # The ring a `kvpool events` endpoint reads (docs/fleet.md "Events for routers"): off unless set.
 MAX_EVENT_RING_KEYS = 16_777_216
 _CHANNELS = ("off", "nccl", "cpu")
+NEXT_SUFFIX = ".next"  # --tenant-tokens DIR/NAME.next: tenant NAME's second token, during a rotation
 EVICTIONS = ("lru", "prefix", "prefix-recency")  # the node's eviction orders (backend/node/eviction.py ORDERS)
 # Old names of an order, still taken for a release with a deprecation line: the frequency-aware rule was
 # `prefix-freq` until it became `prefix` (the recency-only rule that was `prefix` is `prefix-recency`).
@@ -193,7 +194,8 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
         optional(path_value),
         None,
         "directory of tenant tokens: the file NAME holds the token of tenant NAME, which may touch only "
-        "that tenant's keys (docs/security.md, 'Tenant tokens'); needs --token-file",
+        "that tenant's keys, and NAME.next a second one during a rotation (docs/security.md, 'Tenant tokens'); "
+        "needs --token-file",
         metavar="DIR",
     ),
     NodeOption(
@@ -402,6 +404,8 @@ class NodeConfig:
     token_file_next: str = ""  # where it came from
     # Tenant name -> its token (--tenant-tokens DIR): a connection that proves one touches only that tenant.
     tenant_tokens: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
+    # Tenant name -> a second token of it (DIR/NAME.next), bound to the same tenant: during a rotation.
+    tenant_tokens_next: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
     tenant_tokens_dir: str = ""  # where they came from
     redis_password_file: str = ""  # likewise for redis_password
     pin_ttl_default_s: float = DEFAULT_PIN_TTL_S  # a pin's ttl when it names none; 0: no expiry (needs no cap)
@@ -467,7 +471,7 @@ class NodeConfig:
             if not self.token:
                 raise ConfigError("--token-file-next", "a second token is for a rotation: give --token-file too")
             check_token(self.token_next, "--token-file-next", self.token_file_next or "--token-file-next")
-        if not self.tenant_tokens:
+        if not self.tenant_tokens and not self.tenant_tokens_next:
             return
         if not self.token:
             raise ConfigError(
@@ -476,15 +480,27 @@ class NodeConfig:
         seen = {self.token: "the pool token"}
         if self.token_next:
             seen[self.token_next] = "the pool token of --token-file-next"
-        for name, token in sorted(self.tenant_tokens.items()):
+        where = self.tenant_tokens_dir or "--tenant-tokens"
+        tokens = [(name, token, name, "token") for name, token in self.tenant_tokens.items()]
+        tokens += [
+            (name, token, f"{name}{NEXT_SUFFIX}", "next token") for name, token in self.tenant_tokens_next.items()
+        ]
+        for name, token, file, what in sorted(tokens):
             check_tenant(name, "--tenant-tokens")
-            check_token(token, "--tenant-tokens", f"{self.tenant_tokens_dir or '--tenant-tokens'}/{name}")
+            if name not in self.tenant_tokens:
+                raise ConfigError(
+                    "--tenant-tokens",
+                    f"{where}/{file} is tenant {name}'s next token (a rotation), but {where}/{name} is missing: "
+                    f"write the current token there (a tenant named {file} can have no token file)",
+                )
+            check_token(token, "--tenant-tokens", f"{where}/{file}")
             if token in seen:
                 raise ConfigError(
                     "--tenant-tokens",
-                    f"tenant {name}'s token is also {seen[token]}: every token must name one tenant (or the pool)",
+                    f"tenant {name}'s {what} is also {seen[token]} ({where}/{file}): every token must name one "
+                    "tenant (or the pool), and a rotation's two tokens must differ",
                 )
-            seen[token] = f"tenant {name}'s"
+            seen[token] = f"tenant {name}'s {what}"
 
     @classmethod
     def from_sources(
@@ -507,7 +523,7 @@ class NodeConfig:
         token_file_next = values["token_file_next"]
         token_next = _read_node_secret(token_file_next, "--token-file-next") if token_file_next is not None else ""
         tenants_dir = values["tenant_tokens"]
-        tenant_tokens = read_tenant_tokens(tenants_dir) if tenants_dir is not None else {}
+        tenant_tokens, tenant_tokens_next = read_tenant_tokens(tenants_dir) if tenants_dir is not None else ({}, {})
         password, password_file = values["redis_password"], values["redis_password_file"]
         if password_file is not None:
             password = _read_node_secret(password_file, "--redis-password-file")
@@ -548,6 +564,7 @@ class NodeConfig:
             token_next=token_next,
             token_file_next=str(token_file_next.resolve()) if token_file_next is not None else "",
             tenant_tokens=tenant_tokens,
+            tenant_tokens_next=tenant_tokens_next,
             tenant_tokens_dir=str(tenants_dir.resolve()) if tenants_dir is not None else "",
             redis_password_file=str(password_file.resolve()) if password_file is not None else "",
         )
@@ -558,21 +575,26 @@ def _read_node_secret(path: Path, flag: str) -> str:
     return read_secret_file(path, flag, if_empty=why)
 
 
-def read_tenant_tokens(directory: Path) -> dict[str, str]:
-    """Tenant name -> token from ``directory`` (--tenant-tokens): the file NAME holds tenant NAME's token.
+def read_tenant_tokens(directory: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """Tenant name -> token, and tenant name -> next token, from ``directory`` (--tenant-tokens): the file NAME
+    holds tenant NAME's token, the file NAME.next a second one of the same tenant, during a rotation.
 
     Names starting with ``.`` are skipped (a Kubernetes secret volume keeps its ``..data`` links
-    there); any other name must be a tenant name. ConfigError naming the flag and the file otherwise.
+    there); any other name must be a tenant name, or one with ``.next`` after it; a NAME.next
+    without its NAME is refused (``NodeConfig``). ConfigError naming the flag and the file otherwise.
     """
     flag = "--tenant-tokens"
     try:
         names = sorted(entry.name for entry in os.scandir(directory) if not entry.name.startswith("."))
     except OSError as exc:
         raise ConfigError(flag, f"cannot list {directory}: {exc.strerror}") from None
-    tokens = {}
+    tokens: dict[str, str] = {}
+    next_tokens: dict[str, str] = {}
     for name in names:
-        check_tenant(name, f"{flag} ({directory}/{name})")
-        tokens[name] = read_secret_file(directory / name, f"{flag} ({directory}/{name})")
-    if not tokens:
+        tenant = name.removesuffix(NEXT_SUFFIX)
+        check_tenant(tenant, f"{flag} ({directory}/{name})")
+        token = read_secret_file(directory / name, f"{flag} ({directory}/{name})")
+        (next_tokens if name.endswith(NEXT_SUFFIX) else tokens)[tenant] = token
+    if not tokens and not next_tokens:
         raise ConfigError(flag, f"{directory} holds no tenant token (a file NAME holding tenant NAME's token)")
-    return tokens
+    return tokens, next_tokens

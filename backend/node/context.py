@@ -88,11 +88,16 @@ class NodeContext:
         self.counters: Counter[NodeCounter] = Counter()
         self.identity = Identity(config.node_id)
         # The handshake keys a client may prove (one; two during a rotation): each token stretched once here.
-        # Tenant tokens bind a connection to one tenant's keys (the session's ``tenant``).
+        # Tenant tokens (each tenant's one; two during a rotation) bind a connection to one tenant's keys (the
+        # session's ``tenant``).
         pool_tokens = [token for token in (config.token, config.token_next) if token]
+        next_tokens = config.tenant_tokens_next
         self.keys = KeyRing(
             [handshake_key(token, config.namespace) for token in pool_tokens],
-            {name: handshake_key(token, config.namespace) for name, token in config.tenant_tokens.items()},
+            {
+                name: [handshake_key(t, config.namespace) for t in (token, next_tokens.get(name, "")) if t]
+                for name, token in config.tenant_tokens.items()
+            },
         )
         self.bulk = ThreadPoolExecutor(BULK_THREADS, thread_name_prefix="kvpool-node-bulk")
         self._tasks: set[asyncio.Task[Any]] = set()

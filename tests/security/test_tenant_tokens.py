@@ -141,6 +141,88 @@ def test_tenant_tokens_are_read_from_a_directory_and_refused_when_ambiguous_or_a
     assert "not a tenant" in str(refused.value)
 
 
+# -- a tenant token's rotation ------------------------------------------------------------------
+ALICE_NEXT = "alice-next-token-" + "f6" * 16
+
+
+async def test_during_a_tenants_rotation_both_its_tokens_touch_only_its_keys_and_after_it_the_old_one_is_refused(
+    node_factory, pool_url, namespace, tmp_path
+):
+    pool_file, tenants = _file(tmp_path / "pool", POOL), _tenant_dir(tmp_path)
+    _file(tenants / "alice.next", ALICE_NEXT)
+    rotating = node_factory("--token-file", str(pool_file), "--tenant-tokens", str(tenants))
+    async with (
+        _client(pool_url, ALICE, "alice") as old,
+        _client(pool_url, ALICE_NEXT, "alice") as new,
+        _client(pool_url, ALICE_NEXT) as rogue,  # the new token, naming bob's key raw
+        _client(pool_url, BOB, "bob") as bob,
+    ):
+        await old.put([Chunk("k-old", b"put with alice's old token")])
+        await new.put([Chunk("k-new", b"put with alice's new token")])
+        await bob.put([Chunk("k", b"bob's bytes")])
+        for client in (old, new):
+            got = await client.get(["k-old", "k-new"])
+            assert [bytes(c.data) for c in got if c is not None] == [
+                b"put with alice's old token",
+                b"put with alice's new token",
+            ]
+        node = (await new.nodes(refresh=True))[0]
+        assert old.connections.to(node).tenant == new.connections.to(node).tenant == "alice"
+        with pytest.raises(AuthError, match="only keys ~t/alice/KEY, not '~t/bob/k'"):
+            await rogue.connections.to(node).request(Op.GET_BATCH, encode_get_request([scoped("bob", "k")], 0))
+        with pytest.raises(Exception, match="only keys ~t/alice/KEY"):
+            await rogue.put([Chunk(scoped("bob", "k"), b"rogue bytes")])
+        assert bytes((await bob.get(["k"]))[0].data) == b"bob's bytes"  # type: ignore[union-attr]
+    rotating.kill()
+    # The rotation's end: DIR/alice holds the new token, no .next; the node restarted (in a namespace of its
+    # own here, so that the killed node's registry entry, alive until its heartbeat lapses, takes no put).
+    _file(tenants / "alice", ALICE_NEXT)
+    (tenants / "alice.next").unlink()
+    after_ns = namespace + "-after"
+    node_factory("--token-file", str(pool_file), "--tenant-tokens", str(tenants), ns=after_ns)
+    after_url = pool_url.replace(f"/{namespace}", f"/{after_ns}")
+    async with (
+        _client(after_url, ALICE, "alice") as old,
+        _client(after_url, ALICE_NEXT, "alice") as new,
+        _client(after_url, POOL) as operator,
+    ):
+        node = (await new.nodes(refresh=True))[0]
+        with pytest.raises(AuthError, match="does not hold"):
+            await old.put([Chunk("late", b"old token")])
+        await new.put([Chunk("after", b"new token only")])
+        assert bytes((await new.get(["after"]))[0].data) == b"new token only"  # type: ignore[union-attr]
+        assert new.connections.to(node).tenant == "alice"
+        assert (await operator.node_stats(node))["counters"]["auth_failures"] >= 1
+
+
+def test_a_tenants_next_token_without_its_token_or_equal_to_another_stops_the_node_naming_the_file(
+    tmp_path, redis_server
+):
+    pool_file, tenants = _file(tmp_path / "pool", POOL), _tenant_dir(tmp_path)
+    flags = {"redis": redis_server.url, "token_file": str(pool_file), "tenant_tokens": str(tenants)}
+    _file(tenants / "alice.next", ALICE_NEXT)
+    config = NodeConfig.from_sources(flags, environ={})
+    assert dict(config.tenant_tokens) == {"alice": ALICE, "bob": BOB}
+    assert dict(config.tenant_tokens_next) == {"alice": ALICE_NEXT}
+    assert ALICE_NEXT not in repr(config)
+    _file(tenants / "carol.next", "carol-next-token-" + "a7" * 16)
+    with pytest.raises(ConfigError, match=r"carol\.next is tenant carol's next token .*/carol is missing") as refused:
+        NodeConfig.from_sources(flags, environ={})
+    assert refused.value.key == "--tenant-tokens" and str(tenants) in str(refused.value)
+    (tenants / "carol.next").unlink()
+    _file(tenants / "bob.next", ALICE_NEXT)  # one token for two tenants
+    with pytest.raises(ConfigError, match="every token must name one tenant"):
+        NodeConfig.from_sources(flags, environ={})
+    _file(tenants / "bob.next", BOB)  # a rotation's two tokens must differ
+    with pytest.raises(ConfigError, match=r"bob's next token is also tenant bob's token \(.*bob.next\)"):
+        NodeConfig.from_sources(flags, environ={})
+    (tenants / "bob.next").unlink()
+    _file(tenants / "not a tenant.next", "x" * 40)
+    with pytest.raises(ConfigError, match="A-Z a-z 0-9") as refused:
+        NodeConfig.from_sources(flags, environ={})
+    assert "not a tenant.next" in str(refused.value)
+
+
 # -- tenant tokens: what a tenant's connection may touch -----------------------------------------
 @pytest.fixture
 def tenant_node(node_factory, tmp_path):
