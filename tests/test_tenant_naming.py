@@ -264,6 +264,18 @@ def test_an_empty_salt_is_the_urls_tenants_and_a_salt_that_names_no_tenant_is_re
     assert sorted((e.key.to_object_key() for e in listed.entries), key=repr) == sorted([plain, good], key=repr)
 
 
+def test_an_adapter_of_the_urls_tenant_lists_its_own_keys_and_no_other_tenants(node_factory, pool_url, l2_adapters):
+    node_factory()
+    carols = l2_adapters(f"{pool_url}?tenant=carol")
+    salted = l2_adapters(f"{pool_url}?tenant_from_salt=on")
+    mine, theirs = [object_key(10, "s1"), object_key(11, "")], [object_key(12, "dave")]
+    assert store(carols, mine, [memory_obj(payload(i)) for i in range(2)]).is_successful()
+    assert store(salted, theirs, [memory_obj(payload(2))]).is_successful()
+    listed = carols.list_l2_keys(page_size=100)  # its keys are ~t/carol/mp:...: the listing used to miss them
+    assert sorted((e.key.to_object_key() for e in listed.entries), key=repr) == sorted(mine, key=repr)
+    assert [e.key.to_object_key() for e in salted.list_l2_keys(page_size=100).entries] == theirs
+
+
 def torch_equal(a: Any, b: Any) -> bool:
     import torch
 

@@ -117,10 +117,13 @@ class TagNames(_Names):
             return self.tenants.name(None, text)
         if not isinstance(value, str):
             return self.tenants.name(value, text)  # refused: a tenant is named by a string
-        # to_string() ends "@" + "@".join(f"{k}%{v}" for each tag): rebuild that tail without ours.
+        # to_string() ends "@" + "@".join(f"{k}%{v}" for each tag) (LMCache 0.5.6, layer keys too): rebuild that
+        # tail without ours. A key of another shape keeps its whole string (the tag then stored twice, still right).
         tail = "@" + "@".join(f"{k}%{v}" for k, v in tags)
-        others = [f"{k}%{v}" for k, v in tags if k != self.tag]
-        return self.tenants.name(value, text[: len(text) - len(tail)] + "".join("@" + o for o in others))
+        if not text.endswith(tail):
+            return self.tenants.name(value, text)
+        others = "".join(f"@{k}%{v}" for k, v in tags if k != self.tag)
+        return self.tenants.name(value, text[: len(text) - len(tail)] + others)
 
     def listed(self, stored: str) -> str:
         """A stored name as LMCache names the key: its tenant back in the tag (at the end of the tags)."""
