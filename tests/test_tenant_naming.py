@@ -113,6 +113,33 @@ def test_one_engine_stores_each_requests_chunks_under_the_tenant_its_tag_names(n
     assert engine.connector().counters["tenant_refused"] == 0
 
 
+def test_a_quota_of_a_tenant_named_by_tag_bounds_only_its_requests_chunks(node_factory, pool_url, stack_factory):
+    node_factory(dram="64MiB")
+    engine = stack_factory(f"{pool_url}?tenant_tag={TAG}")
+    quota = engine.chunk_bytes * 3 // 2  # one chunk fits, two do not
+
+    async def set_quota() -> None:
+        async with PoolClient(PoolConfig.from_url(pool_url)) as operator:
+            await admin.set_quota(operator, "alice", quota)
+            node = (await operator.nodes(refresh=True))[0]
+            for _ in range(100):  # the node reads quotas with its heartbeat
+                report = (await operator.node_admin.stats(node)).tenants.get("alice")
+                if report is not None and report.quota_bytes == quota:
+                    return
+                await asyncio.sleep(0.1)
+            raise AssertionError("the node never read alice's quota")
+
+    asyncio.run(set_quota())
+    alices = tagged_keys(engine, 1000, 3, {f"lmcache.tag.{TAG}": "alice"})
+    bobs = tagged_keys(engine, 1000, 2, {f"lmcache.tag.{TAG}": "bob"})
+    for i, key in enumerate(alices):  # one put each: the oldest are the coldest
+        put_objects(engine, [key], seed=110 + i)
+    put_objects(engine, bobs, seed=120)
+    held = set(stored_keys(pool_url))
+    assert [scoped("alice", untagged(k)) in held for k in alices] == [False, False, True]
+    assert all(scoped("bob", untagged(k)) in held for k in bobs)
+
+
 def test_a_key_without_the_tag_is_the_urls_tenants_or_no_tenants(node_factory, pool_url, stack_factory):
     node_factory()
     with_fallback = stack_factory(f"{pool_url}?tenant_tag={TAG}&tenant=carol")
