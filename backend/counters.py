@@ -92,7 +92,6 @@ class ClientCounter(StrEnum):
     STAGED_PUT_BYTES = "staged_put_bytes"
     GET_HITS = "get_hits"
     GET_MISSES = "get_misses"
-    TENANT_REFUSED = "tenant_refused"  # keys whose request tag names no valid tenant (backend/lmcache/tenant_names.py)
     GET_FAILOVERS = "get_failovers"
     EARLY_READS = "early_reads"
     GET_BYTES_TCP = "get_bytes_tcp"

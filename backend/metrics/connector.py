@@ -50,6 +50,8 @@ CONNECTOR_COUNTERS: dict[str, str] = {
     ClientCounter.CHANNEL_FALLBACKS: "Chunks the channel failed to bring (NcclError, node or pair failure), then read over TCP.",
     ClientCounter.LAYOUT_MISSES: "Chunks LMCache asked for that the pool holds from an engine of another KV layout "
     "(another layout fingerprint): read as misses, no bytes.",
+    ConnectorCounter.TENANT_REFUSED: "Keys whose request tag (tenant_tag=NAME) names no valid tenant: not stored, "
+    "read as misses.",
 }
 
 
