@@ -10,7 +10,7 @@ from urllib.parse import quote
 import pytest
 
 from backend import admin
-from backend.errors import ConfigError
+from backend.errors import ConfigError, PutOutcome
 from backend.tenants import scoped, tenant_of
 from kvpool import PoolClient, PoolConfig
 from tests.support.chunks import numbered_chunks
@@ -168,3 +168,38 @@ def test_two_engines_of_two_tenants_keep_the_same_lmcache_keys_apart(node_factor
     assert alice.contains_prefix(keys) == 3
     listed = asyncio.run_coroutine_threadsafe(alice.connector().list(), alice.loop).result(10)
     assert sorted(listed) == sorted(k.to_string() for k in keys)  # the engine's own names, no prefix
+
+
+BIG_CHUNK = 1024 * 1024  # on a node of 32 MiB of DRAM a connection's window is 4 MiB: four of these
+
+
+@pytest.mark.parametrize("eviction,nvme", [("lru", False), ("prefix", False), ("lru", True)])
+async def test_a_quota_never_evicts_the_chunks_of_the_put_that_needs_room(
+    node_factory, pool_url, tmp_path, eviction, nvme
+):
+    """A tenant at its quota puts a chain it partly holds already, in one request larger than a connection's
+    window: the quota makes room from the tenant's other chunks only, then answers no room; the chain's
+    held chunks (the coldest the tenant has) stay, so the chain's hit prefix grows, never breaks. With an
+    NVMe tier (DRAM smaller than the chain) the held chunks are on NVMe or in DRAM as the demoter moved
+    them, and the quota walks NVMe first: the outcome is the same wherever they are."""
+    if nvme:
+        node_factory("--eviction", eviction, "--nvme-dir", str(tmp_path), "--nvme", "64MiB", dram="8MiB")
+    else:
+        node_factory("--eviction", eviction, dram="32MiB")
+    one_connection = f"{pool_url}?tenant=alice&connections_per_node=1"  # one request: the node's windows alone
+    async with _client(pool_url) as admin_client, PoolClient(PoolConfig.from_url(one_connection)) as alice:
+        await admin.set_quota(admin_client, "alice", 8 * BIG_CHUNK)
+        await _tenant_report(admin_client, "alice", lambda r: r.quota_bytes == 8 * BIG_CHUNK)
+        chain = numbered_chunks("c", 10, BIG_CHUNK, seed=9)
+        others = numbered_chunks("d", 3, BIG_CHUNK, seed=10)
+        await alice.put(chain[:5])  # the chain's first half: the tenant's coldest chunks
+        await alice.put(others)
+        with pytest.raises(Exception, match="room") as refused:
+            await alice.put(chain)  # needs 5 chunks more; only the 3 others may leave
+        outcomes = refused.value.outcomes  # type: ignore[attr-defined]
+        assert {key for key, outcome in outcomes.items() if outcome is not PutOutcome.STORED} == {"c@8", "c@9"}
+        assert await alice.hit_prefix([c.key for c in chain]) == 8
+        assert await alice.contains([c.key for c in others]) == [False] * 3
+        report = await _tenant_report(admin_client, "alice")
+        assert report.held_bytes == 8 * BIG_CHUNK  # type: ignore[attr-defined]
+        assert report.quota_evictions == 3  # type: ignore[attr-defined]

@@ -132,6 +132,7 @@ class Intake:
         self.received: Received = []
         self._window: list[tuple[ItemMeta, ChunkBuffer]] = []  # reserved, bytes not here yet
         self._window_bytes = 0
+        self._window_growth: Counter[str] = Counter()  # tenant with a quota -> bytes its window chunks add
         # A chunk the eviction order refused cuts the request's chain there: the chunks after it (a request's
         # keys come in prefix order) are refused too, as no lookup could reach them past the missing one.
         self._cut_off = False
@@ -167,17 +168,20 @@ class Intake:
             self.received.append((flag, item, None))
             return
         self._window.append((item, self.tiers.take_buffer(item.nbytes)))
+        quota = self.tiers.quotas.quota_of(item.key)
+        if quota is not None:
+            self._window_growth[quota[0]] += self.tiers.quotas.growth(item.key, item.nbytes)
         self._window_bytes += room
 
     async def _within_quota(self, item: ItemMeta) -> bool:
-        """Whether ``item`` fits its tenant's quota (``backend.node.quotas``), the tenant's coldest chunks evicted
-        as needed; the window's chunks of the same tenant, not landed yet, count as held."""
+        """Whether ``item`` fits its tenant's quota (``backend.node.quotas``), the tenant's coldest chunks (not this
+        put's) evicted as needed; the window's chunks of the same tenant, not landed yet, count as held, but
+        only the bytes they add (a chunk this node holds already is counted once)."""
         quotas = self.tiers.quotas
         quota = quotas.quota_of(item.key)
         if quota is None:
             return True
-        pending = sum(i.nbytes for i, _ in self._window if quotas.quota_of(i.key) == quota)
-        return await quotas.make_room(item.key, item.nbytes, pending, self.put_id)
+        return await quotas.make_room(item.key, item.nbytes, self._window_growth[quota[0]], self.put_id)
 
     async def flush(self) -> None:
         """Receive the window's bytes; each verified chunk enters DRAM."""
@@ -185,6 +189,7 @@ class Intake:
         if not window:
             return
         self._window, self._window_bytes = [], 0
+        self._window_growth.clear()
         try:
             digests = await self.source.fill(window)
         except BaseException:
@@ -202,6 +207,7 @@ class Intake:
             self.tiers.release(self.tiers.room_of(item.nbytes))
         self._give_back(self._window_bytes)
         self._window, self._window_bytes = [], 0
+        self._window_growth.clear()
 
     async def _take_in_parts(self, item: ItemMeta, room: int) -> None:
         """A chunk larger than a window: its room is taken a part at a time, as the bytes before it arrive

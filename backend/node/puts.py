@@ -139,9 +139,10 @@ class PutReceiver:
         until = asyncio.get_running_loop().time() + wait_s
         intake = Intake(self.ctx.tiers, self.ahead, source, put_id=put_id, until=until)
         try:
-            for item in items:
-                await intake.take(item)
-            await intake.flush()
+            with self.ctx.tiers.quotas.guard(put_id, items):  # no quota evicts the put's own chunks for it
+                for item in items:
+                    await intake.take(item)
+                await intake.flush()
         except BaseException:
             # The frame never completed (peer gone, stalled): nothing of it stays.
             intake.abandon()

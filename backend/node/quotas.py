@@ -13,6 +13,14 @@ kept as chunks enter and leave: no field per chunk, the key says the tenant). Th
 * Chunks that may not move (leased, pinned, landing: in no eviction order) are never
   evicted for a quota: a tenant whose pinned bytes fill its quota gets no room, so it
   cannot pin past its quota (a pin holds bytes put under the quota).
+* Nor are the chunks of the put that needs the room: every chunk a request of that put
+  names, while any request of the put runs here (:meth:`TenantQuotas.guard`; the stripes
+  of one client put share its id), and the chunks in DRAM that the put stored or found
+  already (the tier's mark, ``DramTier.put_of``: a later frame of the put, after an
+  earlier one committed). A chain the node partly holds is thus never cut by its own
+  put, wherever its held chunks are (DRAM or NVMe, moved by the demoter at any time):
+  the names, not the tier, say what is the put's. A request's names become a set only
+  when a quota first evicts for it.
 * When nothing of the tenant can leave, the chunk is refused ``PUT_NO_ROOM`` (the put's
   chain is cut there, as for any refusal). A last check as the chunk lands
   (:meth:`TenantQuotas.fits`) refuses it if concurrent puts of the tenant filled the
@@ -27,15 +35,16 @@ The quota is per node: a tenant holds at most its quota on each node.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from itertools import islice
 
 from backend.counters import NodeCounter
 from backend.node.bookkeeping import ON_NVME, ChunkTable, IndexChanges
 from backend.node.eviction import EvictionOrder
-from backend.protocol import TenantReport
+from backend.protocol import ItemMeta, TenantReport
 from backend.tenants import tenant_of
 
 __all__ = ["MAX_QUOTA_WALK", "TenantQuotas"]
@@ -43,6 +52,22 @@ __all__ = ["MAX_QUOTA_WALK", "TenantQuotas"]
 logger = logging.getLogger(__name__)
 
 MAX_QUOTA_WALK = 100_000  # slots walked for one victim before the chunk is refused instead
+_PUT_ID_MASK = (1 << 64) - 1  # a put's id as the DRAM tier marks it (64-bit on the wire; the node's own negative)
+
+
+class _RequestKeys:
+    """The keys one put request names, made a set on first need (a quota eviction for that put)."""
+
+    __slots__ = ("_items", "_keys")
+
+    def __init__(self, items: Sequence[ItemMeta]) -> None:
+        self._items = items
+        self._keys: frozenset[str] | None = None
+
+    def __contains__(self, key: object) -> bool:
+        if self._keys is None:
+            self._keys = frozenset(item.key for item in self._items)
+        return key in self._keys
 
 
 class TenantQuotas:
@@ -54,9 +79,12 @@ class TenantQuotas:
         remove: Callable[[str], Awaitable[bool]],
         changes: IndexChanges,
         counters: Counter[NodeCounter],
+        marked: Callable[[str], int],
     ) -> None:
         self.table = table
         self._remove = remove  # drop a key from every tier
+        self._marked = marked  # key -> id of the put that last stored or found it in DRAM (0: none, or not there)
+        self._requests: dict[int, list[_RequestKeys]] = {}  # put id -> its requests running here
         self._changes = changes
         self._counters = counters
         self.limits: dict[str, int] = {}  # tenant -> quota bytes (as Redis had them at the last heartbeat)
@@ -87,9 +115,29 @@ class TenantQuotas:
         old = self.table.nbytes[slot] if slot >= 0 else 0
         return self.table.tenant_bytes[tenant] - old + nbytes <= limit
 
-    async def make_room(self, key: str, nbytes: int, pending: int, keep_put: int) -> bool:
+    def growth(self, key: str, nbytes: int) -> int:
+        """The bytes ``key``'s tenant will hold more once ``key``'s chunk of ``nbytes`` lands (a copy held
+        already counts as gone: a chunk found here adds nothing)."""
+        slot = self.table.slot(key)
+        return max(nbytes - (self.table.nbytes[slot] if slot >= 0 else 0), 0)
+
+    @contextlib.contextmanager
+    def guard(self, put_id: int, items: Sequence[ItemMeta]) -> Iterator[None]:
+        """While it runs, a request of put ``put_id`` naming ``items``: no quota evicts them for that put."""
+        keys = _RequestKeys(items)
+        self._requests.setdefault(put_id, []).append(keys)
+        try:
+            yield
+        finally:
+            requests = self._requests[put_id]
+            requests.remove(keys)
+            if not requests:
+                del self._requests[put_id]
+
+    async def make_room(self, key: str, nbytes: int, pending: int, put_id: int) -> bool:
         """Evict the tenant's coldest chunks until ``key``'s ``nbytes`` (and ``pending`` bytes of the same
-        request and tenant, not landed yet) fit its quota; False when they cannot (refuse the chunk)."""
+        request and tenant, not landed yet) fit its quota, never a chunk of put ``put_id``; False when they
+        cannot (refuse the chunk)."""
         quota = self.quota_of(key)
         if quota is None:
             return True
@@ -97,7 +145,7 @@ class TenantQuotas:
         if nbytes + pending > limit:
             return False
         while not self.fits(key, nbytes + pending):
-            victim = self._coldest_of(tenant, key)
+            victim = self._coldest_of(tenant, put_id)
             if victim is None:
                 return False
             if await self._remove(victim):
@@ -106,15 +154,22 @@ class TenantQuotas:
                 self.evictions[tenant] += 1
         return True
 
-    def _coldest_of(self, tenant: str, keep: str) -> str | None:
-        """The key of ``tenant``'s first chunk to leave (by the tiers' orders), other than ``keep``."""
+    def _coldest_of(self, tenant: str, put_id: int) -> str | None:
+        """The key of ``tenant``'s first chunk to leave (by the tiers' orders) that is not put ``put_id``'s."""
         orders = self.table.orders  # tier bit -> its eviction order: NVMe's (the colder tier) first
         for tier in sorted(orders, key=lambda bit: bit != ON_NVME):
             order = orders[tier]
             for key in islice(self._keys(order), MAX_QUOTA_WALK):
-                if key != keep and tenant_of(key) == tenant:
+                if tenant_of(key) == tenant and not self._of_put(key, put_id):
                     return key
         return None
+
+    def _of_put(self, key: str, put_id: int) -> bool:
+        """Whether ``key``'s chunk is put ``put_id``'s: a request of it running here names it, or the put
+        stored or found it in DRAM."""
+        if any(key in request for request in self._requests.get(put_id, ())):
+            return True
+        return self._marked(key) == put_id & _PUT_ID_MASK
 
     def _keys(self, order: EvictionOrder) -> Iterator[str]:
         table = self.table

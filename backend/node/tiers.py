@@ -111,7 +111,7 @@ class TierManager:
             high_watermark=config.high_watermark,
             low_watermark=config.low_watermark,
         )
-        self.quotas = TenantQuotas(self.table, self.delete, self.changes, self.counters)  # tenants' bytes and quotas
+        self.quotas = TenantQuotas(self.table, self.delete, self.changes, self.counters, self.dram.put_of)  # by tenant
         # Chunks of puts not committed yet, and the puts waiting for room.
         self.landing = Landing(on_pin=self.table.repin)
         self.recovering: set[str] | None = None  # while NVMe recovery runs: the keys stored or deleted since
