@@ -12,7 +12,7 @@ import contextlib
 import os
 import socket
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +22,7 @@ import pytest
 
 from backend.config import NodeConfig
 from backend.errors import CapacityError, MetadataError, NodeUnavailable
-from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, RedisMemory
+from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, Quotas, RedisMemory
 from backend.node.arena import room_of
 from backend.node.context import NodeContext
 from backend.node.dram import StoredChunk
@@ -110,8 +110,11 @@ class FakeIndex:
     async def memory(self) -> RedisMemory:
         return RedisMemory(0, 0, "noeviction")
 
-    async def quotas(self) -> dict[str, int]:
-        return {}
+    async def quotas(self) -> Quotas:
+        return Quotas()
+
+    async def exchange_tenant_bytes(self, node_id: str, held: Mapping[str, int], ttl_ms: int) -> dict[str, int]:
+        return dict.fromkeys(held, 0)
 
 
 @dataclass

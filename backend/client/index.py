@@ -17,11 +17,13 @@ from collections.abc import AsyncIterator, Sequence
 
 from backend.metadata import (
     LOOKUP_BATCH,
+    NODE_SCOPE,
     IndexEntry,
     LiveNamespaces,
     Location,
     MetadataStore,
     NodeInfo,
+    Quotas,
     RedisFacts,
     RedisMemory,
 )
@@ -94,17 +96,17 @@ class PoolIndex:
         """Drop exactly these locations, unless they changed since they were read."""
         await self._store.index.remove_stale(stale)
 
-    async def quotas(self) -> dict[str, int]:
-        """Every tenant's byte quota: tenant -> bytes."""
-        return await self._store.registry.quotas()
+    async def quotas(self) -> Quotas:
+        """Every tenant's byte quotas, on each node and over the pool: tenant -> bytes."""
+        return await self._store.quotas.quotas()
 
-    async def set_quota(self, tenant: str, quota_bytes: int) -> None:
-        """Set a tenant's byte quota (nodes apply it from their next heartbeat)."""
-        await self._store.registry.set_quota(tenant, quota_bytes)
+    async def set_quota(self, tenant: str, quota_bytes: int, scope: str = NODE_SCOPE) -> None:
+        """Set a tenant's byte quota of ``scope`` (nodes apply it from their next heartbeat)."""
+        await self._store.quotas.set_quota(tenant, quota_bytes, scope)
 
-    async def clear_quota(self, tenant: str) -> bool:
-        """Drop a tenant's quota; whether it had one."""
-        return await self._store.registry.clear_quota(tenant)
+    async def clear_quota(self, tenant: str, scope: str = NODE_SCOPE) -> bool:
+        """Drop a tenant's quota of ``scope``; whether it had one."""
+        return await self._store.quotas.clear_quota(tenant, scope)
 
     async def set_draining(self, node_id: str, draining: bool) -> bool:
         """Mark a node as draining (placement skips it) or not; whether the mark changed."""

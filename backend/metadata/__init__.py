@@ -21,7 +21,10 @@ Key schema (``NS`` is the namespace)::
                              expires after the heartbeat TTL; renewed only by that run (registry.py)
     kvp:{NS}:holder:<node_id> that run's address and pid (ClaimHolder JSON), expiring with the beat
     kvp:{NS}:draining        set of node ids placement skips (kvpool drain)
-    kvp:{NS}:quotas          hash tenant -> byte quota (kvpool quota); nodes read it with each heartbeat
+    kvp:{NS}:quotas          hash tenant -> byte quota on each node (kvpool quota); nodes read it with each heartbeat
+    kvp:{NS}:poolquotas      hash tenant -> byte quota over the pool (kvpool quota --scope pool); read likewise
+    kvp:{NS}:held:<node_id>  hash tenant -> bytes that node holds, for the tenants with a pool quota: written
+                             with its heartbeat, expiring with it (quotas.py)
     kvp:{NS}:beats           sorted set node_id -> when its heartbeat expires (Redis server time, ms)
     kvp:{NS}:regv            registry version: bumped whenever what clients keep of a node changes
     kvp:{NS}:regchanges      list, newest first, of "version|node_id" per bump (the last REGISTRY_LOG_MAX)
@@ -57,6 +60,7 @@ is down, paused or failing over costs at most that long, then raises MetadataErr
 from backend.metadata.connection import RedisFullError, RedisSlowError
 from backend.metadata.index import KeyIndex
 from backend.metadata.lookup import LiveLookup
+from backend.metadata.quotas import NODE_SCOPE, POOL_SCOPE, QUOTA_SCOPES, QuotaBook, Quotas, check_scope
 from backend.metadata.records import (
     MIN_REDIS_VERSION,
     Beat,
@@ -91,10 +95,15 @@ __all__ = [
     "Location",
     "MIN_REDIS_VERSION",
     "MetadataStore",
+    "NODE_SCOPE",
     "NodeMetadata",
     "NodeInfo",
     "NodeRegistry",
     "NodeSlots",
+    "POOL_SCOPE",
+    "QUOTA_SCOPES",
+    "QuotaBook",
+    "Quotas",
     "RedisFacts",
     "RedisFullError",
     "RedisMemory",
@@ -102,4 +111,5 @@ __all__ = [
     "Rendezvous",
     "SWEEP_PAGE",
     "SweepPage",
+    "check_scope",
 ]

@@ -165,7 +165,9 @@ class RedisConnection:
         self.epoch_key = f"kvp:{tag}:epoch"
         self.nodes_key = nodes_key_of(namespace)
         self.draining_key = f"kvp:{tag}:draining"
-        self.quotas_key = f"kvp:{tag}:quotas"  # hash tenant -> quota bytes (kvpool quota)
+        self.quotas_key = f"kvp:{tag}:quotas"  # hash tenant -> quota bytes on each node (kvpool quota)
+        self.pool_quotas_key = f"kvp:{tag}:poolquotas"  # hash tenant -> quota bytes over the pool
+        self._held_prefix = f"kvp:{tag}:held:"  # + node id: hash tenant -> bytes held (backend/metadata/quotas.py)
         self.beats_key = f"kvp:{tag}:beats"
         self.version_key = f"kvp:{tag}:regv"
         self.changes_key = f"kvp:{tag}:regchanges"
@@ -210,6 +212,10 @@ class RedisConnection:
     def holder_key(self, node_id: str) -> str:
         """Who holds ``node_id``'s claim (``ClaimHolder``): written with its heartbeat, expiring with it."""
         return self._holder_prefix + node_id
+
+    def held_key(self, node_id: str) -> str:
+        """What ``node_id`` reported holding of the tenants with a pool quota, expiring with its heartbeat."""
+        return self._held_prefix + node_id
 
     # -- lifecycle --------------------------------------------------------------------
     async def close(self) -> None:

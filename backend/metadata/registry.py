@@ -50,10 +50,6 @@ __all__ = ["NAMESPACE_SEARCH_S", "NodeRegistry"]
 NAMESPACE_SEARCH_S = 2.0
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 class NodeRegistry:
     """Which nodes exist, which are alive, and what changed since a client last looked."""
 
@@ -211,28 +207,12 @@ class NodeRegistry:
         Returns whether the node was removed.
         """
         keys = [self._conn.heartbeat_key(node_id), self._conn.holder_key(node_id)]
-        keys += [self._conn.nodes_key, self._conn.draining_key, self._conn.beats_key]
+        keys += [self._conn.nodes_key, self._conn.draining_key, self._conn.beats_key, self._conn.held_key(node_id)]
         async with self._call("deregister"):
             left = await self._deregister(keys=keys, args=[node_id, "" if epoch is None else str(epoch)])
             if int(left):
                 await self._log_change(node_id)
         return bool(int(left))
-
-    async def quotas(self) -> dict[str, int]:
-        """Every tenant's byte quota (``kvpool quota set``): tenant -> bytes."""
-        async with self._call("quotas"):
-            raw = await self._redis.hgetall(self._conn.quotas_key)
-        return {_text(name): int(value) for name, value in raw.items()}
-
-    async def set_quota(self, tenant: str, quota_bytes: int) -> None:
-        """Set ``tenant``'s byte quota; nodes apply it from their next heartbeat."""
-        async with self._call("quota set"):
-            await self._redis.hset(self._conn.quotas_key, tenant, str(quota_bytes))
-
-    async def clear_quota(self, tenant: str) -> bool:
-        """Drop ``tenant``'s quota (its chunks are then bound by the node's room only); whether it had one."""
-        async with self._call("quota clear"):
-            return bool(await self._redis.hdel(self._conn.quotas_key, tenant))
 
     async def set_draining(self, node_id: str, draining: bool) -> bool:
         """Mark a node draining (placement skips it) or not; kept apart from its heartbeats.

@@ -153,14 +153,14 @@ return {created, #changed, slot, given}
 """
 )
 
-# A node that stops cleanly leaves: KEYS = {heartbeat, claim holder, registry, draining, beats},
-# ARGV = {node id, epoch or ''}. Only while the id is still this epoch's (or nobody's; '': whoever's):
+# A node that stops cleanly leaves: KEYS = {heartbeat, claim holder, registry, draining, beats, its
+# tenant bytes report}, ARGV = {node id, epoch or ''}. Only while the id is still this epoch's (or nobody's; '': whoever's):
 # a process that took the id since keeps its registry entry, claim and drain mark. Answers 1 if it
 # left, else 0.
 DEREGISTER_LUA = """
 local held = redis.call('GET', KEYS[1])
 if held and ARGV[2] ~= '' and held ~= ARGV[2] then return 0 end
-redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[6])
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('SREM', KEYS[4], ARGV[1])
 redis.call('ZREM', KEYS[5], ARGV[1])

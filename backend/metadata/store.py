@@ -7,6 +7,7 @@ key names, deadlines and breaker), never another part:
 * ``index`` (:class:`KeyIndex`, ``index.py``): which node holds which key: commits, removals, walks.
 * ``lookup`` (:class:`LiveLookup`, ``lookup.py``): the per-request hit-prefix / exists read.
 * ``rendezvous`` (:class:`Rendezvous`, ``rendezvous.py``): the channel's pairing offers.
+* ``quotas`` (:class:`QuotaBook`, ``quotas.py``): tenants' quotas, and the bytes nodes report for pool quotas.
 
 A caller keeps the part it uses (a claim the registry, a live view the lookup); the store
 itself only builds them and closes the connection.
@@ -14,11 +15,12 @@ itself only builds them and closes the connection.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from backend.metadata.connection import RedisConnection
 from backend.metadata.index import KeyIndex
 from backend.metadata.lookup import LiveLookup
+from backend.metadata.quotas import QuotaBook, Quotas
 from backend.metadata.records import Beat, ClaimHolder, Location, NodeInfo, RedisMemory
 from backend.metadata.registry import NodeRegistry
 from backend.metadata.rendezvous import Rendezvous
@@ -39,6 +41,7 @@ class MetadataStore:
         self.index = KeyIndex(self.connection)
         self.lookup = LiveLookup(self.connection)
         self.rendezvous = Rendezvous(self.connection)
+        self.quotas = QuotaBook(self.connection)
 
     async def close(self) -> None:
         await self.connection.close()
@@ -52,6 +55,7 @@ class NodeMetadata:
         self._index = store.index
         self._registry = store.registry
         self._connection = store.connection
+        self._quotas = store.quotas
 
     async def commit(self, locations: Sequence[tuple[str, Location]], timeout_s: float | None = None) -> None:
         await self._index.commit(locations, timeout_s)
@@ -82,5 +86,8 @@ class NodeMetadata:
     async def memory(self) -> RedisMemory:
         return await self._connection.memory()
 
-    async def quotas(self) -> dict[str, int]:
-        return await self._registry.quotas()
+    async def quotas(self) -> Quotas:
+        return await self._quotas.quotas()
+
+    async def exchange_tenant_bytes(self, node_id: str, held: Mapping[str, int], ttl_ms: int) -> dict[str, int]:
+        return await self._quotas.exchange(node_id, held, ttl_ms)

@@ -132,7 +132,8 @@ class NodeCollector:
 
 
 def _tenant_metrics(node: str, tenants: Mapping[str, TenantReport]) -> Iterator[Metric]:
-    """Per tenant (label ``tenant``): bytes held here, its quota, and what its keys saw."""
+    """Per tenant (label ``tenant``): bytes held here, its quotas (on each node, over the pool, this node's
+    share of the latter), and what its keys saw."""
     labels = ["node", "tenant"]
     held = GaugeMetricFamily(
         NODE_PREFIX + "tenant_held_bytes", "Payload bytes of a tenant's chunks held.", labels=labels
@@ -140,6 +141,16 @@ def _tenant_metrics(node: str, tenants: Mapping[str, TenantReport]) -> Iterator[
     quota = GaugeMetricFamily(
         NODE_PREFIX + "tenant_quota_bytes",
         "A tenant's byte quota on this node (kvpool quota); -1: none.",
+        labels=labels,
+    )
+    pool_quota = GaugeMetricFamily(
+        NODE_PREFIX + "tenant_pool_quota_bytes",
+        "A tenant's byte quota over the pool (kvpool quota --scope pool); -1: none.",
+        labels=labels,
+    )
+    pool_share = GaugeMetricFamily(
+        NODE_PREFIX + "tenant_pool_share_bytes",
+        "The bytes of a tenant's pool quota this node may hold until its next heartbeat; -1: no pool quota.",
         labels=labels,
     )
     counts = {
@@ -154,10 +165,14 @@ def _tenant_metrics(node: str, tenants: Mapping[str, TenantReport]) -> Iterator[
     for name, tenant in sorted(tenants.items()):
         held.add_metric([node, name], tenant.held_bytes)
         quota.add_metric([node, name], tenant.quota_bytes)
+        pool_quota.add_metric([node, name], tenant.pool_quota_bytes)
+        pool_share.add_metric([node, name], tenant.pool_share_bytes)
         for field, family in counts.items():
             family.add_metric([node, name], getattr(tenant, field))
     yield held
     yield quota
+    yield pool_quota
+    yield pool_share
     yield from counts.values()
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import Counter
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from backend.config import NodeConfig
 from backend.counters import NodeCounter
 from backend.handshake import KeyRing, handshake_key
-from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, RedisMemory
+from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, Quotas, RedisMemory
 from backend.node.events import EventRing
 from backend.node.pins import PinBook, PinTtl
 from backend.node.tiers import DRAM, TierManager
@@ -55,7 +55,9 @@ class NodeIndex(Protocol):
 
     async def memory(self) -> RedisMemory: ...
 
-    async def quotas(self) -> dict[str, int]: ...
+    async def quotas(self) -> Quotas: ...
+
+    async def exchange_tenant_bytes(self, node_id: str, held: Mapping[str, int], ttl_ms: int) -> dict[str, int]: ...
 
 
 @dataclasses.dataclass(frozen=True)

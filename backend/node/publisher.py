@@ -39,6 +39,7 @@ from backend.errors import MetadataError
 from backend.metadata import Beat, ClaimHolder, NodeInfo, RedisFullError, RedisSlowError
 from backend.node.claim import ClaimLost
 from backend.node.context import NodeContext
+from backend.node.quota_sync import QuotaSync
 from backend.node.reaper import DeadNodeReaper
 from backend.node.republish import Republisher
 from backend.node.stats import NodeStats
@@ -86,6 +87,7 @@ class IndexPublisher:
         self._published_view: tuple[Any, ...] = ()  # what clients keep of this node, as last published
         self._beat_ok_at = time.monotonic()  # the last heartbeat Redis took
         self.republisher = Republisher(ctx, stats)
+        self.quota_sync = QuotaSync(ctx.index, ctx.tiers.quotas, s_to_ms(ctx.config.heartbeat_ttl_s))
 
     async def join(self, advert: Advert) -> None:
         """First publication, under the id and epoch the node claimed (``claim.py``): beat once. What the
@@ -225,7 +227,7 @@ class IndexPublisher:
         self._published_view = view
         self._beat_ok_at = time.monotonic()
         try:  # the tenants' quotas ride on the beat: kvpool quota set applies from the next one
-            self.ctx.tiers.quotas.set_limits(await self.ctx.index.quotas())
+            await self.quota_sync.beat(info.node_id)
         except MetadataError as exc:
             logger.debug("quotas not read at this heartbeat (the last ones stay): %s", exc)
         return beat

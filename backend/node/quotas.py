@@ -26,16 +26,21 @@ kept as chunks enter and leave: no field per chunk, the key says the tenant). Th
   (:meth:`TenantQuotas.fits`) refuses it if concurrent puts of the tenant filled the
   quota meanwhile, so the bytes held never pass it.
 
+Two scopes, both applying where a tenant has both (the smaller bound wins): a quota on each
+node (``limits`` as read), and a quota over the pool, of which this node may hold its
+:class:`PoolShare` (``pool_share``: from what the other live nodes reported at the last
+heartbeat, ``quota_sync.py``).
+
 Cost: nothing for a chunk of no tenant or of a tenant without a quota but a dict
 lookup; a victim costs the walk from the tier's coldest chunk past the colder chunks
 of other tenants, at most :data:`MAX_QUOTA_WALK` slots a victim (a tenant whose
 coldest chunk is further than that is refused rather than walked for).
-The quota is per node: a tenant holds at most its quota on each node.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -47,12 +52,35 @@ from backend.node.eviction import EvictionOrder
 from backend.protocol import ItemMeta, TenantReport
 from backend.tenants import tenant_of
 
-__all__ = ["MAX_QUOTA_WALK", "TenantQuotas"]
+__all__ = ["MAX_QUOTA_WALK", "PoolShare", "TenantQuotas", "pool_share"]
 
 logger = logging.getLogger(__name__)
 
 MAX_QUOTA_WALK = 100_000  # slots walked for one victim before the chunk is refused instead
 _PUT_ID_MASK = (1 << 64) - 1  # a put's id as the DRAM tier marks it (64-bit on the wire; the node's own negative)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolShare:
+    """A tenant's pool-wide quota, as this node applies it until the next heartbeat."""
+
+    quota_bytes: int  # the tenant's quota over the pool
+    others_bytes: int  # what the other live nodes reported holding of it
+    limit_bytes: int  # what this node may hold of it
+
+
+def pool_share(quota_bytes: int, mine_bytes: int, others_bytes: int) -> PoolShare:
+    """This node's share of a pool quota, from its own bytes and the other live nodes' reported bytes.
+
+    Within the quota, this node may grow into all the room left: ``quota - others`` (so may every
+    other node, until their next reports: the overshoot docs/fleet.md bounds). Over it (nodes took
+    the room together, or the quota was lowered), each node's share is its part of the quota in
+    proportion to what it holds, ``mine * quota / (mine + others)``: the shares add up to the
+    quota, so nodes that evict at once evict the excess once between them, not once each.
+    """
+    total = mine_bytes + others_bytes
+    limit = quota_bytes - others_bytes if total <= quota_bytes else mine_bytes * quota_bytes // total
+    return PoolShare(quota_bytes, others_bytes, limit)
 
 
 class _RequestKeys:
@@ -87,14 +115,25 @@ class TenantQuotas:
         self._requests: dict[int, list[_RequestKeys]] = {}  # put id -> its requests running here
         self._changes = changes
         self._counters = counters
-        self.limits: dict[str, int] = {}  # tenant -> quota bytes (as Redis had them at the last heartbeat)
+        self.limits: dict[str, int] = {}  # tenant -> the bytes it may hold here: its node quota or pool share
+        self.node_limits: dict[str, int] = {}  # tenant -> its quota on each node (Redis, at the last heartbeat)
+        self.pool: dict[str, PoolShare] = {}  # tenant -> its pool quota and this node's share of it
         self.puts: Counter[str] = Counter()  # tenant -> chunks stored (committed)
         self.hits: Counter[str] = Counter()
         self.misses: Counter[str] = Counter()
         self.evictions: Counter[str] = Counter()  # chunks evicted to keep the tenant within its quota
 
-    def set_limits(self, limits: Mapping[str, int]) -> None:
-        self.limits = dict(limits)
+    def set_limits(self, node: Mapping[str, int], pool: Mapping[str, PoolShare] | None = None) -> None:
+        """The quotas from now on: on each node, and this node's shares of pool quotas (both bound a tenant)."""
+        self.node_limits, self.pool = dict(node), dict(pool or {})
+        limits = dict(node)
+        for tenant, share in self.pool.items():
+            limits[tenant] = min(limits.get(tenant, share.limit_bytes), share.limit_bytes)
+        self.limits = limits
+
+    def held(self, tenant: str) -> int:
+        """``tenant``'s bytes on this node (both tiers)."""
+        return self.table.tenant_bytes.get(tenant, 0)
 
     def quota_of(self, key: str) -> tuple[str, int] | None:
         """``(tenant, quota bytes)`` of ``key`` when its tenant has a quota, else None."""
@@ -179,10 +218,13 @@ class TenantQuotas:
     def reports(self) -> dict[str, TenantReport]:
         """What STAT (and /metrics) carries per tenant: every tenant with bytes here, a quota, or counts."""
         names = set(self.table.tenant_bytes) | set(self.limits) | set(self.puts) | set(self.hits) | set(self.misses)
+        none = PoolShare(-1, 0, -1)
         return {
             name: TenantReport(
                 held_bytes=self.table.tenant_bytes.get(name, 0),
-                quota_bytes=self.limits.get(name, -1),
+                quota_bytes=self.node_limits.get(name, -1),
+                pool_quota_bytes=self.pool.get(name, none).quota_bytes,
+                pool_share_bytes=self.pool.get(name, none).limit_bytes,
                 puts=self.puts[name],
                 hits=self.hits[name],
                 misses=self.misses[name],

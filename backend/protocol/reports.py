@@ -216,7 +216,8 @@ class RecentReport:
 
 @dataclass(frozen=True)
 class TenantReport:
-    """One tenant on one node: its bytes held, its quota (-1: none), and what its keys saw."""
+    """One tenant on one node: its bytes held, its quota on each node (-1: none), its quota over the pool
+    and this node's share of it (-1: none), and what its keys saw."""
 
     held_bytes: int
     quota_bytes: int
@@ -224,6 +225,8 @@ class TenantReport:
     hits: int
     misses: int
     quota_evictions: int = 0
+    pool_quota_bytes: int = -1
+    pool_share_bytes: int = -1
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -233,17 +236,22 @@ class TenantReport:
             "hits": self.hits,
             "misses": self.misses,
             "quota_evictions": self.quota_evictions,
+            "pool_quota_bytes": self.pool_quota_bytes,
+            "pool_share_bytes": self.pool_share_bytes,
         }
 
     @classmethod
     def from_json(cls, body: Any) -> TenantReport:
         what = "STAT tenant"
-        return cls(
-            *(
-                _field(body, name, int, what)
-                for name in ("held_bytes", "quota_bytes", "puts", "hits", "misses", "quota_evictions")
-            )
-        )
+        fields = [
+            _field(body, name, int, what)
+            for name in ("held_bytes", "quota_bytes", "puts", "hits", "misses", "quota_evictions")
+        ]
+        # A node of the release before has no pool quotas: none.
+        pool = [
+            _field(body, name, int, what) if name in body else -1 for name in ("pool_quota_bytes", "pool_share_bytes")
+        ]
+        return cls(*fields, *pool)
 
 
 @dataclass(frozen=True)
