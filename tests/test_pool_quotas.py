@@ -70,6 +70,18 @@ async def _put_refused_or_stored(client: PoolClient, chunks: list, node_id: str)
         pass
 
 
+def test_a_nodes_share_is_the_room_left_within_the_quota_and_its_proportional_part_over_it():
+    assert pool_share(8, 2, 3).limit_bytes == 5  # within: all the room the others left
+    assert pool_share(8, 0, 0).limit_bytes == 8
+    assert pool_share(0, 0, 0).limit_bytes == 0
+    assert pool_share(8, 8, 16).limit_bytes == 2  # over: 8 * 8 / 24, rounded down
+    for held in ([8, 8, 8], [1, 2, 30], [5, 0, 4, 7], [100, 1]):
+        total = sum(held)
+        shares = [pool_share(8, mine, total - mine).limit_bytes for mine in held]
+        assert sum(shares) <= 8 and all(0 <= share <= 8 for share in shares), (held, shares)
+        assert sum(shares) > 8 - len(held)  # the excess leaves once between the nodes, not once per node
+
+
 async def test_a_pool_quota_bounds_the_overshoot_converges_and_forgets_a_dead_node(
     node_factory, pool_url, redis_server
 ):

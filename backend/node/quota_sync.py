@@ -8,8 +8,8 @@ a put compares the tenant's bytes here with one number, as for a quota on each n
 
 Redis cost a node a second: with no pool quota, one pipeline of two HGETALLs (the quotas); with
 one, also one script (its report, and the registry's node ids) and one pipeline of an HMGET per
-other registered node: three round trips, N-1 small reads. Where Redis cannot be read, the shares
-of the last beat stay (a node that never read them applies the pool quota as if it were alone).
+other registered node: three round trips, N-1 small reads. A beat that could not read or report
+leaves the quotas and shares of the last beat in force (a node that never completed one has none).
 """
 
 from __future__ import annotations
