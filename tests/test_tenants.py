@@ -186,7 +186,9 @@ async def test_a_quota_never_evicts_the_chunks_of_the_put_that_needs_room(
         node_factory("--eviction", eviction, "--nvme-dir", str(tmp_path), "--nvme", "64MiB", dram="8MiB")
     else:
         node_factory("--eviction", eviction, dram="32MiB")
-    one_connection = f"{pool_url}?tenant=alice&connections_per_node=1"  # one request: the node's windows alone
+    # One connection: the put is one request, in the node's windows. Over two, its halves would race as two
+    # stripes, and a stripe the node has not seen yet is not known to be the put's (docs/fleet.md).
+    one_connection = f"{pool_url}?tenant=alice&connections_per_node=1"
     async with _client(pool_url) as admin_client, PoolClient(PoolConfig.from_url(one_connection)) as alice:
         await admin.set_quota(admin_client, "alice", 8 * BIG_CHUNK)
         await _tenant_report(admin_client, "alice", lambda r: r.quota_bytes == 8 * BIG_CHUNK)

@@ -20,7 +20,8 @@ kept as chunks enter and leave: no field per chunk, the key says the tenant). Th
   earlier one committed). A chain the node partly holds is thus never cut by its own
   put, wherever its held chunks are (DRAM or NVMe, moved by the demoter at any time):
   the names, not the tier, say what is the put's. A request's names become a set only
-  when a quota first evicts for it.
+  when a quota first evicts for it. A request of the put that has not reached the node yet
+  (another stripe, a later frame) is not known: its held chunks may still go.
 * When nothing of the tenant can leave, the chunk is refused ``PUT_NO_ROOM`` (the put's
   chain is cut there, as for any refusal). A last check as the chunk lands
   (:meth:`TenantQuotas.fits`) refuses it if concurrent puts of the tenant filled the
