@@ -799,6 +799,15 @@ def test_a_stat_answer_decodes_into_a_typed_report_and_encodes_back_to_the_same_
     assert report.recent == RecentReport(12.5, 0.32, 4, 3)
     assert encode_node_report(report) == meta  # the wire is unchanged, byte for byte
     assert list(report.tiers["nvme"].to_json()) == ["capacity_bytes", "disk_full", "objects", "used_bytes"]
+    assert (report.tenants["alice"].pool_quota_bytes, report.tenants["alice"].pool_share_bytes) == (-1, -1)
+
+
+def test_a_tenants_pool_quota_and_share_go_through_stat_and_back() -> None:
+    body = _stat_body()
+    body["tenants"]["alice"] |= {"pool_quota_bytes": 64, "pool_share_bytes": 40}
+    report = decode_node_report(encode_json(body))
+    assert (report.tenants["alice"].pool_quota_bytes, report.tenants["alice"].pool_share_bytes) == (64, 40)
+    assert encode_node_report(report) == encode_json(body)
 
 
 def test_a_stat_answer_of_a_node_without_arena_recovery_or_latency_decodes_with_none() -> None:

@@ -229,16 +229,17 @@ class TenantReport:
     pool_share_bytes: int = -1
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        body = {
             "held_bytes": self.held_bytes,
             "quota_bytes": self.quota_bytes,
             "puts": self.puts,
             "hits": self.hits,
             "misses": self.misses,
             "quota_evictions": self.quota_evictions,
-            "pool_quota_bytes": self.pool_quota_bytes,
-            "pool_share_bytes": self.pool_share_bytes,
         }
+        if self.pool_quota_bytes >= 0:  # a tenant without a pool quota is answered as before pool quotas
+            body |= {"pool_quota_bytes": self.pool_quota_bytes, "pool_share_bytes": self.pool_share_bytes}
+        return body
 
     @classmethod
     def from_json(cls, body: Any) -> TenantReport:
@@ -247,7 +248,7 @@ class TenantReport:
             _field(body, name, int, what)
             for name in ("held_bytes", "quota_bytes", "puts", "hits", "misses", "quota_evictions")
         ]
-        # A node of the release before has no pool quotas: none.
+        # Absent: no pool quota (or a node of the release before pool quotas).
         pool = [
             _field(body, name, int, what) if name in body else -1 for name in ("pool_quota_bytes", "pool_share_bytes")
         ]
