@@ -146,10 +146,11 @@ class Intake:
         source = self.source
         room = self.tiers.room_of(item.nbytes)
         cut_off = self._cut_off and not self.tiers.contains(item.key)
+        quota = self.tiers.quotas.quota_of(item.key)
         if (
             cut_off
             or not _admitted(self.tiers, item.key, room)  # the eviction order keeps what it holds
-            or not await self._within_quota(item)  # the tenant's own chunks could not make room for it
+            or not await self._within_quota(item, quota)  # the tenant's own chunks could not make room for it
         ):
             self._cut_off = True
             await self.flush()  # the window's bytes come before this chunk's
@@ -168,20 +169,17 @@ class Intake:
             self.received.append((flag, item, None))
             return
         self._window.append((item, self.tiers.take_buffer(item.nbytes)))
-        quota = self.tiers.quotas.quota_of(item.key)
         if quota is not None:
             self._window_growth[quota[0]] += self.tiers.quotas.growth(item.key, item.nbytes)
         self._window_bytes += room
 
-    async def _within_quota(self, item: ItemMeta) -> bool:
+    async def _within_quota(self, item: ItemMeta, quota: tuple[str, int] | None) -> bool:
         """Whether ``item`` fits its tenant's quota (``backend.node.quotas``), the tenant's coldest chunks (not this
         put's) evicted as needed; the window's chunks of the same tenant, not landed yet, count as held, but
         only the bytes they add (a chunk this node holds already is counted once)."""
-        quotas = self.tiers.quotas
-        quota = quotas.quota_of(item.key)
-        if quota is None:
+        if quota is None:  # ``quota``: the item's tenant and quota (``TenantQuotas.quota_of``)
             return True
-        return await quotas.make_room(item.key, item.nbytes, self._window_growth[quota[0]], self.put_id)
+        return await self.tiers.quotas.make_room(item.key, item.nbytes, self._window_growth[quota[0]], self.put_id)
 
     async def flush(self) -> None:
         """Receive the window's bytes; each verified chunk enters DRAM."""
