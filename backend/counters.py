@@ -128,6 +128,11 @@ class ConnectorCounter(StrEnum):
     GET_HITS = "get_hits"
     GET_MISSES = "get_misses"
     TENANT_REFUSED = "tenant_refused"  # keys whose request tag names no valid tenant (backend/lmcache/tenant_names.py)
+    # event_tokens=on (backend/lmcache/token_binding.py): chunks of puts with their token record, without
+    # one (no binding: not hashed from tokens lately), and without one because no token database was found.
+    EVENT_TOKENS_BOUND = "event_tokens_bound"
+    EVENT_TOKENS_UNBOUND = "event_tokens_unbound"
+    EVENT_TOKENS_NO_DATABASE = "event_tokens_no_database"
 
 
 @unique

@@ -68,20 +68,32 @@ NCCL_CHANNEL_MAY_IMPORT = ("backend.errors", "backend.counters", "backend.protoc
 NCCL_CHANNEL_NEVER_IMPORTS = ("redis", "hiredis", "lmcache")
 
 # The parts of backend/protocol/ and their order: a part imports only parts before it, so the
-# op families (level 2) never need each other, and the package has no circle.
+# op families (level 3) never need each other, and the package has no circle. The token record
+# (level 2) is a building block two op families share (a put carries it, EVENTS hands it back).
 PROTOCOL_PARTS = {
     "backend.protocol.frame": 0,
     "backend.protocol.meta": 1,
-    "backend.protocol.puts": 2,
-    "backend.protocol.reads": 2,
-    "backend.protocol.channel": 2,
-    "backend.protocol.inventory": 2,
-    "backend.protocol.pins": 2,
-    "backend.protocol.events": 2,
-    "backend.protocol.reports": 2,
+    "backend.protocol.tokens": 2,
+    "backend.protocol.puts": 3,
+    "backend.protocol.reads": 3,
+    "backend.protocol.channel": 3,
+    "backend.protocol.inventory": 3,
+    "backend.protocol.pins": 3,
+    "backend.protocol.events": 3,
+    "backend.protocol.reports": 3,
 }
 # A pure codec: no I/O, no clock, nothing of backend but the errors.
-PROTOCOL_MAY_IMPORT = ("__future__", "collections.abc", "dataclasses", "enum", "json", "struct", "typing", "xxhash")
+PROTOCOL_MAY_IMPORT = (
+    "__future__",
+    "base64",
+    "collections.abc",
+    "dataclasses",
+    "enum",
+    "json",
+    "struct",
+    "typing",
+    "xxhash",
+)
 
 
 def _module(path: Path) -> str:

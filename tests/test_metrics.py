@@ -358,7 +358,9 @@ def _source_counters() -> tuple[set[str], set[str]]:
     for text in sources:
         node |= {NodeCounter[member].value for member in re.findall(r"\bNodeCounter\.([A-Z_]+)", text)}
     # The in-process connector and the chunk conversion it reads through (its misses go through MissBoundary).
-    source = "".join((REPO / "backend" / "lmcache" / name).read_text() for name in ("connector.py", "chunks.py"))
+    source = "".join(
+        (REPO / "backend" / "lmcache" / name).read_text() for name in ("connector.py", "chunks.py", "token_binding.py")
+    )
     connector = {ConnectorCounter[member].value for member in re.findall(r"\bConnectorCounter\.([A-Z_]+)", source)}
     connector |= {str(name) for name in CLIENT_COUNTERS}  # the client's counters the connector reports as its own
     connector |= {MissCause[member].counter for member in re.findall(r"\bMissCause\.([A-Z_]+)", source)}

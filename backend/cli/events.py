@@ -31,11 +31,19 @@ def add_verbs(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--identity", default="", help="the pod name in the topic kv@IDENTITY@MODEL (default kvpool-NAMESPACE)"
     )
     events.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="LMCache's chunk_size: tokens per chunk (default: the block size, else 256)",
+    )
+    events.add_argument(
         "--block-size",
         type=int,
-        default=256,
+        default=None,
         metavar="N",
-        help="tokens per block: LMCache's chunk_size (default %(default)s)",
+        help="tokens per block each event announces (default: the chunk size, one block a chunk); one that divides "
+        "the chunk size announces each chunk that came with its token ids as chunk_size/N blocks",
     )
     events.add_argument("--medium", default="CPU", help="the medium every event names (default %(default)s)")
     events.add_argument(
@@ -85,14 +93,15 @@ def add_verbs(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    from backend.events import EndpointConfig, EventsEndpoint  # pyzmq and msgspec: the events extra
+    from backend.events import DEFAULT_CHUNK_TOKENS, EndpointConfig, EventsEndpoint  # the events extra
 
     config = EndpointConfig(
         model=args.model,
         publish=args.publish,
         replay=args.replay,
         identity=args.identity,
-        block_size=args.block_size,
+        block_size=args.block_size or args.chunk_size or DEFAULT_CHUNK_TOKENS,
+        chunk_size=args.chunk_size or 0,
         medium=args.medium,
         form=args.form,
         replay_batches=args.replay_batches,

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, Generic, Protocol, TypeVar, Union
 
 from backend.errors import KVPoolError, ProtocolError
-from backend.protocol import ANY_FINGERPRINT, NO_FINGERPRINT, ItemMeta, OtherLayout, check_item
+from backend.protocol import ANY_FINGERPRINT, NO_FINGERPRINT, ChunkTokens, ItemMeta, OtherLayout, check_item
 from backend.transport import Buffer
 
 __all__ = [
@@ -50,6 +50,8 @@ class Chunk:
     shape: tuple[int, ...] = ()
     fmt: int = 0
     fingerprint: int = NO_FINGERPRINT
+    # The chunk's token ids and parent hash, for the nodes' event rings (docs/fleet.md); None: none.
+    tokens: ChunkTokens | None = None
 
     def layout(self) -> ItemMeta:
         """The chunk's meta without its checksum (0), after checking the key, size and layout

@@ -101,9 +101,13 @@ class NodeAdmin:
             return []
         return [bool(f) for f in decode_flags(await self._request(node, Op.DELETE_BATCH, encode_keys(keys)), len(keys))]
 
-    async def events(self, node: NodeInfo, since: int, max_keys: int = MAX_EVENTS_KEYS) -> EventsPage:
-        """``node``'s ring of committed stores and removals from ``since`` (a `kvpool events` endpoint reads it)."""
-        return decode_events_response(await self._request(node, Op.EVENTS, encode_events_request(since, max_keys)))
+    async def events(
+        self, node: NodeInfo, since: int, max_keys: int = MAX_EVENTS_KEYS, tokens: bool = False
+    ) -> EventsPage:
+        """``node``'s ring of committed stores and removals from ``since`` (a `kvpool events` endpoint reads it),
+        with the stored chunks' token records when ``tokens``."""
+        request = encode_events_request(since, max_keys, tokens)
+        return decode_events_response(await self._request(node, Op.EVENTS, request))
 
     async def stats(self, node: NodeInfo) -> NodeReport:
         """``node``'s STAT answer: counters, tiers, recent window, latency histograms (docs/operations.md)."""

@@ -9,6 +9,7 @@ is sent from a worker thread (``backend.transport``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import secrets
 from collections import Counter, defaultdict
@@ -26,7 +27,16 @@ from backend.counters import ClientCounter
 from backend.errors import BusyError, CapacityError, KVPoolError, NodeUnavailable, PutOutcome, refused_outcome
 from backend.metadata import NodeInfo
 from backend.placement import choose_nodes, next_fallback, rank_nodes
-from backend.protocol import ItemMeta, Op, PutOptions, checksum, decode_flags, encode_put_batch, put_outcome
+from backend.protocol import (
+    ItemMeta,
+    Op,
+    PutOptions,
+    checksum,
+    decode_flags,
+    encode_put_batch,
+    encode_record,
+    put_outcome,
+)
 from backend.transport import BULK_BYTES, Buffer
 
 __all__ = ["PutPlanner", "put_error"]
@@ -77,7 +87,9 @@ class PutPlanner:
         stored: dict[str, set[str]] = defaultdict(set)  # key -> distinct nodes holding it
         refused: dict[str, PutOutcome] = {}  # key -> why its last copy that was not stored was not
         # One id for the whole call: its stripes on a node never evict each other's chunks.
-        options = PutOptions(secrets.randbits(64) or 1, s_to_ms(self.ctx.config.progress_timeout_s * PUT_WAIT_SHARE))
+        records = token_records(chunks)  # for the nodes that keep event rings
+        wait_ms = s_to_ms(self.ctx.config.progress_timeout_s * PUT_WAIT_SHARE)
+        options = PutOptions(secrets.randbits(64) or 1, wait_ms, records or None)
         tried: dict[str, set[str]] = defaultdict(set)
         failed_on: dict[str, set[str]] = defaultdict(set)  # key -> nodes its copy failed on
         last_error: KVPoolError | None = None
@@ -147,6 +159,9 @@ class PutPlanner:
                 f"node {node.node_id} ({node.address}) is marked down: it stopped answering, and is probed until it "
                 "answers again"
             )
+        if options.tokens is not None and not node.event_tokens:
+            # Only a node that says it keeps them is sent token records (an older one would refuse the put).
+            options = dataclasses.replace(options, tokens=None)
         if self.staged.serves(node):
             staged = await self.staged.put(node, group, data, sums, options)
             if staged is not None:
@@ -179,6 +194,17 @@ class PutPlanner:
             results.extend(answer)
         self.ctx.counters[ClientCounter.INTEGRITY_FAILURES] += results.count(PutOutcome.CORRUPT)
         return results, error
+
+
+def token_records(chunks: Sequence[Chunk]) -> dict[str, bytes]:
+    """Each chunk's token record, by key; a chunk whose tokens make no record (no ids, too many, an id over
+    32 bits) goes without one: a put never fails for its tokens."""
+    records: dict[str, bytes] = {}
+    for chunk in chunks:
+        if chunk.tokens is not None:
+            with contextlib.suppress(ValueError):
+                records[chunk.key] = encode_record(chunk.tokens)
+    return records
 
 
 def put_error(outcomes: dict[str, PutOutcome], last_error: KVPoolError | None) -> KVPoolError:

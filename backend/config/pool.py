@@ -95,6 +95,7 @@ class PoolConfig:
     # (backend/lmcache/tenant_names.py); ``tenant`` is then the tenant of a key without the tag.
     tenant_tag: str = ""
     tenant_from_salt: bool = False  # the L2 adapter: a key's cache_salt names its tenant (``tenant``: empty salts')
+    event_tokens: bool = False  # the LMCache connector sends each chunk's token ids to nodes with an event ring
 
     def __post_init__(self) -> None:
         if not NAMESPACE_RE.match(self.namespace):
@@ -159,7 +160,8 @@ class PoolConfig:
             f"channel_transport={self.channel_transport!r}, redis_mode={self.redis_mode!r}, "
             f"sentinel={self.sentinel!r}, redis_hosts={self.redis_hosts!r}, token_file={self.token_file!r}, "
             f"redis_password_file={self.redis_password_file!r}, pair_timeout_s={self.pair_timeout_s}, "
-            f"tenant={self.tenant!r}, tenant_tag={self.tenant_tag!r}, tenant_from_salt={self.tenant_from_salt})"
+            f"tenant={self.tenant!r}, tenant_tag={self.tenant_tag!r}, tenant_from_salt={self.tenant_from_salt}, "
+            f"event_tokens={self.event_tokens})"
         )
 
     @property
@@ -391,6 +393,7 @@ _OPTION_PARSERS: dict[str, Any] = {
     "tenant": lambda k, v: check_tenant(str(v).strip(), k),
     "tenant_tag": lambda k, v: check_tag_name(str(v).strip(), k),
     "tenant_from_salt": parse_bool,
+    "event_tokens": parse_bool,
 }
 OPTION_NAMES = tuple(_OPTION_PARSERS)  # what a URL query, YAML or KVPOOL_* may set, in canonical order
 # The old names, in milliseconds: still read, with a deprecation line (backend/config/renamed.py).

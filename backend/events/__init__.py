@@ -10,7 +10,7 @@ Imports pyzmq and msgspec (the ``events`` extra); nothing else in the pool does.
 """
 
 from backend.events.auth import CurveKeys, curve_keys
-from backend.events.endpoint import EndpointConfig, EventsEndpoint
+from backend.events.endpoint import DEFAULT_CHUNK_TOKENS, EndpointConfig, EventsEndpoint
 from backend.events.wire import WIRE_FORMS, Wire
 
-__all__ = ["CurveKeys", "curve_keys", "EndpointConfig", "EventsEndpoint", "WIRE_FORMS", "Wire"]
+__all__ = ["CurveKeys", "curve_keys", "DEFAULT_CHUNK_TOKENS", "EndpointConfig", "EventsEndpoint", "WIRE_FORMS", "Wire"]

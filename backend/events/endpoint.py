@@ -44,17 +44,18 @@ from backend.client import PoolClient
 from backend.config import PoolConfig
 from backend.errors import ConfigError, KVPoolError
 from backend.events.auth import CurveKeys, curve_keys
-from backend.events.view import BlockShape, PoolView
+from backend.events.view import BlockShape, PoolView, parents_first
 from backend.events.wire import END_SEQ, KVEventBatch, Wire, seq_bytes
 from backend.metadata import NodeInfo
-from backend.protocol import EVENT_STORED, MAX_EVENTS_KEYS
+from backend.protocol import EVENT_STORED, MAX_EVENTS_KEYS, ChunkTokens
 from backend.tenants import check_tenant, scoped, tenant_of
 
-__all__ = ["EndpointConfig", "EventsEndpoint"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "EndpointConfig", "EventsEndpoint"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_REPLAY_BATCHES = 10_000  # vLLM's buffer_steps
+DEFAULT_CHUNK_TOKENS = 256  # LMCache's default chunk_size
 DEFAULT_MEDIUM = "CPU"
 MAIN_DOMAIN, NEXT_DOMAIN = "", "next"  # ZAP domains: which token's client key a socket admits
 FAR_AHEAD = 1 << 62  # a cursor no ring has reached: EVENTS answers with its next sequence only
@@ -68,7 +69,8 @@ class EndpointConfig:
     publish: str = "tcp://*:5557"
     replay: str | None = None
     identity: str = ""  # default: "kvpool-" + the namespace
-    block_size: int = 256  # LMCache's chunk_size: one chunk is one block (docs/fleet.md)
+    block_size: int = DEFAULT_CHUNK_TOKENS  # tokens per block announced (docs/fleet.md)
+    chunk_size: int = 0  # LMCache's chunk_size; 0: the block size (one chunk, one block)
     medium: str = DEFAULT_MEDIUM
     form: Literal["map", "array"] = "map"
     replay_batches: int = DEFAULT_REPLAY_BATCHES
@@ -86,6 +88,14 @@ class EndpointConfig:
             raise ConfigError("--model", f"{self.model!r} is not a model name (non-empty, no '@')")
         if self.block_size <= 0:
             raise ConfigError("--block-size", f"{self.block_size} is not a positive number of tokens")
+        if self.chunk_size < 0:
+            raise ConfigError("--chunk-size", f"{self.chunk_size} is not a positive number of tokens")
+        if self.chunk_size % self.block_size:
+            raise ConfigError(
+                "--block-size",
+                f"{self.block_size} does not divide the chunk size {self.chunk_size} (--chunk-size): a chunk "
+                "would not be a whole number of blocks",
+            )
         if self.replay_batches <= 0:
             raise ConfigError("--replay-batches", f"{self.replay_batches} is not a positive number")
         if not 0 < self.poll_interval_s <= 60:
@@ -134,7 +144,7 @@ class EventsEndpoint:
         self.pool = pool
         self.config = config
         self.topic = config.topic(pool.namespace).encode()
-        self.view = PoolView(config.model, BlockShape(config.block_size, config.medium))
+        self.view = PoolView(config.model, BlockShape(config.block_size, config.medium, chunk_size=config.chunk_size))
         self.wire = Wire(config.form)
         self._cursors: dict[str, _Cursor] = {}
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=config.replay_batches)
@@ -249,7 +259,7 @@ class EventsEndpoint:
             except KVPoolError as exc:  # unreachable now: its blocks stay until the registry drops it
                 logger.info("events: node %s did not answer EVENTS (%s)", node.node_id, exc)
         if events:
-            self._publish(events)
+            self._publish(parents_first(events))  # a put's chunks come node by node: parents before children
 
     async def _read_node(self, client: PoolClient, node: NodeInfo) -> list[object]:
         cursor = self._cursors.get(node.node_id)
@@ -258,14 +268,15 @@ class EventsEndpoint:
             events += await self._resync(client, node)
             cursor = self._cursors[node.node_id]
         while True:
-            page = await client.node_admin.events(node, cursor.next_seq, MAX_EVENTS_KEYS)
+            page = await client.node_admin.events(node, cursor.next_seq, MAX_EVENTS_KEYS, tokens=True)
             if page.gap:
                 return events + await self._resync(client, node)
             for entry in page.entries:
+                keys, tokens = self._own(entry.keys, entry.tokens)
                 if entry.kind == EVENT_STORED:
-                    events += self.view.stored(node.node_id, self._own(entry.keys))
+                    events += self.view.stored(node.node_id, keys, tokens)
                 else:
-                    events += self.view.removed(node.node_id, self._own(entry.keys))
+                    events += self.view.removed(node.node_id, keys)
             cursor.next_seq = page.next_seq
             if not page.entries:
                 return events
@@ -277,15 +288,21 @@ class EventsEndpoint:
         async for page in client.node_admin.inventory_pages(node):
             keys += [row.key for row in page]
         self._cursors[node.node_id] = _Cursor(node.epoch, start)
-        return list(self.view.replace(node.node_id, self._own(keys)))
+        return list(self.view.replace(node.node_id, self._own(keys)[0]))
 
-    def _own(self, keys: Sequence[str]) -> list[str]:
-        """Of ``keys``, those this endpoint publishes, as their engines name them: the tenant's, unscoped;
-        without a tenant, the keys of none."""
+    def _own(
+        self, keys: Sequence[str], tokens: Sequence[ChunkTokens | None] | None = None
+    ) -> tuple[list[str], list[ChunkTokens | None] | None]:
+        """Of ``keys`` (and their tokens), those this endpoint publishes, as their engines name them:
+        the tenant's, unscoped; without a tenant, the keys of none."""
         prefix = self._prefix
         if not prefix:
-            return [key for key in keys if tenant_of(key) is None]
-        return [key[len(prefix) :] for key in keys if key.startswith(prefix)]
+            mine = [i for i, key in enumerate(keys) if tenant_of(key) is None]
+            names = [keys[i] for i in mine]
+        else:
+            mine = [i for i, key in enumerate(keys) if key.startswith(prefix)]
+            names = [keys[i][len(prefix) :] for i in mine]
+        return names, [tokens[i] for i in mine] if tokens is not None else None
 
     def _publish(self, events: list[object]) -> None:
         self._last_seq += 1

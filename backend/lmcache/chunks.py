@@ -35,7 +35,7 @@ from backend.counters import MissCause
 from backend.errors import KVPoolError
 from backend.lmcache.boundary import MissBoundary
 from backend.lmcache.layout import EngineFingerprint
-from backend.protocol import NO_FINGERPRINT, ItemMeta
+from backend.protocol import NO_FINGERPRINT, ChunkTokens, ItemMeta
 
 __all__ = ["LMCacheSink", "to_chunk", "rebuild_layout", "PLAIN_DTYPE"]
 
@@ -62,16 +62,17 @@ def _groups(obj: MemoryObj) -> tuple[list[torch.Size], list[torch.dtype]]:
     return list(shapes), list(dtypes)
 
 
-def to_chunk(key: str, obj: MemoryObj, fingerprint: int = NO_FINGERPRINT) -> Chunk:
+def to_chunk(key: str, obj: MemoryObj, fingerprint: int = NO_FINGERPRINT, tokens: ChunkTokens | None = None) -> Chunk:
     """The pool chunk of a memory object: its bytes, with its layout when it has one shape group, stored with
-    the writer's layout ``fingerprint``."""
+    the writer's layout ``fingerprint``, and its ``tokens`` for the nodes' event rings (None: none)."""
     data = memoryview(obj.byte_array).cast("B")
     fmt = int(obj.get_memory_format().value)
     shapes, dtypes = _groups(obj)
     if len(shapes) == 1:
         shape = tuple(int(d) for d in shapes[0])
-        return Chunk(key, data, dtype=dtype_name(dtypes[0]), shape=shape, fmt=fmt, fingerprint=fingerprint)
-    return Chunk(key, data, dtype=PLAIN_DTYPE, shape=(len(data),), fmt=fmt, fingerprint=fingerprint)
+        dtype = dtype_name(dtypes[0])
+        return Chunk(key, data, dtype=dtype, shape=shape, fmt=fmt, fingerprint=fingerprint, tokens=tokens)
+    return Chunk(key, data, PLAIN_DTYPE, (len(data),), fmt, fingerprint, tokens)
 
 
 def is_plain(meta: ItemMeta) -> bool:

@@ -55,6 +55,7 @@ from backend.lmcache.config import (
 from backend.lmcache.layout import EngineFingerprint
 from backend.lmcache.prompts import PromptPin, PromptPins
 from backend.lmcache.tenant_names import key_names
+from backend.lmcache.token_binding import TokenBinding
 from backend.metrics import register_connector_metrics, unregister_connector_metrics
 
 __all__ = [
@@ -127,6 +128,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self.prompts = PromptPins(
             self.client, config, metadata, pool_config.tenant if pool_config.tenant_tag else ""
         )  # pin_prompt: a prompt's chunks by its tokens
+        self.tokens = TokenBinding(self, self._own_counters, pool_config.event_tokens)  # event_tokens=on
         # meta_shapes/meta_dtypes: the engine's groups, set by RemoteConnector from LMCache's metadata.
         self._sink = LMCacheSink(local_cpu_backend, self.meta_shapes, self.meta_dtypes, self.misses, self.layout)
         self._closed = False
@@ -255,6 +257,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         return True
 
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        self.tokens.ensure()  # the engine is listed by now: its stores' chunks are bound from the first store on
         try:
             hits = await self.client.hit_prefix(self.names.prefix(keys))
         except KVPoolError as exc:
@@ -282,12 +285,12 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
 
     async def batched_put(self, keys: Sequence[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         # Returns only after the nodes answered: LMCache may reuse the buffers then.
-        named = [(name, o) for name, o in zip(self.names.names(keys), memory_objs) if name is not None]
+        named = [(n, o, k.chunk_hash) for n, o, k in zip(self.names.names(keys), memory_objs, keys) if n is not None]
         if not named:
             return
         try:
-            fingerprint = self.layout.value
-            await self.client.put([to_chunk(name, o, fingerprint) for name, o in named])
+            fingerprint, tokens = self.layout.value, self.tokens.tokens([h for _, _, h in named])
+            await self.client.put([to_chunk(n, o, fingerprint, t) for (n, o, _), t in zip(named, tokens)])
         except BusyError as exc:
             # The pool was saturated, nothing failed: a skipped put, as when LMCache skips one.
             skipped = sum(exc.not_stored().values())

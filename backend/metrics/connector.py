@@ -43,6 +43,11 @@ CONNECTOR_COUNTERS: dict[str, str] = {
     ConnectorCounter.PUT_SKIPPED_BUSY: "Chunks of LMCache's puts not stored because every node tried was busy (skipped, not errors).",
     ConnectorCounter.GET_HITS: "Chunks LMCache asked the pool for and received.",
     ConnectorCounter.GET_MISSES: "Chunks LMCache asked the pool for and did not receive.",
+    ConnectorCounter.EVENT_TOKENS_BOUND: "Chunks put with their token ids and parent hash (event_tokens=on).",
+    ConnectorCounter.EVENT_TOKENS_UNBOUND: "Chunks put without token ids (event_tokens=on): LMCache's token database "
+    "did not hash them from tokens lately.",
+    ConnectorCounter.EVENT_TOKENS_NO_DATABASE: "Chunks put without token ids (event_tokens=on) because no LMCache engine "
+    "in the process holds this connector.",
     ClientCounter.SHM_GET_BYTES: "Bytes read through a same-host node's shared-memory arena instead of TCP.",
     ClientCounter.GET_BYTES_TCP: "Payload bytes of hits received over the nodes' TCP protocol.",
     ClientCounter.STAGED_PUT_BYTES: "Payload bytes put through this client's stage to a node on its host, instead of TCP.",

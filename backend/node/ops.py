@@ -31,6 +31,7 @@ from backend.node.tenancy import check_keys, refuse_mapped_read, refused_op
 from backend.protocol import (
     ANY_FINGERPRINT,
     LEASE_MAP,
+    MAX_EVENTS_TOKEN_BYTES,
     NO_FINGERPRINT,
     NO_OFFSET,
     EventsEntry,
@@ -344,9 +345,9 @@ class OpTable:
             raise ProtocolError(
                 f"node {self.ctx.node_id} keeps no event ring: start it with --event-ring-keys N (docs/fleet.md)"
             )
-        since, max_keys = decode_events_request(meta)
-        page = ring.since(since, max_keys)
-        entries = tuple(EventsEntry(e.seq, int(e.kind), e.keys) for e in page.entries)
+        since, max_keys, tokens = decode_events_request(meta)
+        page = ring.since(since, max_keys, MAX_EVENTS_TOKEN_BYTES if tokens else 0)
+        entries = tuple(EventsEntry(e.seq, int(e.kind), e.keys, e.records if tokens else None) for e in page.entries)
         return encode_events_response(EventsPage(entries, page.next_seq, page.gap)), []
 
     async def put_staged(self, meta: bytearray, peer: Peer) -> Reply:

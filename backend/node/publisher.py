@@ -246,6 +246,7 @@ class IndexPublisher:
             channel=advert.channel,
             tls=advert.tls,
             eviction=ctx.config.eviction,
+            event_tokens=ctx.events is not None,  # a ring keeps put tokens: clients send them
             hostname=socket.gethostname(),
             pid=os.getpid(),
             started_at=self.started_at,

@@ -197,7 +197,9 @@ class PutReceiver:
         tiers.held.touch_chain([item.key for _, item, _ in received], read=False)  # the batch's chain, in prefix order
         if visible:
             if ctx.events is not None:
-                ctx.events.stored([key for key, _ in visible])  # committed: readers can find them now
+                records = options.tokens  # the chunks' token records, from a client that sent them
+                keys = [key for key, _ in visible]
+                ctx.events.stored(keys, [records.get(key) for key in keys] if records else None)  # committed
             self.publisher.took_writes()  # a commit that needed memory landed: Redis is not full (any more)
         counters[NodeCounter.PUTS] += len(visible)
         tiers.quotas.count_puts(key for key, _ in visible)

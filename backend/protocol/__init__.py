@@ -7,6 +7,8 @@ One part per concern; every name of the wire API is importable from here
   which error a status stands for;
 - ``meta``: the meta section's building blocks: :class:`ItemMeta`, the key and item checks,
   the bounded reader, key and flag lists, JSON metas;
+- ``tokens``: a chunk's token record (its token ids and parent hash), which a put carries
+  and EVENTS hands back;
 - ``puts``: PUT_BATCH and PUT_STAGED (items, put options, per-item outcomes);
 - ``reads``: GET_BATCH's answer, LEASE and RELEASE;
 - ``channel``: CHANNEL_GET (the part ``nccl_channel`` uses);
@@ -15,8 +17,8 @@ One part per concern; every name of the wire API is importable from here
 - ``events``: EVENTS (the node's ring of recent stores and removals);
 - ``reports``: STAT's answer (:class:`NodeReport` and its parts).
 
-Each part imports only ``frame`` and ``meta`` of this package (``meta`` only ``frame``), so
-none needs another op family's codec to be read. The handshake's codec (HELLO, AUTH) is
+Each part imports only ``frame``, ``meta`` and ``tokens`` of this package (``meta`` only
+``frame``, ``tokens`` those two), so none needs another op family's codec to be read. The handshake's codec (HELLO, AUTH) is
 ``backend.handshake``, a room of its own beside this one.
 """
 
@@ -33,6 +35,7 @@ from backend.protocol.events import (
     EVENT_REMOVED,
     EVENT_STORED,
     MAX_EVENTS_KEYS,
+    MAX_EVENTS_TOKEN_BYTES,
     EventsEntry,
     EventsPage,
     decode_events_request,
@@ -148,6 +151,13 @@ from backend.protocol.reports import (
     encode_node_report,
     tiers_from_json,
 )
+from backend.protocol.tokens import (
+    MAX_RECORD_TOKENS,
+    ChunkTokens,
+    check_record,
+    decode_record,
+    encode_record,
+)
 
 __all__ = [
     # frame
@@ -250,10 +260,16 @@ __all__ = [
     "decode_pins_response",
     # events
     "MAX_EVENTS_KEYS",
+    "MAX_EVENTS_TOKEN_BYTES",
     "EVENT_STORED",
     "EVENT_REMOVED",
     "EventsEntry",
     "EventsPage",
+    "MAX_RECORD_TOKENS",
+    "ChunkTokens",
+    "check_record",
+    "decode_record",
+    "encode_record",
     "encode_events_request",
     "decode_events_request",
     "encode_events_response",

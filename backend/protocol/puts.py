@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from backend.errors import ProtocolError, PutOutcome
@@ -26,6 +26,7 @@ from backend.protocol.meta import (
     read_item,
     write_item,
 )
+from backend.protocol.tokens import decode_token_section, encode_token_section
 
 __all__ = [
     "PUT_STORED",
@@ -102,10 +103,13 @@ class PutOptions:
     node never evicts a chunk of a put to make room for the same put. 0: the request is
     a put of its own. ``wait_ms``: how long the node may hold the request back waiting
     for room while DRAM is full of other puts in flight, before it answers ``PUT_BUSY``.
+    ``tokens``: chunk key -> its token record (``tokens.py``), for a node that keeps an event
+    ring; sent only to the nodes whose registry entry says they keep them (``event_tokens``).
     """
 
     put_id: int = 0
     wait_ms: int = DEFAULT_PUT_WAIT_MS
+    tokens: Mapping[str, bytes] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.put_id < 2**64 or not 0 <= self.wait_ms <= MAX_PUT_WAIT_MS:
@@ -116,10 +120,11 @@ class PutOptions:
 
 def _put_trailer(reader: MetaReader, items: list[ItemMeta]) -> tuple[list[ItemMeta], PutOptions]:
     """The items with their layout fingerprints and the put options, from what follows the items: nothing
-    (an older client: the defaults), the options (exactly their size left), or the options and one u64
-    fingerprint per item. Anything else is left for ``reader.done()`` to refuse."""
-    left = reader.remaining
-    if left not in (_PUT_OPTIONS.size, _PUT_OPTIONS.size + U64.size * len(items)):
+    (an older client: the defaults), the options (exactly their size left), the options and one u64
+    fingerprint per item, or those and the token section (``tokens.py``). Anything else is left for
+    ``reader.done()`` to refuse."""
+    left, with_fingerprints = reader.remaining, _PUT_OPTIONS.size + U64.size * len(items)
+    if left != _PUT_OPTIONS.size and left < with_fingerprints:
         return items, PutOptions()
     put_id, wait_ms = reader.unpack(_PUT_OPTIONS, "put options")
     if reader.remaining:
@@ -129,21 +134,32 @@ def _put_trailer(reader: MetaReader, items: list[ItemMeta]) -> tuple[list[ItemMe
         ]
         if any(item.fingerprint == ANY_FINGERPRINT for item in items):
             raise ProtocolError("a put item carries the any-layout fingerprint, which no chunk is stored with")
-    return items, PutOptions(int(put_id), int(wait_ms))
+    tokens = decode_token_section(reader, items) if reader.remaining else None
+    return items, PutOptions(int(put_id), int(wait_ms), tokens)
 
 
-def _options_and_fingerprints(items: Sequence[ItemMeta], options: PutOptions) -> bytes:
-    """The put options, then the items' layout fingerprints if any item has one (none: the older form)."""
+def _options_and_fingerprints(items: Sequence[ItemMeta], options: PutOptions, room: int) -> bytes:
+    """The put options, then the items' layout fingerprints if any item has one or a token record (none: the
+    older form), then the token section if any item has a record and it fits in ``room`` bytes with the rest
+    (else the chunks go without their records: a put never fails for them)."""
     out = _PUT_OPTIONS.pack(options.put_id, options.wait_ms)
-    if any(item.fingerprint for item in items):
+    records = options.tokens or {}
+    with_tokens = any(item.key in records for item in items)
+    section = encode_token_section(items, records) if with_tokens else b""
+    if len(out) + U64.size * len(items) + len(section) > room:
+        section = b""
+    if section or any(item.fingerprint for item in items):
         out += struct.pack(f"<{len(items)}Q", *(item.fingerprint for item in items))
-    return out
+    return out + section
 
 
 def encode_put_batch(items: Sequence[ItemMeta], options: PutOptions, limits: Limits = DEFAULT_LIMITS) -> bytes:
     """Meta of a PUT_BATCH request: the items (as :func:`encode_items`), then the put options and, when an
     item has a layout fingerprint, every item's fingerprint."""
-    return bounded(bytearray(encode_items(items, limits) + _options_and_fingerprints(items, options)), limits)
+    head = encode_items(items, limits)
+    return bounded(
+        bytearray(head + _options_and_fingerprints(items, options, limits.max_meta_bytes - len(head))), limits
+    )
 
 
 def decode_put_batch(
@@ -183,7 +199,7 @@ def encode_put_staged(
     out += encode_items(items, limits)
     out += b"".join(U64.pack(offset) for offset in offsets)
     if options is not None:
-        out += _options_and_fingerprints(items, options)
+        out += _options_and_fingerprints(items, options, limits.max_meta_bytes - len(out))
     elif any(item.fingerprint for item in items):
         raise ProtocolError("PUT_STAGED items with layout fingerprints need put options before them")
     return bounded(out, limits)
