@@ -270,6 +270,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         return True
 
     def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+        self.tokens.ensure()  # (as in batched_async_contains)
         try:
             return int(self._run_sync(self.client.hit_prefix(self.names.prefix(keys)), "batched_contains"))
         except KVPoolError as exc:

@@ -80,6 +80,7 @@ class Mirror:
         self.blocks: set[bytes | int] = set()
         self.last_seq = END
         self.stored_events: list[BlockStored] = []
+        self.removed: list[list[bytes | int]] = []  # each BlockRemoved's hashes, in order
 
     def apply(self, batch: KVEventBatch | ArrayKVEventBatch) -> None:
         for event in batch.events:
@@ -88,6 +89,7 @@ class Mirror:
                 self.stored_events.append(event)
             elif isinstance(event, BlockRemoved):
                 self.blocks.difference_update(event.block_hashes)
+                self.removed.append(list(event.block_hashes))
             else:
                 self.blocks.clear()
 
