@@ -36,3 +36,8 @@ def test_event_ack_times_puts_to_a_node_with_the_ring_and_one_without(processes)
     out = event_ack.measure(rounds=10, batch=4, ring_keys=500)  # asserts the ring saw the last put
     assert out["off_ms"]["p50"] > 0 and out["ring_ms"]["p50"] > 0
     assert out["ratio_p50"] == out["ring_ms"]["p50"] / out["off_ms"]["p50"]
+
+
+def test_event_ack_with_tokens_checks_the_ring_kept_them(processes):
+    out = event_ack.measure(rounds=6, batch=4, ring_keys=500, tokens=64)  # asserts the last put's records came back
+    assert out["tokens"] == 64 and out["ratio_p50"] > 0
