@@ -85,6 +85,7 @@ PROTOCOL_PARTS = {
 # A pure codec: no I/O, no clock, nothing of backend but the errors.
 PROTOCOL_MAY_IMPORT = (
     "__future__",
+    "array",
     "base64",
     "collections.abc",
     "dataclasses",

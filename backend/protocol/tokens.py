@@ -21,6 +21,7 @@ A put's token section follows its layout fingerprints (which a put with tokens a
 from __future__ import annotations
 
 import struct
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,9 +37,10 @@ MAX_RECORD_TOKENS = 1 << 16  # tokens in one chunk's record (LMCache's chunk_siz
 U64_MASK = (1 << 64) - 1
 _HEADER = struct.Struct("<BBQI")  # version, flags, parent, count
 _HAS_PARENT = 1
+_LITTLE_ENDIAN = struct.pack("=I", 1) == struct.pack("<I", 1)  # an array('I') is the wire's bytes as it is
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkTokens:
     """A chunk's token ids and its parent's hash (u64; None: the chunk starts its chain), as a client puts them
     and an EVENTS reader gets them back. ``token_ids`` may be any sequence of ints (an ``array('I')`` keeps
@@ -56,10 +58,14 @@ def encode_record(tokens: ChunkTokens) -> bytes:
         raise ValueError(f"a token record holds 1..{MAX_RECORD_TOKENS} token ids, not {count}")
     parent = tokens.parent
     flags = _HAS_PARENT if parent is not None else 0
-    try:
-        ids = struct.pack(f"<{count}I", *tokens.token_ids)
-    except struct.error:
-        raise ValueError("a token id is outside 0..2^32-1") from None
+    given = tokens.token_ids
+    if isinstance(given, array) and given.typecode == "I" and given.itemsize == 4 and _LITTLE_ENDIAN:
+        ids = given.tobytes()  # array('I') took only ids in 0..2^32-1
+    else:
+        try:
+            ids = struct.pack(f"<{count}I", *given)
+        except struct.error:
+            raise ValueError("a token id is outside 0..2^32-1") from None
     return _HEADER.pack(RECORD_VERSION, flags, (parent or 0) & U64_MASK, count) + ids
 
 
