@@ -149,6 +149,7 @@ class EventsEndpoint:
         self._cursors: dict[str, _Cursor] = {}
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=config.replay_batches)
         self._last_seq = -1
+        self._told_unsplit = False
         if bool(next_token) != (config.publish_next is not None):
             raise ConfigError(
                 "--publish-next", "a second token's subscribers need their own address: give both or neither"
@@ -260,6 +261,9 @@ class EventsEndpoint:
                 logger.info("events: node %s did not answer EVENTS (%s)", node.node_id, exc)
         if events:
             self._publish(parents_first(events))  # a put's chunks come node by node: parents before children
+        if self.view.unsplit and not self._told_unsplit:
+            self._told_unsplit = True
+            logger.info("events: chunks without token ids are announced whole, not split (docs/fleet.md)")
 
     async def _read_node(self, client: PoolClient, node: NodeInfo) -> list[object]:
         cursor = self._cursors.get(node.node_id)
