@@ -81,6 +81,7 @@ class PoolView:
         self._blocks: dict[int, list[int | None]] = {}  # hash -> [copies, parent hash, token count (0: unknown)]
         self._extra: dict[int, tuple[str, ...]] = {}  # only blocks that have extra keys
         self.unsplit = 0  # chunks announced whole although the block size splits them (no tokens to split)
+        self._counts: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -114,7 +115,8 @@ class PoolView:
                 continue
             chunk = tokens[i] if tokens is not None else None
             parent, ids = (chunk.parent, list(chunk.token_ids)) if chunk is not None else (None, [])
-            self._blocks[ref.block_hash] = [1, parent, len(ids)]
+            count = self._counts.setdefault(len(ids), len(ids))  # one int object per chunk size, not per block
+            self._blocks[ref.block_hash] = [1, parent, count]
             if ref.extra is not None:
                 self._extra[ref.block_hash] = ref.extra
             if self.shape.chunk_tokens != self.shape.block_size and self.shape.blocks(len(ids)) == 1:

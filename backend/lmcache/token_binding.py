@@ -9,8 +9,8 @@ connector. So the binding wraps that database's ``_prefix_hash`` *on the instanc
 class: other engines in the process are left alone) and keeps, for each chunk hash it yields,
 the chunk's token ids (an ``array('I')``: 4 bytes a token) and the hash before it (the parent;
 none for a prompt's first chunk), as ``ChunkTokens``, which the client sends as token records
-(``backend/protocol/tokens.py``). Nothing is hashed twice: the
-wrapper reads what the database computed. The parent of the first chunk of a masked store (the
+(``backend/protocol/tokens.py``). Nothing is hashed twice: the wrapper reads what the
+database computed. The parent of the first chunk of a masked store (the
 chunks before it are stored already) is the hash of the chunk before it, which the database
 computed on the way; LMCache's own ``CacheStoreEvent`` says 0 there.
 
@@ -21,11 +21,12 @@ binding only has to live from the store's hashing to its put, moments later. A p
 no binding (evicted from the map, stored with hashes instead of tokens, or no database found)
 goes without its record, counted; a put never fails for it.
 
-The engine is found lazily through ``LMCacheEngineBuilder``: the connector is built inside the
-engine's constructor, before the builder lists the engine, so the first search happens on the
-connector's loop after it started, and again at puts until found. No engine holding this
-connector (a storage stack built without one, LMCache's multiprocess server) is said once in
-the log and counted per put; :meth:`TokenBinding.bind` takes a database directly.
+The engine is found lazily through ``LMCacheEngineBuilder``: the connector is built while the
+engine builds its storage manager (``post_init``), before ``engine.storage_manager`` names it,
+so the search happens at the connector's first lookup (a store follows a lookup in vLLM's
+integration) and again at puts until found. No engine holding this connector (a storage stack
+built without one, LMCache's multiprocess server) is said once in the log and counted per put;
+:meth:`TokenBinding.bind` takes a database directly.
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ class TokenBinding:
         self.enabled = enabled
         self._records: TokenRecords | None = None
         self._told = False
+        self._lock = threading.Lock()  # LMCache's worker threads and its loop may look at once
 
     @property
     def bound(self) -> bool:
@@ -144,13 +146,16 @@ class TokenBinding:
         """Whether this connector's engine's token database is wrapped; looks for it until it is found."""
         if self._records is not None or not self.enabled:
             return self._records is not None
-        database, why = _find_database(self.connector)
-        if database is None:
-            if not self._told:
-                self._told = True
-                logger.warning("kvpool: event_tokens=on, but %s: puts carry no token ids", why)
-            return False
-        self.bind(database)
+        with self._lock:
+            if self._records is not None:
+                return True
+            database, why = _find_database(self.connector)
+            if database is None:
+                if not self._told:
+                    self._told = True
+                    logger.warning("kvpool: event_tokens=on, but %s: puts carry no token ids", why)
+                return False
+            self.bind(database)
         logger.info("kvpool: event_tokens=on: puts carry their chunks' token ids and parent hashes")
         return True
 
