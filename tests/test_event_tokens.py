@@ -103,7 +103,7 @@ async def stream(pool_url: str, **options: object) -> AsyncIterator[tuple[Events
     ep = EventsEndpoint(
         PoolConfig.from_url(pool_url, {"KVPOOL_TOKEN": TOKEN}),
         EndpointConfig(
-            model=MODEL, publish="tcp://127.0.0.1:*", replay="tcp://127.0.0.1:*", poll_interval_s=0.05, **options
+            model=MODEL, publish="tcp://127.0.0.1:*", replay="tcp://127.0.0.1:*", **{"poll_interval_s": 0.05, **options}
         ),  # type: ignore[arg-type]
     )
     ep.bind()
@@ -384,3 +384,33 @@ def test_a_runs_children_follow_their_parents_whatever_node_reported_them_first(
     ordered = parents_first(events)
     # Within a run a parent comes first; across a removal nothing moves (it may be about the same block).
     assert [e.block_hashes[0] if isinstance(e, BlockStored) else "x" for e in ordered] == [1, 2, 3, "x", 4, 5, 7]
+
+
+async def test_a_store_whose_parent_is_not_announced_yet_waits_one_poll_for_it(node_factory, pool_url):
+    """A put's chunks reach the endpoint node by node: a child read a poll before its parent waits for it once
+    (routers that rehash tokens attach a block to its parent's), and goes alone if the parent does not come."""
+    node_factory(*RING, env={"KVPOOL_TOKEN": TOKEN})
+
+    def chunk(h: int, parent: int | None) -> Chunk:
+        return Chunk(f"{MODEL}@1@0@{h:x}@bfloat16", bytes([h & 0xFF]) * 4096, tokens=ChunkTokens(parent, [h, h + 1]))
+
+    async with stream(pool_url, poll_interval_s=60) as (ep, sub):  # the endpoint's own loop polls once, at start
+        async with PoolClient(PoolConfig.from_url(pool_url, {"KVPOOL_TOKEN": TOKEN})) as client:
+
+            async def announced() -> list[int]:
+                await asyncio.sleep(0.3)  # what a poll published reaches the subscriber
+                await sub.drain()
+                return [int(h) for e in sub.mirror.stored_events for h in e.block_hashes]
+
+            await client.put([chunk(0xC2, 0xC1)])
+            await ep.poll(client)
+            assert await announced() == []  # its parent is not announced: it waits
+            await client.put([chunk(0xC1, None)])
+            await ep.poll(client)
+            assert await announced() == [0xC1, 0xC2]  # the parent came: both, parent first
+
+            await client.put([chunk(0xD2, 0xD1)])  # a parent that never comes
+            await ep.poll(client)
+            await ep.poll(client)
+            got = await announced()
+            assert got[-1] == 0xD2 and sub.mirror.stored_events[-1].parent_block_hash == 0xD1  # once, then alone

@@ -45,7 +45,7 @@ from backend.config import PoolConfig
 from backend.errors import ConfigError, KVPoolError
 from backend.events.auth import CurveKeys, curve_keys
 from backend.events.view import BlockShape, PoolView, parents_first
-from backend.events.wire import END_SEQ, KVEventBatch, Wire, seq_bytes
+from backend.events.wire import END_SEQ, BlockStored, KVEventBatch, Wire, seq_bytes
 from backend.metadata import NodeInfo
 from backend.protocol import EVENT_STORED, MAX_EVENTS_KEYS, ChunkTokens
 from backend.tenants import check_tenant, scoped, tenant_of
@@ -150,6 +150,7 @@ class EventsEndpoint:
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=config.replay_batches)
         self._last_seq = -1
         self._told_unsplit = False
+        self._held: list[object] = []  # stores waiting one poll for their parent's (see _ready)
         if bool(next_token) != (config.publish_next is not None):
             raise ConfigError(
                 "--publish-next", "a second token's subscribers need their own address: give both or neither"
@@ -259,11 +260,29 @@ class EventsEndpoint:
                 events += await self._read_node(client, node)
             except KVPoolError as exc:  # unreachable now: its blocks stay until the registry drops it
                 logger.info("events: node %s did not answer EVENTS (%s)", node.node_id, exc)
-        if events:
-            self._publish(parents_first(events))  # a put's chunks come node by node: parents before children
+        held, self._held = self._held, []
+        ready = self._ready(parents_first([*held, *events]), {id(e) for e in held})
+        if ready:
+            self._publish(ready)
         if self.view.unsplit and not self._told_unsplit:
             self._told_unsplit = True
             logger.info("events: chunks without token ids are announced whole, not split (docs/fleet.md)")
+
+    def _ready(self, events: list[object], due: set[int]) -> list[object]:
+        """``events`` (parents first) less the stores whose parent is announced neither before nor in them: a
+        put's chunks reach the endpoint node by node, so such a parent may come with the next poll. Those wait
+        for it once (``self._held``); the ones in ``due`` (held last poll) go now whatever."""
+        ready: list[object] = []
+        waiting: set[int] = set()
+        for event in events:
+            if isinstance(event, BlockStored) and id(event) not in due:
+                parent = event.parent_block_hash
+                if parent is not None and (parent in waiting or not self.view.holds(parent)):
+                    self._held.append(event)
+                    waiting.add(event.block_hashes[-1])
+                    continue
+            ready.append(event)
+        return ready
 
     async def _read_node(self, client: PoolClient, node: NodeInfo) -> list[object]:
         cursor = self._cursors.get(node.node_id)

@@ -89,6 +89,9 @@ class PoolView:
     def blocks(self) -> set[int]:
         return set(self._blocks)
 
+    def holds(self, block_hash: int) -> bool:
+        return block_hash in self._blocks
+
     def _ref(self, key: str) -> BlockRef | None:
         ref = block_of(key)
         return ref if ref is not None and ref.model == self.model else None
