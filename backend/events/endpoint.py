@@ -10,6 +10,10 @@ gets every kept batch from it, then the sequence -1. A client asking from before
 pool's contents as of that sequence (``AllBlocksCleared``, then every block held), so with the
 PUB stream from the next sequence it has everything.
 
+Chunks put with their token ids (``event_tokens=on``) are announced with them and their parent;
+a batch announces parents before children, and a chunk whose parent is not announced yet waits
+one poll for it (a put's chunks reach the endpoint node by node).
+
 A node the endpoint meets (or meets again under a new epoch, or whose ring moved past its
 cursor) is read whole: its ring's cursor first, then its INVENTORY, then its ring from that
 cursor, so nothing that happened during the walk is lost. A node the registry no longer lists
