@@ -397,20 +397,26 @@ async def test_a_store_whose_parent_is_not_announced_yet_waits_one_poll_for_it(n
     async with stream(pool_url, poll_interval_s=60) as (ep, sub):  # the endpoint's own loop polls once, at start
         async with PoolClient(PoolConfig.from_url(pool_url, {"KVPOOL_TOKEN": TOKEN})) as client:
 
-            async def announced() -> list[int]:
-                await asyncio.sleep(0.3)  # what a poll published reaches the subscriber
-                await sub.drain()
+            async def announced(count: int) -> list[int]:
+                """The hashes announced once ``count`` are (what a poll published takes a moment to arrive)."""
+
+                async def arrived() -> bool:
+                    await sub.drain()
+                    return sum(len(e.block_hashes) for e in sub.mirror.stored_events) >= count
+
+                await until(arrived, timeout_s=10.0)
                 return [int(h) for e in sub.mirror.stored_events for h in e.block_hashes]
 
             await client.put([chunk(0xC2, 0xC1)])
+            before = ep.last_seq
             await ep.poll(client)
-            assert await announced() == []  # its parent is not announced: it waits
+            assert ep.last_seq == before  # its parent is not announced: it waits, nothing is published
             await client.put([chunk(0xC1, None)])
             await ep.poll(client)
-            assert await announced() == [0xC1, 0xC2]  # the parent came: both, parent first
+            assert await announced(2) == [0xC1, 0xC2]  # the parent came: both, parent first
 
             await client.put([chunk(0xD2, 0xD1)])  # a parent that never comes
             await ep.poll(client)
             await ep.poll(client)
-            got = await announced()
-            assert got[-1] == 0xD2 and sub.mirror.stored_events[-1].parent_block_hash == 0xD1  # once, then alone
+            assert (await announced(3))[-1] == 0xD2  # waited once, then alone
+            assert sub.mirror.stored_events[-1].parent_block_hash == 0xD1
