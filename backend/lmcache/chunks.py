@@ -72,7 +72,7 @@ def to_chunk(key: str, obj: MemoryObj, fingerprint: int = NO_FINGERPRINT, tokens
         shape = tuple(int(d) for d in shapes[0])
         dtype = dtype_name(dtypes[0])
         return Chunk(key, data, dtype=dtype, shape=shape, fmt=fmt, fingerprint=fingerprint, tokens=tokens)
-    return Chunk(key, data, PLAIN_DTYPE, (len(data),), fmt, fingerprint, tokens)
+    return Chunk(key, data, dtype=PLAIN_DTYPE, shape=(len(data),), fmt=fmt, fingerprint=fingerprint, tokens=tokens)
 
 
 def is_plain(meta: ItemMeta) -> bool:
