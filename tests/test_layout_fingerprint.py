@@ -71,7 +71,9 @@ def test_a_put_carries_each_items_fingerprint_and_an_older_clients_put_reads_as_
     assert decode_put_batch(encode_items(plain), 16) == (plain, PutOptions())  # an older client: no options
     staged = decode_put_staged(encode_put_staged("s", "t" * 32, items, [0, 8, 16], options=PutOptions(3, 10)))
     assert staged[2] == items and staged[3] == [0, 8, 16]
-    with pytest.raises(ProtocolError, match="trailing"):
+    # Bytes after the fingerprints are read as the put's token section (docs/protocol.md, "Put tokens"):
+    # one that is not a section is refused naming its version, not skipped.
+    with pytest.raises(ProtocolError, match="put tokens of version 0"):
         decode_put_batch(encode_put_batch(items, PutOptions(9, 50)) + b"\0" * 8, 24)
     with pytest.raises(ProtocolError, match="not a stored one"):
         encode_put_batch([_item("a", ANY_FINGERPRINT)], PutOptions())
