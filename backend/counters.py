@@ -141,6 +141,9 @@ class L2Counter(StrEnum):
 
     STORED_CHUNKS = "stored_chunks"
     STORE_SKIPPED_BUSY = "store_skipped_busy"
+    # stores sent although the index listed the key, because this adapter's load of it had missed (a copy of
+    # another layout, or an older adapter's without one): the new copy replaces it (backend/lmcache/l2/unreadable.py)
+    STORE_REPLACED = "store_replaced"
     LOADED_CHUNKS = "loaded_chunks"
     LOAD_MISSES = "load_misses"
     TENANT_REFUSED = "tenant_refused"  # keys whose cache_salt is no valid tenant name (tenant_from_salt=on)

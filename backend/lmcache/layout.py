@@ -30,20 +30,48 @@ LMCache shares across TP sizes. ``groups`` is each KV-cache group's dtype and fu
 shape (``LMCacheMetadata.get_dtypes``/``get_shapes``), ``;``-separated: a hybrid model
 registers its groups after the connector is built, so the fingerprint is taken per call
 until they are known (:class:`EngineFingerprint`).
+
+The multiprocess-mode L2 adapter knows less: no engine metadata or config, only the
+``ObjectKey`` (model, packed KV rank, object group, salt, hash) and the memory object it
+stores or loads into, whose groups (dtype and shape each) and memory format LMCache's L1
+allocated from the layout the engine registered for that object group. Its description
+(:class:`ObjectLayout`) is therefore those, under its own version line, so it can never
+equal an engine's::
+
+    kvpool-l2-layout/1
+    fmt=KV_2LTD
+    groups=bfloat16:2,2,16,1024
+
+It leaves out what the key already holds: the pool name of an object key carries its
+model, KV rank and object group verbatim (``backend.lmcache.l2.keys``, an injective
+mapping), so two adapters that ask for one name agree on them already; and keys of one
+layout share one fingerprint, so a load of many ranks and groups is one read per layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import xxhash
 
 from backend.protocol import ANY_FINGERPRINT, NO_FINGERPRINT
 
-__all__ = ["KVLayout", "CANONICAL_VERSION", "fingerprint_of", "engine_layout", "EngineFingerprint"]
+__all__ = [
+    "KVLayout",
+    "CANONICAL_VERSION",
+    "L2_CANONICAL_VERSION",
+    "fingerprint_of",
+    "engine_layout",
+    "EngineFingerprint",
+    "ObjectLayout",
+    "object_layout",
+    "object_fingerprint",
+]
 
 CANONICAL_VERSION = "kvpool-layout/1"
+L2_CANONICAL_VERSION = "kvpool-l2-layout/1"  # the L2 adapter's: another description (module docstring)
 
 
 def fingerprint_of(canonical: str) -> int:
@@ -78,7 +106,7 @@ class KVLayout:
 
     def canonical(self) -> str:
         """The canonical description the fingerprint is taken of."""
-        groups = ";".join(f"{dtype}:{_dims(shape)}" for dtype, shape in self.groups)
+        groups = _groups_text(self.groups)
         lines = [
             CANONICAL_VERSION,
             f"model={self.model}",
@@ -96,6 +124,45 @@ class KVLayout:
     @property
     def fingerprint(self) -> int:
         return fingerprint_of(self.canonical())
+
+
+def _groups_text(groups: tuple[tuple[str, tuple[int, ...]], ...]) -> str:
+    return ";".join(f"{dtype}:{_dims(shape)}" for dtype, shape in groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectLayout:
+    """How an L2 memory object's bytes are laid out: its memory format, and each group's dtype and shape."""
+
+    fmt: str
+    groups: tuple[tuple[str, tuple[int, ...]], ...]
+
+    def canonical(self) -> str:
+        """The canonical description the fingerprint is taken of."""
+        return f"{L2_CANONICAL_VERSION}\nfmt={self.fmt}\ngroups={_groups_text(self.groups)}\n"
+
+    @property
+    def fingerprint(self) -> int:
+        return _object_fingerprint(self)
+
+
+@functools.lru_cache(maxsize=256)  # an adapter sees a handful of layouts, each in every store and load
+def _object_fingerprint(layout: ObjectLayout) -> int:
+    return fingerprint_of(layout.canonical())
+
+
+def object_layout(obj: Any) -> ObjectLayout:
+    """The layout of an LMCache memory object: its groups (``meta.shapes``/``meta.dtypes``; one group:
+    its shape and dtype) and memory format, by name."""
+    shapes = getattr(obj.meta, "shapes", None) or [obj.get_shape()]
+    dtypes = getattr(obj.meta, "dtypes", None) or [obj.get_dtype()]
+    groups = tuple((_dtype(d), tuple(int(x) for x in s)) for s, d in zip(shapes, dtypes, strict=True))
+    return ObjectLayout(fmt=str(obj.get_memory_format().name), groups=groups)
+
+
+def object_fingerprint(obj: Any) -> int:
+    """The layout fingerprint an L2 adapter stores an object with and reads into it with."""
+    return object_layout(obj).fingerprint
 
 
 def _config_value(config: Any, name: str, default: Any) -> Any:

@@ -55,7 +55,16 @@ def parse_server_args(args: Sequence[str]) -> Any:
 class MPStack:
     """LMCache's StorageManager (L1 + controllers + L2 adapters) from server arguments."""
 
-    def __init__(self, args: Sequence[str], *, salt: str = "", model: str = MODEL) -> None:
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        salt: str = "",
+        model: str = MODEL,
+        dtype: torch.dtype = torch.bfloat16,
+        shape: Sequence[int] = (2, NUM_LAYERS, CHUNK_TOKENS, HIDDEN),
+    ) -> None:
+        """``dtype`` and ``shape``: the layout the engine registers for its one object group."""
         from lmcache.v1.distributed.api import MemoryLayoutDesc
         from lmcache.v1.distributed.storage_manager import StorageManager
 
@@ -63,8 +72,8 @@ class MPStack:
         self.manager = StorageManager(self.config)
         self.salt = salt
         self.model = model
-        self.dtype = torch.bfloat16
-        self.shape = torch.Size([2, NUM_LAYERS, CHUNK_TOKENS, HIDDEN])
+        self.dtype = dtype
+        self.shape = torch.Size(shape)
         self.layout = MemoryLayoutDesc(shapes=[self.shape], dtypes=[self.dtype])
 
     @property

@@ -41,6 +41,7 @@ from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInter
 from backend.client import Lock, PoolClient
 from backend.config import PoolConfig
 from backend.config.values import ms_to_s
+from backend.counters import ClientCounter
 from backend.doctor import TROUBLESHOOTING, Finding, reach
 from backend.errors import KVPoolError
 from backend.lmcache.boundary import MissBoundary
@@ -51,6 +52,7 @@ from backend.lmcache.l2.listing import check_page_size, list_page, parse_cursor
 from backend.lmcache.l2.prefetch import Prefetcher
 from backend.lmcache.l2.store import Storer
 from backend.lmcache.l2.tasks import TaskRunner
+from backend.lmcache.l2.unreadable import Unreadable
 from backend.lmcache.l2.usage import UsageView
 
 if TYPE_CHECKING:
@@ -62,6 +64,7 @@ __all__ = ["KVPoolL2Adapter"]
 logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 2.0
+LAYOUT_MISSES = ClientCounter.LAYOUT_MISSES  # the client's counter the adapter reports as its own
 DELETE_TIMEOUT_FACTOR = 4  # delete and listing wait up to this many pool timeouts
 
 
@@ -88,6 +91,7 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         pool = dataclasses.replace(config.pool, tenant="") if config.pool.tenant_from_salt else config.pool
         self.client: PoolClient = self._tasks.call(_make_client(pool), CLOSE_TIMEOUT_S)
         self._usage = UsageView(self.client, self._misses)
+        unreadable = Unreadable()  # names a load missed: the store side sends them again
         self._prefetch = Prefetcher(
             self.client,
             self.names,
@@ -96,6 +100,7 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self.counters,
             config.lock_ttl_ms,
             self._notify_keys_accessed,
+            unreadable,
         )
         self._store = Storer(
             self.client,
@@ -106,6 +111,7 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._usage,
             self._notify_keys_stored,
             self._notify_keys_deleted,
+            unreadable,
         )
         self._refresher = self._tasks.start(self._usage.refresh_forever(ms_to_s(config.usage_refresh_ms)))
         # Why the pool is not usable at start (None: it is, or not checked yet): one ERROR, as the connector says it.
@@ -219,7 +225,8 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             "locked_keys": self._prefetch.held_count,
             "in_flight_tasks": self._tasks.in_flight,
             "lock_ttl_ms": self.config.lock_ttl_ms,
-            "counters": dict(self.counters),
+            # the adapter's own, and its client's layout misses (a load that found another layout's chunk)
+            "counters": {**self.counters, str(LAYOUT_MISSES): self.client.counters[LAYOUT_MISSES]},
         }
 
     def close(self) -> None:

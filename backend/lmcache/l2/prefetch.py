@@ -20,6 +20,8 @@ from backend.errors import KVPoolError
 from backend.lmcache.boundary import MissBoundary
 from backend.lmcache.l2.keys import SaltNames
 from backend.lmcache.l2.tasks import Completed, TaskRunner
+from backend.lmcache.l2.unreadable import Unreadable
+from backend.lmcache.layout import object_fingerprint
 from backend.protocol import ItemMeta
 from backend.transport import Buffer
 
@@ -33,11 +35,13 @@ RELEASE_RETRY_S = 0.2
 
 
 class BufferSink:
-    """Receives each key straight into the caller's memory object, or declines it."""
+    """Receives each key straight into the caller's memory object, or declines it; only chunks stored with
+    ``fingerprint``, the layout fingerprint of those objects (``backend.client.chunks.sink_fingerprint``)."""
 
-    def __init__(self, buffers: Mapping[str, memoryview], misses: MissBoundary) -> None:
+    def __init__(self, buffers: Mapping[str, memoryview], misses: MissBoundary, fingerprint: int) -> None:
         self.buffers = buffers
         self.misses = misses
+        self.fingerprint = fingerprint
 
     async def allocate(self, meta: ItemMeta) -> tuple[str, Buffer] | None:
         view = self.buffers.get(meta.key)
@@ -71,6 +75,7 @@ class Prefetcher:
         counters: Counter[str],
         lease_ttl_ms: int,
         notify_accessed: Callable[[list[ObjectKey]], None],
+        unreadable: Unreadable,
     ) -> None:
         self.client = client
         self.names = names
@@ -79,6 +84,7 @@ class Prefetcher:
         self.counters = counters
         self.lease_ttl_ms = lease_ttl_ms
         self._notify_accessed = notify_accessed
+        self.unreadable = unreadable  # names a load missed: the store sends them again
         self._lock = threading.Lock()
         # One lease per successful lookup, with the monotonic time its ttl ends; oldest first.
         self._held: defaultdict[ObjectKey, list[tuple[float, Lock]]] = defaultdict(list)
@@ -184,32 +190,52 @@ class Prefetcher:
         try:
             names = self.names.names(keys)
             views = [memoryview(obj.byte_array).cast("B") for obj in objects]
-            first: dict[str, int] = {}  # a key named twice is fetched once, then copied to its other objects
-            for i, name in enumerate(names):
+            # One read per layout: a chunk stored with another layout fingerprint than its object's is a miss
+            # (the node sends no bytes), however many bytes it holds.
+            by_layout: defaultdict[int, list[tuple[int, str]]] = defaultdict(list)
+            for i, (name, obj) in enumerate(zip(names, objects)):
                 if name is not None:  # else refused: a miss
-                    first.setdefault(name, i)
-            unique = list(first)
-            sink = BufferSink({name: views[first[name]] for name in unique}, self.misses)
-            handles = await self.client.get(unique, sink)
-            got = dict(zip(unique, handles))
-            loaded = []
-            for i, name in enumerate(names):
-                if name is None or got[name] is None:
-                    continue
-                if i != first[name]:
-                    if len(views[i]) != len(views[first[name]]):
-                        continue  # another layout under the same key: a miss for this object
-                    views[i][:] = views[first[name]]
+                    by_layout[object_fingerprint(obj)].append((i, name))
+            reads = [self._read(fingerprint, named, views) for fingerprint, named in by_layout.items()]
+            done = await asyncio.gather(*reads, return_exceptions=True)  # none still writes once this returns
+            failed = next((outcome for outcome in done if isinstance(outcome, BaseException)), None)
+            if failed is not None:
+                raise failed
+            loaded = sorted(i for outcome in done if not isinstance(outcome, BaseException) for i in outcome)
+            for i in loaded:
                 bitmap.set(i)
-                loaded.append(keys[i])
             self.counters[L2Counter.LOADED_CHUNKS] += len(loaded)
             self.counters[L2Counter.LOAD_MISSES] += len(keys) - len(loaded)
+            hit = set(loaded)
+            missed = [names[i] for i in range(len(keys)) if i not in hit]
+            self.unreadable.add(name for name in missed if name is not None)
             if loaded:
-                self._notify_accessed(loaded)
+                self._notify_accessed([keys[i] for i in loaded])
             self.misses.recovered(MissCause.LOAD)
         except Exception as exc:
             self.misses.failed(MissCause.LOAD, "L2 load failed, reading as misses", exc)
         self.loads.finish(task_id, bitmap)
+
+    async def _read(self, fingerprint: int, named: list[tuple[int, str]], views: list[memoryview]) -> list[int]:
+        """Read the objects ``named`` (index, pool name), all of layout ``fingerprint``, in one get; the indexes
+        loaded."""
+        first: dict[str, int] = {}  # a key named twice is fetched once, then copied to its other objects
+        for i, name in named:
+            first.setdefault(name, i)
+        unique = list(first)
+        sink = BufferSink({name: views[first[name]] for name in unique}, self.misses, fingerprint)
+        handles = await self.client.get(unique, sink)
+        got = dict(zip(unique, handles))
+        loaded = []
+        for i, name in named:
+            if got[name] is None:
+                continue
+            if i != first[name]:
+                if len(views[i]) != len(views[first[name]]):
+                    continue  # another size under the same key and layout: a miss for this object
+                views[i][:] = views[first[name]]
+            loaded.append(i)
+        return loaded
 
     def close(self) -> None:
         self.lookups.close()

@@ -18,7 +18,9 @@ from backend.lmcache.boundary import MissBoundary
 from backend.lmcache.chunks import to_chunk
 from backend.lmcache.l2.keys import SaltNames
 from backend.lmcache.l2.tasks import Completed, TaskRunner
+from backend.lmcache.l2.unreadable import Unreadable
 from backend.lmcache.l2.usage import UsageView
+from backend.lmcache.layout import object_fingerprint
 
 if TYPE_CHECKING:
     from lmcache.v1.memory_management import MemoryObj
@@ -43,6 +45,7 @@ class Storer:
         usage: UsageView,
         notify_stored: Notify,
         notify_deleted: Notify,
+        unreadable: Unreadable,
     ) -> None:
         self.client = client
         self.names = names
@@ -52,6 +55,7 @@ class Storer:
         self.usage = usage
         self._notify_stored = notify_stored
         self._notify_deleted = notify_deleted
+        self.unreadable = unreadable  # names this adapter's loads missed: stored even though the index lists them
         self.stores: Completed[L2StoreResult] = Completed()
 
     def submit_store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
@@ -66,10 +70,12 @@ class Storer:
         sizes: list[int] = []
         try:
             named = [(i, name) for i, name in enumerate(self.names.names(keys)) if name is not None]  # else refused
-            # Re-sending a chunk the pool has is wasted bandwidth and would count its bytes twice.
+            # Re-sending a chunk the pool has is wasted bandwidth and would count its bytes twice; unless this
+            # adapter's load of it missed (another layout's copy, an older adapter's: .unreadable).
             present = await self.client.contains([name for _, name in named]) if named else []
-            todo = [(i, name) for (i, name), hit in zip(named, present) if not hit]
-            chunks = [to_chunk(name, objects[i]) for i, name in todo]
+            todo = [(i, name) for (i, name), hit in zip(named, present) if not hit or self._replaces(name)]
+            # Each chunk carries its object's layout fingerprint: only a load into an object of that layout reads it.
+            chunks = [to_chunk(name, objects[i], object_fingerprint(objects[i])) for i, name in todo]
             skipped: set[str] = set()
             try:
                 await self.client.put(chunks)
@@ -92,6 +98,13 @@ class Storer:
             self.usage.count_salt_bytes(stored, sizes, +1)
             self._notify_stored(stored, sizes)
         self.stores.finish(task_id, L2StoreResult(ok, sent_bytes))
+
+    def _replaces(self, name: str) -> bool:
+        """Whether a store of ``name``, which the index lists, goes out anyway (to replace a copy a load missed)."""
+        if not self.unreadable.take(name):
+            return False
+        self.counters[L2Counter.STORE_REPLACED] += 1
+        return True
 
     def delete(self, keys: list[ObjectKey], timeout_s: float) -> None:
         """Remove keys from the pool; bounded by ``timeout_s``, synchronous by LMCache's interface."""
