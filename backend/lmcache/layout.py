@@ -143,26 +143,36 @@ class ObjectLayout:
 
     @property
     def fingerprint(self) -> int:
-        return _object_fingerprint(self)
+        return fingerprint_of(self.canonical())
 
 
-@functools.lru_cache(maxsize=256)  # an adapter sees a handful of layouts, each in every store and load
-def _object_fingerprint(layout: ObjectLayout) -> int:
-    return fingerprint_of(layout.canonical())
+def _object_groups(obj: Any) -> tuple[Any, tuple[Any, ...], tuple[Any, ...]]:
+    """An LMCache memory object's format, and its groups' shapes and dtypes (``meta.shapes``/``meta.dtypes``;
+    one group: its shape and dtype), as LMCache's own hashable values."""
+    shapes = getattr(obj.meta, "shapes", None) or [obj.get_shape()]
+    dtypes = getattr(obj.meta, "dtypes", None) or [obj.get_dtype()]
+    return obj.get_memory_format(), tuple(shapes), tuple(dtypes)
+
+
+def _layout_of(fmt: Any, shapes: tuple[Any, ...], dtypes: tuple[Any, ...]) -> ObjectLayout:
+    groups = tuple((_dtype(d), tuple(int(x) for x in s)) for s, d in zip(shapes, dtypes, strict=True))
+    return ObjectLayout(fmt=str(fmt.name), groups=groups)
 
 
 def object_layout(obj: Any) -> ObjectLayout:
-    """The layout of an LMCache memory object: its groups (``meta.shapes``/``meta.dtypes``; one group:
-    its shape and dtype) and memory format, by name."""
-    shapes = getattr(obj.meta, "shapes", None) or [obj.get_shape()]
-    dtypes = getattr(obj.meta, "dtypes", None) or [obj.get_dtype()]
-    groups = tuple((_dtype(d), tuple(int(x) for x in s)) for s, d in zip(shapes, dtypes, strict=True))
-    return ObjectLayout(fmt=str(obj.get_memory_format().name), groups=groups)
+    """The layout of an LMCache memory object: its memory format by name, and each group's dtype and shape."""
+    return _layout_of(*_object_groups(obj))
+
+
+@functools.lru_cache(maxsize=256)  # an adapter sees a handful of layouts, each in every store and load
+def _fingerprint_of_groups(fmt: Any, shapes: tuple[Any, ...], dtypes: tuple[Any, ...]) -> int:
+    return _layout_of(fmt, shapes, dtypes).fingerprint
 
 
 def object_fingerprint(obj: Any) -> int:
-    """The layout fingerprint an L2 adapter stores an object with and reads into it with."""
-    return object_layout(obj).fingerprint
+    """The layout fingerprint an L2 adapter stores an object with and reads into it with (that of
+    :func:`object_layout`, kept per distinct format, shapes and dtypes)."""
+    return _fingerprint_of_groups(*_object_groups(obj))
 
 
 def _config_value(config: Any, name: str, default: Any) -> Any:
