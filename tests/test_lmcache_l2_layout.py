@@ -239,3 +239,15 @@ def test_lmcache_servers_of_another_dtype_read_no_bytes_of_each_others_chunks(no
     finally:
         for made_stack in made:
             made_stack.close()
+
+
+def test_the_names_a_load_missed_are_bounded_and_each_is_taken_once():
+    from backend.lmcache.l2.unreadable import Unreadable
+
+    names = Unreadable(limit=3)
+    names.add(["a", "b", "c"])
+    names.add(["a", "d"])  # "a" again is the newest; "b", the oldest, is forgotten
+    assert len(names) == 3
+    assert not names.take("b")
+    assert names.take("a") and not names.take("a")
+    assert names.take("c") and names.take("d") and len(names) == 0
