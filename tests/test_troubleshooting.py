@@ -149,9 +149,9 @@ def test_every_lookup_misses_when_no_node_is_alive_anywhere_and_the_connector_sa
 ):
     from prometheus_client import REGISTRY
 
-    import backend.lmcache.connector as connector
+    import backend.lmcache.pool_health as pool_health
 
-    monkeypatch.setattr(connector, "POOL_RECHECK_S", 0.2)
+    monkeypatch.setattr(pool_health, "POOL_RECHECK_S", 0.2)
     empty = EmbeddedRedis().start()  # a Redis no node ever joined
     redis_factory.append(empty)
     url = f"kvpool://127.0.0.1:{empty.port}/engines?progress_timeout_s=1"

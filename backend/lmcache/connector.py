@@ -40,7 +40,6 @@ from backend.admin import DEFAULT_PIN_OWNER, UnpinReport
 from backend.client import PoolClient
 from backend.config import PoolConfig
 from backend.counters import ClientCounter, ConnectorCounter, MissCause
-from backend.doctor import TROUBLESHOOTING, Finding, reach
 from backend.errors import BusyError, ConfigError, KVPoolError
 from backend.lmcache.boundary import MissBoundary
 from backend.lmcache.chunks import ALLOCATE_TIMEOUT_S, LMCacheSink, to_chunk
@@ -53,6 +52,7 @@ from backend.lmcache.config import (
     warn_if_secrets_inline,
 )
 from backend.lmcache.layout import EngineFingerprint
+from backend.lmcache.pool_health import PoolHealth
 from backend.lmcache.prompts import PromptPin, PromptPins
 from backend.lmcache.tenant_names import key_names
 from backend.lmcache.token_binding import TokenBinding
@@ -71,9 +71,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 1.0
-# While the pool is not usable (start check failed), how often the connector looks again, quietly,
-# so that its metric turns to 1 (and one line says so) once the pool is up.
-POOL_RECHECK_S = 10.0
 # The client's counters a connector reports as its own (the metrics and `kvpool doctor` show them).
 CLIENT_COUNTERS: tuple[ClientCounter, ...] = (
     ClientCounter.INTEGRITY_FAILURES,
@@ -133,16 +130,14 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self._sink = LMCacheSink(local_cpu_backend, self.meta_shapes, self.meta_dtypes, self.misses, self.layout)
         self._closed = False
         self._plugin = plugin_name
-        # Why the pool is not usable (None: it is); unknown until the start check answers.
-        self.pool_problem: Finding | None = None
-        self._pool_checked = False
-        self._recheck: asyncio.Task[None] | None = None
+        # Whether the pool can serve this engine: said once at start with its cause, rechecked until it can.
+        self.health = PoolHealth(self.client, pool_config.to_url(with_token=False), FIX_HINT, lambda: self._closed)
         # In-process Prometheus: LMCache's own metrics live in the default registry too.
-        register_connector_metrics(self._metric_counters, plugin_name, self._pool_state)
+        register_connector_metrics(self._metric_counters, plugin_name, self.health.state)
         self.channel = self.client.channel  # built by the client from nccl=on; None when off or it cannot run here
         # Report a pool that is not usable at start once, loudly, with its cause: LMCache itself
         # would only ever show misses. On LMCache's loop, never blocking it.
-        asyncio.run_coroutine_threadsafe(self._startup_check(), loop)
+        asyncio.run_coroutine_threadsafe(self.health.startup_check(), loop)
 
     @property
     def counters(self) -> Counter[str]:
@@ -154,79 +149,6 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
 
     def _metric_counters(self) -> dict[str, int]:
         return {str(name): value for name, value in self.counters.items()}
-
-    def _pool_state(self) -> tuple[bool, str] | None:
-        """For the ``pool_up`` metric: usable or not, and why not (None before the start check answered)."""
-        if not self._pool_checked:
-            return None
-        problem = self.pool_problem
-        if problem is None:
-            return True, ""
-        return False, problem.cause.slug if problem.cause is not None else "unknown"
-
-    async def _problem(self, search_elsewhere: bool = True) -> Finding | None:
-        """Why the pool cannot serve this engine (None: Redis answers with these credentials and a node is alive).
-        ``search_elsewhere``: look for the namespaces that have live nodes (a keyspace SCAN: the start check
-        only, never the timer's)."""
-        try:
-            found = await reach(self.client, search_elsewhere=search_elsewhere)
-        except KVPoolError as exc:
-            return Finding.failed("pool", str(exc))
-        return next((f for f in found if not f.ok), None)
-
-    async def _usable(self, said: str, level: int) -> bool:
-        """The pool answered: learn its nodes and open the put connections; False if that failed (said once)."""
-        try:
-            nodes = await self.client.nodes(refresh=True)
-            logger.log(
-                level,
-                "kvpool: %s %s (%d live nodes)",
-                said,
-                self.pool_config.to_url(with_token=False),
-                len(nodes),
-            )
-            # The engine will put: the first put to a node on this host should not wait for its stage.
-            await self.client.prepare_puts()
-        except KVPoolError as exc:
-            logger.warning("kvpool: pool %s answered, then failed: %s", self.pool_config.to_url(with_token=False), exc)
-            return False
-        return True
-
-    async def _startup_check(self) -> None:
-        problem = await self._problem()
-        url = self.pool_config.to_url(with_token=False)
-        if problem is None:
-            usable = await self._usable("connected to", logging.INFO)
-            self.pool_problem, self._pool_checked = None, True  # after the log line, as the recheck does
-            if not usable:
-                self._recheck = asyncio.ensure_future(self._recheck_until_usable())
-            return
-        self.pool_problem, self._pool_checked = problem, True
-        where = f" ({problem.cause.title}: {TROUBLESHOOTING}#{problem.cause.slug})" if problem.cause else ""
-        logger.error(
-            "kvpool: pool %s is not usable at start: %s%s; every lookup misses until it is (metric "
-            "kvpool_connector_pool_up 0). Fix: %s; `kvpool doctor --url URL` checks it",
-            url,
-            problem.detail,
-            where,
-            problem.fix or FIX_HINT,
-        )
-        self._recheck = asyncio.ensure_future(self._recheck_until_usable())
-
-    async def _recheck_until_usable(self) -> None:
-        """Look again every ``POOL_RECHECK_S`` until the pool is usable; say so once, then stop."""
-        while not self._closed:
-            await asyncio.sleep(POOL_RECHECK_S)
-            problem = await self._problem(search_elsewhere=False)
-            known = self.pool_problem
-            if problem is not None and known is not None and problem.check == known.check == "nodes":
-                problem = known  # the start check's search for other namespaces named the cause better
-            if problem is not None:
-                self.pool_problem = problem
-            elif await self._usable("pool is usable now:", logging.WARNING):
-                # Up only once it said so and its put connections are open: the metric never runs ahead of the log.
-                self.pool_problem = None
-                return
 
     def _run_sync(self, coro: Any, what: str) -> Any:
         """Run a coroutine on LMCache's loop from one of LMCache's worker threads."""
@@ -390,8 +312,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             return
         self._closed = True
         unregister_connector_metrics(self._plugin)
-        if self._recheck is not None:
-            self._recheck.cancel()
+        self.health.close()
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
                 await self.client.close()  # the channel's pairs too
