@@ -14,6 +14,7 @@ from backend.cli.options import add_admin_options, run_with_client
 from backend.cli.output import print_json, table
 from backend.config import format_size
 from backend.errors import ConfigError, KVPoolError
+from backend.tenants import check_tenant
 
 PROMPT_FLAGS = ("--tokens-file", "--lmcache-config", "--model")
 
@@ -66,6 +67,12 @@ def _add_prompt_options(parser: argparse.ArgumentParser, what: str) -> None:
     group.add_argument("--world-size", type=int, default=1, metavar="N", help="its workers (each has its own keys)")
     group.add_argument("--kv-dtype", default="bfloat16", help="its KV dtype as LMCache spells it (default bfloat16)")
     group.add_argument("--layers", type=int, default=0, metavar="L", help="its layers (layerwise configs only)")
+    group.add_argument(
+        "--tenant",
+        metavar="NAME",
+        help="the tenant whose chunks (its stored keys ~t/NAME/KEY: an engine naming tenants by tag, "
+        "tenant_tag=); default: the --url's tenant=, else no tenant's",
+    )
 
 
 def _prompt_workers(args: argparse.Namespace) -> tuple[Any, list[Any]]:
@@ -75,6 +82,8 @@ def _prompt_workers(args: argparse.Namespace) -> tuple[Any, list[Any]]:
         raise ConfigError(missing[0], f"a prompt by its tokens needs {', '.join(PROMPT_FLAGS)}")
     if args.keys or args.prefix:
         raise ConfigError("--tokens-file", "name keys, --prefix or --tokens-file: one of them")
+    if args.tenant is not None:
+        check_tenant(args.tenant, "--tenant")
     try:
         from backend.lmcache import prompts
     except ImportError as exc:  # a pool node's install: no LMCache, no torch
@@ -91,7 +100,10 @@ def _cmd_pin_prompt(args: argparse.Namespace) -> int:
     prompts, workers = _prompt_workers(args)
 
     async def work(client: Any) -> list[Any]:
-        return [await prompts.pin_prompt(client, chunks, ttl_s=args.ttl, owner=args.owner) for chunks in workers]
+        return [
+            await prompts.pin_prompt(client, chunks, ttl_s=args.ttl, owner=args.owner, tenant=args.tenant)
+            for chunks in workers
+        ]
 
     reports = run_with_client(args, work)
     if args.json:
@@ -106,7 +118,15 @@ def _cmd_pin_prompt(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _no_tenant_without_prompt(args: argparse.Namespace) -> None:
+    if args.tenant is not None and args.tokens_file is None:
+        raise ConfigError(
+            "--tenant", "names the tenant of a prompt's chunks (--tokens-file); name other keys as stored, ~t/NAME/KEY"
+        )
+
+
 def cmd_pin(args: argparse.Namespace) -> int:
+    _no_tenant_without_prompt(args)
     if args.tokens_file is not None:
         return _cmd_pin_prompt(args)
     report = run_with_client(
@@ -124,11 +144,14 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
 
 def cmd_unpin(args: argparse.Namespace) -> int:
+    _no_tenant_without_prompt(args)
     if args.tokens_file is not None:
         prompts, workers = _prompt_workers(args)
 
         async def work(client: Any) -> admin.UnpinReport:
-            done = [await prompts.unpin_prompt(client, chunks, owner=args.owner) for chunks in workers]
+            done = [
+                await prompts.unpin_prompt(client, chunks, owner=args.owner, tenant=args.tenant) for chunks in workers
+            ]
             return admin.UnpinReport(args.owner, sum(r.unpinned for r in done), ())
 
         report = run_with_client(args, work)  # a prompt's chunks never pinned (past its hit prefix) are no error

@@ -59,6 +59,13 @@ class NodeAdmin:
     async def _request(self, node: NodeInfo, op: Op, meta: bytes) -> Any:
         return await self._connections.to(node).request(op, meta)
 
+    async def bound_tenant(self, node: NodeInfo) -> str | None:
+        """The tenant ``node`` bound this client's connections to in the handshake, its token being that tenant's
+        (None: the pool token, or a pool without one); a PING opens a connection if none is open."""
+        conns = self._connections.to(node)
+        await conns.request(Op.PING, b"")
+        return conns.tenant
+
     async def inventory(self, node: NodeInfo, after: str = "", limit: int = INVENTORY_PAGE) -> InventoryPage:
         """Up to ``limit`` chunks ``node`` holds, in key order, all with keys greater than ``after``."""
         return decode_inventory_response(

@@ -275,25 +275,40 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
 
     # -- pins of a prompt (backend/lmcache/prompts.py): unlike the data path, errors raise --------
     async def pin_prompt(
-        self, tokens: Sequence[int] | Any, ttl_s: float | None = None, owner: str = DEFAULT_PIN_OWNER
+        self,
+        tokens: Sequence[int] | Any,
+        ttl_s: float | None = None,
+        owner: str = DEFAULT_PIN_OWNER,
+        tenant: str | None = None,
     ) -> PromptPin:
         """Pin a prompt by its token ids (docs/fleet.md): its chunks the pool holds from the start up to the first
-        missing one, until unpinned or ``ttl_s`` ends (None: the nodes' default). On LMCache's loop."""
-        return await self.prompts.pin(tokens, ttl_s, owner)
+        missing one, until unpinned or ``ttl_s`` ends (None: the nodes' default). ``tenant``: whose chunks (None:
+        the URL's ``tenant``'s, or no tenant's); under ``tenant_tag=`` any tenant, but only the URL's with a
+        tenant's token (ConfigError naming ``tenant`` otherwise, nothing pinned). On LMCache's loop."""
+        return await self.prompts.pin(tokens, ttl_s, owner, tenant)
 
     def pin_prompt_sync(
-        self, tokens: Sequence[int] | Any, ttl_s: float | None = None, owner: str = DEFAULT_PIN_OWNER
+        self,
+        tokens: Sequence[int] | Any,
+        ttl_s: float | None = None,
+        owner: str = DEFAULT_PIN_OWNER,
+        tenant: str | None = None,
     ) -> PromptPin:
         """:meth:`pin_prompt` from any thread but LMCache's loop (waits on the loop, bounded)."""
-        return cast(PromptPin, self._run_sync(self.prompts.pin(tokens, ttl_s, owner), "pin_prompt_sync"))
+        return cast(PromptPin, self._run_sync(self.prompts.pin(tokens, ttl_s, owner, tenant), "pin_prompt_sync"))
 
-    async def unpin_prompt(self, tokens: Sequence[int] | Any, owner: str = DEFAULT_PIN_OWNER) -> UnpinReport:
-        """Let go of one of ``owner``'s pins of each chunk of the prompt. On LMCache's loop."""
-        return await self.prompts.unpin(tokens, owner)
+    async def unpin_prompt(
+        self, tokens: Sequence[int] | Any, owner: str = DEFAULT_PIN_OWNER, tenant: str | None = None
+    ) -> UnpinReport:
+        """Let go of one of ``owner``'s pins of each chunk of the prompt (``tenant``'s, as in :meth:`pin_prompt`).
+        On LMCache's loop."""
+        return await self.prompts.unpin(tokens, owner, tenant)
 
-    def unpin_prompt_sync(self, tokens: Sequence[int] | Any, owner: str = DEFAULT_PIN_OWNER) -> UnpinReport:
+    def unpin_prompt_sync(
+        self, tokens: Sequence[int] | Any, owner: str = DEFAULT_PIN_OWNER, tenant: str | None = None
+    ) -> UnpinReport:
         """:meth:`unpin_prompt` from any thread but LMCache's loop."""
-        return cast(UnpinReport, self._run_sync(self.prompts.unpin(tokens, owner), "unpin_prompt_sync"))
+        return cast(UnpinReport, self._run_sync(self.prompts.unpin(tokens, owner, tenant), "unpin_prompt_sync"))
 
     def support_ping(self) -> bool:
         return True

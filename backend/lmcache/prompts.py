@@ -11,8 +11,10 @@ the hashing is copied here.
 :func:`pin_prompt` pins the chunks the pool holds from the start of the prompt up to the
 first missing one, as a lookup would find them (a chunk after a gap could never be
 read: LMCache loads a prefix), on every node holding a copy (``kvpool pin``'s path,
-``backend.admin.pinning``). A tenant's client pins its own keys (``~t/NAME/KEY``), and
-the pins count against that tenant's quota on each node.
+``backend.admin.pinning``). A tenant's client pins its own keys (``~t/NAME/KEY``); a client
+whose keys name their tenant one by one (the connector under ``tenant_tag=``) or of no tenant
+(an operator's) pins the tenant its caller names (:func:`prompt_tenant`). The pins count
+against that tenant's quota on each node.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 from backend.admin import DEFAULT_PIN_OWNER, UnpinReport, pin, unpin
 from backend.client import PoolClient
 from backend.errors import ConfigError
-from backend.tenants import scoped
+from backend.tenants import check_tenant, scoped
 
 __all__ = [
     "PromptChunks",
@@ -37,6 +39,7 @@ __all__ = [
     "PromptPins",
     "engine_prompt_keys",
     "pin_prompt",
+    "prompt_tenant",
     "read_tokens",
     "unpin_prompt",
 ]
@@ -91,9 +94,42 @@ class PromptKeys:
         return out
 
 
-def _stored(client: PoolClient, keys: Sequence[str]) -> list[str]:
-    """``keys`` as the nodes hold them: the operator's pin verbs name them so (a tenant's carry its prefix)."""
-    tenant = client.config.tenant
+async def prompt_tenant(client: PoolClient, named: str | None, default: str = "") -> str:
+    """The tenant whose chunks of a prompt ``client`` pins ("": no tenant's): ``named``, or when None ``default``
+    (the URL's tenant: ``client``'s own, or for a connector under ``tenant_tag=`` its URL's ``tenant``).
+
+    ConfigError naming ``tenant``, before anything is pinned, when ``named`` is no tenant name; when ``client``
+    has a tenant of its own (its URL's ``tenant=`` scopes every key it names) and ``named`` is another; and when
+    ``named`` is not the URL's tenant while ``client``'s connections proved a tenant's token (a live node says
+    so in the handshake: such a connection touches only that tenant's keys)."""
+    url_tenant = client.config.tenant or default
+    if named is None or named == url_tenant:
+        return url_tenant
+    check_tenant(named, "tenant")
+    if client.config.tenant:
+        raise ConfigError(
+            "tenant",
+            f"this client is tenant {url_tenant}'s (tenant={url_tenant} in its pool URL, no tenant_tag): every key "
+            f"it names is {url_tenant}'s, so it cannot pin tenant {named}'s chunks",
+        )
+    live = await client.nodes(refresh=False) if client.config.token else []
+    bound = await client.node_admin.bound_tenant(live[0]) if live else None
+    if bound is not None:
+        raise ConfigError(
+            "tenant",
+            f"this client's connections proved tenant {bound}'s token: it pins only the chunks of its URL's tenant "
+            f"({url_tenant or 'none'}), not tenant {named}'s (the nodes would refuse them)",
+        )
+    return named
+
+
+def _named(client: PoolClient, tenant: str, keys: Sequence[str]) -> list[str]:
+    """``keys`` of ``tenant``'s chunks as ``client`` names them (a client with a tenant scopes them itself)."""
+    return [scoped(tenant, key) for key in keys] if tenant and not client.config.tenant else list(keys)
+
+
+def _stored(client: PoolClient, tenant: str, keys: Sequence[str]) -> list[str]:
+    """``keys`` of ``tenant``'s chunks as the nodes hold them: the operator's pin verbs name them so."""
     return [scoped(tenant, key) for key in keys] if tenant else list(keys)
 
 
@@ -103,33 +139,45 @@ async def pin_prompt(
     *,
     ttl_s: float | None = None,
     owner: str = DEFAULT_PIN_OWNER,
+    tenant: str | None = None,
+    default_tenant: str = "",
 ) -> PromptPin:
     """Pin the chunks of a prompt (:meth:`PromptKeys.chunks`) that the pool holds from its start up to the first
-    missing one. ConfigError, nothing pinned, when there is no keyed chunk or the pool holds not even the first;
-    a node refusing the ttl or the owner fails it with the node's reason."""
+    missing one: ``tenant``'s chunks (None: the URL's tenant's, or ``default_tenant``'s; :func:`prompt_tenant`).
+    ConfigError, nothing pinned, when there is no keyed chunk, the pool holds not even the first, or the tenant
+    is refused; a node refusing the ttl or the owner fails it with the node's reason."""
     if not chunks:
         raise ConfigError("tokens", "the prompt has no chunk with a key (fewer tokens than LMCache's chunk_size)")
+    tenant = await prompt_tenant(client, tenant, default_tenant)
     flat = [key for chunk in chunks for key in chunk]
     per_chunk = len(chunks[0])
-    found = await client.hit_prefix(flat) // per_chunk  # a chunk counts only with all its keys (layerwise)
+    found = (
+        await client.hit_prefix(_named(client, tenant, flat)) // per_chunk
+    )  # a chunk counts only with all its keys (layerwise)
     if not found:
         raise ConfigError(
             "tokens", f"the pool holds none of the prompt's {len(chunks)} chunks (not even the first): nothing pinned"
         )
-    keys = _stored(client, flat[: found * per_chunk])
+    keys = _stored(client, tenant, flat[: found * per_chunk])
     report = await pin(client, keys, owner=owner, ttl_s=ttl_s)
     return PromptPin(len(chunks), found, report.keys, report.copies, report.nodes, owner, report.ttl_s)
 
 
 async def unpin_prompt(
-    client: PoolClient, chunks: Sequence[Sequence[str]], *, owner: str = DEFAULT_PIN_OWNER
+    client: PoolClient,
+    chunks: Sequence[Sequence[str]],
+    *,
+    owner: str = DEFAULT_PIN_OWNER,
+    tenant: str | None = None,
+    default_tenant: str = "",
 ) -> UnpinReport:
-    """Let go of one of ``owner``'s pins of each of the prompt's chunks, wherever a live node pins it (a pin
-    outlives its chunk, so every chunk of the prompt is asked, held or not); ``not_pinned`` names the keys
-    ``owner`` pinned nowhere."""
+    """Let go of one of ``owner``'s pins of each of the prompt's chunks (``tenant``'s, as :func:`pin_prompt`),
+    wherever a live node pins it (a pin outlives its chunk, so every chunk of the prompt is asked, held or not);
+    ``not_pinned`` names the keys ``owner`` pinned nowhere."""
     if not chunks:
         raise ConfigError("tokens", "the prompt has no chunk with a key (fewer tokens than LMCache's chunk_size)")
-    return await unpin(client, _stored(client, [key for chunk in chunks for key in chunk]), owner=owner)
+    tenant = await prompt_tenant(client, tenant, default_tenant)
+    return await unpin(client, _stored(client, tenant, [key for chunk in chunks for key in chunk]), owner=owner)
 
 
 class PromptPins:
@@ -137,24 +185,30 @@ class PromptPins:
     engine's :class:`PromptKeys`, made on first use, over the connector's client."""
 
     def __init__(self, client: PoolClient, config: Any, metadata: Any, tenant: str = "") -> None:
-        """``tenant``: the tenant a client without one (the connector's under ``tenant_tag=``) pins for."""
+        """``tenant``: the URL's tenant, for a client without one (the connector's under ``tenant_tag=``): whose
+        chunks are pinned when the caller names none."""
         self._client = client
         self._engine = (config, metadata)
         self._keys: PromptKeys | None = None
         self._tenant = tenant
 
     def keys(self, tokens: Sequence[int] | Any) -> PromptChunks:
-        """The pool keys of the prompt's chunks, as this engine's LMCache names them (``tenant``'s, if given)."""
+        """The LMCache keys of the prompt's chunks, as this engine's LMCache names them."""
         if self._keys is None:
             self._keys = PromptKeys(*self._engine)
-        chunks = self._keys.chunks(tokens)
-        return [[scoped(self._tenant, key) for key in chunk] for chunk in chunks] if self._tenant else chunks
+        return self._keys.chunks(tokens)
 
-    async def pin(self, tokens: Sequence[int] | Any, ttl_s: float | None, owner: str) -> PromptPin:
-        return await pin_prompt(self._client, self.keys(tokens), ttl_s=ttl_s, owner=owner)
+    async def pin(
+        self, tokens: Sequence[int] | Any, ttl_s: float | None, owner: str, tenant: str | None = None
+    ) -> PromptPin:
+        chunks = self.keys(tokens)
+        return await pin_prompt(
+            self._client, chunks, ttl_s=ttl_s, owner=owner, tenant=tenant, default_tenant=self._tenant
+        )
 
-    async def unpin(self, tokens: Sequence[int] | Any, owner: str) -> UnpinReport:
-        return await unpin_prompt(self._client, self.keys(tokens), owner=owner)
+    async def unpin(self, tokens: Sequence[int] | Any, owner: str, tenant: str | None = None) -> UnpinReport:
+        chunks = self.keys(tokens)
+        return await unpin_prompt(self._client, chunks, owner=owner, tenant=tenant, default_tenant=self._tenant)
 
 
 def engine_prompt_keys(
