@@ -303,6 +303,37 @@ def test_an_adapter_of_the_urls_tenant_lists_its_own_keys_and_no_other_tenants(n
     assert [e.key.to_object_key() for e in salted.list_l2_keys(page_size=100).entries] == theirs
 
 
+def test_salt_pattern_matches_a_salts_keys_under_the_tenant_they_are_stored_under(node_factory, pool_url, l2_adapters):
+    from kvpool.lmcache_l2_adapter import pool_key, salt_pattern
+
+    node_factory()
+    salted = l2_adapters(f"{pool_url}?tenant_from_salt=on")
+    plain = l2_adapters(pool_url)  # no tenant: salt alice's keys are mp:alice@...
+    carols = l2_adapters(f"{pool_url}?tenant=carol")  # the URL's tenant: ~t/carol/mp:alice@...
+    alices = [object_key(20, "alice"), object_key(21, "alice", model="other/model")]
+    assert store(salted, [*alices, object_key(22, "bob")], [memory_obj(payload(i)) for i in range(3)]).is_successful()
+    assert store(plain, [object_key(23, "alice")], [memory_obj(payload(3))]).is_successful()
+    assert store(carols, [object_key(24, "alice")], [memory_obj(payload(4))]).is_successful()
+
+    def matched(pattern: str) -> list[str]:
+        with SyncPoolClient(PoolConfig.from_url(pool_url)) as operator:
+            return sorted(operator.list_keys(pattern))
+
+    # Under tenant_from_salt=on a salt's keys are its own tenant's: ~t/alice/mp:alice@... (the old pattern missed them).
+    assert matched(salted.names.pattern("alice")) == sorted(scoped("alice", pool_key(k)) for k in alices)
+    assert salted.names.pattern("alice") == salt_pattern("alice", tenant="alice")
+    assert matched(salt_pattern("alice", "other/model", tenant="alice")) == [scoped("alice", pool_key(alices[1]))]
+    assert matched(salt_pattern("alice")) == [pool_key(object_key(23, "alice"))]  # no tenant: no tenant's keys only
+    assert matched(plain.names.pattern("alice")) == [pool_key(object_key(23, "alice"))]
+    assert matched(carols.names.pattern("alice")) == [scoped("carol", pool_key(object_key(24, "alice")))]
+    with pytest.raises(ConfigError, match="is not a tenant name") as refused:
+        salted.names.pattern("a+b=")  # such a salt's keys are never stored under tenant_from_salt=on
+    assert refused.value.key == "cache_salt"
+    with pytest.raises(ConfigError, match="must be 1-64 characters") as refused:
+        salt_pattern("alice", tenant="a/b")
+    assert refused.value.key == "tenant"
+
+
 def torch_equal(a: Any, b: Any) -> bool:
     import torch
 

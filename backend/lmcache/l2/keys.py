@@ -1,13 +1,14 @@
 """How an L2 ``ObjectKey`` becomes a pool key and back (docs/design.md, "Key mapping").
 
 ``ObjectKey`` -> ``mp:SALT@MODEL@0xKVRANK@GROUP@HASH``. ``@`` cannot occur in a salt
-or model name, so the mapping is injective and the salt is a prefix (per-salt usage
-is one SCAN). In-process keys (``MODEL@WS@WORKER@HASH@DTYPE``) never take this shape:
+or model name, so the mapping is injective and the salt is a prefix (one salt's keys are
+one SCAN pattern). In-process keys (``MODEL@WS@WORKER@HASH@DTYPE``) never take this shape:
 their third field is a decimal worker id, never ``0x...``.
 
 A tenant's key carries ``~t/NAME/`` in front (``backend/tenants.py``): the URL's ``tenant=``
 for every key, or with ``tenant_from_salt=on`` the key's own salt (:class:`SaltNames`). The
-reverse mapping and the listing patterns take both shapes.
+reverse mapping and the listing patterns take both shapes; :func:`salt_pattern` names the tenant
+a salt's keys are stored under (:meth:`SaltNames.pattern`: as an adapter stores them).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from lmcache.v1.distributed.api import ObjectKey
 from backend.client.index import glob_escape
 from backend.config import PoolConfig
 from backend.counters import L2Counter
+from backend.errors import ConfigError
 from backend.lmcache.tenant_names import TenantNames
-from backend.tenants import is_tenant, scoped, tenant_of, unscoped
+from backend.tenants import check_tenant, is_tenant, scoped, tenant_of, unscoped
 
 __all__ = [
     "MP_KEY_PREFIX",
@@ -63,6 +65,20 @@ class SaltNames:
         fallback = self.tenants.fallback
         return scoped(fallback, name) if fallback and not self.from_salt else name
 
+    def pattern(self, cache_salt: str, model_name: str | None = None) -> str:
+        """A SCAN glob matching every key of ``cache_salt`` (and model) as this adapter stores them: under the
+        salt with ``tenant_from_salt=on`` (an empty salt: the URL's tenant), else under the URL's tenant or none.
+        ConfigError naming ``cache_salt`` for a salt that ``tenant_from_salt=on`` refuses (no key of it is stored)."""
+        tenant = self.tenants.fallback
+        if self.from_salt and cache_salt:
+            if not is_tenant(cache_salt):
+                raise ConfigError(
+                    "cache_salt",
+                    f"{cache_salt[:80]!r} is not a tenant name: with tenant_from_salt=on no key of it is stored",
+                )
+            tenant = cache_salt
+        return salt_pattern(cache_salt, model_name, tenant=tenant)
+
     def own(self, stored: str) -> ObjectKey | None:
         """The object key of a stored pool key that this adapter stores under that very name (its tenant's, or
         its salt's); None for another tenant's key or another shape. Counts and says no refusal."""
@@ -90,10 +106,15 @@ def object_key_from_pool_key(text: str) -> ObjectKey | None:
         return None
 
 
-def salt_pattern(cache_salt: str, model_name: str | None = None) -> str:
-    """A SCAN glob matching every pool key of one salt (and model)."""
+def salt_pattern(cache_salt: str, model_name: str | None = None, *, tenant: str = "") -> str:
+    """A SCAN glob matching every pool key of one salt (and model) stored under ``tenant`` ("": the keys of no
+    tenant, ``mp:SALT@...``). An adapter with ``tenant_from_salt=on`` stores a salt's keys under the salt
+    itself, ``~t/SALT/mp:SALT@...`` (``tenant=SALT``); one whose URL says ``tenant=NAME``, under ``NAME``.
+    :meth:`SaltNames.pattern` picks the tenant as an adapter stores the salt. ConfigError naming ``tenant`` for a
+    name that is no tenant name."""
     model = glob_escape(model_name) if model_name is not None else "*"
-    return f"{glob_escape(MP_KEY_PREFIX + cache_salt)}@{model}@*"
+    scope = glob_escape(scoped(check_tenant(tenant, "tenant"), "")) if tenant else ""
+    return f"{scope}{glob_escape(MP_KEY_PREFIX + cache_salt)}@{model}@*"
 
 
 def listing_pattern(model_name: str | None = None) -> str:
