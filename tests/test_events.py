@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import os
 import random
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,6 +23,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from backend.cli.exits import EXIT_USAGE
+from backend.cli.main import main
 from backend.errors import NodeUnavailable
 from backend.events import EndpointConfig, EventsEndpoint, curve_keys
 from backend.events.keys import block_of
@@ -26,6 +32,7 @@ from backend.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVE
 from backend.node.events import EventRing
 from kvpool import Chunk, PoolClient, PoolConfig
 from tests.support import vllm_events
+from tests.support.cli import REPO
 from tests.support.waits import until
 
 TOKEN = "events-token-0123456789abcdef0123456789"
@@ -338,6 +345,122 @@ async def test_during_a_rotation_holders_of_either_token_get_the_same_stream_eac
         with contextlib.suppress(asyncio.CancelledError):
             await task
         ep.close()
+
+
+def _secret_file(path: Path, token: str) -> str:
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def _curve(token: str, namespace: str) -> tuple[bytes, bytes, bytes]:
+    k = curve_keys(token, namespace)
+    return k.server_public, k.client_public, k.client_secret
+
+
+async def _addresses(proc: subprocess.Popen[str], count: int) -> list[str]:
+    """The addresses ``kvpool events`` says it bound, in the order it says them (its first ``count`` lines)."""
+    lines: list[str] = []
+    async with asyncio.timeout(60):
+        while len(lines) < count:
+            line = await asyncio.to_thread(proc.stdout.readline)  # type: ignore[union-attr]
+            assert line, f"kvpool events ended: {proc.stderr.read() if proc.stderr else ''}"
+            lines.append(line.strip())
+    return [line.rsplit(" on ", 1)[1] for line in lines]
+
+
+async def test_during_a_tenants_rotation_kvpool_events_serves_holders_of_either_of_its_tokens(
+    node_factory, pool_url, tmp_path
+):
+    old, new = "alice-old-token-0123456789abcdef01234567", "alice-new-token-0123456789abcdef01234567"
+    bob_token = "bob-token-0123456789abcdef0123456789abcd"
+    tenants = tmp_path / "tenants"
+    tenants.mkdir()
+    for name, token in (("alice", old), ("alice.next", new), ("bob", bob_token)):
+        _secret_file(tenants / name, token)
+    node_factory(*RING, "--tenant-tokens", str(tenants), env={"KVPOOL_TOKEN": TOKEN})  # takes both alice tokens
+    here = tmp_path / "events"
+    here.mkdir()
+    anywhere = "tcp://127.0.0.1:*"
+    tokens = ("--tenant-token-file", _secret_file(here / "alice", old))
+    tokens += ("--tenant-token-file-next", _secret_file(here / "alice.next", new))
+    sockets = ("--publish", anywhere, "--replay", anywhere, "--publish-next", anywhere, "--replay-next", anywhere)
+    verb = ("events", "--url", pool_url, "--model", MODEL, "--poll-interval-s", "0.05", "--tenant", "alice")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backend.cli", *verb, *tokens, *sockets],
+        cwd=REPO,
+        env={**os.environ, "KVPOOL_TOKEN": TOKEN},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    ctx = zmq.asyncio.Context()
+    subs: dict[str, vllm_events.Subscriber] = {}
+    try:
+        publish, replay, publish_next, replay_next = await _addresses(proc, 4)
+        namespace = config(pool_url).namespace
+        topic = f"kv@kvpool-{namespace}-alice@{MODEL}".encode()
+        for who, address, replayed, token in (
+            ("old", publish, replay, old),
+            ("new", publish_next, replay_next, new),
+            ("new on the old socket", publish, None, new),
+            ("bob on the next socket", publish_next, None, bob_token),
+        ):
+            subs[who] = vllm_events.Subscriber(ctx, address, replayed, topic, _curve(token, namespace))
+        await joined(subs["old"])
+        await joined(subs["new"])
+        engines = [
+            PoolClient(PoolConfig.from_url(pool_url + "?tenant=alice", {"KVPOOL_TOKEN": old})),  # not moved yet
+            PoolClient(PoolConfig.from_url(pool_url + "?tenant=alice", {"KVPOOL_TOKEN": new})),  # moved
+            PoolClient(PoolConfig.from_url(pool_url + "?tenant=bob", {"KVPOOL_TOKEN": bob_token})),
+        ]
+        puts = [chunks(0, 3), chunks(10, 3), chunks(20, 2)]
+        for engine, chunk_list in zip(engines, puts):
+            async with engine:
+                await engine.put(chunk_list)
+        want = {block_of(c.key).block_hash for c in puts[0] + puts[1]}  # type: ignore[union-attr]
+
+        async def settled() -> bool:
+            await subs["old"].drain()
+            await subs["new"].drain()
+            return subs["old"].mirror.blocks == want and subs["new"].mirror.blocks == want
+
+        await until(settled, timeout_s=15.0)
+        assert subs["old"].mirror.last_seq == subs["new"].mirror.last_seq  # the same batches on both tokens' sockets
+        # Each socket admits its own token's holders only: the next token on the old one, bob's on the next one.
+        assert await subs["new on the old socket"].sub.poll(500) == 0
+        assert await subs["bob on the next socket"].sub.poll(500) == 0
+    finally:
+        for sub in subs.values():
+            sub.close()
+        ctx.destroy(linger=0)
+        proc.terminate()
+        proc.wait(timeout=30)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_a_next_token_is_the_subscribers_next_token_and_kvpool_events_refuses_the_other_naming_the_flag(
+    pool_url, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("KVPOOL_TOKEN", TOKEN)  # the URL's pool token, which reads the nodes
+    alice = _secret_file(tmp_path / "alice", "alice-old-token-0123456789abcdef01234567")
+    alice_next = _secret_file(tmp_path / "alice.next", "alice-new-token-0123456789abcdef01234567")
+    pool = _secret_file(tmp_path / "pool", TOKEN)
+    base = ("events", "--url", pool_url, "--model", MODEL, "--publish-next", "tcp://127.0.0.1:*")
+    tenant = ("--tenant", "alice", "--tenant-token-file", alice)
+    cases = [
+        ((*base, "--tenant-token-file-next", alice_next), "--tenant-token-file-next: a tenant's next token needs"),
+        ((*base, *tenant, "--token-file-next", alice_next), "--token-file-next: the subscribers of tenant alice's"),
+        ((*base, *tenant, "--tenant-token-file-next", pool), "--tenant-token-file-next: the tenant's next token is"),
+        ((*base, *tenant, "--tenant-token-file-next", alice), "--tenant-token-file-next: the next token is the"),
+    ]
+    for args, said in cases:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(list(args))
+        assert code == EXIT_USAGE and said in err.getvalue(), (args, err.getvalue())
 
 
 def test_a_tenants_endpoint_needs_that_tenants_own_token(pool_url):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from backend.cli.exits import EXIT_OK
 from backend.cli.options import add_url_option, pool_config
 from backend.config.values import check_token, read_secret_file
+from backend.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,15 @@ def add_verbs(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--token-file-next",
         default="",
         metavar="PATH",
-        help="during a rotation: the next token, whose holders subscribe on --publish-next (and --replay-next)",
+        help="during a rotation of the pool token: the next token, whose holders subscribe on --publish-next (and "
+        "--replay-next); a tenant's endpoint takes --tenant-token-file-next instead",
+    )
+    events.add_argument(
+        "--tenant-token-file-next",
+        default="",
+        metavar="PATH",
+        help="during a rotation of --tenant's token: its next token (DIR/NAME.next on the nodes), whose holders "
+        "subscribe on --publish-next (and --replay-next)",
     )
     events.add_argument("--publish-next", metavar="ADDR", help="ZMQ PUB address for the next token's subscribers")
     events.add_argument("--replay-next", metavar="ADDR", help="ZMQ ROUTER address for the next token's replays")
@@ -90,6 +99,22 @@ def add_verbs(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         metavar="N",
         help="the batches' data_parallel_rank (default %(default)s)",
     )
+
+
+def _next_token_file(args: argparse.Namespace) -> tuple[str, str]:
+    """The flag and file of the subscribers' next token during a rotation ("" for none): the pool's for an endpoint
+    of no tenant, the tenant's for one of ``--tenant`` (its subscribers hold the tenant's token)."""
+    if args.tenant:
+        if args.token_file_next:
+            raise ConfigError(
+                "--token-file-next",
+                f"the subscribers of tenant {args.tenant}'s endpoint hold its token, not the pool's: give its next "
+                "token as --tenant-token-file-next",
+            )
+        return "--tenant-token-file-next", args.tenant_token_file_next
+    if args.tenant_token_file_next:
+        raise ConfigError("--tenant-token-file-next", "a tenant's next token needs that tenant's endpoint (--tenant)")
+    return "--token-file-next", args.token_file_next
 
 
 def cmd_events(args: argparse.Namespace) -> int:
@@ -116,9 +141,10 @@ def cmd_events(args: argparse.Namespace) -> int:
         tenant_token = read_secret_file(args.tenant_token_file, "--tenant-token-file")
         check_token(tenant_token, "--tenant-token-file", args.tenant_token_file)
     next_token = ""
-    if args.token_file_next:
-        next_token = read_secret_file(args.token_file_next, "--token-file-next")
-        check_token(next_token, "--token-file-next", args.token_file_next)
+    next_flag, next_file = _next_token_file(args)
+    if next_file:
+        next_token = read_secret_file(next_file, next_flag)
+        check_token(next_token, next_flag, next_file)
     endpoint = EventsEndpoint(pool_config(args), config, tenant_token, next_token)
 
     async def serve() -> None:

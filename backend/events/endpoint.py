@@ -25,9 +25,9 @@ blocks (its keys ``~t/NAME/KEY``, as the tenant's engines name them: ``KEY``), a
 CURVE keys from that tenant's token instead: a subscriber holding tenant A's token is admitted
 by A's endpoint only, and no endpoint publishes another tenant's blocks to it. The endpoint still
 reads the nodes with the pool token (a tenant's token may not read their rings). An endpoint of
-no tenant publishes the keys of no tenant. During a rotation a second token's holders subscribe
-on their own sockets (``publish_next``, ``replay_next``: a CURVE server has one key pair), which
-carry the same batches.
+no tenant publishes the keys of no tenant. During a rotation of the subscribers' token (the pool's,
+or a tenant endpoint's tenant's) the next token's holders subscribe on their own sockets
+(``publish_next``, ``replay_next``: a CURVE server has one key pair), which carry the same batches.
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ class EventsEndpoint:
 
     def __init__(self, pool: PoolConfig, config: EndpointConfig, tenant_token: str = "", next_token: str = "") -> None:
         """``tenant_token``: with ``config.tenant``, that tenant's token (its subscribers' CURVE keys).
-        ``next_token``: during a rotation, the token whose holders subscribe on ``config.publish_next``."""
+        ``next_token``: during a rotation of the subscribers' token (the pool's, or with ``config.tenant`` the
+        tenant's), the next one, whose holders subscribe on ``config.publish_next``."""
         if not pool.token:
             raise ConfigError("token", "the events endpoint needs the pool token: events say what the pool holds")
         if bool(config.tenant) != bool(tenant_token):
@@ -159,8 +160,11 @@ class EventsEndpoint:
             raise ConfigError(
                 "--publish-next", "a second token's subscribers need their own address: give both or neither"
             )
+        next_flag = "--tenant-token-file-next" if config.tenant else "--token-file-next"
         if next_token and next_token == (tenant_token or pool.token):
-            raise ConfigError("--token-file-next", "the next token is the current one")
+            raise ConfigError(next_flag, "the next token is the current one")
+        if next_token and config.tenant and next_token == pool.token:
+            raise ConfigError(next_flag, "the tenant's next token is the pool token: give the tenant's own")
         self._keys = curve_keys(tenant_token or pool.token, pool.namespace)
         # A CURVE server has one key pair, derived from one token: the next token's holders get their own sockets.
         self._next_keys = curve_keys(next_token, pool.namespace) if next_token else None
