@@ -29,7 +29,7 @@ from typing import Any
 
 from backend.admin import DEFAULT_PIN_OWNER, UnpinReport, pin, unpin
 from backend.client import PoolClient
-from backend.errors import ConfigError
+from backend.errors import ConfigError, NodeUnavailable
 from backend.tenants import check_tenant, scoped
 
 __all__ = [
@@ -112,8 +112,7 @@ async def prompt_tenant(client: PoolClient, named: str | None, default: str = ""
             f"this client is tenant {url_tenant}'s (tenant={url_tenant} in its pool URL, no tenant_tag): every key "
             f"it names is {url_tenant}'s, so it cannot pin tenant {named}'s chunks",
         )
-    live = await client.nodes(refresh=False) if client.config.token else []
-    bound = await client.node_admin.bound_tenant(live[0]) if live else None
+    bound = await _bound_tenant(client)
     if bound is not None:
         raise ConfigError(
             "tenant",
@@ -121,6 +120,19 @@ async def prompt_tenant(client: PoolClient, named: str | None, default: str = ""
             f"({url_tenant or 'none'}), not tenant {named}'s (the nodes would refuse them)",
         )
     return named
+
+
+async def _bound_tenant(client: PoolClient) -> str | None:
+    """The tenant whose token ``client``'s connections proved, as the first live node that answers says (None: the
+    pool token, no token, or no node answered, when the pin cannot reach a node either)."""
+    if not client.config.token:
+        return None
+    for node in await client.nodes(refresh=False):
+        try:
+            return await client.node_admin.bound_tenant(node)
+        except NodeUnavailable:
+            continue
+    return None
 
 
 def _named(client: PoolClient, tenant: str, keys: Sequence[str]) -> list[str]:
