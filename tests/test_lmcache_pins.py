@@ -19,7 +19,7 @@ import yaml
 
 from backend import admin
 from backend.cli.exits import EXIT_USAGE
-from backend.errors import ConfigError, KVPoolError
+from backend.errors import ConfigError
 from backend.tenants import scoped
 from bench.lmcache_stack import kvpool_lmcache_config
 from kvpool import PoolClient, PoolConfig
@@ -213,8 +213,9 @@ def test_pinning_a_prompt_the_pool_does_not_hold_is_refused_naming_the_tokens(no
         conn.pin_prompt_sync(list(range(CHUNK_TOKENS - 1)))  # under one chunk: LMCache keys none
     keys = _lmcache_keys(stack, _tokens(7, 1))
     _store(stack, keys, 0)
-    with pytest.raises(KVPoolError, match="over this node's cap"):
-        conn.pin_prompt_sync(_tokens(7, 1), ttl_s=10**7)  # over the node's --pin-ttl-max-s
+    with pytest.raises(ConfigError, match=r"--ttl: node .* ttl_s 1e\+07 s is over this node's cap of 86400 s"):
+        conn.pin_prompt_sync(_tokens(7, 1), ttl_s=10**7)  # over the node's --pin-ttl-max-s: bad input, nothing pinned
+    assert conn.pin_prompt_sync(_tokens(7, 1), ttl_s=60).pinned_chunks == 1  # and the connector goes on
 
 
 def test_kvpool_pin_tokens_file_pins_the_prompt_an_engine_of_that_lmcache_config_stored(

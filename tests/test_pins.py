@@ -22,10 +22,12 @@ from backend.node.leases import LeaseTable
 from backend.node.pins import PinOwner, PinTtl
 from backend.protocol import (
     PinRequest,
+    Status,
     decode_pin_request,
     decode_pins_request,
     encode_pin_request,
     encode_pins_request,
+    status_for_error,
 )
 from kvpool import CapacityError, PoolClient, PoolConfig
 from tests.support.chunks import numbered_chunks
@@ -110,6 +112,22 @@ async def test_a_node_full_of_pins_answers_puts_with_no_room(node_factory, pool_
         assert await _held(client, [c.key for c in chunks]) == [True] * 8
 
 
+async def test_a_ttl_one_node_refuses_pins_nothing_on_any_node(node_factory, pool_url):
+    node_factory("--pin-ttl-max-s", "100000", "--node-id", "lenient")
+    async with PoolClient(PoolConfig.from_url(pool_url)) as client:
+        only, both = numbered_chunks("caps", 2, CHUNK)
+        await client.put([only])  # on "lenient" alone: it comes first among the holders
+    node_factory("--pin-ttl-max-s", "3600", "--node-id", "strict")
+    async with PoolClient(PoolConfig.from_url(pool_url + "?replicas=2")) as client:
+        await client.put([both])
+        assert {loc.node_id for loc in (await client.index.lookup([both.key]))[0]} == {"lenient", "strict"}
+        with pytest.raises(ConfigError, match=r"--ttl: node strict .* ttl_s 7200 s is over this node's cap of 3600 s"):
+            await admin.pin(client, [only.key, both.key], owner="ops", ttl_s=7200)
+        assert await admin.list_pins(client) == []  # what "lenient" had pinned was let go again
+        report = await admin.pin(client, [only.key, both.key], owner="ops", ttl_s=600)  # the connection is back
+        assert (report.keys, report.copies, report.nodes) == (2, 3, ("lenient", "strict"))
+
+
 async def test_pins_and_their_chunks_survive_a_node_restart_with_nvme(node_factory, pool_url, tmp_path):
     args = ("--nvme-dir", str(tmp_path / "nvme"), "--nvme", "64MiB", "--node-id", "pinned-node")
     node = node_factory(*args, dram="1MiB")
@@ -188,12 +206,22 @@ def test_the_pin_verbs_output_and_exit_codes(node_factory, pool_url):
     assert 100 < row["expires_in_s"] <= 120
     assert chunk.key in kvpool("pins", env=env).stdout
 
-    over = kvpool("pin", chunk.key, "--ttl", "7200", env=env)
-    assert over.returncode == 1 and "over this node's cap of 3600 s" in over.stderr
-    forever = kvpool("pin", chunk.key, "--ttl", "0", env=env)
-    assert forever.returncode == 1 and "0 (no expiry) is over this node's cap" in forever.stderr
+    # A ttl the node refuses is bad input: a usage error naming the ttl and the cap, and nothing pinned.
+    over = kvpool("pin", chunk.key, "--ttl", "7200", "--owner", "ops", env=env)
+    assert over.returncode == 2, over.stderr
+    assert "--ttl: node " in over.stderr and "ttl_s 7200 s is over this node's cap of 3600 s" in over.stderr
+    assert "INTERNAL" not in over.stderr and "Traceback" not in over.stderr
+    forever = kvpool("pin", chunk.key, "--ttl", "0", "--owner", "ops", env=env)
+    assert forever.returncode == 2 and "ttl_s 0 (no expiry) is over this node's cap of 3600 s" in forever.stderr
+    (row,) = json.loads(kvpool("pins", "--json", env=env).stdout)
+    assert (row["owner"], row["refs"]) == ("ops", 1)  # the first pin only: the refused ones took nothing
     negative = kvpool("pin", chunk.key, "--ttl", "-5", env=env)
     assert negative.returncode == 2 and "--ttl: -5 is not a number of seconds >= 0" in negative.stderr
+    for bad_owner in ("", "x" * 129, "o p"):
+        owner = kvpool("pin", chunk.key, "--owner", bad_owner, env=env)
+        assert owner.returncode == 2 and "--owner: pin owner" in owner.stderr, (bad_owner, owner.stderr)
+    empty = kvpool("pin", "--prefix", "", env=env)
+    assert empty.returncode == 2 and "--prefix: is empty" in empty.stderr
     unknown = kvpool("pin", "no-such-key", env=env)
     assert unknown.returncode == 2 and "'no-such-key' is not held by any live node" in unknown.stderr
     none = kvpool("pin", "--prefix", "zzz", env=env)
@@ -209,12 +237,14 @@ def test_the_pin_verbs_output_and_exit_codes(node_factory, pool_url):
 def test_pin_ttl_rules_name_what_is_wrong():
     capped = PinTtl(default_s=1800, max_s=86400)
     assert capped.applied(None) == 1800 and capped.applied(5) == 5
-    with pytest.raises(ConfigError, match="over this node's cap of 86400 s"):
+    # Bad input, refused at protocol level (a PROTOCOL error frame), never a node failure (INTERNAL).
+    with pytest.raises(ProtocolError, match="ttl_s 86401 s is over this node's cap of 86400 s"):
         capped.applied(86401)
-    with pytest.raises(ConfigError, match="0 \\(no expiry\\) is over this node's cap"):
+    with pytest.raises(ProtocolError, match="ttl_s 0 \\(no expiry\\) is over this node's cap of 86400 s"):
         capped.applied(0)
-    with pytest.raises(ConfigError, match="-1 s is negative"):
+    with pytest.raises(ProtocolError, match="ttl_s -1 is not a number of seconds >= 0"):
         capped.applied(-1)
+    assert status_for_error(ProtocolError("x")) == Status.PROTOCOL
     assert PinTtl(default_s=0, max_s=0).applied(None) == math.inf
 
 

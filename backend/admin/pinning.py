@@ -10,6 +10,7 @@ never evicts it (docs/fleet.md, "Tenants and quotas").
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -23,6 +24,8 @@ from backend.metadata import NodeInfo
 from backend.protocol import PinRequest, PinRow, check_owner
 
 __all__ = ["DEFAULT_PIN_OWNER", "NodePin", "PinReport", "UnpinReport", "pin", "unpin", "list_pins"]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PIN_OWNER = "default"
 PIN_BATCH = 1000  # keys per PIN or UNPIN request
@@ -68,6 +71,8 @@ class NodePin:
 
 
 def _check(keys: Sequence[str], prefix: str | None, owner: str, ttl_s: float | None = None) -> None:
+    if prefix == "" and not keys:
+        raise ConfigError("--prefix", "is empty, which would name every key: give a prefix, or name the keys")
     if bool(keys) == bool(prefix):
         raise ConfigError("KEY", "name keys, or --prefix P, not both and not neither")
     try:
@@ -93,7 +98,8 @@ async def pin(
     """Pin ``keys`` (or every key the index holds now that starts with ``prefix``) on every node holding a copy.
 
     ConfigError, before anything is pinned, for a key the index does not know or a prefix that names none;
-    a node that refuses the ttl (over its cap) fails the verb with its reason.
+    also ConfigError for a ttl a node refuses (over its cap), after the pins this call took on other nodes
+    are let go again: nothing pinned.
     """
     _check(keys, prefix, owner, ttl_s)
     wanted = list(dict.fromkeys(keys))
@@ -114,6 +120,7 @@ async def pin(
             holders[node_id].append(key)
     ttl: float | None = None
     copies = 0
+    taken: list[tuple[NodeInfo, list[str]]] = []  # the batches pinned so far, let go again if a node refuses the ttl
     for node_id, node_keys in holders.items():
         node = live[node_id]
         for start in range(0, len(node_keys), PIN_BATCH):
@@ -122,6 +129,13 @@ async def pin(
                 held, ttl = await client.node_admin.pin(node, PinRequest(owner, tuple(batch), ttl_s))
             except AuthError as exc:
                 raise refusal(node, exc) from None
+            except ProtocolError as exc:
+                if ttl_s is None:  # the node's own default ttl is within its cap: not a refusal of ours
+                    raise ProtocolError(f"node {node_id} ({node.address}) refused the pin: {exc}") from None
+                # The request passed this side's checks (owner, keys, ttl >= 0): the node refused the ttl.
+                await _let_go(client, owner, taken)
+                text = str(exc).removeprefix("node: ")
+                raise ConfigError("--ttl", f"node {node_id} ({node.address}) refused the pin: {text}") from None
             except KVPoolError as exc:
                 raise type(exc)(f"node {node_id} ({node.address}) refused the pin: {exc}") from None
             gone = [key for key, h in zip(batch, held) if not h]
@@ -133,7 +147,23 @@ async def pin(
                     "or before; `kvpool pins` lists them)"
                 )
             copies += len(batch)
+            taken.append((node, batch))
     return PinReport(owner, len(wanted), copies, tuple(sorted(holders)), ttl)
+
+
+async def _let_go(client: PoolClient, owner: str, taken: Sequence[tuple[NodeInfo, list[str]]]) -> None:
+    """Unpin what this call pinned before a node refused it (``owner``'s newest pin of each key: this call's)."""
+    for node, batch in taken:
+        try:
+            await _unpin_batch(client, node, owner, batch)
+        except KVPoolError as exc:
+            logger.warning(
+                "%d keys stay pinned on node %s for owner %s (`kvpool unpin` lets go of them): %s",
+                len(batch),
+                node.node_id,
+                owner,
+                exc,
+            )
 
 
 async def unpin(
@@ -155,13 +185,17 @@ async def unpin(
         node = live[node_id]
         for start in range(0, len(node_keys), PIN_BATCH):
             batch = node_keys[start : start + PIN_BATCH]
-            try:
-                flags = await client.node_admin.unpin(node, owner, batch)
-            except AuthError as exc:
-                raise refusal(node, exc) from None
+            flags = await _unpin_batch(client, node, owner, batch)
             done.update(key for key, flag in zip(batch, flags) if flag)
     asked = list(dict.fromkeys(keys)) if keys else sorted({k for ks in per_node.values() for k in ks})
     return UnpinReport(owner, len(done), tuple(key for key in asked if key not in done))
+
+
+async def _unpin_batch(client: PoolClient, node: NodeInfo, owner: str, batch: Sequence[str]) -> list[bool]:
+    try:
+        return await client.node_admin.unpin(node, owner, batch)
+    except AuthError as exc:
+        raise refusal(node, exc) from None
 
 
 async def _pins_of(client: PoolClient, node: NodeInfo, prefix: str) -> list[PinRow]:

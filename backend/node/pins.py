@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from backend.errors import CapacityError, ConfigError, KVPoolError
+from backend.errors import CapacityError, KVPoolError, ProtocolError
 from backend.node.bookkeeping import IN_DRAM, NO_SLOT, ON_NVME, ChunkTable
 from backend.node.leases import LeaseTable
 from backend.protocol import PinPage, PinRequest, PinRow
@@ -62,18 +62,25 @@ class PinTtl:
     max_s: float
 
     def applied(self, ttl_s: float | None) -> float:
-        """The ttl a PIN of ``ttl_s`` gets (``math.inf``: no expiry); ConfigError naming what is wrong."""
+        """The ttl a PIN of ``ttl_s`` gets (``math.inf``: no expiry).
+
+        A ttl this node refuses is bad input, not a node failure: ProtocolError (a ``PROTOCOL`` error frame, as
+        LEASE answers a ttl_ms over its cap) naming the ttl asked for and the cap, raised before anything is
+        pinned."""
         ttl = self.default_s if ttl_s is None else ttl_s
-        if ttl < 0:
-            raise ConfigError("ttl", f"{ttl:g} s is negative")
+        if not ttl >= 0:  # (NaN too; the codec refuses both before this)
+            raise ProtocolError(f"PIN ttl_s {ttl:g} is not a number of seconds >= 0")
         if ttl == 0:
             if self.max_s:
-                raise ConfigError(
-                    "ttl", f"0 (no expiry) is over this node's cap of {self.max_s:g} s (--pin-ttl-max-s; 0: no cap)"
+                raise ProtocolError(
+                    f"PIN ttl_s 0 (no expiry) is over this node's cap of {self.max_s:g} s (--pin-ttl-max-s; "
+                    "0: no cap): nothing pinned"
                 )
             return math.inf
         if self.max_s and ttl > self.max_s:
-            raise ConfigError("ttl", f"{ttl:g} s is over this node's cap of {self.max_s:g} s (--pin-ttl-max-s)")
+            raise ProtocolError(
+                f"PIN ttl_s {ttl:g} s is over this node's cap of {self.max_s:g} s (--pin-ttl-max-s): nothing pinned"
+            )
         return ttl
 
 
@@ -100,7 +107,7 @@ class PinBook:
         """Pin ``request.keys`` for its owner; ``(held per key, the ttl applied or None for none)``.
 
         All or nothing: if a key is not held here, nothing is pinned (its flag says which).
-        ConfigError for a ttl the node's settings refuse; KVPoolError when the pin could not be saved.
+        ProtocolError for a ttl the node's settings refuse; KVPoolError when the pin could not be saved.
         """
         ttl = self.ttl.applied(request.ttl_s)
         held = [key in self.table for key in request.keys]
