@@ -9,6 +9,7 @@ is answered in the older form, a chunk of any layout as not found.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import random
 from pathlib import Path
@@ -236,6 +237,76 @@ def test_the_fingerprint_survives_a_node_restart_from_its_nvme_tier(node_factory
         got = client.get(recovered, fingerprint=F)
         assert [bytes(g.data) for g in got] == [by_key[k] for k in recovered]
         assert set(recovered) <= set(keys)
+
+
+async def test_every_tier_asks_one_rule_whether_a_copy_is_the_same_chunk(tmp_path: Path):
+    """The table, DRAM, the manager and the demoter agree (``backend/node/same_chunk.py``): equal bytes under
+    another fingerprint are another chunk, and the file a pin gets is of the DRAM chunk's fingerprint."""
+    from backend.node.dram import StoredChunk
+    from backend.node.same_chunk import same_meta
+    from backend.node.tiers import TierConfig, TierManager
+    from backend.protocol import checksum
+
+    data = _data(4)
+    stored_f = ItemMeta("k", len(data), checksum(data), "uint8", (len(data),), 0, F)
+    as_g = dataclasses.replace(stored_f, fingerprint=G)
+    tiers = TierManager(TierConfig(dram_bytes=1 << 20, nvme_dir=tmp_path, nvme_bytes=1 << 20))
+    try:
+        await tiers.reserve(tiers.room_of(len(data)))
+        tiers.insert(StoredChunk(stored_f, bytearray(data)))
+        slot = tiers.table.slot("k")
+        for fingerprint, same in ((F, True), (G, False), (0, False)):
+            assert tiers.holds("k", stored_f.checksum, fingerprint) is same
+            assert tiers.dram.holds("k", stored_f.checksum, fingerprint) is same
+        assert tiers.table.same_bytes(slot, stored_f) and not tiers.table.same_bytes(slot, as_g)
+        assert same_meta(stored_f, stored_f) and not same_meta(stored_f, as_g)
+        await tiers.demoter.save_copy("k")
+        (path,) = (tmp_path / CHUNKS_DIR).rglob("*.safetensors")
+        assert read_header(path).meta.fingerprint == F and tiers.tier_of("k") == "dram"
+    finally:
+        await tiers.close()
+
+
+@pytest.mark.parametrize("demoted_by", ["pressure", "pin"])
+def test_a_chunk_put_again_with_another_fingerprint_is_that_one_on_disk_after_a_restart(
+    node_factory, pool_url, tmp_path: Path, demoted_by: str
+):
+    """The same bytes under one key, put with F, on disk, read back into DRAM (the file stays), then put with G:
+    the copy that outlives a restart is G's (its header says G), never the earlier file taken as the same chunk
+    because its bytes match."""
+    from backend import admin
+
+    nvme = tmp_path / "nvme"
+    args = ("--node-id", "disk", "--nvme-dir", str(nvme), "--nvme", "64MiB")
+    node = node_factory(*args, dram="1MiB")
+    same = _data(9, 128 * KIB)
+    filler = [Chunk(f"filler@{i}", _data(100 + i, 128 * KIB)) for i in range(24)]  # 3 MiB through 1 MiB of DRAM
+    on_disk = nvme / CHUNKS_DIR
+
+    def headers() -> list[int]:
+        return [
+            read_header(p).meta.fingerprint for p in on_disk.rglob("*.safetensors") if read_header(p).meta.key == "same"
+        ]
+
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        client.put([Chunk("same", same, fingerprint=F)])
+        for chunk in filler[:10]:
+            client.put([chunk])
+        assert wait_until(lambda: headers() == [F], 10.0)  # demoted with F
+        assert [bytes(g.data) for g in client.get(["same"], fingerprint=F)] == [same]  # promoted; the file stays
+        client.put([Chunk("same", same, fingerprint=G)])
+        if demoted_by == "pin":  # a pinned DRAM chunk gets its file at once (Demoter.save_copy)
+            client._call(admin.pin(client._client, ["same"], ttl_s=600))
+        else:  # 14 chunks after it, 1.75 MiB: more than DRAM holds, so it goes to disk whatever the demoter's pace
+            for chunk in filler[10:]:
+                client.put([chunk])
+        assert wait_until(lambda: headers() == [G], 10.0)
+    node.kill()
+    node_factory(*args, dram="1MiB")
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        assert wait_recovered(client)
+        assert client.get(["same"], fingerprint=F) == [None]
+        assert [bytes(g.data) for g in client.get(["same"], fingerprint=G)] == [same]
 
 
 def test_drain_moves_a_chunk_with_its_fingerprint(node_factory, pool_url):

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from backend.node.columns import column, grown
 from backend.node.eviction import EvictionOrder
 from backend.node.keys import NO_SLOT, KeyIndex, SortedKeys
+from backend.node.same_chunk import slot_holds
 from backend.protocol import ItemMeta
 from backend.tenants import tenant_of
 
@@ -209,12 +210,8 @@ class ChunkTable:
         return self.meta(slot), DRAM if self.where[slot] & IN_DRAM else NVME
 
     def same_bytes(self, slot: int, meta: ItemMeta) -> bool:
-        """Whether ``slot`` holds ``meta``'s chunk: its bytes, stored with its layout fingerprint."""
-        return (
-            self.checksum[slot] == meta.checksum
-            and self.nbytes[slot] == meta.nbytes
-            and self.fingerprint(slot) == meta.fingerprint
-        )
+        """Whether ``slot`` holds ``meta``'s chunk: its bytes, stored with its layout fingerprint (``same_chunk``)."""
+        return slot_holds(self, slot, meta.checksum, meta.fingerprint)
 
     def enter(self, meta: ItemMeta, tier: int) -> int:
         """``meta``'s chunk entered ``tier``: its slot (new, or the key's, whose fields now describe ``meta``)."""

@@ -22,6 +22,7 @@ from backend.node.bookkeeping import NVME, IndexChanges
 from backend.node.dram import DramTier, StoredChunk
 from backend.node.nvme_format import NvmeFile
 from backend.node.nvme_tier import NvmeTier
+from backend.node.same_chunk import same_meta
 
 __all__ = ["Demoter"]
 
@@ -103,7 +104,7 @@ class Demoter:
             self.evict(key, chunk)
             return
         record = self.nvme.record(key)
-        if record is None or record.meta.checksum != chunk.meta.checksum:
+        if record is None or not same_meta(record.meta, chunk.meta):
             try:
                 written = await self._write(chunk)
             except CapacityError:
@@ -129,7 +130,7 @@ class Demoter:
         async with self.lock:
             chunk = self.dram.peek(key)
             record = self.nvme.record(key)
-            if chunk is not None and (record is None or record.meta.checksum != chunk.meta.checksum):
+            if chunk is not None and (record is None or not same_meta(record.meta, chunk.meta)):
                 await self._write(chunk)
 
     def evict(self, key: str, chunk: StoredChunk | None = None) -> None:

@@ -11,6 +11,7 @@ from backend.node.bookkeeping import IN_DRAM, NO_SLOT, PINNED, ChunkTable
 from backend.node.buffers import ChunkBuffer
 from backend.node.columns import column, grown
 from backend.node.eviction import EvictionOrder, LruOrder
+from backend.node.same_chunk import slot_holds
 from backend.protocol import ItemMeta
 
 __all__ = ["DramTier", "StoredChunk"]
@@ -126,8 +127,7 @@ class DramTier:
 
     def holds(self, key: str, checksum: int, fingerprint: int) -> bool:
         """Whether ``key`` is here with these bytes, stored with this layout fingerprint."""
-        slot = self._slot(key)
-        return slot != NO_SLOT and self.table.checksum[slot] == checksum and self.table.fingerprint(slot) == fingerprint
+        return slot_holds(self.table, self._slot(key), checksum, fingerprint)
 
     def peek(self, key: str) -> StoredChunk | None:
         """The chunk for ``key`` without touching its recency."""

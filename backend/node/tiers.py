@@ -41,7 +41,7 @@ from pathlib import Path
 from backend.counters import NodeCounter
 from backend.errors import BusyError, CapacityError, IntegrityError
 from backend.node.arena import Arena, PrivateArena, ShmArena, remove_stale_arenas, room_of
-from backend.node.bookkeeping import DRAM, NO_SLOT, NVME, ChunkTable, IndexChanges
+from backend.node.bookkeeping import DRAM, NVME, ChunkTable, IndexChanges
 from backend.node.buffers import BufferFactory, ChunkBuffer
 from backend.node.demotion import Demoter
 from backend.node.dram import DramTier, StoredChunk
@@ -51,6 +51,7 @@ from backend.node.leases import LeaseTable
 from backend.node.nvme_format import NvmeFile
 from backend.node.nvme_tier import NvmeTier
 from backend.node.quotas import TenantQuotas
+from backend.node.same_chunk import same_meta, slot_holds
 from backend.protocol import NO_FINGERPRINT, ItemMeta, TierReport, checksum
 
 __all__ = ["TierConfig", "TierManager", "DRAM", "NVME"]
@@ -270,7 +271,7 @@ class TierManager:
         bytes is dropped first. A put's chunk is not moved until the put settles it (``settle``)."""
         if self.nvme is not None:
             old = self.nvme.record(chunk.meta.key)
-            if old is not None and not _same_chunk(old.meta, chunk.meta):
+            if old is not None and not same_meta(old.meta, chunk.meta):
                 self.nvme.forget(old)
         self.dram.insert(chunk, put_id)
         if self.recovering is not None:
@@ -285,8 +286,7 @@ class TierManager:
 
     def holds(self, key: str, item_checksum: int, fingerprint: int = NO_FINGERPRINT) -> bool:
         """Whether this node holds ``key`` with these bytes and layout fingerprint (DRAM or NVMe: both the same)."""
-        slot, table = self.table.slot(key), self.table
-        return slot != NO_SLOT and table.checksum[slot] == item_checksum and table.fingerprint(slot) == fingerprint
+        return slot_holds(self.table, self.table.slot(key), item_checksum, fingerprint)
 
     async def discard(self, chunk: StoredChunk) -> None:
         """Undo ``insert`` (the put was not committed), unless the key was replaced since."""
@@ -296,7 +296,7 @@ class TierManager:
         elif key in self.dram:
             return  # a newer put of the key owns it now
         record = self.nvme.record(key) if self.nvme is not None else None
-        if record is not None and _same_chunk(record.meta, chunk.meta):
+        if record is not None and same_meta(record.meta, chunk.meta):
             assert self.nvme is not None
             self.nvme.remove(key)
             await self.nvme.unlink(record.path)
@@ -410,8 +410,3 @@ def _open_arena(config: TierConfig) -> Arena | None:
     except OSError as exc:
         logger.warning("no private arena of %d bytes (%s): each chunk is a buffer of its own", size, exc.strerror)
         return None
-
-
-def _same_chunk(a: ItemMeta, b: ItemMeta) -> bool:
-    """Whether two copies of one key are the same chunk: the same bytes, stored with the same layout fingerprint."""
-    return a.checksum == b.checksum and a.fingerprint == b.fingerprint
