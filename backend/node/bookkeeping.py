@@ -251,8 +251,12 @@ class ChunkTable:
         """The keys of one batch (a get, a lease, a lookup's touch: ``read``; or a put), in prefix order, were
         used: each tier's order hears of those it holds, as one chain (``EvictionOrder.touch_chain``). Keys not
         held are skipped: the chain a node keeps is the part of the batch it holds."""
+        held = [s for s in map(self._index.get, keys) if s != NO_SLOT]  # each key looked up once, for every tier
+        if not held:
+            return
+        where = self.where
         for tier, order in self.orders.items():
-            slots = [s for s in map(self._index.get, keys) if s != NO_SLOT and self.where[s] & tier]
+            slots = [s for s in held if where[s] & tier]
             if slots:
                 order.touch_chain(slots, read)
 
