@@ -181,6 +181,59 @@ def test_prefix_remembers_refused_keys_in_fixed_bytes():
     assert all(order.admits(key) for key in refused_first)
 
 
+def _touch_chain_counting_then_touching(order: PrefixOrder, slots: list[int], read: bool) -> None:
+    """PrefixOrder.touch_chain as it was: link, count every read (a move each), then touch tail first (a move
+    each): the order the one-move version must leave, chunk for chunk."""
+    order._link(slots)
+    if read:
+        for slot in slots:
+            order._count_read(slot)
+    for slot in reversed(slots):
+        order.touch(slot)
+    order._named_by_batches(len(slots))
+
+
+def test_prefix_moves_each_chunk_of_a_batch_once_and_leaves_the_order_touching_twice_left():
+    """Random adds, removes, pins, chains with repeats and pinned chunks, reads and puts, agings: the same walk
+    and the same counts as counting the batch first and touching it after."""
+    rng = random.Random(11)
+    fast, slow = PrefixOrder(), PrefixOrder()
+    held: set[int] = set()
+    pinned: set[int] = set()
+    for step in range(30_000):
+        op, slot = rng.random(), rng.randrange(2 * MIN_ITEMS)
+        if slot not in held and slot not in pinned:
+            for order in (fast, slow):
+                order.add(slot)
+            held.add(slot)
+        elif op < 0.1:
+            for order in (fast, slow):
+                order.remove(slot)
+            held.discard(slot)
+            pinned.discard(slot)
+        elif op < 0.15 and slot in held:
+            for order in (fast, slow):
+                order.pin(slot)
+            held.remove(slot)
+            pinned.add(slot)
+        elif op < 0.2 and slot in pinned:
+            for order in (fast, slow):
+                order.unpin(slot)
+            pinned.remove(slot)
+            held.add(slot)
+        else:
+            known = sorted(held | pinned)
+            chain = rng.choices(known, k=rng.randrange(1, 9))  # repeats and pinned chunks included
+            read = op < 0.8
+            fast.touch_chain(chain, read)
+            _touch_chain_counting_then_touching(slow, chain, read)
+        if step % 1000 == 0:
+            assert _order(fast) == _order(slow), step
+    assert fast.agings > 5  # the counts were halved along the way
+    assert _order(fast) == _order(slow)
+    assert [fast.reads(s) for s in range(2 * MIN_ITEMS)] == [slow.reads(s) for s in range(2 * MIN_ITEMS)]
+
+
 @pytest.mark.parametrize("policy", [LruOrder, PrefixRecencyOrder, PrefixOrder])
 def test_an_order_keeps_no_object_per_chunk_and_stays_consistent_under_random_use(policy):
     """Columns only (26 bytes a slot for prefix, 24 for prefix-recency, 8 for LRU); every listed slot walked once,

@@ -377,13 +377,20 @@ class PrefixOrder(PrefixRecencyOrder):
         return which
 
     def touch_chain(self, slots: Sequence[int], read: bool = True) -> None:
-        """Link the batch's chunks as PrefixRecencyOrder does; a read counts once more for each; touch them tail first."""
+        """Link the batch's chunks as PrefixRecencyOrder does; a read counts once more for each; touch them tail first.
+
+        Each listed chunk moves once: out of the list of its count, counted, into the list of its new count as the
+        most recent (counting the whole batch first, then touching it, moved each twice)."""
         self._link(slots)
-        if read:
-            for slot in slots:
-                self._count_read(slot)
+        lists = self._lists
         for slot in reversed(slots):
-            self.touch(slot)
+            listed = lists.listed(slot)
+            if listed:
+                lists.unlink(slot, self._which(slot))
+            if read:
+                self._count_read(slot)  # (not listed now: only its count changes)
+            if listed:
+                lists.append(slot, self._which(slot))
         self._named_by_batches(len(slots))
 
     def coldest(self) -> Iterator[int]:
