@@ -13,9 +13,9 @@ import dataclasses
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from backend.admin.shared import SCAN_BATCH, key_pattern, refusal
 from backend.client import PoolClient
@@ -26,6 +26,7 @@ from backend.protocol import PinRequest, PinRow, check_owner
 __all__ = ["DEFAULT_PIN_OWNER", "NodePin", "PinReport", "UnpinReport", "pin", "unpin", "list_pins"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_PIN_OWNER = "default"
 PIN_BATCH = 1000  # keys per PIN or UNPIN request
@@ -84,7 +85,21 @@ def _check(keys: Sequence[str], prefix: str | None, owner: str, ttl_s: float | N
 
 
 async def _live(client: PoolClient) -> dict[str, NodeInfo]:
-    return {n.node_id: n for n in await client.nodes(refresh=True) if n.alive}
+    return {n.node_id: n for n in await client.nodes(refresh=True)}  # (the registry's view holds live nodes only)
+
+
+async def _ask(node: NodeInfo, answer: Awaitable[T], verb: str | None = None) -> T:
+    """``node``'s answer. Its refusal of this client's token names the node (``refusal``); with ``verb``, so does
+    any other error (the same kind, "node N (ADDRESS) refused the VERB: ...")."""
+    try:
+        return await answer
+    except AuthError as exc:
+        raise refusal(node, exc) from None
+    except KVPoolError as exc:
+        if verb is None:
+            raise
+        text = str(exc).removeprefix("node: ")
+        raise type(exc)(f"node {node.node_id} ({node.address}) refused the {verb}: {text}") from None
 
 
 async def pin(
@@ -126,18 +141,13 @@ async def pin(
         for start in range(0, len(node_keys), PIN_BATCH):
             batch = node_keys[start : start + PIN_BATCH]
             try:
-                held, ttl = await client.node_admin.pin(node, PinRequest(owner, tuple(batch), ttl_s))
-            except AuthError as exc:
-                raise refusal(node, exc) from None
+                held, ttl = await _ask(node, client.node_admin.pin(node, PinRequest(owner, tuple(batch), ttl_s)), "pin")
             except ProtocolError as exc:
                 if ttl_s is None:  # the node's own default ttl is within its cap: not a refusal of ours
-                    raise ProtocolError(f"node {node_id} ({node.address}) refused the pin: {exc}") from None
+                    raise
                 # The request passed this side's checks (owner, keys, ttl >= 0): the node refused the ttl.
                 await _let_go(client, owner, taken)
-                text = str(exc).removeprefix("node: ")
-                raise ConfigError("--ttl", f"node {node_id} ({node.address}) refused the pin: {text}") from None
-            except KVPoolError as exc:
-                raise type(exc)(f"node {node_id} ({node.address}) refused the pin: {exc}") from None
+                raise ConfigError("--ttl", str(exc)) from None
             gone = [key for key, h in zip(batch, held) if not h]
             if gone:
                 raise KVPoolError(
@@ -155,7 +165,7 @@ async def _let_go(client: PoolClient, owner: str, taken: Sequence[tuple[NodeInfo
     """Unpin what this call pinned before a node refused it (``owner``'s newest pin of each key: this call's)."""
     for node, batch in taken:
         try:
-            await _unpin_batch(client, node, owner, batch)
+            await _ask(node, client.node_admin.unpin(node, owner, batch))
         except KVPoolError as exc:
             logger.warning(
                 "%d keys stay pinned on node %s for owner %s (`kvpool unpin` lets go of them): %s",
@@ -172,37 +182,25 @@ async def unpin(
     """Let go of one of ``owner``'s pins of each key (or of each key it pins that starts with ``prefix``) on
     every live node pinning it."""
     _check(keys, prefix, owner)
-    live = await _live(client)
-    per_node: dict[str, list[str]] = {}
-    for node_id, node in live.items():
+    named = list(dict.fromkeys(keys))  # every live node is asked of them: a pin outlives its chunk and entry
+    asked: set[str] = set()
+    done: set[str] = set()
+    for node in (await _live(client)).values():
         if prefix:
             rows = await _pins_of(client, node, prefix)
-            per_node[node_id] = sorted({row.key for row in rows if row.owner == owner})
+            node_keys = sorted({row.key for row in rows if row.owner == owner})
+            asked.update(node_keys)
         else:
-            per_node[node_id] = list(dict.fromkeys(keys))
-    done: set[str] = set()
-    for node_id, node_keys in per_node.items():
-        node = live[node_id]
+            node_keys = named
         for start in range(0, len(node_keys), PIN_BATCH):
             batch = node_keys[start : start + PIN_BATCH]
-            flags = await _unpin_batch(client, node, owner, batch)
+            flags = await _ask(node, client.node_admin.unpin(node, owner, batch))
             done.update(key for key, flag in zip(batch, flags) if flag)
-    asked = list(dict.fromkeys(keys)) if keys else sorted({k for ks in per_node.values() for k in ks})
-    return UnpinReport(owner, len(done), tuple(key for key in asked if key not in done))
-
-
-async def _unpin_batch(client: PoolClient, node: NodeInfo, owner: str, batch: Sequence[str]) -> list[bool]:
-    try:
-        return await client.node_admin.unpin(node, owner, batch)
-    except AuthError as exc:
-        raise refusal(node, exc) from None
+    return UnpinReport(owner, len(done), tuple(key for key in named or sorted(asked) if key not in done))
 
 
 async def _pins_of(client: PoolClient, node: NodeInfo, prefix: str) -> list[PinRow]:
-    try:
-        return await client.node_admin.pins(node, prefix)
-    except AuthError as exc:
-        raise refusal(node, exc) from None
+    return await _ask(node, client.node_admin.pins(node, prefix))
 
 
 async def list_pins(client: PoolClient, prefix: str = "", owner: str | None = None) -> list[NodePin]:

@@ -110,10 +110,9 @@ def _cmd_pin_prompt(args: argparse.Namespace) -> int:
         print_json([report.to_json() for report in reports])
         return EXIT_OK
     for worker, report in enumerate(reports):
-        until = "no expiry" if report.ttl_s is None else f"for {report.ttl_s:g} s"
         print(
             f"worker {worker}: pinned {report.pinned_chunks} of the prompt's {report.chunks} chunks ({report.keys} "
-            f"keys, {report.copies} copies on {len(report.nodes)} nodes) for owner {report.owner}, {until}"
+            f"keys, {report.copies} copies on {len(report.nodes)} nodes) for owner {report.owner}, {_until(report.ttl_s)}"
         )
     return EXIT_OK
 
@@ -123,6 +122,11 @@ def _no_tenant_without_prompt(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--tenant", "names the tenant of a prompt's chunks (--tokens-file); name other keys as stored, ~t/NAME/KEY"
         )
+
+
+def _until(ttl_s: float | None) -> str:
+    """How long a pin lasts, as ``pin`` reports it: the ttl the nodes applied (None: none)."""
+    return "no expiry" if ttl_s is None else f"for {ttl_s:g} s"
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
@@ -135,10 +139,9 @@ def cmd_pin(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report.to_json())
     else:
-        until = "no expiry" if report.ttl_s is None else f"for {report.ttl_s:g} s"
         print(
             f"pinned {report.keys} keys ({report.copies} copies on {len(report.nodes)} nodes) for owner "
-            f"{report.owner}, {until}"
+            f"{report.owner}, {_until(report.ttl_s)}"
         )
     return EXIT_OK
 
