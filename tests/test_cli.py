@@ -308,3 +308,20 @@ def test_a_token_pool_tells_a_client_without_the_token_how_to_give_it(node_facto
     with SyncPoolClient(PoolConfig.from_url(pool_url)) as client, pytest.raises(KVPoolError) as refused:
         client.put([Chunk("k@0", b"x")])
     assert "token_file=PATH" in str(refused.value) and ":TOKEN@" not in str(refused.value)
+
+
+def test_the_events_token_files_are_read_and_checked_the_same_way(tmp_path):
+    from backend.cli.events import _token
+    from backend.errors import ConfigError
+
+    good, short = tmp_path / "good", tmp_path / "short"
+    good.write_text("tenant-token-0123456789abcdef0123\n")
+    short.write_text("short\n")
+    good.chmod(0o600)
+    short.chmod(0o600)
+    assert _token("", "--tenant-token-file") == ""  # not given: no token
+    for flag in ("--tenant-token-file", "--token-file-next"):
+        assert _token(str(good), flag) == "tenant-token-0123456789abcdef0123"
+        with pytest.raises(ConfigError) as refused:
+            _token(str(short), flag)
+        assert refused.value.key == flag

@@ -117,6 +117,15 @@ def _next_token_file(args: argparse.Namespace) -> tuple[str, str]:
     return "--token-file-next", args.token_file_next
 
 
+def _token(path: str, flag: str) -> str:
+    """The token in ``flag``'s file, checked as a token ("" when the flag is not given)."""
+    if not path:
+        return ""
+    token = read_secret_file(path, flag)
+    check_token(token, flag, path)
+    return token
+
+
 def cmd_events(args: argparse.Namespace) -> int:
     from backend.events import DEFAULT_CHUNK_TOKENS, EndpointConfig, EventsEndpoint  # the events extra
 
@@ -136,15 +145,9 @@ def cmd_events(args: argparse.Namespace) -> int:
         publish_next=args.publish_next,
         replay_next=args.replay_next,
     )
-    tenant_token = ""
-    if args.tenant_token_file:
-        tenant_token = read_secret_file(args.tenant_token_file, "--tenant-token-file")
-        check_token(tenant_token, "--tenant-token-file", args.tenant_token_file)
-    next_token = ""
+    tenant_token = _token(args.tenant_token_file, "--tenant-token-file")
     next_flag, next_file = _next_token_file(args)
-    if next_file:
-        next_token = read_secret_file(next_file, next_flag)
-        check_token(next_token, next_flag, next_file)
+    next_token = _token(next_file, next_flag)
     endpoint = EventsEndpoint(pool_config(args), config, tenant_token, next_token)
 
     async def serve() -> None:
