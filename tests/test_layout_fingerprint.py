@@ -106,6 +106,9 @@ def test_a_channel_get_carries_the_fingerprint_and_reads_an_older_nodes_rows_as_
     assert decode_channel_response(encode_channel_response([_item("a", F), None]), ["a", "b"]) == [_item("a", F), None]
     older = encode_channel_response([_item("a", F)], fingerprints=False)
     assert decode_channel_response(older, ["a"]) == [_item("a")]
+    for bad in ('"F"', "-1", str(2**64), "true", "1.5"):  # the one u64 check every fingerprint goes through
+        with pytest.raises(ProtocolError, match=r"CHANNEL_GET: layout fingerprint .* is not a u64"):
+            decode_channel_request(b'{"session":"pair","keys":["a"],"fingerprint":' + bad.encode() + b"}")
 
 
 # -- the canonical form ---------------------------------------------------------------------

@@ -69,8 +69,8 @@ def decode_channel_request(meta: bytes | bytearray | memoryview, limits: Limits 
             raise ProtocolError(f"CHANNEL_GET key outside 1..{limits.max_key_bytes} bytes")
     if not isinstance(offer, str) or len(offer) > MAX_OFFER_DIGEST_CHARS or not offer.isascii():
         raise ProtocolError(f"CHANNEL_GET offer must be at most {MAX_OFFER_DIGEST_CHARS} ASCII characters")
-    if fingerprint is not None and (type(fingerprint) is not int or not 0 <= fingerprint < 2**64):
-        raise ProtocolError("CHANNEL_GET fingerprint must be an integer in 0..2**64-1")
+    if fingerprint is not None:
+        fingerprint = check_fingerprint(fingerprint, "CHANNEL_GET")
     return ChannelRequest(pair_id, keys, offer, fingerprint)
 
 

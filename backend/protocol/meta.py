@@ -152,9 +152,9 @@ def check_item(item: ItemMeta, limits: Limits = DEFAULT_LIMITS) -> bytes:
     return dtype
 
 
-def check_fingerprint(fingerprint: int, what: str) -> int:
-    """``fingerprint`` if it fits a u64; a ProtocolError naming ``what`` if not."""
-    if not 0 <= fingerprint <= ANY_FINGERPRINT:
+def check_fingerprint(fingerprint: object, what: str) -> int:
+    """``fingerprint`` if it is an integer that fits a u64; a ProtocolError naming ``what`` if not."""
+    if not isinstance(fingerprint, int) or isinstance(fingerprint, bool) or not 0 <= fingerprint <= ANY_FINGERPRINT:
         raise ProtocolError(f"{what}: layout fingerprint {fingerprint!r} is not a u64")
     return fingerprint
 
@@ -177,8 +177,9 @@ def write_item(out: bytearray, item: ItemMeta, limits: Limits) -> None:
     out += struct.pack(f"<{len(item.shape)}Q", *item.shape)
 
 
-def read_item(reader: MetaReader, limits: Limits) -> ItemMeta:
-    """The next item of ``reader`` (as :func:`write_item` wrote it), each length bounded by ``limits``."""
+def read_item(reader: MetaReader, limits: Limits, *, fingerprinted: bool = False) -> ItemMeta:
+    """The next item of ``reader`` (as :func:`write_item` wrote it), each length bounded by ``limits``; with
+    ``fingerprinted``, the layout fingerprint written after it too (a GET or LEASE answer's)."""
     key = reader.key(limits)
     nbytes, item_sum, fmt = reader.unpack(_ITEM_FIXED, "item header")
     (dtype_len,) = reader.unpack(U8, "dtype length")
@@ -189,7 +190,8 @@ def read_item(reader: MetaReader, limits: Limits) -> ItemMeta:
     if ndim > limits.max_ndim:
         raise ProtocolError(f"{ndim} dimensions exceed the limit of {limits.max_ndim}")
     shape = struct.unpack(f"<{ndim}Q", reader.take(8 * ndim, "shape"))
-    return ItemMeta(key, int(nbytes), int(item_sum), dtype, tuple(int(d) for d in shape), int(fmt))
+    fingerprint = int(reader.unpack(U64, "layout fingerprint")[0]) if fingerprinted else NO_FINGERPRINT
+    return ItemMeta(key, int(nbytes), int(item_sum), dtype, tuple(int(d) for d in shape), int(fmt), fingerprint)
 
 
 def bounded(meta: bytearray, limits: Limits) -> bytes:

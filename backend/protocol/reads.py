@@ -128,12 +128,9 @@ def _decode_answers(
             continue
         if flag != _FOUND:
             raise ProtocolError(f"{what} response has found flag {flag} for {key[:80]!r}")
-        item = read_item(reader, limits)
+        item = read_item(reader, limits, fingerprinted=fingerprints)
         if item.key != key:
             raise ProtocolError(f"{what} response answered {item.key!r} for {key!r}")
-        if fingerprints:
-            (fingerprint,) = reader.unpack(U64, "layout fingerprint")
-            item = ItemMeta(item.key, item.nbytes, item.checksum, item.dtype, item.shape, item.fmt, int(fingerprint))
         offset = None
         if offsets:
             (raw,) = reader.unpack(U64, "offset")
