@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from backend.errors import ConfigError, KVPoolError, ProtocolError
 from backend.metadata import NodeInfo
 from backend.node.arena import ShmArena, remove_stale_arenas
 from backend.node.leases import MAX_LEASES
-from backend.node.pages import GROW_AHEAD_BYTES
+from backend.node.pages import GROW_AHEAD_BYTES, GROWER_STEP_BYTES
 from backend.protocol import (
     LEASE_MAP,
     ItemMeta,
@@ -110,6 +111,34 @@ def test_an_arena_in_use_keeps_pages_ready_ahead_and_an_idle_one_takes_none():
             assert arena.report().allocated_bytes == MiB
             big = arena.alloc(GROW_AHEAD_BYTES)  # served from the pages grown ahead
             assert big is not None and arena.fallbacks == 0
+        finally:
+            arena.close()
+
+
+def test_an_allocation_takes_only_its_own_pages_and_waits_for_at_most_a_small_grower_step(monkeypatch):
+    """The node's event loop allocates (a put), and also accepts and answers every connection: it takes only the
+    pages it lacks inline, never a whole GROW_STEP_BYTES step, and the grower's steps, which it may wait for
+    (the grower runs at the lowest CPU priority: under load, a step lasts as long as the machine leaves it no
+    core), are GROWER_STEP_BYTES. A flaky CLI test's drain timed out on a node whose loop was held so."""
+    taken: list[tuple[str, int]] = []
+    real_back = ShmArena._back
+
+    def back(self, start, step):
+        taken.append((threading.current_thread().name, step))
+        real_back(self, start, step)
+
+    monkeypatch.setattr(ShmArena, "_back", back)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
+        arena = ShmArena(Path(directory), GROW_AHEAD_BYTES + 64 * MiB)
+        try:
+            first = arena.alloc(MiB)
+            assert first is not None and taken[0] == (threading.current_thread().name, MiB)  # only its own pages
+            assert wait_until(lambda: arena.grown_bytes >= MiB + GROW_AHEAD_BYTES, timeout_s=20.0)
+            grower = {step for name, step in taken if name == "kvpool-arena-grow"}
+            assert grower == {GROWER_STEP_BYTES}
+            big = arena.alloc(GROW_AHEAD_BYTES)  # served from the pages grown ahead, none taken inline
+            assert big is not None and arena.fallbacks == 0
+            assert [step for name, step in taken if name != "kvpool-arena-grow"] == [MiB]
         finally:
             arena.close()
 

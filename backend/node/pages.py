@@ -14,8 +14,10 @@ Taking pages costs about 1 GB/s here (the kernel zeroes each one), so once the a
 is in use a grower thread keeps ``GROW_AHEAD_BYTES`` of pages ready past the last
 allocation, off the event loop (``posix_fallocate`` and a ctypes ``madvise`` both
 run without the GIL) and at the lowest CPU priority, so that during a burst of puts
-it does not take the core the event loop needs. An allocation that still finds no room grows inline, after
-waiting for a step the thread has under way.
+it does not take the core the event loop needs, in steps of ``GROWER_STEP_BYTES``. An
+allocation that still finds no room (on the event loop, which also accepts and answers
+every connection) waits for a step the thread has under way, then takes the pages it
+lacks inline: never a whole 64 MiB step, never a wait for more than the grower's small one.
 
 A node started with ``--prefault`` (the default) takes every step at start instead
 (:meth:`PageSpace.prefault`, on a worker thread, before the node registers), up to what
@@ -38,12 +40,15 @@ import numpy as np
 from backend.node.cells import PAGE_BYTES
 from backend.shm import HEADER_BYTES
 
-__all__ = ["ALIGN_BYTES", "GROW_AHEAD_BYTES", "PageSpace", "align", "memory_available_bytes"]
+__all__ = ["ALIGN_BYTES", "GROW_AHEAD_BYTES", "GROWER_STEP_BYTES", "PageSpace", "align", "memory_available_bytes"]
 
 logger = logging.getLogger(__name__)
 
 ALIGN_BYTES = PAGE_BYTES  # page-aligned regions: memcpy at full speed, no false sharing
-GROW_STEP_BYTES = 64 * 1024 * 1024
+GROW_STEP_BYTES = 64 * 1024 * 1024  # a prefault's step (on a worker thread, before the node serves)
+# The grower's step: what an allocation that finds no room may wait for. The grower runs at the lowest CPU
+# priority, so under load a step takes as long as the machine leaves it no core: a small one bounds that wait.
+GROWER_STEP_BYTES = 4 * 1024 * 1024
 GROW_AHEAD_BYTES = 256 * 1024 * 1024  # free room kept ready at the grown end, once the arena is in use
 GROWER_NICE = 19  # the grower runs when the node's loop and its clients leave a core idle
 GROW_RETRY_S = 5.0  # after /dev/shm refused pages, do not ask again for this long
@@ -135,7 +140,14 @@ class PageSpace:
         return self._grown - tail if tail is not None else 0
 
     def _grow(self, need: int) -> bool:
-        """Allocate more pages at the end of the grown part; False if none can be had. Caller holds the lock."""
+        """Take the pages an allocation of ``need`` bytes lacks at the end of the grown part; False if none can
+        be had. Caller holds the lock.
+
+        The caller is the node's event loop (a put), which also accepts connections and answers every
+        request, so it is held as little as can be: it takes only the pages it lacks, not a whole
+        GROW_STEP_BYTES step (the kernel zeroes each page: a 64 MiB step held a node's loop 0.12-0.17 s on
+        a loaded 2-core machine), and the grower step it may wait for is GROWER_STEP_BYTES.
+        """
         while self._growing:  # the grower thread's step may be all that is needed
             self._grow_done.wait(timeout=1.0)
         if self._first_fit(need) is not None:
@@ -143,7 +155,10 @@ class PageSpace:
         end = HEADER_BYTES + self.size_bytes
         if self._grown >= end or time.monotonic() - self._refused_at < GROW_RETRY_S:
             return False
-        step = min(max(GROW_STEP_BYTES, align(need - self._tail_room())), end - self._grown)
+        step = align(need - self._tail_room())
+        if not self.grows_ahead:  # pages come at first write (``PrivateArena`` without populate): free to take
+            step = max(GROW_STEP_BYTES, step)
+        step = min(step, end - self._grown)
         if not self._take_pages(self._grown, step):
             return False
         self._release_region(self._grown, step)
@@ -230,7 +245,7 @@ class PageSpace:
                 or time.monotonic() - self._refused_at < GROW_RETRY_S
             ):
                 return False
-            start, step = self._grown, min(GROW_STEP_BYTES, end - self._grown)
+            start, step = self._grown, min(GROWER_STEP_BYTES if ahead_only else GROW_STEP_BYTES, end - self._grown)
             self._growing = True
         grown = False
         try:
