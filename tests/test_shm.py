@@ -143,6 +143,44 @@ def test_an_allocation_takes_only_its_own_pages_and_waits_for_at_most_a_small_gr
             arena.close()
 
 
+def test_an_allocation_waits_for_the_grower_step_under_way_and_no_further_one(monkeypatch):
+    """A grower slow to finish its step (as a starved nice-19 thread is under load) is injected: the allocation
+    that needs pages waits for that step, then takes what it still lacks itself, before the grower starts
+    another (which it could otherwise do again and again while the allocation waited)."""
+    taken: list[tuple[str, int]] = []
+    step_may_end = threading.Event()
+    real_back = ShmArena._back
+
+    def back(self, start, step):
+        taken.append((threading.current_thread().name, step))
+        if threading.current_thread().name == "kvpool-arena-grow":
+            step_may_end.wait(30.0)
+        real_back(self, start, step)
+
+    monkeypatch.setattr(ShmArena, "_back", back)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
+        arena = ShmArena(Path(directory), GROW_AHEAD_BYTES + 64 * MiB)
+        try:
+            first = arena.alloc(MiB)  # inline (and kept); then the grower's first step is under way, held
+            assert first is not None
+            assert wait_until(lambda: arena._growing, timeout_s=10.0)
+            got: list[object] = []
+            waiting = threading.Thread(target=lambda: got.append(arena.alloc(8 * MiB)), name="put")
+            waiting.start()
+            assert wait_until(lambda: arena._waiting == 1, timeout_s=10.0)
+            step_may_end.set()
+            waiting.join(30.0)
+            assert got and got[0] is not None
+            assert taken[:3] == [
+                (threading.current_thread().name, MiB),
+                ("kvpool-arena-grow", GROWER_STEP_BYTES),
+                ("put", 8 * MiB - GROWER_STEP_BYTES),  # what the grower's step left it lacking, and no more
+            ]
+        finally:
+            step_may_end.set()
+            arena.close()
+
+
 def test_a_region_freed_while_the_allocator_holds_its_lock_does_not_deadlock():
     with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
         arena = ShmArena(Path(directory), 2 * MiB)

@@ -83,6 +83,7 @@ class PageSpace:
         self._grown = HEADER_BYTES  # pages below this offset exist in /dev/shm
         self._refused_at = 0.0
         self._growing = False  # the grower thread is adding pages at _grown (outside the lock)
+        self._waiting = 0  # allocations waiting for the grower's step (it then takes no further one until woken)
         self._grow_done = threading.Condition(self._lock)
         self._wake_grower = threading.Event()
         self._closed = False
@@ -148,8 +149,12 @@ class PageSpace:
         GROW_STEP_BYTES step (the kernel zeroes each page: a 64 MiB step held a node's loop 0.12-0.17 s on
         a loaded 2-core machine), and the grower step it may wait for is GROWER_STEP_BYTES.
         """
-        while self._growing:  # the grower thread's step may be all that is needed
-            self._grow_done.wait(timeout=1.0)
+        self._waiting += 1  # the grower starts no further step meanwhile: this waits for one at most
+        try:
+            while self._growing:  # the grower thread's step may be all that is needed
+                self._grow_done.wait(timeout=1.0)
+        finally:
+            self._waiting -= 1
         if self._first_fit(need) is not None:
             return True
         end = HEADER_BYTES + self.size_bytes
@@ -241,7 +246,7 @@ class PageSpace:
                 self._closed
                 or self._growing
                 or self._grown >= end
-                or (ahead_only and self._tail_room() >= GROW_AHEAD_BYTES)
+                or (ahead_only and (self._tail_room() >= GROW_AHEAD_BYTES or self._waiting > 0))
                 or time.monotonic() - self._refused_at < GROW_RETRY_S
             ):
                 return False
