@@ -156,6 +156,9 @@ def test_ctrl_c_stops_the_replay_promptly_with_the_node_and_engines_it_started(t
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
+        # A terminal's Ctrl-C reaches a process whose SIGINT is handled; a shell without job control starts a
+        # background command (`make test &`) with SIGINT ignored, which Python and so the bench would inherit.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     started: set[int] = set()
 
