@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -147,3 +147,20 @@ async def raw_request(client: PoolClient, node: NodeInfo, op: int, meta: bytes) 
     the client's own requests go through its typed methods.
     """
     return bytes(await client.connections.to(node).request(op, meta))
+
+
+@pytest.fixture
+def adapters() -> Iterator[Callable[..., Any]]:
+    """kvpool's multiprocess-mode L2 adapters as ``lmcache server`` builds them (``--l2-adapter`` JSON), with
+    the adapter's parameters beside the URL's; closed at teardown."""
+    from tests.support.lmcache import build_adapter
+
+    made: list[Any] = []
+
+    def make(url: str, **params: Any) -> Any:
+        made.append(build_adapter(url, **params))
+        return made[-1]
+
+    yield make
+    for adapter in made:
+        adapter.close()

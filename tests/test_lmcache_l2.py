@@ -27,9 +27,10 @@ import torch
 from backend.client import Chunk, SyncPoolClient
 from backend.config import PoolConfig
 from backend.errors import ConfigError, KVPoolError
-from backend.lmcache.config import lmcache_mp_adapter, lmcache_mp_server_args, render_mp_command
+from backend.lmcache.config import lmcache_mp_server_args, render_mp_command
 from backend.lmcache.layout import object_fingerprint
 from tests.conftest import REPO
+from tests.support.lmcache import build_adapter
 from tests.support.mp_stack import MPStack, parse_server_args, server_args
 from tests.support.waits import wait_until
 from tests.test_put_room import MiB, PutInFlight
@@ -39,32 +40,6 @@ CHUNK_BYTES = 2 * 2 * 16 * 1024 * 2  # MPStack's chunk: [2, 2 layers, 16 tokens,
 
 
 # -- helpers -------------------------------------------------------------------------
-def build_adapter(url: str, **params: Any) -> Any:
-    """The adapter as ``lmcache server`` builds it: ``--l2-adapter`` JSON -> plugin factory."""
-    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
-    from lmcache.v1.distributed.l2_adapters.config import add_l2_adapters_args, parse_args_to_l2_adapters_config
-
-    spec = lmcache_mp_adapter(url)
-    spec["adapter_params"].update(params)
-    parser = add_l2_adapters_args(argparse.ArgumentParser())
-    config = parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", json.dumps(spec)]))
-    return create_l2_adapter(config.adapters[0])
-
-
-@pytest.fixture
-def adapters() -> Iterator[Callable[..., Any]]:
-    made: list[Any] = []
-
-    def make(url: str, **params: Any) -> Any:
-        adapter = build_adapter(url, **params)
-        made.append(adapter)
-        return adapter
-
-    yield make
-    for adapter in made:
-        adapter.close()
-
-
 @pytest.fixture
 def mp_stacks(processes: None) -> Iterator[Callable[..., MPStack]]:
     made: list[MPStack] = []

@@ -12,7 +12,6 @@ adapter's bytes as its own (each test below that reads across layouts failed so)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -29,7 +28,6 @@ from tests.test_lmcache_l2 import (
     WAIT_S,
     adapter_key,
     await_result,
-    build_adapter,
     hybrid_obj,
     memory_obj,
     object_key,
@@ -68,19 +66,6 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def layout_misses(adapter: Any) -> int:
     return int(adapter.report_status()["counters"]["layout_misses"])
-
-
-@pytest.fixture
-def adapters() -> Iterator[Callable[..., Any]]:
-    made: list[Any] = []
-
-    def make(url: str) -> Any:
-        made.append(build_adapter(url))
-        return made[-1]
-
-    yield make
-    for adapter in made:
-        adapter.close()
 
 
 # -- the description ------------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ from backend.tenants import scoped, tenant_of
 from kvpool import PoolClient
 from tests.test_lmcache_l2 import (
     CHUNK_BYTES,
-    build_adapter,
     load,
     lookup_and_lock,
     memory_obj,
@@ -227,25 +225,11 @@ def test_a_tenant_token_naming_another_tenants_tag_is_refused_by_the_node(
 
 
 # -- the adapter: the cache_salt names the tenant ---------------------------------------------------
-@pytest.fixture
-def l2_adapters() -> Iterator[Callable[[str], Any]]:
-    """Adapters as ``lmcache server`` builds them (``--l2-adapter`` JSON), closed at teardown."""
-    made: list[Any] = []
-
-    def make(url: str) -> Any:
-        made.append(build_adapter(url))
-        return made[-1]
-
-    yield make
-    for adapter in made:
-        adapter.close()
-
-
-def test_with_tenant_from_salt_each_salt_is_its_own_tenant(node_factory, pool_url, l2_adapters):
+def test_with_tenant_from_salt_each_salt_is_its_own_tenant(node_factory, pool_url, adapters):
     from kvpool.lmcache_l2_adapter import pool_key
 
     node_factory()
-    adapter = l2_adapters(f"{pool_url}?tenant_from_salt=on")
+    adapter = adapters(f"{pool_url}?tenant_from_salt=on")
     alice, bob, plain = object_key(1, "alice"), object_key(1, "bob"), object_key(1, "")
     keys = [alice, bob, plain]
     assert store(adapter, keys, [memory_obj(payload(i)) for i in range(3)]).is_successful()
@@ -267,12 +251,12 @@ def test_with_tenant_from_salt_each_salt_is_its_own_tenant(node_factory, pool_ur
 
 
 def test_an_empty_salt_is_the_urls_tenants_and_a_salt_that_names_no_tenant_is_refused(
-    node_factory, pool_url, l2_adapters, caplog
+    node_factory, pool_url, adapters, caplog
 ):
     from kvpool.lmcache_l2_adapter import pool_key
 
     node_factory()
-    adapter = l2_adapters(f"{pool_url}?tenant_from_salt=on&tenant=carol")
+    adapter = adapters(f"{pool_url}?tenant_from_salt=on&tenant=carol")
     plain, bad, good = object_key(2, ""), object_key(3, "a+b="), object_key(4, "dave")
     keys = [plain, bad, good]
     with caplog.at_level(logging.WARNING, logger="backend.lmcache.tenant_names"):
@@ -291,10 +275,10 @@ def test_an_empty_salt_is_the_urls_tenants_and_a_salt_that_names_no_tenant_is_re
     assert sorted((e.key.to_object_key() for e in listed.entries), key=repr) == sorted([plain, good], key=repr)
 
 
-def test_an_adapter_of_the_urls_tenant_lists_its_own_keys_and_no_other_tenants(node_factory, pool_url, l2_adapters):
+def test_an_adapter_of_the_urls_tenant_lists_its_own_keys_and_no_other_tenants(node_factory, pool_url, adapters):
     node_factory()
-    carols = l2_adapters(f"{pool_url}?tenant=carol")
-    salted = l2_adapters(f"{pool_url}?tenant_from_salt=on")
+    carols = adapters(f"{pool_url}?tenant=carol")
+    salted = adapters(f"{pool_url}?tenant_from_salt=on")
     mine, theirs = [object_key(10, "s1"), object_key(11, "")], [object_key(12, "dave")]
     assert store(carols, mine, [memory_obj(payload(i)) for i in range(2)]).is_successful()
     assert store(salted, theirs, [memory_obj(payload(2))]).is_successful()
@@ -303,13 +287,13 @@ def test_an_adapter_of_the_urls_tenant_lists_its_own_keys_and_no_other_tenants(n
     assert [e.key.to_object_key() for e in salted.list_l2_keys(page_size=100).entries] == theirs
 
 
-def test_salt_pattern_matches_a_salts_keys_under_the_tenant_they_are_stored_under(node_factory, pool_url, l2_adapters):
+def test_salt_pattern_matches_a_salts_keys_under_the_tenant_they_are_stored_under(node_factory, pool_url, adapters):
     from kvpool.lmcache_l2_adapter import pool_key, salt_pattern
 
     node_factory()
-    salted = l2_adapters(f"{pool_url}?tenant_from_salt=on")
-    plain = l2_adapters(pool_url)  # no tenant: salt alice's keys are mp:alice@...
-    carols = l2_adapters(f"{pool_url}?tenant=carol")  # the URL's tenant: ~t/carol/mp:alice@...
+    salted = adapters(f"{pool_url}?tenant_from_salt=on")
+    plain = adapters(pool_url)  # no tenant: salt alice's keys are mp:alice@...
+    carols = adapters(f"{pool_url}?tenant=carol")  # the URL's tenant: ~t/carol/mp:alice@...
     alices = [object_key(20, "alice"), object_key(21, "alice", model="other/model")]
     assert store(salted, [*alices, object_key(22, "bob")], [memory_obj(payload(i)) for i in range(3)]).is_successful()
     assert store(plain, [object_key(23, "alice")], [memory_obj(payload(3))]).is_successful()
