@@ -26,7 +26,7 @@ redis:
 	  fi; \
 	fi
 
-# The host bed (bench/hosts.py, tests/hosts): network namespaces shaped with ip, tc and nft, as root;
+# The host bed (bench/hosts/bed.py, tests/hosts): network namespaces shaped with ip, tc and nft, as root;
 # openssl makes the secrets of docs/two-hosts.md, whose commands tests/hosts runs.
 hostbed:
 	@if ! command -v nft >/dev/null || ! command -v tc >/dev/null || ! command -v ip >/dev/null || ! command -v openssl >/dev/null; then \
@@ -73,7 +73,7 @@ demo: setup
 # LMCache's backends side by side (docs/benchmarks.md); the targets: make bench BENCH_ARGS=--targets
 BENCH_ARGS ?=
 bench: setup
-	$(PY) -m bench.harness $(BENCH_ARGS)
+	$(PY) -m bench.harness.run $(BENCH_ARGS)
 
 # The node image (docs/image.md), built by podman on a local Debian base made with
 # debootstrap from Debian's packages: no image registry has to be reachable.

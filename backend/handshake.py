@@ -28,7 +28,7 @@ guess the token against (the node names no key and proves nothing before the cli
 has); only a listener a client dials gets the client's proof, bound to that listener's
 own address, and the stretching makes it costly to guess from.
 
-A pure codec and checker: no I/O. The session (``backend.node.session``) and the
+A pure codec and checker: no I/O. The session (``backend.node.serve.session``) and the
 client's connection (``backend.client.connection``) send what it encodes.
 """
 

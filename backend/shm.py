@@ -1,6 +1,6 @@
 """The same-host fast path's file format: a node's arena, and a client's put stage.
 
-A node keeps its DRAM tier in one shared-memory file (``backend.node.arena``). Its
+A node keeps its DRAM tier in one shared-memory file (``backend.node.memory.arena``). Its
 first 4 KiB are a header: magic, a random token the node also publishes in the
 registry, and the size of the data part. A client that can open the file named in
 the registry, and finds the same token in it, is on the node's host and may copy
@@ -27,7 +27,7 @@ keeps the stage's file open with a shared ``flock`` on it, which the kernel rele
 when the process ends, however it ends (``kill -9`` included), and writes
 :data:`STAGE_LOCKED_MARK` after the header to say so. A stage whose lock anyone can take
 (:func:`remove_abandoned_stage`) belongs to no live process: the node sweeps such files from its
-arena directory (``backend.node.stages``). The lock works across PID namespaces (a
+arena directory (``backend.node.serve.stages``). The lock works across PID namespaces (a
 client in another container that shares the directory), where a pid could not be
 checked; a stage without the mark (a client from before the lock) is judged by its pid.
 """
@@ -186,7 +186,7 @@ class PutStage:
     mapped before any write, so a full ``/dev/shm`` is an error here, never a SIGBUS on a
     write. Its file stays open, locked, for the stage's life (see the module docstring).
     Removed by :meth:`close`, or when the object is collected; a stage left by a client that
-    died is removed by the node's sweep (``backend.node.stages``).
+    died is removed by the node's sweep (``backend.node.serve.stages``).
     """
 
     def __init__(self, directory: str, size_bytes: int) -> None:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from backend.embedded import EmbeddedRedis, free_port
-from bench.processes import REPO
+from backend.launch.processes import REPO
 
 NODE_START_TIMEOUT_S = 30.0
 CLIENT_TIMEOUT_S = 120.0

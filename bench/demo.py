@@ -17,9 +17,9 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.paths import REPO
+
 URL_RE = re.compile(r"^\s*(kvpool://\S+)\s*$")
 START_TIMEOUT_S = 60.0
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU part of the NCCL channel in one run (a few minutes): every test marked `gpu`,
 # then the NCCL bandwidth and staging measurement and the channel's whole path
-# (bench/nccl_path.py). Results go to $OUT when it is set.
+# (bench/nccl/path.py). Results go to $OUT when it is set.
 #
 # Runs as-is on a GPU machine that has Python, torch (CUDA), nvidia-nccl, numpy, xxhash
 # and safetensors but no redis-py, no lmcache and no network: pytest and its plugins
@@ -74,7 +74,7 @@ timeout 240 "$PY" -m pytest -m gpu -v -s -p no:cacheprovider tests/test_nccl_gpu
 # The channel's whole path (--path): a batch from an mmap'd /dev/shm arena through staging, NCCL and into
 # pinned sinks, checksums verified, beside ceilings and the targets (PASS/MISS; a MISS is a finding,
 # not a failure of the check: only a wrong byte or a crash fails it).
-timeout 300 "$PY" -m bench.nccl_bandwidth --sizes-mib 2,32,256 --iters 20 --path \
+timeout 300 "$PY" -m bench.nccl.bandwidth --sizes-mib 2,32,256 --iters 20 --path \
   ${DEST:+--json "$DEST/nccl_bandwidth.json"} 2>&1 | tee ${DEST:+"$DEST/nccl_bandwidth.txt"}
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 if [ -n "$DEST" ] && [ -f "$DEST/nccl_bandwidth.json" ]; then

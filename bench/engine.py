@@ -9,7 +9,7 @@
 given (``LMCACHE_CONFIG_FILE``, what ``kvpool lmcache-config`` writes), so a machine can
 check its engine's config before vLLM runs there.
 
-LMCache's side is built by LMCache's own code (``bench.lmcache_stack``). Prints one
+LMCache's side is built by LMCache's own code (``backend.lmcache.stack``). Prints one
 JSON line with what it saw; exits 1 if any byte read back differs.
 """
 
@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from backend.lmcache.config import FORMS, PLUGIN_FORM
-from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
+from backend.lmcache.stack import LMCacheStack, kvpool_lmcache_config
 
 FIRST_HASH = 0x5EED
 

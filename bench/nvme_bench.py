@@ -7,7 +7,7 @@ In one run, on the same directory:
 * kvpool: ``write_chunk`` (tmp + fsync + rename + dir fsync) and ``read_payload``
   (read + xxh3 verify), cold (page cache dropped per file with fadvise) and hot
 * recovery: write N small chunk files, then time ``recovery.scan`` (headers only)
-Prints every kvpool figure as a ratio to the raw figure; writes JSON to bench/results/.
+Prints every kvpool figure as a ratio to the raw figure; writes JSON to docs/results/.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from backend.node.nvme_format import chunk_path, read_header, read_payload, write_chunk
-from backend.node.recovery import scan
+from backend.node.index.recovery import scan
+from backend.node.store.nvme_format import chunk_path, read_header, read_payload, write_chunk
 from backend.protocol import ItemMeta, checksum
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.paths import RESULTS
 
 
 def _drop_cache(path: Path) -> None:

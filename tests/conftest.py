@@ -1,4 +1,4 @@
-"""Shared fixtures: a real redis-server and real pool-node processes (``bench.nodes``).
+"""Shared fixtures: a real redis-server and real pool-node processes (``backend.launch.nodes``).
 
 The tiers: a test whose fixtures include ``processes`` is marked ``process``; the others are the
 fast tier (``make test-fast``, ``-m "not process"``). ``tests.support.processes`` holds the rule and
@@ -18,8 +18,8 @@ import pytest
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
 from backend.embedded import EmbeddedRedis
-from backend.node.arena import remove_stale_arenas
-from bench.nodes import NodeProcess
+from backend.launch.nodes import NodeProcess
+from backend.node.memory.arena import remove_stale_arenas
 from tests.support import processes as tiers
 from tests.support.waits import wait_until
 
@@ -125,7 +125,7 @@ def pool_url(redis_server: EmbeddedRedis, namespace: str) -> str:
 def stack_factory(processes: None) -> Iterator[Any]:
     """Build LMCache's storage stack for a pool URL (``make(url, form=..., engine=..., **config_overrides)``;
     ``engine``: LMCacheStack's keyword arguments, the engine's model and layout); closed at teardown."""
-    from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config  # imports lmcache: only its users pay
+    from backend.lmcache.stack import LMCacheStack, kvpool_lmcache_config  # imports lmcache: only its users pay
 
     made: list[LMCacheStack] = []
 

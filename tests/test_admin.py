@@ -17,8 +17,8 @@ import yaml
 from backend.embedded import free_port
 from backend.errors import CapacityError, ProtocolError
 from backend.metadata import Location, MetadataStore, NodeInfo
-from backend.node.arena import room_of
-from backend.node.nvme_format import chunk_path, read_header
+from backend.node.memory.arena import room_of
+from backend.node.store.nvme_format import chunk_path, read_header
 from backend.protocol import InventoryRow, Verified
 from kvpool import Chunk, PoolConfig, SyncPoolClient
 from tests.conftest import REPO, NodeProcess

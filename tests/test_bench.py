@@ -21,13 +21,13 @@ import redis
 import torch
 
 from backend.embedded import EmbeddedRedis
-from bench import report
-from bench.cells import base_bytes, byte_view, identical, stamp
-from bench.harness import parse_args
-from bench.peers import PEER_NAMES
-from bench.plan import SMOKE_SHAPES
-from bench.resp_proxy import CountingProxy, RespCounter
-from bench.rounds import combine_cells
+from bench.harness import report
+from bench.harness.cells import base_bytes, byte_view, identical, stamp
+from bench.harness.peers import PEER_NAMES
+from bench.harness.plan import SMOKE_SHAPES
+from bench.harness.resp_proxy import CountingProxy, RespCounter
+from bench.harness.rounds import combine_cells
+from bench.harness.run import parse_args
 from tests.conftest import REPO
 
 HARNESS_TIMEOUT_S = 150
@@ -66,7 +66,17 @@ def smoke_run(
 ) -> tuple[subprocess.CompletedProcess[str], dict]:
     out = tmp_path_factory.mktemp("bench-results")
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.harness", "--quick", "--smoke", "--rounds", str(SMOKE_ROUNDS), "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "bench.harness.run",
+            "--quick",
+            "--smoke",
+            "--rounds",
+            str(SMOKE_ROUNDS),
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -324,7 +334,7 @@ def test_get_budget_reads_through_the_arena_and_over_tcp_and_accounts_for_each_m
         [
             sys.executable,
             "-m",
-            "bench.profile_get",
+            "bench.harness.profile_get",
             "--chunk-mib",
             "1",
             "--batch",
@@ -362,7 +372,7 @@ def test_get_budget_reads_through_the_arena_and_over_tcp_and_accounts_for_each_m
 
 
 def test_lookups_mode_looks_up_a_stored_prefix_a_half_one_and_misses_and_refuses_transfer_flags():
-    from bench.lookups import LOOKUP_BACKENDS, cell_keys
+    from bench.harness.lookups import LOOKUP_BACKENDS, cell_keys
 
     stored, absent = [f"s{i}" for i in range(1000)], [f"a{i}" for i in range(1000)]
     assert cell_keys(stored, absent, 128, "hit") == (stored[:128], 128)
@@ -375,7 +385,7 @@ def test_lookups_mode_looks_up_a_stored_prefix_a_half_one_and_misses_and_refuses
 
 
 def test_first_hour_summary_is_the_median_node_per_round_and_the_first_over_last_round():
-    from bench.first_hour import render, summarize
+    from bench.scale.first_hour import render, summarize
 
     def node(first: float, last: float) -> dict:
         rounds = [

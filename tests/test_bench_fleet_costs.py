@@ -1,7 +1,7 @@
 """The benches of what tenants, pins and the event ring cost a node (docs/scale-node.md), run small.
 
-``bench.scale_node``'s options must measure what they say: a tenant's fill is held and
-accounted as that tenant's, the pins are taken, the ring is on. ``bench.event_ack`` must
+``bench.scale.node``'s options must measure what they say: a tenant's fill is held and
+accounted as that tenant's, the pins are taken, the ring is on. ``bench.scale.event_ack`` must
 time puts to a node with the ring and one without, and the ring must have seen them.
 """
 
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench import event_ack, scale_node
+from bench.scale import event_ack
+from bench.scale import node as scale_node
 
 SMALL_FILL = 24_000  # the least the node measurement takes (leases, requests in flight, rounds, 1,000 lookups)
 

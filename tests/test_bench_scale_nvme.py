@@ -1,10 +1,10 @@
-"""``bench.scale_nvme``'s disk measurement: its segment prototype finds every chunk, the newest record of a
+"""``bench.scale.nvme``'s disk measurement: its segment prototype finds every chunk, the newest record of a
 key winning, and both layouts are measured over the same chunks."""
 
 from __future__ import annotations
 
 from backend.protocol import ItemMeta
-from bench.scale_nvme import SegmentLog, files_vs_segments, scan_segments
+from bench.scale.nvme import SegmentLog, files_vs_segments, scan_segments
 
 
 def test_the_segment_prototype_finds_every_chunk_and_a_later_record_of_a_key_wins(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 
 from backend.embedded import free_port
 from backend.lmcache.config import remote_url_pool_config
-from backend.node.arena import room_of
+from backend.node.memory.arena import room_of
 from kvpool import Chunk, KVPoolError, PoolConfig, SyncPoolClient
 from tests.conftest import REPO
 from tests.support.cli import QUICKSTART_PASSWORD_FILE, QUICKSTART_URL, kvpool, quickstart_url

@@ -48,7 +48,7 @@ from backend.cli import build_parser, main
 from backend.cli.options import node_settings
 from backend.config import NodeConfig, PoolConfig
 from backend.lmcache.config import remote_url_pool_config, url_config_key
-from backend.node.tiers import ARENA_MIN_SLACK_BYTES, ARENA_SLACK
+from backend.node.store.tiers import ARENA_MIN_SLACK_BYTES, ARENA_SLACK
 from backend.shm import HEADER_BYTES
 from tests.conftest import REPO
 

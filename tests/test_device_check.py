@@ -48,7 +48,7 @@ def _python(code: str, env: dict[str, str] | None = None) -> subprocess.Complete
 def test_the_channel_and_its_gpu_tests_import_without_redis_py_or_lmcache():
     out = _python("""
         import nccl_channel, nccl_channel.channel, nccl_channel.communicator, nccl_channel.library
-        import nccl_channel.rendezvous, backend, backend.errors, backend.protocol, bench.nccl_bandwidth, bench.nccl_path
+        import nccl_channel.rendezvous, backend, backend.errors, backend.protocol, bench.nccl.bandwidth, bench.nccl.path
         import nccl_channel.pipeline, nccl_channel.staging, nccl_channel.transport_nccl, nccl_channel.waits
         assert "redis" not in sys.modules and "lmcache" not in sys.modules, sorted(sys.modules)
         print("available:", bool(nccl_channel.available()))

@@ -61,7 +61,7 @@ def lmcache_engine(url: str, tmp_path: Path) -> Iterator[Any]:
     from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
     from lmcache.v1.metadata import LMCacheMetadata
 
-    from bench.lmcache_stack import kvpool_lmcache_config
+    from backend.lmcache.stack import kvpool_lmcache_config
 
     cfg = kvpool_lmcache_config(url, chunk_size=CHUNK, local_cpu_gib=0.05)
     cfg["enable_kv_events"] = True  # LMCache's own CacheStoreEvents: the reference

@@ -2,7 +2,7 @@
 
 LMCache looks a request's chunks up in prefix order and stops at the first miss, so a
 chunk is worth something only while the chunks before it are held. ``eviction=prefix-recency``
-(``backend/node/eviction.py`` ``PrefixRecencyOrder``) keeps whole prefixes where LRU keeps tails;
+(``backend/node/store/eviction.py`` ``PrefixRecencyOrder``) keeps whole prefixes where LRU keeps tails;
 ``eviction=prefix`` (``PrefixOrder``) keeps the most-read chains on top of that.
 """
 
@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from backend.node.columns import MIN_ITEMS
-from backend.node.eviction import (
+from backend.node.memory.columns import MIN_ITEMS
+from backend.node.store.eviction import (
     AGE_EVERY_HELD,
     MAX_READS,
     NEW_READS,

@@ -2,7 +2,7 @@
 
 An entry is ``kvp:NS/<key>``: a hash of node slot -> ``varint(epoch) varint(nbytes << 2 | tier)
 checksum[8]``. Memory is measured on a real redis-server with LMCache's own key strings
-(``bench.scale_redis``); the contracts -- a commit drops copies of other bytes, a removal or a
+(``bench.scale.redis_memory``); the contracts -- a commit drops copies of other bytes, a removal or a
 tier move by an ended run changes nothing, a slot is kept across restarts -- on real Redis too.
 """
 
@@ -17,9 +17,9 @@ import redis
 from backend.errors import MetadataError
 from backend.metadata import Location, MetadataStore, NodeInfo
 from backend.metadata.records import varint
-from backend.node.nvme_format import chunk_path
+from backend.node.store.nvme_format import chunk_path
 from backend.protocol import checksum
-from bench.scale_redis import TARGET_BEYOND_KEY, inprocess_keys, layerwise_keys, measure_case
+from bench.scale.redis_memory import TARGET_BEYOND_KEY, inprocess_keys, layerwise_keys, measure_case
 from kvpool import Chunk, PoolConfig, SyncPoolClient
 from tests.support.chunks import all_read_back, seeded_chunks
 from tests.support.cli import kvpool

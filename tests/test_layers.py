@@ -33,6 +33,7 @@ LEVELS = {
     "backend.shm": 2,
     "backend.config": 2,
     "backend.metrics": 2,
+    "backend.launch": 2,  # kvpool's processes as children, for the tests and the benchmarks (nothing of backend imports it)
     "backend.metadata": 3,
     "backend.placement": 4,
     "backend.node": 5,

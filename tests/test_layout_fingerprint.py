@@ -21,7 +21,7 @@ from backend.config import PoolConfig
 from backend.counters import ClientCounter, NodeCounter
 from backend.errors import ProtocolError
 from backend.lmcache.layout import CANONICAL_VERSION, KVLayout, fingerprint_of
-from backend.node.nvme_format import CHUNKS_DIR, read_header
+from backend.node.store.nvme_format import CHUNKS_DIR, read_header
 from backend.protocol import (
     ANY_FINGERPRINT,
     ItemMeta,
@@ -243,11 +243,11 @@ def test_the_fingerprint_survives_a_node_restart_from_its_nvme_tier(node_factory
 
 
 async def test_every_tier_asks_one_rule_whether_a_copy_is_the_same_chunk(tmp_path: Path):
-    """The table, DRAM, the manager and the demoter agree (``backend/node/same_chunk.py``): equal bytes under
+    """The table, DRAM, the manager and the demoter agree (``backend/node/store/same_chunk.py``): equal bytes under
     another fingerprint are another chunk, and the file a pin gets is of the DRAM chunk's fingerprint."""
-    from backend.node.dram import StoredChunk
-    from backend.node.same_chunk import same_meta
-    from backend.node.tiers import TierConfig, TierManager
+    from backend.node.store.dram import StoredChunk
+    from backend.node.store.same_chunk import same_meta
+    from backend.node.store.tiers import TierConfig, TierManager
     from backend.protocol import checksum
 
     data = _data(4)

@@ -440,7 +440,7 @@ def test_delete_removes_from_the_pool_and_tells_lmcaches_listeners(node_factory,
 
 # -- one pool, both modes -------------------------------------------------------------
 def test_in_process_and_multiprocess_data_share_one_pool_without_mixing(node_factory, pool_url, mp_stacks):
-    from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
+    from backend.lmcache.stack import LMCacheStack, kvpool_lmcache_config
 
     node_factory()
     inproc = LMCacheStack(kvpool_lmcache_config(pool_url))

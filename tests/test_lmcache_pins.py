@@ -20,8 +20,8 @@ import yaml
 from backend import admin
 from backend.cli.exits import EXIT_USAGE
 from backend.errors import ConfigError
+from backend.lmcache.stack import kvpool_lmcache_config
 from backend.tenants import scoped
-from bench.lmcache_stack import kvpool_lmcache_config
 from kvpool import PoolClient, PoolConfig
 from tests.support.cli import kvpool
 

@@ -20,8 +20,8 @@ import torch
 
 from backend.embedded import EmbeddedRedis, free_port
 from backend.lmcache.config import REMOTE_URL_FORM, lmcache_remote_url
+from backend.lmcache.stack import LMCacheStack, kvpool_lmcache_config
 from bench.engine import FIRST_HASH
-from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
 from kvpool.lmcache_connector import ALLOCATE_TIMEOUT_S
 from tests.conftest import REPO
 from tests.support.waits import wait_until
@@ -222,7 +222,7 @@ def test_get_waits_a_bounded_time_when_lmcaches_buffer_is_full(node_factory, poo
 def test_a_process_using_kvpool_exits_cleanly(node_factory, pool_url):
     node_factory()
     code = (
-        "from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config\n"
+        "from backend.lmcache.stack import LMCacheStack, kvpool_lmcache_config\n"
         f"s = LMCacheStack(kvpool_lmcache_config({pool_url!r}))\n"
         "o = [s.make_object(1)]; s.put([s.key(1)], o); s.release(o)\n"
         "assert s.contains_prefix([s.key(1)]) == 1\n"

@@ -1,6 +1,6 @@
 """What the metadata path costs Redis: counted on a real redis-server, through a counting proxy.
 
-``bench.resp_proxy.CountingProxy`` parses RESP both ways and counts round trips (a
+``bench.harness.resp_proxy.CountingProxy`` parses RESP both ways and counts round trips (a
 pipeline is one); ``INFO commandstats`` counts the commands Redis executed.
 """
 
@@ -15,7 +15,7 @@ from backend.client import PoolClient
 from backend.config import PoolConfig
 from backend.embedded import EmbeddedRedis
 from backend.metadata import Location, MetadataStore, NodeInfo
-from bench.resp_proxy import CountingProxy
+from bench.harness.resp_proxy import CountingProxy
 
 KEYS = [f"kvpool-test/model@1@0@{i:x}@bfloat16" for i in range(1000)]
 

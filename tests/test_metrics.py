@@ -352,7 +352,7 @@ def _source_counters() -> tuple[set[str], set[str]]:
     The code counts under members of backend/counters.py: the names it uses are those members' values.
     """
     node = set()
-    sources = [path.read_text() for path in sorted((REPO / "backend" / "node").glob("*.py"))]
+    sources = [path.read_text() for path in sorted((REPO / "backend" / "node").rglob("*.py"))]
     channel = (REPO / "nccl_channel" / "node.py").read_text()
     sources.append(channel[channel.index("class ChannelServer") :])  # a node started with --channel adds these
     for text in sources:

@@ -91,8 +91,8 @@ def test_staged_bytes_go_host_to_gpu_to_host_and_are_verified(lib):
 
 def test_staging_is_copied_into_an_lmcache_memory_object_and_verified(lib):
     pytest.importorskip("lmcache", reason="LMCache is not installed (the GPU machine has none)")
+    from backend.lmcache.stack import LMCacheStack, kvpool_lmcache_config
     from backend.protocol import checksum
-    from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
     from nccl_channel.communicator import PairCommunicator
     from tests.support.lmcache import same_bytes
 
@@ -162,7 +162,7 @@ def test_the_pipelined_path_lands_every_chunk_verified_from_a_registered_or_page
 
 
 def test_the_path_benchmark_runs_and_judges_every_target(lib):
-    from bench.nccl_path import TARGETS, measure_path
+    from bench.nccl.path import TARGETS, measure_path
 
     result = measure_path(iters=1)
     assert set(result["targets"]) == set(TARGETS)
@@ -170,7 +170,7 @@ def test_the_path_benchmark_runs_and_judges_every_target(lib):
 
 
 def test_nccl_bandwidth_against_a_device_to_device_copy(lib):
-    from bench.nccl_bandwidth import measure
+    from bench.nccl.bandwidth import measure
 
     result = measure([2, 32], iters=5)
     for row in result["rows"]:

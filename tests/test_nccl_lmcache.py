@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import nccl_channel
-from bench.lmcache_stack import LMCacheStack
+from backend.lmcache.stack import LMCacheStack
 from tests.support.lmcache import same_bytes
 from tests.support.waits import wait_until
 

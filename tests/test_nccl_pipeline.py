@@ -2,7 +2,7 @@
 the real CPU link (a socket pair), where a chunk is verified while later chunks still travel.
 
 The GPU side of the same code (staging copies, per-chunk CUDA events) runs in
-tests/test_nccl_gpu.py and bench/nccl_bandwidth.py --path; the ordering it relies on is this.
+tests/test_nccl_gpu.py and bench/nccl/bandwidth.py --path; the ordering it relies on is this.
 """
 
 from __future__ import annotations

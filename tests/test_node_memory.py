@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from backend.node.dram import StoredChunk
-from backend.node.tiers import TierConfig, TierManager
+from backend.node.store.dram import StoredChunk
+from backend.node.store.tiers import TierConfig, TierManager
 from backend.protocol import ItemMeta, checksum
 from kvpool import Chunk, PoolConfig, SyncPoolClient
 
@@ -42,7 +42,7 @@ async def _fill(tiers: TierManager, count: int, *, landing: int = 0) -> list[str
 
 def test_the_key_index_finds_every_key_and_no_other_through_adds_removes_and_rebuilds():
     """Against a dict doing the same: removals shift runs back (no tombstones), rebuilds keep every key."""
-    from backend.node.keys import NO_SLOT, KeyIndex
+    from backend.node.store.keys import NO_SLOT, KeyIndex
 
     rng = random.Random(11)
     keys: list[str | None] = []
@@ -71,7 +71,7 @@ def test_the_key_index_finds_every_key_and_no_other_through_adds_removes_and_reb
 
 
 def test_slots_share_one_layout_and_a_layout_no_chunk_uses_any_more_is_forgotten():
-    from backend.node.bookkeeping import IN_DRAM, ChunkTable
+    from backend.node.store.bookkeeping import IN_DRAM, ChunkTable
 
     table = ChunkTable()
     for i in range(100):
@@ -87,7 +87,7 @@ def test_slots_share_one_layout_and_a_layout_no_chunk_uses_any_more_is_forgotten
 
 
 def test_a_region_the_tier_let_go_outlives_it_while_a_view_is_out_and_is_freed_after():
-    from backend.node.arena import PrivateArena
+    from backend.node.memory.arena import PrivateArena
 
     arena = PrivateArena(1 << 20, populate=False)
     try:
@@ -110,7 +110,7 @@ def test_a_region_the_tier_let_go_outlives_it_while_a_view_is_out_and_is_freed_a
 
 
 def test_tiny_buffers_share_pages_of_cells_and_a_page_goes_back_when_its_cells_are_free():
-    from backend.node.arena import PrivateArena, room_of
+    from backend.node.memory.arena import PrivateArena, room_of
 
     arena = PrivateArena(1 << 20, populate=False)
     try:
@@ -200,7 +200,7 @@ async def test_pinned_nvme_files_stay_and_the_coldest_unpinned_one_is_evicted(tm
 
 
 async def test_recovered_files_are_adopted_in_batches_and_never_over_a_newer_put(tmp_path):
-    from backend.node.nvme_format import write_chunk
+    from backend.node.store.nvme_format import write_chunk
 
     tiers = TierManager(TierConfig(dram_bytes=64 * KIB, nvme_dir=tmp_path, nvme_bytes=1 << 20))
     try:
@@ -268,8 +268,8 @@ async def test_a_pinned_chunk_is_neither_evicted_nor_walked_and_moves_once_unpin
 
 def test_the_eviction_structure_takes_another_order():
     """A policy plugs in behind the order's interface (``eviction.EvictionOrder``): here, newest first."""
-    from backend.node.bookkeeping import ChunkTable
-    from backend.node.dram import DramTier
+    from backend.node.store.bookkeeping import ChunkTable
+    from backend.node.store.dram import DramTier
 
     class NewestFirst:
         def __init__(self) -> None:
@@ -300,7 +300,7 @@ def test_the_eviction_structure_takes_another_order():
 
 
 def test_a_node_that_only_serves_reads_keeps_no_record_of_the_views_it_handed_out():
-    from backend.node.arena import PrivateArena
+    from backend.node.memory.arena import PrivateArena
 
     arena = PrivateArena(1 << 20, populate=False)
     try:
@@ -318,7 +318,7 @@ def test_a_node_that_only_serves_reads_keeps_no_record_of_the_views_it_handed_ou
 
 
 def test_a_chunks_meta_made_from_its_slot_is_the_item_meta_it_was_stored_with():
-    from backend.node.bookkeeping import item_meta
+    from backend.node.store.bookkeeping import item_meta
 
     made = item_meta("k@1", 32, 7, "bfloat16", (2, 8), 1, 0xFEED)
     assert made == ItemMeta("k@1", 32, 7, "bfloat16", (2, 8), 1, 0xFEED) and hash(made) == hash(
@@ -331,8 +331,8 @@ def test_a_chunks_meta_made_from_its_slot_is_the_item_meta_it_was_stored_with():
 
 def test_past_the_table_of_layouts_a_chunk_keeps_its_own_and_it_goes_with_the_chunk(monkeypatch):
     """A client inventing a shape per chunk cannot grow the shared table of layouts without bound."""
-    from backend.node import bookkeeping
-    from backend.node.bookkeeping import IN_DRAM, ChunkTable
+    from backend.node.store import bookkeeping
+    from backend.node.store.bookkeeping import IN_DRAM, ChunkTable
 
     monkeypatch.setattr(bookkeeping, "MAX_LAYOUTS", 2)
     table = ChunkTable()

@@ -23,17 +23,17 @@ import pytest
 from backend.config import NodeConfig
 from backend.errors import CapacityError, MetadataError, NodeUnavailable
 from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, Quotas, RedisMemory
-from backend.node.arena import room_of
 from backend.node.context import NodeContext
-from backend.node.dram import StoredChunk
-from backend.node.intake import AheadBounds
-from backend.node.ops import OpTable
-from backend.node.peer import Answer, Reply, Request, host_of
-from backend.node.publisher import Advert, IndexPublisher
-from backend.node.puts import PutReceiver
-from backend.node.republish import Republisher
+from backend.node.index.publisher import Advert, IndexPublisher
+from backend.node.index.republish import Republisher
+from backend.node.memory.arena import room_of
+from backend.node.serve.ops import OpTable
+from backend.node.serve.peer import Answer, Reply, Request, host_of
+from backend.node.serve.puts import PutReceiver
 from backend.node.stats import NodeStats
-from backend.node.tiers import DRAM, TierConfig, TierManager
+from backend.node.store.dram import StoredChunk
+from backend.node.store.intake import AheadBounds
+from backend.node.store.tiers import DRAM, TierConfig, TierManager
 from backend.protocol import (
     LEASE_MAP,
     PUT_BUSY,

@@ -22,9 +22,9 @@ import pytest
 
 from backend.config import NodeConfig
 from backend.metadata import Location, MetadataStore
-from backend.node import recovery
-from backend.node.nvme_format import CHUNKS_DIR, TMP_SUFFIX, chunk_name, chunk_path, write_chunk
+from backend.node.index import recovery
 from backend.node.server import PoolNode
+from backend.node.store.nvme_format import CHUNKS_DIR, TMP_SUFFIX, chunk_name, chunk_path, write_chunk
 from backend.protocol import ItemMeta, checksum
 from kvpool import Chunk, PoolClient, PoolConfig
 from tests.support.waits import until
@@ -71,7 +71,7 @@ class HeldBack:
 async def test_a_restarted_node_serves_while_it_recovers_and_what_it_did_meanwhile_wins(
     redis_server, namespace, tmp_path, monkeypatch, caplog
 ):
-    caplog.set_level(logging.INFO, logger="backend.node.recovery")
+    caplog.set_level(logging.INFO, logger="backend.node.index.recovery")
     root = tmp_path / "nvme"
     stored = _previous_run(root, FILES)
     late = [k for k in stored if chunk_name(k)[0] == HELD_BACK]
@@ -120,7 +120,7 @@ async def test_a_restarted_node_serves_while_it_recovers_and_what_it_did_meanwhi
         report = node.recovery
         assert report is not None and (report.files, report.indexed) == (len(stored) - 2,) * 2
         assert (report.progress, report.temp_removed, report.quarantined) == (1.0, 1, 0)
-        said = [r.getMessage() for r in caplog.records if r.name == "backend.node.recovery"]
+        said = [r.getMessage() for r in caplog.records if r.name == "backend.node.index.recovery"]
         assert any("NVMe recovery 50 %" in line for line in said)
         assert any(f"recovered {len(stored) - 2} NVMe chunks" in line and "all indexed" in line for line in said)
     finally:

@@ -18,8 +18,8 @@ import pytest
 from backend import admin
 from backend.embedded import EmbeddedRedis
 from backend.errors import ConfigError, KVPoolError, ProtocolError
-from backend.node.leases import LeaseTable
-from backend.node.pins import PinOwner, PinTtl
+from backend.node.store.leases import LeaseTable
+from backend.node.store.pins import PinOwner, PinTtl
 from backend.protocol import (
     PinRequest,
     Status,

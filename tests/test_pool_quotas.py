@@ -15,7 +15,7 @@ import redis
 from backend import admin
 from backend.errors import CapacityError
 from backend.metadata import POOL_SCOPE
-from backend.node.quotas import pool_share
+from backend.node.store.quotas import pool_share
 from backend.protocol import TenantReport
 from kvpool import PoolClient, PoolConfig
 from tests.support.chunks import numbered_chunks

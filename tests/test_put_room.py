@@ -14,8 +14,8 @@ import pytest
 from backend.client import Chunk, PoolClient, SyncPoolClient
 from backend.config import PoolConfig
 from backend.errors import BusyError, CapacityError, PutOutcome
+from backend.launch.nodes import NodeProcess
 from backend.protocol import ItemMeta, Op, checksum, encode_header, encode_items
-from bench.nodes import NodeProcess
 
 MiB = 1024 * 1024
 

@@ -44,7 +44,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from bench.processes import ServerProcess
+from backend.launch.processes import ServerProcess
 from tests.conftest import REPO
 
 QUICKSTART = REPO / "docs" / "quickstart.md"

@@ -1,4 +1,4 @@
-"""The dead-node reaper's sweep (``backend.node.reaper``) against a real redis-server, stepped by hand.
+"""The dead-node reaper's sweep (``backend.node.index.reaper``) against a real redis-server, stepped by hand.
 
 A step reads the registry and sweeps: back to back (within its budget) while some dead slot or
 a live node's newer epoch is not covered by a walk begun since, else one page. The nodes here
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from backend.metadata import Location, MetadataStore, NodeInfo
-from backend.node.reaper import SCAN_COUNT, DeadNodeReaper
+from backend.node.index.reaper import SCAN_COUNT, DeadNodeReaper
 
 KEYS = [f"reap/model@8@0@{i:x}@bfloat16" for i in range(20_000)]
 TTL_MS = 60_000

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from backend.embedded import EmbeddedRedis, free_port
+from backend.launch.redis_servers import RedisProcesses
+from backend.launch.redis_servers import cli as _cli
 from backend.metadata import MetadataStore
-from bench.redis_servers import RedisProcesses
-from bench.redis_servers import cli as _cli
 from kvpool import Chunk, PoolClient, PoolConfig, SyncPoolClient
 from tests.conftest import REPO
 from tests.support.index import index_key, index_pattern
@@ -294,7 +294,7 @@ def test_lmcache_misses_while_redis_restarts_empty_then_hits_the_same_bytes(
 @pytest.mark.usefixtures("processes")
 def test_bench_redis_commands_counts_one_hgetall_per_key_on_both_topologies():
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.redis_commands", "--keys", "50", "--rounds", "2"],
+        [sys.executable, "-m", "bench.harness.redis_commands", "--keys", "50", "--rounds", "2"],
         capture_output=True,
         text=True,
         timeout=300,

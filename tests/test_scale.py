@@ -223,7 +223,7 @@ def test_scale_bench_shows_capacity_adding_up_and_the_membership_events(tmp_path
         [
             sys.executable,
             "-m",
-            "bench.scale",
+            "bench.scale.pool",
             "--sizes",
             "1,4",
             "--working-set",

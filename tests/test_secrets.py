@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from backend.embedded import EmbeddedRedis, free_port
-from bench.lmcache_stack import LMCacheStack
+from backend.lmcache.stack import LMCacheStack
 from kvpool import ConfigError, PoolConfig
 from tests.conftest import REPO
 from tests.support.lmcache import same_bytes

@@ -26,9 +26,9 @@ from backend.client import BytesSink, Chunk, Fetched, PoolClient, SyncPoolClient
 from backend.config import PoolConfig
 from backend.errors import ConfigError, KVPoolError, ProtocolError
 from backend.metadata import NodeInfo
-from backend.node.arena import ShmArena, remove_stale_arenas
-from backend.node.leases import MAX_LEASES
-from backend.node.pages import GROW_AHEAD_BYTES, GROWER_STEP_BYTES
+from backend.node.memory.arena import ShmArena, remove_stale_arenas
+from backend.node.memory.pages import GROW_AHEAD_BYTES, GROWER_STEP_BYTES
+from backend.node.store.leases import MAX_LEASES
 from backend.protocol import (
     LEASE_MAP,
     ItemMeta,

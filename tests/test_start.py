@@ -1,7 +1,7 @@
 """A wrong setup stops a node before it costs anything, and a start that fails leaves nothing behind.
 
 Real redis-servers (one behind ``requirepass``) and real ``kvpool node`` processes
-(``bench.nodes.NodeProcess``), each given a 2 GiB DRAM tier to prefault. Every node gets a
+(``backend.launch.nodes.NodeProcess``), each given a 2 GiB DRAM tier to prefault. Every node gets a
 shared-memory directory of its own under /dev/shm (its arena's place) and an NVMe directory
 that does not exist yet: after a failed start the first must be empty again and the second
 absent, and no file named for the node's pid (``kvpool-PID-*``, ``backend/shm.py``) may be
@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from backend.embedded import EmbeddedRedis, free_port
-from bench.nodes import NodeProcess
+from backend.launch.nodes import NodeProcess
 from tests.support.waits import wait_until
 
 PASSWORD = "start-order-password-0123456789"

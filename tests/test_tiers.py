@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 
 from backend.config import format_size, parse_size
 from backend.metadata import MetadataStore
-from backend.node.dram import StoredChunk
-from backend.node.nvme_format import CHUNKS_DIR, chunk_path, read_header, write_chunk
-from backend.node.recovery import scan
-from backend.node.tiers import DRAM, NVME, TierConfig, TierManager
+from backend.node.index.recovery import scan
+from backend.node.store.dram import StoredChunk
+from backend.node.store.nvme_format import CHUNKS_DIR, chunk_path, read_header, write_chunk
+from backend.node.store.tiers import DRAM, NVME, TierConfig, TierManager
 from backend.protocol import ItemMeta, checksum
 from kvpool import CapacityError, Chunk, NodeUnavailable, PoolConfig, SyncPoolClient
 from tests.support.recovery import wait_recovered
@@ -210,7 +210,7 @@ def test_a_full_disk_keeps_dram_writable_and_pauses_demotion_until_a_chunk_and_a
     """A 3 MiB tmpfs under a 64 MiB NVMe tier and a writer that never stops: every put succeeds (DRAM
     evicts its oldest chunks while the disk is full), one episode is one counter step and one log line,
     freeing less than a chunk plus the margin does not end it, freeing more does, and demotion resumes."""
-    from backend.node.nvme_tier import DISK_RECHECK_S, DISK_RESUME_MARGIN_BYTES
+    from backend.node.store.nvme_tier import DISK_RECHECK_S, DISK_RESUME_MARGIN_BYTES
 
     node = node_factory("--nvme-dir", str(tiny_disk), "--nvme", "64MiB", "--node-id", "tiny", dram="1MiB")
     writer = _Writer(pool_url)
@@ -258,7 +258,7 @@ def test_a_full_disk_keeps_dram_writable_and_pauses_demotion_until_a_chunk_and_a
 
 
 def test_nvme_file_loads_with_safetensors_and_equals_what_lmcache_stored(node_factory, pool_url, tmp_path):
-    from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
+    from backend.lmcache.stack import LMCacheStack, kvpool_lmcache_config
 
     _nvme_node(node_factory, tmp_path, dram="3MiB")
     stack = LMCacheStack(kvpool_lmcache_config(pool_url))
@@ -358,7 +358,7 @@ def test_recovery_scan_reads_headers_orders_by_age_and_quarantines_garbage(tmp_p
 def test_buffer_factory_hands_out_prefaulted_buffers_of_recent_sizes_within_budget():
     import time as _time
 
-    from backend.node.buffers import BufferFactory
+    from backend.node.memory.buffers import BufferFactory
 
     factory = BufferFactory(budget_bytes=4 * 64 * KIB)
     try:
@@ -396,7 +396,7 @@ def test_a_batch_larger_than_the_node_is_refused_whole_naming_the_sizes_and_evic
 
 
 async def test_a_delete_during_an_nvme_read_is_not_undone_by_promotion(tmp_path, monkeypatch):
-    import backend.node.nvme_tier as tiers_module
+    import backend.node.store.nvme_tier as tiers_module
 
     tiers = TierManager(TierConfig(dram_bytes=64 * KIB, nvme_dir=tmp_path, nvme_bytes=1 << 20))
     try:
@@ -423,7 +423,7 @@ async def test_a_delete_during_an_nvme_read_is_not_undone_by_promotion(tmp_path,
 
 
 async def test_a_delete_during_a_demotion_leaves_no_file_behind(tmp_path, monkeypatch):
-    import backend.node.nvme_tier as tiers_module
+    import backend.node.store.nvme_tier as tiers_module
 
     tiers = TierManager(TierConfig(dram_bytes=64 * KIB, nvme_dir=tmp_path, nvme_bytes=1 << 20))
     try:
@@ -468,8 +468,8 @@ def test_the_chunk_table_counts_in_o1_and_pages_in_key_order_through_adds_and_re
     tiers counts once."""
     import random
 
-    from backend.node.bookkeeping import IN_DRAM, NO_SLOT, ON_NVME, ChunkTable
-    from backend.node.keys import BUCKET_KEYS
+    from backend.node.store.bookkeeping import IN_DRAM, NO_SLOT, ON_NVME, ChunkTable
+    from backend.node.store.keys import BUCKET_KEYS
 
     rng = random.Random(7)
     table, where = ChunkTable(), {}

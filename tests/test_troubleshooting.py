@@ -32,7 +32,7 @@ from backend.cli import main
 from backend.doctor import CAUSES, SELFTEST_PREFIX
 from backend.doctor.findings import Cause
 from backend.embedded import EmbeddedRedis, free_port
-from bench.nodes import NodeProcess
+from backend.launch.nodes import NodeProcess
 from tests.conftest import REPO
 from tests.faults.proxy import skewed_clock_env
 from tests.security.test_tls_and_tokens import _make_ca, _make_leaf

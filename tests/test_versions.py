@@ -47,7 +47,7 @@ def test_lmcaches_sglang_loader_reads_kvpools_config_file_and_a_fresh_engine_rea
 ):
     import torch
 
-    from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
+    from backend.lmcache.stack import LMCacheStack, kvpool_lmcache_config
 
     node_factory()
     config = kvpool_lmcache_config(pool_url)

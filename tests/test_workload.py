@@ -1,4 +1,4 @@
-"""The workload replay (``python -m bench.workload``): a reduced multi-round trace through real LMCache engines.
+"""The workload replay (``python -m bench.workload.run``): a reduced multi-round trace through real LMCache engines.
 
 The replay test starts kvpool and two engine processes, so it is in the process tier.
 One replay of the reduced trace (``--reduced``) at half its working set, once per eviction
@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from bench import workload
-from bench.workload_engine import Served
-from bench.workload_runs import RunSpec
+from bench.workload import run as workload
+from bench.workload.engine import Served
+from bench.workload.runs import RunSpec
 
 # Pool hit rate points by which prefix must beat lru on the reduced trace at 0.5. Seen on the shared 2-core
 # machine, the load average 2-7 from other work: lru 14.2-15.3 % (13 replays), prefix 23.5-30.7 % (8; and
@@ -151,7 +151,7 @@ def test_ctrl_c_stops_the_replay_promptly_with_the_node_and_engines_it_started(t
     argv = ["--trace", "multi-round", "--engines", "2", "--capacity", "0.5", "--backends", "kvpool", "--reduced"]
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
     bench = subprocess.Popen(
-        [sys.executable, "-m", "bench.workload", *argv, "--out", str(tmp_path)],
+        [sys.executable, "-m", "bench.workload.run", *argv, "--out", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -163,7 +163,7 @@ def test_ctrl_c_stops_the_replay_promptly_with_the_node_and_engines_it_started(t
     started: set[int] = set()
 
     def engines() -> list[int]:
-        return [pid for pid in _descendants(bench.pid) if "bench.workload_engine" in _cmdline(pid)]
+        return [pid for pid in _descendants(bench.pid) if "bench.workload.engine" in _cmdline(pid)]
 
     try:
         assert wait_until(lambda: engines(), timeout_s=60), "no engine started"

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import workload_report, workload_sim
-from bench.workload_report import Measured, Simulated
-from bench.workload_runs import local_chunks, make_trace
+from bench.workload import report as workload_report
+from bench.workload import sim as workload_sim
+from bench.workload.report import Measured, Simulated
+from bench.workload.runs import local_chunks, make_trace
 
 
 def measured(backend: str, pool: float, ttft: float, bound: str = "--dram 1MiB") -> Measured:

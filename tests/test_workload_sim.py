@@ -1,9 +1,9 @@
-"""The eviction simulator (bench/workload_sim.py) and its traces (bench/workload_traces.py).
+"""The eviction simulator (bench/workload/sim.py) and its traces (bench/workload/traces.py).
 
 Fast tier: no process. The hit rates asserted are the ones the reduced multi-round trace
 gave (16 users, 6 rounds, 392 chunks: at 0.5, lru 55.7 %, prefix-recency 55.7 %, lfu 67.6 %,
 s3-fifo 63.1 %, prefix 69.5 %, belady 67.9 %), with a margin. The node's orders are the node's
-classes (``backend/node/eviction.py``, tested in ``tests/test_eviction.py``): here, what the
+classes (``backend/node/store/eviction.py``, tested in ``tests/test_eviction.py``): here, what the
 simulator's adapter (``NodeOrder``) tells them.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from backend.node.eviction import LruOrder, PrefixOrder, PrefixRecencyOrder
-from bench.workload_sim import (
+from backend.node.store.eviction import LruOrder, PrefixOrder, PrefixRecencyOrder
+from bench.workload.sim import (
     CAPACITIES,
     DEFAULT_RUNS,
     LRU,
@@ -25,7 +25,7 @@ from bench.workload_sim import (
     simulate,
     unbounded_hit_tokens,
 )
-from bench.workload_traces import PRESETS, TRACES, Trace, chunk_keys, make_trace
+from bench.workload.traces import PRESETS, TRACES, Trace, chunk_keys, make_trace
 
 COSTS = Costs(
     kv_bytes_per_token=PRESETS["llama-3.1-8b"].kv_bytes_per_token, load_bytes_per_s=5e9, prefill_tokens_per_s=3e4

@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backend import iov
-from backend.node import nvme_format as nvme
-from backend.node.nvme_format import read_header, read_payload, write_chunk
+from backend.node.store import nvme_format as nvme
+from backend.node.store.nvme_format import read_header, read_payload, write_chunk
 from backend.protocol import ItemMeta, checksum
 from backend.transport import FrameSocket
 

@@ -1,6 +1,6 @@
 """The pin verbs: ``pin`` (keys, or the keys a prefix names in the index now), ``unpin`` and ``pins``.
 
-A pin is kept by the nodes that hold the key (``backend/node/pins.py``), never in Redis: ``pin``
+A pin is kept by the nodes that hold the key (``backend/node/store/pins.py``), never in Redis: ``pin``
 finds the holders in the index and pins every copy; ``unpin`` and ``pins`` ask every live
 node, since a pin outlives its chunk (deleted, or lost from DRAM at a restart) and its index
 entry with it. A pinned chunk of a tenant counts against that tenant's byte quota, and a quota

@@ -19,7 +19,7 @@ from backend.protocol import Op, decode_lease_response, encode_lease_request, en
 
 __all__ = ["Leases", "MAX_LEASE_TTL_MS"]
 
-MAX_LEASE_TTL_MS = 600_000  # the node's bound (backend.node.leases.MAX_LEASE_TTL_MS)
+MAX_LEASE_TTL_MS = 600_000  # the node's bound (backend.node.store.leases.MAX_LEASE_TTL_MS)
 
 
 class Leases:

@@ -9,7 +9,7 @@ copies replace two trips through the kernel's TCP stack. A stage that cannot be 
 (``/dev/shm`` full, not writable) leaves the puts to TCP, and is tried again after
 ``STAGE_RETRY_S``. The stage is removed at :meth:`StagedWriter.close`; its file stays
 locked while this process lives, so if the process dies first the node removes it
-(``backend.node.stages``).
+(``backend.node.serve.stages``).
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ DEFAULT_PIN_TTL_MAX_S = 86400.0
 MAX_EVENT_RING_KEYS = 16_777_216
 _CHANNELS = ("off", "nccl", "cpu")
 NEXT_SUFFIX = ".next"  # --tenant-tokens DIR/NAME.next: tenant NAME's second token, during a rotation
-EVICTIONS = ("lru", "prefix", "prefix-recency")  # the node's eviction orders (backend/node/eviction.py ORDERS)
+EVICTIONS = ("lru", "prefix", "prefix-recency")  # the node's eviction orders (backend/node/store/eviction.py ORDERS)
 # Old names of an order, still taken for a release with a deprecation line: the frequency-aware rule was
 # `prefix-freq` until it became `prefix` (the recency-only rule that was `prefix` is `prefix-recency`).
 RENAMED_EVICTIONS = {"prefix-freq": "prefix"}
@@ -388,7 +388,7 @@ class NodeConfig:
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     shm_dir: Path | None = None  # shared-memory arena for same-host clients; None: off
     prefault: bool = False  # take the DRAM arena's pages at start (the flag's default is on; see NODE_OPTIONS)
-    eviction: str = "lru"  # which chunks leave a full tier first: one of EVICTIONS (backend/node/eviction.py)
+    eviction: str = "lru"  # which chunks leave a full tier first: one of EVICTIONS (backend/node/store/eviction.py)
     channel: str = "off"  # serve CHANNEL_GET over this transport: "off", "cpu" or "nccl" (nccl_channel)
     device: str = "cuda:0"  # the CUDA device of the NCCL channel
     tls_cert: Path | None = None  # PEM certificate chain: serve the node protocol over TLS only
@@ -397,7 +397,9 @@ class NodeConfig:
     redis_ca_file: str = ""  # CA bundle verifying a rediss:// Redis; empty: the system trust store
     dead_node_grace_s: float = DEFAULT_DEAD_NODE_GRACE_S  # a dead node's Redis entries go after this long
     pair_timeout_s: float = DEFAULT_NODE_PAIR_TIMEOUT_S  # deadline of one channel pairing (a cold NCCL init: seconds)
-    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S  # from accept to admitted (backend/node/admission.py)
+    handshake_timeout_s: float = (
+        DEFAULT_HANDSHAKE_TIMEOUT_S  # from accept to admitted (backend/node/serve/admission.py)
+    )
     max_pending_connections: int = DEFAULT_MAX_PENDING_CONNECTIONS  # not yet admitted; above it the oldest is closed
     token_file: str = ""  # where the token came from, if a file (so `kvpool up` can name it, never print it)
     token_next: str = dataclasses.field(default="", repr=False)  # a second pool token, during a rotation

@@ -33,7 +33,7 @@ from backend.doctor.findings import (
 from backend.doctor.pool import check_redis
 from backend.errors import ConfigError, MetadataError
 from backend.metadata import LiveNamespaces
-from backend.node.tiers import ARENA_MIN_SLACK_BYTES, ARENA_SLACK
+from backend.node.store.tiers import ARENA_MIN_SLACK_BYTES, ARENA_SLACK
 
 __all__ = ["arena_bytes", "check_node_host"]
 
@@ -42,7 +42,7 @@ WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
 def arena_bytes(dram_bytes: int) -> int:
-    """The size of the DRAM arena a node of ``dram_bytes`` maps (as ``backend.node.tiers`` sizes it)."""
+    """The size of the DRAM arena a node of ``dram_bytes`` maps (as ``backend.node.store.tiers`` sizes it)."""
     return dram_bytes + max(int(dram_bytes * ARENA_SLACK), ARENA_MIN_SLACK_BYTES)
 
 

@@ -118,7 +118,7 @@ class NodeRegistry:
 
         Held by another epoch whose heartbeat has not expired: nothing is written, and the
         answer says who holds it and how long its heartbeat has left (a renewal makes that
-        grow: ``backend.node.claim`` watches it to tell a live holder from a crashed one).
+        grow: ``backend.node.index.claim`` watches it to tell a live holder from a crashed one).
         """
         keys = [
             self._conn.heartbeat_key(node_id),

@@ -19,8 +19,8 @@ from backend.counters import NodeCounter
 from backend.handshake import KeyRing, handshake_key
 from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, Quotas, RedisMemory
 from backend.node.events import EventRing
-from backend.node.pins import PinBook, PinTtl
-from backend.node.tiers import DRAM, TierManager
+from backend.node.store.pins import PinBook, PinTtl
+from backend.node.store.tiers import DRAM, TierManager
 from backend.protocol import ItemMeta
 
 __all__ = ["BULK_THREADS", "Identity", "NodeContext", "NodeIndex"]

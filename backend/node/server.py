@@ -36,20 +36,20 @@ from backend.counters import NodeCounter
 from backend.errors import ConfigError, KVPoolError, NcclError
 from backend.metadata import ClaimHolder, MetadataStore, NodeInfo, NodeMetadata
 from backend.metrics import NodeMetricsServer
-from backend.node.admission import Admission
-from backend.node.claim import IdClaim, chosen_node_id
 from backend.node.context import NodeContext
-from backend.node.dirlock import DirectoryLock
-from backend.node.ops import ChannelServing, OpTable
-from backend.node.publisher import Advert, IndexPublisher
-from backend.node.puts import PutReceiver
-from backend.node.reaper import DeadNodeReaper
-from backend.node.recovery import NvmeRecovery, RecoveryReport, keep_node_id
-from backend.node.session import Acceptor
-from backend.node.stages import sweep_stages
+from backend.node.index.claim import IdClaim, chosen_node_id
+from backend.node.index.publisher import Advert, IndexPublisher
+from backend.node.index.reaper import DeadNodeReaper
+from backend.node.index.recovery import NvmeRecovery, RecoveryReport, keep_node_id
+from backend.node.serve.admission import Admission
+from backend.node.serve.ops import ChannelServing, OpTable
+from backend.node.serve.puts import PutReceiver
+from backend.node.serve.session import Acceptor
+from backend.node.serve.stages import sweep_stages
 from backend.node.startup import NewDirectory, check_redis, listen, take_arena
 from backend.node.stats import NodeStats
-from backend.node.tiers import TierConfig, TierManager
+from backend.node.store.dirlock import DirectoryLock
+from backend.node.store.tiers import TierConfig, TierManager
 from backend.protocol import NodeReport
 from backend.transport import FrameSocket, server_tls_context
 

@@ -39,9 +39,9 @@ from backend.config import NodeConfig
 from backend.config.values import format_size
 from backend.errors import MetadataError, NodeUnavailable, RedisAuthError, RedisSlowError
 from backend.metadata import MetadataStore
-from backend.node.dirlock import LOCK_NAME
-from backend.node.recovery import NODE_ID_FILE
-from backend.node.tiers import TierManager
+from backend.node.index.recovery import NODE_ID_FILE
+from backend.node.store.dirlock import LOCK_NAME
+from backend.node.store.tiers import TierManager
 from backend.redis_topology import RedisTarget, mask_url
 
 __all__ = ["NewDirectory", "Prefault", "check_redis", "listen", "take_arena"]

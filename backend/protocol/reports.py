@@ -120,7 +120,7 @@ class ArenaReport:
 class RecoveryReport:
     """The NVMe tier's recovery at a node's start, so far: files adopted, their bytes, files set aside, time taken.
 
-    Recovery runs in the background while the node serves (``backend.node.recovery``):
+    Recovery runs in the background while the node serves (``backend.node.index.recovery``):
     ``progress`` is the fraction of the tier's shard directories scanned, ``indexed`` the
     adopted chunks whose index entries are written, ``done`` whether it has finished. A node
     of an earlier version recovered before it served: absent, they read as finished.
@@ -165,7 +165,7 @@ class RecoveryReport:
 
 @dataclass(frozen=True)
 class RepublishReport:
-    """A node's republish of its holdings after Redis lost them (``backend.node.republish``).
+    """A node's republish of its holdings after Redis lost them (``backend.node.index.republish``).
 
     ``running`` while a walk is under way; ``pending``: chunks it has yet to publish (an
     estimate: those held when it began, less those published since); ``published`` and

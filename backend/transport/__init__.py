@@ -13,7 +13,7 @@ from backend.transport.frame_socket import FrameSocket, tune_socket
 from backend.transport.tls import client_tls_context, server_tls_context
 from backend.transport.workers import BULK_BYTES, THREAD_WAIT_S
 
-# Not API: the worker turn's parts that bench/profile_get.py times, importable from here as before.
+# Not API: the worker turn's parts that bench/harness/profile_get.py times, importable from here as before.
 from backend.transport.workers import _Receiving as _Receiving
 from backend.transport.workers import _TurnClock as _TurnClock
 

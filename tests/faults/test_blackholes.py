@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from backend.embedded import free_port
-from bench.lmcache_stack import LMCacheStack
+from backend.lmcache.stack import LMCacheStack
 from kvpool import KVPoolError, PoolConfig, SyncPoolClient
 from tests.conftest import NodeProcess
 from tests.faults.blackhole import Blackhole

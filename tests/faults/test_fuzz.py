@@ -616,7 +616,7 @@ def test_more_items_than_max_items_are_split_into_frames_transparently(target: T
 
 
 def test_the_lmcache_connector_turns_an_unstorable_key_into_a_miss_without_raising(target: Target) -> None:
-    from bench.lmcache_stack import LMCacheStack, kvpool_lmcache_config
+    from backend.lmcache.stack import LMCacheStack, kvpool_lmcache_config
 
     stack = LMCacheStack(kvpool_lmcache_config(target.url), model="m" * 1100)  # keys over max_key_bytes
     try:

@@ -1,5 +1,5 @@
 """The Redis side of a large pool: a dead node's entries swept fast without stalling Redis, admin verbs
-over a large index with every Redis call short (``bench.scale_sweep``, the same code as the figures).
+over a large index with every Redis call short (``bench.scale.sweep``, the same code as the figures).
 
 ``make test`` runs them small (seconds); ``make faults`` (``KVPOOL_FULL=1``) runs the sweep at 200,000
 dead entries and the admin verbs over 1,000,000 keys. The index is written directly (pipelined HSETs
@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from bench.scale_sweep import CALL_TARGET_MS, admin, sweep
+from bench.scale.sweep import CALL_TARGET_MS, admin, sweep
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: the 200,000-entry form
 SWEEP_CHUNKS = 200_000 if FULL else 30_000

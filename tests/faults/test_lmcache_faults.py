@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from backend.embedded import free_port
-from bench.lmcache_stack import LMCacheStack
+from backend.lmcache.stack import LMCacheStack
 from tests.faults.proxy import FaultProxy
 from tests.support.waits import run_with_timeout, wait_until
 

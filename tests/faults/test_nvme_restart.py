@@ -1,9 +1,9 @@
 """A node restarted over many NVMe chunk files serves at once and indexes them in the background.
 
-The files are written as a node writes them but without fsync, by ``bench.scale_nvme.write_files``
+The files are written as a node writes them but without fsync, by ``bench.scale.nvme.write_files``
 (16-byte payloads); Redis holds nothing of them. Under ``KVPOOL_FULL=1`` (``make faults``) 200,000 of
 them, against the bars issue #34 sets for 10^6 (first hit within 10 s, all indexed within 120 s; the
-10^6 figures are ``python -m bench.scale_nvme --only restart --chunks 1000000``); else 5,000.
+10^6 figures are ``python -m bench.scale.nvme --only restart --chunks 1000000``); else 5,000.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import random
 import time
 
-from bench.scale_nvme import chunk_key, payload_of, write_files
+from bench.scale.nvme import chunk_key, payload_of, write_files
 from kvpool import PoolConfig, SyncPoolClient
 from tests.support.recovery import wait_recovered
 from tests.support.waits import wait_until

@@ -25,10 +25,10 @@ from backend.config import NodeConfig
 from backend.embedded import EmbeddedRedis
 from backend.metadata import Location, MetadataStore, NodeMetadata
 from backend.node.context import NodeContext
-from backend.node.dram import StoredChunk
-from backend.node.republish import publish_held
+from backend.node.index.republish import publish_held
 from backend.node.server import PoolNode
-from backend.node.tiers import DRAM, NVME, TierConfig, TierManager
+from backend.node.store.dram import StoredChunk
+from backend.node.store.tiers import DRAM, NVME, TierConfig, TierManager
 from backend.protocol import ItemMeta, checksum
 from kvpool import Chunk, PoolClient, PoolConfig, SyncPoolClient
 from tests.support.waits import wait_until
@@ -176,7 +176,7 @@ async def _read_while(client: PoolClient, sample: dict[str, bytes], until: async
 async def test_a_flush_is_republished_beside_a_heartbeat_that_never_lapses_and_readers_see_misses_or_bytes(
     own_redis, namespace, watch_factory, caplog
 ):
-    caplog.set_level(logging.INFO, logger="backend.node.republish")
+    caplog.set_level(logging.INFO, logger="backend.node.index.republish")
     node = await _node(own_redis, namespace)
     try:
         stored = await _fill(node, CHUNKS)
@@ -198,7 +198,7 @@ async def test_a_flush_is_republished_beside_a_heartbeat_that_never_lapses_and_r
         assert node.counters["republished"] == CHUNKS
         report = node.report().republish
         assert report is not None and (report.running, report.pending, report.published) == (False, 0, CHUNKS)
-        said = [r.getMessage() for r in caplog.records if r.name == "backend.node.republish"]
+        said = [r.getMessage() for r in caplog.records if r.name == "backend.node.index.republish"]
         assert any(f"republishing the {CHUNKS} chunks it holds" in line for line in said)
         assert any("chunks published (50 %)" in line for line in said)
         assert any(f"republished {CHUNKS} chunks in" in line for line in said)
@@ -209,7 +209,7 @@ async def test_a_flush_is_republished_beside_a_heartbeat_that_never_lapses_and_r
 async def test_a_second_flush_during_a_republish_resumes_it_and_every_chunk_is_indexed_again(
     own_redis, namespace, watch_factory, caplog
 ):
-    caplog.set_level(logging.INFO, logger="backend.node.republish")
+    caplog.set_level(logging.INFO, logger="backend.node.index.republish")
     node = await _node(own_redis, namespace)
     try:
         stored = await _fill(node, CHUNKS)
@@ -225,7 +225,7 @@ async def test_a_second_flush_during_a_republish_resumes_it_and_every_chunk_is_i
         # the first walk was cut short by the flush.
         assert node.stats.republish.published == CHUNKS
         assert CHUNKS // 3 <= node.counters["republished"] - CHUNKS < CHUNKS
-        said = [r.getMessage() for r in caplog.records if r.name == "backend.node.republish"]
+        said = [r.getMessage() for r in caplog.records if r.name == "backend.node.index.republish"]
         assert any("with a republish under way" in line for line in said)
     finally:
         await node.stop()

@@ -16,8 +16,8 @@ import asyncio
 
 import pytest
 
-from backend.node.arena import room_of
-from bench.scale_node import LAYOUT_FINGERPRINT, VALUE_BYTES, fill, layerwise_key, value_of
+from backend.node.memory.arena import room_of
+from bench.scale.node import LAYOUT_FINGERPRINT, VALUE_BYTES, fill, layerwise_key, value_of
 from kvpool import PoolClient, PoolConfig
 from tests.faults.proxy import FULL
 

@@ -1,4 +1,4 @@
-"""``python -m bench.scale --report``: the scale benches composed, one summary of every budget of issue #34.
+"""``python -m bench.scale.pool --report``: the scale benches composed, one summary of every budget of issue #34.
 
 Run at the fewest chunks its node part can measure with (20,000), so the figures' values say little
 (at that size a target may be met or missed): what is checked is that every figure is measured,
@@ -50,7 +50,7 @@ HOW = {"nvme": "without fsync", "disk": "without fsync", "sweep": "index written
 
 def _scale(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "bench.scale", *args], capture_output=True, text=True, cwd=REPO, timeout=timeout_s
+        [sys.executable, "-m", "bench.scale.pool", *args], capture_output=True, text=True, cwd=REPO, timeout=timeout_s
     )
 
 
@@ -72,7 +72,7 @@ def test_the_scale_report_prints_every_figure_beside_its_target_and_writes_them(
         assert (verdict in ("ok", "MISSED")) == (name not in UNTARGETED), f"{name}: {line}"
     for part in PARTS:
         assert HOW.get(part, "") in summary.split("how the figures were made:")[1], part
-    assert "python -m bench.scale_sweep --chunks 10000000 --parts admin" in summary
+    assert "python -m bench.scale.sweep --chunks 10000000 --parts admin" in summary
     # the benches' own detailed output came first
     assert 0 < out.stdout.index("node memory and eviction at 20,000 chunks") < at
 

@@ -1,4 +1,4 @@
-"""Load: the bounded soak (bench/soak.py) run short here and for 2 minutes under ``make faults``.
+"""Load: the bounded soak (bench/scale/soak.py) run short here and for 2 minutes under ``make faults``.
 
 32 clients, mixed put/get/contains, a working set twice the pool's DRAM: every hit
 byte-identical, no errors, at most 1% of the puts refused as busy (a burst waits for
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from bench.soak import Values, verdict
+from bench.scale.soak import Values, verdict
 from tests.conftest import REPO
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))
@@ -27,7 +27,7 @@ def test_a_soak_of_32_clients_over_twice_the_dram_returns_no_wrong_byte_and_stay
     cmd = [
         sys.executable,
         "-m",
-        "bench.soak",
+        "bench.scale.soak",
         "--duration",
         str(DURATION_S),
         "--clients",

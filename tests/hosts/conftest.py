@@ -1,4 +1,4 @@
-"""The host bed for tests: hosts as namespaces (``bench.hosts``), and a pool client driven on one of them."""
+"""The host bed for tests: hosts as namespaces (``bench.hosts.bed``), and a pool client driven on one of them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench.hosts import BedUnavailable, HostBed, JsonLines, missing
+from bench.hosts.bed import BedUnavailable, HostBed, JsonLines, missing
 
 FULL = bool(os.environ.get("KVPOOL_FULL"))  # `make faults`: the longer runs
 DRIVER_TIMEOUT_S = 120.0

@@ -1,4 +1,4 @@
-"""kvpool across hosts of the bed (``bench.hosts``): each host its own namespaces, hostname and /dev/shm.
+"""kvpool across hosts of the bed (``bench.hosts.bed``): each host its own namespaces, hostname and /dev/shm.
 
 Real redis-server and node processes run on their hosts; clients run on others, so every
 read crosses the bridge over TCP, as between real machines.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from bench.hosts import PREFIX, _namespaces
+from bench.hosts.bed import PREFIX, _namespaces
 from tests.conftest import REPO
 
 PROBE = """
@@ -35,9 +35,7 @@ def test_hosts_have_their_own_hostname_and_shm_and_a_partition_is_a_silent_black
 
 
 def test_a_killed_run_leaves_namespaces_that_the_next_bed_removes(bed_factory):
-    code = (
-        "import os; from bench.hosts import HostBed; bed = HostBed(['lost']); print(bed.owner, flush=True); os._exit(0)"
-    )
+    code = "import os; from bench.hosts.bed import HostBed; bed = HostBed(['lost']); print(bed.owner, flush=True); os._exit(0)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     owner = proc.stdout.strip()
     assert owner.startswith(PREFIX) and any(n.startswith(owner) for n in _namespaces()), proc.stderr

@@ -1,4 +1,4 @@
-"""The harness across hosts (``python -m bench.harness --hosts``) in its smallest run, so that it cannot rot.
+"""The harness across hosts (``python -m bench.harness.run --hosts``) in its smallest run, so that it cannot rot.
 
 One condition (0.2 ms of added RTT through the delay proxies), 16 KiB chunks, batch 8,
 one round: every backend runs on its hosts, reads back every chunk byte for byte, and
@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from bench.hosts import missing
-from bench.hosts_harness import BACKENDS
+from bench.hosts.bed import missing
+from bench.hosts.harness import BACKENDS
 from tests.conftest import REPO
 
 HARNESS_TIMEOUT_S = 90
@@ -31,7 +31,7 @@ def test_hosts_harness_runs_every_backend_across_hosts_and_reads_back_every_byte
         [
             sys.executable,
             "-m",
-            "bench.harness",
+            "bench.harness.run",
             "--hosts",
             "--smoke",
             "--rtts",

@@ -20,8 +20,8 @@ from backend.config.node import ENV_PREFAULT
 from backend.config.values import NODE_ID_RULE, check_node_id, default_node_id
 from backend.embedded import EmbeddedRedis
 from backend.errors import ConfigError
-from backend.node.nvme_format import chunk_path
-from bench.nodes import NodeProcess
+from backend.launch.nodes import NodeProcess
+from backend.node.store.nvme_format import chunk_path
 from kvpool import PoolConfig, SyncPoolClient
 from tests.support.chunks import all_read_back, seeded_chunks
 from tests.support.recovery import wait_recovered

@@ -7,7 +7,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from backend.node.arena import ShmArena
+from backend.node.memory.arena import ShmArena
 from backend.shm import PutStage
 
 MIB = 1024 * 1024

@@ -3,7 +3,7 @@
 Before, a same-host client's 128 MiB stage in ``/dev/shm`` outlived a client killed with
 ``kill -9`` until the next node started in that directory. Now the client holds its
 stage locked for its process's life, and the node removes stages no live process holds
-(``backend/node/stages.py``, every ``STAGE_SWEEP_INTERVAL_S``). A real client process
+(``backend/node/serve/stages.py``, every ``STAGE_SWEEP_INTERVAL_S``). A real client process
 and a real node; what is promised: docs/design.md, "Same-host puts".
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.node.stages import STAGE_SWEEP_INTERVAL_S
+from backend.node.serve.stages import STAGE_SWEEP_INTERVAL_S
 from backend.shm import STAGE_MIN_AGE_S, PutStage, remove_abandoned_stages
 from kvpool import Chunk, PoolConfig, SyncPoolClient
 from tests.conftest import REPO

@@ -27,7 +27,7 @@ import pytest
 
 from backend.client import Chunk, SyncPoolClient
 from backend.config import PoolConfig
-from backend.node.intake import AheadBounds
+from backend.node.store.intake import AheadBounds
 from backend.protocol import (
     HEADER,
     ItemMeta,

@@ -1,4 +1,4 @@
-"""What tests of LMCache stacks share: comparing the memory objects they return (``bench.lmcache_stack``), and
+"""What tests of LMCache stacks share: comparing the memory objects they return (``backend.lmcache.stack``), and
 building kvpool's multiprocess-mode L2 adapter as ``lmcache server`` does."""
 
 from __future__ import annotations

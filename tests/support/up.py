@@ -1,4 +1,4 @@
-"""``kvpool up`` as a child process, for the tests of the one-command pool (``bench.processes`` runs it)."""
+"""``kvpool up`` as a child process, for the tests of the one-command pool (``backend.launch.processes`` runs it)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.processes import REPO, STOP_TIMEOUT_S, ServerProcess
+from backend.launch.processes import REPO, STOP_TIMEOUT_S, ServerProcess
 
 __all__ = ["UpProcess"]
 
