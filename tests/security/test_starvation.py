@@ -4,7 +4,7 @@ The hostile peer holds the token (it is a client gone wrong, or one that misbeha
 purpose) and speaks raw frames over its own sockets, from another client host
 (127.0.0.2: Linux routes all of 127/8 to loopback) where that matters; the node and
 the well-behaved clients are real processes and clients, as everywhere. What is
-promised: docs/reliability.md ("A stalled client cannot starve a node"), docs/design.md
+promised: docs/reliability.md ("A stalled client cannot starve a node"), docs/design-node.md
 ("Room is reserved as bytes arrive") and docs/protocol.md ("Bulk transfers", "Put options").
 
 ``KVPOOL_FULL=1`` (``make faults``) runs the stall for 60 s; ``make test`` runs it for 8 s.
