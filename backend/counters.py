@@ -3,7 +3,7 @@
 Producers count under these members and the metrics and reports read them, so a misspelt
 name is an ``AttributeError`` (and a mypy error), never a silent new series. A member's value
 is the name on the wire (STAT's ``counters``) and in the metric (``kvpool_node_<value>_total``,
-``kvpool_connector_<value>_total``); docs/operations.md lists them. A member's name may say the
+``kvpool_connector_<value>_total``); docs/metrics.md lists them. A member's name may say the
 house's term where the public value keeps an older word (docs/design.md, glossary): a put
 refused for lack of room counts as ``put_rejected_capacity``.
 """

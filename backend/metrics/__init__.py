@@ -11,7 +11,7 @@ own event loop. Three parts:
 * ``connector.py``: ``register_connector_metrics``, the LMCache connectors' counters in
   prometheus_client's default registry, where LMCache keeps its own metrics.
 
-Every name emitted is listed in docs/operations.md (a test keeps them in step).
+Every name emitted is listed in docs/metrics.md (a test keeps them in step).
 """
 
 from backend.metrics.connector import (

@@ -1,7 +1,7 @@
 """The Prometheus mapping of a pool node's stats: ``NodeCollector`` and its families.
 
 Read at scrape time from ``PoolNode.report()`` and ``health()``, so nothing on the data
-path pays for metrics. Every name emitted here is listed in docs/operations.md (a test
+path pays for metrics. Every name emitted here is listed in docs/metrics.md (a test
 keeps them in step).
 """
 
