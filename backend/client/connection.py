@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import itertools
 import ssl
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol, TypeVar
@@ -30,6 +29,7 @@ from backend.client.chunks import (
     release_hits,
     sink_fingerprint,
 )
+from backend.client.silence import SilenceWatch
 from backend.config import PoolConfig
 from backend.errors import IntegrityError, KVPoolError, NodeUnavailable, ProtocolError
 from backend.handshake import ClientHello, handshake_key
@@ -67,7 +67,6 @@ MAX_FRAME_ITEMS = 1024  # keeps a frame's meta far below the 4 MiB limit even wi
 # A request is abandoned when its connection is silent for progress_timeout_s; one that keeps moving
 # bytes is waited on up to an overall bound of progress_timeout_s plus its bytes at this rate (256 MiB: ~4 min).
 SLOWEST_TRANSFER_BYTES_PER_S = 1024 * 1024
-HELD_UP_RECHECK_S = 0.05  # how soon a silence found to be this side's is looked at again
 
 
 @dataclasses.dataclass
@@ -77,41 +76,6 @@ class _Pending:
     keys: Sequence[str] = ()
     sink: Sink[Any] | None = None
     hold_s: float = 0.0  # how long the node may hold the request back (a put waiting for room)
-
-
-class _SilenceWatch:
-    """Expires a request's deadline once its socket has moved no byte for ``silence_s``.
-
-    Checks the socket's progress timestamp once per ``silence_s`` (not per byte): a timer
-    that re-arms itself for when the silence would reach the limit.
-    """
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, sock: FrameSocket, silence_s: float, deadline: asyncio.Timeout
-    ) -> None:
-        self.loop = loop
-        self.sock = sock
-        self.silence_s = silence_s
-        self.deadline = deadline
-        self.since = time.monotonic()
-        self.silent = False
-        self._timer = loop.call_later(silence_s, self._check)
-
-    def _check(self) -> None:
-        quiet_since = max(self.sock.progress_at, self.since)
-        left_s = quiet_since + self.silence_s - time.monotonic()
-        if left_s > 0:
-            self._timer = self.loop.call_later(left_s, self._check)
-            return
-        if self.sock.held_up_here():  # the peer sent; this side has not read yet: not its silence
-            self._timer = self.loop.call_later(min(self.silence_s, HELD_UP_RECHECK_S), self._check)
-            return
-        self.silent = True
-        if not self.deadline.expired():
-            self.deadline.reschedule(self.loop.time())  # expires now: the request's task is cancelled
-
-    def cancel(self) -> None:
-        self._timer.cancel()
 
 
 def _drop(pending: _Pending, result: Any) -> None:
@@ -232,10 +196,10 @@ class NodeConnection:
         sent = False
         silence_s = self.config.progress_timeout_s + ahead_s
         overall_s = silence_s + (data_len + expect_bytes) / SLOWEST_TRANSFER_BYTES_PER_S
-        watch: _SilenceWatch | None = None
+        watch: SilenceWatch | None = None
         try:
             async with asyncio.timeout(overall_s) as deadline:
-                watch = _SilenceWatch(loop, sock, silence_s, deadline)
+                watch = SilenceWatch(loop, sock, silence_s, deadline)
                 try:
                     await sock.send([encode_header(op, request_id, meta, data_len), meta, *data])
                     sent = True
