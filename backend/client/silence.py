@@ -1,6 +1,7 @@
 """A request's silence deadline: given up once its connection has moved no byte for a while.
 
-A request on a node connection is bounded two ways: by silence, so a dead or partitioned
+A request on a node connection is bounded two ways (``Deadlines.request_silence_s`` and
+``request_overall_s``, backend/config/deadlines.py): by silence, so a dead or partitioned
 link costs the progress timeout whatever the request's size, and by an overall bound, so a
 slow link that keeps moving bytes is waited on, but not for ever. :class:`SilenceWatch` is
 the first; ``asyncio.timeout`` the second, and the watch expires that same timeout when the
