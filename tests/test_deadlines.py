@@ -3,6 +3,8 @@
 - no module but that one does arithmetic on PoolConfig's durations (its fields named ``*_s``,
   whatever they are called: the set is read from the dataclass), found over the syntax tree;
 - the client and the LMCache layer read those durations only through ``Deadlines``;
+- docs/configuration.md's deadline table names every field of ``Deadlines`` and says how each is
+  derived, and the derivation it writes gives the value the code computes;
 - the values are today's: the put's room wait, the node's commit wait, the connector's call...
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -202,3 +205,51 @@ def test_deadlines_are_a_frozen_value() -> None:
 def test_the_commit_wait_is_what_the_node_gives_the_put_the_client_sends(progress_s: float) -> None:
     d = Deadlines.from_config(PoolConfig(progress_timeout_s=progress_s))
     assert commit_wait_s(PutOptions(1, d.room_wait_ms)) == pytest.approx(d.commit_wait_s, abs=0.001)
+
+
+# -- the table in docs/configuration.md ---------------------------------------------------
+CONFIGURATION = (REPO / "docs" / "configuration.md").read_text()
+ROW = re.compile(r"^\| `([a-z_]+)` \| (.+?) \| `([0-9.]+) s` \| (.+?) \|$", re.MULTILINE)
+TIMES = "\u00d7"  # the table's multiplication sign
+DERIVATION = re.compile(rf"`([a-z_]+)`(?: {TIMES} ([0-9.]+))?(?:, at least ([0-9.]+) s)?")
+
+
+def _table() -> dict[str, tuple[str, float]]:
+    start = CONFIGURATION.index("## Deadlines")
+    end = CONFIGURATION.find("\n## ", start + 1)
+    rows = ROW.findall(CONFIGURATION[start : end if end >= 0 else None])
+    assert rows, "docs/configuration.md has no deadline table under ## Deadlines"
+    return {name: (derived, float(default)) for name, derived, default, _why in rows}
+
+
+def _derive(text: str, config: PoolConfig) -> float:
+    """A derivation as the table writes it (a duration, times a factor, at least a floor), worked out."""
+    match = DERIVATION.fullmatch(text)
+    assert match, f"{text!r} is not `FIELD`, `FIELD` {TIMES} FACTOR or `FIELD` {TIMES} FACTOR, at least N s"
+    field, factor, floor = match.groups()
+    assert field in DURATIONS, f"{field} is not a duration of PoolConfig"
+    return max(getattr(config, field) * float(factor or 1), float(floor or 0))
+
+
+def test_the_deadline_table_names_every_field_of_deadlines_and_no_other() -> None:
+    assert list(_table()) == [f.name for f in dataclasses.fields(Deadlines)]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        PoolConfig(),
+        PoolConfig(connect_timeout_s=0.3, progress_timeout_s=0.5, pair_timeout_s=7.0),
+        PoolConfig(connect_timeout_s=9.0, progress_timeout_s=0.01, pair_timeout_s=0.2),
+    ],
+    ids=["defaults", "short", "tiny-progress"],
+)
+def test_the_deadline_table_says_how_each_bound_is_derived(config: PoolConfig) -> None:
+    deadlines = Deadlines.from_config(config)
+    for name, (derived, _default) in _table().items():
+        assert _derive(derived, config) == pytest.approx(getattr(deadlines, name)), f"{name}: {derived}"
+
+
+def test_the_deadline_table_gives_each_bound_at_the_default_config() -> None:
+    deadlines = Deadlines.from_config(PoolConfig())
+    assert {name: default for name, (_, default) in _table().items()} == dataclasses.asdict(deadlines)

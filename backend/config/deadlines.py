@@ -4,7 +4,8 @@ The pool URL names two durations a client waits by (``connect_timeout_s``,
 ``progress_timeout_s``) and one it pairs by (``pair_timeout_s``). Every other bound
 is a share or a multiple of them, and each is named here with why it is that long,
 so no module multiplies a timeout by a factor of its own (a syntax-tree test,
-tests/test_deadlines.py, holds every other module to it).
+tests/test_deadlines.py, holds every other module to it). docs/configuration.md's
+deadline table lists every field; the same test reads it against this class.
 
 The node's side of a put follows from the client's: the put carries ``room_wait_ms``
 (the protocol's ``wait_ms``), and the node gives its index commit half of it
