@@ -24,6 +24,7 @@ from backend.client.connection import Connections
 from backend.client.context import ClientContext
 from backend.client.index import PoolIndex
 from backend.config import PoolConfig
+from backend.config.deadlines import Deadlines
 from backend.counters import ClientCounter
 from backend.errors import KVPoolError, NcclError
 from backend.metadata import NodeInfo
@@ -57,7 +58,10 @@ class Channel(Protocol):
 
 
 def open_channel(
-    config: PoolConfig, index: PoolIndex, request: Callable[[NodeInfo, bytes], Awaitable[bytes]]
+    config: PoolConfig,
+    deadlines: Deadlines,
+    index: PoolIndex,
+    request: Callable[[NodeInfo, bytes], Awaitable[bytes]],
 ) -> Channel | None:
     """The channel ``config`` asks for, or None (said once, at WARNING) when it cannot run here.
 
@@ -84,8 +88,8 @@ def open_channel(
         endpoint,
         config.cluster,
         request,
-        config.progress_timeout_s,
-        pair_timeout_s=config.pair_timeout_s,
+        deadlines.channel_transfer_s,
+        pair_timeout_s=deadlines.pair_s,
     )
     logger.info("kvpool: channel endpoint %s (%s, cluster %s)", endpoint, transport.kind, config.cluster)
     return channel

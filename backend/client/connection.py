@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import itertools
 import ssl
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol, TypeVar
@@ -30,7 +29,9 @@ from backend.client.chunks import (
     release_hits,
     sink_fingerprint,
 )
+from backend.client.silence import SilenceWatch
 from backend.config import PoolConfig
+from backend.config.deadlines import Deadlines
 from backend.errors import IntegrityError, KVPoolError, NodeUnavailable, ProtocolError
 from backend.handshake import ClientHello, handshake_key
 from backend.metadata import NodeInfo
@@ -64,10 +65,6 @@ T = TypeVar("T")
 
 MAX_FRAME_DATA_BYTES = 256 * 1024 * 1024  # split larger batches into several frames
 MAX_FRAME_ITEMS = 1024  # keeps a frame's meta far below the 4 MiB limit even with 1 KiB keys
-# A request is abandoned when its connection is silent for progress_timeout_s; one that keeps moving
-# bytes is waited on up to an overall bound of progress_timeout_s plus its bytes at this rate (256 MiB: ~4 min).
-SLOWEST_TRANSFER_BYTES_PER_S = 1024 * 1024
-HELD_UP_RECHECK_S = 0.05  # how soon a silence found to be this side's is looked at again
 
 
 @dataclasses.dataclass
@@ -77,41 +74,6 @@ class _Pending:
     keys: Sequence[str] = ()
     sink: Sink[Any] | None = None
     hold_s: float = 0.0  # how long the node may hold the request back (a put waiting for room)
-
-
-class _SilenceWatch:
-    """Expires a request's deadline once its socket has moved no byte for ``silence_s``.
-
-    Checks the socket's progress timestamp once per ``silence_s`` (not per byte): a timer
-    that re-arms itself for when the silence would reach the limit.
-    """
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, sock: FrameSocket, silence_s: float, deadline: asyncio.Timeout
-    ) -> None:
-        self.loop = loop
-        self.sock = sock
-        self.silence_s = silence_s
-        self.deadline = deadline
-        self.since = time.monotonic()
-        self.silent = False
-        self._timer = loop.call_later(silence_s, self._check)
-
-    def _check(self) -> None:
-        quiet_since = max(self.sock.progress_at, self.since)
-        left_s = quiet_since + self.silence_s - time.monotonic()
-        if left_s > 0:
-            self._timer = self.loop.call_later(left_s, self._check)
-            return
-        if self.sock.held_up_here():  # the peer sent; this side has not read yet: not its silence
-            self._timer = self.loop.call_later(min(self.silence_s, HELD_UP_RECHECK_S), self._check)
-            return
-        self.silent = True
-        if not self.deadline.expired():
-            self.deadline.reschedule(self.loop.time())  # expires now: the request's task is cancelled
-
-    def cancel(self) -> None:
-        self._timer.cancel()
 
 
 def _drop(pending: _Pending, result: Any) -> None:
@@ -128,6 +90,7 @@ class NodeConnection:
     ) -> None:
         self.node = node
         self.config = config
+        self.deadlines = Deadlines.from_config(config)
         self.tls = tls
         self.bulk = bulk
         self.sock: FrameSocket | None = None
@@ -158,7 +121,7 @@ class NodeConnection:
                 raise NodeUnavailable(f"connection to {self.node.node_id} is closed")
             check_tls_agrees(self.node, self.tls is not None)
             sock = await FrameSocket.connect(
-                self.node.host, self.node.port, self.config.connect_timeout_s, self.tls, self.bulk
+                self.node.host, self.node.port, self.deadlines.connect_s, self.tls, self.bulk
             )
             self.sock = sock
             self._reader = asyncio.get_running_loop().create_task(self._read_loop(sock))
@@ -211,13 +174,12 @@ class NodeConnection:
     ) -> Any:
         """Send one request and wait for its response (a GET's: one :data:`Outcome` per key).
 
-        Abandoned when the connection moves no byte (sent or received, for any request on
-        it) for the pool's ``progress_timeout_s`` plus the ``hold_s`` of the requests ahead of it:
-        the node reads a connection's frames in order, and may hold a put back that long
-        waiting for room (``hold_s`` of a put is within its own ``progress_timeout_s``). A dead or
-        silent link is thus found by silence, whatever the request's size, and a slow link
-        that keeps moving bytes is waited on, up to an overall bound of that silence plus
-        the request's bytes at ``SLOWEST_TRANSFER_BYTES_PER_S``.
+        Abandoned when the connection moves no byte (sent or received, for any request on it)
+        for its silence, the progress deadline plus the ``hold_s`` of the requests ahead of it
+        (the node reads a connection's frames in order, and may hold a put back that long
+        waiting for room), or when it passes its overall bound, that silence plus its bytes at
+        the slowest rate waited on (``Deadlines.request_silence_s``, ``request_overall_s``).
+        A dead or silent link is thus found by silence, whatever the request's size.
         """
         sock = self.sock
         assert sock is not None
@@ -230,12 +192,12 @@ class NodeConnection:
         pending = self._pending[request_id] = _Pending(op, future, keys, sink, hold_s)
         data_len = sum(len(memoryview(b).cast("B")) for b in data)
         sent = False
-        silence_s = self.config.progress_timeout_s + ahead_s
-        overall_s = silence_s + (data_len + expect_bytes) / SLOWEST_TRANSFER_BYTES_PER_S
-        watch: _SilenceWatch | None = None
+        silence_s = self.deadlines.request_silence_s(ahead_s)
+        overall_s = self.deadlines.request_overall_s(silence_s, data_len + expect_bytes)
+        watch: SilenceWatch | None = None
         try:
             async with asyncio.timeout(overall_s) as deadline:
-                watch = _SilenceWatch(loop, sock, silence_s, deadline)
+                watch = SilenceWatch(loop, sock, silence_s, deadline)
                 try:
                     await sock.send([encode_header(op, request_id, meta, data_len), meta, *data])
                     sent = True
@@ -475,8 +437,8 @@ class Connections:
         return conns
 
     async def probe(self, node: NodeInfo) -> None:
-        """Whether ``node`` answers: connect (``connect_timeout_s``), HELLO and PING (each
-        ``progress_timeout_s``) on a connection of its own; raises NodeUnavailable (or another KVPoolError) if it does not."""
+        """Whether ``node`` answers: connect (``Deadlines.connect_s``), HELLO and PING (each
+        ``Deadlines.progress_s``) on a connection of its own; raises NodeUnavailable (or another KVPoolError) if not."""
         conn = NodeConnection(node, self.config, self.tls)
         try:
             await conn.ensure_open()

@@ -1,4 +1,4 @@
-"""What every part of one client shares: its config, counters, warnings, background tasks and worker threads."""
+"""What every part of one client shares: its config and deadlines, counters, warnings, background tasks and worker threads."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from backend.config import PoolConfig
+from backend.config.deadlines import Deadlines
 from backend.counters import ClientCounter
 from backend.errors import KVPoolError
 from backend.threads import map_in_threads
@@ -33,6 +34,7 @@ class ClientContext:
 
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
+        self.deadlines = Deadlines.from_config(config)  # every bound the parts wait under
         self.counters: defaultdict[ClientCounter, int] = defaultdict(int)
         self._warned: set[str] = set()
         self._background: set[asyncio.Task[Any]] = set()

@@ -67,15 +67,16 @@ class PoolClient:
         self.config = config
         # Made once: loading the CA bundle is file I/O, and a bad path fails here, before any connection.
         tls = client_tls_context(config.tls_ca) if config.tls else None
+        self._ctx = ClientContext(config)
+        self.deadlines = self._ctx.deadlines  # every bound this client waits under (backend.config.deadlines)
         self._store = MetadataStore(
             config.redis_url,
             config.namespace,
-            config.progress_timeout_s,
+            self.deadlines.redis_call_s,
             password=config.redis_password,
             ca_file=config.tls_ca,
         )
         self.index = PoolIndex(self._store)
-        self._ctx = ClientContext(config)
         self.counters: defaultdict[ClientCounter, int] = self._ctx.counters
         self.connections = Connections(config, tls, lambda: self._ctx.bulk)
         self.health = NodeHealth(self._ctx, self.connections.probe, self.connections.drop)
@@ -86,7 +87,7 @@ class PoolClient:
         self.registry.on_change += [self.connections.prune, self.arena.prune, self.health.prune]
         self._locator = Locator(self._ctx, self._store, self.registry)
         self._tcp = TcpReader(self._ctx, self.connections)
-        self._channel = open_channel(config, self.index, self.channel_request)
+        self._channel = open_channel(config, self.deadlines, self.index, self.channel_request)
         readers: list[Reader] = [self.arena, self._tcp]
         if self._channel is not None:
             readers.insert(0, ChannelReader(self._ctx, self._channel, self.connections))

@@ -22,7 +22,7 @@ from backend.client.context import ClientContext
 from backend.client.registry import RegistryView
 from backend.client.stage import StagedWriter
 from backend.client.tcp import stripes
-from backend.config.values import ms_to_s, s_to_ms
+from backend.config.values import ms_to_s
 from backend.counters import ClientCounter
 from backend.errors import BusyError, CapacityError, KVPoolError, NodeUnavailable, PutOutcome, refused_outcome
 from backend.metadata import NodeInfo
@@ -42,9 +42,6 @@ from backend.transport import BULK_BYTES, Buffer
 __all__ = ["PutPlanner", "put_error"]
 
 PUT_ATTEMPTS = 3  # first choice, then the next-ranked nodes
-PUT_WAIT_SHARE = (
-    0.5  # of progress_timeout_s, a node may hold a put back waiting for room; the rest is the bytes' and reply's
-)
 NodeOutcomes = tuple[list[PutOutcome], KVPoolError | None]  # per chunk of a node's group, and a request's error
 
 
@@ -88,8 +85,7 @@ class PutPlanner:
         refused: dict[str, PutOutcome] = {}  # key -> why its last copy that was not stored was not
         # One id for the whole call: its stripes on a node never evict each other's chunks.
         records = token_records(chunks)  # for the nodes that keep event rings
-        wait_ms = s_to_ms(self.ctx.config.progress_timeout_s * PUT_WAIT_SHARE)
-        options = PutOptions(secrets.randbits(64) or 1, wait_ms, records or None)
+        options = PutOptions(secrets.randbits(64) or 1, self.ctx.deadlines.room_wait_ms, records or None)
         tried: dict[str, set[str]] = defaultdict(set)
         failed_on: dict[str, set[str]] = defaultdict(set)  # key -> nodes its copy failed on
         last_error: KVPoolError | None = None

@@ -132,7 +132,7 @@ class LookupTouches:
             counters[ClientCounter.TOUCHES_DROPPED] += keys
             return
         try:
-            async with asyncio.timeout(self.ctx.config.progress_timeout_s):
+            async with asyncio.timeout(self.ctx.deadlines.touch_s):
                 await self._send(node, encode_touch(chains))
         except ProtocolError as exc:
             self._refused.add((node.node_id, node.epoch))

@@ -157,7 +157,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             raise KVPoolError(f"{what} was called on the event-loop thread, where it would block it")
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
-            return future.result(self.pool_config.progress_timeout_s * 2)
+            return future.result(self.client.deadlines.connector_call_s)
         except TimeoutError:
             future.cancel()
             raise KVPoolError(f"{what} timed out") from None

@@ -65,7 +65,6 @@ logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 2.0
 LAYOUT_MISSES = ClientCounter.LAYOUT_MISSES  # the client's counter the adapter reports as its own
-DELETE_TIMEOUT_FACTOR = 4  # delete and listing wait up to this many pool timeouts
 
 
 async def _make_client(pool: PoolConfig) -> PoolClient:
@@ -135,10 +134,6 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 problem.fix,
             )
 
-    @property
-    def _bound_s(self) -> float:
-        return self.config.pool.progress_timeout_s * DELETE_TIMEOUT_FACTOR
-
     # -- event fds --------------------------------------------------------------------
     def get_store_event_fd(self) -> int:
         return self._store.stores.fileno()
@@ -178,7 +173,7 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     # -- delete, listing, usage -------------------------------------------------------
     def delete(self, keys: list[ObjectKey]) -> None:
         """Remove keys from the pool (LMCache's L2 eviction); bounded, synchronous by interface."""
-        self._store.delete(keys, self._bound_s)
+        self._store.delete(keys, self.client.deadlines.delete_s)
 
     def list_l2_keys(
         self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None
@@ -186,7 +181,7 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         """One page of this adapter's keys in the pool (Redis SCAN; ``cursor`` is opaque)."""
         scan_cursor, skip = parse_cursor(cursor)
         page = list_page(self.client, self.names, model_name, check_page_size(page_size), scan_cursor, skip)
-        return self._tasks.call(page, self._bound_s)
+        return self._tasks.call(page, self.client.deadlines.delete_s)
 
     def get_usage(self) -> AdapterUsage:
         """Pool capacity and fill from the registry; per-salt bytes from the pool index.
@@ -203,7 +198,7 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     def refresh_usage(self) -> None:
         """Refresh capacity and per-salt usage now (blocking, bounded); for tools and tests."""
-        self._tasks.call(self._usage.refresh(), self._bound_s)
+        self._tasks.call(self._usage.refresh(), self.client.deadlines.delete_s)
 
     # -- status and close -------------------------------------------------------------
     def report_status(self) -> dict[str, Any]:
