@@ -382,6 +382,48 @@ def test_no_part_of_the_node_imports_the_node_process() -> None:
     assert reach == [], "give the part a NodeContext (backend/node/context.py) and the parts it uses"
 
 
+# The parts of backend/node/ and their order: a part imports only parts below it (its own modules
+# excepted). The subpackages hold a role each (their docstrings say what they own); the modules on
+# top are the node's wiring. The store never sees a connection or Redis; index (Redis in step) never
+# serves a request; serve may hand what it committed to index's publisher.
+NODE_PARTS = {
+    "memory": 0,  # the arena, its pages and cells, chunk buffers, per-slot columns
+    "store": 1,  # tiers behind TierManager, the chunk table, eviction, quotas, pins, leases
+    "events": 1,  # the ring of recent stores and removals
+    "context": 2,  # what every part of one node shares
+    "stats": 3,  # what a node counts about itself
+    "index": 4,  # Redis in step: claim, heartbeat, publisher, republish, reaper, recovery
+    "serve": 5,  # sessions and the op table
+    "startup": 5,  # the start order
+    "server": 6,  # the owner that wires every part
+}
+NODE_TOP_MODULES_MAX = 12  # the node's top level stays a short list: a new module joins a subpackage
+
+
+def _node_part(module: str) -> str:
+    return module.split(".")[2] if module.count(".") >= 2 else ""
+
+
+def test_each_part_of_the_node_is_placed_and_imports_only_parts_below_it() -> None:
+    node = REPO / "backend" / "node"
+    placed = {path.stem if path.is_file() else path.name for path in node.iterdir() if path.name != "__pycache__"}
+    placed -= {"__init__"}
+    assert sorted(placed) == sorted(NODE_PARTS), "place the new part in NODE_PARTS (and in docs/design.md)"
+    assert len([path for path in node.glob("*.py")]) <= NODE_TOP_MODULES_MAX
+    reach = []
+    for path in sorted(node.rglob("*.py")):
+        module = _module(path)
+        part = _node_part(module)
+        if not part:
+            continue
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        for imported, _, line in _imports(path, package):
+            other = _node_part(imported) if imported.startswith("backend.node.") else ""
+            if other and other != part and NODE_PARTS[other] >= NODE_PARTS[part]:
+                reach.append(f"{path.relative_to(REPO)}:{line} imports {imported}")
+    assert reach == [], "a part of the node imports only parts below it (NODE_PARTS)"
+
+
 def test_no_package_holds_an_import_circle() -> None:
     graph = import_graph(REPO, CIRCLE_FREE)
     assert len(graph) > 100 and sum(map(len, graph.values())) > 100, "the scan is looking in the wrong place"
