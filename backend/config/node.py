@@ -25,8 +25,8 @@ from backend.config.node_parsers import (
     switch,
     text_value,
 )
-from backend.config.pool import DEFAULT_NAMESPACE, warn_unknown_env
-from backend.config.renamed import Renamed, take_renamed
+from backend.config.pool import DEFAULT_NAMESPACE, check_env
+from backend.config.suggest import did_you_mean
 from backend.config.values import (
     CLUSTER_RE,
     NAMESPACE_RE,
@@ -43,12 +43,10 @@ from backend.tenants import check_tenant
 
 __all__ = [
     "EVICTIONS",
-    "RENAMED_EVICTIONS",
     "NodeConfig",
     "NodeOption",
     "NODE_OPTIONS",
     "NODE_OPTION_NAMES",
-    "NODE_RENAMED",
     "NODE_VERB_DEFAULTS",
     "REDIS_HELP",
     "node_options",
@@ -72,9 +70,6 @@ MAX_EVENT_RING_KEYS = 16_777_216
 _CHANNELS = ("off", "nccl", "cpu")
 NEXT_SUFFIX = ".next"  # --tenant-tokens DIR/NAME.next: tenant NAME's second token, during a rotation
 EVICTIONS = ("lru", "prefix", "prefix-recency")  # the node's eviction orders (backend/node/store/eviction.py ORDERS)
-# Old names of an order, still taken for a release with a deprecation line: the frequency-aware rule was
-# `prefix-freq` until it became `prefix` (the recency-only rule that was `prefix` is `prefix-recency`).
-RENAMED_EVICTIONS = {"prefix-freq": "prefix"}
 ENV_PREFAULT = "KVPOOL_PREFAULT"
 
 
@@ -250,14 +245,14 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
     ),
     NodeOption(
         "eviction",
-        choice(EVICTIONS, RENAMED_EVICTIONS),
+        choice(EVICTIONS),
         "lru",
         "which chunks leave a full tier first: lru (least recently used); prefix, for a prefix cache (tails "
         "of cold prefix chains first: the fewest reads leave first, tail first inside a chain, a chunk whose "
         "prefix left before any still reachable, and a put that would evict a chunk read as often is refused); "
         "prefix-recency (prefix's chains by recency alone); default lru. Clients tell a node of either prefix "
         "order what their lookups found (the pool URL's touch=auto)",
-        metavar="{" + ",".join(EVICTIONS) + "}",  # no argparse choices: the parser also takes the old names
+        metavar="{" + ",".join(EVICTIONS) + "}",  # no argparse choices: choice() names the close one
     ),
     NodeOption(
         "pin_ttl_default_s",
@@ -287,12 +282,6 @@ NODE_OPTIONS: tuple[NodeOption, ...] = (
     NodeOption("redis_password", text_value, "", "the Redis ACL password", env="KVPOOL_REDIS_PASSWORD", flag=False),
 )
 NODE_OPTION_NAMES = tuple(option.name for option in NODE_OPTIONS)
-# The old flags and YAML keys, in milliseconds: still read, with a deprecation line (backend/config/renamed.py).
-NODE_RENAMED = (
-    Renamed("pair_timeout_ms", ("pair_timeout_s",)),
-    Renamed("dead_node_grace_ms", ("dead_node_grace_s",)),
-    Renamed("handshake_timeout_ms", ("handshake_timeout_s",)),
-)
 # What `kvpool up` and `kvpool node` default to where they differ, as the user would write it.
 NODE_VERB_DEFAULTS: dict[str, dict[str, Any]] = {
     "node": {"dram": "4GiB", "nvme_dir": None, "nvme": "100GiB"},
@@ -312,13 +301,19 @@ def node_options(
     ``flags`` maps option names to what was given on the command line (None: not given);
     ``defaults`` overrides the table's defaults (raw, as a user would write them). An
     error names the option as its source spells it: ``--dram``, ``KVPOOL_TOKEN``, or
-    ``dram (in FILE)``; an unknown YAML key is an error, an unknown ``KVPOOL_*`` variable a warning.
+    ``dram (in FILE)``; an unknown flag or YAML key is an error, an unknown ``KVPOOL_*`` variable a warning.
     """
     environ = environ if environ is not None else {}
-    warn_unknown_env(environ)
-    flags = take_renamed(flags, NODE_RENAMED, seconds_value, spell=lambda name: "--" + name.replace("_", "-"))
+    check_env(environ)
+    flag_names = {option.name: option.flag_name for option in NODE_OPTIONS if option.flag}
+    for name in flags:
+        if name not in flag_names:
+            flag = "--" + name.replace("_", "-")
+            hint = did_you_mean(flag, flag_names.values())
+            raise ConfigError(
+                flag, f"unknown flag; {hint + ' ' if hint else ''}known: {', '.join(flag_names.values())}"
+            )
     from_file = _node_yaml(config_file) if config_file is not None else {}
-    from_file = take_renamed(from_file, NODE_RENAMED, seconds_value, spell=lambda name: f"{name} (in {config_file})")
     values: dict[str, Any] = {}
     for option in NODE_OPTIONS:
         if option.flag and flags.get(option.name) is not None:
@@ -347,7 +342,7 @@ def _node_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError("--config", f"{path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError("--config", f"{path} must hold a mapping of options")
-    settable = [option.name for option in NODE_OPTIONS if option.flag] + [r.old for r in NODE_RENAMED]
+    settable = [option.name for option in NODE_OPTIONS if option.flag]
     options = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
@@ -356,7 +351,10 @@ def _node_yaml(path: str | Path) -> dict[str, Any]:
                 str(key), f"a secret does not belong in {path}: give {name}_file, or set KVPOOL_{name.upper()}"
             )
         if name not in settable:
-            raise ConfigError(str(key), f"unknown option in {path}; known: {', '.join(sorted(settable))}")
+            hint = did_you_mean(str(key), settable)
+            raise ConfigError(
+                str(key), f"unknown option in {path}; {hint + ' ' if hint else ''}known: {', '.join(sorted(settable))}"
+            )
         options[name] = value
     return options
 
