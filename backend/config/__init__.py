@@ -30,16 +30,16 @@ error would turn the cache off; an old name of one is refused.
 a YAML file and the environment go through one table of options, :data:`NODE_OPTIONS`.
 """
 
-from backend.config.node import (
+from backend.config.node import NodeConfig
+from backend.config.node_options import (
     NODE_OPTION_NAMES,
     NODE_OPTIONS,
     NODE_VERB_DEFAULTS,
     REDIS_HELP,
-    NodeConfig,
     NodeOption,
     node_options,
-    parse_advertise,
 )
+from backend.config.node_parsers import parse_advertise
 from backend.config.pool import (
     DEFAULT_NAMESPACE,
     ENV_DEBUG,
