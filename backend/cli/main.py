@@ -34,13 +34,14 @@ class Parser(argparse.ArgumentParser):
                 action, f"invalid choice: {value!r}{'; ' + hint if hint else ''} (choose from {listed})"
             )
 
+    def verbs(self) -> dict[str, Parser]:
+        """The parsers of the verbs under this one, by name; empty where none is."""
+        families = [action.choices for action in self._actions if isinstance(action.choices, dict)]
+        return families[0] if families else {}
+
     def flag_names(self) -> list[str]:
         """Every flag of this parser and of the verbs under it."""
-        names = list(self._option_string_actions)
-        for action in self._actions:
-            if isinstance(action.choices, dict):  # a family of verbs: name -> its parser
-                names += [flag for sub in action.choices.values() for flag in sub.flag_names()]
-        return names
+        return [*self._option_string_actions, *(flag for sub in self.verbs().values() for flag in sub.flag_names())]
 
 
 def build_parser() -> Parser:
@@ -68,7 +69,7 @@ def _flag_hint(parser: Parser, verb: str | None, unknown: list[str]) -> str:
     flags = [arg.partition("=")[0] for arg in unknown if arg.startswith("-")]
     if not flags:
         return ""
-    verbs = next((a.choices for a in parser._actions if isinstance(a.choices, dict)), {})
+    verbs = parser.verbs()
     known = verbs[verb].flag_names() if verb in verbs else parser.flag_names()
     hint = did_you_mean(flags[0], known)
     return f"; {hint}" if hint else ""
