@@ -3,8 +3,7 @@
 This package is the public API: the names in ``__all__`` here, and the two module paths
 LMCache configs name (:mod:`kvpool.lmcache_connector`, :mod:`kvpool.lmcache_l2_adapter`).
 They keep their meaning across minor releases (docs/api.md). The implementation lives in
-``backend``; its modules may change in any release, and ``from backend import X`` works for
-one more release with a DeprecationWarning.
+``backend``; its modules may change in any release.
 
 The client and the config are imported on first use: both need redis-py, and the errors
 must import on a GPU machine that has none.

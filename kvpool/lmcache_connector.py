@@ -2,8 +2,7 @@
 
 The plugin form's ``remote_storage_plugin.kvpool.module_path`` and the ``remote_url``
 form's ``external://HOST:PORT/kvpool.lmcache_connector/?connector_name=...`` name this
-module, as ``kvpool lmcache-config`` prints them. The code is backend.lmcache.connector;
-configs written earlier name ``backend.lmcache_connector``, which loads the same classes.
+module, as ``kvpool lmcache-config`` prints them. The code is backend.lmcache.connector.
 """
 
 from backend.lmcache.connector import (

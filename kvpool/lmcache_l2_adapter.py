@@ -2,8 +2,7 @@
 
 ``{"type": "plugin", "module_path": "kvpool.lmcache_l2_adapter", "class_name": "KVPoolL2Adapter",
 "config_class_name": "KVPoolL2AdapterConfig", ...}``, as ``kvpool lmcache-config --mode mp``
-prints it. The code is backend.lmcache.l2; configs written earlier name
-``backend.lmcache_l2_adapter``, which loads the same classes.
+prints it. The code is backend.lmcache.l2.
 """
 
 from backend.lmcache.l2 import (

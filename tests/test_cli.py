@@ -219,7 +219,6 @@ def test_usage_errors_found_inside_a_verb_exit_2_with_one_line_naming_the_flag()
         (["drain", "--url", url, "n", "--batch", "0"], "--batch"),
         (["status"], "--url"),
         (["lmcache-config", "--url", url, "--format", "args"], "--format"),
-        (["node", "--redis", "redis://127.0.0.1:1", "--pair-timeout-ms", "0"], "--pair-timeout-ms"),
         (["node", "--redis", "redis://127.0.0.1:1", "--pair-timeout-s", "0"], "--pair-timeout-s"),
     ]
     for args, flag in cases:
@@ -284,6 +283,41 @@ def test_an_unknown_flag_before_the_verb_is_named():
     assert out.returncode == 2
     assert "unrecognized arguments: --bogus" in out.stderr and "required" not in out.stderr
     assert "required: VERB" in kvpool().stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["nodee"], "argument VERB: invalid choice: 'nodee'; did you mean node or nodes? (choose from 'up', 'node', "),
+        (["quota", "sett"], "invalid choice: 'sett'; did you mean set? (choose from 'list', 'set', 'clear')"),
+        (["node", "--dramm", "8MiB"], "unrecognized arguments: --dramm 8MiB; did you mean --dram?"),
+        (["ls", "--limt=3"], "unrecognized arguments: --limt=3; did you mean --limit?"),
+        (["node", "--channel", "ncl"], "argument --channel: invalid choice: 'ncl'; did you mean nccl?"),
+        (
+            ["node", "--pair-timeout-ms", "500"],
+            "unrecognized arguments: --pair-timeout-ms 500; did you mean --pair-timeout-s? (--pair-timeout-ms was its "
+            "name before 0.1, in milliseconds: give seconds)",
+        ),
+        (["node", "--dead-node-grace-ms", "5"], "did you mean --dead-node-grace-s? (--dead-node-grace-ms was its"),
+        (["up", "--handshake-timeout-ms", "5"], "did you mean --handshake-timeout-s? (--handshake-timeout-ms was its"),
+        (
+            ["node", "--redis", "redis://127.0.0.1:1", "--eviction", "prefix-freq"],
+            "kvpool: error: --eviction: 'prefix-freq' is not one of lru, prefix, prefix-recency; did you mean prefix? "
+            "(prefix-freq was its name before 0.1)",
+        ),
+    ],
+)
+def test_an_unknown_verb_flag_or_value_exits_2_naming_the_close_one(args, said, capsys):
+    """A typo, or a name of before 0.1, is refused (nothing starts) with the name to give instead."""
+    from backend.cli import main
+
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse's own refusals exit; the config's are returned
+        code = int(str(exc.code))
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    assert said in stderr, stderr
 
 
 def test_admin_verbs_keep_stderr_for_warnings_and_errors(node_factory, pool_url):

@@ -106,66 +106,71 @@ def test_durations_are_seconds_from_a_millisecond_to_ten_minutes(option: str) ->
     assert getattr(PoolConfig.from_url(f"kvpool://h:1/ns?{option}=600"), option) == 600.0
 
 
-# -- the old names of the durations ---------------------------------------------------
-
-
-@pytest.fixture
-def fresh_deprecations(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each old key is warned about once per process: forget which were, so this test sees its line."""
-    import backend.config.renamed as renamed
-
-    monkeypatch.setattr(renamed, "_warned", set())
-    monkeypatch.setattr(renamed, "_warned_values", set())
-
-
-@pytest.mark.usefixtures("fresh_deprecations")
-def test_the_old_timeout_ms_still_sets_both_timeouts_in_seconds_and_warns_once(caplog) -> None:
-    token = "s3cret-5b8e1f0c9d2a4e67"
-    with caplog.at_level("WARNING", logger="backend.config"):
-        config = PoolConfig.from_url(f"kvpool://:{token}@h:1/ns?timeout_ms=1500&pair_timeout_ms=45000")
-        PoolConfig.from_url("kvpool://h:1/ns?timeout_ms=700")
-
-    assert (config.connect_timeout_s, config.progress_timeout_s, config.pair_timeout_s) == (1.5, 1.5, 45.0)
-    lines = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
-    assert len(lines) == 2, lines  # one per old key, however often a config is made
-    assert lines[0].startswith("timeout_ms is deprecated: give connect_timeout_s and progress_timeout_s instead")
-    assert lines[1].startswith("pair_timeout_ms is deprecated: give pair_timeout_s instead")
-    assert not any(token in line or "1500" in line for line in lines)  # no value, no secret
-    assert config.to_url(with_token=False) == (
-        "kvpool://:***@h:1/ns?connect_timeout_s=1.5&progress_timeout_s=1.5&pair_timeout_s=45"
-    )
-
-
-@pytest.mark.usefixtures("fresh_deprecations")
-def test_the_old_names_work_from_the_environment_and_yaml_too(caplog) -> None:
-    with caplog.at_level("WARNING", logger="backend.config"):
-        from_env = PoolConfig.from_url("kvpool://h:1/ns", {"KVPOOL_TIMEOUT_MS": "250"})
-        from_yaml = PoolConfig.from_mapping({"url": "kvpool://h:1/ns", "pair_timeout_ms": 5000})
-
-    assert (from_env.connect_timeout_s, from_env.progress_timeout_s) == (0.25, 0.25)
-    assert from_yaml.pair_timeout_s == 5.0
-    assert any(r.getMessage().startswith("KVPOOL_TIMEOUT_MS is deprecated") for r in caplog.records)
+# -- names of before 0.1: refused, naming the new ones ---------------------------------
 
 
 @pytest.mark.parametrize(
-    ("query", "old", "new"),
+    ("query", "new"),
     [
-        ("timeout_ms=500&progress_timeout_s=2", "timeout_ms=500", "progress_timeout_s=2"),
-        ("connect_timeout_s=1&timeout_ms=500", "timeout_ms=500", "connect_timeout_s=1"),
-        ("pair_timeout_ms=1000&pair_timeout_s=30", "pair_timeout_ms=1000", "pair_timeout_s=30"),
+        (
+            "timeout_ms=500",
+            "did you mean connect_timeout_s and progress_timeout_s? (timeout_ms was its name before 0.1",
+        ),
+        ("pair_timeout_ms=30000", "did you mean pair_timeout_s? (pair_timeout_ms was its name before 0.1"),
     ],
 )
-def test_an_old_and_a_new_name_that_disagree_are_refused_naming_both(query: str, old: str, new: str) -> None:
+def test_an_old_url_key_is_an_unknown_option_whose_error_names_the_new_one(query: str, new: str) -> None:
     with pytest.raises(ConfigError) as caught:
         PoolConfig.from_url(f"kvpool://h:1/ns?{query}")
 
-    assert caught.value.key == old.split("=")[0]
-    assert old in str(caught.value) and new in str(caught.value) and "disagree" in str(caught.value)
+    assert caught.value.key == query.split("=")[0]
+    assert "unknown option in the URL; " + new in str(caught.value)
+    assert "in milliseconds: give seconds" in str(caught.value)
 
 
-def test_an_old_and_a_new_name_that_agree_are_taken() -> None:
-    config = PoolConfig.from_url("kvpool://h:1/ns?timeout_ms=500&progress_timeout_s=0.5&connect_timeout_s=0.5")
-    assert (config.connect_timeout_s, config.progress_timeout_s) == (0.5, 0.5)
+def test_an_old_key_in_the_yaml_form_is_refused_naming_the_new_one() -> None:
+    with pytest.raises(
+        ConfigError, match=r"pair_timeout_ms: unknown option in the config; did you mean pair_timeout_s\?"
+    ):
+        PoolConfig.from_mapping({"url": "kvpool://h:1/ns", "pair_timeout_ms": 5000})
+
+
+def test_an_old_variable_is_refused_naming_the_new_ones_where_an_unknown_one_is_only_warned_about(
+    caplog, monkeypatch
+) -> None:
+    from backend.config import NodeConfig, pool
+
+    monkeypatch.setattr(pool, "_warned_env", set())  # each is warned about once per process
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_url("kvpool://h:1/ns", {"KVPOOL_TIMEOUT_MS": "250"})
+    assert caught.value.key == "KVPOOL_TIMEOUT_MS"
+    assert "did you mean KVPOOL_CONNECT_TIMEOUT_S and KVPOOL_PROGRESS_TIMEOUT_S?" in str(caught.value)
+    with pytest.raises(ConfigError, match="did you mean KVPOOL_PAIR_TIMEOUT_S"):
+        NodeConfig.from_sources({"redis": "redis://r:1"}, environ={"KVPOOL_PAIR_TIMEOUT_MS": "1000"})
+
+    with caplog.at_level("WARNING", logger="backend.config"):
+        config = PoolConfig.from_url("kvpool://h:1/ns", {"KVPOOL_REPLICA": "2", "KVPOOL_REPLICAS": "3"})
+    assert config.replicas == 3
+    assert any(
+        r.getMessage().startswith(
+            "KVPOOL_REPLICA: unknown kvpool environment variable, ignored; did you mean KVPOOL_REPLICAS? known: "
+        )
+        for r in caplog.records
+    )
+
+
+@pytest.mark.parametrize(
+    ("url", "fragment"),
+    [
+        ("kvpool://h:1/ns?replica=2", "replica: unknown option in the URL; did you mean replicas? known: replicas, "),
+        ("kvpool://h:1/ns?progress_timeout=2", "did you mean progress_timeout_s?"),
+        ("kvpool://h:1/ns?bogus=1", "bogus: unknown option in the URL; known: replicas, "),  # nothing close
+    ],
+)
+def test_an_unknown_url_key_names_the_close_one(url: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        PoolConfig.from_url(url)
+    assert fragment in str(caught.value)
 
 
 def test_redis_url_points_at_db_0_and_never_carries_the_token() -> None:
@@ -204,9 +209,6 @@ def test_redis_url_points_at_db_0_and_never_carries_the_token() -> None:
         ("kvpool://h:6379/ns?connect_timeout_s=600.5", "connect_timeout_s", "out of range [0.001, 600] seconds"),
         ("kvpool://h:6379/ns?pair_timeout_s=nan", "pair_timeout_s", "out of range [0.001, 600] seconds"),
         ("kvpool://h:6379/ns?progress_timeout_s=2s", "progress_timeout_s", "'2s' is not a number of seconds"),
-        ("kvpool://h:6379/ns?timeout_ms=0", "timeout_ms", "out of range [1, "),
-        ("kvpool://h:6379/ns?timeout_ms=600001", "connect_timeout_s", "out of range [0.001, 600] seconds"),
-        ("kvpool://h:6379/ns?timeout_ms=1.5", "timeout_ms", "is not an integer"),
         ("kvpool://h:6379/ns?connections_per_node=0", "connections_per_node", "out of range [1, 64]"),
         ("kvpool://h:6379/ns?connections_per_node=65", "connections_per_node", "out of range [1, 64]"),
         ("kvpool://h:6379/ns?nccl=maybe", "nccl", "'maybe' is not on/off"),
@@ -613,7 +615,7 @@ def test_remote_url_reads_secrets_from_files_and_kvpool_env_like_a_pool_url(tmp_
     assert "s3cret-5b8e1f0c9d2a4e67" not in remote_url
 
 
-REMOTE = "external://h:6379/backend.lmcache_connector/?connector_name=KVPoolRemoteURLConnector&namespace=ns"
+REMOTE = "external://h:6379/kvpool.lmcache_connector/?connector_name=KVPoolRemoteURLConnector&namespace=ns"
 
 
 @pytest.mark.parametrize(
@@ -630,7 +632,11 @@ REMOTE = "external://h:6379/backend.lmcache_connector/?connector_name=KVPoolRemo
         (REMOTE + "&namespace=other", "namespace", "given twice"),
         (REMOTE.replace("namespace=ns", "namespace="), "namespace", "is empty"),
         (REMOTE.replace("namespace=ns", "namespace=bad%20ns"), "namespace", "must be 1-64 characters"),
-        (REMOTE + "&namespce=x", "namespce", "unknown option; known: connector_name, namespace, replicas"),
+        (
+            REMOTE + "&namespce=x",
+            "namespce",
+            "unknown option; did you mean namespace? known: connector_name, namespace, ",
+        ),
         (REMOTE + "&replicas=lots", "replicas", "'lots' is not an integer"),
         (REMOTE + "&token_file=/nonexistent/token", "token_file", "cannot read /nonexistent/token"),
     ],
@@ -728,7 +734,7 @@ def test_prefault_is_on_by_default_and_parses_from_a_flag_the_environment_and_ya
         ({"pair_timeout_s": "0"}, "", {}, "--pair-timeout-s"),
         ({"handshake_timeout_s": "soon"}, "", {}, "--handshake-timeout-s"),
         ({"pair_timeout_ms": "0"}, "", {}, "--pair-timeout-ms"),
-        ({}, "dead-node-grace-ms: 1.5", {}, "dead_node_grace_ms (in "),
+        ({}, "dead-node-grace-ms: 1.5", {}, "dead-node-grace-ms"),
         ({"handshake_timeout_ms": "500", "handshake_timeout_s": "1"}, "", {}, "--handshake-timeout-ms"),
         ({}, "shm-dir: /nonexistent/shm", {}, "shm_dir (in "),
         ({"prefault": "maybe"}, "", {}, "--prefault"),
@@ -736,6 +742,7 @@ def test_prefault_is_on_by_default_and_parses_from_a_flag_the_environment_and_ya
         ({}, "prefault: [on]", {}, "prefault (in "),
         ({"eviction": "lfu"}, "", {}, "--eviction"),
         ({}, "eviction: prefix-frequency", {}, "eviction (in "),
+        ({"eviction": "prefix-freq"}, "", {}, "--eviction"),
     ],
 )
 def test_a_bad_node_option_is_refused_naming_it_as_its_source_spells_it(tmp_path, flags, yaml_text, environ, key):
@@ -748,57 +755,52 @@ def test_a_bad_node_option_is_refused_naming_it_as_its_source_spells_it(tmp_path
     assert str(caught.value).startswith(key), str(caught.value)
 
 
-@pytest.mark.usefixtures("fresh_deprecations")
-def test_a_node_takes_its_old_millisecond_flags_and_yaml_keys_with_a_deprecation_line(tmp_path, caplog):
+@pytest.mark.parametrize(
+    ("flags", "yaml_text", "expected"),
+    [
+        (
+            {"handshake_timeout_ms": "500"},
+            "",
+            "--handshake-timeout-ms: unknown flag; did you mean --handshake-timeout-s? ",
+        ),
+        ({"pair_timeout_ms": "500"}, "", "--pair-timeout-ms: unknown flag; did you mean --pair-timeout-s? "),
+        (
+            {},
+            "dead-node-grace-ms: 90000",
+            "dead-node-grace-ms: unknown option in {yaml}; did you mean dead_node_grace_s? ",
+        ),
+        ({}, "dramm: 8MiB", "dramm: unknown option in {yaml}; did you mean dram? known: "),
+        (
+            {"eviction": "prefix-freq"},
+            "",
+            "--eviction: 'prefix-freq' is not one of lru, prefix, prefix-recency; did you "
+            "mean prefix? (prefix-freq was its name before 0.1)",
+        ),
+        (
+            {},
+            "eviction: prefix-freq",
+            "eviction (in {yaml}): 'prefix-freq' is not one of lru, prefix, prefix-recency; did you mean prefix?",
+        ),
+    ],
+)
+def test_an_old_node_flag_yaml_key_or_eviction_name_is_refused_naming_the_new_one(tmp_path, flags, yaml_text, expected):
+    """The names of before 0.1 (milliseconds, ``prefix-freq``) are unknown now: the error says what replaced them."""
     from backend.config import NodeConfig
 
     yaml_file = tmp_path / "node.yaml"
-    yaml_file.write_text("redis: redis://r:1\ndead-node-grace-ms: 90000\n")
-    with caplog.at_level("WARNING", logger="backend.config"):
-        config = NodeConfig.from_sources(
-            {"handshake_timeout_ms": "500", "pair_timeout_ms": None}, config_file=yaml_file, environ={}
-        )
-
-    assert (config.handshake_timeout_s, config.dead_node_grace_s, config.pair_timeout_s) == (0.5, 90.0, 60.0)
-    lines = sorted(r.getMessage() for r in caplog.records if "deprecated" in r.getMessage())
-    assert len(lines) == 2, lines
-    assert lines[0].startswith("--handshake-timeout-ms is deprecated: give --handshake-timeout-s instead")
-    assert lines[1].startswith(f"dead_node_grace_ms (in {yaml_file}) is deprecated: give dead_node_grace_s (in ")
-
-
-@pytest.mark.usefixtures("fresh_deprecations")
-def test_the_old_eviction_name_prefix_freq_is_taken_as_prefix_with_one_line_naming_the_new_value(tmp_path, caplog):
-    """`prefix-freq` became `prefix` (and the old `prefix` rule `prefix-recency`): a node started with the old
-    value from a flag or its YAML file runs the rule it asked for, and is told the new name once."""
-    from backend.cli import build_parser
-    from backend.cli.options import node_settings
-    from backend.config import NodeConfig
-
-    yaml_file = tmp_path / "node.yaml"
-    yaml_file.write_text("redis: redis://r:1\neviction: prefix-freq\n")
-    args = build_parser().parse_args(["up", "--eviction", "prefix-freq"])  # the flag still parses
-    args.environ = {}
-    with caplog.at_level("WARNING", logger="backend.config"):
-        from_flag = node_settings(args)["eviction"]
-        from_yaml = NodeConfig.from_sources({}, config_file=yaml_file, environ={}).eviction
-        again = NodeConfig.from_sources({"redis": "redis://r:1", "eviction": "prefix-freq"}, environ={}).eviction
-
-    assert from_flag == from_yaml == again == "prefix"
-    lines = sorted(r.getMessage() for r in caplog.records if "deprecated" in r.getMessage())
-    assert lines == [
-        "--eviction prefix-freq is deprecated: it is now called prefix (give --eviction prefix; the old name "
-        "still works for now)",
-        f"eviction (in {yaml_file}) prefix-freq is deprecated: it is now called prefix (give eviction (in "
-        f"{yaml_file}) prefix; the old name still works for now)",
-    ]
-    assert NodeConfig.from_sources({"redis": "redis://r:1", "eviction": "prefix-recency"}).eviction == "prefix-recency"
+    yaml_file.write_text("redis: redis://r:1\n" + yaml_text)
+    with pytest.raises(ConfigError) as caught:
+        NodeConfig.from_sources(flags, config_file=yaml_file, environ={})
+    assert str(caught.value).startswith(expected.format(yaml=yaml_file)), str(caught.value)
+    if "_ms" in str(flags) + yaml_text:
+        assert "in milliseconds: give seconds" in str(caught.value)
 
 
 def test_node_flags_are_the_option_table(tmp_path: Path) -> None:
     """Every flag of `kvpool node` and `kvpool up` is a NODE_OPTIONS entry (plus --config), and every
     settable entry is a flag: the CLI, the YAML keys and the variables cannot drift apart."""
     from backend.cli import build_parser
-    from backend.config import NODE_OPTIONS, NODE_RENAMED
+    from backend.config import NODE_OPTIONS
 
     parser = build_parser()
     for verb in ("node", "up"):
@@ -806,7 +808,7 @@ def test_node_flags_are_the_option_table(tmp_path: Path) -> None:
         shown = [a for a in sub._actions if a.option_strings and a.dest != "help" and a.help != argparse.SUPPRESS]
         hidden = [a for a in sub._actions if a.option_strings and a.help == argparse.SUPPRESS]
         assert {a.option_strings[0] for a in shown} == {"--config"} | {o.flag_name for o in NODE_OPTIONS if o.flag}
-        assert {a.option_strings[0] for a in hidden} == {"--" + r.old.replace("_", "-") for r in NODE_RENAMED}
+        assert hidden == []
     assert {o.env for o in NODE_OPTIONS if o.env} == {
         "KVPOOL_TOKEN",
         "KVPOOL_REDIS_PASSWORD",

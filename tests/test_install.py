@@ -54,10 +54,8 @@ def test_node_cli_and_client_modules_import_neither_torch_nor_lmcache():
     assert not {m for m in loaded if m.split(".")[0] in ENGINE_ONLY}
 
 
-# The only modules of backend/ that may import LMCache or torch: the LMCache layer, and the
-# modules LMCache configs name (re-exports of it). Its config module stays light.
+# The only modules of backend/ that may import LMCache or torch: the LMCache layer. Its config module stays light.
 LMCACHE_LAYER = "backend/lmcache/"
-KEPT_FOR_CONFIGS = ("backend/lmcache_connector.py", "backend/lmcache_l2_adapter.py")
 LIGHT_IN_LAYER = ("backend/lmcache/__init__.py", "backend/lmcache/config.py")
 
 
@@ -78,7 +76,7 @@ def test_only_the_lmcache_layer_imports_lmcache_or_torch():
         engine_only = _imported_roots(path) & set(ENGINE_ONLY)
         if name.startswith(LMCACHE_LAYER) and name not in LIGHT_IN_LAYER:
             layer += [name] if engine_only else []
-        elif engine_only and name not in KEPT_FOR_CONFIGS:
+        elif engine_only:
             offenders.append(f"{name} imports {', '.join(sorted(engine_only))}")
     assert offenders == []
     assert "backend/lmcache/connector.py" in layer and "backend/lmcache/l2/adapter.py" in layer  # the scan sees imports

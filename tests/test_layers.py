@@ -42,10 +42,7 @@ LEVELS = {
     "backend.doctor": 6,
     "backend.events": 6,  # kvpool events: the pool's KV events for routers (beside admin, over the client)  # kvpool doctor and selftest: what is wrong and why (beside admin, not above it)
     "backend.lmcache": 7,  # the LMCache layer (backend/lmcache/)
-    # the module paths LMCache configs name: re-exports of the LMCache layer
-    "backend.lmcache_connector": 8,
-    "backend.lmcache_l2_adapter": 8,
-    "backend": 8,  # the package's own __init__: the public names
+    "backend": 1,  # the package's own __init__: the version, nothing more
     "backend.cli": 9,  # a package: one module per verb family, main.py on top
 }
 # Where MetadataStore, or one of its parts, may be named: the metadata layer itself and its two users.

@@ -8,7 +8,6 @@ through its event fds as LMCache's controllers do.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -168,35 +167,6 @@ def test_the_printed_mp_config_is_what_lmcache_server_parses_and_what_the_quicks
     assert adapter.eviction_config is None  # the pool evicts on its own nodes
     quickstart = (REPO / "docs" / "quickstart.md").read_text()
     assert proc.stdout.replace(password_file, QUICKSTART_PASSWORD_FILE) in quickstart
-
-
-def test_an_l2_adapter_spec_naming_the_kept_module_path_loads_the_package_adapter(node_factory, pool_url):
-    """``--l2-adapter`` JSON written before backend/lmcache/ existed names backend.lmcache_l2_adapter."""
-    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
-    from lmcache.v1.distributed.l2_adapters.config import add_l2_adapters_args, parse_args_to_l2_adapters_config
-
-    from backend.lmcache.l2 import KVPoolL2Adapter
-
-    node_factory()
-    spec = json.dumps(
-        {
-            "type": "plugin",
-            "module_path": "backend.lmcache_l2_adapter",
-            "class_name": "KVPoolL2Adapter",
-            "config_class_name": "KVPoolL2AdapterConfig",
-            "adapter_params": {"url": pool_url},
-        }
-    )
-    parser = add_l2_adapters_args(argparse.ArgumentParser())
-    config = parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", spec]))
-    adapter = create_l2_adapter(config.adapters[0])
-    try:
-        assert type(adapter) is KVPoolL2Adapter
-        assert store(adapter, [object_key(50)], [memory_obj(payload(50))]).is_successful()
-        hits, got = load(adapter, [object_key(50)])
-        assert hits == [True] and same_bytes(got[0], payload(50))
-    finally:
-        adapter.close()
 
 
 # -- lookup-and-lock really locks -----------------------------------------------------
@@ -467,7 +437,10 @@ def test_in_process_and_multiprocess_data_share_one_pool_without_mixing(node_fac
     ("params", "named"),
     [
         ({"url": "kvpool://127.0.0.1/no-port"}, "port"),
-        ({"url": "kvpool://127.0.0.1:6379/ns", "lock_ttl": 5}, "adapter_params.lock_ttl"),
+        (
+            {"url": "kvpool://127.0.0.1:6379/ns", "lock_ttl": 5},
+            r"adapter_params.lock_ttl: unknown option; did you mean lock_ttl_ms\?",
+        ),
         ({"url": "kvpool://127.0.0.1:6379/ns", "lock_ttl_ms": 0}, "adapter_params.lock_ttl_ms"),
         ({"url": "kvpool://127.0.0.1:6379/ns", "lock_ttl_ms": 3_600_000}, "adapter_params.lock_ttl_ms"),
         ({"url": "kvpool://127.0.0.1:6379/ns", "usage_refresh_ms": "5s"}, "adapter_params.usage_refresh_ms"),

@@ -424,51 +424,6 @@ def test_an_object_of_two_shape_groups_is_stored_and_read_back_whole_by_another_
         reader.close()
 
 
-# -- the module paths configs name ----------------------------------------------------------
-
-
-def test_configs_naming_the_kept_module_paths_load_the_package_connectors_and_hit(
-    node_factory, pool_url, redis_server, namespace
-):
-    """Configs written before backend/lmcache/ existed name backend.lmcache_connector: LMCache still loads them."""
-    from backend.lmcache.connector import KVPoolConnector, KVPoolRemoteURLConnector
-
-    node_factory()
-    plugin = {
-        "chunk_size": 256,
-        "local_cpu": True,
-        "max_local_cpu_size": 1.0,
-        "remote_serde": "naive",
-        "remote_storage_plugins": ["kvpool"],
-        "extra_config": {
-            "remote_storage_plugin.kvpool.module_path": "backend.lmcache_connector",
-            "remote_storage_plugin.kvpool.class_name": "KVPoolConnectorAdapter",
-            "remote_storage_plugin.kvpool.url": pool_url,
-        },
-    }
-    remote_url = (
-        f"external://127.0.0.1:{redis_server.port}/backend.lmcache_connector/"
-        f"?connector_name=KVPoolRemoteURLConnector&namespace={namespace}"
-    )
-    remote = {key: value for key, value in plugin.items() if key not in ("remote_storage_plugins", "extra_config")}
-    writer = LMCacheStack(plugin)
-    reader = LMCacheStack({**remote, "remote_url": remote_url})
-    try:
-        assert type(writer.connector()) is KVPoolConnector
-        assert type(reader.connector()) is KVPoolRemoteURLConnector
-        objs = [writer.make_object(5)]
-        writer.put([writer.key(5)], objs)
-        writer.release(objs)
-        got = reader.get([reader.key(5)])
-        assert got[0] is not None and torch.equal(
-            got[0].tensor.view(torch.uint8), reader.expected_tensor(5).view(torch.uint8)
-        )
-        reader.release(got)
-    finally:
-        writer.close()
-        reader.close()
-
-
 def test_lmcaches_own_create_connector_without_metadata_builds_a_connector_that_hits(
     node_factory, pool_url, stack_factory
 ):

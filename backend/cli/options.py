@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from backend.client import PoolClient
-from backend.config import NODE_OPTIONS, NODE_RENAMED, NODE_VERB_DEFAULTS, PoolConfig, node_options
+from backend.config import NODE_OPTIONS, NODE_VERB_DEFAULTS, PoolConfig, node_options
 from backend.errors import ConfigError
 
 T = TypeVar("T")
@@ -41,15 +41,12 @@ def add_node_options(parser: argparse.ArgumentParser, verb: str) -> None:
         parser.add_argument(
             option.flag_name, metavar=option.metavar, choices=option.choices, help=option.help.format(default=default)
         )
-    for rename in NODE_RENAMED:  # the old flags in milliseconds: still taken, not shown
-        parser.add_argument("--" + rename.old.replace("_", "-"), help=argparse.SUPPRESS)
 
 
 def node_settings(args: argparse.Namespace, verb: str = "") -> dict[str, Any]:
     """The node options of ``kvpool up``/``kvpool node`` (or of ``verb``'s node): flags, else environment, else
     --config, else defaults."""
     flags = {option.name: getattr(args, option.name, None) for option in NODE_OPTIONS if option.flag}
-    flags |= {rename.old: getattr(args, rename.old, None) for rename in NODE_RENAMED}
     defaults = NODE_VERB_DEFAULTS[verb or args.verb]
     return node_options(flags, config_file=args.config, environ=args.environ, defaults=defaults)
 

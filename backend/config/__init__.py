@@ -18,28 +18,28 @@ configuration, pool URL included, at INFO. ``token_file=PATH`` and
 out of every URL and config that is shown; a file, when named, wins over the other
 sources. :func:`without_inline_secrets` strips secrets written into a URL.
 Durations are in seconds, named for what they bound (``connect_timeout_s``,
-``progress_timeout_s``, ``pair_timeout_s``); the old ``*_ms`` keys still work, with a
-deprecation line (:mod:`backend.config.renamed`).
+``progress_timeout_s``, ``pair_timeout_s``).
 Options may also come from ``KVPOOL_<OPTION>`` environment variables (which win over
 the URL) and from a YAML file. Everything is validated once, here; an unknown or
-malformed option raises :class:`ConfigError` naming it. An unknown ``KVPOOL_*``
-variable is logged (once) and ignored: inside LMCache an error would turn the cache off.
+malformed option raises :class:`ConfigError` naming it, and an unknown one the close
+name too (:mod:`backend.config.suggest`, which also knows the names kvpool used before
+0.1). An unknown ``KVPOOL_*`` variable is logged (once) and ignored: inside LMCache an
+error would turn the cache off; an old name of one is refused.
 
 :class:`NodeConfig` is a pool node's settings: flags (``kvpool node``/``kvpool up``),
 a YAML file and the environment go through one table of options, :data:`NODE_OPTIONS`.
 """
 
-from backend.config.node import (
+from backend.config.node import NodeConfig
+from backend.config.node_options import (
     NODE_OPTION_NAMES,
     NODE_OPTIONS,
-    NODE_RENAMED,
     NODE_VERB_DEFAULTS,
     REDIS_HELP,
-    NodeConfig,
     NodeOption,
     node_options,
-    parse_advertise,
 )
+from backend.config.node_parsers import parse_advertise
 from backend.config.pool import (
     DEFAULT_NAMESPACE,
     ENV_DEBUG,
@@ -48,11 +48,11 @@ from backend.config.pool import (
     SCHEME,
     SECRET_NAMES,
     PoolConfig,
+    check_env,
     env_flag,
     known_env_names,
     mask_secrets,
     pool_config_of_redis,
-    warn_unknown_env,
     without_inline_secrets,
 )
 from backend.config.values import format_size, parse_size, split_url
@@ -64,12 +64,11 @@ __all__ = [
     "NodeOption",
     "NODE_OPTIONS",
     "NODE_OPTION_NAMES",
-    "NODE_RENAMED",
     "NODE_VERB_DEFAULTS",
     "REDIS_HELP",
     "node_options",
     "parse_advertise",
-    "warn_unknown_env",
+    "check_env",
     "known_env_names",
     "env_flag",
     "ENV_URL",

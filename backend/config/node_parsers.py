@@ -7,11 +7,11 @@ raw value, and raises ConfigError naming that spelling.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from backend.config.renamed import renamed_value
+from backend.config.suggest import did_you_mean
 from backend.config.values import check_node_id, parse_int, parse_seconds, parse_size
 from backend.errors import ConfigError
 from backend.redis_topology import RedisTarget
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 DEFAULT_SHM_DIR = "/dev/shm"
-MAX_NODE_S = (2**31 - 1) / 1000  # what the old *_ms flags took at most (about 24 days)
+MAX_NODE_S = (2**31 - 1) / 1000  # about 24 days: as many milliseconds as an int32 holds
 MIN_NODE_S = 0.001
 _ON = ("on", "true", "yes", "1")
 _OFF = ("off", "false", "no", "0")
@@ -71,15 +71,14 @@ def node_id_value(key: str, value: Any) -> str:
     return check_node_id(text, key) if text else ""
 
 
-def choice(choices: tuple[str, ...], renamed: Mapping[str, str] | None = None) -> Callable[[str, Any], str]:
-    """One of ``choices``; an old name in ``renamed`` is taken as its new one, with a deprecation line."""
+def choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
+    """One of ``choices``; anything else is refused naming the close one."""
 
     def parse(key: str, value: Any) -> str:
         text = "off" if value is False else text_value(key, value).strip().lower()  # YAML reads a bare off as False
-        if renamed:
-            text = renamed_value(key, text, renamed)
         if text not in choices:
-            raise ConfigError(key, f"{text!r} is not one of {', '.join(choices)}")
+            hint = did_you_mean(text, choices)
+            raise ConfigError(key, f"{text!r} is not one of {', '.join(choices)}{'; ' + hint if hint else ''}")
         return text
 
     return parse

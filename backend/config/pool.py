@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 
-from backend.config.renamed import Renamed, take_renamed
+from backend.config.suggest import did_you_mean, renamed_to
 from backend.config.values import (
     CLUSTER_RE,
     NAMESPACE_RE,
@@ -37,7 +37,7 @@ __all__ = [
     "OPTION_NAMES",
     "ENV_URL",
     "ENV_DEBUG",
-    "warn_unknown_env",
+    "check_env",
     "env_flag",
     "known_env_names",
 ]
@@ -239,9 +239,9 @@ class PoolConfig:
         """Build from a mapping with ``url`` plus options (the YAML form)."""
         if not isinstance(data, Mapping):
             raise ConfigError("config", "expected a mapping of options")
-        unknown = set(data) - {"url", *_OPTION_PARSERS, *_RENAMED_NAMES}
+        unknown = set(data) - {"url", *_OPTION_PARSERS}
         if unknown:
-            raise ConfigError(sorted(unknown)[0], f"unknown option; known: url, {', '.join(_OPTION_PARSERS)}")
+            raise _unknown_option(str(sorted(unknown)[0]), "config", ("url", *_OPTION_PARSERS))
         base = cls.from_url(str(data.get("url", "")))
         options = _parse_options({k: _render(v) for k, v in data.items() if k != "url"}, source="config")
         options.update(_env_options(environ or {}))
@@ -396,23 +396,20 @@ _OPTION_PARSERS: dict[str, Any] = {
     "event_tokens": parse_bool,
 }
 OPTION_NAMES = tuple(_OPTION_PARSERS)  # what a URL query, YAML or KVPOOL_* may set, in canonical order
-# The old names, in milliseconds: still read, with a deprecation line (backend/config/renamed.py).
-RENAMED_OPTIONS = (
-    Renamed("timeout_ms", ("connect_timeout_s", "progress_timeout_s")),
-    Renamed("pair_timeout_ms", ("pair_timeout_s",)),
-)
 
 
-_RENAMED_NAMES = tuple(rename.old for rename in RENAMED_OPTIONS)
+def _unknown_option(key: str, source: str, known: Sequence[str]) -> ConfigError:
+    """The error of an option ``source`` does not know: the close name (or the new name of an old one) first."""
+    hint = did_you_mean(key, known)
+    return ConfigError(key, f"unknown option in the {source}; {hint + ' ' if hint else ''}known: {', '.join(known)}")
 
 
-def _parse_options(options: Mapping[str, str], *, source: str, spell: Callable[[str], str] = str) -> dict[str, Any]:
+def _parse_options(options: Mapping[str, str], *, source: str) -> dict[str, Any]:
     parsed: dict[str, Any] = {}
-    options = take_renamed(options, RENAMED_OPTIONS, lambda k, v: _OPTION_PARSERS[k](k, v), spell)
     for key, value in options.items():
         parser = _OPTION_PARSERS.get(key)
         if parser is None:
-            raise ConfigError(key, f"unknown option in the {source}; known: {', '.join(_OPTION_PARSERS)}")
+            raise _unknown_option(key, source, OPTION_NAMES)
         parsed[key] = parser(key, value)
     return parsed
 
@@ -427,11 +424,11 @@ def _env_options(environ: Mapping[str, str]) -> dict[str, Any]:
         if option == "token":
             token["token"] = value
             continue
-        if option not in _OPTION_PARSERS and option not in _RENAMED_NAMES:
+        if option not in _OPTION_PARSERS:
             continue  # warned about below
         options[option] = value
-    warn_unknown_env(environ)
-    parsed = _parse_options(options, source="environment", spell=lambda name: f"{ENV_PREFIX}{name.upper()}")
+    check_env(environ)
+    parsed = _parse_options(options, source="environment")
     parsed.update(token)
     return parsed
 
@@ -445,23 +442,32 @@ _warned_options: set[str] = set()  # options that were warned about once in this
 
 def known_env_names() -> tuple[str, ...]:
     """Every ``KVPOOL_*`` variable kvpool reads."""
-    options = [f"{ENV_PREFIX}{name.upper()}" for name in (*_OPTION_PARSERS, *_RENAMED_NAMES)]
+    options = [f"{ENV_PREFIX}{name.upper()}" for name in _OPTION_PARSERS]
     return ("KVPOOL_TOKEN", *options, *sorted(ENV_NOT_OPTIONS))
 
 
-def warn_unknown_env(environ: Mapping[str, str]) -> list[str]:
+def check_env(environ: Mapping[str, str]) -> list[str]:
     """Warn once per process about each ``KVPOOL_*`` variable kvpool does not read; returns them.
 
     A warning, not an error: inside LMCache a raise while the connector is made turns
-    the cache off without a word, which is worse than an ignored typo.
+    the cache off without a word, which is worse than an ignored typo. A name kvpool read
+    before 0.1 (``KVPOOL_TIMEOUT_MS``) is refused, naming the new one: it was set on purpose,
+    and ignoring it would quietly change what it bounded.
     """
-    known = set(known_env_names())
+    known = known_env_names()
     unknown = sorted(name for name in environ if name.startswith(ENV_PREFIX) and name not in known)
+    for name in unknown:
+        if renamed_to(name, known):
+            raise ConfigError(name, f"unknown kvpool environment variable; {did_you_mean(name, known)}")
     for name in unknown:
         if name not in _warned_env:
             _warned_env.add(name)
+            hint = did_you_mean(name, known)
             logger.warning(
-                "%s: unknown kvpool environment variable, ignored; known: %s", name, ", ".join(known_env_names())
+                "%s: unknown kvpool environment variable, ignored; %sknown: %s",
+                name,
+                hint + " " if hint else "",
+                ", ".join(known),
             )
     return unknown
 

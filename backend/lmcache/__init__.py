@@ -11,8 +11,7 @@
   modes) and :mod:`.boundary` (pool errors become misses). The loop thread both use is
   :class:`backend.threads.LoopThread`.
 
-Configs name ``kvpool.lmcache_connector`` and ``kvpool.lmcache_l2_adapter`` (earlier ones
-``backend.lmcache_connector`` and ``backend.lmcache_l2_adapter``); those modules re-export
-:mod:`.connector` and :mod:`.l2`. Nothing outside this package (and
-those two) imports LMCache, and importing this package itself imports nothing of it.
+Configs name ``kvpool.lmcache_connector`` and ``kvpool.lmcache_l2_adapter``; those modules
+re-export :mod:`.connector` and :mod:`.l2`. Nothing outside this package (and those two)
+imports LMCache, and importing this package itself imports nothing of it.
 """

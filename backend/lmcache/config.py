@@ -32,6 +32,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsp
 import yaml
 
 from backend.config import DEFAULT_NAMESPACE, OPTION_NAMES, SCHEME, PoolConfig, split_url, without_inline_secrets
+from backend.config.suggest import did_you_mean
 from backend.errors import ConfigError
 
 __all__ = [
@@ -65,12 +66,12 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "kvpool"
 # The module paths configs name: the public ones of the kvpool package (docs/api.md),
-# re-exports of backend.lmcache.connector and backend.lmcache.l2. Configs written
-# earlier name the KEPT ones, which load the same classes and keep working.
+# re-exports of backend.lmcache.connector and backend.lmcache.l2. A config may also name
+# the implementation's module itself, which holds the same classes.
 ADAPTER_MODULE = "kvpool.lmcache_connector"
 ADAPTER_CLASS = "KVPoolConnectorAdapter"
 L2_ADAPTER_MODULE = "kvpool.lmcache_l2_adapter"
-KEPT_ADAPTER_MODULES = ("backend.lmcache_connector", "backend.lmcache.connector")
+KEPT_ADAPTER_MODULES = ("backend.lmcache.connector",)
 L2_ADAPTER_CLASS = "KVPoolL2Adapter"
 L2_ADAPTER_CONFIG_CLASS = "KVPoolL2AdapterConfig"
 PLUGIN_FORM = "plugin"
@@ -219,7 +220,9 @@ def remote_url_pool_config(remote_url: str, environ: Mapping[str, str] | None = 
         elif key in OPTION_NAMES:
             options.append((key, value))
         else:
-            raise bad(key, f"unknown option; known: {CONNECTOR_NAME_KEY}, {NAMESPACE_KEY}, {', '.join(OPTION_NAMES)}")
+            known = (CONNECTOR_NAME_KEY, NAMESPACE_KEY, *OPTION_NAMES)
+            hint = did_you_mean(key, known)
+            raise bad(key, f"unknown option; {hint + ' ' if hint else ''}known: {', '.join(known)}")
     pool_url = urlunsplit(
         (SCHEME, parts.netloc, "/" + quote(namespace, safe=""), _encode_query(options), parts.fragment)
     )

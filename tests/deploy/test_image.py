@@ -124,7 +124,7 @@ class Deployment:
         """What an engine on the host is given: secrets by file, never in the URL."""
         return (
             f"kvpool://127.0.0.1:{self.redis_port}/{NAMESPACE}?token_file={self.secrets_dir / 'token'}"
-            f"&redis_password_file={self.secrets_dir / 'redis-password'}&timeout_ms=5000"
+            f"&redis_password_file={self.secrets_dir / 'redis-password'}&connect_timeout_s=5&progress_timeout_s=5"
         )
 
     def get(self, path: str) -> tuple[int, str]:

@@ -53,7 +53,7 @@ def test_node_restarts_leave_redis_bounded(node_factory, pool_url, redis_server,
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     rng = random.Random(7)
     footprints = []
-    with SyncPoolClient(PoolConfig.from_url(f"{pool_url}?timeout_ms=1000")) as client:
+    with SyncPoolClient(PoolConfig.from_url(f"{pool_url}?connect_timeout_s=1&progress_timeout_s=1")) as client:
         for round_ in range(RESTARTS // AT_ONCE):
             churn = [node_factory("--dead-node-grace-s", str(GRACE_S), dram="16MiB") for _ in range(AT_ONCE)]
             assert len({n.node_id for n in churn}) == AT_ONCE  # each start is a new id: no NVMe to keep one in
@@ -88,7 +88,7 @@ def test_a_node_collected_while_frozen_republishes_when_it_resumes(node_factory,
     entry gone and republishes what it holds."""
     frozen = node_factory("--node-id", "b-frozen", dram="16MiB")
     chunks = [Chunk(f"frozen@{i}", random.Random(i).randbytes(2048)) for i in range(10)]
-    with SyncPoolClient(PoolConfig.from_url(f"{pool_url}?timeout_ms=1000")) as client:
+    with SyncPoolClient(PoolConfig.from_url(f"{pool_url}?connect_timeout_s=1&progress_timeout_s=1")) as client:
         client.put(chunks)  # the only node holds them all
         node_factory("--node-id", "a-collector", "--dead-node-grace-s", str(GRACE_S), dram="16MiB")
         keys = [c.key for c in chunks]

@@ -49,7 +49,7 @@ def test_a_client_killed_while_holding_leases_on_most_of_dram_does_not_block_the
         line = holder.stdout.readline()
         assert line.strip() == "locked", holder.stderr.read() if holder.poll() is not None else line
         data = random.Random(1).randbytes(2 * MIB)
-        with SyncPoolClient(PoolConfig.from_url(f"{pool_url}?timeout_ms=2000")) as client:
+        with SyncPoolClient(PoolConfig.from_url(f"{pool_url}?connect_timeout_s=2&progress_timeout_s=2")) as client:
             info = client.nodes()[0]
             assert client.node_stats(info)["leases"] == 1
             try:  # 7 of 8 MiB leased: a 2 MiB put has nowhere to go

@@ -24,7 +24,9 @@ HEARTBEAT_TTL_S = 5.0  # the node's default heartbeat_ttl_s
 def test_nodes_hours_ahead_or_behind_stay_alive_serve_and_die_by_their_ttl(node_factory, pool_url, tmp_path):
     ahead = node_factory(env=skewed_clock_env(tmp_path / "clock", SKEW_S))
     behind = node_factory(env=skewed_clock_env(tmp_path / "clock", -SKEW_S))
-    with SyncPoolClient(PoolConfig.from_url(pool_url + "?replicas=2&timeout_ms=1000")) as client:
+    with SyncPoolClient(
+        PoolConfig.from_url(pool_url + "?replicas=2&connect_timeout_s=1&progress_timeout_s=1")
+    ) as client:
         first = {n.node_id: n for n in client.nodes()}
         assert first[ahead.node_id].heartbeat_at > time.time() + SKEW_S / 2  # the skew took effect
         assert first[behind.node_id].heartbeat_at < time.time() - SKEW_S / 2

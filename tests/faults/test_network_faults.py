@@ -22,7 +22,7 @@ from tests.faults.proxy import ROUNDS, FaultProxy, hostname_env
 from tests.support.chunks import numbered_chunks as _chunks
 from tests.support.waits import wait_until
 
-CALL_BOUND_S = 30.0  # "returned at all": far above timeout_ms, far below pytest's timeout
+CALL_BOUND_S = 30.0  # "returned at all": far above the timeouts, far below pytest's timeout
 
 
 @pytest.fixture
@@ -115,7 +115,7 @@ def test_a_bad_advertise_address_is_refused_naming_the_flag(redis_server, value)
 def test_a_faulty_path_to_one_replica_costs_a_bounded_wait_never_wrong_bytes(proxied, node_factory, pool_url, fault):
     behind, proxy = proxied("--cluster", "near")  # the client's cluster: reads try it first
     node_factory()
-    url = pool_url + "?replicas=2&timeout_ms=500&cluster=near"
+    url = pool_url + "?replicas=2&connect_timeout_s=0.5&progress_timeout_s=0.5&cluster=near"
     with SyncPoolClient(PoolConfig.from_url(url)) as client:
         for round_ in range(ROUNDS):
             _fault_round(client, behind.node_id, proxy, fault, f"{fault}{round_}")
@@ -173,7 +173,9 @@ def test_a_copy_that_fails_is_retried_on_another_host_while_there_is_one(
         b1 = on("host-b", "--port", str(port), "--advertise", f"127.0.0.1:{proxy.port}")
         proxy.set("reset")
         host_of = {a1.node_id: "host-a", a2.node_id: "host-a", b1.node_id: "host-b", b2.node_id: "host-b"}
-        with SyncPoolClient(PoolConfig.from_url(f"{pool_url}?replicas=2&timeout_ms=1000")) as client:
+        with SyncPoolClient(
+            PoolConfig.from_url(f"{pool_url}?replicas=2&connect_timeout_s=1&progress_timeout_s=1")
+        ) as client:
             assert {n.hostname for n in client.nodes(refresh=True)} == {"host-a", "host-b"}
             chunks = _chunks("hosts", 64, 1000)
             client.put(chunks)

@@ -22,7 +22,7 @@ from tests.faults.proxy import FULL, ROUNDS
 from tests.support.chunks import numbered_chunks as _chunks
 from tests.support.waits import wait_until
 
-CALL_BOUND_S = 30.0  # "returned at all": far above timeout_ms, far below pytest's timeout
+CALL_BOUND_S = 30.0  # "returned at all": far above the timeouts, far below pytest's timeout
 CHUNK_BYTES = 32 * 1024
 MAX_PUTS = 1500  # 1500 puts of 4 x 32 KiB fit a 256 MiB node: nothing is evicted during a test
 
@@ -91,7 +91,9 @@ def test_kill_9_mid_put_never_loses_an_acknowledged_chunk_while_its_replica_live
 def _kill_mid_put(node_factory: Any, redis_part: str, ns: str) -> None:
     # A fresh pool per round: the last round's dead nodes play no part.
     victim, survivor = node_factory(ns=ns), node_factory(ns=ns)
-    with SyncPoolClient(PoolConfig.from_url(f"{redis_part}/{ns}?replicas=2&timeout_ms=1000")) as client:
+    with SyncPoolClient(
+        PoolConfig.from_url(f"{redis_part}/{ns}?replicas=2&connect_timeout_s=1&progress_timeout_s=1")
+    ) as client:
         survivor_info = _by_id(client, survivor.node_id)
         writer = Writer(client, f"{ns}-")
         writer.start()
@@ -121,7 +123,9 @@ def test_kill_9_mid_get_fails_over_to_the_replica_and_never_returns_wrong_bytes(
     # shared-memory: the client copies out of the nodes' arenas, which outlive a killed node
     victim = node_factory("--cluster", "near", shm=shm)  # the client's own cluster: every read tries it first
     node_factory(shm=shm)
-    with SyncPoolClient(PoolConfig.from_url(pool_url + "?replicas=2&timeout_ms=1000&cluster=near")) as client:
+    with SyncPoolClient(
+        PoolConfig.from_url(pool_url + "?replicas=2&connect_timeout_s=1&progress_timeout_s=1&cluster=near")
+    ) as client:
         chunks = _chunks("kg", 32, 256 * 1024)
         client.put(chunks)
         keys = [c.key for c in chunks]
@@ -153,7 +157,9 @@ def test_kill_9_mid_get_fails_over_to_the_replica_and_never_returns_wrong_bytes(
 def test_a_frozen_node_is_read_around_within_the_timeout_and_serves_again_after_sigcont(node_factory, pool_url):
     slow = node_factory("--cluster", "near")  # the client's own cluster: reads try it first
     node_factory()
-    with SyncPoolClient(PoolConfig.from_url(pool_url + "?replicas=2&timeout_ms=500&cluster=near")) as client:
+    with SyncPoolClient(
+        PoolConfig.from_url(pool_url + "?replicas=2&connect_timeout_s=0.5&progress_timeout_s=0.5&cluster=near")
+    ) as client:
         chunks = _chunks("sl", 16, 128 * 1024)
         client.put(chunks)
         keys = [c.key for c in chunks]
@@ -183,7 +189,9 @@ def test_redis_killed_mid_commit_loses_no_acknowledged_put_and_the_pool_recovers
     redis_factory.append(redis)
     node_factory(redis_url=redis.url, ns="rk")
     node_factory(redis_url=redis.url, ns="rk")
-    config = PoolConfig.from_url(f"kvpool://127.0.0.1:{redis.port}/rk?replicas=2&timeout_ms=1000")
+    config = PoolConfig.from_url(
+        f"kvpool://127.0.0.1:{redis.port}/rk?replicas=2&connect_timeout_s=1&progress_timeout_s=1"
+    )
     with SyncPoolClient(config) as client:
         writer = Writer(client, "rk-")
         writer.start()

@@ -54,7 +54,7 @@ async def test_a_declined_allocation_is_a_miss_that_keeps_the_index_entry(node_f
 
 async def test_cancelled_get_gives_back_every_buffer_it_took(node_factory, pool_url):
     fast, slow = node_factory(), node_factory()
-    async with PoolClient(PoolConfig.from_url(pool_url + "?timeout_ms=5000")) as client:
+    async with PoolClient(PoolConfig.from_url(pool_url + "?connect_timeout_s=5&progress_timeout_s=5")) as client:
         chunks = _chunks("can", 24, 64 * 1024)
         await client.put(chunks)
         holders = {loc[0].node_id for loc in await client.index.lookup([c.key for c in chunks])}
@@ -124,7 +124,9 @@ def test_replicas_are_counted_per_distinct_node(node_factory, pool_url):
     from backend.placement import choose_nodes
 
     nodes = {n.node_id: n for n in (node_factory() for _ in range(3))}
-    with SyncPoolClient(PoolConfig.from_url(pool_url + "?replicas=2&timeout_ms=400")) as client:
+    with SyncPoolClient(
+        PoolConfig.from_url(pool_url + "?replicas=2&connect_timeout_s=0.4&progress_timeout_s=0.4")
+    ) as client:
         chunk = _chunks("rep", 1, 100)
         chosen = choose_nodes(chunk[0].key, client.nodes(), 2)
         for info in chosen:
@@ -146,7 +148,7 @@ def test_node_keeps_accepting_after_running_out_of_file_descriptors(node_factory
     time.sleep(0.5)
     for sock in socks:
         sock.close()
-    with SyncPoolClient(PoolConfig.from_url(pool_url + "?timeout_ms=2000")) as client:
+    with SyncPoolClient(PoolConfig.from_url(pool_url + "?connect_timeout_s=2&progress_timeout_s=2")) as client:
         assert wait_until(lambda: _stat_ok(client), 10.0)
     assert "accept failed" in node.log
 

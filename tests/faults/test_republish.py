@@ -325,8 +325,10 @@ def test_a_node_of_300000_chunks_republishes_after_two_flushes_without_its_heart
     """The issue's bar, at 300,000 chunks and the default 5 s TTL: >= 99 % of a 1,000-key sample hits
     byte-identical within 60 s of the flush; the node never shows dead; a second flush mid-republish too."""
     node = node_factory(redis_url=own_redis.url, dram="1GiB")
-    # A fill's put may wait for a busy Redis (its commit waits at most half of timeout_ms).
-    config = PoolConfig.from_url(f"kvpool://127.0.0.1:{own_redis.port}/{namespace}?timeout_ms=10000")
+    # A fill's put may wait for a busy Redis (its commit waits at most half of the put's wait).
+    config = PoolConfig.from_url(
+        f"kvpool://127.0.0.1:{own_redis.port}/{namespace}?connect_timeout_s=10&progress_timeout_s=10"
+    )
     with SyncPoolClient(config) as client:
         stored: dict[str, bytes] = {}
         for start in range(0, FULL_CHUNKS, 5000):

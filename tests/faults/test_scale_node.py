@@ -33,7 +33,7 @@ NOISE_BYTES = 4 * 1024 * 1024  # what the process allocates meanwhile that is no
 def test_a_node_full_of_tiny_chunks_stays_within_dram_plus_its_bookkeeping(node_factory, pool_url):
     room = room_of(VALUE_BYTES)
     node = node_factory("--prefault", "off", dram=str(HELD * room))
-    config = PoolConfig.from_url(pool_url + "?timeout_ms=60000")
+    config = PoolConfig.from_url(pool_url + "?connect_timeout_s=60&progress_timeout_s=60")
 
     async def scenario() -> dict:
         async with PoolClient(config) as client:

@@ -92,7 +92,7 @@ def test_a_link_that_drops_one_packet_in_a_hundred_returns_no_wrong_byte_under_a
         bed.start_node(host, redis.url, shm=False)
     bed.set_loss("client", LOSS_ONE_IN)
     assert f"numgen random mod {LOSS_ONE_IN} 0 drop" in bed.rules()
-    driver = bed_factory.driver(bed, "client", _url(redis, query="timeout_ms=5000"))
+    driver = bed_factory.driver(bed, "client", _url(redis, query="connect_timeout_s=5&progress_timeout_s=5"))
     size, batch = 1 << 20, 8
     rounds = hits = 0
     wrong: list[str] = []

@@ -2,7 +2,7 @@
 
 Every test ends with 0 wrong bytes, nothing lost on the nodes that stayed up, and full
 service within ``HEAL_S`` of the heal. The time bounds (a silent peer costs the first
-call at most ``timeout_ms`` of silence, later calls <= 10 ms: the client's progress
+call at most ``progress_timeout_s`` of silence, later calls <= 10 ms: the client's progress
 timeout, down marks and Redis circuit) are checked under ``make faults``.
 """
 
@@ -18,7 +18,7 @@ import pytest
 from tests.hosts.conftest import FULL
 from tests.support.waits import wait_until
 
-TIMEOUT_MS = 1000
+TIMEOUT_S = 1.0  # connect_timeout_s and progress_timeout_s
 HEAL_S = 10.0
 LATER_CALL_S = 0.010
 full_only = pytest.mark.skipif(not FULL, reason="bound tests run under `make faults` (KVPOOL_FULL=1)")
@@ -31,7 +31,7 @@ def _pool(bed_factory, nodes: tuple[str, ...], *, replicas: int = 1, rate_gbit: 
     started = {host: bed.start_node(host, redis.url, shm=False, dram="512MiB") for host in nodes}
     if rate_gbit is not None:
         bed.set_rate("client", rate_gbit)
-    url = f"kvpool://{redis.address}:{redis.port}/kvpool?timeout_ms={TIMEOUT_MS}&replicas={replicas}"
+    url = f"kvpool://{redis.address}:{redis.port}/kvpool?connect_timeout_s={TIMEOUT_S}&progress_timeout_s={TIMEOUT_S}&replicas={replicas}"
     return bed, started, url, bed_factory.driver(bed, "client", url)
 
 
@@ -104,7 +104,7 @@ def test_blackholed_node_mid_batch_get_never_returns_a_wrong_byte_and_is_read_ag
 def test_blackholed_node_mid_batch_get_returns_within_the_timeout_and_later_calls_fail_fast(bed_factory):
     seen = _mid_get_blackhole(bed_factory, replicas=2)
     assert seen["during"]["hits"] == 8  # every key from the other replica
-    assert seen["during"]["seconds"] <= TIMEOUT_MS / 1000 + 1.0
+    assert seen["during"]["seconds"] <= TIMEOUT_S + 1.0
     assert seen["later"]["hits"] == 8 and seen["later"]["seconds"] <= 1.0  # node1 marked down: not waited on
 
 
@@ -165,5 +165,5 @@ def test_client_cut_from_redis_reads_misses_commits_no_half_put_and_recovers_aft
 @full_only
 def test_client_cut_from_redis_pays_one_timeout_then_fails_fast(bed_factory):
     seen = _client_cut_from_redis(bed_factory)
-    assert seen["first"]["seconds"] <= TIMEOUT_MS / 1000 + 1.0
+    assert seen["first"]["seconds"] <= TIMEOUT_S + 1.0
     assert all(c["seconds"] <= LATER_CALL_S for c in seen["later"]), seen["later"]

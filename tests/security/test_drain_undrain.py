@@ -37,7 +37,7 @@ def _draining(url: str) -> dict[str, bool]:
 
 def test_undrain_stops_a_running_drain_which_leaves_every_chunk_whole_and_says_why(node_factory, pool_url):
     a, b = node_factory(dram="64MiB"), node_factory(dram="64MiB")
-    url = pool_url + "?timeout_ms=10000"
+    url = pool_url + "?connect_timeout_s=10&progress_timeout_s=10"
     rng = random.Random(7)
     chunks = [Chunk(f"undrain@1@0@{i}@bfloat16", rng.randbytes(64 * KIB)) for i in range(300)]
     with SyncPoolClient(PoolConfig.from_url(url)) as client:

@@ -39,8 +39,9 @@ def _node(node_factory, *extra: str):
     return node_factory("--max-pending-connections", str(CAP), *extra, env={"KVPOOL_TOKEN": TOKEN})
 
 
-def _url(pool_url: str, timeout_ms: int = 10_000) -> str:
-    return pool_url.replace("kvpool://", f"kvpool://:{TOKEN}@") + f"?timeout_ms={timeout_ms}"
+def _url(pool_url: str, timeout_s: float = 10.0) -> str:
+    query = f"?connect_timeout_s={timeout_s:g}&progress_timeout_s={timeout_s:g}"
+    return pool_url.replace("kvpool://", f"kvpool://:{TOKEN}@") + query
 
 
 def _freeze(node) -> None:
@@ -133,7 +134,7 @@ def test_a_flood_of_connections_is_shed_and_every_shed_connection_is_told_why(no
         attempts = 0
         while flood.poll() is None:
             attempts += 1
-            error = await _handshake(_url(pool_url, timeout_ms=2000))
+            error = await _handshake(_url(pool_url, timeout_s=2.0))
             if error is not None:
                 failures.append(str(error))
         return attempts
@@ -183,7 +184,7 @@ def test_a_connection_past_the_handshake_deadline_is_told_why(node_factory):
 def test_a_connect_the_node_cannot_answer_is_named_not_an_empty_message(node_factory, pool_url):
     """A frozen node's accept queue filled by a flood: the next connect gets no answer at all."""
     node = _node(node_factory)
-    url = _url(pool_url, timeout_ms=500)
+    url = _url(pool_url, timeout_s=0.5)
     filler: list[socket.socket] = []
     _freeze(node)
     try:

@@ -9,6 +9,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 
 from backend.client import MAX_LEASE_TTL_MS
 from backend.config import PoolConfig
+from backend.config.suggest import did_you_mean
 from backend.errors import ConfigError
 from backend.lmcache.config import pool_config_from
 
@@ -44,7 +45,11 @@ class KVPoolL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             raise ConfigError("adapter_params", f"must be a mapping, got {type(d).__name__}")
         unknown = sorted(set(d) - set(ADAPTER_PARAMS) - {"type"})
         if unknown:
-            raise ConfigError(f"adapter_params.{unknown[0]}", f"unknown option; known: {', '.join(ADAPTER_PARAMS)}")
+            hint = did_you_mean(unknown[0], ADAPTER_PARAMS)
+            raise ConfigError(
+                f"adapter_params.{unknown[0]}",
+                f"unknown option; {hint + ' ' if hint else ''}known: {', '.join(ADAPTER_PARAMS)}",
+            )
         pool = pool_config_from(d.get("url") or None, "adapter_params.url", multiprocess=True)
         lock_ttl_ms = _positive_int(d, "lock_ttl_ms", DEFAULT_LEASE_TTL_MS)
         if lock_ttl_ms > MAX_LEASE_TTL_MS:

@@ -8,8 +8,7 @@ finding a victim costs O(1) however many chunks are pinned (``tiers.py``).
 
 Every operation is O(1) (amortised) and an order keeps no object per chunk: columns
 indexed by the chunk's slot (``bookkeeping.ChunkTable``). Three orders, chosen by the
-node's ``eviction`` setting (:data:`ORDERS`; ``prefix-freq``, the old name of ``prefix``, is
-mapped by ``backend.config.node``):
+node's ``eviction`` setting (:data:`ORDERS`):
 
 * :class:`LruOrder` (``lru``): least recently used first; a doubly linked list threaded
   through two columns, 8 bytes a chunk.
