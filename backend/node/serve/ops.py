@@ -25,14 +25,10 @@ from backend.node.serve.peer import Answer, Peer, Reply, Request
 from backend.node.serve.puts import PutReceiver
 from backend.node.serve.tenancy import check_keys, refuse_mapped_read, refused_op
 from backend.node.stats import NodeStats
-from backend.node.store.bookkeeping import NO_SLOT
-from backend.node.store.dram import StoredChunk
 from backend.node.store.leases import MAX_LEASE_TTL_MS
 from backend.protocol import (
-    ANY_FINGERPRINT,
     LEASE_MAP,
     MAX_EVENTS_TOKEN_BYTES,
-    NO_FINGERPRINT,
     NO_OFFSET,
     EventsEntry,
     EventsPage,
@@ -166,68 +162,24 @@ class OpTable:
             received = await puts.receive(peer, items, options)
         await peer.answer(request, lambda: puts.commit(received, options))
 
-    def _other_layout(self, key: str, stored: int | None, fingerprint: int | None) -> OtherLayout | None:
-        """OtherLayout (counted) if this node holds ``key`` stored with another layout fingerprint (``stored``;
-        None: not held) than the reader's (``fingerprint``; None: an older client's read, which names none),
-        else None."""
-        if stored is None or fingerprint == ANY_FINGERPRINT:
-            return None
-        if stored == (NO_FINGERPRINT if fingerprint is None else fingerprint):
-            return None
-        self.ctx.counters[NodeCounter.LAYOUT_MISSES] += 1
-        return OtherLayout(key)
-
-    async def _read(self, key: str, fingerprint: int | None) -> StoredChunk | OtherLayout | None:
-        """``key``'s chunk for a reader of ``fingerprint`` (an NVMe hit is promoted), OtherLayout when it is stored
-        with another one (looked at before the fetch, so such a chunk is not promoted, and after), or None."""
-        tiers = self.ctx.tiers
-        if fingerprint != ANY_FINGERPRINT:  # the stored fingerprint from its table row, no ItemMeta built
-            slot = tiers.table.slot(key)
-            other = self._other_layout(key, None if slot == NO_SLOT else tiers.table.fingerprint(slot), fingerprint)
-            if other is not None:
-                return other
-        chunk = await tiers.get(key)
-        if chunk is None:
-            return None
-        return self._other_layout(key, chunk.meta.fingerprint, fingerprint) or chunk
-
     async def _fetch(
         self, keys: list[str], fingerprint: int | None, *, channel: bool
     ) -> tuple[list[ItemMeta | OtherLayout | None], list[Buffer]]:
-        """Each key's chunk (an NVMe hit is promoted), within one reply's data limit; keys past it are misses.
+        """Each key's chunk within one reply's data limit (``TierManager.read``), counted as the channel's gets,
+        hits and misses with ``channel``.
 
-        A reply never exceeds what a client accepts (``limits.max_data_bytes``); the
-        client reads the keys answered as misses again (over TCP, or in its next GET).
-        A chunk stored with another layout fingerprint than the reader's is OtherLayout, and
-        its bytes are never read (docs/protocol.md, "Layout fingerprints"). Counted as the
-        channel's gets, hits and misses with ``channel``.
+        A reply never exceeds what a client accepts (``limits.max_data_bytes``); the client reads
+        the keys answered as misses again (over TCP, or in its next GET).
         """
-        tiers, counters = self.ctx.tiers, self.ctx.counters
-        found: list[ItemMeta | OtherLayout | None] = []
-        data: list[Buffer] = []
-        budget = self.ctx.config.limits.max_data_bytes
-        for key in keys:
-            counters[NodeCounter.CHANNEL_GETS if channel else NodeCounter.GETS] += 1
-            chunk = await self._read(key, fingerprint)
-            if isinstance(chunk, OtherLayout):
-                tiers.quotas.count_read(key, hit=False)
-                counters[NodeCounter.CHANNEL_MISSES if channel else NodeCounter.MISSES] += 1
-                found.append(chunk)
-                continue
-            if chunk is not None and chunk.meta.nbytes > budget:
-                counters[NodeCounter.GET_OVER_FRAME_LIMIT] += 1
-                chunk = None
-            tiers.quotas.count_read(key, hit=chunk is not None)
-            if chunk is None:
-                counters[NodeCounter.CHANNEL_MISSES if channel else NodeCounter.MISSES] += 1
-                found.append(None)
-            else:
-                counters[NodeCounter.CHANNEL_HITS if channel else NodeCounter.HITS] += 1
-                found.append(chunk.meta)
-                data.append(chunk.buffer)
-                budget -= chunk.meta.nbytes
-        tiers.held.touch_chain(keys)  # read as one chain, in prefix order (the eviction order links and touches it)
-        return found, data
+        fetched = await self.ctx.tiers.read(keys, fingerprint, self.ctx.config.limits.max_data_bytes)
+        counters = self.ctx.counters
+        hits = len(fetched.chunks)
+        counters[NodeCounter.CHANNEL_GETS if channel else NodeCounter.GETS] += len(keys)
+        counters[NodeCounter.CHANNEL_HITS if channel else NodeCounter.HITS] += hits
+        counters[NodeCounter.CHANNEL_MISSES if channel else NodeCounter.MISSES] += len(keys) - hits
+        counters[NodeCounter.GET_OVER_FRAME_LIMIT] += fetched.over_limit
+        counters[NodeCounter.LAYOUT_MISSES] += sum(isinstance(item, OtherLayout) for item in fetched.found)
+        return fetched.found, [chunk.buffer for chunk in fetched.chunks]
 
     async def get_batch(self, meta: bytearray, peer: Peer) -> Reply:
         limits = self.ctx.config.limits
@@ -246,10 +198,9 @@ class OpTable:
         ctx = self.ctx
         keys = decode_keys(meta, ctx.config.limits)
         self._scope(peer, keys)
-        deleted = [key for key in keys if await ctx.tiers.delete(key)]
+        deleted = await ctx.tiers.delete_keys(keys)
         # Their index entries go with the next flush, now if Redis answers in time: the client's answer never
         # waits out a paused Redis (an entry that outlives its bytes reads as a miss meanwhile).
-        ctx.tiers.changes.put_back(set(deleted), {})
         await self.publisher.flush_index_within(ANSWER_FLUSH_S)
         ctx.counters[NodeCounter.DELETES] += len(deleted)
         gone = set(deleted)
@@ -271,57 +222,35 @@ class OpTable:
         return encode_flags(flags), []
 
     async def lease(self, meta: bytearray, peer: Peer) -> Reply:
-        """Pin the keys this node holds for the peer (its connection); with LEASE_MAP, also answer their arena offsets.
-
-        A mapped read is a GET whose bytes the client copies itself: the chunk is
-        fetched (an NVMe hit is promoted into the arena) and the lease holds the
-        chunk object, so its region outlives a concurrent delete or eviction.
-        Without LEASE_MAP this is a lock only: nothing moves, so it never waits.
-        """
-        ctx, tiers, counters = self.ctx, self.ctx.tiers, self.ctx.counters
+        """Pin the keys this node holds for the peer (its connection); with LEASE_MAP, also read them and answer
+        their arena offsets (``TierManager.lease``): a mapped read is a GET whose bytes the client copies itself."""
+        ctx, counters = self.ctx, self.ctx.counters
         ttl_ms, lease_flags, keys, fingerprint = decode_lease_request(meta, ctx.config.limits)
         if ttl_ms > MAX_LEASE_TTL_MS:
             raise ProtocolError(f"lease ttl_ms {ttl_ms} exceeds {MAX_LEASE_TTL_MS}")
-        want_map = bool(lease_flags & LEASE_MAP)
+        mapped = bool(lease_flags & LEASE_MAP)
         self._scope(peer, keys)
-        if want_map:
+        if mapped:
             refuse_mapped_read(peer.tenant, counters)
-        found: list[tuple[ItemMeta, int] | OtherLayout | None] = []
-        held: list[str] = []
-        chunks: list[StoredChunk] = []
-        arena = tiers.shm_arena  # a private arena's offsets mean nothing to a client
-        for key in keys:
-            if want_map:  # a read: only of a chunk of the reader's layout (a lock pins whatever is held)
-                counters[NodeCounter.GETS] += 1
-                chunk = await self._read(key, fingerprint)
-                tiers.quotas.count_read(key, hit=chunk is not None and not isinstance(chunk, OtherLayout))
-                if chunk is None or isinstance(chunk, OtherLayout):
-                    counters[NodeCounter.MISSES] += 1
-                    found.append(chunk)
-                    continue
-                offset = arena.offset_of(chunk.buffer) if arena is not None else None
-                counters[NodeCounter.HITS] += 1
-                if offset is not None:
-                    counters[NodeCounter.SHM_GET_BYTES] += chunk.meta.nbytes
-                found.append((chunk.meta, NO_OFFSET if offset is None else offset))
-                chunks.append(chunk)
-            else:
-                item = tiers.meta_of(key)
-                found.append(None if item is None else (item, NO_OFFSET))
-                if item is None:
-                    continue
-            held.append(key)
-        tiers.held.touch_chain(held)  # a lease is taken to read: the chain was used
-        lease_id = tiers.leases.grant(held, chunks, ttl_ms, owner=peer) if held else 0
-        if lease_id and peer.closed:
-            tiers.leases.release_owner(peer)  # it closed while we fetched: its teardown has already run
-        return encode_lease_response(lease_id, found, ctx.config.limits, fingerprints=fingerprint is not None), []
+        leased = await ctx.tiers.lease(keys, fingerprint, ttl_ms, peer, mapped=mapped)
+        if leased.lease_id and peer.closed:
+            ctx.tiers.end_leases_of(peer)  # it closed while we fetched: its teardown has already run
+        if mapped:
+            hits = [item for item in leased.found if isinstance(item, tuple)]
+            counters[NodeCounter.GETS] += len(keys)
+            counters[NodeCounter.HITS] += len(hits)
+            counters[NodeCounter.MISSES] += len(keys) - len(hits)
+            counters[NodeCounter.LAYOUT_MISSES] += sum(isinstance(item, OtherLayout) for item in leased.found)
+            counters[NodeCounter.SHM_GET_BYTES] += sum(item.nbytes for item, offset in hits if offset != NO_OFFSET)
+        return encode_lease_response(
+            leased.lease_id, leased.found, ctx.config.limits, fingerprints=fingerprint is not None
+        ), []
 
     async def release(self, meta: bytearray, peer: Peer) -> Reply:
         lease_id, keys = decode_release(meta, self.ctx.config.limits)
-        if peer.tenant is not None and self.ctx.tiers.leases.owner_of(lease_id) is not peer:
-            return encode_json({"released": 0}), []  # a tenant ends only its own leases (ids are guessable)
-        return encode_json({"released": self.ctx.tiers.leases.release(lease_id, keys)}), []
+        # A tenant ends only its own leases (ids are guessable).
+        released = self.ctx.tiers.release_lease(lease_id, keys, owner=peer if peer.tenant is not None else None)
+        return encode_json({"released": released}), []
 
     async def pin(self, meta: bytearray, peer: Peer) -> Reply:
         """PIN: hold keys past any connection (``pins.py``); all or nothing, answered once saved."""
@@ -383,9 +312,8 @@ class OpTable:
         chains = decode_touch(meta, ctx.config.limits)
         for chain in chains:
             self._scope(peer, chain)
-        for chain in chains:
-            ctx.tiers.held.touch_chain(chain)
-            ctx.counters[NodeCounter.TOUCHED_KEYS] += len(chain)
+        ctx.tiers.touch_chains(chains)
+        ctx.counters[NodeCounter.TOUCHED_KEYS] += sum(len(chain) for chain in chains)
         return encode_flags([]), []
 
     async def stat(self, meta: bytearray, peer: Peer) -> Reply:
