@@ -42,8 +42,9 @@ from backend.node.index.publisher import Advert, IndexPublisher
 from backend.node.index.reaper import DeadNodeReaper
 from backend.node.index.recovery import NvmeRecovery, RecoveryReport, keep_node_id
 from backend.node.serve.admission import Admission
-from backend.node.serve.ops import ChannelServing, OpTable
+from backend.node.serve.ops import OpTable
 from backend.node.serve.puts import PutReceiver
+from backend.node.serve.read_ops import ChannelServing
 from backend.node.serve.session import Acceptor
 from backend.node.serve.stages import sweep_stages
 from backend.node.startup import NewDirectory, check_redis, listen, take_arena

@@ -367,7 +367,7 @@ async def _filled(held: int, eviction: str) -> tuple[TierManager, list[str]]:
         meta = ItemMeta(key, VALUE_BYTES, checksum(buffer), "uint8", (VALUE_BYTES,), 1)
         tiers.insert(StoredChunk(meta, buffer), put_id=1 if i < landing else 0)  # put 1 never commits
     for start in range(landing, landing + leased, 100):  # leases of 100 keys, as a prefetch takes them
-        tiers.lock(keys[start : min(start + 100, landing + leased)], 600_000)
+        tiers.leasing.lock(keys[start : min(start + 100, landing + leased)], 600_000)
     return tiers, keys
 
 

@@ -141,10 +141,7 @@ async def take_request(
             await intake.flush()
     except BaseException:
         intake.abandon()
-        inserted = intake.inserted()
-        room.settle(inserted)
-        for chunk in inserted:
-            await room.discard(chunk)
+        await room.drop_uncommitted(intake.inserted())
         raise
     return intake.received
 

@@ -147,6 +147,12 @@ class DramRoom:
             return True
         return self.dram.order.admits(key)
 
+    async def drop_uncommitted(self, chunks: list[StoredChunk]) -> None:
+        """The chunks of a put that will not be committed leave the tiers (unless a newer put replaced them)."""
+        self.settle(chunks)
+        for chunk in chunks:
+            await self.discard(chunk)
+
     async def discard(self, chunk: StoredChunk) -> None:
         """Undo ``insert`` (the put was not committed), unless the key was replaced since."""
         key = chunk.meta.key

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from backend.counters import NodeCounter
@@ -49,11 +49,12 @@ from backend.node.store.eviction import order_named
 from backend.node.store.intake import ChunkSource, Received, RoomAhead, take_request
 from backend.node.store.landing import Landing
 from backend.node.store.leases import LeaseTable
+from backend.node.store.leasing import Leasing
 from backend.node.store.nvme_tier import NvmeTier
 from backend.node.store.pins import PinBook, PinTtl
 from backend.node.store.quotas import TenantQuotas
 from backend.node.store.readback import ReadBack
-from backend.node.store.reads import Fetched, Leased, Reads
+from backend.node.store.reads import Fetched, Reads
 from backend.node.store.room import DramRoom, NewerThanDisk
 from backend.node.store.upkeep import StoreUpkeep
 from backend.protocol import NO_FINGERPRINT, ItemMeta, TierReport
@@ -65,7 +66,6 @@ __all__ = [
     "NVME",
     "PREFAULT_BUDGET_BYTES",
     "Fetched",
-    "Leased",
     "TierConfig",
     "TierManager",
 ]
@@ -127,6 +127,7 @@ class TierManager:
         )
         self._readback = ReadBack(self._dram, self._nvme, self._room, changes, self.counters)
         self._reads = Reads(table, self._readback.get, self._quotas, self._leases, self._memory)
+        self.leasing = Leasing(self._reads, self._leases)  # LEASE, RELEASE, a connection's end, a tool's lock
         # What the node's index side and its statistics ask: changes, NVMe recovery, quotas, the report.
         self.upkeep = StoreUpkeep(
             changes,
@@ -246,9 +247,7 @@ class TierManager:
 
     async def drop_uncommitted(self, chunks: list[StoredChunk]) -> None:
         """The chunks of a put that will not be committed leave the tiers (unless a newer put replaced them)."""
-        self.settle(chunks)
-        for chunk in chunks:
-            await self._room.discard(chunk)
+        await self._room.drop_uncommitted(chunks)
 
     def take_buffer(self, nbytes: int, *, shared: bool = True) -> ChunkBuffer:
         return self._memory.take_buffer(nbytes, shared=shared)
@@ -296,28 +295,7 @@ class TierManager:
         for chain in chains:
             self._table.touch_chain(chain)
 
-    # -- leases -----------------------------------------------------------------------
-    async def lease(
-        self, keys: Sequence[str], fingerprint: int | None, ttl_ms: int, owner: Hashable, *, mapped: bool
-    ) -> Leased:
-        """Pin the keys held for ``owner``; ``mapped``: read them too, with their arena offsets (``Reads.lease``)."""
-        return await self._reads.lease(keys, fingerprint, ttl_ms, owner, mapped=mapped)
-
-    def lock(self, keys: Sequence[str], ttl_ms: int) -> int:
-        """A lease of no connection over ``keys`` for ``ttl_ms`` (a tool's lock): its id."""
-        return self._leases.grant(keys, [], ttl_ms)
-
-    def release_lease(self, lease_id: int, keys: Sequence[str] = (), *, owner: Hashable | None = None) -> int:
-        """End lease ``lease_id`` (only ``keys`` of it, if named); with ``owner``, only if it is that owner's."""
-        if owner is not None and self._leases.owner_of(lease_id) is not owner:
-            return 0
-        return self._leases.release(lease_id, keys)
-
-    def end_leases_of(self, owner: Hashable) -> None:
-        """``owner`` (a connection) is gone: its leases end."""
-        self._leases.release_owner(owner)
-
-    # -- a delete, and what Redis has not heard yet -----------------------------------
+    # -- a delete ---------------------------------------------------------------------
     async def delete(self, key: str) -> bool:
         """Remove ``key`` from every tier; whether it was held."""
         self._newer.note(key)
