@@ -4,13 +4,13 @@ The parts, one module each:
 
 * ``startup.py``: the start's order (secrets, Redis, the id's claim, arena, recovery, join) and what
   each step checks; ``claim.py``: one process per node id;
-* ``tiers.py`` (with ``dram.py``, ``nvme_tier.py`` and its file format ``nvme_format.py``,
-  ``demotion.py``, ``arena.py``, ``leases.py``): where chunks live; ``pins.py``: pins, leases of no
-  connection; ``recovery.py``: the NVMe scan at start;
+* ``tiers.py`` (``TierManager``, the store's one door, over ``dram.py``, ``nvme_tier.py`` and its file
+  format ``nvme_format.py``, ``demotion.py``, ``arena.py``, ``leases.py``): where chunks live and every
+  store operation; ``pins.py``: pins, leases of no connection; ``recovery.py``: the NVMe scan at start;
 * ``session.py``: the accept loop and one session per connection (TLS, auth, frames);
   ``admission.py``: what a connection gets before its handshake is done; ``stages.py``: the
   same-host clients' put stages, swept when their client is gone;
-* ``ops.py``: what each request op does; ``puts.py``: the put path and its crash ordering;
+* ``ops.py``, ``read_ops.py``: what each request op does; ``puts.py``: the put path and its crash ordering;
 * ``publisher.py``: heartbeat, index flush, republish after Redis loss; ``reaper.py``: what dead
   nodes left in Redis, removed by one live node;
 * ``stats.py``: counters, recent rates, service times; ``report()`` answers STAT and feeds /metrics.
