@@ -257,13 +257,15 @@ async def test_every_tier_asks_one_rule_whether_a_copy_is_the_same_chunk(tmp_pat
     try:
         await tiers.reserve(tiers.room_of(len(data)))
         tiers.insert(StoredChunk(stored_f, bytearray(data)))
-        slot = tiers.table.slot("k")
+        # The store's own parts, asked one by one (nothing outside the store reaches them: tests/test_store_door.py).
+        table, dram, demoter = tiers._table, tiers._dram, tiers._demoter
+        slot = table.slot("k")
         for fingerprint, same in ((F, True), (G, False), (0, False)):
             assert tiers.holds("k", stored_f.checksum, fingerprint) is same
-            assert tiers.dram.holds("k", stored_f.checksum, fingerprint) is same
-        assert tiers.table.same_bytes(slot, stored_f) and not tiers.table.same_bytes(slot, as_g)
+            assert dram.holds("k", stored_f.checksum, fingerprint) is same
+        assert table.same_bytes(slot, stored_f) and not table.same_bytes(slot, as_g)
         assert same_meta(stored_f, stored_f) and not same_meta(stored_f, as_g)
-        await tiers.demoter.save_copy("k")
+        await demoter.save_copy("k")
         (path,) = (tmp_path / CHUNKS_DIR).rglob("*.safetensors")
         assert read_header(path).meta.fingerprint == F and tiers.tier_of("k") == "dram"
     finally:

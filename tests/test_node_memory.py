@@ -15,7 +15,7 @@ import time
 import pytest
 
 from backend.node.store.dram import StoredChunk
-from backend.node.store.tiers import TierConfig, TierManager
+from backend.node.store.tiers import NVME, TierConfig, TierManager
 from backend.protocol import ItemMeta, checksum
 from kvpool import Chunk, PoolConfig, SyncPoolClient
 
@@ -153,7 +153,7 @@ async def test_a_put_that_evicts_never_walks_past_the_chunks_leases_and_landing_
         await _fill(free_tiers, held)
         keys = await _fill(pinned_tiers, held, landing=held // 4)
         for start in range(held // 4, held // 2, 100):
-            pinned_tiers.leases.grant(keys[start : start + 100], [], 600_000)
+            pinned_tiers.leasing.lock(keys[start : start + 100], 600_000)
         unpinned_us = await _evicting_put_us(free_tiers, puts)
         pinned_us = await _evicting_put_us(pinned_tiers, puts)
         assert all(pinned_tiers.contains(key) for key in keys[: held // 2])  # every pinned chunk stayed
@@ -169,11 +169,11 @@ async def test_a_chunk_whose_lease_ends_comes_back_as_the_most_recent_not_the_ol
     tiers = TierManager(TierConfig(dram_bytes=4 * VALUE_BYTES))
     try:
         keys = await _fill(tiers, 4)
-        lease = tiers.leases.grant([keys[0]], [], 60_000)
+        lease = tiers.leasing.lock([keys[0]], 60_000)
         await tiers.reserve(VALUE_BYTES)  # full: the oldest unpinned goes
         tiers.insert(_chunk("e", 5))
         assert tiers.contains(keys[0]) and not tiers.contains(keys[1])
-        tiers.leases.release(lease)
+        tiers.leasing.release(lease)
         await tiers.reserve(VALUE_BYTES)
         tiers.insert(_chunk("f", 6))
         assert tiers.contains(keys[0]) and not tiers.contains(keys[2])  # keys[2] was colder than it now
@@ -189,7 +189,7 @@ async def test_pinned_nvme_files_stay_and_the_coldest_unpinned_one_is_evicted(tm
             await tiers.reserve(size)
             tiers.insert(_chunk(f"n{i}", i, size))
         assert [tiers.tier_of(f"n{i}") for i in range(4)] == ["nvme", "nvme", "nvme", "dram"]
-        tiers.leases.grant(["n0"], [], 60_000)
+        tiers.leasing.lock(["n0"], 60_000)
         await tiers.reserve(size)
         tiers.insert(_chunk("n4", 4, size))  # n3 goes to NVMe, which drops a file for it
         assert tiers.tier_of("n0") == "nvme" and tiers.tier_of("n1") is None
@@ -208,10 +208,10 @@ async def test_recovered_files_are_adopted_in_batches_and_never_over_a_newer_put
         await tiers.reserve(VALUE_BYTES)
         newer = _chunk("r4", 99)
         tiers.insert(newer)  # a put landed while recovery was still scanning
-        assert tiers.load_nvme(records[:3]) == records[:3]
-        assert tiers.load_nvme(records[3:]) == [records[3], records[5]]  # r4's file is older than the put
+        assert tiers.upkeep.load_nvme(records[:3]) == records[:3]
+        assert tiers.upkeep.load_nvme(records[3:]) == [records[3], records[5]]  # r4's file is older than the put
         assert len(tiers) == 6 and tiers.tier_of("r4") == "dram"
-        assert tiers.meta_of("r4") == newer.meta and tiers.nvme is not None and tiers.nvme.files == 5
+        assert tiers.meta_of("r4") == newer.meta and tiers.tier_reports()[NVME].objects == 5
     finally:
         await tiers.close()
 
@@ -248,14 +248,14 @@ async def test_a_pinned_chunk_is_neither_evicted_nor_walked_and_moves_once_unpin
         first = _chunk("first", 1)
         tiers.insert(first, put_id=7 if pinned_by == "landing" else 0)
         if pinned_by == "lease":
-            lease = tiers.leases.grant(["first"], [], 60_000)
+            lease = tiers.leasing.lock(["first"], 60_000)
         await _fill(tiers, 2)
         for n in range(3):  # each put evicts one: never the pinned one
             await tiers.reserve(VALUE_BYTES)
             tiers.insert(_chunk(f"more@{n}", 10 + n))
         assert tiers.contains("first") and len(tiers) == 3
         if pinned_by == "lease":
-            tiers.leases.release(lease)
+            tiers.leasing.release(lease)
         else:
             tiers.settle([first])
         for n in range(3):

@@ -269,7 +269,7 @@ async def test_a_chunk_whose_bytes_fail_their_checksum_is_refused_and_not_kept(p
     assert not parts.ctx.tiers.contains("bad") and [k for k, _ in parts.index.committed] == ["good"]
     assert parts.ctx.counters["integrity_failures"] == 1
     # The refused chunk's reservation is released; the good one is counted at the room it occupies.
-    assert parts.ctx.tiers.dram.used_bytes == room_of(len(good)) == 512
+    assert parts.ctx.tiers.dram_used_bytes == room_of(len(good)) == 512
 
 
 async def test_a_chunk_larger_than_dram_is_refused_before_anything_is_reserved(parts, wire):
@@ -284,7 +284,7 @@ async def test_a_chunk_larger_than_dram_is_refused_before_anything_is_reserved(p
             parts.puts.receive(WirePeer(conn), [_item("huge", huge), _item("small", small)], PutOptions()), 10
         )
 
-    assert parts.ctx.tiers.dram.used_bytes == 0 and len(parts.ctx.tiers) == 0  # nothing reserved, nothing read
+    assert parts.ctx.tiers.dram_used_bytes == 0 and len(parts.ctx.tiers) == 0  # nothing reserved, nothing read
     received = await parts.puts.receive(WirePeer(conn), [_item("small", small)], PutOptions())
     assert [flag for flag, _, _ in received] == [PUT_STORED]
 
@@ -297,20 +297,20 @@ async def test_a_put_holds_room_for_at_most_one_window_beyond_the_bytes_it_recei
     try:
         task = asyncio.ensure_future(roomy.puts.receive(WirePeer(conn), [_item("large", payload)], PutOptions()))
         client.sendall(payload[:1])
-        await _until(lambda: tiers.dram.used_bytes > 0)
+        await _until(lambda: tiers.dram_used_bytes > 0)
         await asyncio.sleep(0.05)
-        assert tiers.dram.used_bytes == window  # one part's room, not the 40 MiB declared
+        assert tiers.dram_used_bytes == window  # one part's room, not the 40 MiB declared
         await asyncio.to_thread(client.sendall, payload[1 : window + 1])  # the first part, and a byte of the next
-        await _until(lambda: tiers.dram.used_bytes == 2 * window)
+        await _until(lambda: tiers.dram_used_bytes == 2 * window)
         await asyncio.sleep(0.05)
-        assert tiers.dram.used_bytes == 2 * window and roomy.puts.ahead.held("10.0.0.1") == window
+        assert tiers.dram_used_bytes == 2 * window and roomy.puts.ahead.held("10.0.0.1") == window
         await asyncio.to_thread(client.sendall, payload[window + 1 :])
         received = await asyncio.wait_for(task, 10)
     finally:
         conn.close()
         client.close()
     assert [flag for flag, _, _ in received] == [PUT_STORED]  # verified whole, over its parts
-    assert tiers.dram.used_bytes == len(payload) and roomy.puts.ahead.held("10.0.0.1") == 0
+    assert tiers.dram_used_bytes == len(payload) and roomy.puts.ahead.held("10.0.0.1") == 0
     got = await tiers.get("large")
     assert got is not None and bytes(got.buffer) == payload
 
@@ -327,7 +327,7 @@ async def test_a_chunk_received_in_parts_is_verified_whole_and_a_mismatch_gives_
         conn.close()
         client.close()
     assert [flag for flag, _, _ in received] == [PUT_INTEGRITY]
-    assert roomy.ctx.tiers.dram.used_bytes == 0 and len(roomy.ctx.tiers) == 0
+    assert roomy.ctx.tiers.dram_used_bytes == 0 and len(roomy.ctx.tiers) == 0
 
 
 async def test_one_hosts_puts_share_one_bound_of_room_ahead_and_another_host_never_waits_on_it(roomy):
@@ -340,17 +340,17 @@ async def test_one_hosts_puts_share_one_bound_of_room_ahead_and_another_host_nev
         item = ItemMeta(f"stalled-{n}", 40 << 20, 0, "uint8", (40 << 20,), 0)
         tasks.append(asyncio.ensure_future(roomy.puts.receive(WirePeer(conn), [item], PutOptions(wait_ms=10_000))))
         client.sendall(b"x")  # one byte, then silence
-    await _until(lambda: tiers.dram.used_bytes == 3 * bounds.connection_bytes)
+    await _until(lambda: tiers.dram_used_bytes == 3 * bounds.connection_bytes)
     await asyncio.sleep(0.1)
     # 10.0.0.1: two windows (its bound), its third request waits holding nothing; 10.0.0.2: its own window.
-    assert tiers.dram.used_bytes == 3 * bounds.connection_bytes
+    assert tiers.dram_used_bytes == 3 * bounds.connection_bytes
     ahead = roomy.puts.ahead
     assert (ahead.held("10.0.0.1"), ahead.held("10.0.0.2")) == (bounds.host_bytes, bounds.connection_bytes)
     for _, client in pairs:
         client.close()
     outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
     assert all(isinstance(outcome, NodeUnavailable) for outcome in outcomes)  # the peers went away mid-frame
-    assert tiers.dram.used_bytes == 0 and ahead.held("10.0.0.1") == ahead.held("10.0.0.2") == 0
+    assert tiers.dram_used_bytes == 0 and ahead.held("10.0.0.1") == ahead.held("10.0.0.2") == 0
     for conn, _ in pairs:
         conn.close()
 
@@ -386,7 +386,7 @@ async def test_a_put_whose_index_commit_fails_leaves_nothing_behind(parts, wire)
         await parts.puts.commit(received)
 
     assert not parts.ctx.tiers.contains("lost")  # never acknowledged, so not kept
-    assert parts.ctx.tiers.dram.used_bytes == 0 and parts.ctx.counters["puts"] == 0
+    assert parts.ctx.tiers.dram_used_bytes == 0 and parts.ctx.counters["puts"] == 0
 
 
 async def test_a_put_whose_socket_closes_mid_chunk_keeps_none_of_its_chunks(parts, wire):
@@ -398,7 +398,7 @@ async def test_a_put_whose_socket_closes_mid_chunk_keeps_none_of_its_chunks(part
     with pytest.raises(Exception):  # noqa: B017 - the transport's error for a peer gone mid-frame
         await parts.puts.receive(WirePeer(conn), [_item("first", first), _item("second", second)], PutOptions())
 
-    assert len(parts.ctx.tiers) == 0 and parts.ctx.tiers.dram.used_bytes == 0
+    assert len(parts.ctx.tiers) == 0 and parts.ctx.tiers.dram_used_bytes == 0
 
 
 # -- op handlers (ops.py, leases.py) ------------------------------------------------------
@@ -410,11 +410,11 @@ async def test_lease_pins_the_keys_held_and_answers_misses_for_the_rest(parts, w
     meta, _ = await _ask(parts, Op.LEASE, bytearray(encode_lease_request(["held", "absent"], 5000, 0)), peer)
 
     lease_id, found = decode_lease_response(meta, ["held", "absent"])
-    assert lease_id > 0 and len(parts.ctx.tiers.leases) == 1
+    assert lease_id > 0 and parts.ctx.tiers.upkeep.report().leases == 1
     assert found[0] is not None and found[0][0].key == "held" and found[0][1] is None  # a lock only: no offset
     assert found[1] is None
     released, _ = await _ask(parts, Op.RELEASE, bytearray(encode_release(lease_id)), peer)
-    assert decode_json(released) == {"released": 1} and len(parts.ctx.tiers.leases) == 0
+    assert decode_json(released) == {"released": 1} and parts.ctx.tiers.upkeep.report().leases == 0
 
 
 async def test_a_mapped_lease_answers_the_chunks_offset_in_the_arena_and_counts_each_key_as_a_get(parts, wire):
@@ -447,7 +447,7 @@ async def test_a_lease_for_a_connection_that_closed_meanwhile_is_released_at_onc
 
     await _ask(parts, Op.LEASE, bytearray(encode_lease_request(["held"], 5000, 0)), WirePeer(conn))
 
-    assert len(parts.ctx.tiers.leases) == 0  # nobody is left to release it
+    assert parts.ctx.tiers.upkeep.report().leases == 0  # nobody is left to release it
 
 
 async def test_delete_drops_the_chunks_and_withdraws_them_under_the_nodes_identity(parts, wire):
@@ -530,7 +530,7 @@ async def test_a_put_batch_larger_than_the_node_is_answered_before_its_bytes_are
         await peer.answers[0][1]()
     client.sendall(b"h" * huge.nbytes)
     await asyncio.wait_for(handled, 10)
-    assert parts.ctx.tiers.dram.used_bytes == 0
+    assert parts.ctx.tiers.dram_used_bytes == 0
 
 
 # -- the publisher (publisher.py) ----------------------------------------------------

@@ -296,12 +296,12 @@ async def test_lru_demotes_the_least_recently_used_and_promotes_an_nvme_hit(tmp_
         await tiers.reserve(64 * KIB)
         tiers.insert(_stored("E", 64 * KIB, seed=5))
         assert [tiers.tier_of(k) for k in "ABCDE"] == [DRAM, NVME, DRAM, DRAM, DRAM]
-        assert tiers.changes.moved == {"B": NVME}
+        assert tiers.upkeep.take_changes() == (set(), {"B": NVME})
         chunk = await tiers.get("B")  # an NVMe hit: verified and promoted, C (now LRU) demoted
         assert chunk is not None and bytes(chunk.buffer) == bytes(_stored("B", 64 * KIB, seed=1).buffer)
         assert [tiers.tier_of(k) for k in "ABCDE"] == [DRAM, DRAM, NVME, DRAM, DRAM]
         assert tiers.counters["promotions"] == 1 and tiers.counters["demotions"] == 2
-        assert tiers.nvme is not None and "B" in tiers.nvme  # the file stays: re-demotion is free
+        assert tiers.tier_reports()[NVME].objects == 2  # B's file stays beside C's: re-demotion is free
         assert len(tiers) == 5  # B is in DRAM and on disk: one key
         page, more = tiers.page("", 3)
         assert [(item.key, tier) for item, tier in page] == [("A", DRAM), ("B", DRAM), ("C", NVME)] and more
@@ -319,7 +319,7 @@ async def test_nvme_evicts_its_oldest_file_when_full_and_reports_it(tmp_path):
             tiers.insert(_stored(f"k{i}", 64 * KIB, seed=i))
         # k0..k3 went to disk in turn; disk holds 3, so k0 was evicted
         assert tiers.tier_of("k0") is None and tiers.counters["nvme_evictions"] == 1
-        assert "k0" in tiers.changes.removed
+        assert "k0" in tiers.upkeep.take_changes()[0]
         assert [tiers.tier_of(f"k{i}") for i in range(1, 5)] == [NVME, NVME, NVME, DRAM]
         assert await tiers.get("k0") is None
     finally:
@@ -334,8 +334,8 @@ async def test_background_demotion_keeps_dram_under_the_high_watermark(tmp_path)
             await tiers.reserve(64 * KIB)
             tiers.insert(_stored(f"w{i}", 64 * KIB, seed=i))
         # 100% > 90% high watermark: the demoter brings DRAM down to the 80% low one
-        await until(lambda: tiers.dram.used_bytes <= 8 * 64 * KIB, timeout_s=2.0)
-        assert tiers.dram.used_bytes == 8 * 64 * KIB
+        await until(lambda: tiers.dram_used_bytes <= 8 * 64 * KIB, timeout_s=2.0)
+        assert tiers.dram_used_bytes == 8 * 64 * KIB
         assert [tiers.tier_of(f"w{i}") for i in range(3)] == [NVME, NVME, DRAM]
     finally:
         await tiers.close()

@@ -19,7 +19,7 @@ from backend.counters import NodeCounter
 from backend.handshake import KeyRing, handshake_key
 from backend.metadata import Beat, ClaimHolder, Location, NodeInfo, Quotas, RedisMemory
 from backend.node.events import EventRing
-from backend.node.store.pins import PinBook, PinTtl
+from backend.node.store.pins import PinTtl
 from backend.node.store.tiers import DRAM, TierManager
 from backend.protocol import ItemMeta
 
@@ -77,13 +77,7 @@ class NodeContext:
         self.config = config
         self.tiers = tiers
         # The pins (pins.py): leases of no connection, kept in the NVMe directory when there is one.
-        self.pins = PinBook(
-            tiers.leases,
-            tiers.held,
-            PinTtl(config.pin_ttl_default_s, config.pin_ttl_max_s),
-            tiers.nvme.root if tiers.nvme is not None else None,
-            save_copy=tiers.demoter.save_copy,
-        )
+        self.pins = tiers.pin_book(PinTtl(config.pin_ttl_default_s, config.pin_ttl_max_s))
         self.index = index
         # Committed stores and removals for a `kvpool events` endpoint (events.py); None: off.
         self.events = EventRing(config.event_ring_keys) if config.event_ring_keys else None

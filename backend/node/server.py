@@ -4,13 +4,13 @@ The parts, one module each:
 
 * ``startup.py``: the start's order (secrets, Redis, the id's claim, arena, recovery, join) and what
   each step checks; ``claim.py``: one process per node id;
-* ``tiers.py`` (with ``dram.py``, ``nvme_tier.py`` and its file format ``nvme_format.py``,
-  ``demotion.py``, ``arena.py``, ``leases.py``): where chunks live; ``pins.py``: pins, leases of no
-  connection; ``recovery.py``: the NVMe scan at start;
+* ``tiers.py`` (``TierManager``, the store's one door, over ``dram.py``, ``nvme_tier.py`` and its file
+  format ``nvme_format.py``, ``demotion.py``, ``arena.py``, ``leases.py``): where chunks live and every
+  store operation; ``pins.py``: pins, leases of no connection; ``recovery.py``: the NVMe scan at start;
 * ``session.py``: the accept loop and one session per connection (TLS, auth, frames);
   ``admission.py``: what a connection gets before its handshake is done; ``stages.py``: the
   same-host clients' put stages, swept when their client is gone;
-* ``ops.py``: what each request op does; ``puts.py``: the put path and its crash ordering;
+* ``ops.py``, ``read_ops.py``: what each request op does; ``puts.py``: the put path and its crash ordering;
 * ``publisher.py``: heartbeat, index flush, republish after Redis loss; ``reaper.py``: what dead
   nodes left in Redis, removed by one live node;
 * ``stats.py``: counters, recent rates, service times; ``report()`` answers STAT and feeds /metrics.
@@ -42,8 +42,9 @@ from backend.node.index.publisher import Advert, IndexPublisher
 from backend.node.index.reaper import DeadNodeReaper
 from backend.node.index.recovery import NvmeRecovery, RecoveryReport, keep_node_id
 from backend.node.serve.admission import Admission
-from backend.node.serve.ops import ChannelServing, OpTable
+from backend.node.serve.ops import OpTable
 from backend.node.serve.puts import PutReceiver
+from backend.node.serve.read_ops import ChannelServing
 from backend.node.serve.session import Acceptor
 from backend.node.serve.stages import sweep_stages
 from backend.node.startup import NewDirectory, check_redis, listen, take_arena
@@ -164,7 +165,7 @@ class PoolNode:
         transport = self._channel_transport()  # a ConfigError here leaves no port bound
         self.tls = self._tls_context()
         self.listener = listen(self.config)
-        made = NewDirectory(self.tiers.nvme.root if self.tiers.nvme else None)
+        made = NewDirectory(self.tiers.nvme_root)
         claim: IdClaim | None = None
         try:
             await check_redis(self._store, self.config)
@@ -182,7 +183,7 @@ class PoolNode:
         self.ctx.spawn(self.publisher.heartbeat_loop(self.reaper))
         if self.tiers.shm_arena is not None:  # clients on this host stage their puts next to it
             self.ctx.spawn(sweep_stages(self.ctx, self.tiers.shm_arena.path.parent))
-        nvme = self.tiers.nvme
+        nvme_root, nvme_bytes = self.tiers.nvme_root, self.tiers.capacity_bytes - self.tiers.dram_capacity_bytes
         logger.info(
             "node %s epoch %d listening on %s:%d, advertised as %s:%d (DRAM %d bytes, NVMe %s, namespace %s)",
             self.node_id,
@@ -191,18 +192,18 @@ class PoolNode:
             self.port,
             self.advertise_host,
             self.advertise_port,
-            self.tiers.dram.capacity_bytes,
-            f"{nvme.capacity_bytes} bytes at {nvme.root}" if nvme else "off",
+            self.tiers.dram_capacity_bytes,
+            f"{nvme_bytes} bytes at {nvme_root}" if nvme_root else "off",
             self.config.namespace,
         )
 
     async def _claim_id(self) -> IdClaim:
         """This node's id claimed with a new epoch (``claim.py``): from here on its identity. Its NVMe
         directory is locked first (``dirlock.py``): the id it keeps there is read only under the lock."""
-        nvme = self.tiers.nvme
-        if nvme is not None:
-            self._dir_lock = DirectoryLock(nvme.root)
-        node_id, source = await chosen_node_id(self.config.node_id, nvme.root if nvme else None, self.port)
+        nvme_root = self.tiers.nvme_root
+        if nvme_root is not None:
+            self._dir_lock = DirectoryLock(nvme_root)
+        node_id, source = await chosen_node_id(self.config.node_id, nvme_root, self.port)
         epoch = await self._store.registry.new_epoch()
         holder = ClaimHolder(epoch, self.advertise_host, self.advertise_port, os.getpid(), socket.gethostname())
         claim = IdClaim(self._store.registry, node_id, holder, self.config, source)
@@ -212,9 +213,9 @@ class PoolNode:
 
     async def _start_claimed(self, transport: Any, node_id: str) -> None:
         """Everything of the start that the id names or that takes time, once the id is this node's."""
-        nvme = self.tiers.nvme
-        if nvme is not None:
-            await asyncio.to_thread(keep_node_id, nvme.root, node_id)
+        nvme_root = self.tiers.nvme_root
+        if nvme_root is not None:
+            await asyncio.to_thread(keep_node_id, nvme_root, node_id)
         self.reaper = DeadNodeReaper(self._store, node_id, self.config.dead_node_grace_s)
         self.stats.count_also(self.reaper.counters)
         prefault = await take_arena(self.tiers, self.config.prefault, node_id)
@@ -236,9 +237,9 @@ class PoolNode:
             tls=self.tls is not None,
             channel=self.channel.kind if self.channel is not None else "",
         )
-        if nvme is not None:
+        if nvme_root is not None:
             await self.ctx.pins.load()  # before recovery adopts files: a pinned chunk enters pinned
-            NvmeRecovery(self.ctx, self.stats, nvme.root, written_before=self.started_at).start()
+            NvmeRecovery(self.ctx, self.stats, nvme_root, written_before=self.started_at).start()
         await self.publisher.join(advert)
 
     def _tls_context(self) -> ssl.SSLContext | None:
@@ -279,7 +280,7 @@ class PoolNode:
             async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
                 if withdraw:
                     await self._store.registry.deregister(self.node_id, self.epoch)  # leaves a new holder's entries
-                    await self._store.index.remove(self.node_id, self.epoch, self.tiers.held.all())
+                    await self._store.index.remove(self.node_id, self.epoch, self.tiers.keys())
         except (KVPoolError, TimeoutError) as exc:
             logger.warning("node %s: could not withdraw its index entries cleanly: %s", self.node_id, exc)
         if self.metrics is not None:

@@ -129,8 +129,7 @@ class Prefault:
 async def take_arena(tiers: TierManager, prefault: bool, node_id: str) -> Prefault:
     """Step 5: make the DRAM arena (``TierManager.take_memory``) and, with ``--prefault``, take its pages now, on
     a worker thread: the node registers (and clients find it) only once its first puts find their pages ready."""
-    tiers.take_memory()
-    arena = tiers.arena
+    arena = tiers.take_memory()
     if not prefault or arena is None:
         return Prefault()
     logger.info(

@@ -50,8 +50,8 @@ class NodeStats:
 
     def report(self) -> NodeReport:
         """STAT's answer (and what /metrics exports)."""
-        tiers, identity = self.ctx.tiers, self.ctx.identity
-        counters = self.counters + tiers.counters + tiers.leases.counters
+        store, identity = self.ctx.tiers.upkeep.report(), self.ctx.identity
+        counters = self.counters + store.counters
         for other in self._others:
             counters.update(other)
         pinned_chunks, pinned_bytes = self.ctx.pins.totals()
@@ -60,17 +60,17 @@ class NodeStats:
             epoch=identity.epoch,
             uptime_s=round(time.monotonic() - self._started_monotonic, 3),
             counters={str(name): value for name, value in counters.items() if value > 0},
-            objects=len(tiers),
-            leases=len(tiers.leases),
-            arena=tiers.arena.report() if tiers.arena is not None else None,
-            tiers=tiers.tier_reports(),
+            objects=store.objects,
+            leases=store.leases,
+            arena=store.arena,
+            tiers=store.tiers,
             recovery=self.recovery,
             latency=self.latency.to_json(),
             recent=self._recent(),
             republish=self.republish,
             pinned_chunks=pinned_chunks,
             pinned_bytes=pinned_bytes,
-            tenants=tiers.quotas.reports(),
+            tenants=store.tenants,
         )
 
     def _snapshot(self) -> tuple[float, int, int, int]:

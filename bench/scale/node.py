@@ -22,7 +22,7 @@ them into its report) and are printed beside the issue's targets:
   1,000 held keys sent straight to it (no Redis in the way): p50 at N beside 1.2 times
   the p50 at 10^4.
 * :func:`measure_nvme_records`: what an NVMe file costs the node's memory: N records
-  handed to ``TierManager.load_nvme`` in batches of 10,000 as recovery does (records made
+  handed to ``StoreUpkeep.load_nvme`` in batches of 10,000 as recovery does (records made
   in this process, no file written: the structures are what is measured), RSS growth per
   record less the key's length, and the time per record.
 * :func:`measure_eviction`: the tier manager in this process (no socket: only the node's
@@ -77,7 +77,7 @@ from backend.node.memory.arena import room_of
 from backend.node.store.dram import StoredChunk
 from backend.node.store.eviction import ORDERS
 from backend.node.store.nvme_format import NvmeFile
-from backend.node.store.tiers import TierConfig, TierManager
+from backend.node.store.tiers import NVME, TierConfig, TierManager
 from backend.protocol import ItemMeta, Op, checksum, encode_get_request, encode_keys
 from backend.tenants import check_tenant, scoped
 from kvpool import Chunk, PoolClient, PoolConfig
@@ -367,7 +367,7 @@ async def _filled(held: int, eviction: str) -> tuple[TierManager, list[str]]:
         meta = ItemMeta(key, VALUE_BYTES, checksum(buffer), "uint8", (VALUE_BYTES,), 1)
         tiers.insert(StoredChunk(meta, buffer), put_id=1 if i < landing else 0)  # put 1 never commits
     for start in range(landing, landing + leased, 100):  # leases of 100 keys, as a prefetch takes them
-        tiers.leases.grant(keys[start : min(start + 100, landing + leased)], [], 600_000)
+        tiers.leasing.lock(keys[start : min(start + 100, landing + leased)], 600_000)
     return tiers, keys
 
 
@@ -449,7 +449,7 @@ def _rss_bytes() -> int:
 
 
 def measure_nvme_records(chunks: int = DEFAULT_CHUNKS, batch: int = 10_000) -> dict[str, Any]:
-    """What an NVMe file costs the node: ``chunks`` records handed to ``TierManager.load_nvme`` in batches, as
+    """What an NVMe file costs the node: ``chunks`` records handed to ``StoreUpkeep.load_nvme`` in batches, as
     recovery does (records made there, no file written: only the node's structures are measured), in a fresh
     Python process (one whose heap held other things would grow less); its RSS growth per record less the
     key's length, and the time per record."""
@@ -474,7 +474,7 @@ def nvme_records_here(chunks: int, batch: int) -> dict[str, Any]:
                 for i in range(start, min(start + batch, chunks))
             ]
             started = time.perf_counter()
-            tiers.load_nvme(records)
+            tiers.upkeep.load_nvme(records)
             spent += time.perf_counter() - started
             if not start:
                 gc.collect()
@@ -482,7 +482,7 @@ def nvme_records_here(chunks: int, batch: int) -> dict[str, Any]:
         del records
         gc.collect()
         grown = _rss_bytes() - before
-        assert tiers.nvme is not None and tiers.nvme.files == chunks
+        assert tiers.tier_reports()[NVME].objects == chunks
         asyncio.run(tiers.close())
     return {
         "records": chunks,

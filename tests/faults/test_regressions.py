@@ -171,9 +171,9 @@ async def test_a_put_that_stalls_mid_frame_is_dropped_and_its_space_released(red
         writer.write(encode_header(Op.PUT_BATCH, 1, meta, 1 << 20) + meta + bytes(1000))
         await writer.drain()
         await asyncio.sleep(0.1)
-        assert node.tiers.dram.used_bytes == 1 << 20  # reserved while the frame is in flight
+        assert node.tiers.dram_used_bytes == 1 << 20  # reserved while the frame is in flight
         assert await asyncio.wait_for(reader.read(), 3) is not None  # the node closes it
-        assert node.tiers.dram.used_bytes == 0
+        assert node.tiers.dram_used_bytes == 0
         assert node.counters["stalled_connections"] == 1
         writer.close()
     finally:

@@ -87,7 +87,7 @@ class IndexPublisher:
         self._published_view: tuple[Any, ...] = ()  # what clients keep of this node, as last published
         self._beat_ok_at = time.monotonic()  # the last heartbeat Redis took
         self.republisher = Republisher(ctx, stats)
-        self.quota_sync = QuotaSync(ctx.index, ctx.tiers.quotas, s_to_ms(ctx.config.heartbeat_ttl_s))
+        self.quota_sync = QuotaSync(ctx.index, ctx.tiers.upkeep, s_to_ms(ctx.config.heartbeat_ttl_s))
 
     async def join(self, advert: Advert) -> None:
         """First publication, under the id and epoch the node claimed (``claim.py``): beat once. What the
@@ -102,7 +102,7 @@ class IndexPublisher:
         interval = ctx.config.heartbeat_interval_s
         while not ctx.stopping:
             await asyncio.sleep(interval)
-            ctx.tiers.leases.expire()
+            ctx.tiers.upkeep.expire_leases()
             self.stats.tick()
             lapsed = time.monotonic() - self._beat_ok_at > ctx.config.heartbeat_ttl_s
             if not self.redis_ok:
@@ -285,7 +285,7 @@ class IndexPublisher:
     async def flush_index(self) -> None:
         """Publish what the tiers did since the last flush: evictions, drops and tier moves."""
         ctx, tiers = self.ctx, self.ctx.tiers
-        removed, moved = tiers.changes.take()
+        removed, moved = tiers.upkeep.take_changes()
         gone = [key for key in removed if not tiers.contains(key)]
         moves = []
         for key in moved:
@@ -299,5 +299,5 @@ class IndexPublisher:
             await ctx.index.move(moves)
         except BaseException:  # MetadataError, or cancelled (a put's commit could wait no longer)
             # Keep them for the next flush; an index entry that outlives its bytes reads as a miss.
-            tiers.changes.put_back(set(gone), {key: loc.tier for key, loc in moves})
+            tiers.upkeep.keep_changes(set(gone), {key: loc.tier for key, loc in moves})
             raise

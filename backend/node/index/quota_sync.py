@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from backend.metadata import Quotas
-from backend.node.store.quotas import TenantQuotas, pool_share
+from backend.node.store.quotas import PoolShare, pool_share
 
-__all__ = ["QuotaSource", "QuotaSync"]
+__all__ = ["QuotaHolder", "QuotaSource", "QuotaSync"]
 
 
 class QuotaSource(Protocol):
@@ -31,10 +31,18 @@ class QuotaSource(Protocol):
     async def exchange_tenant_bytes(self, node_id: str, held: Mapping[str, int], ttl_ms: int) -> dict[str, int]: ...
 
 
-class QuotaSync:
-    """Brings the pool's quotas to this node's :class:`TenantQuotas`, one heartbeat at a time."""
+class QuotaHolder(Protocol):
+    """What the sync asks of the store (``StoreUpkeep``): a tenant's bytes here, and the limits to keep."""
 
-    def __init__(self, source: QuotaSource, quotas: TenantQuotas, ttl_ms: int) -> None:
+    def tenant_bytes(self, tenant: str) -> int: ...
+
+    def set_quota_limits(self, node: Mapping[str, int], pool: Mapping[str, PoolShare] | None = None) -> None: ...
+
+
+class QuotaSync:
+    """Brings the pool's quotas to this node's store (its ``TenantQuotas``), one heartbeat at a time."""
+
+    def __init__(self, source: QuotaSource, quotas: QuotaHolder, ttl_ms: int) -> None:
         self._source = source
         self._quotas = quotas
         self._ttl_ms = ttl_ms  # a report lives as long as the heartbeat that wrote it
@@ -44,7 +52,7 @@ class QuotaSync:
         """Read the quotas; report and learn the tenants' bytes where a pool quota needs them. MetadataError
         if Redis did not answer (the last limits stay)."""
         quotas = await self._source.quotas()
-        held = {tenant: self._quotas.held(tenant) for tenant in quotas.pool}
+        held = {tenant: self._quotas.tenant_bytes(tenant) for tenant in quotas.pool}
         others: dict[str, int] = {}
         if held or self._reported:
             others = await self._source.exchange_tenant_bytes(node_id, held, self._ttl_ms)
@@ -52,4 +60,4 @@ class QuotaSync:
         shares = {
             tenant: pool_share(quota, held[tenant], others.get(tenant, 0)) for tenant, quota in quotas.pool.items()
         }
-        self._quotas.set_limits(quotas.node, shares)
+        self._quotas.set_quota_limits(quotas.node, shares)

@@ -17,7 +17,7 @@ puts, and what this run does is newer than any file found:
 * a file whose mtime is not older than the node's start was written by this run: the
   scan leaves it (and a ``.tmp`` file of this run) alone, the tier knows it already;
 * a key this run stored or deleted since recovery began is not adopted from an older
-  file (``TierManager.load_nvme``); that older file is removed, unless this run wrote
+  file (``StoreUpkeep.load_nvme``); that older file is removed, unless this run wrote
   the key's file since;
 * a shard's index entries are checked once written, so a key deleted, stored anew or
   moved meanwhile is not left behind wrongly (``republish.publish_held``).
@@ -156,7 +156,7 @@ class NvmeRecovery:
 
     def start(self) -> None:
         """Begin: from now on the tiers remember the keys this run stores or deletes (they win over files)."""
-        self.ctx.tiers.recovering = set()
+        self.ctx.tiers.upkeep.begin_recovery()
         self.stats.recovery = self._report
         self.task = self.ctx.spawn(self.run())
 
@@ -180,7 +180,7 @@ class NvmeRecovery:
             )
             return
         finally:
-            self.ctx.tiers.recovering = None
+            self.ctx.tiers.upkeep.end_recovery()
         self._update(dataclasses.replace(self._report, progress=1.0, done=True))
         report = self._report
         logger.info(
@@ -200,7 +200,7 @@ class NvmeRecovery:
     async def _adopt(self, found: ShardScan, progress: float) -> None:
         """Hand one shard's files to the tiers, publish them, and remove those this run made obsolete."""
         records = found.records
-        adopted = self.ctx.tiers.load_nvme(records)
+        adopted = self.ctx.tiers.upkeep.load_nvme(records)
         if len(adopted) < len(records):
             kept = {id(record) for record in adopted}
             older = [r.path for r in records if id(r) not in kept]
@@ -259,8 +259,7 @@ class NvmeRecovery:
             )
 
     def _nvme_warn_if_larger_than_disk(self) -> None:
-        if self.ctx.tiers.nvme is not None:
-            self.ctx.tiers.nvme.warn_if_larger_than_disk()
+        self.ctx.tiers.upkeep.warn_if_nvme_larger_than_disk()
 
 
 def _remove_older(paths: list[str], written_before: float) -> None:

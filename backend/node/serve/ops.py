@@ -5,7 +5,9 @@ request (``peer.py``: header, meta section) and the :class:`~backend.node.serve.
 it came on, runs in stream order, and hands its answer to ``peer.answer``. Most ops
 carry no data: their whole work is the answer (``_beside``). PUT_BATCH receives its
 bytes in its handler, since they must leave the socket in order; verification,
-commit and reply overlap with the next request (``puts.py``). HELLO and AUTH are not
+commit and reply overlap with the next request (``puts.py``). The read ops (GET, EXISTS,
+CHANNEL_GET, LEASE, RELEASE, TOUCH) are ``read_ops.py``'s. Each handler decodes its request,
+makes one call of the store (``TierManager``), and encodes the answer. HELLO and AUTH are not
 here: the session answers them itself (they decide whether the connection may ask
 anything else).
 """
@@ -13,9 +15,7 @@ anything else).
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
 
 from backend.counters import NodeCounter
 from backend.errors import AuthError, CapacityError, KVPoolError, ProtocolError
@@ -23,50 +23,33 @@ from backend.node.context import NodeContext
 from backend.node.index.publisher import ANSWER_FLUSH_S, IndexPublisher
 from backend.node.serve.peer import Answer, Peer, Reply, Request
 from backend.node.serve.puts import PutReceiver
-from backend.node.serve.tenancy import check_keys, refuse_mapped_read, refused_op
+from backend.node.serve.read_ops import ChannelServing, ReadOps
+from backend.node.serve.tenancy import check_keys, refused_op
 from backend.node.stats import NodeStats
-from backend.node.store.bookkeeping import NO_SLOT
-from backend.node.store.dram import StoredChunk
-from backend.node.store.leases import MAX_LEASE_TTL_MS
 from backend.protocol import (
-    ANY_FINGERPRINT,
-    LEASE_MAP,
     MAX_EVENTS_TOKEN_BYTES,
-    NO_FINGERPRINT,
-    NO_OFFSET,
     EventsEntry,
     EventsPage,
     InventoryPage,
     InventoryRow,
-    ItemMeta,
     Op,
-    OtherLayout,
     Verified,
-    decode_channel_request,
     decode_events_request,
-    decode_get_request,
     decode_inventory_request,
     decode_keys,
-    decode_lease_request,
     decode_pin_request,
     decode_pins_request,
     decode_put_batch,
-    decode_release,
-    decode_touch,
     decode_unpin_request,
-    encode_channel_response,
     encode_events_response,
     encode_flags,
-    encode_get_response,
     encode_inventory_response,
     encode_json,
-    encode_lease_response,
     encode_node_report,
     encode_pin_response,
     encode_pins_response,
     encode_unpin_response,
 )
-from backend.transport import Buffer
 
 __all__ = ["OpTable"]
 
@@ -74,23 +57,6 @@ Handler = Callable[[Request, Peer], Awaitable[None]]  # runs in stream order; an
 Answering = Callable[[bytearray, Peer], Awaitable[Reply]]  # an op with no data: its answer from its meta
 
 CARRY_DATA = frozenset({Op.PUT_BATCH})  # the ops whose frames have a data section
-
-
-class ChannelServing(Protocol):
-    """What the ops and the node ask of the channel server (nccl_channel.node.ChannelServer)."""
-
-    counters: Counter[NodeCounter]
-
-    @property
-    def kind(self) -> str: ...
-
-    async def start_join(self, session: str, digest: str) -> None: ...
-
-    async def join(self, session: str) -> None: ...
-
-    async def send(self, session: str, buffers: Sequence[Buffer]) -> None: ...
-
-    async def close(self) -> None: ...
 
 
 class OpTable:
@@ -101,20 +67,21 @@ class OpTable:
         self.stats = stats
         self.publisher = publisher
         self.puts = puts
-        self.channel: ChannelServing | None = None  # once the node serves one (use_channel)
+        self.reads = ReadOps(ctx)  # read_ops.py
+        reads = self.reads
         answering: dict[int, Answering] = {
-            Op.GET_BATCH: self.get_batch,
-            Op.EXISTS_BATCH: self.exists_batch,
+            Op.GET_BATCH: reads.get_batch,
+            Op.EXISTS_BATCH: reads.exists_batch,
             Op.DELETE_BATCH: self.delete_batch,
             Op.INVENTORY: self.inventory,
             Op.VERIFY_BATCH: self.verify_batch,
-            Op.LEASE: self.lease,
-            Op.RELEASE: self.release,
+            Op.LEASE: reads.lease,
+            Op.RELEASE: reads.release,
             Op.PUT_STAGED: self.put_staged,
-            Op.CHANNEL_GET: self.channel_get,
+            Op.CHANNEL_GET: reads.channel_get,
             Op.STAT: self.stat,
             Op.PING: self.ping,
-            Op.TOUCH: self.touch,
+            Op.TOUCH: reads.touch,
             Op.PIN: self.pin,
             Op.UNPIN: self.unpin,
             Op.PINS: self.pins,
@@ -125,7 +92,7 @@ class OpTable:
 
     def use_channel(self, channel: ChannelServing) -> None:
         """Answer CHANNEL_GET with ``channel`` (``nccl_channel.channel.ChannelServer``)."""
-        self.channel = channel
+        self.reads.channel = channel
 
     @staticmethod
     def carries_data(op: int) -> bool:
@@ -166,90 +133,13 @@ class OpTable:
             received = await puts.receive(peer, items, options)
         await peer.answer(request, lambda: puts.commit(received, options))
 
-    def _other_layout(self, key: str, stored: int | None, fingerprint: int | None) -> OtherLayout | None:
-        """OtherLayout (counted) if this node holds ``key`` stored with another layout fingerprint (``stored``;
-        None: not held) than the reader's (``fingerprint``; None: an older client's read, which names none),
-        else None."""
-        if stored is None or fingerprint == ANY_FINGERPRINT:
-            return None
-        if stored == (NO_FINGERPRINT if fingerprint is None else fingerprint):
-            return None
-        self.ctx.counters[NodeCounter.LAYOUT_MISSES] += 1
-        return OtherLayout(key)
-
-    async def _read(self, key: str, fingerprint: int | None) -> StoredChunk | OtherLayout | None:
-        """``key``'s chunk for a reader of ``fingerprint`` (an NVMe hit is promoted), OtherLayout when it is stored
-        with another one (looked at before the fetch, so such a chunk is not promoted, and after), or None."""
-        tiers = self.ctx.tiers
-        if fingerprint != ANY_FINGERPRINT:  # the stored fingerprint from its table row, no ItemMeta built
-            slot = tiers.table.slot(key)
-            other = self._other_layout(key, None if slot == NO_SLOT else tiers.table.fingerprint(slot), fingerprint)
-            if other is not None:
-                return other
-        chunk = await tiers.get(key)
-        if chunk is None:
-            return None
-        return self._other_layout(key, chunk.meta.fingerprint, fingerprint) or chunk
-
-    async def _fetch(
-        self, keys: list[str], fingerprint: int | None, *, channel: bool
-    ) -> tuple[list[ItemMeta | OtherLayout | None], list[Buffer]]:
-        """Each key's chunk (an NVMe hit is promoted), within one reply's data limit; keys past it are misses.
-
-        A reply never exceeds what a client accepts (``limits.max_data_bytes``); the
-        client reads the keys answered as misses again (over TCP, or in its next GET).
-        A chunk stored with another layout fingerprint than the reader's is OtherLayout, and
-        its bytes are never read (docs/protocol.md, "Layout fingerprints"). Counted as the
-        channel's gets, hits and misses with ``channel``.
-        """
-        tiers, counters = self.ctx.tiers, self.ctx.counters
-        found: list[ItemMeta | OtherLayout | None] = []
-        data: list[Buffer] = []
-        budget = self.ctx.config.limits.max_data_bytes
-        for key in keys:
-            counters[NodeCounter.CHANNEL_GETS if channel else NodeCounter.GETS] += 1
-            chunk = await self._read(key, fingerprint)
-            if isinstance(chunk, OtherLayout):
-                tiers.quotas.count_read(key, hit=False)
-                counters[NodeCounter.CHANNEL_MISSES if channel else NodeCounter.MISSES] += 1
-                found.append(chunk)
-                continue
-            if chunk is not None and chunk.meta.nbytes > budget:
-                counters[NodeCounter.GET_OVER_FRAME_LIMIT] += 1
-                chunk = None
-            tiers.quotas.count_read(key, hit=chunk is not None)
-            if chunk is None:
-                counters[NodeCounter.CHANNEL_MISSES if channel else NodeCounter.MISSES] += 1
-                found.append(None)
-            else:
-                counters[NodeCounter.CHANNEL_HITS if channel else NodeCounter.HITS] += 1
-                found.append(chunk.meta)
-                data.append(chunk.buffer)
-                budget -= chunk.meta.nbytes
-        tiers.held.touch_chain(keys)  # read as one chain, in prefix order (the eviction order links and touches it)
-        return found, data
-
-    async def get_batch(self, meta: bytearray, peer: Peer) -> Reply:
-        limits = self.ctx.config.limits
-        keys, fingerprint = decode_get_request(meta, limits)
-        self._scope(peer, keys)
-        found, data = await self._fetch(keys, fingerprint, channel=False)
-        self.ctx.counters[NodeCounter.GET_BYTES] += sum(item.nbytes for item in found if isinstance(item, ItemMeta))
-        return encode_get_response(found, limits, fingerprints=fingerprint is not None), data
-
-    async def exists_batch(self, meta: bytearray, peer: Peer) -> Reply:
-        tiers, keys = self.ctx.tiers, decode_keys(meta, self.ctx.config.limits)
-        self._scope(peer, keys)
-        return encode_flags([int(tiers.contains(key)) for key in keys]), []
-
     async def delete_batch(self, meta: bytearray, peer: Peer) -> Reply:
         ctx = self.ctx
         keys = decode_keys(meta, ctx.config.limits)
         self._scope(peer, keys)
-        deleted = [key for key in keys if await ctx.tiers.delete(key)]
+        deleted = await ctx.tiers.delete_keys(keys)
         # Their index entries go with the next flush, now if Redis answers in time: the client's answer never
         # waits out a paused Redis (an entry that outlives its bytes reads as a miss meanwhile).
-        ctx.tiers.changes.put_back(set(deleted), {})
         await self.publisher.flush_index_within(ANSWER_FLUSH_S)
         ctx.counters[NodeCounter.DELETES] += len(deleted)
         gone = set(deleted)
@@ -269,59 +159,6 @@ class OpTable:
         if any(flags):  # a dropped corrupt copy leaves the index now (if Redis answers in time), not at the beat
             await self.publisher.flush_index_within(ANSWER_FLUSH_S)
         return encode_flags(flags), []
-
-    async def lease(self, meta: bytearray, peer: Peer) -> Reply:
-        """Pin the keys this node holds for the peer (its connection); with LEASE_MAP, also answer their arena offsets.
-
-        A mapped read is a GET whose bytes the client copies itself: the chunk is
-        fetched (an NVMe hit is promoted into the arena) and the lease holds the
-        chunk object, so its region outlives a concurrent delete or eviction.
-        Without LEASE_MAP this is a lock only: nothing moves, so it never waits.
-        """
-        ctx, tiers, counters = self.ctx, self.ctx.tiers, self.ctx.counters
-        ttl_ms, lease_flags, keys, fingerprint = decode_lease_request(meta, ctx.config.limits)
-        if ttl_ms > MAX_LEASE_TTL_MS:
-            raise ProtocolError(f"lease ttl_ms {ttl_ms} exceeds {MAX_LEASE_TTL_MS}")
-        want_map = bool(lease_flags & LEASE_MAP)
-        self._scope(peer, keys)
-        if want_map:
-            refuse_mapped_read(peer.tenant, counters)
-        found: list[tuple[ItemMeta, int] | OtherLayout | None] = []
-        held: list[str] = []
-        chunks: list[StoredChunk] = []
-        arena = tiers.shm_arena  # a private arena's offsets mean nothing to a client
-        for key in keys:
-            if want_map:  # a read: only of a chunk of the reader's layout (a lock pins whatever is held)
-                counters[NodeCounter.GETS] += 1
-                chunk = await self._read(key, fingerprint)
-                tiers.quotas.count_read(key, hit=chunk is not None and not isinstance(chunk, OtherLayout))
-                if chunk is None or isinstance(chunk, OtherLayout):
-                    counters[NodeCounter.MISSES] += 1
-                    found.append(chunk)
-                    continue
-                offset = arena.offset_of(chunk.buffer) if arena is not None else None
-                counters[NodeCounter.HITS] += 1
-                if offset is not None:
-                    counters[NodeCounter.SHM_GET_BYTES] += chunk.meta.nbytes
-                found.append((chunk.meta, NO_OFFSET if offset is None else offset))
-                chunks.append(chunk)
-            else:
-                item = tiers.meta_of(key)
-                found.append(None if item is None else (item, NO_OFFSET))
-                if item is None:
-                    continue
-            held.append(key)
-        tiers.held.touch_chain(held)  # a lease is taken to read: the chain was used
-        lease_id = tiers.leases.grant(held, chunks, ttl_ms, owner=peer) if held else 0
-        if lease_id and peer.closed:
-            tiers.leases.release_owner(peer)  # it closed while we fetched: its teardown has already run
-        return encode_lease_response(lease_id, found, ctx.config.limits, fingerprints=fingerprint is not None), []
-
-    async def release(self, meta: bytearray, peer: Peer) -> Reply:
-        lease_id, keys = decode_release(meta, self.ctx.config.limits)
-        if peer.tenant is not None and self.ctx.tiers.leases.owner_of(lease_id) is not peer:
-            return encode_json({"released": 0}), []  # a tenant ends only its own leases (ids are guessable)
-        return encode_json({"released": self.ctx.tiers.leases.release(lease_id, keys)}), []
 
     async def pin(self, meta: bytearray, peer: Peer) -> Reply:
         """PIN: hold keys past any connection (``pins.py``); all or nothing, answered once saved."""
@@ -354,39 +191,6 @@ class OpTable:
         puts = self.puts
         received, options = await puts.receive_staged(meta, peer)
         return await puts.commit(received, options)
-
-    async def channel_get(self, meta: bytearray, peer: Peer) -> Reply:
-        """CHANNEL_GET: join the pair if new, answer which keys are held, send their bytes over the pair."""
-        ctx, channel = self.ctx, self.channel
-        if channel is None:
-            raise ProtocolError(f"node {ctx.node_id} serves no channel (start it with --channel)")
-        request = decode_channel_request(meta, ctx.config.limits)
-        pair, keys = request.pair_id, request.keys
-        if not keys:
-            # Pairing: answered once the offer is taken; the join runs on with its own deadline,
-            # so a slow NCCL init never holds this request (and the client's connection) open.
-            await channel.start_join(pair, request.offer)
-            return encode_channel_response([], ctx.config.limits), []
-        await channel.join(pair)  # NcclError: answered as an error; the client falls back to TCP
-        # Keys past the limit, and of another layout, are answered null: the client reads them over TCP.
-        found, buffers = await self._fetch(keys, request.fingerprint, channel=True)
-        if buffers:
-            # The client receives after reading the answer; the pair's lock keeps batches in order.
-            ctx.spawn(channel.send(pair, buffers))
-        rows = [item if isinstance(item, ItemMeta) else None for item in found]
-        return encode_channel_response(rows, ctx.config.limits, fingerprints=request.fingerprint is not None), []
-
-    async def touch(self, meta: bytearray, peer: Peer) -> Reply:
-        """TOUCH: chains a client's lookups found, each touched as one batch (the eviction order's
-        ``touch_chain``); keys not held are skipped."""
-        ctx = self.ctx
-        chains = decode_touch(meta, ctx.config.limits)
-        for chain in chains:
-            self._scope(peer, chain)
-        for chain in chains:
-            ctx.tiers.held.touch_chain(chain)
-            ctx.counters[NodeCounter.TOUCHED_KEYS] += len(chain)
-        return encode_flags([]), []
 
     async def stat(self, meta: bytearray, peer: Peer) -> Reply:
         return encode_node_report(self.stats.report()), []

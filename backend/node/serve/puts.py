@@ -34,8 +34,7 @@ from backend.node.context import NodeContext
 from backend.node.index.publisher import IndexPublisher
 from backend.node.memory.buffers import ChunkBuffer
 from backend.node.serve.peer import Peer
-from backend.node.store.dram import StoredChunk
-from backend.node.store.intake import STAGED_WINDOW_BYTES, AheadBounds, ChunkSource, Intake, Received, RoomAhead
+from backend.node.store.intake import STAGED_WINDOW_BYTES, AheadBounds, ChunkSource, Received, RoomAhead
 from backend.node.store.tiers import DRAM
 from backend.protocol import (
     PUT_BUSY,
@@ -75,14 +74,14 @@ class PutReceiver:
     def __init__(self, ctx: NodeContext, publisher: IndexPublisher) -> None:
         self.ctx = ctx
         self.publisher = publisher
-        self.ahead = RoomAhead(AheadBounds.for_dram(ctx.tiers.dram.capacity_bytes), on_freed=ctx.tiers.wake_waiters)
+        self.ahead = RoomAhead(AheadBounds.for_dram(ctx.tiers.dram_capacity_bytes), on_freed=ctx.tiers.wake_waiters)
         self._own_ids = itertools.count(1)  # for requests that name no put: negative, unlike a client's
 
     def refuse_oversized(self, items: Sequence[ItemMeta]) -> None:
         """CapacityError, naming the sizes, for a request this node can never hold: a chunk larger
         than its DRAM tier, or chunks larger in all than every tier together. Nothing is reserved."""
         tiers = self.ctx.tiers
-        dram_bytes = tiers.dram.capacity_bytes
+        dram_bytes = tiers.dram_capacity_bytes
         for item in items:
             if item.nbytes > dram_bytes:
                 raise CapacityError(
@@ -137,23 +136,8 @@ class PutReceiver:
         # A frame's bytes get frame_timeout_s (OpTable.put_batch): the wait leaves half of it for them.
         wait_s = min(ms_to_s(options.wait_ms), self.ctx.config.frame_timeout_s / 2)
         until = asyncio.get_running_loop().time() + wait_s
-        intake = Intake(self.ctx.tiers, self.ahead, source, put_id=put_id, until=until)
-        try:
-            with self.ctx.tiers.quotas.guard(put_id, items):  # no quota evicts the put's own chunks for it
-                for item in items:
-                    await intake.take(item)
-                await intake.flush()
-        except BaseException:
-            # The frame never completed (peer gone, stalled): nothing of it stays.
-            intake.abandon()
-            await self._discard_uncommitted(intake.inserted())
-            raise
-        return intake.received
-
-    async def _discard_uncommitted(self, chunks: list[StoredChunk]) -> None:
-        self.ctx.tiers.settle(chunks)
-        for chunk in chunks:
-            await self.ctx.tiers.discard(chunk)
+        # A frame that never completes (peer gone, stalled) leaves nothing behind.
+        return await self.ctx.tiers.take(items, self.ahead, source, put_id=put_id, until=until)
 
     async def _flush_evictions(self, timeout_s: float) -> None:
         # Within the commit's wait too: an answer late for the flush's sake marks the node down.
@@ -189,12 +173,11 @@ class PutReceiver:
                     raise outcome
         except MetadataError as exc:
             # Not visible, so not kept: a put is acknowledged only once readers can find it.
-            await self._discard_uncommitted([c for _, _, c in received if c is not None])
+            await tiers.drop_uncommitted([c for _, _, c in received if c is not None])
             self.publisher.refused(exc)  # a full Redis is logged by the first put it refuses
             raise
         finally:
             tiers.settle([c for _, _, c in received if c is not None])  # committed or dropped: they may move now
-        tiers.held.touch_chain([item.key for _, item, _ in received], read=False)  # the batch's chain, in prefix order
         if visible:
             if ctx.events is not None:
                 records = options.tokens  # the chunks' token records, from a client that sent them
@@ -202,7 +185,8 @@ class PutReceiver:
                 ctx.events.stored(keys, [records.get(key) for key in keys] if records else None)  # committed
             self.publisher.took_writes()  # a commit that needed memory landed: Redis is not full (any more)
         counters[NodeCounter.PUTS] += len(visible)
-        tiers.quotas.count_puts(key for key, _ in visible)
+        # The batch's chain, in prefix order, was used; what it stored counts for its tenants.
+        tiers.committed([item.key for _, item, _ in received], [key for key, _ in visible])
         counters[NodeCounter.PUT_BYTES] += sum(loc.nbytes for _, loc in visible)
         return encode_flags(flags), []
 

@@ -171,7 +171,7 @@ class Session:
             admission.admitted(conn)  # (if it never was, it is gone now: no longer pending)
             # Its client is gone (crashed, or gave up on the connection): nobody will release
             # what it leased, and pinned DRAM would refuse puts until the ttl ran out.
-            ctx.tiers.leases.release_owner(self)
+            ctx.tiers.leasing.end_all_of(self)
             self.stages.clear()
 
     async def _receive_request(self, header: Header, deadline: asyncio.Timeout) -> None:

@@ -31,23 +31,24 @@ reservation another waiter may need, else two could wait for each other. A reque
 with a window of reserved chunks receives it before it waits; the later parts of a large
 chunk (holding the earlier parts' room) may wait for their host's room ahead, which only
 puts receiving bytes hold, but not for DRAM; and a request lets its own uncommitted chunks
-move before it waits (``TierManager.settle``).
+move before it waits (``DramRoom.settle``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from backend.errors import BusyError, CapacityError
 from backend.node.memory.buffers import ChunkBuffer
 from backend.node.store.dram import StoredChunk
-from backend.node.store.tiers import TierManager
+from backend.node.store.quotas import TenantQuotas
+from backend.node.store.room import DramRoom
 from backend.protocol import PUT_BUSY, PUT_INTEGRITY, PUT_NO_ROOM, PUT_STORED, ItemMeta, checksum_stream
 
-__all__ = ["AheadBounds", "ChunkSource", "Intake", "Received", "RoomAhead", "STAGED_WINDOW_BYTES"]
+__all__ = ["AheadBounds", "ChunkSource", "Intake", "Received", "RoomAhead", "STAGED_WINDOW_BYTES", "take_request"]
 
 MiB = 1024 * 1024
 CONNECTION_SHARE = 8  # a connection holds at most 1/8 of DRAM ahead of its bytes ...
@@ -120,11 +121,39 @@ class ChunkSource(Protocol):
         """Read past the next ``nbytes`` (a chunk refused)."""
 
 
-class Intake:
-    """One request's chunks on their way into DRAM (``PutReceiver.take_chunks``): reserved, received, verified."""
+async def take_request(
+    room: DramRoom,
+    quotas: TenantQuotas,
+    items: Sequence[ItemMeta],
+    ahead: RoomAhead,
+    source: ChunkSource,
+    *,
+    put_id: int,
+    until: float,
+) -> Received:
+    """A request's chunks into reserved DRAM, verified (:class:`Intake`): a PUT outcome per item. No tenant's quota
+    evicts the put's own chunks for it; if the request fails, nothing of it stays."""
+    intake = Intake(room, quotas, ahead, source, put_id=put_id, until=until)
+    try:
+        with quotas.guard(put_id, items):
+            for item in items:
+                await intake.take(item)
+            await intake.flush()
+    except BaseException:
+        intake.abandon()
+        await room.drop_uncommitted(intake.inserted())
+        raise
+    return intake.received
 
-    def __init__(self, tiers: TierManager, ahead: RoomAhead, source: ChunkSource, *, put_id: int, until: float) -> None:
-        self.tiers = tiers
+
+class Intake:
+    """One request's chunks on their way into DRAM (``TierManager.take``): reserved, received, verified."""
+
+    def __init__(
+        self, room: DramRoom, quotas: TenantQuotas, ahead: RoomAhead, source: ChunkSource, *, put_id: int, until: float
+    ) -> None:
+        self.dram = room  # room in DRAM, and the buffers the bytes land in
+        self.quotas = quotas
         self.ahead = ahead
         self.source = source
         self.put_id = put_id
@@ -144,12 +173,12 @@ class Intake:
     async def take(self, item: ItemMeta) -> None:
         """Bring ``item`` in (in the current window, or in parts), or read past it with the refusal's flag."""
         source = self.source
-        room = self.tiers.room_of(item.nbytes)
-        cut_off = self._cut_off and not self.tiers.contains(item.key)
-        quota = self.tiers.quotas.quota_of(item.key)
+        room = self.dram.room_of(item.nbytes)
+        cut_off = self._cut_off and not self.dram.contains(item.key)
+        quota = self.quotas.quota_of(item.key)
         if (
             cut_off
-            or not _admitted(self.tiers, item.key, room)  # the eviction order keeps what it holds
+            or not self.dram.admits(item.key, room)  # the eviction order keeps what it holds
             or not await self._within_quota(item, quota)  # the tenant's own chunks could not make room for it
         ):
             self._cut_off = True
@@ -168,9 +197,9 @@ class Intake:
             await source.drop(item.nbytes)
             self.received.append((flag, item, None))
             return
-        self._window.append((item, self.tiers.take_buffer(item.nbytes)))
+        self._window.append((item, self.dram.take_buffer(item.nbytes)))
         if quota is not None:
-            self._window_growth[quota[0]] += self.tiers.quotas.growth(item.key, item.nbytes)
+            self._window_growth[quota[0]] += self.quotas.growth(item.key, item.nbytes)
         self._window_bytes += room
 
     async def _within_quota(self, item: ItemMeta, quota: tuple[str, int] | None) -> bool:
@@ -179,7 +208,7 @@ class Intake:
         only the bytes they add (a chunk this node holds already is counted once)."""
         if quota is None:  # ``quota``: the item's tenant and quota (``TenantQuotas.quota_of``)
             return True
-        return await self.tiers.quotas.make_room(item.key, item.nbytes, self._window_growth[quota[0]], self.put_id)
+        return await self.quotas.make_room(item.key, item.nbytes, self._window_growth[quota[0]], self.put_id)
 
     async def flush(self) -> None:
         """Receive the window's bytes; each verified chunk enters DRAM."""
@@ -192,7 +221,7 @@ class Intake:
             digests = await self.source.fill(window)
         except BaseException:
             for item, _ in window:
-                self.tiers.release(self.tiers.room_of(item.nbytes))
+                self.dram.release(self.dram.room_of(item.nbytes))
             raise
         finally:
             self._give_back(room)
@@ -202,7 +231,7 @@ class Intake:
     def abandon(self) -> None:
         """The request failed before its window's bytes came: give back what the window holds."""
         for item, _ in self._window:
-            self.tiers.release(self.tiers.room_of(item.nbytes))
+            self.dram.release(self.dram.room_of(item.nbytes))
         self._give_back(self._window_bytes)
         self._window, self._window_bytes = [], 0
         self._window_growth.clear()
@@ -210,8 +239,8 @@ class Intake:
     async def _take_in_parts(self, item: ItemMeta, room: int) -> None:
         """A chunk larger than a window: its room is taken a part at a time, as the bytes before it arrive
         (the parts' rooms add up to the chunk's, ``room``)."""
-        tiers, source = self.tiers, self.source
-        buffer = tiers.take_buffer(item.nbytes, shared=False)  # private: its pages come as bytes land
+        dram, source = self.dram, self.source
+        buffer = dram.take_buffer(item.nbytes, shared=False)  # private: its pages come as bytes land
         running = checksum_stream()
         reserved = received = 0
         try:
@@ -220,7 +249,7 @@ class Intake:
                 # Holding the earlier parts' room, a later part may not wait for DRAM.
                 flag = await self._reserve(part, wait_for_dram=not reserved)
                 if flag != PUT_STORED:
-                    tiers.release(reserved)
+                    dram.release(reserved)
                     reserved = 0
                     await source.drop(item.nbytes - received)
                     self.received.append((flag, item, None))
@@ -234,28 +263,26 @@ class Intake:
                     self._give_back(part)
                 received += nbytes
         except BaseException:
-            tiers.release(reserved)
+            dram.release(reserved)
             raise
         self._landed(item, buffer, running.intdigest())
 
     def _landed(self, item: ItemMeta, buffer: ChunkBuffer, digest: int) -> None:
         """``item``'s bytes are in ``buffer`` (its room reserved): verified, it enters DRAM."""
-        tiers = self.tiers
+        dram = self.dram
         if digest != item.checksum:
-            tiers.release(tiers.room_of(item.nbytes))
+            dram.release(dram.room_of(item.nbytes))
             self.received.append((PUT_INTEGRITY, item, None))
-        elif tiers.holds(
-            item.key, item.checksum, item.fingerprint
-        ):  # the same bytes are here already: not stored twice
-            tiers.release(tiers.room_of(item.nbytes))
-            tiers.claim(item.key, self.put_id)
+        elif dram.holds(item.key, item.checksum, item.fingerprint):  # the same bytes are here already: not stored twice
+            dram.release(dram.room_of(item.nbytes))
+            dram.claim(item.key, self.put_id)
             self.received.append((PUT_STORED, item, None))
-        elif not tiers.quotas.fits(item.key, item.nbytes):  # other puts of its tenant filled the quota meanwhile
-            tiers.release(tiers.room_of(item.nbytes))
+        elif not self.quotas.fits(item.key, item.nbytes):  # other puts of its tenant filled the quota meanwhile
+            dram.release(dram.room_of(item.nbytes))
             self.received.append((PUT_NO_ROOM, item, None))
         else:
             chunk = StoredChunk(item, buffer)
-            tiers.insert(chunk, self.put_id)
+            dram.insert(chunk, self.put_id)
             self.received.append((PUT_STORED, item, chunk))
 
     async def _reserve(self, nbytes: int, *, wait_for_dram: bool = True) -> int:
@@ -285,7 +312,7 @@ class Intake:
         while True:
             if self._take_ahead(nbytes):
                 try:
-                    await self.tiers.reserve(nbytes, put_id=self.put_id)
+                    await self.dram.reserve(nbytes, put_id=self.put_id)
                     return
                 except BaseException as exc:
                     self._give_back(nbytes)
@@ -294,10 +321,10 @@ class Intake:
             elif not wait_for_ahead:
                 raise BusyError(f"client host {self.source.host} holds its bound of room ahead of its bytes")
             if let_go:  # what it lets go may be what another waiter needs: try again first
-                self.tiers.settle(self.inserted())
+                self.dram.settle(self.inserted())
                 let_go = False
                 continue
-            if not await self.tiers.wait_for_room(self.until):
+            if not await self.dram.wait_for_room(self.until):
                 raise BusyError("DRAM stayed full of puts in flight until the request's deadline")
 
     def _take_ahead(self, nbytes: int) -> bool:
@@ -306,12 +333,3 @@ class Intake:
     def _give_back(self, nbytes: int) -> None:
         if self.source.host and nbytes:
             self.ahead.give_back(self.source.host, nbytes)
-
-
-def _admitted(tiers: TierManager, key: str, room: int) -> bool:
-    """Whether a put of ``key`` (``room`` bytes) may make its room by eviction: False when DRAM is full, evicts
-    (no NVMe tier below it), and its order refuses the newcomer (``prefix``: the coldest chunk was read as
-    often). A key held already, or one that fits, is never refused here."""
-    if tiers.nvme is not None or tiers.dram.fits(room) or tiers.contains(key):
-        return True
-    return tiers.dram.order.admits(key)
