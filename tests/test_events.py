@@ -19,14 +19,15 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 
 from backend.cli.exits import EXIT_USAGE
 from backend.cli.main import main
-from backend.errors import NodeUnavailable
-from backend.events import EndpointConfig, EventsEndpoint, curve_keys
+from backend.errors import ConfigError, NodeUnavailable
+from backend.events import WIRE_FORMS, EndpointConfig, EventsEndpoint, curve_keys
 from backend.events.keys import block_of
 from backend.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, Wire
 from backend.node.events import EventRing
@@ -228,10 +229,10 @@ async def test_a_subscriber_without_the_token_gets_nothing(node_factory, pool_ur
             ctx.destroy(linger=0)
 
 
-async def test_the_older_array_form_is_a_setting(node_factory, pool_url):
+async def test_the_older_all_array_form_is_a_setting(node_factory, pool_url):
     node_factory(*RING, env={"KVPOOL_TOKEN": TOKEN})
     ctx = zmq.asyncio.Context()
-    async with PoolClient(config(pool_url)) as client, endpoint(pool_url, form="array") as ep:
+    async with PoolClient(config(pool_url)) as client, endpoint(pool_url, form="vllm-0.23") as ep:
         sub = subscriber(ctx, ep, array=True)
         try:
             await joined(sub)
@@ -510,34 +511,55 @@ def _golden_batches() -> dict[str, KVEventBatch]:
                     parent_block_hash=41,
                     token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
                     block_size=4,
-                    lora_id=None,
+                    lora_id=7,
                     medium="GPU",
-                    lora_name=None,
+                    lora_name="adapter-a",
                 )
             ],
         ),
     }
 
 
+RELEASES = [("vllm-0.33", "vllm-0.33.0"), ("vllm-0.25", "vllm-0.25.1"), ("vllm-0.23", "vllm-0.23.0")]
+
+
 @pytest.mark.parametrize("name", ["stored_removed_cleared", "stored_with_tokens"])
-def test_vllm_golden_bytes_decode_and_the_endpoint_encodes_the_same_bytes(name):
-    golden = (GOLDEN / f"{name}.msgpack").read_bytes()
+@pytest.mark.parametrize(("form", "release"), RELEASES)
+def test_each_form_writes_the_bytes_its_vllm_release_wrote_and_reads_them(form, release, name):
+    golden = (GOLDEN / release / f"{name}.msgpack").read_bytes()
     expected = _golden_batches()[name]
-    decoded = vllm_events.MAP_DECODER.decode(golden)
+    decoder = vllm_events.ARRAY_DECODER if form == "vllm-0.23" else vllm_events.MAP_DECODER
+    decoded = decoder.decode(golden)
     assert decoded.ts == expected.ts and decoded.data_parallel_rank == expected.data_parallel_rank
-    assert [type(e).__name__ for e in decoded.events] == [type(e).__name__ for e in expected.events]
+    assert [e.__struct_config__.tag for e in decoded.events] == [type(e).__name__ for e in expected.events]
     for got, want in zip(decoded.events, expected.events):
         for field in want.__struct_fields__:
             value = getattr(got, field)
             assert (list(value) if isinstance(value, list) else value) == getattr(want, field), field
-    assert Wire("map").encode(expected) == golden  # the endpoint's encoder is byte-identical to vLLM's
-    assert Wire("map").decode(golden) == expected
+    assert Wire(form).encode(expected) == golden  # the endpoint's encoder is byte-identical to the release's
+    assert Wire(form).decode(golden) == expected
 
 
-def test_the_array_form_round_trips_through_the_consumer():
+def test_every_form_has_its_releases_golden_bytes_and_is_named_in_the_docs():
+    assert sorted(form for form, _ in RELEASES) == sorted(WIRE_FORMS)
+    docs = {name: (REPO / "docs" / name).read_text() for name in ("fleet.md", "versions.md")}
+    for form, release in RELEASES:
+        assert (GOLDEN / release / "stored_removed_cleared.msgpack").is_file(), release
+        for name, text in docs.items():
+            assert f"`{form}`" in text, (form, name)
+
+
+def test_the_default_form_is_the_newest_releases_and_only_its_newest_releases_fields_are_a_map16():
+    assert EndpointConfig(model=MODEL).form == "vllm-0.33"
+    stored = _golden_batches()["stored_with_tokens"]
+    newest, older = Wire("vllm-0.33").encode(stored), Wire("vllm-0.25").encode(stored)
+    assert newest[0] == older[0] == 0x93  # [ts, events, data_parallel_rank] in every release
+    assert b"\xde\x00\x08\xa4type" in newest and b"\x88\xa4type" in older  # 15 fields: map16; 11: a fixmap
+
+
+def test_the_older_form_is_arrays_all_the_way_down():
     batch = _golden_batches()["stored_removed_cleared"]
-    payload = Wire("array").encode(batch)
-    assert payload[0] == 0x93  # a three-element array, not a map
+    payload = Wire("vllm-0.23").encode(batch)
     decoded = vllm_events.ARRAY_DECODER.decode(payload)
     assert [type(e).__name__ for e in decoded.events] == [
         "ArrayAllBlocksCleared",
@@ -545,7 +567,20 @@ def test_the_array_form_round_trips_through_the_consumer():
         "ArrayBlockStored",
         "ArrayBlockRemoved",
     ]
-    assert Wire("array").decode(payload) == batch
+    assert Wire("vllm-0.23").decode(payload) == batch
+    with pytest.raises(msgspec.ValidationError, match="Expected `object`, got `array`"):
+        vllm_events.MAP_DECODER.decode(payload)  # what a router on vLLM 0.24 or later says to it
+
+
+def test_the_forms_older_names_are_refused_naming_the_release_form_meant(pool_url, monkeypatch):
+    for old, meant in (("map", "vllm-0.33"), ("array", "vllm-0.23"), ("vllm-0.3", "vllm-0.33")):
+        with pytest.raises(ConfigError, match=f"--form: '{old}' is not a form: did you mean {meant}\\?"):
+            EndpointConfig(model=MODEL, form=old)
+    monkeypatch.setenv("KVPOOL_TOKEN", TOKEN)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["events", "--url", pool_url, "--model", MODEL, "--form", "map"])
+    assert code == EXIT_USAGE and "did you mean vllm-0.33?" in err.getvalue(), err.getvalue()
 
 
 def test_the_node_ring_is_bounded_by_keys_and_says_when_a_reader_fell_behind():

@@ -49,9 +49,10 @@ def add_verbs(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     events.add_argument("--medium", default="CPU", help="the medium every event names (default %(default)s)")
     events.add_argument(
         "--form",
-        choices=("map", "array"),
-        default="map",
-        help="events as tagged maps (vLLM now) or arrays (older vLLM)",
+        default="vllm-0.33",
+        metavar="FORM",
+        help="the wire of the routers' vLLM release: vllm-0.33 (vLLM 0.26.0 to 0.34.0; the default), vllm-0.25 "
+        "(0.24.0 to 0.25.1), vllm-0.23 (0.22.0 to 0.23.0, arrays all the way down)",
     )
     events.add_argument(
         "--replay-batches", type=int, default=10_000, metavar="N", help="batches kept for replay (default %(default)s)"

@@ -38,7 +38,6 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import zmq
 import zmq.asyncio
@@ -49,7 +48,7 @@ from backend.config import PoolConfig
 from backend.errors import ConfigError, KVPoolError
 from backend.events.auth import CurveKeys, curve_keys
 from backend.events.view import BlockShape, PoolView, parents_first
-from backend.events.wire import END_SEQ, BlockStored, KVEventBatch, Wire, seq_bytes
+from backend.events.wire import DEFAULT_FORM, BlockStored, KVEventBatch, Wire, seq_bytes, wire_form
 from backend.metadata import NodeInfo
 from backend.protocol import EVENT_STORED, MAX_EVENTS_KEYS, ChunkTokens
 from backend.tenants import check_tenant, scoped, tenant_of
@@ -76,7 +75,7 @@ class EndpointConfig:
     block_size: int = DEFAULT_CHUNK_TOKENS  # tokens per block announced (docs/fleet.md)
     chunk_size: int = 0  # LMCache's chunk_size; 0: the block size (one chunk, one block)
     medium: str = DEFAULT_MEDIUM
-    form: Literal["map", "array"] = "map"
+    form: str = DEFAULT_FORM  # the vLLM releases whose wire is written (wire.py)
     replay_batches: int = DEFAULT_REPLAY_BATCHES
     poll_interval_s: float = 0.2
     data_parallel_rank: int = 0
@@ -104,8 +103,10 @@ class EndpointConfig:
             raise ConfigError("--replay-batches", f"{self.replay_batches} is not a positive number")
         if not 0 < self.poll_interval_s <= 60:
             raise ConfigError("--poll-interval-s", f"{self.poll_interval_s} is outside (0, 60]")
-        if self.form not in ("map", "array"):
-            raise ConfigError("--form", f"{self.form!r} is not map or array")
+        try:
+            wire_form(self.form)
+        except ValueError as exc:
+            raise ConfigError("--form", str(exc)) from None
         if self.replay_next is not None and self.replay is None:
             raise ConfigError("--replay-next", "a replay address for the next token needs --replay too")
 
@@ -361,14 +362,15 @@ class EventsEndpoint:
                     events=self.view.snapshot(),  # type: ignore[arg-type]
                     data_parallel_rank=self.config.data_parallel_rank,
                 )
-                await router.send_multipart(
-                    (client_id, b"", seq_bytes(max(self._last_seq, 0)), self.wire.encode(snapshot))
-                )
+                reply = self.wire.replay_frames(self.topic, max(self._last_seq, 0), self.wire.encode(snapshot))
+                await router.send_multipart((client_id, b"", *reply))
             else:
                 for seq, payload in list(self._kept):
                     if seq >= start:
-                        await router.send_multipart((client_id, b"", seq_bytes(seq), payload))
-            await router.send_multipart((client_id, b"", END_SEQ, b""))
+                        await router.send_multipart(
+                            (client_id, b"", *self.wire.replay_frames(self.topic, seq, payload))
+                        )
+            await router.send_multipart((client_id, b"", *self.wire.replay_end()))
 
     def close(self) -> None:
         self._auth.stop()
