@@ -9,9 +9,11 @@ bytes (tests/data/vllm_events) decode, and the endpoint's encoder gives the same
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import io
+import logging
 import os
 import random
 import subprocess
@@ -191,12 +193,16 @@ async def test_a_reconnecting_subscriber_replays_and_a_late_one_gets_a_snapshot(
             for first_hash in range(100, 160, 6):  # more batches than the endpoint keeps
                 await client.put(chunks(first_hash, 6))
                 await asyncio.sleep(0.1)
+            before = ep.last_seq
             late = subscriber(ctx, ep)
             got = await joined(late, 0)
             assert len(got) == 1, "a late subscriber gets one snapshot batch, not history"
+            assert got[0] > before, "the snapshot has a sequence of its own: no number is reused for another payload"
             assert got[0] == late.mirror.last_seq
             await in_step(late, client)
             assert len(late.mirror.blocks) > 40
+            await in_step(again, client)  # contiguous: the snapshot came on the stream too, under its own number
+            assert got[0] in again.seqs
             again.close()
             late.close()
         finally:
@@ -227,6 +233,74 @@ async def test_a_subscriber_without_the_token_gets_nothing(node_factory, pool_ur
             for s in (good, plain, wrong):
                 s.close()
             ctx.destroy(linger=0)
+
+
+async def test_a_stock_subscriber_reads_a_plain_endpoint_on_loopback_a_put_and_a_delete(node_factory, pool_url, caplog):
+    """vLLM's conventions only (tests/support/vllm_events.py imports no kvpool): a plain SUB on the topic, a DEALER
+    asking for a replay, vLLM 0.33's decoder; through a real node."""
+    node_factory(*RING, env={"KVPOOL_TOKEN": TOKEN})
+    put = chunks(0, 3)
+    hashes = [block_of(c.key).block_hash for c in put]  # type: ignore[union-attr]
+    ctx = zmq.asyncio.Context()
+    with caplog.at_level(logging.WARNING, logger="backend.events.endpoint"):
+        async with PoolClient(config(pool_url)) as client, endpoint(pool_url, plain=True) as ep:
+            assert f"plain mode (--plain): no CURVE on {ep.publish_address} and {ep.replay_address}" in caplog.text
+            sub = vllm_events.Subscriber(ctx, ep.publish_address, ep.replay_address, ep.topic, keys=None)
+            try:
+                replayed = await joined(sub)
+                assert replayed[:1] == [0], "the replay answered from the first batch"
+                await client.put(put)
+
+                async def announced() -> bool:
+                    await sub.drain()
+                    return sub.mirror.blocks == set(hashes)
+
+                await until(announced, timeout_s=15.0)
+                stored = {h: e for e in sub.mirror.stored_events for h in e.block_hashes}
+                for h in hashes:
+                    event = stored[h]
+                    # A put without an LMCache engine in the process has no token ids to announce (docs/fleet.md).
+                    assert (event.token_ids, event.block_size, event.medium) == ([], 256, "CPU")
+
+                await client.delete([put[0].key])
+
+                async def removed() -> bool:
+                    await sub.drain()
+                    return [hashes[0]] in sub.mirror.removed
+
+                await until(removed, timeout_s=15.0)
+                assert sub.mirror.blocks == set(hashes[1:])
+                assert sub.seqs == list(range(sub.seqs[0], sub.seqs[0] + len(sub.seqs)))
+            finally:
+                sub.close()
+                ctx.destroy(linger=0)
+
+
+def test_the_stock_subscriber_imports_nothing_of_kvpool():
+    tree = ast.parse((REPO / "tests" / "support" / "vllm_events.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported == {"__future__", "asyncio", "typing", "msgspec", "zmq", "zmq.asyncio"}
+
+
+def test_plain_mode_is_refused_beyond_loopback_without_its_second_flag(pool_url, monkeypatch):
+    for address in ("tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://10.1.2.3:5557", "tcp://eth0:5557"):
+        with pytest.raises(ConfigError, match=r"--plain: --publish .* is not a loopback address.*--plain-on-network"):
+            EndpointConfig(model=MODEL, publish=address, plain=True)
+        assert EndpointConfig(model=MODEL, publish=address, plain=True, plain_on_network=True).plain
+    for address in ("tcp://127.0.0.1:5557", "tcp://[::1]:5557", "tcp://localhost:5557", "ipc:///tmp/kvpool-ev"):
+        assert EndpointConfig(model=MODEL, publish=address, plain=True).plain
+    with pytest.raises(ConfigError, match="--plain: --replay tcp://"):
+        EndpointConfig(model=MODEL, publish="tcp://127.0.0.1:1", replay="tcp://*:2", plain=True)
+    with pytest.raises(ConfigError, match=r"--plain-on-network: .*--plain is not given"):
+        EndpointConfig(model=MODEL, plain_on_network=True)
+    with pytest.raises(ConfigError, match="--publish-next: a plain endpoint"):
+        EndpointConfig(model=MODEL, publish="tcp://127.0.0.1:1", publish_next="tcp://127.0.0.1:2", plain=True)
+    monkeypatch.setenv("KVPOOL_TOKEN", TOKEN)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["events", "--url", pool_url, "--model", MODEL, "--plain"])  # the default binds every interface
+    assert code == EXIT_USAGE and "--plain: --publish tcp://*:5557 is not a loopback address" in err.getvalue()
 
 
 async def test_the_older_all_array_form_is_a_setting(node_factory, pool_url):
