@@ -209,6 +209,28 @@ async def test_a_reconnecting_subscriber_replays_and_a_late_one_gets_a_snapshot(
             ctx.destroy(linger=0)
 
 
+async def test_only_the_newest_snapshot_is_kept_for_replays(node_factory, pool_url):
+    node_factory(*RING, env={"KVPOOL_TOKEN": TOKEN})
+    ctx = zmq.asyncio.Context()
+    async with PoolClient(config(pool_url)) as client, endpoint(pool_url, replay_batches=3) as ep:
+        subs = [subscriber(ctx, ep) for _ in range(3)]
+        try:
+            for first in range(0, 40, 10):  # four batches at least: the first ones leave what is kept
+                seen = ep.last_seq
+                await client.put(chunks(first, 2))
+                await until(lambda: ep.last_seq > seen, timeout_s=15.0)  # noqa: B023
+            older = await subs[0].replay(0)
+            newer = await subs[1].replay(0)
+            assert len(older) == len(newer) == 1 and newer[0] > older[0], (older, newer)
+            # The older snapshot is no longer kept: a replay from its number gets the newer one, which supersedes it.
+            assert await subs[2].replay(older[0]) == [newer[0]]
+            assert subs[2].mirror.blocks == await pool_blocks(client)
+        finally:
+            for sub in subs:
+                sub.close()
+            ctx.destroy(linger=0)
+
+
 async def test_a_subscriber_without_the_token_gets_nothing(node_factory, pool_url):
     node_factory(*RING, env={"KVPOOL_TOKEN": TOKEN})
     ctx = zmq.asyncio.Context()

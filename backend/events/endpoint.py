@@ -9,7 +9,7 @@ gets every kept batch from it, then the sequence -1 (the frames of ``--form``'s 
 A client asking from before what is kept (a late subscriber) gets one batch instead, the
 snapshot: the pool's contents (``AllBlocksCleared``, then every block held), published as the
 stream's next batch with a sequence of its own (a number is never reused for another payload),
-so with the PUB stream after it the client has everything.
+so with the PUB stream after it the client has everything. Only the newest snapshot is kept.
 
 Chunks put with their token ids (``event_tokens=on``) are announced with them and their parent;
 a batch announces parents before children, and a chunk whose parent is not announced yet waits
@@ -178,6 +178,7 @@ class EventsEndpoint:
         self._cursors: dict[str, _Cursor] = {}
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=config.replay_batches)
         self._last_seq = -1
+        self._snapshot: tuple[int, bytes] | None = None  # the newest snapshot batch kept (only it is kept)
         self._told_unsplit = False
         self._held: list[object] = []  # stores waiting one poll for their parent's (see _ready)
         if bool(next_token) != (config.publish_next is not None):
@@ -398,6 +399,7 @@ class EventsEndpoint:
                 # Before what is kept: the pool's contents now, as a batch of the stream with a sequence of its own
                 # (every subscriber gets it, and the stream has no gap), then the end.
                 seq, payload = self._publish(self.view.snapshot())
+                self._keep_one_snapshot((seq, payload))
                 await router.send_multipart((client_id, b"", *self.wire.replay_frames(self.topic, seq, payload)))
             else:
                 for seq, payload in list(self._kept):
@@ -406,6 +408,13 @@ class EventsEndpoint:
                             (client_id, b"", *self.wire.replay_frames(self.topic, seq, payload))
                         )
             await router.send_multipart((client_id, b"", *self.wire.replay_end()))
+
+    def _keep_one_snapshot(self, snapshot: tuple[int, bytes]) -> None:
+        """Drop the previous snapshot from the kept batches: it can be large (every block held), and a replay
+        from before it gets the newer one, which supersedes it (it starts with ``AllBlocksCleared``)."""
+        if self._snapshot is not None and self._snapshot in self._kept:
+            self._kept.remove(self._snapshot)
+        self._snapshot = snapshot
 
     def close(self) -> None:
         self._auth.stop()
