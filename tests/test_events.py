@@ -9,9 +9,11 @@ bytes (tests/data/vllm_events) decode, and the endpoint's encoder gives the same
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import io
+import logging
 import os
 import random
 import subprocess
@@ -19,14 +21,15 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 
 from backend.cli.exits import EXIT_USAGE
 from backend.cli.main import main
-from backend.errors import NodeUnavailable
-from backend.events import EndpointConfig, EventsEndpoint, curve_keys
+from backend.errors import ConfigError, NodeUnavailable
+from backend.events import WIRE_FORMS, EndpointConfig, EventsEndpoint, curve_keys
 from backend.events.keys import block_of
 from backend.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, Wire
 from backend.node.events import EventRing
@@ -190,15 +193,41 @@ async def test_a_reconnecting_subscriber_replays_and_a_late_one_gets_a_snapshot(
             for first_hash in range(100, 160, 6):  # more batches than the endpoint keeps
                 await client.put(chunks(first_hash, 6))
                 await asyncio.sleep(0.1)
+            before = ep.last_seq
             late = subscriber(ctx, ep)
             got = await joined(late, 0)
             assert len(got) == 1, "a late subscriber gets one snapshot batch, not history"
+            assert got[0] > before, "the snapshot has a sequence of its own: no number is reused for another payload"
             assert got[0] == late.mirror.last_seq
             await in_step(late, client)
             assert len(late.mirror.blocks) > 40
+            await in_step(again, client)  # contiguous: the snapshot came on the stream too, under its own number
+            assert got[0] in again.seqs
             again.close()
             late.close()
         finally:
+            ctx.destroy(linger=0)
+
+
+async def test_only_the_newest_snapshot_is_kept_for_replays(node_factory, pool_url):
+    node_factory(*RING, env={"KVPOOL_TOKEN": TOKEN})
+    ctx = zmq.asyncio.Context()
+    async with PoolClient(config(pool_url)) as client, endpoint(pool_url, replay_batches=3) as ep:
+        subs = [subscriber(ctx, ep) for _ in range(3)]
+        try:
+            for first in range(0, 40, 10):  # four batches at least: the first ones leave what is kept
+                seen = ep.last_seq
+                await client.put(chunks(first, 2))
+                await until(lambda: ep.last_seq > seen, timeout_s=15.0)  # noqa: B023
+            older = await subs[0].replay(0)
+            newer = await subs[1].replay(0)
+            assert len(older) == len(newer) == 1 and newer[0] > older[0], (older, newer)
+            # The older snapshot is no longer kept: a replay from its number gets the newer one, which supersedes it.
+            assert await subs[2].replay(older[0]) == [newer[0]]
+            assert subs[2].mirror.blocks == await pool_blocks(client)
+        finally:
+            for sub in subs:
+                sub.close()
             ctx.destroy(linger=0)
 
 
@@ -228,10 +257,78 @@ async def test_a_subscriber_without_the_token_gets_nothing(node_factory, pool_ur
             ctx.destroy(linger=0)
 
 
-async def test_the_older_array_form_is_a_setting(node_factory, pool_url):
+async def test_a_stock_subscriber_reads_a_plain_endpoint_on_loopback_a_put_and_a_delete(node_factory, pool_url, caplog):
+    """vLLM's conventions only (tests/support/vllm_events.py imports no kvpool): a plain SUB on the topic, a DEALER
+    asking for a replay, vLLM 0.33's decoder; through a real node."""
+    node_factory(*RING, env={"KVPOOL_TOKEN": TOKEN})
+    put = chunks(0, 3)
+    hashes = [block_of(c.key).block_hash for c in put]  # type: ignore[union-attr]
+    ctx = zmq.asyncio.Context()
+    with caplog.at_level(logging.WARNING, logger="backend.events.endpoint"):
+        async with PoolClient(config(pool_url)) as client, endpoint(pool_url, plain=True) as ep:
+            assert f"plain mode (--plain): no CURVE on {ep.publish_address} and {ep.replay_address}" in caplog.text
+            sub = vllm_events.Subscriber(ctx, ep.publish_address, ep.replay_address, ep.topic, keys=None)
+            try:
+                replayed = await joined(sub)
+                assert replayed[:1] == [0], "the replay answered from the first batch"
+                await client.put(put)
+
+                async def announced() -> bool:
+                    await sub.drain()
+                    return sub.mirror.blocks == set(hashes)
+
+                await until(announced, timeout_s=15.0)
+                stored = {h: e for e in sub.mirror.stored_events for h in e.block_hashes}
+                for h in hashes:
+                    event = stored[h]
+                    # A put without an LMCache engine in the process has no token ids to announce (docs/fleet.md).
+                    assert (event.token_ids, event.block_size, event.medium) == ([], 256, "CPU")
+
+                await client.delete([put[0].key])
+
+                async def removed() -> bool:
+                    await sub.drain()
+                    return [hashes[0]] in sub.mirror.removed
+
+                await until(removed, timeout_s=15.0)
+                assert sub.mirror.blocks == set(hashes[1:])
+                assert sub.seqs == list(range(sub.seqs[0], sub.seqs[0] + len(sub.seqs)))
+            finally:
+                sub.close()
+                ctx.destroy(linger=0)
+
+
+def test_the_stock_subscriber_imports_nothing_of_kvpool():
+    tree = ast.parse((REPO / "tests" / "support" / "vllm_events.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported == {"__future__", "asyncio", "typing", "msgspec", "zmq", "zmq.asyncio"}
+
+
+def test_plain_mode_is_refused_beyond_loopback_without_its_second_flag(pool_url, monkeypatch):
+    for address in ("tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://10.1.2.3:5557", "tcp://eth0:5557"):
+        with pytest.raises(ConfigError, match=r"--plain: --publish .* is not a loopback address.*--plain-on-network"):
+            EndpointConfig(model=MODEL, publish=address, plain=True)
+        assert EndpointConfig(model=MODEL, publish=address, plain=True, plain_on_network=True).plain
+    for address in ("tcp://127.0.0.1:5557", "tcp://[::1]:5557", "tcp://localhost:5557", "ipc:///tmp/kvpool-ev"):
+        assert EndpointConfig(model=MODEL, publish=address, plain=True).plain
+    with pytest.raises(ConfigError, match="--plain: --replay tcp://"):
+        EndpointConfig(model=MODEL, publish="tcp://127.0.0.1:1", replay="tcp://*:2", plain=True)
+    with pytest.raises(ConfigError, match=r"--plain-on-network: .*--plain is not given"):
+        EndpointConfig(model=MODEL, plain_on_network=True)
+    with pytest.raises(ConfigError, match="--publish-next: a plain endpoint"):
+        EndpointConfig(model=MODEL, publish="tcp://127.0.0.1:1", publish_next="tcp://127.0.0.1:2", plain=True)
+    monkeypatch.setenv("KVPOOL_TOKEN", TOKEN)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["events", "--url", pool_url, "--model", MODEL, "--plain"])  # the default binds every interface
+    assert code == EXIT_USAGE and "--plain: --publish tcp://*:5557 is not a loopback address" in err.getvalue()
+
+
+async def test_the_older_all_array_form_is_a_setting(node_factory, pool_url):
     node_factory(*RING, env={"KVPOOL_TOKEN": TOKEN})
     ctx = zmq.asyncio.Context()
-    async with PoolClient(config(pool_url)) as client, endpoint(pool_url, form="array") as ep:
+    async with PoolClient(config(pool_url)) as client, endpoint(pool_url, form="vllm-0.23") as ep:
         sub = subscriber(ctx, ep, array=True)
         try:
             await joined(sub)
@@ -510,34 +607,55 @@ def _golden_batches() -> dict[str, KVEventBatch]:
                     parent_block_hash=41,
                     token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
                     block_size=4,
-                    lora_id=None,
+                    lora_id=7,
                     medium="GPU",
-                    lora_name=None,
+                    lora_name="adapter-a",
                 )
             ],
         ),
     }
 
 
+RELEASES = [("vllm-0.33", "vllm-0.33.0"), ("vllm-0.25", "vllm-0.25.1"), ("vllm-0.23", "vllm-0.23.0")]
+
+
 @pytest.mark.parametrize("name", ["stored_removed_cleared", "stored_with_tokens"])
-def test_vllm_golden_bytes_decode_and_the_endpoint_encodes_the_same_bytes(name):
-    golden = (GOLDEN / f"{name}.msgpack").read_bytes()
+@pytest.mark.parametrize(("form", "release"), RELEASES)
+def test_each_form_writes_the_bytes_its_vllm_release_wrote_and_reads_them(form, release, name):
+    golden = (GOLDEN / release / f"{name}.msgpack").read_bytes()
     expected = _golden_batches()[name]
-    decoded = vllm_events.MAP_DECODER.decode(golden)
+    decoder = vllm_events.ARRAY_DECODER if form == "vllm-0.23" else vllm_events.MAP_DECODER
+    decoded = decoder.decode(golden)
     assert decoded.ts == expected.ts and decoded.data_parallel_rank == expected.data_parallel_rank
-    assert [type(e).__name__ for e in decoded.events] == [type(e).__name__ for e in expected.events]
+    assert [e.__struct_config__.tag for e in decoded.events] == [type(e).__name__ for e in expected.events]
     for got, want in zip(decoded.events, expected.events):
         for field in want.__struct_fields__:
             value = getattr(got, field)
             assert (list(value) if isinstance(value, list) else value) == getattr(want, field), field
-    assert Wire("map").encode(expected) == golden  # the endpoint's encoder is byte-identical to vLLM's
-    assert Wire("map").decode(golden) == expected
+    assert Wire(form).encode(expected) == golden  # the endpoint's encoder is byte-identical to the release's
+    assert Wire(form).decode(golden) == expected
 
 
-def test_the_array_form_round_trips_through_the_consumer():
+def test_every_form_has_its_releases_golden_bytes_and_is_named_in_the_docs():
+    assert sorted(form for form, _ in RELEASES) == sorted(WIRE_FORMS)
+    docs = {name: (REPO / "docs" / name).read_text() for name in ("fleet.md", "versions.md")}
+    for form, release in RELEASES:
+        assert (GOLDEN / release / "stored_removed_cleared.msgpack").is_file(), release
+        for name, text in docs.items():
+            assert f"`{form}`" in text, (form, name)
+
+
+def test_the_default_form_is_the_newest_releases_and_only_its_newest_releases_fields_are_a_map16():
+    assert EndpointConfig(model=MODEL).form == "vllm-0.33"
+    stored = _golden_batches()["stored_with_tokens"]
+    newest, older = Wire("vllm-0.33").encode(stored), Wire("vllm-0.25").encode(stored)
+    assert newest[0] == older[0] == 0x93  # [ts, events, data_parallel_rank] in every release
+    assert b"\xde\x00\x08\xa4type" in newest and b"\x88\xa4type" in older  # 15 fields: map16; 11: a fixmap
+
+
+def test_the_older_form_is_arrays_all_the_way_down():
     batch = _golden_batches()["stored_removed_cleared"]
-    payload = Wire("array").encode(batch)
-    assert payload[0] == 0x93  # a three-element array, not a map
+    payload = Wire("vllm-0.23").encode(batch)
     decoded = vllm_events.ARRAY_DECODER.decode(payload)
     assert [type(e).__name__ for e in decoded.events] == [
         "ArrayAllBlocksCleared",
@@ -545,7 +663,20 @@ def test_the_array_form_round_trips_through_the_consumer():
         "ArrayBlockStored",
         "ArrayBlockRemoved",
     ]
-    assert Wire("array").decode(payload) == batch
+    assert Wire("vllm-0.23").decode(payload) == batch
+    with pytest.raises(msgspec.ValidationError, match="Expected `object`, got `array`"):
+        vllm_events.MAP_DECODER.decode(payload)  # what a router on vLLM 0.24 or later says to it
+
+
+def test_the_forms_older_names_are_refused_naming_the_release_form_meant(pool_url, monkeypatch):
+    for old, meant in (("map", "vllm-0.33"), ("array", "vllm-0.23"), ("vllm-0.3", "vllm-0.33")):
+        with pytest.raises(ConfigError, match=f"--form: '{old}' is not a form: did you mean {meant}\\?"):
+            EndpointConfig(model=MODEL, form=old)
+    monkeypatch.setenv("KVPOOL_TOKEN", TOKEN)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["events", "--url", pool_url, "--model", MODEL, "--form", "map"])
+    assert code == EXIT_USAGE and "did you mean vllm-0.33?" in err.getvalue(), err.getvalue()
 
 
 def test_the_node_ring_is_bounded_by_keys_and_says_when_a_reader_fell_behind():

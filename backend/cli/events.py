@@ -49,9 +49,10 @@ def add_verbs(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     events.add_argument("--medium", default="CPU", help="the medium every event names (default %(default)s)")
     events.add_argument(
         "--form",
-        choices=("map", "array"),
-        default="map",
-        help="events as tagged maps (vLLM now) or arrays (older vLLM)",
+        default="vllm-0.33",
+        metavar="FORM",
+        help="the wire of the routers' vLLM release: vllm-0.33 (vLLM 0.26.0 to 0.34.0; the default), vllm-0.25 "
+        "(0.24.0 to 0.25.1), vllm-0.23 (0.22.0 to 0.23.0, arrays all the way down)",
     )
     events.add_argument(
         "--replay-batches", type=int, default=10_000, metavar="N", help="batches kept for replay (default %(default)s)"
@@ -92,6 +93,17 @@ def add_verbs(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     events.add_argument("--publish-next", metavar="ADDR", help="ZMQ PUB address for the next token's subscribers")
     events.add_argument("--replay-next", metavar="ADDR", help="ZMQ ROUTER address for the next token's replays")
+    events.add_argument(
+        "--plain",
+        action="store_true",
+        help="no CURVE, so stock vLLM subscribers can connect: anyone who reaches the sockets reads what the pool "
+        "holds; loopback addresses only, unless --plain-on-network",
+    )
+    events.add_argument(
+        "--plain-on-network",
+        action="store_true",
+        help="let --plain bind addresses other machines reach (a network only the routers reach)",
+    )
     events.add_argument(
         "--data-parallel-rank",
         type=int,
@@ -144,6 +156,8 @@ def cmd_events(args: argparse.Namespace) -> int:
         tenant=args.tenant,
         publish_next=args.publish_next,
         replay_next=args.replay_next,
+        plain=args.plain,
+        plain_on_network=args.plain_on_network,
     )
     tenant_token = _token(args.tenant_token_file, "--tenant-token-file")
     next_flag, next_file = _next_token_file(args)

@@ -1,4 +1,5 @@
-"""The CURVE keys of a pool's events endpoint, derived from the pool token (docs/fleet.md).
+"""Who may subscribe to a pool's events endpoint: the CURVE keys derived from the pool token, or, in plain
+mode, whoever reaches its addresses (docs/fleet.md).
 
 Events carry what the pool holds (and, once engines pass them, token ids: prompt text), so the
 endpoint speaks ZMQ CURVE and admits one client key. Both key pairs are derived from the pool
@@ -15,12 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 from dataclasses import dataclass
 
 import zmq
 from zmq.utils import z85
 
-__all__ = ["CurveKeys", "curve_keys"]
+__all__ = ["CurveKeys", "curve_keys", "is_loopback"]
 
 
 @dataclass(frozen=True)
@@ -47,3 +49,20 @@ def curve_keys(token: str, namespace: str) -> CurveKeys:
     server_public, server_secret = _pair(token, namespace, b"server")
     client_public, client_secret = _pair(token, namespace, b"client")
     return CurveKeys(server_public, server_secret, client_public, client_secret)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether only this machine reaches the ZMQ bind ``address``: ipc:// and inproc://, or tcp:// on a loopback
+    host. A wildcard, an interface or a host name is not (it may be any address of the machine)."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp":
+        return False
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

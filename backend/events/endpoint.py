@@ -5,10 +5,11 @@ its cursor), turns what changed into vLLM events (``view.py``), and publishes th
 ``KVEventBatch`` on a ZMQ PUB socket: frames (topic, 8-byte big-endian sequence number, msgpack
 payload), topic ``kv@IDENTITY@MODEL``. The last ``replay_batches`` batches are kept for a ROUTER
 replay socket, as vLLM's ``ZmqEventPublisher`` keeps them: a client sends a start sequence and
-gets every kept batch from it, then the sequence -1. A client asking from before what is kept
-(a late subscriber) gets one batch instead, numbered with the last sequence published: the
-pool's contents as of that sequence (``AllBlocksCleared``, then every block held), so with the
-PUB stream from the next sequence it has everything.
+gets every kept batch from it, then the sequence -1 (the frames of ``--form``'s releases: wire.py).
+A client asking from before what is kept (a late subscriber) gets one batch instead, the
+snapshot: the pool's contents (``AllBlocksCleared``, then every block held), published as the
+stream's next batch with a sequence of its own (a number is never reused for another payload),
+so with the PUB stream after it the client has everything. Only the newest snapshot is kept.
 
 Chunks put with their token ids (``event_tokens=on``) are announced with them and their parent;
 a batch announces parents before children, and a chunk whose parent is not announced yet waits
@@ -20,7 +21,9 @@ cursor, so nothing that happened during the walk is lost. A node the registry no
 alive has its blocks removed. The endpoint holds no lock and takes no part in a put.
 
 Both sockets use CURVE with keys derived from the pool token (``auth.py``); the endpoint refuses
-to start without a token. An endpoint of one tenant (``tenant``) publishes only that tenant's
+to start without a token (it reads the nodes with it). Plain mode (``plain``, for stock vLLM
+subscribers) drops CURVE, on loopback addresses only unless ``plain_on_network`` says otherwise,
+and logs so at start. An endpoint of one tenant (``tenant``) publishes only that tenant's
 blocks (its keys ``~t/NAME/KEY``, as the tenant's engines name them: ``KEY``), and derives its
 CURVE keys from that tenant's token instead: a subscriber holding tenant A's token is admitted
 by A's endpoint only, and no endpoint publishes another tenant's blocks to it. The endpoint still
@@ -38,7 +41,6 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import zmq
 import zmq.asyncio
@@ -47,9 +49,9 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from backend.client import PoolClient
 from backend.config import PoolConfig
 from backend.errors import ConfigError, KVPoolError
-from backend.events.auth import CurveKeys, curve_keys
+from backend.events.auth import CurveKeys, curve_keys, is_loopback
 from backend.events.view import BlockShape, PoolView, parents_first
-from backend.events.wire import END_SEQ, BlockStored, KVEventBatch, Wire, seq_bytes
+from backend.events.wire import DEFAULT_FORM, BlockStored, KVEventBatch, Wire, seq_bytes, wire_form
 from backend.metadata import NodeInfo
 from backend.protocol import EVENT_STORED, MAX_EVENTS_KEYS, ChunkTokens
 from backend.tenants import check_tenant, scoped, tenant_of
@@ -76,7 +78,7 @@ class EndpointConfig:
     block_size: int = DEFAULT_CHUNK_TOKENS  # tokens per block announced (docs/fleet.md)
     chunk_size: int = 0  # LMCache's chunk_size; 0: the block size (one chunk, one block)
     medium: str = DEFAULT_MEDIUM
-    form: Literal["map", "array"] = "map"
+    form: str = DEFAULT_FORM  # the vLLM releases whose wire is written (wire.py)
     replay_batches: int = DEFAULT_REPLAY_BATCHES
     poll_interval_s: float = 0.2
     data_parallel_rank: int = 0
@@ -84,6 +86,8 @@ class EndpointConfig:
     # During a rotation: the same batches on these addresses, to holders of the next token.
     publish_next: str | None = None
     replay_next: str | None = None
+    plain: bool = False  # no CURVE: any subscriber that reaches the sockets (a stock vLLM subscriber)
+    plain_on_network: bool = False  # plain on an address other machines reach, too
 
     def __post_init__(self) -> None:
         if self.tenant:
@@ -104,10 +108,30 @@ class EndpointConfig:
             raise ConfigError("--replay-batches", f"{self.replay_batches} is not a positive number")
         if not 0 < self.poll_interval_s <= 60:
             raise ConfigError("--poll-interval-s", f"{self.poll_interval_s} is outside (0, 60]")
-        if self.form not in ("map", "array"):
-            raise ConfigError("--form", f"{self.form!r} is not map or array")
+        try:
+            wire_form(self.form)
+        except ValueError as exc:
+            raise ConfigError("--form", str(exc)) from None
         if self.replay_next is not None and self.replay is None:
             raise ConfigError("--replay-next", "a replay address for the next token needs --replay too")
+        self._check_plain()
+
+    def _check_plain(self) -> None:
+        if self.plain_on_network and not self.plain:
+            raise ConfigError("--plain-on-network", "it lets --plain bind beyond loopback, and --plain is not given")
+        if not self.plain:
+            return
+        if self.publish_next is not None:
+            raise ConfigError(
+                "--publish-next", "a plain endpoint (--plain) admits every subscriber: no next token needs sockets"
+            )
+        for flag, address in (("--publish", self.publish), ("--replay", self.replay)):
+            if address is not None and not self.plain_on_network and not is_loopback(address):
+                raise ConfigError(
+                    "--plain",
+                    f"{flag} {address} is not a loopback address: without CURVE, anyone who reaches it reads what the "
+                    "pool holds. Bind 127.0.0.1, ::1 or ipc://, or add --plain-on-network if the network is yours",
+                )
 
     def topic(self, namespace: str) -> str:
         pod = f"kvpool-{namespace}-{self.tenant}" if self.tenant else f"kvpool-{namespace}"
@@ -154,6 +178,7 @@ class EventsEndpoint:
         self._cursors: dict[str, _Cursor] = {}
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=config.replay_batches)
         self._last_seq = -1
+        self._snapshot: tuple[int, bytes] | None = None  # the newest snapshot batch kept (only it is kept)
         self._told_unsplit = False
         self._held: list[object] = []  # stores waiting one poll for their parent's (see _ready)
         if bool(next_token) != (config.publish_next is not None):
@@ -195,7 +220,18 @@ class EventsEndpoint:
 
     def bind(self) -> None:
         """Start the authenticator (it admits, on each socket, the one client key its token derives) and bind
-        the sockets."""
+        the sockets; in plain mode, bind them only, and say so."""
+        if self.config.plain:
+            self._pub, self._router, self.publish_address, self.replay_address = self._bind(
+                None, MAIN_DOMAIN, self.config.publish, self.config.replay, self._pub
+            )
+            logger.warning(
+                "events: plain mode (--plain): no CURVE on %s%s; every subscriber that reaches it reads what the pool "
+                "holds",
+                self.publish_address,
+                f" and {self.replay_address}" if self.replay_address else "",
+            )
+            return
         self._auth.start()
         # "*": the sockets of no ZAP domain (the main ones); a domain without a provider is refused.
         self._auth.configure_curve_callback(domain="*", credentials_provider=_OneKey(self._keys.client_public))
@@ -212,21 +248,24 @@ class EventsEndpoint:
 
     def _bind(
         self,
-        keys: CurveKeys,
+        keys: CurveKeys | None,
         domain: str,
         publish: str,
         replay: str | None,
         pub: zmq.asyncio.Socket | None = None,
     ) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket | None, str, str]:
-        """One token's PUB socket (and ROUTER, with ``replay``), bound: (pub, router, their addresses)."""
+        """One token's PUB socket (and ROUTER, with ``replay``), bound: (pub, router, their addresses). No
+        ``keys``: plain."""
         pub = pub if pub is not None else self._ctx.socket(zmq.PUB)
-        self._secure(pub, keys, domain)
+        if keys is not None:
+            self._secure(pub, keys, domain)
         pub.bind(publish)
         router: zmq.asyncio.Socket | None = None
         replay_address = ""
         if replay is not None:
             router = self._ctx.socket(zmq.ROUTER)
-            self._secure(router, keys, domain)
+            if keys is not None:
+                self._secure(router, keys, domain)
             router.bind(replay)
             replay_address = router.getsockopt_string(zmq.LAST_ENDPOINT)
         return pub, router, pub.getsockopt_string(zmq.LAST_ENDPOINT), replay_address
@@ -335,15 +374,17 @@ class EventsEndpoint:
             names = [keys[i][len(prefix) :] for i in mine]
         return names, [tokens[i] for i in mine] if tokens is not None else None
 
-    def _publish(self, events: list[object]) -> None:
+    def _publish(self, events: Sequence[object]) -> tuple[int, bytes]:
+        """Publish ``events`` as the next batch of the stream (and keep it for replays): its sequence and bytes."""
         self._last_seq += 1
-        batch = KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self.config.data_parallel_rank)  # type: ignore[arg-type]
+        batch = KVEventBatch(ts=time.time(), events=list(events), data_parallel_rank=self.config.data_parallel_rank)  # type: ignore[arg-type]
         payload = self.wire.encode(batch)
         self._kept.append((self._last_seq, payload))
         # NOBLOCK: a PUB socket drops for a slow subscriber at its high-water mark, never blocks.
         for pub in (self._pub, self._next_pub):
             if pub is not None:
                 pub.send_multipart((self.topic, seq_bytes(self._last_seq), payload), flags=zmq.NOBLOCK)
+        return self._last_seq, payload
 
     async def _replay_loop(self, router: zmq.asyncio.Socket) -> None:
         while True:
@@ -355,20 +396,25 @@ class EventsEndpoint:
             start = int.from_bytes(start_bytes, "big")
             oldest = self._kept[0][0] if self._kept else self._last_seq + 1
             if start < oldest:
-                # Before what is kept: the pool's contents as of the last sequence, then the end.
-                snapshot = KVEventBatch(
-                    ts=time.time(),
-                    events=self.view.snapshot(),  # type: ignore[arg-type]
-                    data_parallel_rank=self.config.data_parallel_rank,
-                )
-                await router.send_multipart(
-                    (client_id, b"", seq_bytes(max(self._last_seq, 0)), self.wire.encode(snapshot))
-                )
+                # Before what is kept: the pool's contents now, as a batch of the stream with a sequence of its own
+                # (every subscriber gets it, and the stream has no gap), then the end.
+                seq, payload = self._publish(self.view.snapshot())
+                self._keep_one_snapshot((seq, payload))
+                await router.send_multipart((client_id, b"", *self.wire.replay_frames(self.topic, seq, payload)))
             else:
                 for seq, payload in list(self._kept):
                     if seq >= start:
-                        await router.send_multipart((client_id, b"", seq_bytes(seq), payload))
-            await router.send_multipart((client_id, b"", END_SEQ, b""))
+                        await router.send_multipart(
+                            (client_id, b"", *self.wire.replay_frames(self.topic, seq, payload))
+                        )
+            await router.send_multipart((client_id, b"", *self.wire.replay_end()))
+
+    def _keep_one_snapshot(self, snapshot: tuple[int, bytes]) -> None:
+        """Drop the previous snapshot from the kept batches: it can be large (every block held), and a replay
+        from before it gets the newer one, which supersedes it (it starts with ``AllBlocksCleared``)."""
+        if self._snapshot is not None and self._snapshot in self._kept:
+            self._kept.remove(self._snapshot)
+        self._snapshot = snapshot
 
     def close(self) -> None:
         self._auth.stop()

@@ -7,6 +7,9 @@ restarts takes its copies with it.
 
 A chunk put with its token record (the LMCache connector's ``event_tokens=on``) is announced
 with its token ids and its parent chunk's hash, as LMCache's own ``CacheStoreEvent`` says them.
+Any other store (one made without an LMCache engine in the process: a ``PoolClient`` put,
+LMCache's multiprocess mode) is announced with ``token_ids=[]``: not wrong, but a router that
+rebuilds hashes from tokens cannot use it (docs/fleet.md, "Pointing a router at kvpool").
 With a block size below the chunk size (``BlockShape.block_size`` < ``chunk_size``, LMCache
 #3938's split) such a chunk is announced as its ``tokens / block_size`` blocks: the last one's
 hash is the chunk's own, the others' are derived from it (:func:`sub_block_hashes`), each

@@ -1,8 +1,14 @@
-"""A consumer of vLLM's KV events, written from vLLM's published format (``vllm/distributed/kv_events.py``).
+"""A consumer of vLLM's KV events, written from vLLM's published format and publisher (``vllm/distributed/kv_events.py``).
 
-Independent of ``backend/events``: its own msgspec structs (tagged maps, the current form, or
-arrays, the older one), a CURVE subscriber, and a mirror that rebuilds the set of blocks held
-from the stream, as a router's index would.
+Independent of ``backend/events``: its own msgspec structs, a SUB socket for the stream and a
+DEALER for replays (each with or without CURVE keys), and a mirror that rebuilds the set of
+blocks held from the stream, as a router's index would. The conventions are vLLM's
+``ZmqEventPublisher``'s: stream frames (topic, 8-byte big-endian sequence, payload); a replay is
+asked with the start sequence as 8 bytes and answered batch by batch, ended by the sequence -1.
+
+Two layouts: the batch an array and each event a tagged map (vLLM 0.24.0 and later), or arrays
+all the way down (``array=True``: vLLM 0.23.0 and before). Replayed frames carry the topic from
+vLLM 0.26.0 on (``replay_topic``).
 """
 
 from __future__ import annotations
@@ -33,19 +39,25 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[bytes | int]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
     pass
 
 
-class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
@@ -105,8 +117,11 @@ class Subscriber:
         topic: bytes,
         keys: tuple[bytes, bytes, bytes] | None,  # (server public, client public, client secret)
         array: bool = False,
+        replay_topic: bool | None = None,  # default: as the releases of the layout (not array) send them
     ) -> None:
         self.decoder = ARRAY_DECODER if array else MAP_DECODER
+        self.replay_topic = not array if replay_topic is None else replay_topic
+        self.topic = topic
         self.mirror = Mirror()
         self.seqs: list[int] = []
         self.sub = self._socket(ctx, zmq.SUB, keys)
@@ -147,7 +162,11 @@ class Subscriber:
         got: list[int] = []
         while True:
             frames = await asyncio.wait_for(self.replay_socket.recv_multipart(), timeout_s)
-            _, seq, payload = frames
+            if self.replay_topic:
+                _, topic, seq, payload = frames
+                assert topic in (self.topic, b""), f"a replayed batch of topic {topic!r}"  # b"": the end
+            else:
+                _, seq, payload = frames
             number = int.from_bytes(seq, "big", signed=True)
             if number == END:
                 return got
