@@ -357,3 +357,34 @@ def test_a_node_of_300000_chunks_republishes_after_two_flushes_without_its_heart
         assert sample_hits() == SAMPLE
     assert "with a republish under way" in node.log
     assert f"republished {FULL_CHUNKS} chunks in" in node.log
+
+
+def test_nodes_whose_slots_swapped_in_a_flush_are_read_again_and_no_reader_deletes_their_copies(
+    node_factory, own_redis
+):
+    """Redis gives slots anew after it lost them, in the order the nodes beat: the node that beats first takes
+    slot 1. A client whose view still has the slots from before reads each republished copy under the other
+    node's id, so at that node's epoch it looked stale: the lookup read as a miss, and the client's cleanup
+    deleted both live copies of a chunk both nodes hold (an acknowledged put never found again; seen in
+    tests/faults/test_node_faults.py's Redis-kill test under load, where a restarted Redis gave slots anew)."""
+    from tests.support.index import copies, slots
+
+    first = node_factory(redis_url=own_redis.url, ns="sw")
+    second = node_factory(redis_url=own_redis.url, ns="sw")
+    r = redis.Redis(port=own_redis.port)
+    assert slots(r, "sw") == {first.node_id: 1, second.node_id: 2}
+    with SyncPoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{own_redis.port}/sw?replicas=2")) as client:
+        client.put([Chunk("both", b"held by both nodes")])
+        assert client.hit_prefix(["both"]) == 1  # the client's view: slot 1 is the first node, slot 2 the second
+        first.pause()  # the second node beats first after the flush and takes slot 1
+        try:
+            r.flushall()
+            assert wait_until(lambda: slots(r, "sw").get(second.node_id) == 1, 20.0)
+        finally:
+            first.resume()
+        assert wait_until(lambda: len(copies(r, "sw", "both")) == 2, 20.0)  # both republished, slots swapped
+        assert slots(r, "sw") == {first.node_id: 2, second.node_id: 1}
+        assert client.hit_prefix(["both"]) == 1
+        assert [bytes(c.data) for c in client.get(["both"])] == [b"held by both nodes"]
+        assert client.counters.get("stale_entries", 0) == 0  # nothing it read looked stale to it
+        assert set(copies(r, "sw", "both")) == {first.node_id, second.node_id}
