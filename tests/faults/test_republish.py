@@ -145,9 +145,12 @@ async def _indexed(node: PoolNode, stored: dict[str, bytes]) -> list[str]:
     return wrong
 
 
-def _scripts_run(server: redis.Redis) -> int:
-    """EVALSHA calls Redis has run so far (index commits, heartbeats)."""
-    return int(server.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+def _index_writes(server: redis.Redis) -> int:
+    """Index entries written so far: an index commit is one HSET a key, a heartbeat one HSET (its registry
+    entry) beside one ZADD, so the count holds however many beats and reaper sweeps (neither writes an index
+    entry) a slow machine fits into the walk. Counting every script run made the bound depend on the load."""
+    stats = server.info("commandstats")
+    return int(stats.get("cmdstat_hset", {}).get("calls", 0)) - int(stats.get("cmdstat_zadd", {}).get("calls", 0))
 
 
 async def _read_while(client: PoolClient, sample: dict[str, bytes], until: asyncio.Event) -> tuple[int, int, list]:
@@ -243,15 +246,15 @@ async def test_a_batch_redis_does_not_take_is_tried_again_and_the_walk_goes_on_f
         await asyncio.to_thread(watch.flush)
         while node.stats.republish.published < CHUNKS // 3:
             await asyncio.sleep(0.002)
-        sent_before = _scripts_run(watch.redis)
+        sent_before = _index_writes(watch.redis)
         await asyncio.to_thread(watch.redis.execute_command, "CLIENT", "PAUSE", "600", "ALL")
         await _republished(node)
-        sent = _scripts_run(watch.redis) - sent_before
+        sent = _index_writes(watch.redis) - sent_before
         assert watch.missing == 0
         assert await _indexed(node, stored) == []
         assert node.counters["republished"] == CHUNKS
-        # Nothing started over: the two thirds left, the batch Redis did not take again, and the beats.
-        assert sent <= CHUNKS * 2 // 3 + 2 * 1000 + 100, sent
+        # Nothing started over: the two thirds left and the batch Redis did not take, again.
+        assert sent <= CHUNKS * 2 // 3 + 2 * 1000, sent
     finally:
         await node.stop()
 
