@@ -39,6 +39,7 @@ class NodeCounter(StrEnum):
     PUT_REFUSED_BUSY = "put_rejected_busy"
     STAGED_PUT_BYTES = "staged_put_bytes"
     STAGES_REMOVED = "stages_removed"
+    STAGE_SWEEPS = "stage_sweeps"
     # gets and deletes
     GETS = "gets"
     HITS = "hits"
@@ -59,6 +60,7 @@ class NodeCounter(StrEnum):
     NVME_EVICTIONS = "nvme_evictions"
     NVME_WRITE_ERRORS = "nvme_write_errors"
     DISK_FULL = "disk_full"
+    DISK_RECHECKS = "disk_rechecks"
     INTEGRITY_FAILURES = "integrity_failures"
     QUARANTINED = "quarantined"
     REPUBLISHED = "republished"

@@ -128,7 +128,10 @@ def test_a_wait_that_never_completes_aborts_and_raises_at_its_deadline():
             abort=lambda: aborted.append(time.monotonic()),
         )
     took = time.monotonic() - start
-    assert 0.2 <= took < 0.2 + 0.1, took  # one capped pause late at most, plus a busy machine's slack
+    # Not before its deadline, and not hung (the event would take an hour). How late at most (one capped
+    # pause) is held with a fake clock above: on the real one, a loaded machine can hold this thread off
+    # its core for longer than the 0.1 s of slack this bound used to give.
+    assert 0.2 <= took < 0.2 + 2.0, took
     assert len(aborted) == 1
 
 

@@ -8,7 +8,6 @@ import random
 import shutil
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -233,7 +232,9 @@ def test_a_full_disk_keeps_dram_writable_and_pauses_demotion_until_a_chunk_and_a
             assert client.delete([c.key for c in first[:2]]) == 2
             assert 2 * 128 * KIB < 128 * KIB + DISK_RESUME_MARGIN_BYTES
             writes_before = counters().get("nvme_writes", 0)
-            time.sleep(3 * DISK_RECHECK_S)
+            # Two rechecks after the delete (the first may have read the disk before it): both saw too little room.
+            rechecks = counters().get("disk_rechecks", 0)
+            assert wait_until(lambda: counters().get("disk_rechecks", 0) >= rechecks + 2, 30 * DISK_RECHECK_S)
             assert client.node_stats(info)["tiers"]["nvme"]["disk_full"] is True, "the episode ended too early"
             assert counters()["disk_full"] == 1 and counters().get("nvme_writes", 0) == writes_before
             assert "free again" not in node.log
@@ -334,7 +335,7 @@ async def test_background_demotion_keeps_dram_under_the_high_watermark(tmp_path)
             await tiers.reserve(64 * KIB)
             tiers.insert(_stored(f"w{i}", 64 * KIB, seed=i))
         # 100% > 90% high watermark: the demoter brings DRAM down to the 80% low one
-        await until(lambda: tiers.dram_used_bytes <= 8 * 64 * KIB, timeout_s=2.0)
+        await until(lambda: tiers.dram_used_bytes <= 8 * 64 * KIB, timeout_s=30.0)  # two fsyncs, on a loaded disk
         assert tiers.dram_used_bytes == 8 * 64 * KIB
         assert [tiers.tier_of(f"w{i}") for i in range(3)] == [NVME, NVME, DRAM]
     finally:

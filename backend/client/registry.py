@@ -4,7 +4,9 @@ The view is refreshed in the background at most every ``REGISTRY_REFRESH_S``. A 
 hands Redis the view's live node epochs and Redis answers which keys have a copy on one
 (``backend.metadata.lookup``); a lookup that finds a copy on a node epoch the view does
 not know re-reads the view if it is older than ``FRESH_VIEW_S`` (and then the keys, if
-the view changed), so a node that just (re)started is not taken for dead.
+the view changed: a node's epoch, or its slot, which Redis gives anew after it lost them),
+so a node that just (re)started is not taken for dead. A copy that looked stale is removed
+only if, after a re-read, the live node holding its slot is not the epoch that wrote it.
 Copies are read in order: nodes that just failed a read last, then the client's own
 cluster, then the least loaded. A node marked down (``health``) is left out: its copies
 are neither read nor counted by a lookup until its probe sees it answer.
@@ -118,6 +120,17 @@ class RegistryView:
         node = self._node_of(loc)
         return node is not None and node.epoch == loc.epoch
 
+    def slots(self) -> dict[str, int]:
+        """Node id -> slot of every live node in the view: which index field is whose."""
+        return {n.node_id: n.slot for n in self._nodes.values()}
+
+    def written_by_live(self, loc: Location) -> bool:
+        """Whether the live node that holds ``loc``'s slot now is the epoch that wrote it. A copy read from
+        the index is judged by its field, not by the node id the reader's slots named when it read it:
+        Redis gives slots anew after it lost them, so two nodes may have swapped theirs since."""
+        node = self._by_slot.get(loc.slot) if loc.slot else self._nodes.get(loc.node_id)
+        return node is not None and node.epoch == loc.epoch
+
     def down(self, loc: Location) -> bool:
         """A copy on a live node that is marked down: not read, not stale either."""
         return self.health.is_down(loc.node_id, loc.epoch) and self.alive(loc)
@@ -185,9 +198,9 @@ class Locator:
             await registry.nodes()
             found = await self._lookup(keys, prefix, copies)
             if found.others and registry.age_s > FRESH_VIEW_S:
-                seen = registry.epochs()
+                seen = registry.epochs(), registry.slots()
                 await registry.refresh()
-                if registry.epochs() != seen:
+                if (registry.epochs(), registry.slots()) != seen:  # a node (re)started, or slots given anew
                     found = await self._lookup(keys, prefix, copies)
         except MetadataError as exc:
             self.ctx.warn_once("redis", "kvpool: Redis lookup failed, reading as misses until it is back: %s", exc)
@@ -218,6 +231,6 @@ class Locator:
         with contextlib.suppress(KVPoolError):
             if not confirmed:
                 await self.registry.refresh()
-                stale = [(key, loc) for key, loc in stale if not self.registry.alive(loc)]
+                stale = [(key, loc) for key, loc in stale if not self.registry.written_by_live(loc)]
             self.ctx.counters[ClientCounter.STALE_ENTRIES] += len(stale)
             await self.store.index.remove_stale(stale)

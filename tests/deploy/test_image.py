@@ -252,6 +252,7 @@ def deployment(redis_image: str, tmp_path_factory: pytest.TempPathFactory) -> It
         podman("volume", "rm", "-f", deployment.volume, check=False)
 
 
+@pytest.mark.usefixtures("processes")  # podman is a process: the rule of tests/support/processes.py
 def test_the_image_is_small_runs_as_its_own_user_and_holds_no_torch():
     size_bytes = int(podman("image", "inspect", "--format", "{{.Size}}", IMAGE).stdout)
     print(f"{IMAGE}: {size_bytes} bytes ({size_bytes / 1e6:.0f} MB) uncompressed")

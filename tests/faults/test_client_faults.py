@@ -59,8 +59,9 @@ def test_a_client_killed_while_holding_leases_on_most_of_dram_does_not_block_the
                 pass
             holder.send_signal(signal.SIGKILL)
             holder.wait(10)
-            # The kernel closes the dead process's sockets; the node ends its leases on that close.
-            assert wait_until(lambda: client.node_stats(info)["leases"] == 0, 2.0), client.node_stats(info)
+            # The kernel closes the dead process's sockets; the node ends its leases on that close. The bound
+            # only tells that close from the leases' 600 s ttl: 30 s holds on a loaded machine.
+            assert wait_until(lambda: client.node_stats(info)["leases"] == 0, 30.0), client.node_stats(info)
             client.put([Chunk("next", data)])  # at once, not after the 600 s ttl
             assert bytes(client.get(["next"])[0].data) == data
             counters = client.node_stats(info)["counters"]

@@ -145,9 +145,12 @@ async def _indexed(node: PoolNode, stored: dict[str, bytes]) -> list[str]:
     return wrong
 
 
-def _scripts_run(server: redis.Redis) -> int:
-    """EVALSHA calls Redis has run so far (index commits, heartbeats)."""
-    return int(server.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+def _index_writes(server: redis.Redis) -> int:
+    """Index entries written so far: an index commit is one HSET a key, a heartbeat one HSET (its registry
+    entry) beside one ZADD, so the count holds however many beats and reaper sweeps (neither writes an index
+    entry) a slow machine fits into the walk. Counting every script run made the bound depend on the load."""
+    stats = server.info("commandstats")
+    return int(stats.get("cmdstat_hset", {}).get("calls", 0)) - int(stats.get("cmdstat_zadd", {}).get("calls", 0))
 
 
 async def _read_while(client: PoolClient, sample: dict[str, bytes], until: asyncio.Event) -> tuple[int, int, list]:
@@ -243,15 +246,15 @@ async def test_a_batch_redis_does_not_take_is_tried_again_and_the_walk_goes_on_f
         await asyncio.to_thread(watch.flush)
         while node.stats.republish.published < CHUNKS // 3:
             await asyncio.sleep(0.002)
-        sent_before = _scripts_run(watch.redis)
+        sent_before = _index_writes(watch.redis)
         await asyncio.to_thread(watch.redis.execute_command, "CLIENT", "PAUSE", "600", "ALL")
         await _republished(node)
-        sent = _scripts_run(watch.redis) - sent_before
+        sent = _index_writes(watch.redis) - sent_before
         assert watch.missing == 0
         assert await _indexed(node, stored) == []
         assert node.counters["republished"] == CHUNKS
-        # Nothing started over: the two thirds left, the batch Redis did not take again, and the beats.
-        assert sent <= CHUNKS * 2 // 3 + 2 * 1000 + 100, sent
+        # Nothing started over: the two thirds left and the batch Redis did not take, again.
+        assert sent <= CHUNKS * 2 // 3 + 2 * 1000, sent
     finally:
         await node.stop()
 
@@ -359,3 +362,34 @@ def test_a_node_of_300000_chunks_republishes_after_two_flushes_without_its_heart
         assert sample_hits() == SAMPLE
     assert "with a republish under way" in node.log
     assert f"republished {FULL_CHUNKS} chunks in" in node.log
+
+
+def test_nodes_whose_slots_swapped_in_a_flush_are_read_again_and_no_reader_deletes_their_copies(
+    node_factory, own_redis
+):
+    """Redis gives slots anew after it lost them, in the order the nodes beat: the node that beats first takes
+    slot 1. A client whose view still has the slots from before reads each republished copy under the other
+    node's id, so at that node's epoch it looked stale: the lookup read as a miss, and the client's cleanup
+    deleted both live copies of a chunk both nodes hold (an acknowledged put never found again; seen in
+    tests/faults/test_node_faults.py's Redis-kill test under load, where a restarted Redis gave slots anew)."""
+    from tests.support.index import copies, slots
+
+    first = node_factory(redis_url=own_redis.url, ns="sw")
+    second = node_factory(redis_url=own_redis.url, ns="sw")
+    r = redis.Redis(port=own_redis.port)
+    assert slots(r, "sw") == {first.node_id: 1, second.node_id: 2}
+    with SyncPoolClient(PoolConfig.from_url(f"kvpool://127.0.0.1:{own_redis.port}/sw?replicas=2")) as client:
+        client.put([Chunk("both", b"held by both nodes")])
+        assert client.hit_prefix(["both"]) == 1  # the client's view: slot 1 is the first node, slot 2 the second
+        first.pause()  # the second node beats first after the flush and takes slot 1
+        try:
+            r.flushall()
+            assert wait_until(lambda: slots(r, "sw").get(second.node_id) == 1, 20.0)
+        finally:
+            first.resume()
+        assert wait_until(lambda: len(copies(r, "sw", "both")) == 2, 20.0)  # both republished, slots swapped
+        assert slots(r, "sw") == {first.node_id: 2, second.node_id: 1}
+        assert client.hit_prefix(["both"]) == 1
+        assert [bytes(c.data) for c in client.get(["both"])] == [b"held by both nodes"]
+        assert client.counters.get("stale_entries", 0) == 0  # nothing it read looked stale to it
+        assert set(copies(r, "sw", "both")) == {first.node_id, second.node_id}

@@ -30,10 +30,11 @@ STAGE_SWEEP_INTERVAL_S = 2.0  # a scan of the directory and a tried lock per sta
 
 async def sweep_stages(ctx: NodeContext, directory: Path) -> None:
     """Until the node stops: every ``STAGE_SWEEP_INTERVAL_S``, remove the stages in ``directory`` no
-    live client holds (counted as ``stages_removed``)."""
+    live client holds (counted as ``stages_removed``; each sweep done as ``stage_sweeps``)."""
     while not ctx.stopping:
         await asyncio.sleep(STAGE_SWEEP_INTERVAL_S)
         removed = await asyncio.to_thread(remove_abandoned_stages, directory)
+        ctx.counters[NodeCounter.STAGE_SWEEPS] += 1
         if removed:
             ctx.counters[NodeCounter.STAGES_REMOVED] += removed
             logger.info(

@@ -313,6 +313,8 @@ class NvmeTier:
             except OSError as exc:
                 logger.warning("NVMe tier %s: cannot read the free space (%s)", root, exc.strerror or exc)
                 continue
+            finally:
+                self.counters[NodeCounter.DISK_RECHECKS] += 1
             if free >= self._disk_resume_bytes:
                 break
         self.disk_full = False
