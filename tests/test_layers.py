@@ -74,6 +74,7 @@ NCCL_CHANNEL_NEVER_IMPORTS = ("redis", "hiredis", "lmcache")
 PROTOCOL_PARTS = {
     "backend.protocol.frame": 0,
     "backend.protocol.meta": 1,
+    "backend.protocol.json_codec": 1,
     "backend.protocol.tokens": 2,
     "backend.protocol.puts": 3,
     "backend.protocol.reads": 3,

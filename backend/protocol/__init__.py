@@ -71,6 +71,7 @@ from backend.protocol.inventory import (
     encode_inventory_request,
     encode_inventory_response,
 )
+from backend.protocol.json_codec import JsonReport, wire
 from backend.protocol.meta import (
     ANY_FINGERPRINT,
     NO_FINGERPRINT,
@@ -274,6 +275,9 @@ __all__ = [
     "decode_events_request",
     "encode_events_response",
     "decode_events_response",
+    # json_codec
+    "JsonReport",
+    "wire",
     # reports
     "TierReport",
     "tiers_from_json",

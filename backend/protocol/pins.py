@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from backend.errors import ProtocolError
 from backend.protocol.frame import DEFAULT_LIMITS, Limits
+from backend.protocol.json_codec import JsonReport
 from backend.protocol.meta import check_key, decode_json, encode_json
 
 __all__ = [
@@ -61,9 +62,11 @@ class PinRequest:
 
 
 @dataclass(frozen=True)
-class PinRow:
+class PinRow(JsonReport):
     """One key a node pins for one owner: how many of the owner's pins hold it, when the last of them ends
     (None: never), and the chunk's size and tier (None: the node does not hold the key now)."""
+
+    what: ClassVar[str] = "a pin"
 
     key: str
     owner: str
@@ -71,16 +74,6 @@ class PinRow:
     expires_in_s: float | None
     nbytes: int | None
     tier: str | None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "owner": self.owner,
-            "refs": self.refs,
-            "expires_in_s": self.expires_in_s,
-            "nbytes": self.nbytes,
-            "tier": self.tier,
-        }
 
 
 @dataclass(frozen=True)
