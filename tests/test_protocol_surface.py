@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import ast
+import importlib
 from dataclasses import dataclass
 
 import pytest
 
 from backend.errors import ProtocolError
+from backend.protocol import CODECS, Op, OpCodec
 from backend.protocol.json_codec import JsonReport
+from backend.protocol.meta import encode_json
 from backend.protocol.pins import PinRow
-from backend.protocol.reports import NodeReport, RecentReport, TenantReport, TierReport
+from backend.protocol.reads import Release
+from backend.protocol.reports import NodeReport, Ping, RecentReport, Stat, TenantReport, TierReport
 from tests.test_class_sizes import REPO
 
 PROTOCOL = REPO / "backend" / "protocol"
@@ -94,3 +98,58 @@ def test_a_report_field_of_a_type_the_codec_cannot_read_is_a_programming_error()
 
     with pytest.raises(TypeError, match="reads no field of type"):
         Odd.from_json({"values": [1]})
+
+
+# -- the package's public surface --------------------------------------------------------------
+OP_FAMILIES = ("puts", "reads", "channel", "inventory", "pins", "events", "reports")
+HANDSHAKE_OPS = {Op.HELLO, Op.AUTH}  # their codec is backend.handshake's
+
+
+def test_the_package_exports_only_the_names_nearly_every_caller_needs() -> None:
+    import backend.protocol
+
+    assert sorted(backend.protocol.__all__) == sorted(
+        ["CODECS", "DEFAULT_LIMITS", "VERSION", "ItemMeta", "Limits", "Op", "OpCodec", "Status", "checksum"]
+    )
+    assert [name for name in backend.protocol.__all__ if not hasattr(backend.protocol, name)] == []
+    assert len((PROTOCOL / "__init__.py").read_text().splitlines()) <= 60
+
+
+def test_every_op_but_the_handshake_has_one_codec_with_both_directions() -> None:
+    assert set(CODECS) == set(Op) - HANDSHAKE_OPS
+    for op, codec in CODECS.items():
+        assert codec.op is op and issubclass(codec, OpCodec)
+        missing = [
+            m for m in ("encode_request", "decode_request", "encode_answer", "decode_answer") if not hasattr(codec, m)
+        ]
+        assert missing == [], f"{codec.__name__} lacks {missing}"
+
+
+def test_a_second_codec_for_an_op_is_refused() -> None:
+    with pytest.raises(TypeError, match="STAT already has its codec, Stat"):
+
+        class Again(OpCodec):
+            op = Op.STAT
+
+    assert CODECS[Op.STAT] is Stat
+
+
+def test_no_op_family_exports_a_loose_encode_or_decode_function() -> None:
+    loose = {
+        f"{family}.{name}"
+        for family in OP_FAMILIES
+        for name in importlib.import_module(f"backend.protocol.{family}").__all__
+        if name.startswith(("encode_", "decode_"))
+    }
+    assert loose == set(), "give the op's codec class the method instead"
+
+
+def test_the_answers_of_release_and_ping_go_through_their_codecs() -> None:
+    assert Release.decode_answer(Release.encode_answer(3)) == 3
+    assert Release.encode_answer(3) == encode_json({"released": 3})  # as the node always answered
+    assert Ping.decode_answer(Ping.encode_answer("n1", 7)) == ("n1", 7)
+    assert Stat.encode_request() == Ping.encode_request() == b""
+    with pytest.raises(ProtocolError, match="released"):
+        Release.decode_answer(encode_json({"released": True}))
+    with pytest.raises(ProtocolError, match="PING answer"):
+        Ping.decode_answer(encode_json({"node_id": 1, "epoch": 2}))

@@ -20,7 +20,7 @@ from backend.counters import NodeCounter
 from backend.errors import MetadataError
 from backend.latency import Histogram, LatencyHistograms
 from backend.metadata import LiveNamespaces, RedisMemory
-from backend.protocol import TierReport, tiers_from_json
+from backend.protocol.reports import TierReport, tiers_from_json
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""STAT: what a node reports about itself, as frozen dataclasses that are the JSON on the wire.
+"""STAT and PING: what a node reports about itself, as frozen dataclasses that are the JSON on the wire.
 
 STAT's answer is JSON (``encode_json``: keys sorted). Each part is a frozen dataclass and a
 :class:`~backend.protocol.json_codec.JsonReport`: one codec makes it its JSON object and reads
@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from backend.errors import ProtocolError
+from backend.protocol.frame import Op, OpCodec
 from backend.protocol.json_codec import JsonReport, wire
-from backend.protocol.meta import decode_json, encode_json
+from backend.protocol.meta import EmptyRequest, decode_json, encode_json
 
 __all__ = [
     "TierReport",
@@ -24,8 +25,8 @@ __all__ = [
     "RecentReport",
     "NodeReport",
     "TenantReport",
-    "encode_node_report",
-    "decode_node_report",
+    "Stat",
+    "Ping",
 ]
 
 
@@ -160,11 +161,36 @@ class NodeReport(JsonReport):
     tenants: dict[str, TenantReport] = field(default_factory=dict, metadata=wire(absent={}))
 
 
-def encode_node_report(report: NodeReport) -> bytes:
-    """Meta of a STAT answer."""
-    return encode_json(report.to_json())
+class Stat(EmptyRequest, OpCodec):
+    """STAT: an empty request, answered with the node's :class:`NodeReport`."""
+
+    op = Op.STAT
+
+    @staticmethod
+    def encode_answer(report: NodeReport) -> bytes:
+        """Meta of a STAT answer."""
+        return encode_json(report.to_json())
+
+    @staticmethod
+    def decode_answer(meta: bytes | bytearray | memoryview) -> NodeReport:
+        """A STAT answer, checked field by field."""
+        return NodeReport.from_json(decode_json(meta))
 
 
-def decode_node_report(meta: bytes | bytearray | memoryview) -> NodeReport:
-    """A STAT answer, checked field by field."""
-    return NodeReport.from_json(decode_json(meta))
+class Ping(EmptyRequest, OpCodec):
+    """PING: an empty request, answered with the node's id and epoch (a client's check that the node is up)."""
+
+    op = Op.PING
+
+    @staticmethod
+    def encode_answer(node_id: str, epoch: int) -> bytes:
+        return encode_json({"node_id": node_id, "epoch": epoch})
+
+    @staticmethod
+    def decode_answer(meta: bytes | bytearray | memoryview) -> tuple[str, int]:
+        """``(node_id, epoch)`` of a PING answer."""
+        body = decode_json(meta)
+        node_id, epoch = body.get("node_id"), body.get("epoch")
+        if not isinstance(node_id, str) or not isinstance(epoch, int) or isinstance(epoch, bool):
+            raise ProtocolError(f"PING answer wants {{node_id: str, epoch: int}}, not {str(body)[:80]}")
+        return node_id, epoch

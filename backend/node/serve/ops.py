@@ -28,44 +28,15 @@ from backend.node.stats import NodeStats
 from backend.node.store.bookkeeping import NO_SLOT
 from backend.node.store.dram import StoredChunk
 from backend.node.store.leases import MAX_LEASE_TTL_MS
-from backend.protocol import (
-    ANY_FINGERPRINT,
-    LEASE_MAP,
-    MAX_EVENTS_TOKEN_BYTES,
-    NO_FINGERPRINT,
-    NO_OFFSET,
-    EventsEntry,
-    EventsPage,
-    InventoryPage,
-    InventoryRow,
-    ItemMeta,
-    Op,
-    OtherLayout,
-    Verified,
-    decode_channel_request,
-    decode_events_request,
-    decode_get_request,
-    decode_inventory_request,
-    decode_keys,
-    decode_lease_request,
-    decode_pin_request,
-    decode_pins_request,
-    decode_put_batch,
-    decode_release,
-    decode_touch,
-    decode_unpin_request,
-    encode_channel_response,
-    encode_events_response,
-    encode_flags,
-    encode_get_response,
-    encode_inventory_response,
-    encode_json,
-    encode_lease_response,
-    encode_node_report,
-    encode_pin_response,
-    encode_pins_response,
-    encode_unpin_response,
-)
+from backend.protocol import ItemMeta, Op
+from backend.protocol.channel import ChannelGet
+from backend.protocol.events import MAX_EVENTS_TOKEN_BYTES, Events, EventsEntry, EventsPage
+from backend.protocol.inventory import Inventory, InventoryPage, InventoryRow, Verified, VerifyBatch
+from backend.protocol.meta import ANY_FINGERPRINT, NO_FINGERPRINT, OtherLayout
+from backend.protocol.pins import Pin, Pins, Unpin
+from backend.protocol.puts import PutBatch
+from backend.protocol.reads import LEASE_MAP, NO_OFFSET, DeleteBatch, ExistsBatch, GetBatch, Lease, Release, Touch
+from backend.protocol.reports import Ping, Stat
 from backend.transport import Buffer
 
 __all__ = ["OpTable"]
@@ -151,7 +122,7 @@ class OpTable:
     async def put_batch(self, request: Request, peer: Peer) -> None:
         """PUT_BATCH: its bytes received here, in stream order; verification, commit and reply in its answer."""
         config, puts = self.ctx.config, self.puts
-        items, options = decode_put_batch(request.meta, request.data_len, config.limits)
+        items, options = PutBatch.decode_request(request.meta, request.data_len, config.limits)
         try:
             self._scope(peer, [item.key for item in items])
             puts.refuse_oversized(items)
@@ -231,20 +202,20 @@ class OpTable:
 
     async def get_batch(self, meta: bytearray, peer: Peer) -> Reply:
         limits = self.ctx.config.limits
-        keys, fingerprint = decode_get_request(meta, limits)
+        keys, fingerprint = GetBatch.decode_request(meta, limits)
         self._scope(peer, keys)
         found, data = await self._fetch(keys, fingerprint, channel=False)
         self.ctx.counters[NodeCounter.GET_BYTES] += sum(item.nbytes for item in found if isinstance(item, ItemMeta))
-        return encode_get_response(found, limits, fingerprints=fingerprint is not None), data
+        return GetBatch.encode_answer(found, limits, fingerprints=fingerprint is not None), data
 
     async def exists_batch(self, meta: bytearray, peer: Peer) -> Reply:
-        tiers, keys = self.ctx.tiers, decode_keys(meta, self.ctx.config.limits)
+        tiers, keys = self.ctx.tiers, ExistsBatch.decode_request(meta, self.ctx.config.limits)
         self._scope(peer, keys)
-        return encode_flags([int(tiers.contains(key)) for key in keys]), []
+        return ExistsBatch.encode_answer([int(tiers.contains(key)) for key in keys]), []
 
     async def delete_batch(self, meta: bytearray, peer: Peer) -> Reply:
         ctx = self.ctx
-        keys = decode_keys(meta, ctx.config.limits)
+        keys = DeleteBatch.decode_request(meta, ctx.config.limits)
         self._scope(peer, keys)
         deleted = [key for key in keys if await ctx.tiers.delete(key)]
         # Their index entries go with the next flush, now if Redis answers in time: the client's answer never
@@ -253,22 +224,22 @@ class OpTable:
         await self.publisher.flush_index_within(ANSWER_FLUSH_S)
         ctx.counters[NodeCounter.DELETES] += len(deleted)
         gone = set(deleted)
-        return encode_flags([int(key in gone) for key in keys]), []
+        return DeleteBatch.encode_answer([int(key in gone) for key in keys]), []
 
     async def inventory(self, meta: bytearray, peer: Peer) -> Reply:
         """One page of what this node holds after the request's ``after`` key, in key order."""
-        after, limit = decode_inventory_request(meta)
+        after, limit = Inventory.decode_request(meta)
         held, more = self.ctx.tiers.page(after, limit)
         rows = tuple(InventoryRow(item.key, tier, item.nbytes, item.checksum) for item, tier in held)
-        return encode_inventory_response(InventoryPage(rows, more)), []
+        return Inventory.encode_answer(InventoryPage(rows, more)), []
 
     async def verify_batch(self, meta: bytearray, peer: Peer) -> Reply:
-        tiers, keys = self.ctx.tiers, decode_keys(meta, self.ctx.config.limits)
+        tiers, keys = self.ctx.tiers, VerifyBatch.decode_request(meta, self.ctx.config.limits)
         self._scope(peer, keys)
         flags = [Verified[(await tiers.verify(k)).upper()] for k in keys]
         if any(flags):  # a dropped corrupt copy leaves the index now (if Redis answers in time), not at the beat
             await self.publisher.flush_index_within(ANSWER_FLUSH_S)
-        return encode_flags(flags), []
+        return VerifyBatch.encode_answer(flags), []
 
     async def lease(self, meta: bytearray, peer: Peer) -> Reply:
         """Pin the keys this node holds for the peer (its connection); with LEASE_MAP, also answer their arena offsets.
@@ -279,7 +250,7 @@ class OpTable:
         Without LEASE_MAP this is a lock only: nothing moves, so it never waits.
         """
         ctx, tiers, counters = self.ctx, self.ctx.tiers, self.ctx.counters
-        ttl_ms, lease_flags, keys, fingerprint = decode_lease_request(meta, ctx.config.limits)
+        ttl_ms, lease_flags, keys, fingerprint = Lease.decode_request(meta, ctx.config.limits)
         if ttl_ms > MAX_LEASE_TTL_MS:
             raise ProtocolError(f"lease ttl_ms {ttl_ms} exceeds {MAX_LEASE_TTL_MS}")
         want_map = bool(lease_flags & LEASE_MAP)
@@ -315,28 +286,28 @@ class OpTable:
         lease_id = tiers.leases.grant(held, chunks, ttl_ms, owner=peer) if held else 0
         if lease_id and peer.closed:
             tiers.leases.release_owner(peer)  # it closed while we fetched: its teardown has already run
-        return encode_lease_response(lease_id, found, ctx.config.limits, fingerprints=fingerprint is not None), []
+        return Lease.encode_answer(lease_id, found, ctx.config.limits, fingerprints=fingerprint is not None), []
 
     async def release(self, meta: bytearray, peer: Peer) -> Reply:
-        lease_id, keys = decode_release(meta, self.ctx.config.limits)
+        lease_id, keys = Release.decode_request(meta, self.ctx.config.limits)
         if peer.tenant is not None and self.ctx.tiers.leases.owner_of(lease_id) is not peer:
-            return encode_json({"released": 0}), []  # a tenant ends only its own leases (ids are guessable)
-        return encode_json({"released": self.ctx.tiers.leases.release(lease_id, keys)}), []
+            return Release.encode_answer(0), []  # a tenant ends only its own leases (ids are guessable)
+        return Release.encode_answer(self.ctx.tiers.leases.release(lease_id, keys)), []
 
     async def pin(self, meta: bytearray, peer: Peer) -> Reply:
         """PIN: hold keys past any connection (``pins.py``); all or nothing, answered once saved."""
-        request = decode_pin_request(meta, self.ctx.config.limits)
+        request = Pin.decode_request(meta, self.ctx.config.limits)
         self._scope(peer, request.keys)
         held, ttl_s = await self.ctx.pins.pin(request)
-        return encode_pin_response(held, ttl_s), []
+        return Pin.encode_answer(held, ttl_s), []
 
     async def unpin(self, meta: bytearray, peer: Peer) -> Reply:
-        owner, keys = decode_unpin_request(meta, self.ctx.config.limits)
+        owner, keys = Unpin.decode_request(meta, self.ctx.config.limits)
         self._scope(peer, keys)
-        return encode_unpin_response(await self.ctx.pins.unpin(owner, keys)), []
+        return Unpin.encode_answer(await self.ctx.pins.unpin(owner, keys)), []
 
     async def pins(self, meta: bytearray, peer: Peer) -> Reply:
-        return encode_pins_response(self.ctx.pins.page(*decode_pins_request(meta))), []
+        return Pins.encode_answer(self.ctx.pins.page(*Pins.decode_request(meta))), []
 
     async def events(self, meta: bytearray, peer: Peer) -> Reply:
         """EVENTS: the ring's entries from a cursor (``events.py``), for a `kvpool events` endpoint."""
@@ -345,10 +316,10 @@ class OpTable:
             raise ProtocolError(
                 f"node {self.ctx.node_id} keeps no event ring: start it with --event-ring-keys N (docs/fleet.md)"
             )
-        since, max_keys, tokens = decode_events_request(meta)
+        since, max_keys, tokens = Events.decode_request(meta)
         page = ring.since(since, max_keys, MAX_EVENTS_TOKEN_BYTES if tokens else 0)
         entries = tuple(EventsEntry(e.seq, int(e.kind), e.keys, e.records if tokens else None) for e in page.entries)
-        return encode_events_response(EventsPage(entries, page.next_seq, page.gap)), []
+        return Events.encode_answer(EventsPage(entries, page.next_seq, page.gap)), []
 
     async def put_staged(self, meta: bytearray, peer: Peer) -> Reply:
         puts = self.puts
@@ -360,13 +331,13 @@ class OpTable:
         ctx, channel = self.ctx, self.channel
         if channel is None:
             raise ProtocolError(f"node {ctx.node_id} serves no channel (start it with --channel)")
-        request = decode_channel_request(meta, ctx.config.limits)
+        request = ChannelGet.decode_request(meta, ctx.config.limits)
         pair, keys = request.pair_id, request.keys
         if not keys:
             # Pairing: answered once the offer is taken; the join runs on with its own deadline,
             # so a slow NCCL init never holds this request (and the client's connection) open.
             await channel.start_join(pair, request.offer)
-            return encode_channel_response([], ctx.config.limits), []
+            return ChannelGet.encode_answer([], ctx.config.limits), []
         await channel.join(pair)  # NcclError: answered as an error; the client falls back to TCP
         # Keys past the limit, and of another layout, are answered null: the client reads them over TCP.
         found, buffers = await self._fetch(keys, request.fingerprint, channel=True)
@@ -374,25 +345,25 @@ class OpTable:
             # The client receives after reading the answer; the pair's lock keeps batches in order.
             ctx.spawn(channel.send(pair, buffers))
         rows = [item if isinstance(item, ItemMeta) else None for item in found]
-        return encode_channel_response(rows, ctx.config.limits, fingerprints=request.fingerprint is not None), []
+        return ChannelGet.encode_answer(rows, ctx.config.limits, fingerprints=request.fingerprint is not None), []
 
     async def touch(self, meta: bytearray, peer: Peer) -> Reply:
         """TOUCH: chains a client's lookups found, each touched as one batch (the eviction order's
         ``touch_chain``); keys not held are skipped."""
         ctx = self.ctx
-        chains = decode_touch(meta, ctx.config.limits)
+        chains = Touch.decode_request(meta, ctx.config.limits)
         for chain in chains:
             self._scope(peer, chain)
         for chain in chains:
             ctx.tiers.held.touch_chain(chain)
             ctx.counters[NodeCounter.TOUCHED_KEYS] += len(chain)
-        return encode_flags([]), []
+        return Touch.encode_answer([]), []
 
     async def stat(self, meta: bytearray, peer: Peer) -> Reply:
-        return encode_node_report(self.stats.report()), []
+        return Stat.encode_answer(self.stats.report()), []
 
     async def ping(self, meta: bytearray, peer: Peer) -> Reply:
-        return encode_json({"node_id": self.ctx.node_id, "epoch": self.ctx.epoch}), []
+        return Ping.encode_answer(self.ctx.node_id, self.ctx.epoch), []
 
 
 def _beside(answer: Answering) -> Handler:

@@ -45,7 +45,9 @@ from backend.errors import BusyError, CapacityError
 from backend.node.memory.buffers import ChunkBuffer
 from backend.node.store.dram import StoredChunk
 from backend.node.store.tiers import TierManager
-from backend.protocol import PUT_BUSY, PUT_INTEGRITY, PUT_NO_ROOM, PUT_STORED, ItemMeta, checksum_stream
+from backend.protocol import ItemMeta
+from backend.protocol.frame import checksum_stream
+from backend.protocol.puts import PUT_BUSY, PUT_INTEGRITY, PUT_NO_ROOM, PUT_STORED
 
 __all__ = ["AheadBounds", "ChunkSource", "Intake", "Received", "RoomAhead", "STAGED_WINDOW_BYTES"]
 

@@ -52,7 +52,9 @@ from backend.node.store.nvme_format import NvmeFile
 from backend.node.store.nvme_tier import NvmeTier
 from backend.node.store.quotas import TenantQuotas
 from backend.node.store.same_chunk import same_meta, slot_holds
-from backend.protocol import NO_FINGERPRINT, ItemMeta, TierReport, checksum
+from backend.protocol import ItemMeta, checksum
+from backend.protocol.meta import NO_FINGERPRINT
+from backend.protocol.reports import TierReport
 
 __all__ = ["TierConfig", "TierManager", "DRAM", "NVME"]
 
