@@ -3,7 +3,7 @@
 A PUT_BATCH's meta is its items (:meth:`PutBatch.encode_items`), then the put options; its data is
 the chunks' bytes. A PUT_STAGED carries no data: the bytes wait in the client's shared-memory
 stage on the node's host (``backend.shm``), and the meta names the stage, its token and each
-item's offset in it. Both are answered with one flag per item (``encode_flags``).
+item's offset in it. Both are answered with one flag per item (:class:`~backend.protocol.meta.FlagsAnswer`).
 """
 
 from __future__ import annotations
@@ -60,59 +60,6 @@ _PUT_OUTCOMES = {
 def put_outcome(flag: int) -> PutOutcome:
     """The outcome a node's PUT flag stands for (a flag this side does not know: the chunk is not stored)."""
     return _PUT_OUTCOMES.get(flag, PutOutcome.FAILED)
-
-
-class PutBatch(FlagsAnswer, OpCodec):
-    """PUT_BATCH: the items and put options, the chunks' bytes as data; answered with a put flag per item."""
-
-    op = Op.PUT_BATCH
-
-    @staticmethod
-    def encode_items(items: Sequence[ItemMeta], limits: Limits = DEFAULT_LIMITS) -> bytes:
-        """Meta of a PUT_BATCH request: item count, then each item's meta."""
-        if len(items) > limits.max_items:
-            raise ProtocolError(f"{len(items)} items exceed the limit of {limits.max_items}")
-        out = bytearray(U32.pack(len(items)))
-        for item in items:
-            write_item(out, item, limits)
-        return bounded(out, limits)
-
-    @staticmethod
-    def decode_items(
-        meta: bytes | bytearray | memoryview, data_len: int, limits: Limits = DEFAULT_LIMITS
-    ) -> list[ItemMeta]:
-        """Decode PUT_BATCH meta and check the items add up to the declared data length."""
-        reader = MetaReader(meta)
-        items = [read_item(reader, limits) for _ in range(reader.count(limits))]
-        reader.done()
-        total = sum(item.nbytes for item in items)
-        if total != data_len:
-            raise ProtocolError(f"items declare {total} bytes but the frame carries {data_len}")
-        return items
-
-    @staticmethod
-    def encode_request(items: Sequence[ItemMeta], options: PutOptions, limits: Limits = DEFAULT_LIMITS) -> bytes:
-        """Meta of a PUT_BATCH request: the items (as :meth:`PutBatch.encode_items`), then the put options and, when an
-        item has a layout fingerprint, every item's fingerprint."""
-        head = PutBatch.encode_items(items, limits)
-        return bounded(
-            bytearray(head + _options_and_fingerprints(items, options, limits.max_meta_bytes - len(head))), limits
-        )
-
-    @staticmethod
-    def decode_request(
-        meta: bytes | bytearray | memoryview, data_len: int, limits: Limits = DEFAULT_LIMITS
-    ) -> tuple[list[ItemMeta], PutOptions]:
-        """Decode PUT_BATCH meta (items, the put options and fingerprints if present); the items must add up to
-        ``data_len``."""
-        reader = MetaReader(meta)
-        items = [read_item(reader, limits) for _ in range(reader.count(limits))]
-        items, options = _put_trailer(reader, items)
-        reader.done()
-        total = sum(item.nbytes for item in items)
-        if total != data_len:
-            raise ProtocolError(f"items declare {total} bytes but the frame carries {data_len}")
-        return items, options
 
 
 # -- put options: a PUT_BATCH's or PUT_STAGED's optional trailer ---------------------------
@@ -178,6 +125,59 @@ def _options_and_fingerprints(items: Sequence[ItemMeta], options: PutOptions, ro
     if section or any(item.fingerprint for item in items):
         out += struct.pack(f"<{len(items)}Q", *(item.fingerprint for item in items))
     return out + section
+
+
+class PutBatch(FlagsAnswer, OpCodec):
+    """PUT_BATCH: the items and put options, the chunks' bytes as data; answered with a put flag per item."""
+
+    op = Op.PUT_BATCH
+
+    @staticmethod
+    def encode_items(items: Sequence[ItemMeta], limits: Limits = DEFAULT_LIMITS) -> bytes:
+        """Meta of a PUT_BATCH request: item count, then each item's meta."""
+        if len(items) > limits.max_items:
+            raise ProtocolError(f"{len(items)} items exceed the limit of {limits.max_items}")
+        out = bytearray(U32.pack(len(items)))
+        for item in items:
+            write_item(out, item, limits)
+        return bounded(out, limits)
+
+    @staticmethod
+    def decode_items(
+        meta: bytes | bytearray | memoryview, data_len: int, limits: Limits = DEFAULT_LIMITS
+    ) -> list[ItemMeta]:
+        """Decode PUT_BATCH meta and check the items add up to the declared data length."""
+        reader = MetaReader(meta)
+        items = [read_item(reader, limits) for _ in range(reader.count(limits))]
+        reader.done()
+        total = sum(item.nbytes for item in items)
+        if total != data_len:
+            raise ProtocolError(f"items declare {total} bytes but the frame carries {data_len}")
+        return items
+
+    @staticmethod
+    def encode_request(items: Sequence[ItemMeta], options: PutOptions, limits: Limits = DEFAULT_LIMITS) -> bytes:
+        """Meta of a PUT_BATCH request: the items (as :meth:`PutBatch.encode_items`), then the put options and, when an
+        item has a layout fingerprint, every item's fingerprint."""
+        head = PutBatch.encode_items(items, limits)
+        return bounded(
+            bytearray(head + _options_and_fingerprints(items, options, limits.max_meta_bytes - len(head))), limits
+        )
+
+    @staticmethod
+    def decode_request(
+        meta: bytes | bytearray | memoryview, data_len: int, limits: Limits = DEFAULT_LIMITS
+    ) -> tuple[list[ItemMeta], PutOptions]:
+        """Decode PUT_BATCH meta (items, the put options and fingerprints if present); the items must add up to
+        ``data_len``."""
+        reader = MetaReader(meta)
+        items = [read_item(reader, limits) for _ in range(reader.count(limits))]
+        items, options = _put_trailer(reader, items)
+        reader.done()
+        total = sum(item.nbytes for item in items)
+        if total != data_len:
+            raise ProtocolError(f"items declare {total} bytes but the frame carries {data_len}")
+        return items, options
 
 
 MAX_STAGE_NAME_BYTES = 64

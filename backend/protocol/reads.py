@@ -1,4 +1,4 @@
-"""GET_BATCH's answer, and LEASE/RELEASE: a same-host read pins keys, reads the node's arena, lets go.
+"""The key ops: EXISTS, DELETE, GET_BATCH, LEASE and RELEASE (a same-host read pins, reads the arena, lets go), TOUCH.
 
 A TOUCH is chains of keys (each in prefix order) that lookups found: a count of chains,
 then each chain as a key list; at most ``limits.max_items`` keys in all. It is answered
@@ -6,7 +6,7 @@ with an empty flag list.
 
 EXISTS and DELETE requests are a key list (``encode_keys``), answered with a flag per key
 (``encode_flags``). A GET is a key list and the reader's layout fingerprint
-(:func:`GetBatch.encode_request`), answered with :func:`GetBatch.encode_answer`; a LEASE is answered
+(:meth:`GetBatch.encode_request`), answered with :meth:`GetBatch.encode_answer`; a LEASE is answered
 like a GET plus, per found key, its offset in the node's arena. A GET or LEASE of an older
 client carries no fingerprint: it is answered in the older form (no fingerprints, and a chunk
 of another layout as not found).
@@ -72,57 +72,6 @@ class DeleteBatch(KeysRequest, FlagsAnswer, OpCodec):
     op = Op.DELETE_BATCH
 
 
-class GetBatch(OpCodec):
-    """GET_BATCH: keys and the reader's layout fingerprint; answered per key with its item (bytes as data) or a miss."""
-
-    op = Op.GET_BATCH
-
-    @staticmethod
-    def encode_request(keys: Sequence[str], fingerprint: int, limits: Limits = DEFAULT_LIMITS) -> bytes:
-        """Meta of a GET_BATCH request: the keys (as :func:`encode_keys`), then the reader's layout fingerprint."""
-        return bounded(bytearray(encode_keys(keys, limits) + U64.pack(check_fingerprint(fingerprint, "GET"))), limits)
-
-    @staticmethod
-    def decode_request(
-        meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
-    ) -> tuple[list[str], int | None]:
-        """``(keys, the reader's layout fingerprint)`` of a GET_BATCH request (None: an older client's, without one)."""
-        return _keys_and_fingerprint(MetaReader(meta), limits, "GET")
-
-    @staticmethod
-    def encode_answer(
-        found: Sequence[ItemMeta | OtherLayout | None], limits: Limits = DEFAULT_LIMITS, *, fingerprints: bool = True
-    ) -> bytes:
-        """Meta of a GET_BATCH response: per key a found byte and, if found, the item and its layout fingerprint.
-        ``fingerprints=False``: the older form, for a request without a fingerprint (another layout: not found)."""
-        out = bytearray(U32.pack(len(found)))
-        for entry in found:
-            _write_answer(out, entry, limits, fingerprints)
-        return bounded(out, limits)
-
-    @staticmethod
-    def decode_answer(
-        meta: bytes | bytearray | memoryview,
-        keys: Sequence[str],
-        data_len: int,
-        limits: Limits = DEFAULT_LIMITS,
-        *,
-        fingerprints: bool = True,
-    ) -> list[ItemMeta | OtherLayout | None]:
-        """Per key: its item (hits; their payloads are the data section, in key order), OtherLayout, or None.
-        ``fingerprints``: whether the request carried the reader's fingerprint (:func:`GetBatch.encode_request`)."""
-        reader = MetaReader(meta)
-        found = [
-            a[0] if isinstance(a, tuple) else a
-            for a in _decode_answers(reader, keys, "GET", limits, offsets=False, fingerprints=fingerprints)
-        ]
-        reader.done()
-        total = sum(item.nbytes for item in found if isinstance(item, ItemMeta))
-        if total != data_len:
-            raise ProtocolError(f"GET response declares {total} bytes but carries {data_len}")
-        return found
-
-
 def _write_answer(out: bytearray, entry: ItemMeta | OtherLayout | None, limits: Limits, fingerprints: bool) -> bool:
     """Append one key's found byte and, for a hit, its item (and fingerprint); True for a hit."""
     if entry is None or isinstance(entry, OtherLayout):
@@ -166,6 +115,57 @@ def _decode_answers(
             offset = None if raw == NO_OFFSET else int(raw)
         found.append((item, offset))
     return found
+
+
+class GetBatch(OpCodec):
+    """GET_BATCH: keys and the reader's layout fingerprint; answered per key with its item (bytes as data) or a miss."""
+
+    op = Op.GET_BATCH
+
+    @staticmethod
+    def encode_request(keys: Sequence[str], fingerprint: int, limits: Limits = DEFAULT_LIMITS) -> bytes:
+        """Meta of a GET_BATCH request: the keys (as :func:`encode_keys`), then the reader's layout fingerprint."""
+        return bounded(bytearray(encode_keys(keys, limits) + U64.pack(check_fingerprint(fingerprint, "GET"))), limits)
+
+    @staticmethod
+    def decode_request(
+        meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+    ) -> tuple[list[str], int | None]:
+        """``(keys, the reader's layout fingerprint)`` of a GET_BATCH request (None: an older client's, without one)."""
+        return _keys_and_fingerprint(MetaReader(meta), limits, "GET")
+
+    @staticmethod
+    def encode_answer(
+        found: Sequence[ItemMeta | OtherLayout | None], limits: Limits = DEFAULT_LIMITS, *, fingerprints: bool = True
+    ) -> bytes:
+        """Meta of a GET_BATCH response: per key a found byte and, if found, the item and its layout fingerprint.
+        ``fingerprints=False``: the older form, for a request without a fingerprint (another layout: not found)."""
+        out = bytearray(U32.pack(len(found)))
+        for entry in found:
+            _write_answer(out, entry, limits, fingerprints)
+        return bounded(out, limits)
+
+    @staticmethod
+    def decode_answer(
+        meta: bytes | bytearray | memoryview,
+        keys: Sequence[str],
+        data_len: int,
+        limits: Limits = DEFAULT_LIMITS,
+        *,
+        fingerprints: bool = True,
+    ) -> list[ItemMeta | OtherLayout | None]:
+        """Per key: its item (hits; their payloads are the data section, in key order), OtherLayout, or None.
+        ``fingerprints``: whether the request carried the reader's fingerprint (:meth:`GetBatch.encode_request`)."""
+        reader = MetaReader(meta)
+        found = [
+            a[0] if isinstance(a, tuple) else a
+            for a in _decode_answers(reader, keys, "GET", limits, offsets=False, fingerprints=fingerprints)
+        ]
+        reader.done()
+        total = sum(item.nbytes for item in found if isinstance(item, ItemMeta))
+        if total != data_len:
+            raise ProtocolError(f"GET response declares {total} bytes but carries {data_len}")
+        return found
 
 
 class Lease(OpCodec):
