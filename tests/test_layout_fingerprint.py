@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.client import BytesSink, connection
+from backend.client import BytesSink
 from backend.config import PoolConfig
 from backend.counters import ClientCounter, NodeCounter
 from backend.errors import ProtocolError
@@ -186,8 +186,8 @@ async def test_an_older_clients_get_without_a_fingerprint_is_answered_in_the_old
         (node,) = await client.nodes(refresh=True)
         keys = ["with-f", "without"]
         # A GET as an older build sends it (keys only), its answer read with that build's decoder.
-        older = functools.partial(connection.decode_get_response, fingerprints=False)
-        monkeypatch.setattr(connection, "GetBatch.decode_answer", older)
+        older = functools.partial(GetBatch.decode_answer, fingerprints=False)
+        monkeypatch.setattr(GetBatch, "decode_answer", staticmethod(older))
         answer = await client.connections.to(node).request(
             Op.GET_BATCH, encode_keys(keys), keys=keys, sink=BytesSink(), expect_bytes=8 * KIB
         )
