@@ -1,7 +1,7 @@
 """The read-only verbs: ``status``, ``nodes``, ``ls`` and ``stats``.
 
 ``status``, ``nodes`` and ``stats`` return typed values (:class:`PoolStatus`, :class:`NodeRow`,
-:class:`PoolStats`) built from the nodes' typed STAT answers (``backend.protocol.NodeReport``);
+:class:`PoolStats`) built from the nodes' typed STAT answers (``backend.protocol.reports.NodeReport``);
 ``ls`` streams JSON-ready rows, one SCAN batch at a time.
 """
 
