@@ -14,7 +14,7 @@ from backend.protocol.json_codec import JsonReport
 from backend.protocol.meta import encode_json
 from backend.protocol.pins import PinRow
 from backend.protocol.reads import Release
-from backend.protocol.reports import NodeReport, Ping, RecentReport, Stat, TenantReport, TierReport
+from backend.protocol.reports import NodeReport, Ping, RecentReport, Stat, TenantReport, TierReport, tiers_from_json
 from tests.test_class_sizes import REPO
 
 PROTOCOL = REPO / "backend" / "protocol"
@@ -153,3 +153,13 @@ def test_the_answers_of_release_and_ping_go_through_their_codecs() -> None:
         Release.decode_answer(encode_json({"released": True}))
     with pytest.raises(ProtocolError, match="PING answer"):
         Ping.decode_answer(encode_json({"node_id": 1, "epoch": 2}))
+
+
+def test_a_nodes_tiers_are_read_by_the_same_codec() -> None:
+    assert tiers_from_json({"nvme": {"capacity_bytes": 8, "used_bytes": 0, "objects": 0, "disk_full": True}}) == {
+        "nvme": TierReport(8, 0, 0, disk_full=True)
+    }
+    with pytest.raises(ProtocolError, match="a node's tiers is \\[\\], not an object"):
+        tiers_from_json([])
+    with pytest.raises(ProtocolError, match="a node's tier: 'objects' is x, not int"):
+        tiers_from_json({"dram": {"capacity_bytes": 8, "used_bytes": 0, "objects": "x"}})

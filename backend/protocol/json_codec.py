@@ -20,7 +20,7 @@ from typing import Any, ClassVar, TypeVar, Union
 
 from backend.errors import ProtocolError
 
-__all__ = ["JsonReport", "wire"]
+__all__ = ["JsonReport", "wire", "read_json"]
 
 R = TypeVar("R", bound="JsonReport")
 
@@ -74,6 +74,12 @@ class JsonReport:
             if name not in values and f.metadata.get(_ABSENT_AS):
                 values[name] = values[f.metadata[_ABSENT_AS]]
         return cls(**values)
+
+
+def read_json(kind: Any, value: Any, what: str) -> Any:
+    """``value`` checked as ``kind``, a type a report's field may have (``dict[str, TierReport]``, ...);
+    ProtocolError naming ``what`` otherwise."""
+    return _decode(kind, value, what)
 
 
 def _encode(value: Any) -> Any:

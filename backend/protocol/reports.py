@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from backend.errors import ProtocolError
 from backend.protocol.frame import Op, OpCodec
-from backend.protocol.json_codec import JsonReport, wire
+from backend.protocol.json_codec import JsonReport, read_json, wire
 from backend.protocol.meta import EmptyRequest, decode_json, encode_json
 
 __all__ = [
@@ -43,10 +43,9 @@ class TierReport(JsonReport):
 
 
 def tiers_from_json(body: Any) -> dict[str, TierReport]:
-    """A node's ``tiers`` object: tier name -> :class:`TierReport`."""
-    if not isinstance(body, dict):
-        raise ProtocolError(f"a node's tiers are {str(body)[:80]}, not an object")
-    return {str(name): TierReport.from_json(tier) for name, tier in body.items()}
+    """A node's ``tiers`` object (in STAT and in its registry entry): tier name -> :class:`TierReport`."""
+    tiers: dict[str, TierReport] = read_json(dict[str, TierReport], body, "a node's tiers")
+    return tiers
 
 
 @dataclass(frozen=True)
