@@ -49,7 +49,7 @@ import weakref
 
 import numpy as np
 
-from backend.protocol import checksum_stream
+from backend.protocol.frame import checksum_stream
 
 __all__ = [
     "ARENA_MAGIC",

@@ -15,7 +15,9 @@ from typing import Generic, TypeVar
 
 from backend.counters import ChannelCounter
 from backend.errors import KVPoolError, NcclError
-from backend.protocol import ANY_FINGERPRINT, ItemMeta, decode_channel_response, encode_channel_request
+from backend.protocol import ItemMeta
+from backend.protocol.channel import ChannelGet
+from backend.protocol.meta import ANY_FINGERPRINT
 from nccl_channel.link import Link, Transport, transfer_timeout
 from nccl_channel.outcome import ChannelResult, Landed, NotBrought, Why
 from nccl_channel.pairs import MAX_PAIRS, PAIR_TIMEOUT_S, Pair, PairCache, Peer, Request, Sink, abort_joined, in_thread
@@ -139,7 +141,7 @@ class NcclChannel(Generic[N]):
             )
             try:
                 # Answered as soon as the node took the offer; its join runs on in the background.
-                await self._request(node, encode_channel_request(pair_id, [], offer.digest()))
+                await self._request(node, ChannelGet.encode_request(pair_id, [], offer.digest()))
             except BaseException:
                 self.transport.discard(state)  # a CPU accept fails at once instead of at its deadline
                 joining.add_done_callback(abort_joined)
@@ -175,8 +177,10 @@ class NcclChannel(Generic[N]):
             raise _untyped(exc, f"pairing with node {node.node_id}") from exc
         async with pair.lock:
             try:
-                reply = await self._request(node, encode_channel_request(pair.pair_id, keys, fingerprint=fingerprint))
-                found = decode_channel_response(reply, keys)
+                reply = await self._request(
+                    node, ChannelGet.encode_request(pair.pair_id, keys, fingerprint=fingerprint)
+                )
+                found = ChannelGet.decode_answer(reply, keys)
                 total = sum(item.nbytes for item in found if item is not None)
                 timeout_s = transfer_timeout(self.timeout_s, total)
                 results = await self._receive(pair, found, sink, timeout_s, fingerprint)

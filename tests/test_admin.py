@@ -19,7 +19,7 @@ from backend.errors import CapacityError, ProtocolError
 from backend.metadata import Location, MetadataStore, NodeInfo
 from backend.node.memory.arena import room_of
 from backend.node.store.nvme_format import chunk_path, read_header
-from backend.protocol import InventoryRow, Verified
+from backend.protocol.inventory import InventoryRow, Verified
 from kvpool import Chunk, PoolConfig, SyncPoolClient
 from tests.conftest import REPO, NodeProcess
 from tests.support.cli import kvpool

@@ -27,7 +27,9 @@ import zmq.asyncio
 from backend.errors import ProtocolError
 from backend.events import EndpointConfig, EventsEndpoint, curve_keys
 from backend.events.view import sub_block_hashes
-from backend.protocol import ChunkTokens, ItemMeta, PutOptions, decode_put_batch, encode_put_batch, encode_record
+from backend.protocol import ItemMeta
+from backend.protocol.puts import PutBatch, PutOptions
+from backend.protocol.tokens import ChunkTokens, encode_record
 from kvpool import Chunk, PoolClient, PoolConfig
 from tests.support import vllm_events
 from tests.support.waits import until
@@ -317,37 +319,29 @@ async def test_a_client_with_tokens_puts_to_a_node_without_a_ring_as_to_any_othe
 def test_an_older_put_decodes_and_a_put_with_tokens_round_trips_and_a_bad_section_is_refused():
     items = [ItemMeta("a", 3, 1, "uint8", (3,), 0), ItemMeta("b", 2, 1, "uint8", (2,), 0, 7)]
     record = encode_record(ChunkTokens(0xFFFF_FFFF_FFFF_FFFE, [5, 6, 7]))
-    with_tokens = encode_put_batch(items, PutOptions(9, 100, {"a": record}))
-    decoded, options = decode_put_batch(with_tokens, 5)
+    with_tokens = PutBatch.encode_request(items, PutOptions(9, 100, {"a": record}))
+    decoded, options = PutBatch.decode_request(with_tokens, 5)
     assert (
         options.tokens == {"a": record}
         and decoded[1].fingerprint == 7
         and (options.put_id, options.wait_ms) == (9, 100)
     )
-    older = encode_put_batch(items, PutOptions(9, 100))  # no records: byte for byte the older form
-    assert older == with_tokens[: len(older)] and decode_put_batch(older, 5)[1].tokens is None
-    assert decode_put_batch(older[:-16], 5)[1] == PutOptions(9, 100)  # options only, no fingerprints
+    older = PutBatch.encode_request(items, PutOptions(9, 100))  # no records: byte for byte the older form
+    assert older == with_tokens[: len(older)] and PutBatch.decode_request(older, 5)[1].tokens is None
+    assert PutBatch.decode_request(older[:-16], 5)[1] == PutOptions(9, 100)  # options only, no fingerprints
     bad_version = bytearray(with_tokens)
     bad_version[len(older)] = 2
     with pytest.raises(ProtocolError, match="put tokens of version 2"):
-        decode_put_batch(bytes(bad_version), 5)
+        PutBatch.decode_request(bytes(bad_version), 5)
     with pytest.raises(ProtocolError, match=r"malformed|truncated"):
-        decode_put_batch(with_tokens[:-1], 5)
+        PutBatch.decode_request(with_tokens[:-1], 5)
     with pytest.raises(ValueError, match=r"outside 0\.\.2\^32-1"):
         encode_record(ChunkTokens(None, [1 << 32]))
 
 
 def test_the_ring_keeps_records_only_in_their_entries_and_an_answer_is_bounded_by_their_bytes():
     from backend.node.events import ENTRY_TOKEN_BYTES, EventRing
-    from backend.protocol import (
-        MAX_EVENTS_TOKEN_BYTES,
-        EventsEntry,
-        EventsPage,
-        decode_events_request,
-        decode_events_response,
-        encode_events_request,
-        encode_events_response,
-    )
+    from backend.protocol.events import MAX_EVENTS_TOKEN_BYTES, Events, EventsEntry, EventsPage
 
     record = encode_record(ChunkTokens(7, list(range(256))))  # 1,038 bytes: a 256-token chunk
     per_entry = ENTRY_TOKEN_BYTES // len(record)
@@ -364,10 +358,10 @@ def test_the_ring_keeps_records_only_in_their_entries_and_an_answer_is_bounded_b
     assert all(e.records is None for e in ring.since(0, 100_000).entries)
 
     # EVENTS: an older reader's request is the older bytes, and it is answered without records.
-    assert decode_events_request(encode_events_request(3, 10)) == (3, 10, False)
-    assert decode_events_request(encode_events_request(3, 10, tokens=True)) == (3, 10, True)
-    answer = decode_events_response(
-        encode_events_response(EventsPage((EventsEntry(0, 1, ("a", "b"), (record, None)),), 1, False))
+    assert Events.decode_request(Events.encode_request(3, 10)) == (3, 10, False)
+    assert Events.decode_request(Events.encode_request(3, 10, tokens=True)) == (3, 10, True)
+    answer = Events.decode_answer(
+        Events.encode_answer(EventsPage((EventsEntry(0, 1, ("a", "b"), (record, None)),), 1, False))
     )
     assert answer.entries[0].tokens == (ChunkTokens(7, tuple(range(256))), None)
 

@@ -300,7 +300,8 @@ def test_a_lookups_touch_keeps_a_looked_up_only_prefix_in_the_pool(node_factory,
     then its head."""
     import asyncio
 
-    from backend.protocol import Op, encode_touch
+    from backend.protocol import Op
+    from backend.protocol.reads import Touch
     from kvpool import PoolClient
 
     ns = f"touch-{int(touched)}"
@@ -314,7 +315,7 @@ def test_a_lookups_touch_keeps_a_looked_up_only_prefix_in_the_pool(node_factory,
             await client.put(b)
             if touched:
                 (node,) = await client.nodes(refresh=True)
-                answer = await client.connections.to(node).request(Op.TOUCH, encode_touch([[x.key for x in a]]))
+                answer = await client.connections.to(node).request(Op.TOUCH, Touch.encode_request([[x.key for x in a]]))
                 assert answer is not None
             await client.put(c)  # 12 chunks in a DRAM of 10: two leave
             return [await client.hit_prefix([x.key for x in chain]) for chain in (a, b, c)]

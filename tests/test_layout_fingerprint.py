@@ -16,37 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from backend.client import BytesSink, connection
+from backend.client import BytesSink
 from backend.config import PoolConfig
 from backend.counters import ClientCounter, NodeCounter
 from backend.errors import ProtocolError
 from backend.lmcache.layout import CANONICAL_VERSION, KVLayout, fingerprint_of
 from backend.node.store.nvme_format import CHUNKS_DIR, read_header
-from backend.protocol import (
-    ANY_FINGERPRINT,
-    ItemMeta,
-    Op,
-    OtherLayout,
-    PutOptions,
-    decode_channel_request,
-    decode_channel_response,
-    decode_get_request,
-    decode_get_response,
-    decode_lease_request,
-    decode_lease_response,
-    decode_put_batch,
-    decode_put_staged,
-    encode_channel_request,
-    encode_channel_response,
-    encode_get_request,
-    encode_get_response,
-    encode_items,
-    encode_keys,
-    encode_lease_request,
-    encode_lease_response,
-    encode_put_batch,
-    encode_put_staged,
-)
+from backend.protocol import ItemMeta, Op
+from backend.protocol.channel import ChannelGet
+from backend.protocol.meta import ANY_FINGERPRINT, OtherLayout, encode_keys
+from backend.protocol.puts import PutBatch, PutOptions, PutStaged
+from backend.protocol.reads import GetBatch, Lease
 from kvpool import Chunk, PoolClient, SyncPoolClient
 from tests.support.recovery import wait_recovered
 from tests.support.waits import wait_until
@@ -64,51 +44,61 @@ def _item(key: str, fingerprint: int = 0, nbytes: int = 8) -> ItemMeta:
 
 def test_a_put_carries_each_items_fingerprint_and_an_older_clients_put_reads_as_none():
     items = [_item("a", F), _item("b"), _item("c", G)]
-    decoded, options = decode_put_batch(encode_put_batch(items, PutOptions(9, 50)), 24)
+    decoded, options = PutBatch.decode_request(PutBatch.encode_request(items, PutOptions(9, 50)), 24)
     assert decoded == items and options == PutOptions(9, 50)
     plain = [_item("a"), _item("b")]
-    assert len(encode_put_batch(plain, PutOptions(9, 50))) == len(encode_items(plain)) + 12  # no fingerprints sent
-    assert decode_put_batch(encode_put_batch(plain, PutOptions(9, 50)), 16)[0] == plain
-    assert decode_put_batch(encode_items(plain), 16) == (plain, PutOptions())  # an older client: no options
-    staged = decode_put_staged(encode_put_staged("s", "t" * 32, items, [0, 8, 16], options=PutOptions(3, 10)))
+    assert (
+        len(PutBatch.encode_request(plain, PutOptions(9, 50))) == len(PutBatch.encode_items(plain)) + 12
+    )  # no fingerprints sent
+    assert PutBatch.decode_request(PutBatch.encode_request(plain, PutOptions(9, 50)), 16)[0] == plain
+    assert PutBatch.decode_request(PutBatch.encode_items(plain), 16) == (
+        plain,
+        PutOptions(),
+    )  # an older client: no options
+    staged = PutStaged.decode_request(
+        PutStaged.encode_request("s", "t" * 32, items, [0, 8, 16], options=PutOptions(3, 10))
+    )
     assert staged[2] == items and staged[3] == [0, 8, 16]
     # Bytes after the fingerprints are read as the put's token section (docs/protocol.md, "Put tokens"):
     # one that is not a section is refused naming its version, not skipped.
     with pytest.raises(ProtocolError, match="put tokens of version 0"):
-        decode_put_batch(encode_put_batch(items, PutOptions(9, 50)) + b"\0" * 8, 24)
+        PutBatch.decode_request(PutBatch.encode_request(items, PutOptions(9, 50)) + b"\0" * 8, 24)
     with pytest.raises(ProtocolError, match="not a stored one"):
-        encode_put_batch([_item("a", ANY_FINGERPRINT)], PutOptions())
+        PutBatch.encode_request([_item("a", ANY_FINGERPRINT)], PutOptions())
 
 
 def test_a_get_carries_the_readers_fingerprint_and_is_answered_in_the_form_it_asked():
     keys = ["a", "b", "c"]
-    assert decode_get_request(encode_get_request(keys, F)) == (keys, F)
-    assert decode_get_request(encode_keys(keys)) == (keys, None)  # an older client's GET
+    assert GetBatch.decode_request(GetBatch.encode_request(keys, F)) == (keys, F)
+    assert GetBatch.decode_request(encode_keys(keys)) == (keys, None)  # an older client's GET
     found = [_item("a", F), OtherLayout("b"), None]
-    assert decode_get_response(encode_get_response(found), keys, 8) == found
+    assert GetBatch.decode_answer(GetBatch.encode_answer(found), keys, 8) == found
     # The older form: no fingerprints, and a chunk of another layout is plain not found.
-    older = decode_get_response(encode_get_response(found, fingerprints=False), keys, 8, fingerprints=False)
+    older = GetBatch.decode_answer(GetBatch.encode_answer(found, fingerprints=False), keys, 8, fingerprints=False)
     assert older == [_item("a"), None, None]
 
 
 def test_a_lease_for_a_read_carries_the_fingerprint_and_a_lock_none():
     keys = ["a", "b"]
-    assert decode_lease_request(encode_lease_request(keys, 100, 1, fingerprint=F)) == (100, 1, keys, F)
-    assert decode_lease_request(encode_lease_request(keys, 100, 0)) == (100, 0, keys, None)
-    answer = encode_lease_response(5, [(_item("a", F), 64), OtherLayout("b")], fingerprints=True)
-    assert decode_lease_response(answer, keys, fingerprints=True) == (5, [(_item("a", F), 64), OtherLayout("b")])
+    assert Lease.decode_request(Lease.encode_request(keys, 100, 1, fingerprint=F)) == (100, 1, keys, F)
+    assert Lease.decode_request(Lease.encode_request(keys, 100, 0)) == (100, 0, keys, None)
+    answer = Lease.encode_answer(5, [(_item("a", F), 64), OtherLayout("b")], fingerprints=True)
+    assert Lease.decode_answer(answer, keys, fingerprints=True) == (5, [(_item("a", F), 64), OtherLayout("b")])
 
 
 def test_a_channel_get_carries_the_fingerprint_and_reads_an_older_nodes_rows_as_none():
-    request = decode_channel_request(encode_channel_request("pair", ["a"], fingerprint=F))
+    request = ChannelGet.decode_request(ChannelGet.encode_request("pair", ["a"], fingerprint=F))
     assert request.fingerprint == F
-    assert decode_channel_request(b'{"session":"pair","keys":["a"]}').fingerprint is None
-    assert decode_channel_response(encode_channel_response([_item("a", F), None]), ["a", "b"]) == [_item("a", F), None]
-    older = encode_channel_response([_item("a", F)], fingerprints=False)
-    assert decode_channel_response(older, ["a"]) == [_item("a")]
+    assert ChannelGet.decode_request(b'{"session":"pair","keys":["a"]}').fingerprint is None
+    assert ChannelGet.decode_answer(ChannelGet.encode_answer([_item("a", F), None]), ["a", "b"]) == [
+        _item("a", F),
+        None,
+    ]
+    older = ChannelGet.encode_answer([_item("a", F)], fingerprints=False)
+    assert ChannelGet.decode_answer(older, ["a"]) == [_item("a")]
     for bad in ('"F"', "-1", str(2**64), "true", "1.5"):  # the one u64 check every fingerprint goes through
         with pytest.raises(ProtocolError, match=r"CHANNEL_GET: layout fingerprint .* is not a u64"):
-            decode_channel_request(b'{"session":"pair","keys":["a"],"fingerprint":' + bad.encode() + b"}")
+            ChannelGet.decode_request(b'{"session":"pair","keys":["a"],"fingerprint":' + bad.encode() + b"}")
 
 
 # -- the canonical form ---------------------------------------------------------------------
@@ -196,8 +186,8 @@ async def test_an_older_clients_get_without_a_fingerprint_is_answered_in_the_old
         (node,) = await client.nodes(refresh=True)
         keys = ["with-f", "without"]
         # A GET as an older build sends it (keys only), its answer read with that build's decoder.
-        older = functools.partial(connection.decode_get_response, fingerprints=False)
-        monkeypatch.setattr(connection, "decode_get_response", older)
+        older = functools.partial(GetBatch.decode_answer, fingerprints=False)
+        monkeypatch.setattr(GetBatch, "decode_answer", staticmethod(older))
         answer = await client.connections.to(node).request(
             Op.GET_BATCH, encode_keys(keys), keys=keys, sink=BytesSink(), expect_bytes=8 * KIB
         )

@@ -378,7 +378,7 @@ class HybridEngine:
 def test_an_object_of_two_shape_groups_is_stored_and_read_back_whole_by_another_engine(
     node_factory, pool_url, tmp_path
 ):
-    from backend.protocol import ANY_FINGERPRINT
+    from backend.protocol.meta import ANY_FINGERPRINT
     from kvpool import Chunk, PoolConfig, SyncPoolClient
 
     node_factory()

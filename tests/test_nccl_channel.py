@@ -16,7 +16,9 @@ import pytest
 
 from backend.client import BytesSink, SyncPoolClient
 from backend.metadata import MetadataStore
-from backend.protocol import Op, encode_channel_request, encode_json
+from backend.protocol import Op
+from backend.protocol.channel import ChannelGet
+from backend.protocol.meta import encode_json
 from kvpool import Chunk, KVPoolError, NcclError, PoolClient, PoolConfig, ProtocolError
 from nccl_channel.channel import ChannelServer, CpuTransport, NcclChannel
 from nccl_channel.outcome import Landed, NotBrought, Why
@@ -213,18 +215,18 @@ async def test_a_node_of_another_cluster_or_without_channel_is_not_served(node_f
     assert not channel.serves(nodes[other.node_id])
     assert not channel.serves(nodes[plain.node_id])
     with pytest.raises(KVPoolError, match="serves no channel"):
-        await client.channel_request(nodes[plain.node_id], encode_channel_request(new_pair_id(), []))
+        await client.channel_request(nodes[plain.node_id], ChannelGet.encode_request(new_pair_id(), []))
 
 
 async def test_a_node_refuses_an_unknown_session_and_a_malformed_request(node_factory, client):
     node = node_factory("--cluster", CLUSTER, "--channel", "cpu")
     info = await _node_info(client, node.node_id)
     with pytest.raises(KVPoolError, match="never paired"):
-        await client.channel_request(info, encode_channel_request(new_pair_id(), ["k"]))
+        await client.channel_request(info, ChannelGet.encode_request(new_pair_id(), ["k"]))
     with pytest.raises(KVPoolError, match="missing or expired"):
-        await client.channel_request(info, encode_channel_request(new_pair_id(), [], "d" * 64))
+        await client.channel_request(info, ChannelGet.encode_request(new_pair_id(), [], "d" * 64))
     with pytest.raises(KVPoolError, match="names no offer digest"):
-        await client.channel_request(info, encode_channel_request(new_pair_id(), []))
+        await client.channel_request(info, ChannelGet.encode_request(new_pair_id(), []))
     with pytest.raises(ProtocolError, match="session must be"):
         await client.channel_request(info, encode_json({"keys": []}))
     assert node.alive()
@@ -272,28 +274,27 @@ async def test_a_stalled_peer_times_out_instead_of_hanging(node_factory, client)
 
 
 def test_channel_messages_round_trip_and_reject_what_is_malformed():
-    from backend.protocol import (
-        ChannelRequest,
-        ItemMeta,
-        decode_channel_request,
-        decode_channel_response,
-        encode_channel_response,
-    )
+    from backend.protocol import ItemMeta
+    from backend.protocol.channel import ChannelGet, ChannelRequest
 
     assert Op.CHANNEL_GET == 13  # 11 and 12 belong to other ops
-    assert decode_channel_request(encode_channel_request("s1", ["a", "b"])) == ChannelRequest("s1", ["a", "b"], "", 0)
-    assert decode_channel_request(encode_channel_request("s1", [], "d" * 64)) == ChannelRequest("s1", [], "d" * 64)
+    assert ChannelGet.decode_request(ChannelGet.encode_request("s1", ["a", "b"])) == ChannelRequest(
+        "s1", ["a", "b"], "", 0
+    )
+    assert ChannelGet.decode_request(ChannelGet.encode_request("s1", [], "d" * 64)) == ChannelRequest(
+        "s1", [], "d" * 64
+    )
     item = ItemMeta("b", 10, 99, "bfloat16", (2, 5), 1)
-    meta = encode_channel_response([None, item])
-    assert decode_channel_response(meta, ["a", "b"]) == [None, item]
+    meta = ChannelGet.encode_answer([None, item])
+    assert ChannelGet.decode_answer(meta, ["a", "b"]) == [None, item]
     with pytest.raises(ProtocolError, match="one result per key"):
-        decode_channel_response(meta, ["a"])
+        ChannelGet.decode_answer(meta, ["a"])
     with pytest.raises(ProtocolError, match="malformed"):
-        decode_channel_response(encode_json({"found": [[1, 2]]}), ["a"])
+        ChannelGet.decode_answer(encode_json({"found": [[1, 2]]}), ["a"])
     with pytest.raises(ProtocolError, match="key outside"):
-        decode_channel_request(encode_json({"session": "s", "keys": [""]}))
+        ChannelGet.decode_request(encode_json({"session": "s", "keys": [""]}))
     with pytest.raises(ProtocolError, match="session must be"):
-        decode_channel_request(encode_json({"session": "x" * 65, "keys": []}))
+        ChannelGet.decode_request(encode_json({"session": "x" * 65, "keys": []}))
 
 
 class _RecordingTransport(CpuTransport):

@@ -34,24 +34,11 @@ from backend.node.stats import NodeStats
 from backend.node.store.dram import StoredChunk
 from backend.node.store.intake import AheadBounds
 from backend.node.store.tiers import DRAM, TierConfig, TierManager
-from backend.protocol import (
-    LEASE_MAP,
-    PUT_BUSY,
-    PUT_INTEGRITY,
-    PUT_STORED,
-    Header,
-    ItemMeta,
-    Op,
-    PutOptions,
-    checksum,
-    decode_flags,
-    decode_json,
-    decode_lease_response,
-    encode_keys,
-    encode_lease_request,
-    encode_put_batch,
-    encode_release,
-)
+from backend.protocol import ItemMeta, Op, checksum
+from backend.protocol.frame import Header
+from backend.protocol.meta import decode_flags, decode_json, encode_keys
+from backend.protocol.puts import PUT_BUSY, PUT_INTEGRITY, PUT_STORED, PutBatch, PutOptions
+from backend.protocol.reads import LEASE_MAP, Lease, Release
 from backend.shm import ArenaView
 from backend.transport import Buffer, FrameSocket
 
@@ -407,13 +394,13 @@ async def test_lease_pins_the_keys_held_and_answers_misses_for_the_rest(parts, w
     await _stored(parts, conn, client, {"held": b"h" * 2048})
     peer = WirePeer(conn)
 
-    meta, _ = await _ask(parts, Op.LEASE, bytearray(encode_lease_request(["held", "absent"], 5000, 0)), peer)
+    meta, _ = await _ask(parts, Op.LEASE, bytearray(Lease.encode_request(["held", "absent"], 5000, 0)), peer)
 
-    lease_id, found = decode_lease_response(meta, ["held", "absent"])
+    lease_id, found = Lease.decode_answer(meta, ["held", "absent"])
     assert lease_id > 0 and parts.ctx.tiers.upkeep.report().leases == 1
     assert found[0] is not None and found[0][0].key == "held" and found[0][1] is None  # a lock only: no offset
     assert found[1] is None
-    released, _ = await _ask(parts, Op.RELEASE, bytearray(encode_release(lease_id)), peer)
+    released, _ = await _ask(parts, Op.RELEASE, bytearray(Release.encode_request(lease_id)), peer)
     assert decode_json(released) == {"released": 1} and parts.ctx.tiers.upkeep.report().leases == 0
 
 
@@ -422,10 +409,10 @@ async def test_a_mapped_lease_answers_the_chunks_offset_in_the_arena_and_counts_
     payload = bytes(range(256)) * 2
     await _stored(parts, conn, client, {"k": payload})
 
-    request = bytearray(encode_lease_request(["k", "absent"], 5000, LEASE_MAP))
+    request = bytearray(Lease.encode_request(["k", "absent"], 5000, LEASE_MAP))
     meta, _ = await _ask(parts, Op.LEASE, request, WirePeer(conn))
 
-    _, found = decode_lease_response(meta, ["k", "absent"])
+    _, found = Lease.decode_answer(meta, ["k", "absent"])
     assert found[0] is not None and found[1] is None
     arena = parts.ctx.tiers.shm_arena
     if arena is None:
@@ -445,7 +432,7 @@ async def test_a_lease_for_a_connection_that_closed_meanwhile_is_released_at_onc
     await _stored(parts, conn, client, {"held": b"h" * 100})
     conn.close()  # its session's teardown (release_owner) has already run
 
-    await _ask(parts, Op.LEASE, bytearray(encode_lease_request(["held"], 5000, 0)), WirePeer(conn))
+    await _ask(parts, Op.LEASE, bytearray(Lease.encode_request(["held"], 5000, 0)), WirePeer(conn))
 
     assert parts.ctx.tiers.upkeep.report().leases == 0  # nobody is left to release it
 
@@ -505,7 +492,7 @@ async def test_a_put_batch_takes_its_bytes_in_its_handler_and_commits_them_in_it
     peer = WirePeer(conn)
     client.sendall(b"".join(chunks.values()))
 
-    await parts.ops.handle(_request(Op.PUT_BATCH, encode_put_batch(items, PutOptions()), 2024), peer)
+    await parts.ops.handle(_request(Op.PUT_BATCH, PutBatch.encode_request(items, PutOptions()), 2024), peer)
 
     # In stream order: every byte is off the connection and held when the handler returns ...
     assert all(parts.ctx.tiers.holds(k, checksum(v)) for k, v in chunks.items())
@@ -521,7 +508,7 @@ async def test_a_put_batch_larger_than_the_node_is_answered_before_its_bytes_are
     huge = _item("huge", b"h" * (DRAM_BYTES + 1))
     peer = WirePeer(conn)
     handled = asyncio.ensure_future(
-        parts.ops.handle(_request(Op.PUT_BATCH, encode_put_batch([huge], PutOptions()), huge.nbytes), peer)
+        parts.ops.handle(_request(Op.PUT_BATCH, PutBatch.encode_request([huge], PutOptions()), huge.nbytes), peer)
     )
 
     await _until(lambda: len(peer.answers) == 1)  # not one byte sent yet

@@ -20,15 +20,9 @@ from backend.embedded import EmbeddedRedis
 from backend.errors import ConfigError, KVPoolError, ProtocolError
 from backend.node.store.leases import LeaseTable
 from backend.node.store.pins import PinOwner, PinTtl
-from backend.protocol import (
-    PinRequest,
-    Status,
-    decode_pin_request,
-    decode_pins_request,
-    encode_pin_request,
-    encode_pins_request,
-    status_for_error,
-)
+from backend.protocol import Status
+from backend.protocol.frame import status_for_error
+from backend.protocol.pins import Pin, PinRequest, Pins
 from kvpool import CapacityError, PoolClient, PoolConfig
 from tests.support.chunks import numbered_chunks
 from tests.support.cli import kvpool
@@ -263,16 +257,16 @@ def test_pins_are_leases_of_no_connection_counted_per_key():
 
 
 def test_pin_codec_refuses_a_bad_owner_ttl_or_page():
-    meta = encode_pin_request(PinRequest("ops", ("a", "b"), None))
-    assert decode_pin_request(meta) == PinRequest("ops", ("a", "b"), None)
+    meta = Pin.encode_request(PinRequest("ops", ("a", "b"), None))
+    assert Pin.decode_request(meta) == PinRequest("ops", ("a", "b"), None)
     with pytest.raises(ProtocolError, match="pin owner"):
-        decode_pin_request(meta.replace(b'"ops"', b'"o p"'))
+        Pin.decode_request(meta.replace(b'"ops"', b'"o p"'))
     with pytest.raises(ProtocolError, match="ttl_s -1"):
-        decode_pin_request(meta.replace(b'"ttl_s":null', b'"ttl_s":-1'))
+        Pin.decode_request(meta.replace(b'"ttl_s":null', b'"ttl_s":-1'))
     with pytest.raises(ProtocolError, match=r"wants 1\.\.4096 keys"):
-        decode_pin_request(meta.replace(b'["a","b"]', b"[]"))
-    assert decode_pins_request(encode_pins_request("p", ("k", "o"), 5)) == ("p", ("k", "o"), 5)
+        Pin.decode_request(meta.replace(b'["a","b"]', b"[]"))
+    assert Pins.decode_request(Pins.encode_request("p", ("k", "o"), 5)) == ("p", ("k", "o"), 5)
     with pytest.raises(ProtocolError, match="PINS limit"):
-        encode_pins_request(limit=0)
+        Pins.encode_request(limit=0)
     with pytest.raises(KVPoolError):
-        decode_pins_request(b'{"limit": 0}')
+        Pins.decode_request(b'{"limit": 0}')

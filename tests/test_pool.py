@@ -13,7 +13,9 @@ import pytest
 
 from backend.embedded import EmbeddedRedis
 from backend.metadata import MetadataStore
-from backend.protocol import HEADER, Op, Status, decode_header, encode_header, encode_keys
+from backend.protocol import Op, Status
+from backend.protocol.frame import HEADER, decode_header, encode_header
+from backend.protocol.meta import encode_keys
 from kvpool import AuthError, CapacityError, Chunk, MetadataError, PoolClient, PoolConfig, SyncPoolClient
 from tests.support.chunks import numbered_chunks as _chunks
 from tests.support.handshake import hello_frame

@@ -16,7 +16,7 @@ from backend import admin
 from backend.errors import CapacityError
 from backend.metadata import POOL_SCOPE
 from backend.node.store.quotas import pool_share
-from backend.protocol import TenantReport
+from backend.protocol.reports import TenantReport
 from kvpool import PoolClient, PoolConfig
 from tests.support.chunks import numbered_chunks
 from tests.support.cli import kvpool

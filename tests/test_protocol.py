@@ -25,58 +25,40 @@ from backend.errors import (
     ProtocolError,
     PutOutcome,
 )
-from backend.protocol import (
-    DEFAULT_LIMITS,
+from backend.protocol import DEFAULT_LIMITS, VERSION, ItemMeta, Limits, Op, Status, checksum
+from backend.protocol.frame import (
     HEADER,
     MAGIC,
+    RESPONSE_BIT,
+    Header,
+    decode_header,
+    encode_header,
+    error_for_status,
+    status_for_error,
+    verify_meta,
+)
+from backend.protocol.inventory import Inventory, InventoryPage, InventoryRow
+from backend.protocol.meta import decode_flags, decode_json, decode_keys, encode_flags, encode_json, encode_keys
+from backend.protocol.puts import (
     MAX_PUT_WAIT_MS,
     PUT_BUSY,
     PUT_INTEGRITY,
     PUT_NO_ROOM,
     PUT_STORED,
-    RESPONSE_BIT,
-    VERSION,
-    ArenaReport,
-    Header,
-    InventoryPage,
-    InventoryRow,
-    ItemMeta,
-    Limits,
-    NodeReport,
-    Op,
+    PutBatch,
     PutOptions,
+    PutStaged,
+    put_outcome,
+)
+from backend.protocol.reads import GetBatch
+from backend.protocol.reports import (
+    ArenaReport,
+    NodeReport,
     RecentReport,
     RecoveryReport,
     RepublishReport,
-    Status,
+    Stat,
     TierReport,
-    checksum,
-    decode_flags,
-    decode_get_response,
-    decode_header,
-    decode_inventory_request,
-    decode_inventory_response,
-    decode_items,
-    decode_json,
-    decode_keys,
-    decode_node_report,
-    decode_put_batch,
-    decode_put_staged,
-    encode_flags,
-    encode_get_response,
-    encode_header,
-    encode_inventory_request,
-    encode_inventory_response,
-    encode_items,
-    encode_json,
-    encode_keys,
-    encode_node_report,
-    encode_put_batch,
-    encode_put_staged,
-    error_for_status,
-    put_outcome,
-    status_for_error,
-    verify_meta,
 )
 
 T = TypeVar("T")
@@ -312,32 +294,34 @@ def test_items_round_trip_with_layouts_and_unicode_keys() -> None:
         ItemMeta("k" * 1024, 3, 2**64 - 1, "f" * 32, tuple(range(1, 9)), 65535),
     ]
 
-    meta = encode_items(items)
+    meta = PutBatch.encode_items(items)
 
-    assert decode_items(meta, data_len=19) == items
-    assert decode_items(bytearray(meta), 19) == items
-    assert decode_items(memoryview(meta), 19) == items
+    assert PutBatch.decode_items(meta, data_len=19) == items
+    assert PutBatch.decode_items(bytearray(meta), 19) == items
+    assert PutBatch.decode_items(memoryview(meta), 19) == items
 
 
 def test_put_options_ride_after_the_items_and_a_frame_without_them_gets_the_defaults() -> None:
     items = [item("a", 10), item("b", 6)]
     options = PutOptions(put_id=2**64 - 1, wait_ms=MAX_PUT_WAIT_MS)
-    assert decode_put_batch(encode_put_batch(items, options), 16) == (items, options)
-    assert decode_put_batch(encode_items(items), 16) == (items, PutOptions())  # an older client's frame
-    staged = encode_put_staged("s.stage", "0" * 32, items, [4096, 4106], options=options)
-    assert decode_put_staged(staged)[2:] == (items, [4096, 4106], options)
-    assert decode_put_staged(encode_put_staged("s.stage", "0" * 32, items, [4096, 4106]))[4] == PutOptions()
+    assert PutBatch.decode_request(PutBatch.encode_request(items, options), 16) == (items, options)
+    assert PutBatch.decode_request(PutBatch.encode_items(items), 16) == (items, PutOptions())  # an older client's frame
+    staged = PutStaged.encode_request("s.stage", "0" * 32, items, [4096, 4106], options=options)
+    assert PutStaged.decode_request(staged)[2:] == (items, [4096, 4106], options)
+    assert (
+        PutStaged.decode_request(PutStaged.encode_request("s.stage", "0" * 32, items, [4096, 4106]))[4] == PutOptions()
+    )
 
 
 def test_put_options_of_another_size_or_out_of_range_are_protocol_errors() -> None:
-    meta = encode_put_batch([item("a", 10)], PutOptions(7, 100))
+    meta = PutBatch.encode_request([item("a", 10)], PutOptions(7, 100))
     with pytest.raises(ProtocolError, match="trailing"):
-        decode_put_batch(meta[:-1], 10)
+        PutBatch.decode_request(meta[:-1], 10)
     with pytest.raises(ProtocolError, match="trailing"):
-        decode_put_batch(meta + b"\x00", 10)
-    too_long = encode_items([item("a", 10)]) + struct.pack("<QI", 7, MAX_PUT_WAIT_MS + 1)
+        PutBatch.decode_request(meta + b"\x00", 10)
+    too_long = PutBatch.encode_items([item("a", 10)]) + struct.pack("<QI", 7, MAX_PUT_WAIT_MS + 1)
     with pytest.raises(ProtocolError, match="wait_ms"):
-        decode_put_batch(too_long, 10)
+        PutBatch.decode_request(too_long, 10)
 
 
 def test_every_put_flag_is_one_outcome_and_an_unknown_flag_is_not_stored() -> None:
@@ -351,92 +335,92 @@ def test_every_put_flag_is_one_outcome_and_an_unknown_flag_is_not_stored() -> No
 
 
 def test_empty_item_list_round_trips() -> None:
-    assert encode_items([]) == count(0)
-    assert decode_items(encode_items([]), 0) == []
+    assert PutBatch.encode_items([]) == count(0)
+    assert PutBatch.decode_items(PutBatch.encode_items([]), 0) == []
 
 
 def test_decode_items_rejects_sizes_that_do_not_add_up_to_data_len() -> None:
-    meta = encode_items([item("a", 10), item("b", 20)])
+    meta = PutBatch.encode_items([item("a", 10), item("b", 20)])
 
     with pytest.raises(ProtocolError, match="items declare 30 bytes but the frame carries 31"):
-        decode_items(meta, 31)
+        PutBatch.decode_items(meta, 31)
     with pytest.raises(ProtocolError, match="items declare 30 bytes but the frame carries 29"):
-        decode_items(meta, 29)
+        PutBatch.decode_items(meta, 29)
 
 
 def test_decode_items_rejects_every_truncation() -> None:
-    meta = encode_items([item("a"), item("bb", shape=(1, 2, 3))])
+    meta = PutBatch.encode_items([item("a"), item("bb", shape=(1, 2, 3))])
 
     for cut in range(len(meta)):
         with pytest.raises(ProtocolError, match="meta truncated"):
-            decode_items(meta[:cut], 32)
+            PutBatch.decode_items(meta[:cut], 32)
 
 
 def test_decode_items_rejects_trailing_bytes() -> None:
-    meta = encode_items([item("a")])
+    meta = PutBatch.encode_items([item("a")])
 
     with pytest.raises(ProtocolError, match="1 unexpected trailing meta bytes"):
-        decode_items(meta + b"\x00", 16)
+        PutBatch.decode_items(meta + b"\x00", 16)
 
 
 def test_decode_items_rejects_more_items_than_the_limit_before_reading_them() -> None:
     with pytest.raises(ProtocolError, match="4097 items exceed the limit of 4096"):
-        decode_items(count(4097), 0)
+        PutBatch.decode_items(count(4097), 0)
     with pytest.raises(ProtocolError, match=f"{2**32 - 1} items exceed"):
-        decode_items(count(2**32 - 1), 0)
+        PutBatch.decode_items(count(2**32 - 1), 0)
 
 
 def test_decode_items_rejects_an_empty_key() -> None:
     with pytest.raises(ProtocolError, match=re.escape("key length 0 outside 1..1024")):
-        decode_items(count(1) + raw_item(b""), 0)
+        PutBatch.decode_items(count(1) + raw_item(b""), 0)
 
 
 def test_decode_items_rejects_a_key_over_the_limit() -> None:
     with pytest.raises(ProtocolError, match=re.escape("key length 1025 outside 1..1024")):
-        decode_items(count(1) + raw_item(b"k" * 1025), 0)
+        PutBatch.decode_items(count(1) + raw_item(b"k" * 1025), 0)
 
 
 def test_decode_items_rejects_a_key_that_is_not_utf8() -> None:
     with pytest.raises(ProtocolError, match="key is not valid UTF-8"):
-        decode_items(count(1) + raw_item(b"\xff\xfe"), 0)
+        PutBatch.decode_items(count(1) + raw_item(b"\xff\xfe"), 0)
 
 
 def test_decode_items_rejects_a_dtype_that_is_not_utf8() -> None:
     with pytest.raises(ProtocolError, match="dtype is not valid UTF-8"):
-        decode_items(count(1) + raw_item(b"k", dtype=b"\xc3"), 0)
+        PutBatch.decode_items(count(1) + raw_item(b"k", dtype=b"\xc3"), 0)
 
 
 @pytest.mark.parametrize("dtype", [b"", b"x" * 33])
 def test_decode_items_rejects_an_empty_or_long_dtype(dtype: bytes) -> None:
     with pytest.raises(ProtocolError, match=re.escape(f"dtype length {len(dtype)} outside 1..32")):
-        decode_items(count(1) + raw_item(b"k", dtype=dtype), 0)
+        PutBatch.decode_items(count(1) + raw_item(b"k", dtype=dtype), 0)
 
 
 def test_decode_items_rejects_more_dimensions_than_the_limit() -> None:
     with pytest.raises(ProtocolError, match="9 dimensions exceed the limit of 8"):
-        decode_items(count(1) + raw_item(b"k", shape=tuple(range(9))), 0)
+        PutBatch.decode_items(count(1) + raw_item(b"k", shape=tuple(range(9))), 0)
 
 
 def test_decode_items_honours_custom_limits() -> None:
     limits = Limits(max_items=1, max_key_bytes=2, max_ndim=1)
-    meta = encode_items([item("ab", shape=(4,))], limits)
+    meta = PutBatch.encode_items([item("ab", shape=(4,))], limits)
 
-    assert decode_items(meta, 16, limits)[0].key == "ab"
+    assert PutBatch.decode_items(meta, 16, limits)[0].key == "ab"
     with pytest.raises(ProtocolError, match="2 items exceed the limit of 1"):
-        decode_items(encode_items([item("a"), item("b")]), 32, limits)
+        PutBatch.decode_items(PutBatch.encode_items([item("a"), item("b")]), 32, limits)
 
 
 def test_encode_items_refuses_what_the_decoder_would_reject() -> None:
     with pytest.raises(ProtocolError, match="key of 0 bytes"):
-        encode_items([item("")])
+        PutBatch.encode_items([item("")])
     with pytest.raises(ProtocolError, match="key of 1025 bytes"):
-        encode_items([item("k" * 1025)])
+        PutBatch.encode_items([item("k" * 1025)])
     with pytest.raises(ProtocolError, match="more than 8 dimensions"):
-        encode_items([item("k", shape=(1,) * 9)])
+        PutBatch.encode_items([item("k", shape=(1,) * 9)])
     with pytest.raises(ProtocolError, match="dtype name '' is empty or too long"):
-        encode_items([item("k", dtype="")])
+        PutBatch.encode_items([item("k", dtype="")])
     with pytest.raises(ProtocolError, match="4097 items exceed"):
-        encode_items([item(f"k{i}") for i in range(4097)])
+        PutBatch.encode_items([item(f"k{i}") for i in range(4097)])
 
 
 # -- keys (GET / EXISTS / DELETE meta) ----------------------------------------------------
@@ -512,47 +496,47 @@ def test_get_response_round_trips_hits_and_misses() -> None:
     keys = ["a", "b", "c"]
     found = [item("a", 10), None, item("c", 5, shape=())]
 
-    meta = encode_get_response(found)
+    meta = GetBatch.encode_answer(found)
 
-    assert decode_get_response(meta, keys, data_len=15) == found
-    first_item_len = len(encode_items([item("a", 10)])) - 4
+    assert GetBatch.decode_answer(meta, keys, data_len=15) == found
+    first_item_len = len(PutBatch.encode_items([item("a", 10)])) - 4
     assert meta[:5] == count(3) + b"\x01"  # count, then a found flag before each hit
     assert meta[5 + first_item_len] == 0  # a miss is just its zero flag
 
 
 def test_get_response_of_only_misses_carries_no_data() -> None:
-    meta = encode_get_response([None, None])
+    meta = GetBatch.encode_answer([None, None])
 
     assert meta == count(2) + b"\x00\x00"
-    assert decode_get_response(meta, ["x", "y"], 0) == [None, None]
+    assert GetBatch.decode_answer(meta, ["x", "y"], 0) == [None, None]
 
 
 def test_decode_get_response_rejects_an_answer_for_another_key() -> None:
-    meta = encode_get_response([item("other")])
+    meta = GetBatch.encode_answer([item("other")])
 
     with pytest.raises(ProtocolError, match="answered 'other' for 'mine'"):
-        decode_get_response(meta, ["mine"], 16)
+        GetBatch.decode_answer(meta, ["mine"], 16)
 
 
 def test_decode_get_response_rejects_a_result_count_mismatch() -> None:
     with pytest.raises(ProtocolError, match="GET response carries 1 results for 2 keys"):
-        decode_get_response(encode_get_response([None]), ["a", "b"], 0)
+        GetBatch.decode_answer(GetBatch.encode_answer([None]), ["a", "b"], 0)
 
 
 def test_decode_get_response_rejects_a_data_len_mismatch() -> None:
-    meta = encode_get_response([item("a", 10)])
+    meta = GetBatch.encode_answer([item("a", 10)])
 
     with pytest.raises(ProtocolError, match="GET response declares 10 bytes but carries 11"):
-        decode_get_response(meta, ["a"], 11)
+        GetBatch.decode_answer(meta, ["a"], 11)
 
 
 def test_decode_get_response_rejects_truncation_and_trailing_bytes() -> None:
-    meta = encode_get_response([item("a", 10), None])
+    meta = GetBatch.encode_answer([item("a", 10), None])
     for cut in range(len(meta)):
         with pytest.raises(ProtocolError):
-            decode_get_response(meta[:cut], ["a", "b"], 10)
+            GetBatch.decode_answer(meta[:cut], ["a", "b"], 10)
     with pytest.raises(ProtocolError, match="trailing"):
-        decode_get_response(meta + b"\x00", ["a", "b"], 10)
+        GetBatch.decode_answer(meta + b"\x00", ["a", "b"], 10)
 
 
 # -- JSON control messages (HELLO, AUTH, STAT, PING) ----------------------------------------
@@ -665,10 +649,10 @@ def test_random_headers_with_the_right_magic_decode_or_raise_protocol_error(vers
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=512), st.integers(0, 2**64 - 1))
 def test_random_bytes_never_crash_decode_items(data: bytes, data_len: int) -> None:
-    _decodes_or_protocol_error(lambda: decode_items(data, data_len), list)
+    _decodes_or_protocol_error(lambda: PutBatch.decode_items(data, data_len), list)
     # Give the fuzzer a plausible count so it reaches the per-item fields.
-    _decodes_or_protocol_error(lambda: decode_items(count(1) + data, data_len), list)
-    _decodes_or_protocol_error(lambda: decode_put_batch(count(1) + data, data_len), tuple)
+    _decodes_or_protocol_error(lambda: PutBatch.decode_items(count(1) + data, data_len), list)
+    _decodes_or_protocol_error(lambda: PutBatch.decode_request(count(1) + data, data_len), tuple)
 
 
 @settings(max_examples=300, deadline=None)
@@ -681,8 +665,8 @@ def test_random_bytes_never_crash_decode_keys(data: bytes) -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=512), st.lists(st.text(min_size=1, max_size=8), max_size=3), st.integers(0, 2**32))
 def test_random_bytes_never_crash_decode_get_response(data: bytes, keys: list[str], data_len: int) -> None:
-    _decodes_or_protocol_error(lambda: decode_get_response(data, keys, data_len), list)
-    _decodes_or_protocol_error(lambda: decode_get_response(count(len(keys)) + b"\x01" + data, keys, data_len), list)
+    _decodes_or_protocol_error(lambda: GetBatch.decode_answer(data, keys, data_len), list)
+    _decodes_or_protocol_error(lambda: GetBatch.decode_answer(count(len(keys)) + b"\x01" + data, keys, data_len), list)
 
 
 @settings(max_examples=300, deadline=None)
@@ -703,21 +687,21 @@ def test_random_bytes_never_crash_decode_get_response(data: bytes, keys: list[st
 def test_any_valid_items_round_trip(items: list[ItemMeta]) -> None:
     total = sum(i.nbytes for i in items)
 
-    assert decode_items(encode_items(items), total) == items
+    assert PutBatch.decode_items(PutBatch.encode_items(items), total) == items
     found = [i if n % 2 == 0 else None for n, i in enumerate(items)]
     expected_len = sum(i.nbytes for i in found if i is not None)
     keys = [i.key for i in items]
-    assert decode_get_response(encode_get_response(found), keys, expected_len) == found
+    assert GetBatch.decode_answer(GetBatch.encode_answer(found), keys, expected_len) == found
 
 
 # -- INVENTORY (admin) --------------------------------------------------------------------
 def test_an_inventory_answer_decodes_into_typed_rows() -> None:
-    assert decode_json(encode_inventory_request("k@3", 500)) == {"after": "k@3", "limit": 500}
+    assert decode_json(Inventory.encode_request("k@3", 500)) == {"after": "k@3", "limit": 500}
     meta = encode_json({"items": [["k@4", "dram", 16, 7], ["k@5", "nvme", 0, 2**64 - 1]], "more": True})
-    assert decode_inventory_response(meta) == InventoryPage(
+    assert Inventory.decode_answer(meta) == InventoryPage(
         (InventoryRow("k@4", "dram", 16, 7), InventoryRow("k@5", "nvme", 0, 2**64 - 1)), True
     )
-    assert decode_inventory_response(encode_json({"items": [], "more": False})) == InventoryPage((), False)
+    assert Inventory.decode_answer(encode_json({"items": [], "more": False})) == InventoryPage((), False)
 
 
 @pytest.mark.parametrize(
@@ -734,22 +718,22 @@ def test_an_inventory_answer_decodes_into_typed_rows() -> None:
 )
 def test_a_malformed_inventory_answer_is_a_protocol_error(body: dict[str, object]) -> None:
     with pytest.raises(ProtocolError, match="INVENTORY"):
-        decode_inventory_response(encode_json(body))
+        Inventory.decode_answer(encode_json(body))
 
 
 @pytest.mark.parametrize("limit", [0, -1, 10_001])
 def test_an_inventory_request_outside_the_page_limit_is_refused(limit: int) -> None:
     with pytest.raises(ProtocolError, match=r"1\.\.10000"):
-        encode_inventory_request("", limit)
+        Inventory.encode_request("", limit)
 
 
 def test_the_node_side_of_inventory_is_the_same_codec() -> None:
-    assert decode_inventory_request(encode_inventory_request("k@3", 500)) == ("k@3", 500)
-    assert decode_inventory_request(b"") == ("", 1000)  # an empty request: the first page
+    assert Inventory.decode_request(Inventory.encode_request("k@3", 500)) == ("k@3", 500)
+    assert Inventory.decode_request(b"") == ("", 1000)  # an empty request: the first page
     page = InventoryPage((InventoryRow("k@4", "dram", 16, 7), InventoryRow("k@5", "nvme", 0, 2**64 - 1)), True)
-    assert decode_inventory_response(encode_inventory_response(page)) == page
+    assert Inventory.decode_answer(Inventory.encode_answer(page)) == page
     with pytest.raises(ProtocolError, match=r"1\.\.10000"):
-        decode_inventory_request(encode_json({"after": "", "limit": 0}))
+        Inventory.decode_request(encode_json({"after": "", "limit": 0}))
 
 
 # -- STAT -------------------------------------------------------------------------------
@@ -790,14 +774,14 @@ def _stat_body() -> dict[str, object]:
 
 def test_a_stat_answer_decodes_into_a_typed_report_and_encodes_back_to_the_same_json() -> None:
     meta = encode_json(_stat_body())
-    report = decode_node_report(meta)
+    report = Stat.decode_answer(meta)
     assert report.tiers["nvme"] == TierReport(128, 0, 0, disk_full=False)
     assert report.tiers["dram"].disk_full is None  # NVMe only
     assert report.arena == ArenaReport("/dev/shm/a", 64, 32, 16, 0)
     assert report.recovery == RecoveryReport(1, 100, 0, 2, 0.25, indexed=1, progress=0.5, done=False)
     assert report.republish == RepublishReport(running=True, pending=7, published=3, seconds=0.5)
     assert report.recent == RecentReport(12.5, 0.32, 4, 3)
-    assert encode_node_report(report) == meta  # the wire is unchanged, byte for byte
+    assert Stat.encode_answer(report) == meta  # the wire is unchanged, byte for byte
     assert list(report.tiers["nvme"].to_json()) == ["capacity_bytes", "disk_full", "objects", "used_bytes"]
     assert (report.tenants["alice"].pool_quota_bytes, report.tenants["alice"].pool_share_bytes) == (-1, -1)
 
@@ -805,16 +789,16 @@ def test_a_stat_answer_decodes_into_a_typed_report_and_encodes_back_to_the_same_
 def test_a_tenants_pool_quota_and_share_go_through_stat_and_back() -> None:
     body = _stat_body()
     body["tenants"]["alice"] |= {"pool_quota_bytes": 64, "pool_share_bytes": 40}
-    report = decode_node_report(encode_json(body))
+    report = Stat.decode_answer(encode_json(body))
     assert (report.tenants["alice"].pool_quota_bytes, report.tenants["alice"].pool_share_bytes) == (64, 40)
-    assert encode_node_report(report) == encode_json(body)
+    assert Stat.encode_answer(report) == encode_json(body)
 
 
 def test_a_stat_answer_of_a_node_without_arena_recovery_or_latency_decodes_with_none() -> None:
     body = _stat_body()
     body.update(arena=None, recovery=None)
     del body["latency"], body["leases"], body["republish"]
-    report = decode_node_report(encode_json(body))
+    report = Stat.decode_answer(encode_json(body))
     assert (report.arena, report.recovery, report.latency, report.leases, report.republish) == (None,) * 3 + (0, None)
     assert isinstance(report, NodeReport)
 
@@ -823,7 +807,7 @@ def test_the_recovery_of_a_node_that_recovered_before_serving_decodes_as_finishe
     """A node of an earlier version sends no progress: it recovered everything before it served."""
     body = _stat_body()
     body["recovery"] = {"files": 4, "bytes": 100, "quarantined": 0, "temp_removed": 0, "seconds": 0.25}
-    recovery = decode_node_report(encode_json(body)).recovery
+    recovery = Stat.decode_answer(encode_json(body)).recovery
     assert recovery is not None and (recovery.indexed, recovery.progress, recovery.done) == (4, 1.0, True)
 
 
@@ -850,30 +834,30 @@ def test_the_recovery_of_a_node_that_recovered_before_serving_decodes_as_finishe
 def test_a_malformed_stat_answer_is_a_protocol_error_naming_the_field(change: dict[str, object]) -> None:
     body = _stat_body() | change
     with pytest.raises(ProtocolError):
-        decode_node_report(encode_json(body))
+        Stat.decode_answer(encode_json(body))
 
 
 # -- TOUCH -------------------------------------------------------------------------------------
 def test_touch_chains_round_trip_and_their_keys_are_bounded_in_all() -> None:
-    from backend.protocol import decode_touch, encode_touch
+    from backend.protocol.reads import Touch
 
     chains = [["a@0", "a@1", "a@2"], ["b@0"]]
-    assert decode_touch(encode_touch(chains)) == chains
+    assert Touch.decode_request(Touch.encode_request(chains)) == chains
     small = Limits(max_items=3)
     with pytest.raises(ProtocolError, match="exceed"):
-        encode_touch(chains, small)  # 4 keys in all
+        Touch.encode_request(chains, small)  # 4 keys in all
     with pytest.raises(ProtocolError, match="TOUCH chain"):
-        decode_touch(encode_touch(chains), small)  # a node counts them in all, too
+        Touch.decode_request(Touch.encode_request(chains), small)  # a node counts them in all, too
     with pytest.raises(ProtocolError, match="empty"):
-        encode_touch([["a@0"], []])
+        Touch.encode_request([["a@0"], []])
     with pytest.raises(ProtocolError, match="TOUCH chain"):
-        decode_touch(count(1) + count(0))
+        Touch.decode_request(count(1) + count(0))
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=512))
 def test_random_bytes_never_crash_decode_touch(data: bytes) -> None:
-    from backend.protocol import decode_touch
+    from backend.protocol.reads import Touch
 
-    _decodes_or_protocol_error(lambda: decode_touch(data), list)
-    _decodes_or_protocol_error(lambda: decode_touch(count(1) + count(2) + data), list)
+    _decodes_or_protocol_error(lambda: Touch.decode_request(data), list)
+    _decodes_or_protocol_error(lambda: Touch.decode_request(count(1) + count(2) + data), list)

@@ -15,7 +15,9 @@ from backend.client import Chunk, PoolClient, SyncPoolClient
 from backend.config import PoolConfig
 from backend.errors import BusyError, CapacityError, PutOutcome
 from backend.launch.nodes import NodeProcess
-from backend.protocol import ItemMeta, Op, checksum, encode_header, encode_items
+from backend.protocol import ItemMeta, Op, checksum
+from backend.protocol.frame import encode_header
+from backend.protocol.puts import PutBatch
 
 MiB = 1024 * 1024
 
@@ -34,7 +36,7 @@ class PutInFlight:
     def __init__(self, node: NodeProcess, nbytes: int) -> None:
         self.payload = bytes(nbytes)
         item = ItemMeta(f"in-flight-{uuid.uuid4().hex}", nbytes, checksum(self.payload), "uint8", (nbytes,), 0)
-        meta = encode_items([item])
+        meta = PutBatch.encode_items([item])
         self.sock = socket.create_connection((node.host, node.port), source_address=("127.0.0.2", 0))
         self.sock.sendall(encode_header(Op.PUT_BATCH, 1, meta, nbytes) + meta + self.payload[:-1])
         time.sleep(0.5)  # the node has received all but the last byte, into the chunk's reserved room

@@ -29,15 +29,8 @@ from backend.metadata import NodeInfo
 from backend.node.memory.arena import ShmArena, remove_stale_arenas
 from backend.node.memory.pages import GROW_AHEAD_BYTES, GROWER_STEP_BYTES
 from backend.node.store.leases import MAX_LEASES
-from backend.protocol import (
-    LEASE_MAP,
-    ItemMeta,
-    Op,
-    checksum,
-    decode_lease_response,
-    encode_lease_request,
-    encode_release,
-)
+from backend.protocol import ItemMeta, Op, checksum
+from backend.protocol.reads import LEASE_MAP, Lease, Release
 from backend.shm import ArenaView
 from tests.conftest import REPO, raw_request
 from tests.support.waits import wait_until
@@ -272,9 +265,9 @@ def test_a_leased_chunk_is_never_evicted_or_overwritten(node_factory, pool_url):
         client.put([held])
         node = _node_info(client)
         reply = client._call(
-            raw_request(client._client, node, Op.LEASE, encode_lease_request([held.key], 60_000, LEASE_MAP))
+            raw_request(client._client, node, Op.LEASE, Lease.encode_request([held.key], 60_000, LEASE_MAP))
         )
-        lease_id, [(item, offset)] = decode_lease_response(reply, [held.key])
+        lease_id, [(item, offset)] = Lease.decode_answer(reply, [held.key])
         assert lease_id and offset is not None and item.nbytes == MiB
         client.delete([held.key])  # gone from the index, but the lease still holds its region
         for round_ in range(4):  # 4 x 8 MiB through an 8 MiB tier: every unleased region is reused
@@ -283,7 +276,7 @@ def test_a_leased_chunk_is_never_evicted_or_overwritten(node_factory, pool_url):
         out = bytearray(MiB)
         view.copy_into(memoryview(out), offset)
         assert out == held.data
-        released = client._call(raw_request(client._client, node, Op.RELEASE, encode_release(lease_id)))
+        released = client._call(raw_request(client._client, node, Op.RELEASE, Release.encode_request(lease_id)))
         assert b'"released":1' in released
         assert _stats(client)["leases"] == 0
 
@@ -349,11 +342,11 @@ def test_bad_lock_and_lease_requests_are_refused_with_the_reason(node_factory, p
             client.lock(["bad@0"], ttl_ms=0)
         node = _node_info(client)
         with pytest.raises(ProtocolError, match="exceeds"):
-            client._call(raw_request(client._client, node, Op.LEASE, encode_lease_request(["bad@0"], 10**9, 0)))
+            client._call(raw_request(client._client, node, Op.LEASE, Lease.encode_request(["bad@0"], 10**9, 0)))
         with pytest.raises(ProtocolError, match="unknown LEASE flags"):
-            client._call(raw_request(client._client, node, Op.LEASE, encode_lease_request(["bad@0"], 1000, 0x80)))
+            client._call(raw_request(client._client, node, Op.LEASE, Lease.encode_request(["bad@0"], 1000, 0x80)))
         # the node still serves, and an unknown lease id releases nothing
-        reply = client._call(raw_request(client._client, node, Op.RELEASE, encode_release(12345)))
+        reply = client._call(raw_request(client._client, node, Op.RELEASE, Release.encode_request(12345)))
         assert b'"released":0' in reply
         assert client.get(["bad@0"])[0] is not None
 
@@ -410,7 +403,7 @@ def test_a_node_whose_lease_table_is_full_still_serves_the_read_over_tcp(node_fa
         node = _node_info(client)
 
         async def fill_lease_table() -> None:
-            request = encode_lease_request([chunk.key], 60_000, 0)
+            request = Lease.encode_request([chunk.key], 60_000, 0)
             for _ in range(MAX_LEASES // 1024):
                 await asyncio.gather(*(raw_request(client._client, node, Op.LEASE, request) for _ in range(1024)))
 

@@ -14,7 +14,9 @@ from backend.client import Chunk, SyncPoolClient
 from backend.config import PoolConfig
 from backend.errors import KVPoolError, ProtocolError
 from backend.metadata import NodeInfo
-from backend.protocol import ItemMeta, Op, checksum, decode_flags, encode_put_staged
+from backend.protocol import ItemMeta, Op, checksum
+from backend.protocol.meta import decode_flags
+from backend.protocol.puts import PutStaged
 from backend.shm import PutStage
 from tests.conftest import raw_request
 
@@ -112,7 +114,7 @@ def test_the_node_maps_only_a_stage_of_its_own_with_the_right_token(node_factory
         try:
 
             def put_staged(name: str, token: str, offset: int = 4096) -> bytes:
-                meta = encode_put_staged(name, token, [item], [offset])
+                meta = PutStaged.encode_request(name, token, [item], [offset])
                 return client._call(raw_request(client._client, node, Op.PUT_STAGED, meta))
 
             assert decode_flags(put_staged(stage.name, stage.token), 1) == [0]  # stored (the stage holds zeros)

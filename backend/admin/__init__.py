@@ -3,7 +3,7 @@
 Each function takes a :class:`PoolClient`; the CLI only parses arguments and
 prints. The listings ``status``, ``nodes`` and ``stats`` return typed values
 (:class:`PoolStatus`, :class:`NodeRow`, :class:`PoolStats`), built from the nodes'
-typed STAT answers (``backend.protocol.NodeReport``); ``ls`` streams JSON-ready rows; the
+typed STAT answers (``backend.protocol.reports.NodeReport``); ``ls`` streams JSON-ready rows; the
 operations that remove, move or repair (evict, drain, flush, check) return a report
 dataclass. Each one's ``to_json()`` is what ``--json`` prints. Nothing here holds more than
 one batch of chunk bytes at a time. A node that refuses this client's token fails the

@@ -13,7 +13,7 @@ from backend.admin.shared import Progress, refusal
 from backend.client import Chunk, PoolClient
 from backend.errors import AuthError, CapacityError, ConfigError, KVPoolError
 from backend.metadata import Location, NodeInfo
-from backend.protocol import InventoryRow
+from backend.protocol.inventory import InventoryRow
 
 DRAIN_BATCH_ITEMS = 64  # chunks moved per step (`kvpool drain --batch`)
 DRAIN_BATCH_BYTES = 256 * 1024 * 1024  # memory a drain holds at once

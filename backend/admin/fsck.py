@@ -10,7 +10,7 @@ from typing import Any
 from backend.admin.shared import Progress
 from backend.client import PoolClient
 from backend.metadata import Location, NodeInfo
-from backend.protocol import Verified
+from backend.protocol.inventory import Verified
 
 CHECK_SAMPLE = 100  # chunks whose checksum `check` re-verifies without --deep
 

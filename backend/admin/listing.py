@@ -1,7 +1,7 @@
 """The read-only verbs: ``status``, ``nodes``, ``ls`` and ``stats``.
 
 ``status``, ``nodes`` and ``stats`` return typed values (:class:`PoolStatus`, :class:`NodeRow`,
-:class:`PoolStats`) built from the nodes' typed STAT answers (``backend.protocol.NodeReport``);
+:class:`PoolStats`) built from the nodes' typed STAT answers (``backend.protocol.reports.NodeReport``);
 ``ls`` streams JSON-ready rows, one SCAN batch at a time.
 """
 
@@ -20,7 +20,7 @@ from backend.counters import NodeCounter
 from backend.errors import MetadataError
 from backend.latency import Histogram, LatencyHistograms
 from backend.metadata import LiveNamespaces, RedisMemory
-from backend.protocol import TierReport, tiers_from_json
+from backend.protocol.reports import TierReport, tiers_from_json
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from backend.admin.shared import SCAN_BATCH, key_pattern, refusal
 from backend.client import PoolClient
 from backend.errors import AuthError, ConfigError, KVPoolError, ProtocolError
 from backend.metadata import NodeInfo
-from backend.protocol import PinRequest, PinRow, check_owner
+from backend.protocol.pins import PinRequest, PinRow, check_owner
 
 __all__ = ["DEFAULT_PIN_OWNER", "NodePin", "PinReport", "UnpinReport", "pin", "unpin", "list_pins"]
 

@@ -9,7 +9,7 @@ from backend.client import PoolClient
 from backend.client.index import glob_escape
 from backend.errors import AuthError, ConfigError, KVPoolError
 from backend.metadata import NodeInfo
-from backend.protocol import NodeReport
+from backend.protocol.reports import NodeReport
 
 SCAN_BATCH = 1000  # index keys per batch when evicting or flushing by pattern
 

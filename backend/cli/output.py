@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from backend.config import format_size
-from backend.protocol import TierReport
+from backend.protocol.reports import TierReport
 
 
 def print_json(data: Any) -> None:

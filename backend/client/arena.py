@@ -31,15 +31,9 @@ from backend.config.values import ms_to_s
 from backend.counters import ClientCounter
 from backend.errors import AuthError, CapacityError, KVPoolError, ProtocolError
 from backend.metadata import NodeInfo
-from backend.protocol import (
-    LEASE_MAP,
-    ItemMeta,
-    Op,
-    OtherLayout,
-    decode_lease_response,
-    encode_lease_request,
-    encode_release,
-)
+from backend.protocol import ItemMeta, Op
+from backend.protocol.meta import OtherLayout
+from backend.protocol.reads import LEASE_MAP, Lease, Release
 from backend.shm import ArenaView
 from backend.transport import BULK_BYTES
 
@@ -124,7 +118,7 @@ class ArenaReader:
         trust_until = time.monotonic() + ms_to_s(SHM_LEASE_MS) * SHM_LEASE_TRUST
         try:
             wanted = sink_fingerprint(sink)
-            meta = encode_lease_request(keys, SHM_LEASE_MS, LEASE_MAP, fingerprint=wanted)
+            meta = Lease.encode_request(keys, SHM_LEASE_MS, LEASE_MAP, fingerprint=wanted)
             reply = await conns.request(Op.LEASE, meta)
         except CapacityError:
             return [Fallback("the node's lease table is full")] * len(keys)
@@ -132,7 +126,7 @@ class ArenaReader:
             if conns.tenant is None:
                 raise
             return [Fallback("a tenant's token reads over TCP")] * len(keys)  # the first read learns it
-        lease_id, found = decode_lease_response(reply, keys, fingerprints=True)
+        lease_id, found = Lease.decode_answer(reply, keys, fingerprints=True)
         outcomes: list[Outcome] = []
         jobs: list[_Job] = []
         try:
@@ -194,6 +188,6 @@ class ArenaReader:
 
 async def _release_quietly(conns: NodeConnectionSet, lease_id: int) -> None:
     try:
-        await conns.request(Op.RELEASE, encode_release(lease_id, ()))
+        await conns.request(Op.RELEASE, Release.encode_request(lease_id, ()))
     except KVPoolError as exc:  # the lease ends at its deadline instead
         logger.debug("kvpool: releasing lease on node %s failed: %s", conns.node.node_id, exc)

@@ -11,7 +11,9 @@ import dataclasses
 from typing import Any, Generic, Protocol, TypeVar, Union
 
 from backend.errors import KVPoolError, ProtocolError
-from backend.protocol import ANY_FINGERPRINT, NO_FINGERPRINT, ChunkTokens, ItemMeta, OtherLayout, check_item
+from backend.protocol import ItemMeta
+from backend.protocol.meta import ANY_FINGERPRINT, NO_FINGERPRINT, OtherLayout, check_item
+from backend.protocol.tokens import ChunkTokens
 from backend.transport import Buffer
 
 __all__ = [

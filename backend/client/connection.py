@@ -35,19 +35,11 @@ from backend.config.deadlines import Deadlines
 from backend.errors import IntegrityError, KVPoolError, NodeUnavailable, ProtocolError
 from backend.handshake import ClientHello, handshake_key
 from backend.metadata import NodeInfo
-from backend.protocol import (
-    DEFAULT_LIMITS,
-    ItemMeta,
-    Op,
-    OtherLayout,
-    Status,
-    checksum,
-    decode_get_response,
-    decode_json,
-    encode_header,
-    encode_json,
-    error_for_status,
-)
+from backend.protocol import DEFAULT_LIMITS, ItemMeta, Op, Status, checksum
+from backend.protocol.frame import encode_header, error_for_status
+from backend.protocol.meta import OtherLayout, decode_json, encode_json
+from backend.protocol.reads import GetBatch
+from backend.protocol.reports import Ping
 from backend.transport import Buffer, FrameSocket
 
 __all__ = [
@@ -274,9 +266,9 @@ class NodeConnection:
     async def _receive_get(self, sock: FrameSocket, data_len: int, meta: bytearray, pending: _Pending) -> list[Outcome]:
         """Take a buffer per found chunk from the sink, then receive and verify them all in one transfer.
 
-        The request carried the sink's layout fingerprint (``encode_get_request``): a chunk of another
+        The request carried the sink's layout fingerprint (``GetBatch.encode_request``): a chunk of another
         layout is answered OtherLayout, and one the node sent anyway is received and dropped as one."""
-        found = decode_get_response(meta, pending.keys, data_len)
+        found = GetBatch.decode_answer(meta, pending.keys, data_len)
         sink = pending.sink
         assert sink is not None
         wanted = sink_fingerprint(sink)
@@ -442,7 +434,7 @@ class Connections:
         conn = NodeConnection(node, self.config, self.tls)
         try:
             await conn.ensure_open()
-            await conn.request(Op.PING, b"")
+            await conn.request(Op.PING, Ping.encode_request())
         finally:
             conn.close()
 

@@ -15,7 +15,8 @@ from backend.client.context import ClientContext
 from backend.client.registry import Locator, RegistryView
 from backend.errors import ConfigError, KVPoolError
 from backend.metadata import NodeInfo
-from backend.protocol import Op, decode_lease_response, encode_lease_request, encode_release
+from backend.protocol import Op
+from backend.protocol.reads import Lease, Release
 
 __all__ = ["Leases", "MAX_LEASE_TTL_MS"]
 
@@ -52,8 +53,8 @@ class Leases:
             for start in range(0, len(indexes), MAX_FRAME_ITEMS):
                 part = indexes[start : start + MAX_FRAME_ITEMS]
                 names = [keys[i] for i in part]
-                reply = await self.connections.to(node).request(Op.LEASE, encode_lease_request(names, ttl_ms, 0))
-                lease_id, found = decode_lease_response(reply, names)
+                reply = await self.connections.to(node).request(Op.LEASE, Lease.encode_request(names, ttl_ms, 0))
+                lease_id, found = Lease.decode_answer(reply, names)
                 for index, entry in zip(part, found):
                     if entry is not None:
                         results[index] = Lock(keys[index], node.node_id, lease_id, node.epoch)
@@ -92,7 +93,7 @@ class Leases:
                 continue  # the node restarted: its leases died with it
             conns = self.connections.to(node)
             releases += [
-                conns.request(Op.RELEASE, encode_release(lease_id, names[i : i + MAX_FRAME_ITEMS]))
+                conns.request(Op.RELEASE, Release.encode_request(lease_id, names[i : i + MAX_FRAME_ITEMS]))
                 for i in range(0, len(names), MAX_FRAME_ITEMS)
             ]
         outcomes = await asyncio.gather(*releases, return_exceptions=True)

@@ -18,31 +18,12 @@ from typing import Any
 from backend.client.connection import Connections
 from backend.errors import ProtocolError
 from backend.metadata import NodeInfo
-from backend.protocol import (
-    MAX_EVENTS_KEYS,
-    EventsPage,
-    InventoryPage,
-    InventoryRow,
-    NodeReport,
-    Op,
-    PinPage,
-    PinRequest,
-    PinRow,
-    Verified,
-    decode_events_response,
-    decode_flags,
-    decode_inventory_response,
-    decode_node_report,
-    decode_pin_response,
-    decode_pins_response,
-    decode_unpin_response,
-    encode_events_request,
-    encode_inventory_request,
-    encode_keys,
-    encode_pin_request,
-    encode_pins_request,
-    encode_unpin_request,
-)
+from backend.protocol import Op
+from backend.protocol.events import MAX_EVENTS_KEYS, Events, EventsPage
+from backend.protocol.inventory import Inventory, InventoryPage, InventoryRow, Verified, VerifyBatch
+from backend.protocol.pins import Pin, PinPage, PinRequest, PinRow, Pins, Unpin
+from backend.protocol.reads import DeleteBatch, ExistsBatch
+from backend.protocol.reports import NodeReport, Ping, Stat
 
 __all__ = ["NodeAdmin", "INVENTORY_PAGE", "PINS_PAGE"]
 
@@ -63,14 +44,12 @@ class NodeAdmin:
         """The tenant ``node`` bound this client's connections to in the handshake, its token being that tenant's
         (None: the pool token, or a pool without one); a PING opens a connection if none is open."""
         conns = self._connections.to(node)
-        await conns.request(Op.PING, b"")
+        await conns.request(Op.PING, Ping.encode_request())
         return conns.tenant
 
     async def inventory(self, node: NodeInfo, after: str = "", limit: int = INVENTORY_PAGE) -> InventoryPage:
         """Up to ``limit`` chunks ``node`` holds, in key order, all with keys greater than ``after``."""
-        return decode_inventory_response(
-            await self._request(node, Op.INVENTORY, encode_inventory_request(after, limit))
-        )
+        return Inventory.decode_answer(await self._request(node, Op.INVENTORY, Inventory.encode_request(after, limit)))
 
     async def inventory_pages(self, node: NodeInfo, limit: int = INVENTORY_PAGE) -> AsyncIterator[list[InventoryRow]]:
         """Everything ``node`` holds, one non-empty page at a time (each page's last key is the next cursor)."""
@@ -87,7 +66,8 @@ class NodeAdmin:
         """Whether ``node`` itself holds each key (whatever the index says)."""
         if not keys:
             return []
-        return [bool(f) for f in decode_flags(await self._request(node, Op.EXISTS_BATCH, encode_keys(keys)), len(keys))]
+        answer = await self._request(node, Op.EXISTS_BATCH, ExistsBatch.encode_request(keys))
+        return [bool(f) for f in ExistsBatch.decode_answer(answer, len(keys))]
 
     async def verify(self, node: NodeInfo, keys: Sequence[str]) -> list[Verified]:
         """Have ``node`` re-check its copy of each key against its checksum, without shipping bytes.
@@ -96,7 +76,9 @@ class NodeAdmin:
         """
         if not keys:
             return []
-        flags = decode_flags(await self._request(node, Op.VERIFY_BATCH, encode_keys(keys)), len(keys))
+        flags = VerifyBatch.decode_answer(
+            await self._request(node, Op.VERIFY_BATCH, VerifyBatch.encode_request(keys)), len(keys)
+        )
         try:
             return [Verified(f) for f in flags]
         except ValueError:
@@ -106,39 +88,40 @@ class NodeAdmin:
         """Delete keys from ``node`` alone (it withdraws its own index entries); whether each was held."""
         if not keys:
             return []
-        return [bool(f) for f in decode_flags(await self._request(node, Op.DELETE_BATCH, encode_keys(keys)), len(keys))]
+        answer = await self._request(node, Op.DELETE_BATCH, DeleteBatch.encode_request(keys))
+        return [bool(f) for f in DeleteBatch.decode_answer(answer, len(keys))]
 
     async def events(
         self, node: NodeInfo, since: int, max_keys: int = MAX_EVENTS_KEYS, tokens: bool = False
     ) -> EventsPage:
         """``node``'s ring of committed stores and removals from ``since`` (a `kvpool events` endpoint reads it),
         with the stored chunks' token records when ``tokens``."""
-        request = encode_events_request(since, max_keys, tokens)
-        return decode_events_response(await self._request(node, Op.EVENTS, request))
+        request = Events.encode_request(since, max_keys, tokens)
+        return Events.decode_answer(await self._request(node, Op.EVENTS, request))
 
     async def stats(self, node: NodeInfo) -> NodeReport:
         """``node``'s STAT answer: counters, tiers, recent window, latency histograms (docs/operations.md)."""
-        return decode_node_report(await self._request(node, Op.STAT, b""))
+        return Stat.decode_answer(await self._request(node, Op.STAT, Stat.encode_request()))
 
     async def pin(self, node: NodeInfo, request: PinRequest) -> tuple[list[bool], float | None]:
         """Pin keys on ``node``: ``(held per key, the ttl it applied or None for none)``. All or nothing: a key it
         does not hold is False and then nothing was pinned. A ttl its settings refuse: KVPoolError naming it."""
-        answer = await self._request(node, Op.PIN, encode_pin_request(request))
-        return decode_pin_response(answer, len(request.keys))
+        answer = await self._request(node, Op.PIN, Pin.encode_request(request))
+        return Pin.decode_answer(answer, len(request.keys))
 
     async def unpin(self, node: NodeInfo, owner: str, keys: Sequence[str]) -> list[bool]:
         """Let go of ``owner``'s newest pin of each key on ``node``; whether it had one."""
         if not keys:
             return []
-        return decode_unpin_response(await self._request(node, Op.UNPIN, encode_unpin_request(owner, keys)), len(keys))
+        return Unpin.decode_answer(await self._request(node, Op.UNPIN, Unpin.encode_request(owner, keys)), len(keys))
 
     async def pins(self, node: NodeInfo, prefix: str = "") -> list[PinRow]:
         """Every key ``node`` pins (of keys starting with ``prefix``), one row per key and owner, in order."""
         rows: list[PinRow] = []
         after: tuple[str, str] | None = None
         while True:
-            page: PinPage = decode_pins_response(
-                await self._request(node, Op.PINS, encode_pins_request(prefix, after, PINS_PAGE))
+            page: PinPage = Pins.decode_answer(
+                await self._request(node, Op.PINS, Pins.encode_request(prefix, after, PINS_PAGE))
             )
             rows.extend(page.rows)
             if not page.more or not page.rows:

@@ -48,7 +48,8 @@ from backend.config import PoolConfig
 from backend.counters import ClientCounter
 from backend.errors import KVPoolError, NodeUnavailable
 from backend.metadata import MetadataStore, NodeInfo
-from backend.protocol import ANY_FINGERPRINT, NO_FINGERPRINT, Op, check_key
+from backend.protocol import Op
+from backend.protocol.meta import ANY_FINGERPRINT, NO_FINGERPRINT, check_key
 from backend.tenants import scoped, unscoped
 from backend.transport import client_tls_context
 

@@ -27,16 +27,9 @@ from backend.counters import ClientCounter
 from backend.errors import BusyError, CapacityError, KVPoolError, NodeUnavailable, PutOutcome, refused_outcome
 from backend.metadata import NodeInfo
 from backend.placement import choose_nodes, next_fallback, rank_nodes
-from backend.protocol import (
-    ItemMeta,
-    Op,
-    PutOptions,
-    checksum,
-    decode_flags,
-    encode_put_batch,
-    encode_record,
-    put_outcome,
-)
+from backend.protocol import ItemMeta, Op, checksum
+from backend.protocol.puts import PutBatch, PutOptions, put_outcome
+from backend.protocol.tokens import encode_record
 from backend.transport import BULK_BYTES, Buffer
 
 __all__ = ["PutPlanner", "put_error"]
@@ -170,11 +163,11 @@ class PutPlanner:
         async def stripe(part: Sequence[ItemMeta]) -> list[PutOutcome]:
             results: list[PutOutcome] = []
             for frame in frames(part):
-                meta = encode_put_batch(frame, options)
+                meta = PutBatch.encode_request(frame, options)
                 reply = await conns.request(
                     Op.PUT_BATCH, meta, data=[data[i.key] for i in frame], hold_s=ms_to_s(options.wait_ms)
                 )
-                results.extend(put_outcome(flag) for flag in decode_flags(reply, len(frame)))
+                results.extend(put_outcome(flag) for flag in PutBatch.decode_answer(reply, len(frame)))
             return results
 
         parts = stripes(group, self.ctx.config.connections_per_node)

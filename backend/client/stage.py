@@ -28,7 +28,8 @@ from backend.client.tcp import stripes
 from backend.counters import ClientCounter
 from backend.errors import AuthError, KVPoolError, PutOutcome, refused_outcome
 from backend.metadata import NodeInfo
-from backend.protocol import ItemMeta, Op, PutOptions, decode_flags, encode_put_staged, put_outcome
+from backend.protocol import ItemMeta, Op
+from backend.protocol.puts import PutOptions, PutStaged, put_outcome
 from backend.shm import HEADER_BYTES, PutStage
 from backend.transport import BULK_BYTES, Buffer
 
@@ -69,7 +70,7 @@ class StagedWriter:
             if stage is None:
                 return False
             with contextlib.suppress(KVPoolError):  # then the first puts open them, as without this
-                empty = encode_put_staged(stage.name, stage.token, [], [])
+                empty = PutStaged.encode_request(stage.name, stage.token, [], [])
                 conns = self.connections.to(node)
                 connections = await conns.open_all()
                 if conns.tenant is not None:
@@ -142,7 +143,7 @@ class StagedWriter:
                     digests = await self.ctx.map_in_threads(copy, jobs)
                 items = [dataclasses.replace(item, checksum=d) for item, d in zip(stripe, digests)]
                 sums.update({item.key: item.checksum for item in items})
-                meta = encode_put_staged(
+                meta = PutStaged.encode_request(
                     stage.name, stage.token, items, [offset_of[i.key] for i in items], options=options
                 )
                 requests.append(asyncio.ensure_future(conns.request(Op.PUT_STAGED, meta)))
@@ -161,7 +162,7 @@ class StagedWriter:
             elif failure is not None:
                 raise failure
             else:
-                outcomes += [put_outcome(flag) for flag in decode_flags(request.result(), len(stripe))]
+                outcomes += [put_outcome(flag) for flag in PutStaged.decode_answer(request.result(), len(stripe))]
         return outcomes, error
 
     async def _stage(self, directory: str) -> PutStage | None:

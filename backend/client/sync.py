@@ -10,7 +10,7 @@ from backend.client.chunks import Chunk, Fetched, Lock
 from backend.client.pool_client import PoolClient
 from backend.config import PoolConfig
 from backend.metadata import NodeInfo
-from backend.protocol import NO_FINGERPRINT
+from backend.protocol.meta import NO_FINGERPRINT
 from backend.threads import LoopThread
 
 __all__ = ["SyncPoolClient"]

@@ -17,7 +17,8 @@ from backend.client.connection import Connections, NodeConnectionSet, frames
 from backend.client.context import ClientContext
 from backend.counters import ClientCounter
 from backend.metadata import NodeInfo
-from backend.protocol import Op, encode_get_request
+from backend.protocol import Op
+from backend.protocol.reads import GetBatch
 from backend.transport import BULK_BYTES
 
 __all__ = ["TcpReader", "stripes"]
@@ -78,7 +79,7 @@ async def _read_stripe(conns: NodeConnectionSet, wanted: Sequence[Wanted], sink:
         for frame in frames(wanted):
             keys = [w.key for w in frame]
             expect = sum(w.nbytes for w in frame)
-            meta = encode_get_request(keys, fingerprint)
+            meta = GetBatch.encode_request(keys, fingerprint)
             out.extend(await conns.request(Op.GET_BATCH, meta, keys=keys, sink=sink, expect_bytes=expect))
     except BaseException:
         release_hits(sink, out)  # an earlier frame's buffers are ours to give back

@@ -5,7 +5,7 @@ looked up, and a prefix an engine then serves from its own CPU tier goes cold in
 pool. The client keeps each lookup's found prefix (one chain, in prefix order) and,
 every ``TOUCH_FLUSH_S`` or once ``TOUCH_BATCH_KEYS`` keys wait, reads where those keys
 live (one Redis lookup for the whole batch) and sends each node one TOUCH of the
-chains' keys it holds (``backend.protocol.encode_touch``). Which nodes: the pool URL's
+chains' keys it holds (``backend.protocol.reads.Touch``). Which nodes: the pool URL's
 ``touch`` (``PoolConfig.touch``): ``auto`` (the default) tells the nodes whose eviction
 order uses lookups (``NodeInfo.takes_touches``: their registry entry names an order other
 than lru), and keeps nothing while the view holds none, so a pool of lru nodes pays
@@ -30,7 +30,7 @@ from backend.client.context import ClientContext
 from backend.counters import ClientCounter
 from backend.errors import KVPoolError, ProtocolError
 from backend.metadata import IndexEntry, NodeInfo
-from backend.protocol import encode_touch
+from backend.protocol.reads import Touch
 
 __all__ = ["LookupTouches", "TOUCH_FLUSH_S", "TOUCH_BATCH_KEYS", "TOUCH_BACKLOG_KEYS"]
 
@@ -133,7 +133,7 @@ class LookupTouches:
             return
         try:
             async with asyncio.timeout(self.ctx.deadlines.touch_s):
-                await self._send(node, encode_touch(chains))
+                await self._send(node, Touch.encode_request(chains))
         except ProtocolError as exc:
             self._refused.add((node.node_id, node.epoch))
             counters[ClientCounter.TOUCH_REFUSALS] += 1

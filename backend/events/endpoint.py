@@ -53,7 +53,8 @@ from backend.events.auth import CurveKeys, curve_keys, is_loopback
 from backend.events.view import BlockShape, PoolView, parents_first
 from backend.events.wire import DEFAULT_FORM, BlockStored, KVEventBatch, Wire, seq_bytes, wire_form
 from backend.metadata import NodeInfo
-from backend.protocol import EVENT_STORED, MAX_EVENTS_KEYS, ChunkTokens
+from backend.protocol.events import EVENT_STORED, MAX_EVENTS_KEYS
+from backend.protocol.tokens import ChunkTokens
 from backend.tenants import check_tenant, scoped, tenant_of
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "EndpointConfig", "EventsEndpoint"]

@@ -33,7 +33,7 @@ import xxhash
 
 from backend.events.keys import BlockRef, block_of
 from backend.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
-from backend.protocol import ChunkTokens
+from backend.protocol.tokens import ChunkTokens
 
 __all__ = ["BlockShape", "PoolView", "parents_first", "sub_block_hashes"]
 

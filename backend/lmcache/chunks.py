@@ -35,7 +35,9 @@ from backend.counters import MissCause
 from backend.errors import KVPoolError
 from backend.lmcache.boundary import MissBoundary
 from backend.lmcache.layout import EngineFingerprint
-from backend.protocol import NO_FINGERPRINT, ChunkTokens, ItemMeta
+from backend.protocol import ItemMeta
+from backend.protocol.meta import NO_FINGERPRINT
+from backend.protocol.tokens import ChunkTokens
 
 __all__ = ["LMCacheSink", "to_chunk", "rebuild_layout", "PLAIN_DTYPE"]
 

@@ -56,7 +56,7 @@ from typing import Any
 
 import xxhash
 
-from backend.protocol import ANY_FINGERPRINT, NO_FINGERPRINT
+from backend.protocol.meta import ANY_FINGERPRINT, NO_FINGERPRINT
 
 __all__ = [
     "KVLayout",

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from backend.counters import ConnectorCounter
-from backend.protocol import MAX_RECORD_TOKENS, ChunkTokens
+from backend.protocol.tokens import MAX_RECORD_TOKENS, ChunkTokens
 
 __all__ = ["MAX_BYTES", "MAX_ENTRIES", "TokenBinding", "TokenRecords"]
 

@@ -17,7 +17,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from backend.counters import NodeCounter
 from backend.latency import LatencyHistograms
-from backend.protocol import NodeReport, RecoveryReport, TenantReport, TierReport
+from backend.protocol.reports import NodeReport, RecoveryReport, TenantReport, TierReport
 
 __all__ = ["METRIC_NAME", "NODE_COUNTERS", "NODE_PREFIX", "NodeCollector"]
 

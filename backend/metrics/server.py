@@ -24,7 +24,7 @@ from prometheus_client.exposition import choose_encoder
 
 from backend.errors import NodeUnavailable
 from backend.metrics.node import NodeCollector
-from backend.protocol import NodeReport
+from backend.protocol.reports import NodeReport
 
 __all__ = ["MAX_CONNECTIONS", "NodeMetricsServer"]
 

@@ -51,7 +51,7 @@ from backend.node.startup import NewDirectory, check_redis, listen, take_arena
 from backend.node.stats import NodeStats
 from backend.node.store.dirlock import DirectoryLock
 from backend.node.store.tiers import TierConfig, TierManager
-from backend.protocol import NodeReport
+from backend.protocol.reports import NodeReport
 from backend.transport import FrameSocket, server_tls_context
 
 __all__ = ["PoolNode"]

@@ -9,7 +9,7 @@ from collections import Counter
 from backend.counters import NodeCounter
 from backend.latency import LatencyHistograms
 from backend.node.context import NodeContext
-from backend.protocol import NodeReport, RecentReport, RecoveryReport, RepublishReport
+from backend.protocol.reports import NodeReport, RecentReport, RecoveryReport, RepublishReport
 
 __all__ = ["NodeStats"]
 

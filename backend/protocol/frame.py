@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import xxhash
 
@@ -50,6 +50,8 @@ __all__ = [
     "verify_meta",
     "error_for_status",
     "status_for_error",
+    "OpCodec",
+    "CODECS",
 ]
 
 MAGIC = b"KV"
@@ -89,6 +91,26 @@ class Status(enum.IntEnum):
     METADATA = 5
     INTERNAL = 6
     UNAVAILABLE = 7  # the node is closing this connection (shed, handshake deadline): request id 0, the reason
+
+
+class OpCodec:
+    """An op's codec in one place: its ``op`` and static methods ``encode_request``, ``decode_request``,
+    ``encode_answer`` and ``decode_answer``, the two ends of the wire calling the same class.
+
+    A subclass that names its ``op`` is registered in :data:`CODECS`, one codec per op (HELLO and
+    AUTH are the handshake's, ``backend.handshake``)."""
+
+    op: ClassVar[Op]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "op" in cls.__dict__:
+            if cls.op in CODECS:
+                raise TypeError(f"{cls.__name__}: {cls.op.name} already has its codec, {CODECS[cls.op].__name__}")
+            CODECS[cls.op] = cls
+
+
+CODECS: dict[Op, type[OpCodec]] = {}  # op -> its codec, filled as the op families' parts are imported
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,9 @@ __all__ = [
     "decode_flags",
     "encode_json",
     "decode_json",
+    "KeysRequest",
+    "FlagsAnswer",
+    "EmptyRequest",
 ]
 
 # The fixed-width fields, and the helpers below that are not in __all__, are what the op
@@ -247,3 +250,29 @@ def decode_json(meta: bytes | bytearray | memoryview) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ProtocolError("control message is not a JSON object")
     return value
+
+
+class KeysRequest:
+    """The request of an op that is a key list (EXISTS_BATCH, DELETE_BATCH, VERIFY_BATCH)."""
+
+    encode_request = staticmethod(encode_keys)
+    decode_request = staticmethod(decode_keys)
+
+
+class FlagsAnswer:
+    """The answer of an op that is one status byte per item (EXISTS, DELETE, VERIFY, the puts, TOUCH)."""
+
+    encode_answer = staticmethod(encode_flags)
+    decode_answer = staticmethod(decode_flags)
+
+
+class EmptyRequest:
+    """The request of an op that carries nothing (STAT, PING): a node reads nothing of its meta."""
+
+    @staticmethod
+    def encode_request() -> bytes:
+        return b""
+
+    @staticmethod
+    def decode_request(meta: bytes | bytearray | memoryview) -> None:
+        return None

@@ -1,9 +1,9 @@
 """PUT_BATCH and PUT_STAGED: the items a put sends, its options, and the per-item outcome a node answers.
 
-A PUT_BATCH's meta is its items (:func:`encode_items`), then the put options; its data is
+A PUT_BATCH's meta is its items (:meth:`PutBatch.encode_items`), then the put options; its data is
 the chunks' bytes. A PUT_STAGED carries no data: the bytes wait in the client's shared-memory
 stage on the node's host (``backend.shm``), and the meta names the stage, its token and each
-item's offset in it. Both are answered with one flag per item (``encode_flags``).
+item's offset in it. Both are answered with one flag per item (:class:`~backend.protocol.meta.FlagsAnswer`).
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from backend.errors import ProtocolError, PutOutcome
-from backend.protocol.frame import DEFAULT_LIMITS, Limits
+from backend.protocol.frame import DEFAULT_LIMITS, Limits, Op, OpCodec
 from backend.protocol.meta import (
     ANY_FINGERPRINT,
     U8,
     U32,
     U64,
+    FlagsAnswer,
     ItemMeta,
     MetaReader,
     bounded,
@@ -34,17 +35,13 @@ __all__ = [
     "PUT_NO_ROOM",
     "PUT_BUSY",
     "put_outcome",
-    "encode_items",
-    "decode_items",
+    "PutBatch",
     "MAX_PUT_WAIT_MS",
     "DEFAULT_PUT_WAIT_MS",
     "PutOptions",
-    "encode_put_batch",
-    "decode_put_batch",
     "MAX_STAGE_NAME_BYTES",
     "STAGE_TOKEN_BYTES",
-    "encode_put_staged",
-    "decode_put_staged",
+    "PutStaged",
 ]
 
 # Per-item outcome of a PUT_BATCH or PUT_STAGED, in the response's flag list.
@@ -63,29 +60,6 @@ _PUT_OUTCOMES = {
 def put_outcome(flag: int) -> PutOutcome:
     """The outcome a node's PUT flag stands for (a flag this side does not know: the chunk is not stored)."""
     return _PUT_OUTCOMES.get(flag, PutOutcome.FAILED)
-
-
-def encode_items(items: Sequence[ItemMeta], limits: Limits = DEFAULT_LIMITS) -> bytes:
-    """Meta of a PUT_BATCH request: item count, then each item's meta."""
-    if len(items) > limits.max_items:
-        raise ProtocolError(f"{len(items)} items exceed the limit of {limits.max_items}")
-    out = bytearray(U32.pack(len(items)))
-    for item in items:
-        write_item(out, item, limits)
-    return bounded(out, limits)
-
-
-def decode_items(
-    meta: bytes | bytearray | memoryview, data_len: int, limits: Limits = DEFAULT_LIMITS
-) -> list[ItemMeta]:
-    """Decode PUT_BATCH meta and check the items add up to the declared data length."""
-    reader = MetaReader(meta)
-    items = [read_item(reader, limits) for _ in range(reader.count(limits))]
-    reader.done()
-    total = sum(item.nbytes for item in items)
-    if total != data_len:
-        raise ProtocolError(f"items declare {total} bytes but the frame carries {data_len}")
-    return items
 
 
 # -- put options: a PUT_BATCH's or PUT_STAGED's optional trailer ---------------------------
@@ -153,70 +127,105 @@ def _options_and_fingerprints(items: Sequence[ItemMeta], options: PutOptions, ro
     return out + section
 
 
-def encode_put_batch(items: Sequence[ItemMeta], options: PutOptions, limits: Limits = DEFAULT_LIMITS) -> bytes:
-    """Meta of a PUT_BATCH request: the items (as :func:`encode_items`), then the put options and, when an
-    item has a layout fingerprint, every item's fingerprint."""
-    head = encode_items(items, limits)
-    return bounded(
-        bytearray(head + _options_and_fingerprints(items, options, limits.max_meta_bytes - len(head))), limits
-    )
+class PutBatch(FlagsAnswer, OpCodec):
+    """PUT_BATCH: the items and put options, the chunks' bytes as data; answered with a put flag per item."""
 
+    op = Op.PUT_BATCH
 
-def decode_put_batch(
-    meta: bytes | bytearray | memoryview, data_len: int, limits: Limits = DEFAULT_LIMITS
-) -> tuple[list[ItemMeta], PutOptions]:
-    """Decode PUT_BATCH meta (items, the put options and fingerprints if present); the items must add up to
-    ``data_len``."""
-    reader = MetaReader(meta)
-    items = [read_item(reader, limits) for _ in range(reader.count(limits))]
-    items, options = _put_trailer(reader, items)
-    reader.done()
-    total = sum(item.nbytes for item in items)
-    if total != data_len:
-        raise ProtocolError(f"items declare {total} bytes but the frame carries {data_len}")
-    return items, options
+    @staticmethod
+    def encode_items(items: Sequence[ItemMeta], limits: Limits = DEFAULT_LIMITS) -> bytes:
+        """Meta of a PUT_BATCH request: item count, then each item's meta."""
+        if len(items) > limits.max_items:
+            raise ProtocolError(f"{len(items)} items exceed the limit of {limits.max_items}")
+        out = bytearray(U32.pack(len(items)))
+        for item in items:
+            write_item(out, item, limits)
+        return bounded(out, limits)
+
+    @staticmethod
+    def decode_items(
+        meta: bytes | bytearray | memoryview, data_len: int, limits: Limits = DEFAULT_LIMITS
+    ) -> list[ItemMeta]:
+        """Decode PUT_BATCH meta and check the items add up to the declared data length."""
+        reader = MetaReader(meta)
+        items = [read_item(reader, limits) for _ in range(reader.count(limits))]
+        reader.done()
+        total = sum(item.nbytes for item in items)
+        if total != data_len:
+            raise ProtocolError(f"items declare {total} bytes but the frame carries {data_len}")
+        return items
+
+    @staticmethod
+    def encode_request(items: Sequence[ItemMeta], options: PutOptions, limits: Limits = DEFAULT_LIMITS) -> bytes:
+        """Meta of a PUT_BATCH request: the items (as :meth:`PutBatch.encode_items`), then the put options and, when an
+        item has a layout fingerprint, every item's fingerprint."""
+        head = PutBatch.encode_items(items, limits)
+        return bounded(
+            bytearray(head + _options_and_fingerprints(items, options, limits.max_meta_bytes - len(head))), limits
+        )
+
+    @staticmethod
+    def decode_request(
+        meta: bytes | bytearray | memoryview, data_len: int, limits: Limits = DEFAULT_LIMITS
+    ) -> tuple[list[ItemMeta], PutOptions]:
+        """Decode PUT_BATCH meta (items, the put options and fingerprints if present); the items must add up to
+        ``data_len``."""
+        reader = MetaReader(meta)
+        items = [read_item(reader, limits) for _ in range(reader.count(limits))]
+        items, options = _put_trailer(reader, items)
+        reader.done()
+        total = sum(item.nbytes for item in items)
+        if total != data_len:
+            raise ProtocolError(f"items declare {total} bytes but the frame carries {data_len}")
+        return items, options
 
 
 MAX_STAGE_NAME_BYTES = 64
 STAGE_TOKEN_BYTES = 32
 
 
-def encode_put_staged(
-    stage: str,
-    token: str,
-    items: Sequence[ItemMeta],
-    offsets: Sequence[int],
-    limits: Limits = DEFAULT_LIMITS,
-    options: PutOptions | None = None,
-) -> bytes:
-    """Meta of a PUT_STAGED request: the stage's file name and token, the items as in PUT_BATCH,
-    each item's offset in the stage, then the put options (none: the node's defaults) and, as in
-    PUT_BATCH, the fingerprints (an item with one needs ``options``)."""
-    name, secret = stage.encode("ascii"), token.encode("ascii")
-    if not 0 < len(name) <= MAX_STAGE_NAME_BYTES or len(secret) != STAGE_TOKEN_BYTES or len(offsets) != len(items):
-        raise ProtocolError("PUT_STAGED needs a stage name, its 32-character token and an offset per item")
-    out = bytearray(U8.pack(len(name)) + name + secret)
-    out += encode_items(items, limits)
-    out += b"".join(U64.pack(offset) for offset in offsets)
-    if options is not None:
-        out += _options_and_fingerprints(items, options, limits.max_meta_bytes - len(out))
-    elif any(item.fingerprint for item in items):
-        raise ProtocolError("PUT_STAGED items with layout fingerprints need put options before them")
-    return bounded(out, limits)
+class PutStaged(FlagsAnswer, OpCodec):
+    """PUT_STAGED: a put whose bytes wait in the client's stage on the node's host; answered as PUT_BATCH."""
 
+    op = Op.PUT_STAGED
 
-def decode_put_staged(
-    meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
-) -> tuple[str, str, list[ItemMeta], list[int], PutOptions]:
-    """``(stage name, token, items, offsets, options)`` of a PUT_STAGED request (the name is not yet checked)."""
-    reader = MetaReader(meta)
-    (name_len,) = reader.unpack(U8, "stage name length")
-    if not 0 < name_len <= MAX_STAGE_NAME_BYTES:
-        raise ProtocolError(f"stage name length {name_len} outside 1..{MAX_STAGE_NAME_BYTES}")
-    name = reader.text(name_len, "stage name")
-    token = reader.text(STAGE_TOKEN_BYTES, "stage token")
-    items = [read_item(reader, limits) for _ in range(reader.count(limits))]
-    offsets = [int(reader.unpack(U64, "stage offset")[0]) for _ in items]
-    items, options = _put_trailer(reader, items)
-    reader.done()
-    return name, token, items, offsets, options
+    @staticmethod
+    def encode_request(
+        stage: str,
+        token: str,
+        items: Sequence[ItemMeta],
+        offsets: Sequence[int],
+        limits: Limits = DEFAULT_LIMITS,
+        options: PutOptions | None = None,
+    ) -> bytes:
+        """Meta of a PUT_STAGED request: the stage's file name and token, the items as in PUT_BATCH,
+        each item's offset in the stage, then the put options (none: the node's defaults) and, as in
+        PUT_BATCH, the fingerprints (an item with one needs ``options``)."""
+        name, secret = stage.encode("ascii"), token.encode("ascii")
+        if not 0 < len(name) <= MAX_STAGE_NAME_BYTES or len(secret) != STAGE_TOKEN_BYTES or len(offsets) != len(items):
+            raise ProtocolError("PUT_STAGED needs a stage name, its 32-character token and an offset per item")
+        out = bytearray(U8.pack(len(name)) + name + secret)
+        out += PutBatch.encode_items(items, limits)
+        out += b"".join(U64.pack(offset) for offset in offsets)
+        if options is not None:
+            out += _options_and_fingerprints(items, options, limits.max_meta_bytes - len(out))
+        elif any(item.fingerprint for item in items):
+            raise ProtocolError("PUT_STAGED items with layout fingerprints need put options before them")
+        return bounded(out, limits)
+
+    @staticmethod
+    def decode_request(
+        meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+    ) -> tuple[str, str, list[ItemMeta], list[int], PutOptions]:
+        """``(stage name, token, items, offsets, options)`` of a PUT_STAGED request (the name is not yet checked)."""
+        reader = MetaReader(meta)
+        (name_len,) = reader.unpack(U8, "stage name length")
+        if not 0 < name_len <= MAX_STAGE_NAME_BYTES:
+            raise ProtocolError(f"stage name length {name_len} outside 1..{MAX_STAGE_NAME_BYTES}")
+        name = reader.text(name_len, "stage name")
+        token = reader.text(STAGE_TOKEN_BYTES, "stage token")
+        items = [read_item(reader, limits) for _ in range(reader.count(limits))]
+        offsets = [int(reader.unpack(U64, "stage offset")[0]) for _ in items]
+        items, options = _put_trailer(reader, items)
+        reader.done()
+        return name, token, items, offsets, options

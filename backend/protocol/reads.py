@@ -1,4 +1,4 @@
-"""GET_BATCH's answer, and LEASE/RELEASE: a same-host read pins keys, reads the node's arena, lets go.
+"""The key ops: EXISTS, DELETE, GET_BATCH, LEASE and RELEASE (a same-host read pins, reads the arena, lets go), TOUCH.
 
 A TOUCH is chains of keys (each in prefix order) that lookups found: a count of chains,
 then each chain as a key list; at most ``limits.max_items`` keys in all. It is answered
@@ -6,7 +6,7 @@ with an empty flag list.
 
 EXISTS and DELETE requests are a key list (``encode_keys``), answered with a flag per key
 (``encode_flags``). A GET is a key list and the reader's layout fingerprint
-(:func:`encode_get_request`), answered with :func:`encode_get_response`; a LEASE is answered
+(:meth:`GetBatch.encode_request`), answered with :meth:`GetBatch.encode_answer`; a LEASE is answered
 like a GET plus, per found key, its offset in the node's arena. A GET or LEASE of an older
 client carries no fingerprint: it is answered in the older form (no fingerprints, and a chunk
 of another layout as not found).
@@ -18,38 +18,27 @@ import struct
 from collections.abc import Sequence
 
 from backend.errors import ProtocolError
-from backend.protocol.frame import DEFAULT_LIMITS, Limits
+from backend.protocol.frame import DEFAULT_LIMITS, Limits, Op, OpCodec
 from backend.protocol.meta import (
     U8,
     U32,
     U64,
+    FlagsAnswer,
     ItemMeta,
+    KeysRequest,
     MetaReader,
     OtherLayout,
     bounded,
     check_fingerprint,
+    decode_json,
     decode_keys,
+    encode_json,
     encode_keys,
     read_item,
     write_item,
 )
 
-__all__ = [
-    "encode_get_request",
-    "decode_get_request",
-    "encode_get_response",
-    "decode_get_response",
-    "LEASE_MAP",
-    "NO_OFFSET",
-    "encode_lease_request",
-    "decode_lease_request",
-    "encode_lease_response",
-    "decode_lease_response",
-    "encode_release",
-    "decode_release",
-    "encode_touch",
-    "decode_touch",
-]
+__all__ = ["ExistsBatch", "DeleteBatch", "GetBatch", "LEASE_MAP", "NO_OFFSET", "Lease", "Release", "Touch"]
 
 # LEASE request flags, and the offset of a leased chunk that has no arena region.
 LEASE_MAP = 0x1
@@ -71,16 +60,16 @@ def _keys_and_fingerprint(reader: MetaReader, limits: Limits, what: str) -> tupl
     return keys, fingerprint
 
 
-def encode_get_request(keys: Sequence[str], fingerprint: int, limits: Limits = DEFAULT_LIMITS) -> bytes:
-    """Meta of a GET_BATCH request: the keys (as :func:`encode_keys`), then the reader's layout fingerprint."""
-    return bounded(bytearray(encode_keys(keys, limits) + U64.pack(check_fingerprint(fingerprint, "GET"))), limits)
+class ExistsBatch(KeysRequest, FlagsAnswer, OpCodec):
+    """EXISTS_BATCH: a key list, answered with a flag per key (1: the node holds it)."""
+
+    op = Op.EXISTS_BATCH
 
 
-def decode_get_request(
-    meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
-) -> tuple[list[str], int | None]:
-    """``(keys, the reader's layout fingerprint)`` of a GET_BATCH request (None: an older client's, without one)."""
-    return _keys_and_fingerprint(MetaReader(meta), limits, "GET")
+class DeleteBatch(KeysRequest, FlagsAnswer, OpCodec):
+    """DELETE_BATCH: a key list, answered with a flag per key (1: the node dropped it)."""
+
+    op = Op.DELETE_BATCH
 
 
 def _write_answer(out: bytearray, entry: ItemMeta | OtherLayout | None, limits: Limits, fingerprints: bool) -> bool:
@@ -93,17 +82,6 @@ def _write_answer(out: bytearray, entry: ItemMeta | OtherLayout | None, limits: 
     if fingerprints:
         out += U64.pack(entry.fingerprint)
     return True
-
-
-def encode_get_response(
-    found: Sequence[ItemMeta | OtherLayout | None], limits: Limits = DEFAULT_LIMITS, *, fingerprints: bool = True
-) -> bytes:
-    """Meta of a GET_BATCH response: per key a found byte and, if found, the item and its layout fingerprint.
-    ``fingerprints=False``: the older form, for a request without a fingerprint (another layout: not found)."""
-    out = bytearray(U32.pack(len(found)))
-    for entry in found:
-        _write_answer(out, entry, limits, fingerprints)
-    return bounded(out, limits)
 
 
 Answer = tuple[ItemMeta, int | None] | OtherLayout | None  # a GET or LEASE answer for one key (with its offset)
@@ -139,120 +117,179 @@ def _decode_answers(
     return found
 
 
-def decode_get_response(
-    meta: bytes | bytearray | memoryview,
-    keys: Sequence[str],
-    data_len: int,
-    limits: Limits = DEFAULT_LIMITS,
-    *,
-    fingerprints: bool = True,
-) -> list[ItemMeta | OtherLayout | None]:
-    """Per key: its item (hits; their payloads are the data section, in key order), OtherLayout, or None.
-    ``fingerprints``: whether the request carried the reader's fingerprint (:func:`encode_get_request`)."""
-    reader = MetaReader(meta)
-    found = [
-        a[0] if isinstance(a, tuple) else a
-        for a in _decode_answers(reader, keys, "GET", limits, offsets=False, fingerprints=fingerprints)
-    ]
-    reader.done()
-    total = sum(item.nbytes for item in found if isinstance(item, ItemMeta))
-    if total != data_len:
-        raise ProtocolError(f"GET response declares {total} bytes but carries {data_len}")
-    return found
+class GetBatch(OpCodec):
+    """GET_BATCH: keys and the reader's layout fingerprint; answered per key with its item (bytes as data) or a miss."""
+
+    op = Op.GET_BATCH
+
+    @staticmethod
+    def encode_request(keys: Sequence[str], fingerprint: int, limits: Limits = DEFAULT_LIMITS) -> bytes:
+        """Meta of a GET_BATCH request: the keys (as :func:`encode_keys`), then the reader's layout fingerprint."""
+        return bounded(bytearray(encode_keys(keys, limits) + U64.pack(check_fingerprint(fingerprint, "GET"))), limits)
+
+    @staticmethod
+    def decode_request(
+        meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+    ) -> tuple[list[str], int | None]:
+        """``(keys, the reader's layout fingerprint)`` of a GET_BATCH request (None: an older client's, without one)."""
+        return _keys_and_fingerprint(MetaReader(meta), limits, "GET")
+
+    @staticmethod
+    def encode_answer(
+        found: Sequence[ItemMeta | OtherLayout | None], limits: Limits = DEFAULT_LIMITS, *, fingerprints: bool = True
+    ) -> bytes:
+        """Meta of a GET_BATCH response: per key a found byte and, if found, the item and its layout fingerprint.
+        ``fingerprints=False``: the older form, for a request without a fingerprint (another layout: not found)."""
+        out = bytearray(U32.pack(len(found)))
+        for entry in found:
+            _write_answer(out, entry, limits, fingerprints)
+        return bounded(out, limits)
+
+    @staticmethod
+    def decode_answer(
+        meta: bytes | bytearray | memoryview,
+        keys: Sequence[str],
+        data_len: int,
+        limits: Limits = DEFAULT_LIMITS,
+        *,
+        fingerprints: bool = True,
+    ) -> list[ItemMeta | OtherLayout | None]:
+        """Per key: its item (hits; their payloads are the data section, in key order), OtherLayout, or None.
+        ``fingerprints``: whether the request carried the reader's fingerprint (:meth:`GetBatch.encode_request`)."""
+        reader = MetaReader(meta)
+        found = [
+            a[0] if isinstance(a, tuple) else a
+            for a in _decode_answers(reader, keys, "GET", limits, offsets=False, fingerprints=fingerprints)
+        ]
+        reader.done()
+        total = sum(item.nbytes for item in found if isinstance(item, ItemMeta))
+        if total != data_len:
+            raise ProtocolError(f"GET response declares {total} bytes but carries {data_len}")
+        return found
 
 
-def encode_lease_request(
-    keys: Sequence[str], ttl_ms: int, flags: int, limits: Limits = DEFAULT_LIMITS, *, fingerprint: int | None = None
-) -> bytes:
-    """Meta of a LEASE request: ttl, flags, then the keys as in GET and, for a read (``LEASE_MAP``), the reader's
-    layout fingerprint (None: none is sent, as by an older client; a lock sends none)."""
-    if not 0 < ttl_ms < 2**32 or not 0 <= flags <= 255:
-        raise ProtocolError(f"lease ttl_ms {ttl_ms} or flags {flags} out of range")
-    out = _LEASE_HEAD.pack(ttl_ms, flags) + encode_keys(keys, limits)
-    if fingerprint is not None:
-        out += U64.pack(check_fingerprint(fingerprint, "LEASE"))
-    return bounded(bytearray(out), limits)
+class Lease(OpCodec):
+    """LEASE: pin keys for a while; answered like a GET plus each found key's offset in the node's arena."""
+
+    op = Op.LEASE
+
+    @staticmethod
+    def encode_request(
+        keys: Sequence[str], ttl_ms: int, flags: int, limits: Limits = DEFAULT_LIMITS, *, fingerprint: int | None = None
+    ) -> bytes:
+        """Meta of a LEASE request: ttl, flags, then the keys as in GET and, for a read (``LEASE_MAP``), the reader's
+        layout fingerprint (None: none is sent, as by an older client; a lock sends none)."""
+        if not 0 < ttl_ms < 2**32 or not 0 <= flags <= 255:
+            raise ProtocolError(f"lease ttl_ms {ttl_ms} or flags {flags} out of range")
+        out = _LEASE_HEAD.pack(ttl_ms, flags) + encode_keys(keys, limits)
+        if fingerprint is not None:
+            out += U64.pack(check_fingerprint(fingerprint, "LEASE"))
+        return bounded(bytearray(out), limits)
+
+    @staticmethod
+    def decode_request(
+        meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+    ) -> tuple[int, int, list[str], int | None]:
+        """``(ttl_ms, flags, keys, the reader's layout fingerprint or None)`` of a LEASE request."""
+        if len(meta) < _LEASE_HEAD.size:
+            raise ProtocolError("LEASE meta truncated before its ttl and flags")
+        ttl_ms, flags = _LEASE_HEAD.unpack(bytes(meta[: _LEASE_HEAD.size]))
+        if flags & ~LEASE_MAP:
+            raise ProtocolError(f"unknown LEASE flags {flags:#x}")
+        keys, fingerprint = _keys_and_fingerprint(MetaReader(memoryview(meta)[_LEASE_HEAD.size :]), limits, "LEASE")
+        return int(ttl_ms), int(flags), keys, fingerprint
+
+    @staticmethod
+    def encode_answer(
+        lease_id: int,
+        found: Sequence[tuple[ItemMeta, int] | OtherLayout | None],
+        limits: Limits = DEFAULT_LIMITS,
+        *,
+        fingerprints: bool = False,
+    ) -> bytes:
+        """Meta of a LEASE response: the lease id, then per key a found byte and, if found, item (+ its layout
+        fingerprint, when the request carried the reader's) + offset."""
+        out = bytearray(U64.pack(lease_id) + U32.pack(len(found)))
+        for entry in found:
+            if _write_answer(out, entry[0] if isinstance(entry, tuple) else entry, limits, fingerprints):
+                assert isinstance(entry, tuple)
+                out += U64.pack(entry[1])
+        return bounded(out, limits)
+
+    @staticmethod
+    def decode_answer(
+        meta: bytes | bytearray | memoryview,
+        keys: Sequence[str],
+        limits: Limits = DEFAULT_LIMITS,
+        *,
+        fingerprints: bool = False,
+    ) -> tuple[int, list[Answer]]:
+        """``(lease_id, per key None, OtherLayout or (item, offset or None))`` of a LEASE response."""
+        reader = MetaReader(meta)
+        (lease_id,) = reader.unpack(U64, "lease id")
+        found = _decode_answers(reader, keys, "LEASE", limits, offsets=True, fingerprints=fingerprints)
+        reader.done()
+        return int(lease_id), found
 
 
-def decode_lease_request(
-    meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
-) -> tuple[int, int, list[str], int | None]:
-    """``(ttl_ms, flags, keys, the reader's layout fingerprint or None)`` of a LEASE request."""
-    if len(meta) < _LEASE_HEAD.size:
-        raise ProtocolError("LEASE meta truncated before its ttl and flags")
-    ttl_ms, flags = _LEASE_HEAD.unpack(bytes(meta[: _LEASE_HEAD.size]))
-    if flags & ~LEASE_MAP:
-        raise ProtocolError(f"unknown LEASE flags {flags:#x}")
-    keys, fingerprint = _keys_and_fingerprint(MetaReader(memoryview(meta)[_LEASE_HEAD.size :]), limits, "LEASE")
-    return int(ttl_ms), int(flags), keys, fingerprint
+class Release(OpCodec):
+    """RELEASE: end a lease, or its hold on some keys; answered with how many holds ended."""
+
+    op = Op.RELEASE
+
+    @staticmethod
+    def encode_request(lease_id: int, keys: Sequence[str] = (), limits: Limits = DEFAULT_LIMITS) -> bytes:
+        """Meta of a RELEASE request: the lease id, then the keys to let go (none: all of them)."""
+        return U64.pack(lease_id) + encode_keys(keys, limits)
+
+    @staticmethod
+    def decode_request(meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> tuple[int, list[str]]:
+        if len(meta) < U64.size:
+            raise ProtocolError("RELEASE meta truncated before its lease id")
+        (lease_id,) = U64.unpack(bytes(meta[: U64.size]))
+        return int(lease_id), decode_keys(memoryview(meta)[U64.size :], limits)
+
+    @staticmethod
+    def encode_answer(released: int) -> bytes:
+        """Meta of a RELEASE answer: ``{"released": N}``, the holds that ended."""
+        return encode_json({"released": released})
+
+    @staticmethod
+    def decode_answer(meta: bytes | bytearray | memoryview) -> int:
+        released = decode_json(meta).get("released")
+        if not isinstance(released, int) or isinstance(released, bool) or released < 0:
+            raise ProtocolError(f"RELEASE answer: 'released' is {str(released)[:80]}, not a count")
+        return released
 
 
-def encode_lease_response(
-    lease_id: int,
-    found: Sequence[tuple[ItemMeta, int] | OtherLayout | None],
-    limits: Limits = DEFAULT_LIMITS,
-    *,
-    fingerprints: bool = False,
-) -> bytes:
-    """Meta of a LEASE response: the lease id, then per key a found byte and, if found, item (+ its layout
-    fingerprint, when the request carried the reader's) + offset."""
-    out = bytearray(U64.pack(lease_id) + U32.pack(len(found)))
-    for entry in found:
-        if _write_answer(out, entry[0] if isinstance(entry, tuple) else entry, limits, fingerprints):
-            assert isinstance(entry, tuple)
-            out += U64.pack(entry[1])
-    return bounded(out, limits)
+class Touch(FlagsAnswer, OpCodec):
+    """TOUCH: chains of keys lookups found, each in prefix order; answered with an empty flag list."""
 
+    op = Op.TOUCH
 
-def decode_lease_response(
-    meta: bytes | bytearray | memoryview,
-    keys: Sequence[str],
-    limits: Limits = DEFAULT_LIMITS,
-    *,
-    fingerprints: bool = False,
-) -> tuple[int, list[Answer]]:
-    """``(lease_id, per key None, OtherLayout or (item, offset or None))`` of a LEASE response."""
-    reader = MetaReader(meta)
-    (lease_id,) = reader.unpack(U64, "lease id")
-    found = _decode_answers(reader, keys, "LEASE", limits, offsets=True, fingerprints=fingerprints)
-    reader.done()
-    return int(lease_id), found
+    @staticmethod
+    def encode_request(chains: Sequence[Sequence[str]], limits: Limits = DEFAULT_LIMITS) -> bytes:
+        """Meta of a TOUCH request: ``chains``, each a non-empty key list in prefix order."""
+        keys = sum(len(chain) for chain in chains)
+        if keys > limits.max_items:
+            raise ProtocolError(f"{keys} keys exceed the limit of {limits.max_items}")
+        if any(not chain for chain in chains):
+            raise ProtocolError("a TOUCH chain is empty")
+        out = bytearray(U32.pack(len(chains)))
+        for chain in chains:
+            out += encode_keys(chain, limits)
+        return bounded(out, limits)
 
-
-def encode_release(lease_id: int, keys: Sequence[str] = (), limits: Limits = DEFAULT_LIMITS) -> bytes:
-    """Meta of a RELEASE request: the lease id, then the keys to let go (none: all of them)."""
-    return U64.pack(lease_id) + encode_keys(keys, limits)
-
-
-def decode_release(meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> tuple[int, list[str]]:
-    if len(meta) < U64.size:
-        raise ProtocolError("RELEASE meta truncated before its lease id")
-    (lease_id,) = U64.unpack(bytes(meta[: U64.size]))
-    return int(lease_id), decode_keys(memoryview(meta)[U64.size :], limits)
-
-
-def encode_touch(chains: Sequence[Sequence[str]], limits: Limits = DEFAULT_LIMITS) -> bytes:
-    """Meta of a TOUCH request: ``chains``, each a non-empty key list in prefix order."""
-    keys = sum(len(chain) for chain in chains)
-    if keys > limits.max_items:
-        raise ProtocolError(f"{keys} keys exceed the limit of {limits.max_items}")
-    if any(not chain for chain in chains):
-        raise ProtocolError("a TOUCH chain is empty")
-    out = bytearray(U32.pack(len(chains)))
-    for chain in chains:
-        out += encode_keys(chain, limits)
-    return bounded(out, limits)
-
-
-def decode_touch(meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> list[list[str]]:
-    reader = MetaReader(meta)
-    chains: list[list[str]] = []
-    budget = limits.max_items
-    for _ in range(reader.count(limits)):
-        count = reader.count(limits)
-        if not count or count > budget:
-            raise ProtocolError(f"a TOUCH chain of {count} keys: chains are 1..{limits.max_items} keys in all")
-        budget -= count
-        chains.append([reader.key(limits) for _ in range(count)])
-    reader.done()
-    return chains
+    @staticmethod
+    def decode_request(meta: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> list[list[str]]:
+        reader = MetaReader(meta)
+        chains: list[list[str]] = []
+        budget = limits.max_items
+        for _ in range(reader.count(limits)):
+            count = reader.count(limits)
+            if not count or count > budget:
+                raise ProtocolError(f"a TOUCH chain of {count} keys: chains are 1..{limits.max_items} keys in all")
+            budget -= count
+            chains.append([reader.key(limits) for _ in range(count)])
+        reader.done()
+        return chains

@@ -27,7 +27,8 @@ from typing import Any
 
 from backend.errors import NodeUnavailable
 from backend.iov import IOV_MAX, Buffer, advance, to_write
-from backend.protocol import DEFAULT_LIMITS, HEADER, Header, Limits, decode_header, verify_meta
+from backend.protocol import DEFAULT_LIMITS, Limits
+from backend.protocol.frame import HEADER, Header, decode_header, verify_meta
 from backend.transport.workers import BULK_BYTES, DISCARD_PIECE_BYTES, ThreadedTransfers
 
 __all__ = ["FrameSocket", "tune_socket"]

@@ -33,7 +33,7 @@ from typing import Any
 from backend.embedded import EmbeddedRedis
 from backend.launch.nodes import NodeProcess
 from backend.metadata import NodeInfo
-from backend.protocol import ChunkTokens
+from backend.protocol.tokens import ChunkTokens
 from kvpool import Chunk, PoolClient, PoolConfig
 
 __all__ = ["measure", "main"]

@@ -78,7 +78,9 @@ from backend.node.store.dram import StoredChunk
 from backend.node.store.eviction import ORDERS
 from backend.node.store.nvme_format import NvmeFile
 from backend.node.store.tiers import NVME, TierConfig, TierManager
-from backend.protocol import ItemMeta, Op, checksum, encode_get_request, encode_keys
+from backend.protocol import ItemMeta, Op, checksum
+from backend.protocol.meta import encode_keys
+from backend.protocol.reads import GetBatch
 from backend.tenants import check_tenant, scoped
 from kvpool import Chunk, PoolClient, PoolConfig
 
@@ -227,7 +229,7 @@ async def _round(client: PoolClient, node: _Held, times: dict[str, list[float]],
     flags = await conns.request(Op.EXISTS_BATCH, meta)
     times["exists"].append((time.perf_counter() - started) * 1000)
     started = time.perf_counter()
-    get = encode_get_request(keys, LAYOUT_FINGERPRINT)
+    get = GetBatch.encode_request(keys, LAYOUT_FINGERPRINT)
     sink = BytesSink(LAYOUT_FINGERPRINT)
     got = await conns.request(Op.GET_BATCH, get, keys=keys, sink=sink, expect_bytes=VALUE_BYTES * len(keys))
     times["get"].append((time.perf_counter() - started) * 1000)

@@ -18,17 +18,9 @@ import pytest
 
 from backend.client import Chunk, SyncPoolClient
 from backend.config import PoolConfig
-from backend.protocol import (
-    DEFAULT_LIMITS,
-    HEADER,
-    RESPONSE_BIT,
-    Header,
-    Op,
-    Status,
-    decode_header,
-    encode_header,
-    encode_keys,
-)
+from backend.protocol import DEFAULT_LIMITS, Op, Status
+from backend.protocol.frame import HEADER, RESPONSE_BIT, Header, decode_header, encode_header
+from backend.protocol.meta import encode_keys
 from tests.support.handshake import auth_frame, check_auth_answer, hello_frame
 from tests.support.waits import wait_until
 

@@ -29,25 +29,11 @@ from backend.client import Chunk, SyncPoolClient
 from backend.config import PoolConfig
 from backend.embedded import EmbeddedRedis
 from backend.errors import CapacityError, ProtocolError
-from backend.protocol import (
-    DEFAULT_LIMITS,
-    HEADER,
-    PUT_INTEGRITY,
-    PUT_STORED,
-    RESPONSE_BIT,
-    ItemMeta,
-    Op,
-    Status,
-    checksum,
-    decode_flags,
-    decode_header,
-    encode_header,
-    encode_items,
-    encode_json,
-    encode_keys,
-    encode_lease_request,
-    verify_meta,
-)
+from backend.protocol import DEFAULT_LIMITS, ItemMeta, Op, Status, checksum
+from backend.protocol.frame import HEADER, RESPONSE_BIT, decode_header, encode_header, verify_meta
+from backend.protocol.meta import decode_flags, encode_json, encode_keys
+from backend.protocol.puts import PUT_INTEGRITY, PUT_STORED, PutBatch
+from backend.protocol.reads import Lease
 from tests.conftest import NodeProcess
 from tests.support.handshake import auth_frame, check_auth_answer, hello_frame
 
@@ -378,7 +364,7 @@ def hostile_metas(draw: st.DrawFn) -> bytes:
                         )
                     )
                 ),
-                encode_lease_request(keys, draw(st.integers(1, 600_000)), draw(st.integers(0, 3))),
+                Lease.encode_request(keys, draw(st.integers(1, 600_000)), draw(st.integers(0, 3))),
                 struct.pack("<Q", draw(st.integers(0, 2**64 - 1))) + encode_keys(keys),  # RELEASE
                 encode_json({"session": draw(st.text(max_size=12)), "keys": keys}),  # CHANNEL_GET
                 encode_json({"after": draw(st.text(max_size=12)), "limit": draw(st.integers(-5, 20_000))}),  # INVENTORY
@@ -434,7 +420,7 @@ def put_frames(draw: st.DrawFn) -> tuple[bytes, list[tuple[str, bytes, bool]], i
         ItemMeta(key, len(data), checksum(data) if good else checksum(data) ^ 1, "uint8", (len(data),), 0)
         for key, data, good in values
     ]
-    meta = encode_items(items)
+    meta = PutBatch.encode_items(items)
     payload = b"".join(data for _, data, _ in values)
     # A data_len that disagrees with the items (none when there is nothing to take from).
     data_len = max(len(payload) + draw(st.sampled_from([0, 0, 0, 1, -1])), 0)
@@ -508,7 +494,7 @@ def test_stalled_half_sent_frames_cost_only_what_they_sent_and_do_not_hold_up_ot
     """64 connections declare a 4 MiB meta and 64 a 2 GiB chunk (no room: read and dropped);
     each sends 2 bytes of it and stalls."""
     big = ItemMeta(f"stall-{uuid.uuid4().hex}", DEFAULT_LIMITS.max_data_bytes, 0, "uint8", (1,), 0)
-    put_meta = encode_items([big])
+    put_meta = PutBatch.encode_items([big])
     before = _memory_bytes(target.pid)["VmRSS"]
     stalled = []
     try:

@@ -12,7 +12,9 @@ import pytest
 from backend.config import NodeConfig
 from backend.embedded import EmbeddedRedis
 from backend.node.server import PoolNode
-from backend.protocol import ItemMeta, Op, encode_header, encode_items
+from backend.protocol import ItemMeta, Op
+from backend.protocol.frame import encode_header
+from backend.protocol.puts import PutBatch
 from kvpool import AuthError, Chunk, KVPoolError, PoolClient, PoolConfig, SyncPoolClient
 from tests.support.chunks import numbered_chunks as _chunks
 from tests.support.waits import wait_until
@@ -167,7 +169,7 @@ async def test_a_put_that_stalls_mid_frame_is_dropped_and_its_space_released(red
     await node.start()
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", node.port)
-        meta = encode_items([ItemMeta("stall", 1 << 20, 0, "uint8", (1 << 20,), 0)])
+        meta = PutBatch.encode_items([ItemMeta("stall", 1 << 20, 0, "uint8", (1 << 20,), 0)])
         writer.write(encode_header(Op.PUT_BATCH, 1, meta, 1 << 20) + meta + bytes(1000))
         await writer.drain()
         await asyncio.sleep(0.1)

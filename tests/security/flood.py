@@ -17,7 +17,8 @@ import sys
 import time
 from collections import Counter
 
-from backend.protocol import HEADER, RESPONSE_BIT, Op, Status, decode_header
+from backend.protocol import Op, Status
+from backend.protocol.frame import HEADER, RESPONSE_BIT, decode_header
 
 CONNECT_TIMEOUT_S = 2.0
 

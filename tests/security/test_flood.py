@@ -23,7 +23,8 @@ import time
 
 from backend.client.connection import NodeConnection
 from backend.metadata import NodeInfo
-from backend.protocol import RESPONSE_BIT, Op, Status, error_for_status
+from backend.protocol import Op, Status
+from backend.protocol.frame import RESPONSE_BIT, error_for_status
 from kvpool import NodeUnavailable, PoolClient, PoolConfig
 from tests.conftest import REPO
 from tests.faults.proxy import FaultProxy

@@ -36,18 +36,9 @@ from backend.handshake import (
     prove,
 )
 from backend.metadata import MetadataStore, NodeInfo
-from backend.protocol import (
-    HEADER,
-    RESPONSE_BIT,
-    Header,
-    Op,
-    Status,
-    decode_header,
-    decode_json,
-    encode_header,
-    encode_json,
-    encode_keys,
-)
+from backend.protocol import Op, Status
+from backend.protocol.frame import HEADER, RESPONSE_BIT, Header, decode_header, encode_header
+from backend.protocol.meta import decode_json, encode_json, encode_keys
 from kvpool import AuthError, Chunk, NodeUnavailable, PoolConfig, ProtocolError, SyncPoolClient
 from tests.support.handshake import frame
 

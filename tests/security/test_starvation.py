@@ -28,17 +28,10 @@ import pytest
 from backend.client import Chunk, SyncPoolClient
 from backend.config import PoolConfig
 from backend.node.store.intake import AheadBounds
-from backend.protocol import (
-    HEADER,
-    ItemMeta,
-    Op,
-    Status,
-    checksum,
-    decode_header,
-    encode_header,
-    encode_items,
-    encode_keys,
-)
+from backend.protocol import ItemMeta, Op, Status, checksum
+from backend.protocol.frame import HEADER, decode_header, encode_header
+from backend.protocol.meta import encode_keys
+from backend.protocol.puts import PutBatch
 from backend.transport import FrameSocket
 from tests.support.handshake import auth_frame, check_auth_answer, hello_frame
 from tests.support.waits import wait_until
@@ -93,7 +86,7 @@ def _connect(node, source: str = OTHER_HOST, rcvbuf: int = 0) -> socket.socket:
 def _stalled_upload(node, nbytes: int, sent: int = 1) -> socket.socket:
     """A PUT_BATCH that declares one chunk of ``nbytes``, sends ``sent`` bytes of it, then goes silent."""
     item = ItemMeta(f"stalled-{uuid.uuid4().hex}", nbytes, 0, "uint8", (nbytes,), 0)
-    meta = encode_items([item])
+    meta = PutBatch.encode_items([item])
     sock = _connect(node)
     sock.sendall(_frame(Op.PUT_BATCH, 7, meta, nbytes) + bytes(sent))
     return sock
@@ -208,7 +201,7 @@ def test_a_put_larger_than_the_node_can_ever_hold_is_refused_at_once_naming_the_
     with _client(pool_url) as client:
         client.put(earlier)
         items = [ItemMeta(f"huge-{i}", n, 0, "uint8", (n,), 0) for i, n in enumerate(sizes)]
-        meta = encode_items(items)
+        meta = PutBatch.encode_items(items)
         with _connect(node) as sock:
             # The header alone, not one byte of data: the answer comes before the node reads any.
             sock.sendall(_frame(Op.PUT_BATCH, 9, meta, sum(sizes)))

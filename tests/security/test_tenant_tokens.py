@@ -16,24 +16,13 @@ from pathlib import Path
 import pytest
 
 from backend.config import NodeConfig
-from backend.protocol import (
-    LEASE_MAP,
-    Op,
-    PinRequest,
-    decode_flags,
-    decode_json,
-    decode_lease_response,
-    encode_channel_request,
-    encode_get_request,
-    encode_inventory_request,
-    encode_keys,
-    encode_lease_request,
-    encode_pin_request,
-    encode_put_staged,
-    encode_release,
-    encode_touch,
-    encode_unpin_request,
-)
+from backend.protocol import Op
+from backend.protocol.channel import ChannelGet
+from backend.protocol.inventory import Inventory
+from backend.protocol.meta import decode_flags, decode_json, encode_keys
+from backend.protocol.pins import Pin, PinRequest, Unpin
+from backend.protocol.puts import PutStaged
+from backend.protocol.reads import LEASE_MAP, GetBatch, Lease, Release, Touch
 from backend.tenants import scoped
 from kvpool import AuthError, Chunk, ConfigError, PoolClient, PoolConfig
 
@@ -169,7 +158,7 @@ async def test_during_a_tenants_rotation_both_its_tokens_touch_only_its_keys_and
         node = (await new.nodes(refresh=True))[0]
         assert old.connections.to(node).tenant == new.connections.to(node).tenant == "alice"
         with pytest.raises(AuthError, match="only keys ~t/alice/KEY, not '~t/bob/k'"):
-            await rogue.connections.to(node).request(Op.GET_BATCH, encode_get_request([scoped("bob", "k")], 0))
+            await rogue.connections.to(node).request(Op.GET_BATCH, GetBatch.encode_request([scoped("bob", "k")], 0))
         with pytest.raises(Exception, match="only keys ~t/alice/KEY"):
             await rogue.put([Chunk(scoped("bob", "k"), b"rogue bytes")])
         assert bytes((await bob.get(["k"]))[0].data) == b"bob's bytes"  # type: ignore[union-attr]
@@ -246,15 +235,15 @@ async def test_a_tenant_token_touches_only_its_tenants_keys_even_naming_anothers
         bobs_key = scoped("bob", "k")
         refused_before = await _counter(operator, "tenant_refusals")
         for op, meta in (
-            (Op.GET_BATCH, encode_get_request([bobs_key], 0)),
+            (Op.GET_BATCH, GetBatch.encode_request([bobs_key], 0)),
             (Op.EXISTS_BATCH, encode_keys([bobs_key])),
             (Op.DELETE_BATCH, encode_keys([bobs_key])),
             (Op.VERIFY_BATCH, encode_keys([bobs_key])),
-            (Op.LEASE, encode_lease_request([bobs_key], 1000, 0)),
-            (Op.TOUCH, encode_touch([[bobs_key]])),
-            (Op.PIN, encode_pin_request(PinRequest("rogue", (bobs_key,), 60.0))),
-            (Op.UNPIN, encode_unpin_request("bob-engine", [bobs_key])),
-            (Op.GET_BATCH, encode_get_request([scoped("alice", "k"), bobs_key], 0)),  # one foreign key is enough
+            (Op.LEASE, Lease.encode_request([bobs_key], 1000, 0)),
+            (Op.TOUCH, Touch.encode_request([[bobs_key]])),
+            (Op.PIN, Pin.encode_request(PinRequest("rogue", (bobs_key,), 60.0))),
+            (Op.UNPIN, Unpin.encode_request("bob-engine", [bobs_key])),
+            (Op.GET_BATCH, GetBatch.encode_request([scoped("alice", "k"), bobs_key], 0)),  # one foreign key is enough
         ):
             with pytest.raises(AuthError, match="only keys ~t/alice/KEY, not '~t/bob/k'"):
                 await conns.request(op, meta)
@@ -269,13 +258,13 @@ async def test_a_tenant_token_touches_only_its_tenants_keys_even_naming_anothers
         assert sorted(await operator.list_keys()) == [scoped("alice", "k"), bobs_key]
         assert await _counter(operator, "tenant_refusals") >= refused_before + 10
         # A lease of another connection is not the tenant's to end, even by its id.
-        lease = await operator.connections.to(node).request(Op.LEASE, encode_lease_request([bobs_key], 60_000, 0))
-        lease_id, _ = decode_lease_response(lease, [bobs_key])
+        lease = await operator.connections.to(node).request(Op.LEASE, Lease.encode_request([bobs_key], 60_000, 0))
+        lease_id, _ = Lease.decode_answer(lease, [bobs_key])
         assert lease_id
-        assert decode_json(await conns.request(Op.RELEASE, encode_release(lease_id))) == {"released": 0}
-        assert decode_json(await operator.connections.to(node).request(Op.RELEASE, encode_release(lease_id))) == {
-            "released": 1
-        }
+        assert decode_json(await conns.request(Op.RELEASE, Release.encode_request(lease_id))) == {"released": 0}
+        assert decode_json(
+            await operator.connections.to(node).request(Op.RELEASE, Release.encode_request(lease_id))
+        ) == {"released": 1}
 
 
 async def test_a_tenant_token_gets_no_arena_stage_channel_or_listing_and_reads_over_tcp(tenant_node, pool_url):
@@ -290,11 +279,11 @@ async def test_a_tenant_token_gets_no_arena_stage_channel_or_listing_and_reads_o
         conns = alice.connections.to(node)
         own = scoped("alice", "k")
         with pytest.raises(AuthError, match="mapped read"):
-            await conns.request(Op.LEASE, encode_lease_request([own], 1000, LEASE_MAP, fingerprint=0))
+            await conns.request(Op.LEASE, Lease.encode_request([own], 1000, LEASE_MAP, fingerprint=0))
         for op, meta in (
-            (Op.PUT_STAGED, encode_put_staged("kvpool-stage-x", "t" * 32, [], [])),
-            (Op.CHANNEL_GET, encode_channel_request("pair", [own], fingerprint=0)),
-            (Op.INVENTORY, encode_inventory_request("", 10)),
+            (Op.PUT_STAGED, PutStaged.encode_request("kvpool-stage-x", "t" * 32, [], [])),
+            (Op.CHANNEL_GET, ChannelGet.encode_request("pair", [own], fingerprint=0)),
+            (Op.INVENTORY, Inventory.encode_request("", 10)),
             (Op.PINS, b"{}"),
             (Op.EVENTS, b"{}"),
             (Op.STAT, b""),
@@ -303,7 +292,7 @@ async def test_a_tenant_token_gets_no_arena_stage_channel_or_listing_and_reads_o
                 await conns.request(op, meta)
         # The operator's token maps the same chunk's region.
         lease = await operator.connections.to(node).request(
-            Op.LEASE, encode_lease_request([own], 1000, LEASE_MAP, fingerprint=0)
+            Op.LEASE, Lease.encode_request([own], 1000, LEASE_MAP, fingerprint=0)
         )
-        _, found = decode_lease_response(lease, [own], fingerprints=True)
+        _, found = Lease.decode_answer(lease, [own], fingerprints=True)
         assert found[0] is not None

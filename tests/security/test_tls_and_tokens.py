@@ -25,7 +25,9 @@ from cryptography.x509.oid import NameOID
 
 from backend.cli import main
 from backend.embedded import EmbeddedRedis
-from backend.protocol import Op, encode_header, encode_json, error_for_status
+from backend.protocol import Op
+from backend.protocol.frame import encode_header, error_for_status
+from backend.protocol.meta import encode_json
 from backend.transport import FrameSocket, client_tls_context
 from kvpool import (
     AuthError,

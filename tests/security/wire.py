@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import socket
 
-from backend.protocol import HEADER, Header, decode_header
+from backend.protocol.frame import HEADER, Header, decode_header
 
 __all__ = ["read_frame"]
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from backend.handshake import ClientHello, handshake_key
-from backend.protocol import Op, decode_json, encode_header, encode_json
+from backend.protocol import Op
+from backend.protocol.frame import encode_header
+from backend.protocol.meta import decode_json, encode_json
 
 __all__ = ["Dialled", "hello_frame", "auth_frame", "check_auth_answer", "frame"]
 

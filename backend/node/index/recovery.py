@@ -53,7 +53,8 @@ from backend.node.store.nvme_format import (
     read_header_and_mtime,
 )
 from backend.node.store.nvme_tier import quarantine_file
-from backend.protocol import ItemMeta, RecoveryReport  # what STAT carries of a recovery
+from backend.protocol import ItemMeta
+from backend.protocol.reports import RecoveryReport
 
 __all__ = ["RecoveryReport", "NvmeRecovery", "ShardScan", "scan", "scan_shard", "shard_dirs"]
 __all__ += ["stored_node_id", "keep_node_id", "NODE_ID_FILE"]

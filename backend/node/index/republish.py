@@ -39,7 +39,8 @@ from backend.errors import MetadataError
 from backend.metadata import Location
 from backend.node.context import NodeContext
 from backend.node.stats import NodeStats
-from backend.protocol import ItemMeta, RepublishReport
+from backend.protocol import ItemMeta
+from backend.protocol.reports import RepublishReport
 
 __all__ = ["REPUBLISH_BATCH_KEYS", "Republisher", "publish_held"]
 

@@ -52,7 +52,7 @@ import numpy as np
 
 from backend.node.memory.cells import SMALL_MAX_BYTES, Cells, cell_room
 from backend.node.memory.pages import ALIGN_BYTES, PageSpace, align, memory_available_bytes
-from backend.protocol import ArenaReport
+from backend.protocol.reports import ArenaReport
 from backend.shm import (
     ARENA_MAGIC,
     ARENA_SUFFIX,

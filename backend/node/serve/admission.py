@@ -41,7 +41,8 @@ from collections import Counter
 from typing import Any
 
 from backend.counters import NodeCounter
-from backend.protocol import RESPONSE_BIT, Op, Status, encode_header
+from backend.protocol import Op, Status
+from backend.protocol.frame import RESPONSE_BIT, encode_header
 from backend.transport import FrameSocket
 
 __all__ = ["Admission", "ThrottledWarning", "say_why"]

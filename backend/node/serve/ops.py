@@ -26,30 +26,13 @@ from backend.node.serve.puts import PutReceiver
 from backend.node.serve.read_ops import ChannelServing, ReadOps
 from backend.node.serve.tenancy import check_keys, refused_op
 from backend.node.stats import NodeStats
-from backend.protocol import (
-    MAX_EVENTS_TOKEN_BYTES,
-    EventsEntry,
-    EventsPage,
-    InventoryPage,
-    InventoryRow,
-    Op,
-    Verified,
-    decode_events_request,
-    decode_inventory_request,
-    decode_keys,
-    decode_pin_request,
-    decode_pins_request,
-    decode_put_batch,
-    decode_unpin_request,
-    encode_events_response,
-    encode_flags,
-    encode_inventory_response,
-    encode_json,
-    encode_node_report,
-    encode_pin_response,
-    encode_pins_response,
-    encode_unpin_response,
-)
+from backend.protocol import Op
+from backend.protocol.events import MAX_EVENTS_TOKEN_BYTES, Events, EventsEntry, EventsPage
+from backend.protocol.inventory import Inventory, InventoryPage, InventoryRow, Verified, VerifyBatch
+from backend.protocol.pins import Pin, Pins, Unpin
+from backend.protocol.puts import PutBatch
+from backend.protocol.reads import DeleteBatch
+from backend.protocol.reports import Ping, Stat
 
 __all__ = ["OpTable"]
 
@@ -118,7 +101,7 @@ class OpTable:
     async def put_batch(self, request: Request, peer: Peer) -> None:
         """PUT_BATCH: its bytes received here, in stream order; verification, commit and reply in its answer."""
         config, puts = self.ctx.config, self.puts
-        items, options = decode_put_batch(request.meta, request.data_len, config.limits)
+        items, options = PutBatch.decode_request(request.meta, request.data_len, config.limits)
         try:
             self._scope(peer, [item.key for item in items])
             puts.refuse_oversized(items)
@@ -135,7 +118,7 @@ class OpTable:
 
     async def delete_batch(self, meta: bytearray, peer: Peer) -> Reply:
         ctx = self.ctx
-        keys = decode_keys(meta, ctx.config.limits)
+        keys = DeleteBatch.decode_request(meta, ctx.config.limits)
         self._scope(peer, keys)
         deleted = await ctx.tiers.delete_keys(keys)
         # Their index entries go with the next flush, now if Redis answers in time: the client's answer never
@@ -143,37 +126,37 @@ class OpTable:
         await self.publisher.flush_index_within(ANSWER_FLUSH_S)
         ctx.counters[NodeCounter.DELETES] += len(deleted)
         gone = set(deleted)
-        return encode_flags([int(key in gone) for key in keys]), []
+        return DeleteBatch.encode_answer([int(key in gone) for key in keys]), []
 
     async def inventory(self, meta: bytearray, peer: Peer) -> Reply:
         """One page of what this node holds after the request's ``after`` key, in key order."""
-        after, limit = decode_inventory_request(meta)
+        after, limit = Inventory.decode_request(meta)
         held, more = self.ctx.tiers.page(after, limit)
         rows = tuple(InventoryRow(item.key, tier, item.nbytes, item.checksum) for item, tier in held)
-        return encode_inventory_response(InventoryPage(rows, more)), []
+        return Inventory.encode_answer(InventoryPage(rows, more)), []
 
     async def verify_batch(self, meta: bytearray, peer: Peer) -> Reply:
-        tiers, keys = self.ctx.tiers, decode_keys(meta, self.ctx.config.limits)
+        tiers, keys = self.ctx.tiers, VerifyBatch.decode_request(meta, self.ctx.config.limits)
         self._scope(peer, keys)
         flags = [Verified[(await tiers.verify(k)).upper()] for k in keys]
         if any(flags):  # a dropped corrupt copy leaves the index now (if Redis answers in time), not at the beat
             await self.publisher.flush_index_within(ANSWER_FLUSH_S)
-        return encode_flags(flags), []
+        return VerifyBatch.encode_answer(flags), []
 
     async def pin(self, meta: bytearray, peer: Peer) -> Reply:
         """PIN: hold keys past any connection (``pins.py``); all or nothing, answered once saved."""
-        request = decode_pin_request(meta, self.ctx.config.limits)
+        request = Pin.decode_request(meta, self.ctx.config.limits)
         self._scope(peer, request.keys)
         held, ttl_s = await self.ctx.pins.pin(request)
-        return encode_pin_response(held, ttl_s), []
+        return Pin.encode_answer(held, ttl_s), []
 
     async def unpin(self, meta: bytearray, peer: Peer) -> Reply:
-        owner, keys = decode_unpin_request(meta, self.ctx.config.limits)
+        owner, keys = Unpin.decode_request(meta, self.ctx.config.limits)
         self._scope(peer, keys)
-        return encode_unpin_response(await self.ctx.pins.unpin(owner, keys)), []
+        return Unpin.encode_answer(await self.ctx.pins.unpin(owner, keys)), []
 
     async def pins(self, meta: bytearray, peer: Peer) -> Reply:
-        return encode_pins_response(self.ctx.pins.page(*decode_pins_request(meta))), []
+        return Pins.encode_answer(self.ctx.pins.page(*Pins.decode_request(meta))), []
 
     async def events(self, meta: bytearray, peer: Peer) -> Reply:
         """EVENTS: the ring's entries from a cursor (``events.py``), for a `kvpool events` endpoint."""
@@ -182,10 +165,10 @@ class OpTable:
             raise ProtocolError(
                 f"node {self.ctx.node_id} keeps no event ring: start it with --event-ring-keys N (docs/fleet.md)"
             )
-        since, max_keys, tokens = decode_events_request(meta)
+        since, max_keys, tokens = Events.decode_request(meta)
         page = ring.since(since, max_keys, MAX_EVENTS_TOKEN_BYTES if tokens else 0)
         entries = tuple(EventsEntry(e.seq, int(e.kind), e.keys, e.records if tokens else None) for e in page.entries)
-        return encode_events_response(EventsPage(entries, page.next_seq, page.gap)), []
+        return Events.encode_answer(EventsPage(entries, page.next_seq, page.gap)), []
 
     async def put_staged(self, meta: bytearray, peer: Peer) -> Reply:
         puts = self.puts
@@ -193,10 +176,10 @@ class OpTable:
         return await puts.commit(received, options)
 
     async def stat(self, meta: bytearray, peer: Peer) -> Reply:
-        return encode_node_report(self.stats.report()), []
+        return Stat.encode_answer(self.stats.report()), []
 
     async def ping(self, meta: bytearray, peer: Peer) -> Reply:
-        return encode_json({"node_id": self.ctx.node_id, "epoch": self.ctx.epoch}), []
+        return Ping.encode_answer(self.ctx.node_id, self.ctx.epoch), []
 
 
 def _beside(answer: Answering) -> Handler:

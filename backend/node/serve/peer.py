@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from backend.protocol import Header
+from backend.protocol.frame import Header
 from backend.shm import ArenaView
 from backend.transport import Buffer
 

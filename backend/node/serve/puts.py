@@ -36,17 +36,8 @@ from backend.node.memory.buffers import ChunkBuffer
 from backend.node.serve.peer import Peer
 from backend.node.store.intake import STAGED_WINDOW_BYTES, AheadBounds, ChunkSource, Received, RoomAhead
 from backend.node.store.tiers import DRAM
-from backend.protocol import (
-    PUT_BUSY,
-    PUT_INTEGRITY,
-    PUT_NO_ROOM,
-    PUT_STORED,
-    ItemMeta,
-    PutOptions,
-    checksum,
-    decode_put_staged,
-    encode_flags,
-)
+from backend.protocol import ItemMeta, checksum
+from backend.protocol.puts import PUT_BUSY, PUT_INTEGRITY, PUT_NO_ROOM, PUT_STORED, PutBatch, PutOptions, PutStaged
 from backend.shm import HEADER_BYTES, ArenaView
 from backend.threads import map_in_threads
 from backend.transport import BULK_BYTES, Buffer
@@ -102,7 +93,7 @@ class PutReceiver:
 
     async def receive_staged(self, meta: bytearray, peer: Peer) -> tuple[Received, PutOptions]:
         """Copy a PUT_STAGED's chunks out of the client's stage (see :meth:`take_chunks`); with its options."""
-        name, token, items, offsets, options = decode_put_staged(meta, self.ctx.config.limits)
+        name, token, items, offsets, options = PutStaged.decode_request(meta, self.ctx.config.limits)
         self.refuse_oversized(items)  # (take_chunks checks again: before the stage is even mapped)
         stage = peer.stage(name, token)
         for item, offset in zip(items, offsets):  # before anything is reserved for them
@@ -188,7 +179,7 @@ class PutReceiver:
         # The batch's chain, in prefix order, was used; what it stored counts for its tenants.
         tiers.committed([item.key for _, item, _ in received], [key for key, _ in visible])
         counters[NodeCounter.PUT_BYTES] += sum(loc.nbytes for _, loc in visible)
-        return encode_flags(flags), []
+        return PutBatch.encode_answer(flags), []  # PUT_STAGED is answered as PUT_BATCH
 
 
 class _FromSocket:

@@ -18,23 +18,10 @@ from backend.node.context import NodeContext
 from backend.node.serve.peer import Peer, Reply
 from backend.node.serve.tenancy import check_keys, refuse_mapped_read
 from backend.node.store.leases import MAX_LEASE_TTL_MS
-from backend.protocol import (
-    LEASE_MAP,
-    NO_OFFSET,
-    ItemMeta,
-    OtherLayout,
-    decode_channel_request,
-    decode_get_request,
-    decode_keys,
-    decode_lease_request,
-    decode_release,
-    decode_touch,
-    encode_channel_response,
-    encode_flags,
-    encode_get_response,
-    encode_json,
-    encode_lease_response,
-)
+from backend.protocol import ItemMeta
+from backend.protocol.channel import ChannelGet
+from backend.protocol.meta import OtherLayout
+from backend.protocol.reads import LEASE_MAP, NO_OFFSET, ExistsBatch, GetBatch, Lease, Release, Touch
 from backend.transport import Buffer
 
 __all__ = ["ChannelServing", "ReadOps"]
@@ -66,29 +53,29 @@ class ReadOps:
 
     async def get_batch(self, meta: bytearray, peer: Peer) -> Reply:
         limits = self.ctx.config.limits
-        keys, fingerprint = decode_get_request(meta, limits)
+        keys, fingerprint = GetBatch.decode_request(meta, limits)
         check_keys(peer.tenant, keys, self.ctx.counters)
         found, data = await self._fetch(keys, fingerprint, channel=False)
         self.ctx.counters[NodeCounter.GET_BYTES] += sum(item.nbytes for item in found if isinstance(item, ItemMeta))
-        return encode_get_response(found, limits, fingerprints=fingerprint is not None), data
+        return GetBatch.encode_answer(found, limits, fingerprints=fingerprint is not None), data
 
     async def exists_batch(self, meta: bytearray, peer: Peer) -> Reply:
-        tiers, keys = self.ctx.tiers, decode_keys(meta, self.ctx.config.limits)
+        tiers, keys = self.ctx.tiers, ExistsBatch.decode_request(meta, self.ctx.config.limits)
         check_keys(peer.tenant, keys, self.ctx.counters)
-        return encode_flags([int(tiers.contains(key)) for key in keys]), []
+        return ExistsBatch.encode_answer([int(tiers.contains(key)) for key in keys]), []
 
     async def channel_get(self, meta: bytearray, peer: Peer) -> Reply:
         """CHANNEL_GET: join the pair if new, answer which keys are held, send their bytes over the pair."""
         ctx, channel = self.ctx, self.channel
         if channel is None:
             raise ProtocolError(f"node {ctx.node_id} serves no channel (start it with --channel)")
-        request = decode_channel_request(meta, ctx.config.limits)
+        request = ChannelGet.decode_request(meta, ctx.config.limits)
         pair, keys = request.pair_id, request.keys
         if not keys:
             # Pairing: answered once the offer is taken; the join runs on with its own deadline,
             # so a slow NCCL init never holds this request (and the client's connection) open.
             await channel.start_join(pair, request.offer)
-            return encode_channel_response([], ctx.config.limits), []
+            return ChannelGet.encode_answer([], ctx.config.limits), []
         await channel.join(pair)  # NcclError: answered as an error; the client falls back to TCP
         # Keys past the limit, and of another layout, are answered null: the client reads them over TCP.
         found, buffers = await self._fetch(keys, request.fingerprint, channel=True)
@@ -96,13 +83,13 @@ class ReadOps:
             # The client receives after reading the answer; the pair's lock keeps batches in order.
             ctx.spawn(channel.send(pair, buffers))
         rows = [item if isinstance(item, ItemMeta) else None for item in found]
-        return encode_channel_response(rows, ctx.config.limits, fingerprints=request.fingerprint is not None), []
+        return ChannelGet.encode_answer(rows, ctx.config.limits, fingerprints=request.fingerprint is not None), []
 
     async def lease(self, meta: bytearray, peer: Peer) -> Reply:
         """Pin the keys this node holds for the peer (its connection); with LEASE_MAP, also read them and answer
         their arena offsets (``Leasing.lease``): a mapped read is a GET whose bytes the client copies itself."""
         ctx, counters = self.ctx, self.ctx.counters
-        ttl_ms, lease_flags, keys, fingerprint = decode_lease_request(meta, ctx.config.limits)
+        ttl_ms, lease_flags, keys, fingerprint = Lease.decode_request(meta, ctx.config.limits)
         if ttl_ms > MAX_LEASE_TTL_MS:
             raise ProtocolError(f"lease ttl_ms {ttl_ms} exceeds {MAX_LEASE_TTL_MS}")
         mapped = bool(lease_flags & LEASE_MAP)
@@ -119,26 +106,26 @@ class ReadOps:
             counters[NodeCounter.MISSES] += len(keys) - len(hits)
             counters[NodeCounter.LAYOUT_MISSES] += sum(isinstance(item, OtherLayout) for item in leased.found)
             counters[NodeCounter.SHM_GET_BYTES] += sum(item.nbytes for item, offset in hits if offset != NO_OFFSET)
-        return encode_lease_response(
+        return Lease.encode_answer(
             leased.lease_id, leased.found, ctx.config.limits, fingerprints=fingerprint is not None
         ), []
 
     async def release(self, meta: bytearray, peer: Peer) -> Reply:
-        lease_id, keys = decode_release(meta, self.ctx.config.limits)
+        lease_id, keys = Release.decode_request(meta, self.ctx.config.limits)
         # A tenant ends only its own leases (ids are guessable).
         released = self.ctx.tiers.leasing.release(lease_id, keys, owner=peer if peer.tenant is not None else None)
-        return encode_json({"released": released}), []
+        return Release.encode_answer(released), []
 
     async def touch(self, meta: bytearray, peer: Peer) -> Reply:
         """TOUCH: chains a client's lookups found, each touched as one batch (the eviction order's
         ``touch_chain``); keys not held are skipped."""
         ctx = self.ctx
-        chains = decode_touch(meta, ctx.config.limits)
+        chains = Touch.decode_request(meta, ctx.config.limits)
         for chain in chains:
             check_keys(peer.tenant, chain, ctx.counters)
         ctx.tiers.touch_chains(chains)
         ctx.counters[NodeCounter.TOUCHED_KEYS] += sum(len(chain) for chain in chains)
-        return encode_flags([]), []
+        return Touch.encode_answer([]), []
 
     async def _fetch(
         self, keys: list[str], fingerprint: int | None, *, channel: bool

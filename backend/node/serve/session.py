@@ -40,7 +40,9 @@ from backend.node.serve.admission import Admission
 from backend.node.serve.ops import OpTable
 from backend.node.serve.peer import Answer, Reply, Request, host_of
 from backend.node.stats import NodeStats
-from backend.protocol import MAGIC, RESPONSE_BIT, Header, Op, decode_json, encode_header, encode_json, status_for_error
+from backend.protocol import Op
+from backend.protocol.frame import MAGIC, RESPONSE_BIT, Header, encode_header, status_for_error
+from backend.protocol.meta import decode_json, encode_json
 from backend.shm import STAGE_NAME_RE, ArenaView
 from backend.transport import Buffer, FrameSocket
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from backend.node.memory.arena import Arena, PrivateArena, ShmArena, remove_stale_arenas
 from backend.node.memory.buffers import BufferFactory, ChunkBuffer
-from backend.protocol import ArenaReport
+from backend.protocol.reports import ArenaReport
 
 __all__ = ["ChunkMemory"]
 

@@ -46,7 +46,9 @@ from backend.node.memory.buffers import ChunkBuffer
 from backend.node.store.dram import StoredChunk
 from backend.node.store.quotas import TenantQuotas
 from backend.node.store.room import DramRoom
-from backend.protocol import PUT_BUSY, PUT_INTEGRITY, PUT_NO_ROOM, PUT_STORED, ItemMeta, checksum_stream
+from backend.protocol import ItemMeta
+from backend.protocol.frame import checksum_stream
+from backend.protocol.puts import PUT_BUSY, PUT_INTEGRITY, PUT_NO_ROOM, PUT_STORED
 
 __all__ = ["AheadBounds", "ChunkSource", "Intake", "Received", "RoomAhead", "STAGED_WINDOW_BYTES", "take_request"]
 

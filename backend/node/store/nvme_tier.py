@@ -42,7 +42,7 @@ from backend.node.store.bookkeeping import NO_SLOT, ON_NVME, PINNED, ChunkTable
 from backend.node.store.dram import StoredChunk
 from backend.node.store.eviction import EvictionOrder, LruOrder
 from backend.node.store.nvme_format import CHUNKS_DIR, NvmeFile, chunk_name, read_payload, write_chunk
-from backend.protocol import TierReport
+from backend.protocol.reports import TierReport
 
 __all__ = ["NvmeTier", "quarantine_file", "QUARANTINE_DIR", "DISK_RECHECK_S", "DISK_RESUME_MARGIN_BYTES"]
 

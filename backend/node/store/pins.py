@@ -36,7 +36,7 @@ from typing import Any
 from backend.errors import CapacityError, KVPoolError, ProtocolError
 from backend.node.store.bookkeeping import IN_DRAM, NO_SLOT, ON_NVME, ChunkTable
 from backend.node.store.leases import LeaseTable
-from backend.protocol import PinPage, PinRequest, PinRow
+from backend.protocol.pins import PinPage, PinRequest, PinRow
 
 __all__ = ["PIN_FILE", "PinBook", "PinOwner", "PinTtl"]
 

@@ -50,7 +50,8 @@ from itertools import islice
 from backend.counters import NodeCounter
 from backend.node.store.bookkeeping import ON_NVME, ChunkTable, IndexChanges
 from backend.node.store.eviction import EvictionOrder
-from backend.protocol import ItemMeta, TenantReport
+from backend.protocol import ItemMeta
+from backend.protocol.reports import TenantReport
 from backend.tenants import tenant_of
 
 __all__ = ["MAX_QUOTA_WALK", "PoolShare", "TenantQuotas", "pool_share"]

@@ -20,7 +20,9 @@ from backend.node.store.chunk_memory import ChunkMemory
 from backend.node.store.dram import StoredChunk
 from backend.node.store.leases import LeaseTable
 from backend.node.store.quotas import TenantQuotas
-from backend.protocol import ANY_FINGERPRINT, NO_FINGERPRINT, NO_OFFSET, ItemMeta, OtherLayout
+from backend.protocol import ItemMeta
+from backend.protocol.meta import ANY_FINGERPRINT, NO_FINGERPRINT, OtherLayout
+from backend.protocol.reads import NO_OFFSET
 
 __all__ = ["Fetched", "Leased", "Reads"]
 

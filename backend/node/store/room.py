@@ -21,7 +21,7 @@ from backend.node.store.dram import DramTier, StoredChunk
 from backend.node.store.landing import Landing
 from backend.node.store.nvme_tier import NvmeTier
 from backend.node.store.same_chunk import same_meta, slot_holds
-from backend.protocol import NO_FINGERPRINT
+from backend.protocol.meta import NO_FINGERPRINT
 
 __all__ = ["DramRoom", "NewerThanDisk"]
 

@@ -57,7 +57,9 @@ from backend.node.store.readback import ReadBack
 from backend.node.store.reads import Fetched, Reads
 from backend.node.store.room import DramRoom, NewerThanDisk
 from backend.node.store.upkeep import StoreUpkeep
-from backend.protocol import NO_FINGERPRINT, ItemMeta, TierReport
+from backend.protocol import ItemMeta
+from backend.protocol.meta import NO_FINGERPRINT
+from backend.protocol.reports import TierReport
 
 __all__ = [
     "ARENA_MIN_SLACK_BYTES",

@@ -19,7 +19,7 @@ from backend.node.store.nvme_format import NvmeFile
 from backend.node.store.nvme_tier import NvmeTier
 from backend.node.store.quotas import PoolShare, TenantQuotas
 from backend.node.store.room import NewerThanDisk
-from backend.protocol import ArenaReport, TenantReport, TierReport
+from backend.protocol.reports import ArenaReport, TenantReport, TierReport
 
 __all__ = ["StoreReport", "StoreUpkeep"]
 
