@@ -21,7 +21,7 @@ import pytest
 from backend.config import PoolConfig
 from backend.config.deadlines import Deadlines
 from backend.node.serve.puts import commit_wait_s
-from backend.protocol import PutOptions
+from backend.protocol.puts import PutOptions
 from tests.conftest import REPO
 
 DEADLINES_MODULE = REPO / "backend" / "config" / "deadlines.py"
