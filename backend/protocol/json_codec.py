@@ -4,7 +4,8 @@ A report class subclasses :class:`JsonReport` and is a frozen dataclass; its wir
 one JSON key per field, named as the field. :meth:`JsonReport.to_json` gives that object
 (keys in sorted order, as ``encode_json`` puts them on the wire); :meth:`JsonReport.from_json`
 checks an object against the fields' types and builds the report, or raises a
-ProtocolError naming the field that is wrong, missing or unknown.
+ProtocolError naming the field that is wrong or missing. A field the reader does not know is
+left out: a newer node may report more than an older client reads, and nodes roll first.
 
 Field types the codec reads: ``int`` (never a bool), ``float`` (an int or a float, kept as
 sent), ``bool``, ``str``, another :class:`JsonReport`, ``dict[str, T]`` of those, ``dict[str, Any]``
@@ -57,9 +58,6 @@ class JsonReport:
         if not isinstance(body, dict):
             raise ProtocolError(f"{cls.what} is {str(body)[:80]}, not an object")
         fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(body) - set(fields))
-        if unknown:
-            raise ProtocolError(f"{cls.what}: unknown field {unknown[0][:80]!r}")
         hints = _hints(cls)
         values: dict[str, Any] = {}
         for name, f in fields.items():
