@@ -119,7 +119,11 @@ class AuthError(KVPoolError):
 
 class RedisUnreachableError(MetadataError):
     """Nothing answers at the Redis URL: the connection was refused (Redis not running, wrong port),
-    or the host does not resolve or cannot be reached."""
+    or the host does not resolve or cannot be reached. ``reason``: what failed, in redis-py's words."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class RedisAuthError(MetadataError, AuthError):

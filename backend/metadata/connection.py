@@ -107,9 +107,11 @@ def _permission_refused(action: str, exc: Exception) -> RedisPermissionError:
 
 def _unreachable(action: str, exc: Exception, credentials: RedisCredentials) -> RedisUnreachableError:
     at = f"Redis at {credentials.where}" if credentials.where else "Redis"
+    reason = f"{action}: {exc}"
     return RedisUnreachableError(
-        f"{at} is unreachable ({action}: {exc}); start redis-server there (or the whole pool: `kvpool up`), "
-        "or fix the host and port of the pool URL"
+        f"{at} is unreachable ({reason}); start redis-server there (or the whole pool: `kvpool up`), "
+        "or fix the host and port of the pool URL",
+        reason,
     )
 
 

@@ -82,7 +82,10 @@ async def check_redis(store: MetadataStore, config: NodeConfig) -> str:
     except RedisSlowError as exc:
         raise MetadataError(f"Redis at {where} did not answer ({exc}); is it paused, overloaded or cut off?") from None
     except RedisUnreachableError as exc:
-        raise MetadataError(f"{exc}; --redis names it (rediss:// for a TLS Redis)") from None
+        raise MetadataError(
+            f"Redis at {where} is unreachable ({exc.reason}); check that redis-server runs there and that --redis "
+            "names it (host, port, and rediss:// for a TLS Redis)"
+        ) from None
     except MetadataError as exc:
         raise MetadataError(
             f"Redis at {where} is unreachable ({exc}); check that redis-server runs there and that --redis "
