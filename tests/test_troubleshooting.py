@@ -504,3 +504,25 @@ def test_the_redis_errors_verbs_print_are_the_lines_the_page_shows(pool, tmp_pat
         "type": "RedisUnreachableError",
         "exit_code": 1,
     }
+
+
+def test_an_engine_whose_redis_refuses_the_password_starts_logs_once_and_misses(pool, stack_factory, caplog, tmp_path):
+    """Redis's refusal is an AuthError now; the connector still starts, says why once, and reads misses."""
+    from prometheus_client import REGISTRY
+
+    wrong = tmp_path / "redis-password"
+    wrong.write_text("not-the-password\n")
+    wrong.chmod(0o600)
+    caplog.set_level(logging.INFO)
+    stack = stack_factory(pool.url(password=False, redis_password_file=str(wrong)))  # the engine starts
+
+    def down() -> float | None:
+        labels = {"plugin": "kvpool", "cause": "wrong-redis-password"}
+        return REGISTRY.get_sample_value("kvpool_connector_pool_up", labels)
+
+    assert wait_until(lambda: down() == 0, 10.0), down()
+    keys = [stack.key(1), stack.key(2)]
+    for _ in range(3):
+        assert stack.contains_prefix(keys) == 0
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and r.name.startswith("backend")]
+    assert len(errors) == 1 and str(wrong) in errors[0] and "not-the-password" not in errors[0], errors
