@@ -57,6 +57,7 @@ __all__ = ["PoolClient"]
 logger = logging.getLogger("backend.client")
 
 T = TypeVar("T")
+OPEN_PROBES = 3  # live nodes connect() asks at most for its token check: dead ones each cost a connect timeout
 CLOSE_BOUND_S = 1.0  # the channel's aborts and Redis's close each get this long; close never hangs on a dead peer
 
 
@@ -288,13 +289,14 @@ class PoolClient:
         :class:`RedisUnreachableError` or another ``MetadataError`` when Redis does not answer, and
         ``AuthError`` when a live node refuses the token. With no live node it succeeds: gets and
         lookups then miss and puts raise ``CapacityError`` until a node joins. A node that does not
-        answer is not this client's fault: the next one is asked, and none answering is no error.
+        answer is not this client's fault: the next one is asked (at most ``OPEN_PROBES``), and none
+        answering is no error.
         """
         self._check_open()
         await self._store.connection.ping()
         if not check_token:
             return self
-        for node in await self.registry.nodes(refresh=True):
+        for node in (await self.registry.nodes(refresh=True))[:OPEN_PROBES]:
             try:
                 await self.connections.probe(node)
             except AuthError:
