@@ -146,3 +146,18 @@ def test_connect_checks_the_token_with_a_live_node_and_opens_with_no_live_node(n
     assert not isinstance(caught.value, kvpool.MetadataError)  # the node refused it, not Redis
     with kvpool.SyncPoolClient(right).connect() as client:
         client.put([kvpool.Chunk("k", b"v")])
+
+
+def test_a_refused_password_from_the_environment_says_where_it_came_from(redis_factory) -> None:
+    from backend.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis().start(password="the-right-password")
+    redis_factory.append(server)
+    config = kvpool.PoolConfig.from_url(
+        f"kvpool://127.0.0.1:{server.port}/env", {"KVPOOL_REDIS_PASSWORD": "a-wrong-password"}
+    )
+    with pytest.raises(kvpool.AuthError) as caught:
+        with kvpool.SyncPoolClient(config):
+            pytest.fail("opened although Redis refused the password")
+    assert "refused the password given (KVPOOL_REDIS_PASSWORD" in str(caught.value)
+    assert "a-wrong-password" not in str(caught.value)

@@ -89,7 +89,11 @@ class RedisCredentials:
         if self.password_file:
             which, fix = f"the password in {self.password_file}", "put the password Redis was started with in that file"
         else:
-            which = "the password given" if self.password_given else "this client (no password given)"
+            which = (
+                "the password given (KVPOOL_REDIS_PASSWORD, or redis_password in the URL)"
+                if self.password_given
+                else "this client (no password given)"
+            )
             fix = "name a file holding the password Redis was started with as redis_password_file=PATH"
         return RedisAuthError(
             f"Redis authentication refused: {at} refused {which} ({text}); {fix} (requirepass, or the ACL "
