@@ -7,10 +7,12 @@
     ├── MetadataError        Redis unreachable or inconsistent
     │   ├── RedisFullError   ... Redis refused a write: at maxmemory, evicting nothing
     │   ├── RedisSlowError   ... Redis gave no answer in time (paused, stopped, overloaded)
-    │   └── RedisAuthError   ... Redis refused the password (none given, or a wrong one), or the user a command or key
+    │   ├── RedisUnreachableError ... nothing answers at the Redis URL (refused, no route, no such host)
+    │   ├── RedisAuthError   ... Redis refused the password (none given, or a wrong one); also an AuthError
+    │   └── RedisPermissionError ... Redis's ACL refused the user a command or a key (not authentication)
     ├── NodeUnavailable      connect / timeout / node gone
     ├── ProtocolError        malformed or unexpected frame
-    ├── AuthError            missing or wrong token
+    ├── AuthError            missing or wrong credentials: a node's token, Redis's password (RedisAuthError)
     ├── CapacityError        no node can take the write
     │   └── BusyError        ... now: DRAM stayed full of puts in flight until the deadline
     ├── IntegrityError       checksum mismatch
@@ -37,7 +39,9 @@ __all__ = [
     "MetadataError",
     "RedisFullError",
     "RedisSlowError",
+    "RedisUnreachableError",
     "RedisAuthError",
+    "RedisPermissionError",
     "NodeUnavailable",
     "ProtocolError",
     "AuthError",
@@ -100,17 +104,6 @@ class RedisSlowError(MetadataError):
     """Redis gave no answer in time: paused, stopped, overloaded or cut off."""
 
 
-class RedisAuthError(MetadataError):
-    """Redis refused the credentials (a wrong or missing password, a disabled user), or its ACL refused
-    the user a command or a key. ``reason`` is Redis's own words (or that no password was given);
-    ``password_given``: False when Redis asked for a password and none was given (NOAUTH)."""
-
-    def __init__(self, message: str, reason: str, *, password_given: bool = True) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.password_given = password_given
-
-
 class NodeUnavailable(KVPoolError):
     """A pool node could not be reached, timed out, or has left the pool."""
 
@@ -120,7 +113,38 @@ class ProtocolError(KVPoolError):
 
 
 class AuthError(KVPoolError):
-    """The node refused the token (missing or wrong)."""
+    """Credentials were refused: a node refused the token (missing or wrong), or Redis the password
+    (:class:`RedisAuthError`). ``except kvpool.AuthError`` catches both."""
+
+
+class RedisUnreachableError(MetadataError):
+    """Nothing answers at the Redis URL: the connection was refused (Redis not running, wrong port),
+    or the host does not resolve or cannot be reached. ``reason``: what failed, in redis-py's words."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class RedisAuthError(MetadataError, AuthError):
+    """Redis refused the credentials: a wrong or missing password, or a disabled user. A
+    :class:`MetadataError` (Redis is not usable) and an :class:`AuthError` (credentials refused).
+    ``reason`` is Redis's own words (or that no password was given); ``password_given``: False when
+    Redis asked for a password and none was given (NOAUTH)."""
+
+    def __init__(self, message: str, reason: str, *, password_given: bool = True) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.password_given = password_given
+
+
+class RedisPermissionError(MetadataError):
+    """Redis's ACL refused the (authenticated) user a command or a key (``NOPERM``): not an
+    authentication failure, so not an :class:`AuthError`. ``reason`` is Redis's own words."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class CapacityError(KVPoolError):

@@ -77,3 +77,87 @@ def test_the_printed_module_paths_are_the_public_ones_and_load_the_implementatio
     assert public.KVPoolConnectorAdapter is connector.KVPoolConnectorAdapter
     assert public.KVPoolRemoteURLConnector is connector.KVPoolRemoteURLConnector
     assert public_l2.KVPoolL2Adapter is l2.KVPoolL2Adapter
+
+
+# -- opening: Redis and the token are checked when a client opens, not at its first call -------------
+def test_redis_refusing_the_password_at_open_is_an_auth_error_naming_the_file(redis_factory, tmp_path) -> None:
+    import asyncio
+
+    from backend.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis().start(password="the-right-password")
+    redis_factory.append(server)
+    wrong = tmp_path / "redis-password"
+    wrong.write_text("a-wrong-password\n")
+    wrong.chmod(0o600)
+    config = kvpool.PoolConfig.from_url(f"kvpool://127.0.0.1:{server.port}/open?redis_password_file={wrong}")
+    with pytest.raises(kvpool.AuthError) as caught:
+        with kvpool.SyncPoolClient(config):
+            pytest.fail("opened although Redis refused the password")
+    assert isinstance(caught.value, kvpool.MetadataError)  # code that catches MetadataError keeps working
+    assert f"refused the password in {wrong}" in str(caught.value) and "a-wrong-password" not in str(caught.value)
+
+    async def open_async() -> None:
+        async with kvpool.PoolClient(config):
+            pytest.fail("opened although Redis refused the password")
+
+    with pytest.raises(kvpool.AuthError, match="refused the password in"):
+        asyncio.run(open_async())
+    anonymous = kvpool.SyncPoolClient(kvpool.PoolConfig.from_url(f"kvpool://127.0.0.1:{server.port}/open"))
+    try:
+        with pytest.raises(kvpool.AuthError, match="asks for a password and none was given"):
+            anonymous.connect()
+    finally:
+        anonymous.close()
+
+
+def test_an_acl_permission_refusal_is_a_metadata_error_but_not_an_auth_error(redis_factory) -> None:
+    import redis
+
+    from backend.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    redis_factory.append(server)
+    with redis.Redis(port=server.port) as raw:
+        raw.execute_command("ACL", "SETUSER", "pinger", "on", ">pinger-password", "~*", "-@all", "+ping", "+hello")
+    url = f"kvpool://127.0.0.1:{server.port}/acl?redis_user=pinger"
+    config = kvpool.PoolConfig.from_url(url, {"KVPOOL_REDIS_PASSWORD": "pinger-password"})
+    with kvpool.SyncPoolClient(config) as client:  # authenticated: PING is allowed, so it opens
+        with pytest.raises(kvpool.MetadataError, match="ACL") as caught:
+            client.list_keys()
+    assert not isinstance(caught.value, kvpool.AuthError)
+
+
+def test_connect_checks_the_token_with_a_live_node_and_opens_with_no_live_node(node_factory, pool_url) -> None:
+    token = "the-pool-token-0123456789abcdef0123"
+    right = kvpool.PoolConfig.from_url(pool_url.replace("kvpool://", f"kvpool://:{token}@"))
+    wrong = kvpool.PoolConfig.from_url(pool_url.replace("kvpool://", "kvpool://:not-the-token-0123456789abcdef01@"))
+    with kvpool.SyncPoolClient(wrong).connect() as client:  # no live node: nothing to refuse the token
+        assert client.nodes() == []
+        with pytest.raises(kvpool.CapacityError):
+            client.put([kvpool.Chunk("k", b"v")])
+    node_factory(env={"KVPOOL_TOKEN": token})
+    refused = kvpool.SyncPoolClient(wrong)
+    try:
+        with pytest.raises(kvpool.AuthError) as caught:
+            refused.connect()
+    finally:
+        refused.close()
+    assert not isinstance(caught.value, kvpool.MetadataError)  # the node refused it, not Redis
+    with kvpool.SyncPoolClient(right).connect() as client:
+        client.put([kvpool.Chunk("k", b"v")])
+
+
+def test_a_refused_password_from_the_environment_says_where_it_came_from(redis_factory) -> None:
+    from backend.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis().start(password="the-right-password")
+    redis_factory.append(server)
+    config = kvpool.PoolConfig.from_url(
+        f"kvpool://127.0.0.1:{server.port}/env", {"KVPOOL_REDIS_PASSWORD": "a-wrong-password"}
+    )
+    with pytest.raises(kvpool.AuthError) as caught:
+        with kvpool.SyncPoolClient(config):
+            pytest.fail("opened although Redis refused the password")
+    assert "refused the password given (KVPOOL_REDIS_PASSWORD" in str(caught.value)
+    assert "a-wrong-password" not in str(caught.value)

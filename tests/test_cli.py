@@ -359,3 +359,80 @@ def test_the_events_token_files_are_read_and_checked_the_same_way(tmp_path):
         with pytest.raises(ConfigError) as refused:
             _token(str(short), flag)
         assert refused.value.key == flag
+
+
+# -- errors that name the fix and the file -----------------------------------------------------------
+@pytest.mark.usefixtures("processes")
+def test_redis_not_running_names_the_url_and_a_stale_kvpool_url_from_the_environment():
+    port = free_port()
+    url = f"kvpool://127.0.0.1:{port}/x?progress_timeout_s=0.3"
+    given = kvpool("status", "--url", url)
+    assert given.returncode == 1 and given.stderr.count("\n") == 1, given.stderr
+    assert f"Redis at redis://127.0.0.1:{port}/0 is unreachable" in given.stderr
+    assert "KVPOOL_URL" not in given.stderr  # --url was given: nothing from the environment to suspect
+    for verb in ("status", "nodes", "ls", "stats"):
+        out = kvpool(verb, "--json", env={"KVPOOL_URL": url})
+        assert out.returncode == 1, (verb, out.stdout, out.stderr)
+        error = json.loads(out.stdout)  # --json: a JSON error object on stdout, not nothing
+        assert error["type"] == "RedisUnreachableError" and error["exit_code"] == 1, error
+        assert f"127.0.0.1:{port}" in error["error"]
+        assert "KVPOOL_URL came from the environment and may be stale from an earlier `kvpool up`" in error["error"]
+        assert out.stderr.count("\n") == 1 and "may be stale" in out.stderr
+
+
+@pytest.mark.usefixtures("processes")
+def test_a_usage_error_of_a_json_verb_is_a_json_error_and_exit_2():
+    out = kvpool("ls", "--json", "--limit", "0", "--url", "kvpool://127.0.0.1:1/x")
+    assert out.returncode == 2 and json.loads(out.stdout) == {
+        "error": "--limit: must be a positive number",
+        "type": "ConfigError",
+        "exit_code": 2,
+    }
+
+
+def test_a_wrong_redis_password_names_the_file_it_read_in_every_verb(redis_factory, tmp_path):
+    from backend.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis().start(password="the-right-password")
+    redis_factory.append(server)
+    wrong = tmp_path / "redis-password"
+    wrong.write_text("a-wrong-password\n")
+    wrong.chmod(0o600)
+    url = f"kvpool://127.0.0.1:{server.port}/x?redis_password_file={wrong}"
+    for verb in (["status"], ["nodes"], ["ls"], ["stats"], ["drain", "some-node"], ["evict", "k"]):
+        out = kvpool(*verb, "--url", url)
+        assert out.returncode == 1 and out.stderr.count("\n") == 1, (verb, out.stderr)
+        assert f"refused the password in {wrong}" in out.stderr, (verb, out.stderr)
+        assert "set redis_password_file=PATH" not in out.stderr and "a-wrong-password" not in out.stdout + out.stderr
+    out = kvpool("status", "--json", "--url", url)
+    error = json.loads(out.stdout)
+    assert out.returncode == 1 and error["type"] == "RedisAuthError" and str(wrong) in error["error"]
+    missing = kvpool("status", "--url", f"kvpool://127.0.0.1:{server.port}/x")
+    assert missing.returncode == 1 and "asks for a password and none was given" in missing.stderr
+    assert "add redis_password_file=PATH" in missing.stderr
+
+
+def test_drain_of_an_unknown_node_lists_the_live_node_ids(node_factory, pool_url):
+    node = node_factory()
+    out = kvpool("drain", "no-such-node", "--url", pool_url)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert "node 'no-such-node' is not alive" in out.stderr and f"live nodes: {node.node_id}" in out.stderr
+    typo = kvpool("drain", node.node_id[:-1], "--url", pool_url, "--json")
+    assert typo.returncode == 1 and f"did you mean {node.node_id}?" in json.loads(typo.stdout)["error"]
+
+
+def test_operations_md_shows_the_columns_kvpool_ls_prints(node_factory, pool_url):
+    node_factory()
+    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+        client.put([Chunk("model@1@0@abc", b"x" * 4096)])
+    section = (REPO / "docs" / "operations.md").read_text().split("## Where does a key live?")[1].split("\n## ")[0]
+    shown = re.search(r"```\n(\S+@\S+  .*)\n```", section)
+    assert shown is not None and not re.search(r"\bage\b", section)
+    printed = kvpool("ls", "--url", pool_url)
+    assert printed.returncode == 0, printed.stderr
+    [line] = printed.stdout.splitlines()
+    columns, doc_columns = line.split("  "), shown.group(1).split("  ")
+    assert len(columns) == len(doc_columns), (line, shown.group(1))
+    shape = [r"\S+@\S+", r"\S+", r"\S+", r"dram|nvme", r"\d+ B|\d+\.\d (KiB|MiB|GiB)", r"epoch \d+"]
+    for pattern, got, doc in zip(shape, columns, doc_columns, strict=True):  # key, node, host, tier, size, epoch
+        assert re.fullmatch(pattern, got) and re.fullmatch(pattern, doc), (pattern, got, doc)

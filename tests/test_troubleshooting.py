@@ -454,3 +454,75 @@ def test_selftest_puts_finds_gets_and_deletes_byte_identical_chunks_and_leaves_n
     steps = {f["check"]: f for f in json.loads(out)}
     assert code == 1 and steps["Redis"]["cause"] == "wrong-redis-password"
     assert [steps[s]["state"] for s in ("put", "lookup", "get", "delete")] == ["skip"] * 4
+
+
+# -- the messages as printed ---------------------------------------------------------------------------
+_PLACEHOLDERS = ("...", "HOST", "PORT", "FILE")
+
+
+def _printed_lines(anchor: str) -> list[re.Pattern[str]]:
+    """The ``kvpool: error:`` lines entry ``anchor`` shows in its code blocks, as patterns its placeholders fill."""
+    page = PAGE.read_text()
+    title = next(line for line in page.splitlines() if line.startswith("## ") and _anchor(line[3:]) == anchor)
+    entry = page.split(title + "\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in re.findall(r"```\n(.*?)\n```", entry, re.S) if line.startswith("kvpool: error:")]
+    split = "(" + "|".join(re.escape(p) for p in _PLACEHOLDERS) + ")"
+    return [
+        re.compile("".join(".+?" if part in _PLACEHOLDERS else re.escape(part) for part in re.split(split, line)))
+        for line in lines
+    ]
+
+
+def _anchor(title: str) -> str:
+    return re.sub(r"[^a-z0-9 -]", "", title.lower()).replace(" ", "-")
+
+
+def test_the_redis_errors_verbs_print_are_the_lines_the_page_shows(pool, tmp_path, monkeypatch):
+    wrong = tmp_path / "redis-password"
+    wrong.write_text("not-the-password\n")
+    wrong.chmod(0o600)
+    refused, none_given = _printed_lines("wrong-redis-password")
+    for url, shown in (
+        (pool.url(password=False, redis_password_file=str(wrong)), refused),
+        (pool.url(password=False), none_given),
+    ):
+        code, out, err = kvpool("status", "--url", url)
+        assert code == 1 and out == "" and shown.fullmatch(err.rstrip("\n")), (shown.pattern, err)
+        assert "not-the-password" not in err
+    code, out, err = kvpool("status", "--url", pool.url(password=False, redis_password_file=str(wrong)), "--json")
+    assert code == 1 and refused.fullmatch("kvpool: error: " + json.loads(out)["error"]), out
+
+    down = f"kvpool://127.0.0.1:{free_port()}/x?progress_timeout_s=0.3"
+    given, stale = _printed_lines("redis-unreachable")
+    code, out, err = kvpool("ls", "--url", down)
+    assert code == 1 and given.fullmatch(err.rstrip("\n")) and not stale.fullmatch(err.rstrip("\n")), err
+    monkeypatch.setenv("KVPOOL_URL", down)
+    code, out, err = kvpool("ls", "--json")
+    assert code == 1 and stale.fullmatch(err.rstrip("\n")), (stale.pattern, err)
+    assert json.loads(out) == {
+        "error": err.rstrip("\n").removeprefix("kvpool: error: "),
+        "type": "RedisUnreachableError",
+        "exit_code": 1,
+    }
+
+
+def test_an_engine_whose_redis_refuses_the_password_starts_logs_once_and_misses(pool, stack_factory, caplog, tmp_path):
+    """Redis's refusal is an AuthError now; the connector still starts, says why once, and reads misses."""
+    from prometheus_client import REGISTRY
+
+    wrong = tmp_path / "redis-password"
+    wrong.write_text("not-the-password\n")
+    wrong.chmod(0o600)
+    caplog.set_level(logging.INFO)
+    stack = stack_factory(pool.url(password=False, redis_password_file=str(wrong)))  # the engine starts
+
+    def down() -> float | None:
+        labels = {"plugin": "kvpool", "cause": "wrong-redis-password"}
+        return REGISTRY.get_sample_value("kvpool_connector_pool_up", labels)
+
+    assert wait_until(lambda: down() == 0, 10.0), down()
+    keys = [stack.key(1), stack.key(2)]
+    for _ in range(3):
+        assert stack.contains_prefix(keys) == 0
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and r.name.startswith("backend")]
+    assert len(errors) == 1 and str(wrong) in errors[0] and "not-the-password" not in errors[0], errors

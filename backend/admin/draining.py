@@ -11,7 +11,8 @@ from typing import Any
 
 from backend.admin.shared import Progress, refusal
 from backend.client import Chunk, PoolClient
-from backend.errors import AuthError, CapacityError, ConfigError, KVPoolError
+from backend.config.suggest import did_you_mean
+from backend.errors import AuthError, CapacityError, ConfigError, KVPoolError, NodeUnavailable
 from backend.metadata import Location, NodeInfo
 from backend.protocol.inventory import InventoryRow
 
@@ -62,7 +63,7 @@ async def drain(
     ``undrain`` clears while it runs sees it before its next batch and stops there, every
     batch it took either moved whole or not started (``stopped_by_undrain``).
     """
-    source = await client.node(node_id)
+    source = await _live_node(client, node_id)
     await _check_targets(client, source, to)
     try:
         total = (await client.node_admin.stats(source)).objects
@@ -77,10 +78,25 @@ async def drain(
         raise
 
 
+async def _live_node(client: PoolClient, node_id: str) -> NodeInfo:
+    """The live node ``node_id``; NodeUnavailable listing the live node ids (and the close one) if it is not one."""
+    live = await client.nodes(refresh=True)
+    for node in live:
+        if node.node_id == node_id:
+            return node
+    ids = sorted(node.node_id for node in live)
+    hint = did_you_mean(node_id, ids)
+    listed = f"live nodes: {', '.join(ids)}" if ids else "no node is alive there"
+    raise NodeUnavailable(
+        f"node {node_id!r} is not alive in namespace {client.config.namespace!r}{'; ' + hint if hint else ''}; "
+        f"{listed} (`kvpool nodes` shows them)"
+    )
+
+
 async def _check_targets(client: PoolClient, source: NodeInfo, to: str | None) -> None:
     """Raise unless some live node other than ``source`` takes writes (``to``, when given)."""
     if to is not None:
-        target = await client.node(to)
+        target = await _live_node(client, to)
         if target.node_id == source.node_id:
             raise ConfigError("--to", "the target is the node being drained")
         if target.draining:

@@ -11,9 +11,10 @@ from typing import Any, cast
 
 from backend.cli import diagnose, events, listing, lmcache, maintenance, pinning, quotas, serve
 from backend.cli.exits import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_USAGE
+from backend.cli.output import print_json
 from backend.config import ENV_DEBUG, ENV_URL, env_flag
 from backend.config.suggest import did_you_mean
-from backend.errors import ConfigError, KVPoolError
+from backend.errors import ConfigError, KVPoolError, RedisUnreachableError
 from backend.version import __version__
 
 __all__ = ["main", "build_parser"]
@@ -87,6 +88,24 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+STALE_URL_HINT = (
+    f"; {ENV_URL} came from the environment and may be stale from an earlier `kvpool up` (its Redis port "
+    f"changes every run): export the {ENV_URL} the running `kvpool up` printed, or pass --url"
+)
+
+
+def _failed(exc: KVPoolError, *, json_out: bool, url_from_env: bool) -> int:
+    """A verb failed with ``exc``: one line on stderr (and with ``--json`` a JSON object on stdout); its exit code."""
+    code = EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_ERROR
+    message = str(exc)
+    if isinstance(exc, RedisUnreachableError) and url_from_env:
+        message += STALE_URL_HINT
+    if json_out:
+        print_json({"error": message, "type": type(exc).__name__, "exit_code": code})
+    print(f"kvpool: error: {message}", file=sys.stderr)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -96,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the following arguments are required: VERB")
     # The one place the CLI reads the environment: the configs take it from here.
     args.environ = dict(os.environ)
+    url_from_env = getattr(args, "url", "") is None and bool(args.environ.get(ENV_URL))
     if getattr(args, "url", "") is None:
         args.url = args.environ.get(ENV_URL)
     debug = args.debug or env_flag(args.environ, ENV_DEBUG)
@@ -111,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     except KVPoolError as exc:
         if debug:
             raise
-        print(f"kvpool: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_ERROR
+        return _failed(exc, json_out=bool(getattr(args, "json", False)), url_from_env=url_from_env)
     except BrokenPipeError:
         # The reader went away (`kvpool ls | head`): stop quietly. Point stdout at /dev/null
         # so the interpreter's final flush does not report the same broken pipe again.

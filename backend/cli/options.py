@@ -58,11 +58,17 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
 
 
 def run_with_client(args: argparse.Namespace, work: Callable[[PoolClient], Awaitable[T]]) -> T:
-    """Run ``work`` with a client of the pool named by ``--url``; always closes it."""
+    """Run ``work`` with a client of the pool named by ``--url``; always closes it.
+
+    Not opened with ``connect()``: a verb's first call meets the same Redis errors, and ``doctor``
+    turns them into findings."""
     config = pool_config(args)
 
     async def go() -> T:
-        async with PoolClient(config) as client:
+        client = PoolClient(config)
+        try:
             return await work(client)
+        finally:
+            await client.close()
 
     return asyncio.run(go())

@@ -46,7 +46,7 @@ from backend.client.tcp import TcpReader
 from backend.client.touch import LookupTouches
 from backend.config import PoolConfig
 from backend.counters import ClientCounter
-from backend.errors import KVPoolError, NodeUnavailable
+from backend.errors import AuthError, KVPoolError, NodeUnavailable
 from backend.metadata import MetadataStore, NodeInfo
 from backend.protocol import Op
 from backend.protocol.meta import ANY_FINGERPRINT, NO_FINGERPRINT, check_key
@@ -58,6 +58,7 @@ __all__ = ["PoolClient"]
 logger = logging.getLogger("backend.client")
 
 T = TypeVar("T")
+OPEN_PROBES = 3  # live nodes connect() asks at most for its token check: dead ones each cost a connect timeout
 CLOSE_BOUND_S = 1.0  # the channel's aborts and Redis's close each get this long; close never hangs on a dead peer
 
 
@@ -76,6 +77,7 @@ class PoolClient:
             self.deadlines.redis_call_s,
             password=config.redis_password,
             ca_file=config.tls_ca,
+            password_file=config.redis_password_file,
         )
         self.index = PoolIndex(self._store)
         self.counters: defaultdict[ClientCounter, int] = self._ctx.counters
@@ -281,8 +283,38 @@ class PoolClient:
         _check_keys(scoped_keys)
         return scoped_keys
 
-    async def __aenter__(self) -> PoolClient:
+    async def connect(self, *, check_token: bool = True) -> PoolClient:
+        """Open: Redis answers with this config's credentials, and (``check_token``) a live node takes its token.
+
+        Raises :class:`RedisAuthError` (an ``AuthError``) when Redis refuses the password,
+        :class:`RedisUnreachableError` or another ``MetadataError`` when Redis does not answer, and
+        ``AuthError`` when a live node refuses the token. With no live node it succeeds: gets and
+        lookups then miss and puts raise ``CapacityError`` until a node joins. A node that does not
+        answer is not this client's fault: the next one is asked (at most ``OPEN_PROBES``), and none
+        answering is no error.
+        """
+        self._check_open()
+        await self._store.connection.ping()
+        if not check_token:
+            return self
+        for node in (await self.registry.nodes(refresh=True))[:OPEN_PROBES]:
+            try:
+                await self.connections.probe(node)
+            except AuthError:
+                raise
+            except KVPoolError as exc:
+                logger.debug("kvpool: node %s did not answer the open's token check: %s", node.node_id, exc)
+                continue
+            break
         return self
+
+    async def __aenter__(self) -> PoolClient:
+        """Check Redis and its credentials now (``connect(check_token=False)``), not at the first call."""
+        try:
+            return await self.connect(check_token=False)
+        except BaseException:
+            await self.close()
+            raise
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()

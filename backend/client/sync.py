@@ -82,8 +82,18 @@ class SyncPoolClient:
             self._call(self._client.close(), timeout_s=5.0)
         self._loop.stop(5.0)
 
-    def __enter__(self) -> SyncPoolClient:
+    def connect(self, *, check_token: bool = True) -> SyncPoolClient:
+        """Open: :meth:`PoolClient.connect` (Redis and its password, then a live node's token)."""
+        self._call(self._client.connect(check_token=check_token))
         return self
+
+    def __enter__(self) -> SyncPoolClient:
+        """Check Redis and its credentials now, as :meth:`PoolClient.__aenter__`; closed again if that fails."""
+        try:
+            return self.connect(check_token=False)
+        except BaseException:
+            self.close()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -134,8 +134,11 @@ def _diagnose(config_path: Path, known: list[str]) -> list[Finding]:
     known += [secret for secret in (pool_config.token, pool_config.redis_password) if len(secret) >= MIN_MASKED]
 
     async def probe_pool() -> list[Finding]:
-        async with PoolClient(pool_config) as client:
+        client = PoolClient(pool_config)  # not opened: check_pool names what opening would refuse
+        try:
             return await check_pool(client)
+        finally:
+            await client.close()
 
     pool = [masked(f) for f in asyncio.run(probe_pool())]
     findings += pool

@@ -9,25 +9,37 @@ trouble are named, so that logs and answers say what is wrong rather than "dead"
   ``maxmemory`` under ``maxmemory-policy noeviction``).
 * :class:`RedisSlowError`: no answer in time (Redis paused by ``CLIENT PAUSE``, stopped,
   overloaded, or cut off by the network: from here they look the same).
+* :class:`RedisUnreachableError`: nothing answers at the URL (refused, no route, no such host).
+* :class:`RedisAuthError`: the password was refused, or none given; the message names the file it
+  was read from (:class:`RedisCredentials`), never the password.
+* :class:`RedisPermissionError`: the ACL refused the user a command or a key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from redis import exceptions as redis_exceptions
 
-from backend.errors import MetadataError, RedisAuthError, RedisFullError, RedisSlowError
+from backend.errors import (
+    MetadataError,
+    RedisAuthError,
+    RedisFullError,
+    RedisPermissionError,
+    RedisSlowError,
+    RedisUnreachableError,
+)
 from backend.metadata.breaker import RedisBreaker
 from backend.metadata.records import MIN_REDIS_VERSION, NodeSlots, RedisFacts, RedisMemory, redis_version_key
 from backend.metadata.scripts import GIVE_SLOT_LUA
 from backend.redis_topology import CLUSTER, CLUSTER_HINT, RedisTarget, connect, mask_url
 
-__all__ = ["MIN_REDIS_VERSION", "RedisConnection", "RedisFullError", "RedisSlowError"]
+__all__ = ["MIN_REDIS_VERSION", "RedisConnection", "RedisCredentials", "RedisFullError", "RedisSlowError"]
 
 
 _NodeStep = Callable[[Any, int], Awaitable[tuple[int, Any]]]  # (cluster node or None, its cursor) -> (next, result)
@@ -37,6 +49,9 @@ FULL_HINT = (
     "maxmemory-policy noeviction); raise maxmemory or free memory"
 )
 
+
+# What redis-py's ConnectionError says when a TLS handshake, not the connection, failed.
+_TLS_TEXTS = ("SSL", "certificate")
 
 # What Redis answers a client that gave no password (RESP2 NOAUTH, or RESP3's HELLO refusal).
 _NO_PASSWORD_GIVEN = ("NOAUTH", "Authentication required", "HELLO must be called with the client already authenticated")
@@ -50,29 +65,74 @@ def _per_node(info: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [info]
 
 
-def _auth_refused(action: str, exc: Exception) -> RedisAuthError:
-    text = str(exc)
-    missing = any(s in text for s in _NO_PASSWORD_GIVEN)
-    reason = "it requires a password, none was given" if missing else text
-    return RedisAuthError(
-        f"Redis {action} failed: Redis authentication refused ({reason}); set redis_password_file=PATH in the pool "
-        "URL (or KVPOOL_REDIS_PASSWORD), and redis_user=USER for an ACL user; a node takes --redis-password-file "
-        "and USER@ in its --redis URL",
+@dataclasses.dataclass(frozen=True)
+class RedisCredentials:
+    """What Redis errors may say of where this connection points and of its password, never the password:
+    ``where`` the URL with any secret masked, ``password_file`` the file the password was read from
+    (empty: none, or given another way), ``password_given`` whether any password was given."""
+
+    where: str = ""
+    password_file: str = ""
+    password_given: bool = False
+
+    def password_refused(self, exc: Exception) -> RedisAuthError:
+        text = str(exc)
+        at = f"Redis at {self.where}" if self.where else "Redis"
+        if any(s in text for s in _NO_PASSWORD_GIVEN):
+            return RedisAuthError(
+                f"Redis authentication refused: {at} asks for a password and none was given; add "
+                "redis_password_file=PATH to the pool URL (or set KVPOOL_REDIS_PASSWORD), and redis_user=USER "
+                "for an ACL user; a node takes --redis-password-file and USER@ in its --redis URL",
+                "it requires a password, none was given",
+                password_given=False,
+            )
+        if self.password_file:
+            which, fix = f"the password in {self.password_file}", "put the password Redis was started with in that file"
+        else:
+            which = (
+                "the password given (KVPOOL_REDIS_PASSWORD, or redis_password in the URL)"
+                if self.password_given
+                else "this client (no password given)"
+            )
+            fix = "name a file holding the password Redis was started with as redis_password_file=PATH"
+        return RedisAuthError(
+            f"Redis authentication refused: {at} refused {which} ({text}); {fix} (requirepass, or the ACL "
+            "user's), and redis_user=USER for an ACL user",
+            text,
+        )
+
+
+def _permission_refused(action: str, exc: Exception) -> RedisPermissionError:
+    return RedisPermissionError(
+        f"Redis {action} refused by Redis's ACL ({exc}): the user needs kvpool's commands and the keys ~kvp:*",
+        str(exc),
+    )
+
+
+def _unreachable(action: str, exc: Exception, credentials: RedisCredentials) -> RedisUnreachableError:
+    at = f"Redis at {credentials.where}" if credentials.where else "Redis"
+    reason = f"{action}: {exc}"
+    return RedisUnreachableError(
+        f"{at} is unreachable ({reason}); start redis-server there (or the whole pool: `kvpool up`), "
+        "or fix the host and port of the pool URL",
         reason,
-        password_given=not missing,
     )
 
 
 @contextlib.contextmanager
-def _redis_errors(action: str, breaker: RedisBreaker | None = None) -> Iterator[None]:
+def _redis_errors(
+    action: str, breaker: RedisBreaker | None = None, credentials: RedisCredentials = RedisCredentials()
+) -> Iterator[None]:
     try:
         yield
     except (redis_exceptions.TimeoutError, TimeoutError) as exc:  # redis-py's socket_timeout: no answer
         if breaker is not None:
             breaker.timed_out()
         raise RedisSlowError(f"Redis slow: {action} got no answer ({exc or 'timed out'})") from None
-    except (redis_exceptions.AuthenticationError, redis_exceptions.NoPermissionError) as exc:
-        raise _auth_refused(action, exc) from None
+    except redis_exceptions.AuthenticationError as exc:
+        raise credentials.password_refused(exc) from None
+    except redis_exceptions.NoPermissionError as exc:
+        raise _permission_refused(action, exc) from None
     except redis_exceptions.OutOfMemoryError:
         raise RedisFullError(f"Redis {action} refused: {FULL_HINT}") from None
     except redis_exceptions.ResponseError as exc:
@@ -82,17 +142,26 @@ def _redis_errors(action: str, breaker: RedisBreaker | None = None) -> Iterator[
                 "newer (its scripts declare flags)"
             ) from None
         raise MetadataError(f"Redis {action} failed: {exc}") from None
+    except redis_exceptions.ConnectionError as exc:  # after AuthenticationError, one of its kind
+        if any(text in str(exc) for text in _TLS_TEXTS):  # it answered, but TLS failed: not unreachable
+            raise MetadataError(f"Redis {action} failed: {exc}") from None
+        raise _unreachable(action, exc, credentials) from None
     except redis_exceptions.RedisError as exc:
         raise MetadataError(f"Redis {action} failed: {exc}") from None
     except redis_exceptions.RedisClusterException as exc:  # not a RedisError: raised while finding the cluster
         raise MetadataError(f"Redis {action} failed: {exc}{CLUSTER_HINT}") from None
     except OSError as exc:
-        raise MetadataError(f"Redis {action} failed: {exc}") from None
+        raise _unreachable(action, exc, credentials) from None
 
 
 @contextlib.asynccontextmanager
 async def _bounded(
-    action: str, timeout_s: float, breaker: RedisBreaker | None = None, *, opens_breaker: bool = True
+    action: str,
+    timeout_s: float,
+    breaker: RedisBreaker | None = None,
+    *,
+    opens_breaker: bool = True,
+    credentials: RedisCredentials = RedisCredentials(),
 ) -> AsyncIterator[None]:
     """Redis errors as MetadataError, and the whole call within ``timeout_s``.
 
@@ -109,7 +178,7 @@ async def _bounded(
     opened = breaker if opens_breaker else None
     try:
         async with asyncio.timeout(timeout_s):
-            with _redis_errors(action, opened):
+            with _redis_errors(action, opened, credentials):
                 yield
     except TimeoutError:
         if opened is not None:
@@ -145,13 +214,23 @@ class RedisConnection:
     """One namespace's Redis client (redis-py + hiredis): key names, scripts, bounded calls."""
 
     def __init__(
-        self, redis_url: str, namespace: str, timeout_s: float = 2.0, *, password: str = "", ca_file: str = ""
+        self,
+        redis_url: str,
+        namespace: str,
+        timeout_s: float = 2.0,
+        *,
+        password: str = "",
+        ca_file: str = "",
+        password_file: str = "",
     ) -> None:
         """``redis_url`` is ``redis://`` or ``rediss://`` (TLS, verified against ``ca_file`` or the system
-        trust), optionally with an ACL user; ``password`` is used when the URL carries none."""
+        trust), optionally with an ACL user; ``password`` is used when the URL carries none, and
+        ``password_file`` (where it was read from) is what a refusal names."""
         self.namespace = namespace
         self.redis_url = redis_url
         self.target = RedisTarget.parse(redis_url)
+        where = mask_url(redis_url)
+        self.credentials = RedisCredentials(where, password_file, bool(password) or where != redis_url)
         self.timeout_s = timeout_s
         # redis.asyncio Redis or RedisCluster
         self.redis: Any = connect(self.target, timeout_s, password=password, ca_file=ca_file)
@@ -196,8 +275,8 @@ class RedisConnection:
     def call(self, action: str, timeout_s: float | None = None) -> contextlib.AbstractAsyncContextManager[None]:
         """Bound a call by Redis's timeout, or by ``timeout_s`` when the caller owes an answer sooner."""
         if timeout_s is None or timeout_s >= self.timeout_s:
-            return _bounded(action, self.timeout_s, self.breaker)
-        return _bounded(action, timeout_s, self.breaker, opens_breaker=False)
+            return _bounded(action, self.timeout_s, self.breaker, credentials=self.credentials)
+        return _bounded(action, timeout_s, self.breaker, opens_breaker=False, credentials=self.credentials)
 
     # -- keys -------------------------------------------------------------------------
     def index_key(self, key: str) -> str:
@@ -241,7 +320,7 @@ class RedisConnection:
                     answers = _per_node(await self.redis.info("server", target_nodes=self.redis.PRIMARIES))
                 else:
                     answers = [await self.redis.info("server")]
-        except RedisAuthError:
+        except RedisPermissionError:
             return ""
         version = min((str(a.get("redis_version", "")) for a in answers), key=redis_version_key, default="")
         if version and redis_version_key(version) < MIN_REDIS_VERSION:
@@ -255,7 +334,7 @@ class RedisConnection:
     async def check_writable(self) -> None:
         """That this namespace's keys may be written: a DEL of a registry key name (``kvp:{NS}:``) and of an
         index key name (``kvp:NS/``: the empty pool key) that no key of kvpool holds, so it changes nothing.
-        A read-only replica refuses it, and so does an ACL user without those keys (``RedisAuthError``); a full
+        A read-only replica refuses it, and so does an ACL user without those keys (``RedisPermissionError``); a full
         Redis does not (DEL takes no memory)."""
         for key in (self._probe_key, self.index_prefix):  # one at a time: on a cluster they are in two slots
             async with self.call("namespace write check"):

@@ -32,11 +32,21 @@ class MetadataStore:
     """One namespace's metadata in Redis (redis-py + hiredis): the four parts over one connection."""
 
     def __init__(
-        self, redis_url: str, namespace: str, timeout_s: float = 2.0, *, password: str = "", ca_file: str = ""
+        self,
+        redis_url: str,
+        namespace: str,
+        timeout_s: float = 2.0,
+        *,
+        password: str = "",
+        ca_file: str = "",
+        password_file: str = "",
     ) -> None:
         """As :class:`RedisConnection`: ``redis://`` or ``rediss://`` (TLS, verified against ``ca_file``
-        or the system trust), optionally with an ACL user; ``password`` when the URL carries none."""
-        self.connection = RedisConnection(redis_url, namespace, timeout_s, password=password, ca_file=ca_file)
+        or the system trust), optionally with an ACL user; ``password`` when the URL carries none, read
+        from ``password_file`` (named when Redis refuses it)."""
+        self.connection = RedisConnection(
+            redis_url, namespace, timeout_s, password=password, ca_file=ca_file, password_file=password_file
+        )
         self.registry = NodeRegistry(self.connection)
         self.index = KeyIndex(self.connection)
         self.lookup = LiveLookup(self.connection)

@@ -37,7 +37,14 @@ from pathlib import Path
 
 from backend.config import NodeConfig
 from backend.config.values import format_size
-from backend.errors import MetadataError, NodeUnavailable, RedisAuthError, RedisSlowError
+from backend.errors import (
+    MetadataError,
+    NodeUnavailable,
+    RedisAuthError,
+    RedisPermissionError,
+    RedisSlowError,
+    RedisUnreachableError,
+)
 from backend.metadata import MetadataStore
 from backend.node.index.recovery import NODE_ID_FILE
 from backend.node.store.dirlock import LOCK_NAME
@@ -74,6 +81,11 @@ async def check_redis(store: MetadataStore, config: NodeConfig) -> str:
         raise MetadataError(_password_refused(config, where, exc.reason)) from None
     except RedisSlowError as exc:
         raise MetadataError(f"Redis at {where} did not answer ({exc}); is it paused, overloaded or cut off?") from None
+    except RedisUnreachableError as exc:
+        raise MetadataError(
+            f"Redis at {where} is unreachable ({exc.reason}); check that redis-server runs there and that --redis "
+            "names it (host, port, and rediss:// for a TLS Redis)"
+        ) from None
     except MetadataError as exc:
         raise MetadataError(
             f"Redis at {where} is unreachable ({exc}); check that redis-server runs there and that --redis "
@@ -83,7 +95,7 @@ async def check_redis(store: MetadataStore, config: NodeConfig) -> str:
     try:
         await store.connection.check_writable()
     except MetadataError as exc:
-        why = exc.reason if isinstance(exc, RedisAuthError) else str(exc)
+        why = exc.reason if isinstance(exc, (RedisAuthError, RedisPermissionError)) else str(exc)
         raise MetadataError(
             f"Redis at {where} does not let this node write the keys of namespace {config.namespace!r} ({why}): "
             "--redis must name a primary, not a read-only replica, and an ACL user needs the keys ~kvp:*"

@@ -319,21 +319,21 @@ async def _connect_and_close(port: int, context: ssl.SSLContext) -> FrameSocket:
 
 def test_redis_over_tls_with_the_wrong_ca_is_refused(secure_redis, pki, namespace):
     config = PoolConfig.from_url(_secure_url(pki, secure_redis, namespace, tls_ca=str(pki.other_ca)))
-    with SyncPoolClient(config) as client:
-        with pytest.raises(MetadataError, match="certificate verify failed"):
-            client.nodes()
+    with pytest.raises(MetadataError, match="certificate verify failed"):
+        with SyncPoolClient(config):  # refused as it opens
+            pass
 
 
 def test_a_wrong_or_missing_redis_password_names_redis_authentication(secure_redis, pki, namespace):
     wrong = PoolConfig.from_url(_secure_url(pki, secure_redis, namespace, redis_password="guess"))
-    with SyncPoolClient(wrong) as client:
-        with pytest.raises(MetadataError, match="Redis authentication refused") as caught:
-            client.nodes()
-    assert "guess" not in str(caught.value)
+    with pytest.raises(MetadataError, match="Redis authentication refused") as caught:
+        with SyncPoolClient(wrong):  # refused as it opens, not at the first call
+            pass
+    assert isinstance(caught.value, AuthError) and "guess" not in str(caught.value)
     anonymous = PoolConfig.from_url(_secure_url(pki, secure_redis, namespace, redis_user="", redis_password=""))
-    with SyncPoolClient(anonymous) as client:
-        with pytest.raises(MetadataError, match="Redis authentication refused"):
-            client.nodes()
+    with pytest.raises(MetadataError, match="Redis authentication refused"):
+        with SyncPoolClient(anonymous):
+            pass
 
 
 def test_a_node_with_the_wrong_redis_password_does_not_start(capsys, secure_redis, pki, tmp_path):
