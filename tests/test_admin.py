@@ -544,9 +544,9 @@ def test_doctor_prints_no_secret_written_into_the_config_it_checks(token_pool, t
     config["extra_config"][key] = url  # the token written inline, as the doctor's warning says not to
     inline = tmp_path / "inline.yaml"
     inline.write_text(yaml.safe_dump(config))
-    out = kvpool("doctor", "--lmcache-config", str(inline), timeout=180)
+    out = kvpool("doctor", "--lmcache-config", str(inline), "--verbose", timeout=180)
     assert out.returncode == 0, out.stdout  # the whole way: config, Redis, nodes, a round trip with the token
     shown = out.stdout + out.stderr
-    assert "LMCache Configuration" in shown  # LMCache's config dump is printed, masked
+    assert "LMCache Configuration" in shown  # --verbose: LMCache's config dump is printed, masked
     assert TOKEN not in shown
     assert "kvpool://:***@" in shown

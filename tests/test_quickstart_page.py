@@ -64,10 +64,8 @@ SUBSTITUTIONS: tuple[tuple[str, str, str], ...] = (
         "{redis_dir}",
         "the directory of the redis_password_file= in the pool URL `kvpool up` printed",
     ),
-    ("--dram 4GiB", "--dram 64MiB", "`kvpool up`'s arena: 4 GiB takes 5 GiB of memory and 4-11 s to prefault"),
-    ("--dram 8GiB", "--dram 64MiB", "the second node's arena: 10 GiB of memory for eight 2 MiB chunks"),
+    ("--dram 256MiB", "--dram 64MiB", "the page's smallest for any model; the test's model has 2 MiB chunks"),
     ("--nvme-dir /mnt/nvme/kvpool", "--nvme-dir {tmp}/nvme", "the reader's NVMe disk; the test's is a tmp directory"),
-    ("--nvme 500GiB", "--nvme 1GiB", "more than the test's disk may have free (the node would warn at start)"),
 )
 
 START_TIMEOUT_S = 60.0  # `kvpool up` and the node: ready in a few seconds with 64 MiB arenas

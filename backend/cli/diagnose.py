@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from backend.doctor import render as render_findings
 from backend.doctor.selftest import DEFAULT_CHUNK_BYTES as SELFTEST_CHUNK_BYTES
 from backend.doctor.selftest import DEFAULT_CHUNKS as SELFTEST_CHUNKS
 from backend.errors import ConfigError, KVPoolError
+from backend.lmcache.logs import lmcache_logs
 
 
 def add_verbs(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -46,6 +49,9 @@ def add_verbs(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "shared memory, NVMe directory, advertised address (needs no LMCache)",
     )
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument(
+        "--verbose", action="store_true", help="with --lmcache-config: show LMCache's own log (only its errors without)"
+    )
     doctor.add_argument("--redis", metavar="URL", help="with --node: " + REDIS_HELP)
     add_node_options(doctor, "node")
 
@@ -68,7 +74,7 @@ def add_verbs(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def cmd_doctor(args: argparse.Namespace) -> int:
     with _client_warnings_quiet():
         if args.lmcache_config is not None:
-            findings = _lmcache_doctor(args.lmcache_config)
+            findings = _lmcache_doctor(args.lmcache_config, verbose=args.verbose)
         elif args.node:
             findings = asyncio.run(check_node_host(node_settings(args, "node")))
         else:
@@ -94,24 +100,30 @@ def _client_warnings_quiet() -> Iterator[None]:
         client.setLevel(before)
 
 
-def _lmcache_doctor(config_file: Path) -> list[Finding]:
-    try:
-        from backend.lmcache.doctor import diagnose
-    except ImportError as exc:  # a pool node's install: no LMCache, no torch
-        raise KVPoolError(
-            f"doctor --lmcache-config runs LMCache's own loader, which is not installed here ({exc}): run it "
-            "in the engine's Python, where the kvpool[lmcache] extra is (`pip install -e '.[lmcache]'` from the "
-            "kvpool checkout); check the pool with `kvpool doctor --url URL`, a node's host with "
-            "`kvpool doctor --node`"
-        ) from None
-    return diagnose(config_file)
+def _lmcache_doctor(config_file: Path, *, verbose: bool) -> list[Finding]:
+    with lmcache_logs(verbose=verbose, plain=not sys.stderr.isatty()):
+        try:
+            from backend.lmcache.doctor import diagnose
+        except ImportError as exc:  # a pool node's install: no LMCache, no torch
+            raise _no_lmcache(exc) from None
+        return diagnose(config_file)
+
+
+def _no_lmcache(exc: ImportError) -> KVPoolError:
+    return KVPoolError(
+        f"doctor --lmcache-config runs LMCache's own loader, which is not installed here ({exc}): run it "
+        "in the engine's Python, where the kvpool[lmcache] extra is (`pip install -e '.[lmcache]'` from the "
+        "kvpool checkout); check the pool with `kvpool doctor --url URL`, a node's host with "
+        "`kvpool doctor --node`"
+    )
 
 
 def _print_findings(findings: list[Finding], as_json: bool) -> None:
     if as_json:
         print_json([f.to_json() for f in findings])
     else:
-        print("\n".join(render_findings(findings)))
+        terminal = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        print("\n".join(render_findings(findings, colour=terminal)))
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from backend.cli.options import add_node_options, node_settings
 from backend.cli.output import progress_bar
 from backend.config import REDIS_HELP, NodeConfig, format_size, pool_config_of_redis
 from backend.embedded import EmbeddedRedis, remove_orphaned_dirs
-from backend.errors import MetadataError
+from backend.errors import ConfigError, MetadataError
 from backend.lmcache.config import lmcache_config, render_yaml
 from backend.node.server import PoolNode
 from backend.redis_topology import mask_url
@@ -28,6 +28,10 @@ logger = logging.getLogger("kvpool")
 # `kvpool up`'s private Redis: its password, when the node was given none, is made here (docs/configuration.md).
 GENERATED_PASSWORD_BYTES = 32
 GENERATED_PASSWORD_FILE = "redis-password"
+# `kvpool up --events`: the pool token made beside that password, and the node's event ring (docs/fleet.md).
+GENERATED_TOKEN_BYTES = 32
+GENERATED_TOKEN_FILE = "token"
+UP_EVENT_RING_KEYS = 100_000  # an endpoint polling every second keeps up with ~100k puts a second
 
 RECOVERY_BAR_STEPS = 1000  # the recovery bar moves by tenths of a percent of the shard directories
 RECOVERY_BAR_S = 0.2  # how often it is redrawn
@@ -36,6 +40,13 @@ RECOVERY_BAR_S = 0.2  # how often it is redrawn
 def add_verbs(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up = verbs.add_parser("up", help="run a pool in the foreground: a private redis-server plus one node")
     up.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a private one")
+    up.add_argument(
+        "--events",
+        action="store_true",
+        help="a pool `kvpool events` can serve: a pool token made for this run in a mode-0600 file beside the "
+        f"Redis password's (the printed URL names it), and the node's event ring (--event-ring-keys "
+        f"{UP_EVENT_RING_KEYS} unless given)",
+    )
     add_node_options(up, "up")
 
     node = verbs.add_parser("node", help="run a node that joins an existing pool")
@@ -149,12 +160,13 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
-def _private_redis(settings: dict[str, Any]) -> tuple[EmbeddedRedis, NodeConfig]:
+def _private_redis(settings: dict[str, Any], *, events: bool) -> tuple[EmbeddedRedis, NodeConfig]:
     """``kvpool up``'s own redis-server, started behind a password, and the config of the node that uses it.
 
     The password is the node's (``--redis-password-file`` or ``KVPOOL_REDIS_PASSWORD``), else a
     new one, kept in a mode-0600 file of the server's private directory: the index is never
-    open to whoever reaches the port, token or not. The server dies with this process
+    open to whoever reaches the port, token or not. With ``events`` and no token given, a pool
+    token is made the same way, beside it. The server dies with this process
     (``die_with_parent``; started here, from the main thread, which lives as long as it).
     """
     for path in remove_orphaned_dirs():
@@ -165,6 +177,10 @@ def _private_redis(settings: dict[str, Any]) -> tuple[EmbeddedRedis, NodeConfig]
         if settings["redis_password_file"] is None and not settings["redis_password"]:
             secret = secrets.token_urlsafe(GENERATED_PASSWORD_BYTES)
             settings["redis_password_file"] = redis.write_secret(GENERATED_PASSWORD_FILE, secret)
+        if events and not _has_token(settings):
+            settings["token_file"] = redis.write_secret(
+                GENERATED_TOKEN_FILE, secrets.token_urlsafe(GENERATED_TOKEN_BYTES)
+            )
         config = NodeConfig.from_options(settings)  # reads the password file
         redis.start(password=config.redis_password)
     except BaseException:
@@ -207,9 +223,43 @@ async def _serve_with_redis(node: PoolNode, redis: EmbeddedRedis) -> None:
         )
 
 
+def _has_token(settings: dict[str, Any]) -> bool:
+    return bool(settings["token_file"] or settings["token"])
+
+
+def _events_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """``kvpool up --events``'s node settings: the event ring on; with ``--redis``, the token must be given."""
+    if settings["redis"] and not _has_token(settings):
+        raise ConfigError(
+            "--events",
+            "with --redis, give the pool token as well (--token-file PATH, mode 0600, or KVPOOL_TOKEN): kvpool up "
+            "makes a token file only beside the password of the Redis it starts",
+        )
+    return {**settings, "event_ring_keys": settings["event_ring_keys"] or UP_EVENT_RING_KEYS}
+
+
+def _events_note(config: NodeConfig, url: str, *, generated: bool) -> str:
+    """What `kvpool up --events` says: where the token is (never what it is) and the command that serves events."""
+    whose = "a pool token generated for this run" if generated else "the pool token given"
+    where = (
+        f"in {config.token_file} (mode 0600; the pool URL names it, token_file=)"
+        if config.token_file
+        else ("from KVPOOL_TOKEN")
+    )
+    return (
+        f"Events: the node keeps its last {config.event_ring_keys} stores and removals (--event-ring-keys); "
+        f"clients and subscribers need {whose}, {where}. Serve them to routers with:\n"
+        f"  kvpool events --url '{url}' --model MODEL"
+    )
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     settings = node_settings(args)
-    redis, config = (None, NodeConfig.from_options(settings)) if settings["redis"] else _private_redis(settings)
+    if args.events:
+        settings = _events_settings(settings)
+    redis, config = (
+        (None, NodeConfig.from_options(settings)) if settings["redis"] else _private_redis(settings, events=args.events)
+    )
     try:
 
         async def run() -> None:
@@ -230,6 +280,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             if redis is not None:
                 generated = settings["redis_password_file"] is None and bool(config.redis_password_file)
                 print(f"{_password_note(config, generated=generated)}\n")
+            if args.events:
+                generated = not _has_token(node_settings(args))
+                print(f"{_events_note(config, url, generated=generated)}\n")
             if apart:
                 print(f"Engines also need, in their environment: {', '.join(apart)}.\n")
             print("LMCache config (LMCACHE_CONFIG_FILE):\n")

@@ -137,11 +137,20 @@ class Finding:
         }
 
 
-def render(findings: list[Finding]) -> list[str]:
-    """The findings as ``kvpool doctor`` and ``kvpool selftest`` print them, one or more lines each."""
+# The state's tag in a terminal: ANSI colours; a file or a pipe gets the plain tag.
+STATE_COLOURS = {State.OK: "\x1b[32m", State.WARN: "\x1b[33m", State.FAIL: "\x1b[1;31m", State.SKIP: "\x1b[2m"}
+COLOUR_RESET = "\x1b[0m"
+
+
+def render(findings: list[Finding], *, colour: bool = False) -> list[str]:
+    """The findings as ``kvpool doctor`` and ``kvpool selftest`` print them, one or more lines each; ``colour``
+    colours each state's tag (for a terminal)."""
     lines = []
     for f in findings:
-        lines.append(f"[{f.state.value:<4}] {f.check}: {f.detail}")
+        tag = f"[{f.state.value:<4}]"
+        if colour:
+            tag = f"{STATE_COLOURS[f.state]}{tag}{COLOUR_RESET}"
+        lines.append(f"{tag} {f.check}: {f.detail}")
         if f.cause is not None and f.state in (State.FAIL, State.WARN):
             lines.append(f"       cause: {f.cause.title} ({TROUBLESHOOTING}#{f.cause.slug})")
         if f.fix and f.state in (State.FAIL, State.WARN):

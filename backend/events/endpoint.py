@@ -163,7 +163,12 @@ class EventsEndpoint:
         ``next_token``: during a rotation of the subscribers' token (the pool's, or with ``config.tenant`` the
         tenant's), the next one, whose holders subscribe on ``config.publish_next``."""
         if not pool.token:
-            raise ConfigError("token", "the events endpoint needs the pool token: events say what the pool holds")
+            raise ConfigError(
+                "token",
+                "the events endpoint needs the pool token: events say what the pool holds. Add token_file=PATH to "
+                "the URL (or set KVPOOL_TOKEN), with nodes started with --token-file PATH and --event-ring-keys N; "
+                "`kvpool up --events` makes such a pool and prints its URL",
+            )
         if bool(config.tenant) != bool(tenant_token):
             raise ConfigError(
                 "--tenant-token-file",

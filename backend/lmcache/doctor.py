@@ -6,21 +6,23 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import math
 import os
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import torch
 from lmcache.v1.memory_management import MemoryFormat
 
 from backend.client import PoolClient
-from backend.config import PoolConfig, mask_secrets, without_inline_secrets
+from backend.config import PoolConfig, format_size, mask_secrets, without_inline_secrets
 from backend.doctor import Finding, check_pool
 from backend.doctor.findings import PLUGIN_NOT_LOADED, State
+from backend.doctor.memory import check_cache_size, memory_limit
 from backend.errors import ConfigError
 from backend.lmcache.config import (
     ADAPTER_CLASS,
@@ -43,6 +45,11 @@ CONNECTOR_MODULES = (ADAPTER_MODULE, *KEPT_ADAPTER_MODULES)
 
 DOCTOR_MODEL = "kvpool-doctor/probe"
 DOCTOR_TIMEOUT_S = 30.0
+# The probe's KV shape per token: (K and V, layers, heads, head size) of bfloat16, 512 bytes a token.
+PROBE_KV_LAYERS, PROBE_KV_HEADS, PROBE_HEAD_SIZE = 2, 1, 64
+PROBE_CHUNKS = 4  # the CPU buffer LMCache is built with holds this many probe chunks, and no less than:
+PROBE_MIN_CPU_BYTES = 16 * 2**20
+GIB = 2**30
 MIN_MASKED = 4  # a shorter secret is not searched for in text (it would mask ordinary words); URLs are masked anyway
 
 
@@ -51,10 +58,14 @@ def diagnose(config_path: Path) -> list[Finding]:
 
     Loads the file with LMCache's loader (``LMCACHE_*`` variables included, as an engine
     would), checks whichever form enables kvpool (the plugin entry or ``remote_url``),
-    builds LMCache's storage backends from it (so a connector that fails to load shows
-    here, not as silent misses), checks Redis and the nodes, and makes one put/get round
-    trip through LMCache's RemoteBackend. The pool's checks are ``backend.doctor.check_pool``'s,
-    so a failure names its cause (docs/troubleshooting.md).
+    checks its CPU cache size against this host's (or container's) memory, builds
+    LMCache's storage backends from it (so a connector that fails to load shows here, not
+    as silent misses), checks Redis and the nodes, and makes one put/get round trip
+    through LMCache's RemoteBackend. The backends are built from the same file loaded
+    again with its memory settings overridden (:func:`probe_overrides`): the probe moves
+    one small chunk, and an engine's gigabytes of cache would only make doctor slow and
+    big enough to be killed where the engine itself fits. The pool's checks are
+    ``backend.doctor.check_pool``'s, so a failure names its cause (docs/troubleshooting.md).
     """
     known: list[str] = []  # the pool's secrets, once its config is read
     with _secrets_masked(known):
@@ -110,15 +121,24 @@ def _diagnose(config_path: Path, known: list[str]) -> list[Finding]:
         add(False, "LMCache config", f"{config_path} does not load: {exc}", "fix the YAML (see docs/quickstart.md)")
         return findings
     add(True, "LMCache config", f"{config_path} loads")
+    if float(config.max_local_cpu_size) > 0:
+        configured = int(float(config.max_local_cpu_size) * GIB)
+        findings.append(check_cache_size("LMCache memory", "max_local_cpu_size", configured, memory_limit()))
     plugins = [str(p) for p in (config.remote_storage_plugins or [])]
     names = [p for p in plugins if p.split(".", 1)[0] == PLUGIN_NAME]
     remote_url = str(config.remote_url or "")
     if names:
-        pool_config = _check_plugin_form(config, names[0], add)
+        pool_config, loads = _check_plugin_form(config, names[0], add)
         backend_name, label = f"RemoteBackend-{names[0]}", "plugin loaded"
+        url_key = url_config_key(names[0])
+        url_text = str((config.extra_config or {}).get(url_key) or os.environ.get("KVPOOL_URL", ""))
+        pool_override: dict[str, Any] = {
+            "extra_config": {**(config.extra_config or {}), url_key: _without_shm(url_text)}
+        }
     elif remote_url:
-        pool_config = _check_remote_url_form(remote_url, add)
+        pool_config, loads = _check_remote_url_form(remote_url, add), True
         backend_name, label = "RemoteBackend", "connector loaded"
+        pool_override = {"remote_url": _without_shm(remote_url)}
     else:
         add(
             False,
@@ -142,32 +162,64 @@ def _diagnose(config_path: Path, known: list[str]) -> list[Finding]:
 
     pool = [masked(f) for f in asyncio.run(probe_pool())]
     findings += pool
-    if all(f.ok for f in pool):
-        _round_trip(config, backend_name, label, add)
+    if not loads:  # a consequence of the failure above, not a second cause
+        findings.append(Finding.skipped("round trip", "not run: LMCache cannot load the plugin (above)"))
+    elif all(f.ok for f in pool):
+        overrides = {**probe_overrides(int(config.chunk_size)), **pool_override}
+        probe_config = load_engine_config_with_overrides(config_file_path=str(config_path), overrides=overrides)
+        _round_trip(probe_config, backend_name, label, add)
     return findings
 
 
-def _check_plugin_form(config: Any, plugin: str, add: Any) -> PoolConfig | None:
-    """The plugin entry's module, class and pool URL; None when the URL is unusable."""
+def _without_shm(url: str) -> str:
+    """``url`` with ``shm=false``: the probe's client neither maps a same-host node's arena (its whole DRAM
+    tier, counted in the probe's resident memory) nor makes a put stage, and goes over TCP."""
+    parts = urlsplit(url.strip())
+    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "shm"]
+    return urlunsplit(parts._replace(query=urlencode([*query, ("shm", "false")], safe="/:,")))
+
+
+def probe_chunk_shape(chunk_tokens: int) -> tuple[int, int, int, int]:
+    """The probe chunk's KV_2LTD shape: K and V, layers, tokens, hidden size."""
+    return (2, PROBE_KV_LAYERS, chunk_tokens, PROBE_KV_HEADS * PROBE_HEAD_SIZE)
+
+
+def probe_overrides(chunk_tokens: int) -> dict[str, Any]:
+    """The memory settings the probe's LMCache is built with, whatever the config asks for: a CPU buffer of
+    a few probe chunks, no reserve (which would shrink it to nothing on a small host), no huge pages."""
+    chunk_bytes = 2 * math.prod(probe_chunk_shape(chunk_tokens))  # bfloat16
+    cpu_bytes = max(PROBE_MIN_CPU_BYTES, PROBE_CHUNKS * chunk_bytes)
+    return {
+        "max_local_cpu_size": cpu_bytes / GIB,
+        "reserve_local_cpu_size": 0.0,
+        "local_cpu_use_hugepages": False,
+        "enable_lazy_memory_allocator": False,
+    }
+
+
+def _check_plugin_form(config: Any, plugin: str, add: Any) -> tuple[PoolConfig | None, bool]:
+    """The plugin entry's module, class and pool URL: (the pool, or None when the URL is unusable; whether
+    LMCache can load the plugin). A class or module that does not load is one failure, whose fix names the
+    key to correct; a consequence of it (LMCache building no kvpool backend) is not a second."""
     extra = config.extra_config or {}
     module_path = extra.get(f"remote_storage_plugin.{plugin}.module_path")
     class_name = extra.get(f"remote_storage_plugin.{plugin}.class_name")
-    add(
-        *_plugin_import(plugin, module_path, class_name),
-        f"set extra_config['remote_storage_plugin.{plugin}.module_path'] = {ADAPTER_MODULE!r} and "
-        f"['remote_storage_plugin.{plugin}.class_name'] = {ADAPTER_CLASS!r}, in the engine's Python "
-        "environment kvpool installed (`python -c 'import kvpool.lmcache_connector'` there must work)",
-        PLUGIN_NOT_LOADED,
-    )
-    for suffix, allowed in (("module_path", CONNECTOR_MODULES), ("class_name", (ADAPTER_CLASS,))):
-        key = f"remote_storage_plugin.{plugin}.{suffix}"
-        add(
-            extra.get(key) in allowed,
-            key,
-            f"is {extra.get(key)!r}",
-            f"set extra_config['{key}'] = {allowed[0]!r}",
-            PLUGIN_NOT_LOADED,
+    wrong = [
+        (key, allowed[0])
+        for suffix, allowed in (("module_path", CONNECTOR_MODULES), ("class_name", (ADAPTER_CLASS,)))
+        if extra.get(key := f"remote_storage_plugin.{plugin}.{suffix}") not in allowed
+    ]
+    loads, check, detail = _plugin_import(plugin, module_path, class_name)
+    if loads:
+        add(True, check, detail)
+        for key, right in wrong:  # it loads, from a path kvpool does not promise to keep
+            add(False, key, f"is {extra.get(key)!r}", f"set extra_config['{key}'] = {right!r}", PLUGIN_NOT_LOADED)
+    else:
+        fix = " and ".join(f"set extra_config['{key}'] = {right!r}" for key, right in wrong) or (
+            "install kvpool in the engine's Python environment (`pip install -e '.[lmcache]'` from the kvpool "
+            "checkout): `python -c 'import kvpool.lmcache_connector'` there must work"
         )
+        add(False, check, detail, fix, PLUGIN_NOT_LOADED)
     if config.remote_url:
         add(
             False,
@@ -182,9 +234,9 @@ def _check_plugin_form(config: Any, plugin: str, add: Any) -> PoolConfig | None:
         )
     except ConfigError as exc:
         add(False, "pool URL", str(exc), f"set extra_config['{url_config_key(plugin)}'] = kvpool://HOST:PORT/NAMESPACE")
-        return None
+        return None, loads
     add(True, "pool URL", pool_config.to_url(with_token=False))
-    return pool_config
+    return pool_config, loads
 
 
 def _check_remote_url_form(remote_url: str, add: Any) -> PoolConfig | None:
@@ -242,7 +294,7 @@ def _round_trip(config: Any, backend_name: str, label: str, add: Any) -> None:
         worker_id=0,
         local_worker_id=0,
         kv_dtype=torch.bfloat16,
-        kv_shape=(2, 2, chunk, 1, 64),
+        kv_shape=(2, PROBE_KV_LAYERS, chunk, PROBE_KV_HEADS, PROBE_HEAD_SIZE),
     )
     loop = LoopThread("kvpool-doctor")
     backends: dict[str, Any] = {}
@@ -254,18 +306,19 @@ def _round_trip(config: Any, backend_name: str, label: str, add: Any) -> None:
             label,
             f"LMCache built {backend_name}"
             if remote is not None and remote.connection is not None
-            else "LMCache has no working kvpool backend (LMCache hides why: see its log above)",
+            else "LMCache has no working kvpool backend (LMCache hides why: `kvpool doctor --verbose` shows its log)",
             "check that kvpool is installed in the engine's Python environment "
             "(`pip install -e '.[lmcache]'` from the kvpool checkout)",
             PLUGIN_NOT_LOADED,
         ):
             return
         local = backends["LocalCPUBackend"]
-        shape = torch.Size([2, 2, chunk, 64])
+        shape = torch.Size(probe_chunk_shape(chunk))
         obj = local.allocate(shape, torch.bfloat16, MemoryFormat.KV_2LTD)
         if obj is None:
             add(False, "round trip", "LMCache could not allocate a probe chunk", "raise max_local_cpu_size")
             return
+        built = getattr(local.memory_allocator, "size", None)  # MixedMemoryAllocator's, the one a CPU engine gets
         obj.tensor.copy_(torch.randn(shape).to(torch.bfloat16))
         expected = obj.tensor.clone()
         key = CacheEngineKey(DOCTOR_MODEL, 1, 0, int(time.time() * 1000), torch.bfloat16)
@@ -283,7 +336,8 @@ def _round_trip(config: Any, backend_name: str, label: str, add: Any) -> None:
         add(
             same,
             "round trip",
-            "put and get through LMCache's RemoteBackend, byte-identical"
+            "put and get through LMCache's RemoteBackend, byte-identical "
+            f"(LMCache built with a CPU buffer of {format_size(built) if built else 'unknown size'} for the probe)"
             if same
             else "the probe chunk came back different or not at all",
             "run `kvpool check --deep`",

@@ -13,6 +13,9 @@ event loop never waits on a disk.
   ``DISK_RESUME_MARGIN_BYTES``), so a disk that frees one chunk's worth does not
   flap between full and not.
 * A file whose checksum fails is moved to ``quarantine/`` and reads as a miss.
+* The capacity it advertises is never more than the disk can hold for it
+  (:attr:`NvmeTier.advertised_bytes`): a size larger than the disk is said at start and
+  capped, so placement does not send such a node every put.
 
 A file leaving the index is reported through ``on_gone(key)``: the tier manager
 decides whether the key left the node (nothing in DRAM) and the index must hear of it.
@@ -52,6 +55,7 @@ HEADER_ALLOWANCE_BYTES = 4096  # room reserved on disk for a file's header
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 DISK_RECHECK_S = 2.0  # how often a full disk is looked at again
 DISK_RESUME_MARGIN_BYTES = 1024 * 1024  # free space past one chunk before demotion resumes
+DISK_ROOM_TTL_S = 1.0  # how long the disk's free space, read for the advertised capacity, is reused
 QUARANTINE_DIR = "quarantine"
 
 
@@ -93,6 +97,8 @@ class NvmeTier:
         self._disk_full_since = 0.0
         self._disk_recheck: asyncio.Task[None] | None = None
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvpool-nvme")
+        self._disk_free_bytes = 0
+        self._disk_free_at = -DISK_ROOM_TTL_S
 
     async def close(self) -> None:
         if self._disk_recheck is not None:
@@ -101,20 +107,40 @@ class NvmeTier:
         self._io.shutdown(wait=True, cancel_futures=True)
 
     # -- the index --------------------------------------------------------------------
+    @property
+    def advertised_bytes(self) -> int:
+        """The capacity this tier reports, and placement weighs: its size (``--nvme``), but never more than the
+        disk can hold for it, its files plus the disk's free space (read at most every DISK_ROOM_TTL_S).
+
+        A size larger than the disk would otherwise make placement, which weighs nodes by
+        free capacity, send this node nearly every put. Nodes whose tiers share a disk each
+        count its whole free space: together they advertise more than it holds, and the
+        first to fill it stops at a full disk (a disk-full episode) as one node alone would.
+        """
+        now = time.monotonic()
+        if now - self._disk_free_at >= DISK_ROOM_TTL_S:
+            with contextlib.suppress(OSError):  # unreadable: the last value read stands
+                self._disk_free_bytes = _disk_usage(self.root).free
+            self._disk_free_at = now
+        return min(self.capacity_bytes, self._disk_free_bytes + self.used_bytes)
+
     def warn_if_larger_than_disk(self) -> None:
-        """Say at start when the configured size is more than the disk can give (free space plus
-        this tier's files): the tier works, but fills the disk before it reaches its size."""
-        disk = shutil.disk_usage(self.root)
+        """Say when the configured size is more than the disk can give (free space plus this tier's files): the
+        tier advertises only what the disk can give (:attr:`advertised_bytes`). At start, before recovery has
+        found the tier's files, and again once it has."""
+        disk = _disk_usage(self.root)
         room = disk.free + self.used_bytes
         if self.capacity_bytes > room:
             logger.warning(
                 "nvme: --nvme %s is more than the disk holding %s can give (%s free, %s total, %s of it "
-                "this tier's files); the tier will stop at a full disk, not at its size",
+                "this tier's files); the node advertises %s, the free space plus its files, so placement "
+                "does not send it puts the disk cannot hold (nodes sharing a disk each count its free space)",
                 format_size(self.capacity_bytes),
                 self.root,
                 format_size(disk.free),
                 format_size(disk.total),
                 format_size(self.used_bytes),
+                format_size(room),
             )
 
     @property
@@ -204,7 +230,7 @@ class NvmeTier:
 
     def report(self) -> TierReport:
         return TierReport(
-            capacity_bytes=self.capacity_bytes,
+            capacity_bytes=self.advertised_bytes,
             used_bytes=self.used_bytes,
             objects=self._count,
             disk_full=self.disk_full,
@@ -327,6 +353,12 @@ class NvmeTier:
             time.monotonic() - self._disk_full_since,
         )
         self._on_room()
+
+
+def _disk_usage(root: Path) -> Any:
+    """``shutil.disk_usage`` of the disk that holds (or will hold, before recovery made it) ``root``."""
+    existing = next((p for p in (root, *root.parents) if p.exists()), root)
+    return shutil.disk_usage(existing)
 
 
 def _resume_bytes(need: int) -> int:

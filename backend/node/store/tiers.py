@@ -112,6 +112,7 @@ class TierManager:
                 on_room=self._wake_demoter,
                 order=order_named(config.eviction),
             )
+            self._nvme.warn_if_larger_than_disk()  # at start: what it advertises is capped from now on
         self._leases = LeaseTable(on_pin=table.repin, on_unpinned=self._wake_demoter)
         self._demoter = Demoter(
             self._dram,
@@ -181,7 +182,8 @@ class TierManager:
 
     @property
     def capacity_bytes(self) -> int:
-        return self._dram.capacity_bytes + (self._nvme.capacity_bytes if self._nvme else 0)
+        """What the node advertises: its DRAM and what its disk can hold of its NVMe size (``NvmeTier.advertised_bytes``)."""
+        return self._dram.capacity_bytes + (self._nvme.advertised_bytes if self._nvme else 0)
 
     @property
     def dram_capacity_bytes(self) -> int:
