@@ -14,6 +14,8 @@ import dataclasses
 import os
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -30,7 +32,10 @@ from tests.support.waits import wait_until
 PASSWORD = "start-order-password-0123456789"
 TOKEN = "start-order-token-0123456789abcdef"
 WRONG = "guess-0123456789"
-LIMIT_S = 2.0  # what a wrong setup may cost: the process's own start, Redis's answer, the exit (issue #35)
+# What a wrong setup may cost beyond the command's own start (the interpreter and kvpool's imports,
+# measured in the same test, since a loaded machine stretches it): Redis's answer and the exit. A
+# node that prefaulted its 2 GiB before checking would take seconds more (fresh pages ~0.4 GB/s).
+LIMIT_S = 1.5
 SHM_ROOT = Path("/dev/shm")
 
 
@@ -75,12 +80,21 @@ def _node(redis_url: str, namespace: str, places: Places, *extra: str, dram: str
     return NodeProcess(args)
 
 
+def _command_start_s() -> float:
+    """Seconds ``kvpool node --help`` takes: the command's own start, with every import a node's start makes."""
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-m", "backend.cli", "node", "--help"], capture_output=True, check=True)
+    return time.monotonic() - started
+
+
 def _failed_start(node: NodeProcess, timeout_s: float = 30.0) -> tuple[int, float, str]:
-    """Start ``node`` and wait for it to exit: its exit code, the seconds from spawn to exit, its last line."""
+    """Start ``node`` and wait for it to exit: its exit code, the seconds from spawn to exit beyond the
+    command's own start (``_command_start_s``, measured just before), its last line."""
+    own_start_s = _command_start_s()
     started = time.monotonic()
     node.spawn()
     code = node.wait_exit(timeout_s)
-    return code, time.monotonic() - started, node.lines[-1].strip() if node.lines else ""
+    return code, time.monotonic() - started - own_start_s, node.lines[-1].strip() if node.lines else ""
 
 
 def _password_file(tmp_path: Path, given: str) -> list[str]:
@@ -89,7 +103,7 @@ def _password_file(tmp_path: Path, given: str) -> list[str]:
 
 # -- Redis ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("given", ["wrong", "none"])
-def test_a_node_refused_by_redis_exits_within_2_s_naming_the_password_and_leaves_nothing(
+def test_a_node_refused_by_redis_exits_at_once_naming_the_password_and_leaves_nothing(
     locked_redis, places, namespace, tmp_path, given
 ):
     node = _node(locked_redis.url, namespace, places, *_password_file(tmp_path, given))
@@ -108,7 +122,7 @@ def test_a_node_refused_by_redis_exits_within_2_s_naming_the_password_and_leaves
 
 
 @pytest.mark.usefixtures("processes")
-def test_a_node_whose_redis_is_unreachable_exits_within_2_s_naming_the_address(places, namespace):
+def test_a_node_whose_redis_is_unreachable_exits_at_once_naming_the_address(places, namespace):
     url = f"redis://127.0.0.1:{free_port()}/0"
     node = _node(url, namespace, places)
     code, seconds, last = _failed_start(node)
