@@ -192,3 +192,10 @@ def test_core_install_in_a_fresh_venv_runs_a_node_without_torch_or_lmcache(redis
         assert str(venv) in where.stdout  # the installed package ran, not this checkout
     finally:
         node.kill()
+
+
+def test_the_launcher_and_the_bench_start_children_in_the_repository_root() -> None:
+    from backend.launch.processes import REPO as LAUNCH_REPO
+    from bench.paths import REPO as BENCH_REPO
+
+    assert LAUNCH_REPO == BENCH_REPO and (LAUNCH_REPO / "pyproject.toml").is_file()

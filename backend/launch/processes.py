@@ -22,7 +22,7 @@ from types import FrameType
 
 __all__ = ["Interrupts", "ServerProcess", "START_TIMEOUT_S", "STOP_TIMEOUT_S", "interrupts_held"]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 
