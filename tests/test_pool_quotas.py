@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from backend import admin
-from backend.errors import CapacityError
+from backend.errors import CapacityError, NodeUnavailable
 from backend.metadata import POOL_SCOPE
 from backend.node.store.quotas import pool_share
 from backend.protocol.reports import TenantReport
@@ -35,7 +35,11 @@ async def _reports(client: PoolClient, tenant: str) -> dict[str, TenantReport]:
     """Each live node's STAT line for ``tenant`` (a node holding nothing of it and knowing no quota: none)."""
     reports = {}
     for node in await client.nodes(refresh=True):
-        report = (await client.node_admin.stats(node)).tenants.get(tenant)
+        try:
+            stats = await client.node_admin.stats(node)
+        except NodeUnavailable:  # killed, and still listed until its heartbeat expires
+            continue
+        report = stats.tenants.get(tenant)
         reports[node.node_id] = report if report is not None else TenantReport(0, -1, 0, 0, 0)
     return reports
 

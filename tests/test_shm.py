@@ -398,7 +398,8 @@ def test_a_mapped_copy_failing_its_checksum_is_reread_over_tcp_and_the_copy_kept
 def test_a_node_whose_lease_table_is_full_still_serves_the_read_over_tcp(node_factory, pool_url):
     node_factory(shm=True)
     (chunk,) = _chunks("full", 1, 64 * 1024, seed=7)
-    with SyncPoolClient(PoolConfig.from_url(pool_url)) as client:
+    # 1,024 leases in flight at once on one connection: a loaded machine may leave it silent past 2 s
+    with SyncPoolClient(PoolConfig.from_url(pool_url + "?progress_timeout_s=20")) as client:
         client.put([chunk])
         node = _node_info(client)
 

@@ -277,7 +277,8 @@ def _seconds_until_closed(sock: socket.socket, opened_at: float, wait_s: float) 
 def test_connections_that_stop_before_or_inside_tls_are_closed_at_the_handshake_deadline(
     secure_node, secure_redis, pki, namespace
 ):
-    node = secure_node("--handshake-timeout-s", "1")
+    # 3 s, not 1: the real client's own TLS handshake and HELLO below must fit in it on a loaded machine
+    node = secure_node("--handshake-timeout-s", "3")
     opened_at = time.monotonic()
     silent = socket.create_connection(("localhost", node.port))
     record_byte = socket.create_connection(("localhost", node.port))
@@ -287,8 +288,8 @@ def test_connections_that_stop_before_or_inside_tls_are_closed_at_the_handshake_
     )  # TLS done, then no HELLO
     try:
         for name, sock in (("silent", silent), ("one TLS byte", record_byte), ("TLS, no frame", tls_only)):
-            closed_s = _seconds_until_closed(sock, opened_at, 4.0)
-            assert closed_s is not None and closed_s >= 0.8, f"{name}: closed after {closed_s} s, deadline 1 s"
+            closed_s = _seconds_until_closed(sock, opened_at, 10.0)
+            assert closed_s is not None and closed_s >= 2.8, f"{name}: closed after {closed_s} s, deadline 3 s"
     finally:
         for sock in (silent, record_byte, tls_only):
             sock.close()
