@@ -5,8 +5,8 @@ LMCache configs name (:mod:`kvpool.lmcache_connector`, :mod:`kvpool.lmcache_l2_a
 They keep their meaning across minor releases (docs/api.md). The implementation lives in
 ``backend``; its modules may change in any release.
 
-The client and the config are imported on first use: both need redis-py, and the errors
-must import on a GPU machine that has none.
+The client, the config and the events keys are imported on first use: they need redis-py
+(the keys pyzmq), and the errors must import on a GPU machine that has neither.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from backend.version import __version__
 if TYPE_CHECKING:
     from backend.client import Chunk, Fetched, Lock, PoolClient, SyncPoolClient
     from backend.config import PoolConfig
+    from backend.events.auth import CurveKeys, curve_keys
 
 __all__ = [
     "__version__",
@@ -52,6 +53,8 @@ __all__ = [
     "BusyError",
     "IntegrityError",
     "NcclError",
+    "CurveKeys",
+    "curve_keys",
 ]
 
 # public name -> the module that defines it, imported when the name is first used
@@ -62,6 +65,9 @@ LAZY = {
     "Fetched": "backend.client",
     "Lock": "backend.client",
     "PoolConfig": "backend.config",
+    # what a subscriber of `kvpool events` needs for its CURVE handshake (needs pyzmq: the [events] extra)
+    "CurveKeys": "backend.events.auth",
+    "curve_keys": "backend.events.auth",
 }
 
 

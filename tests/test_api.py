@@ -18,8 +18,10 @@ from tests.test_class_sizes import REPO
 
 def test_every_public_name_resolves_to_the_implementation_object() -> None:
     from backend import client, config, errors
+    from backend.events import auth
 
     homes = {"PoolConfig": config, **{n: client for n in ("PoolClient", "SyncPoolClient", "Chunk", "Fetched", "Lock")}}
+    homes |= {"CurveKeys": auth, "curve_keys": auth}
     for name in kvpool.__all__:
         if name == "__version__":
             assert kvpool.__version__ == backend.__version__

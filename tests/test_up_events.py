@@ -18,9 +18,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from backend.events import curve_keys
 from backend.events.keys import block_of
-from kvpool import Chunk, PoolConfig, SyncPoolClient
+from kvpool import Chunk, PoolConfig, SyncPoolClient, curve_keys
 from tests.conftest import REPO
 from tests.support import vllm_events
 from tests.support.up import UpProcess
