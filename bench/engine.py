@@ -7,7 +7,8 @@
 ``--form remote_url`` configures LMCache with ``remote_url`` instead of the plugin entry;
 ``--lmcache-config FILE`` takes the whole LMCache config from the file an engine would be
 given (``LMCACHE_CONFIG_FILE``, what ``kvpool lmcache-config`` writes), so a machine can
-check its engine's config before vLLM runs there.
+check its engine's config before vLLM runs there; its memory settings are cut to what this
+run's chunks need (``_held_memory``), so the check does not take an engine's CPU buffer.
 
 LMCache's side is built by LMCache's own code (``backend.lmcache.stack``). Prints one
 JSON line with what it saw; exits 1 if any byte read back differs.
@@ -28,6 +29,22 @@ from backend.lmcache.config import FORMS, PLUGIN_FORM
 from backend.lmcache.stack import LMCacheStack, kvpool_lmcache_config
 
 FIRST_HASH = 0x5EED
+GIB = 1024**3
+MIN_LOCAL_CPU_BYTES = 64 * 1024 * 1024  # LMCache's CPU buffer is never made smaller than this
+
+
+def _held_memory(config: dict, chunks: int, layers: int, heads: int, head_size: int) -> dict[str, object]:
+    """LMCache's memory settings for this run, whatever an engine's config file asks for (``kvpool
+    lmcache-config`` writes an engine's 5 GiB): a CPU buffer of twice the chunks it moves, no reserve, no
+    huge pages, so checking a config costs what the check needs and not what serving would."""
+    chunk_bytes = 2 * 2 * layers * int(config.get("chunk_size", 256)) * heads * head_size  # K and V, bfloat16
+    cpu_bytes = max(MIN_LOCAL_CPU_BYTES, 2 * chunks * chunk_bytes)
+    return {
+        "max_local_cpu_size": min(float(config.get("max_local_cpu_size", 5.0)), cpu_bytes / GIB),
+        "reserve_local_cpu_size": 0.0,
+        "local_cpu_use_hugepages": False,
+        "enable_lazy_memory_allocator": False,
+    }
 
 
 def run(
@@ -43,6 +60,7 @@ def run(
 ) -> dict:
     if lmcache_config is not None:
         config = yaml.safe_load(Path(lmcache_config).read_text())
+        config.update(_held_memory(config, chunks, layers, heads, head_size))
     else:
         config = kvpool_lmcache_config(url, form=form, local_cpu_gib=local_cpu_gib)
     stack = LMCacheStack(config, num_layers=layers, hidden=(heads, head_size))
