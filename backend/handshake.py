@@ -1,4 +1,4 @@
-"""The mutual handshake of a client and a node: each proves the pool token to the other (docs/protocol.md).
+"""The mutual handshake of a client and a node: each proves the pool token to the other (docs/protocol-connections.md).
 
 ::
 

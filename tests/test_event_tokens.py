@@ -1,4 +1,4 @@
-"""Token ids and parent hashes in the pool's KV events (docs/fleet.md, "Events for routers"), end to end.
+"""Token ids and parent hashes in the pool's KV events (docs/fleet-events.md, "Events for routers"), end to end.
 
 A real ``LMCacheEngine`` on CPU, built by ``LMCacheEngineBuilder`` as LMCache's vLLM integration
 builds it, stores prompts through its kvpool connector (``event_tokens=on``) into real node

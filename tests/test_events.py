@@ -1,4 +1,4 @@
-"""KV events for routers (docs/fleet.md, "Events for routers"): real node processes, a real redis-server,
+"""KV events for routers (docs/fleet-events.md, "Events for routers"): real node processes, a real redis-server,
 the endpoint on real ZMQ sockets, and a consumer written from vLLM's format (tests/support/vllm_events.py).
 
 The stream is checked against the pool itself: a mirror rebuilt from it holds exactly the blocks the
@@ -139,7 +139,7 @@ async def test_the_stream_rebuilds_the_pool_through_puts_evictions_deletes_and_a
                 0,
                 "full_attention",
             )
-            # No chain is claimed: a node sees only the chunks of a put it took (docs/fleet.md).
+            # No chain is claimed: a node sees only the chunks of a put it took (docs/fleet-events.md).
             assert all(len(e.block_hashes) == 1 and e.parent_block_hash is None for e in sub.mirror.stored_events)
 
             for first in range(100, 400, 10):  # far past the small node's DRAM: it evicts
@@ -281,7 +281,7 @@ async def test_a_stock_subscriber_reads_a_plain_endpoint_on_loopback_a_put_and_a
                 stored = {h: e for e in sub.mirror.stored_events for h in e.block_hashes}
                 for h in hashes:
                     event = stored[h]
-                    # A put without an LMCache engine in the process has no token ids to announce (docs/fleet.md).
+                    # A put without an LMCache engine in the process has no token ids to announce (docs/fleet-events.md).
                     assert (event.token_ids, event.block_size, event.medium) == ([], 256, "CPU")
 
                 await client.delete([put[0].key])
@@ -638,7 +638,7 @@ def test_each_form_writes_the_bytes_its_vllm_release_wrote_and_reads_them(form, 
 
 def test_every_form_has_its_releases_golden_bytes_and_is_named_in_the_docs():
     assert sorted(form for form, _ in RELEASES) == sorted(WIRE_FORMS)
-    docs = {name: (REPO / "docs" / name).read_text() for name in ("fleet.md", "versions.md")}
+    docs = {name: (REPO / "docs" / name).read_text() for name in ("fleet-events.md", "versions.md")}
     for form, release in RELEASES:
         assert (GOLDEN / release / "stored_removed_cleared.msgpack").is_file(), release
         for name, text in docs.items():

@@ -59,7 +59,7 @@ def test_a_put_carries_each_items_fingerprint_and_an_older_clients_put_reads_as_
         PutStaged.encode_request("s", "t" * 32, items, [0, 8, 16], options=PutOptions(3, 10))
     )
     assert staged[2] == items and staged[3] == [0, 8, 16]
-    # Bytes after the fingerprints are read as the put's token section (docs/protocol.md, "Put tokens"):
+    # Bytes after the fingerprints are read as the put's token section (docs/protocol-ops.md, "Put tokens"):
     # one that is not a section is refused naming its version, not skipped.
     with pytest.raises(ProtocolError, match="put tokens of version 0"):
         PutBatch.decode_request(PutBatch.encode_request(items, PutOptions(9, 50)) + b"\0" * 8, 24)

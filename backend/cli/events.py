@@ -1,4 +1,4 @@
-"""The ``events`` verb: run the pool's KV events endpoint for routers (docs/fleet.md, "Events for routers")."""
+"""The ``events`` verb: run the pool's KV events endpoint for routers (docs/fleet-events.md)."""
 
 from __future__ import annotations
 

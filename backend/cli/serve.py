@@ -28,7 +28,7 @@ logger = logging.getLogger("kvpool")
 # `kvpool up`'s private Redis: its password, when the node was given none, is made here (docs/configuration.md).
 GENERATED_PASSWORD_BYTES = 32
 GENERATED_PASSWORD_FILE = "redis-password"
-# `kvpool up --events`: the pool token made beside that password, and the node's event ring (docs/fleet.md).
+# `kvpool up --events`: the pool token made beside that password, and the node's event ring (docs/fleet-events.md).
 GENERATED_TOKEN_BYTES = 32
 GENERATED_TOKEN_FILE = "token"
 UP_EVENT_RING_KEYS = 100_000  # an endpoint polling every second keeps up with ~100k puts a second

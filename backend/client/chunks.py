@@ -52,7 +52,7 @@ class Chunk:
     shape: tuple[int, ...] = ()
     fmt: int = 0
     fingerprint: int = NO_FINGERPRINT
-    # The chunk's token ids and parent hash, for the nodes' event rings (docs/fleet.md); None: none.
+    # The chunk's token ids and parent hash, for the nodes' event rings (docs/fleet-events.md); None: none.
     tokens: ChunkTokens | None = None
 
     def layout(self) -> ItemMeta:

@@ -58,7 +58,7 @@ MAX_PENDING_CONNECTIONS = 1_000_000
 # Pin deadlines (docs/fleet.md): Mooncake's soft pins' default and cap (its master's 30 min and 24 h).
 DEFAULT_PIN_TTL_S = 1800.0
 DEFAULT_PIN_TTL_MAX_S = 86400.0
-# The ring a `kvpool events` endpoint reads (docs/fleet.md "Events for routers"): off unless set.
+# The ring a `kvpool events` endpoint reads (docs/fleet-events.md): off unless set.
 MAX_EVENT_RING_KEYS = 16_777_216
 CHANNELS = ("off", "nccl", "cpu")
 EVICTIONS = ("lru", "prefix", "prefix-recency")  # the node's eviction orders (backend/node/store/eviction.py ORDERS)

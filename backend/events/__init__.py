@@ -1,4 +1,4 @@
-"""KV events for routers: the pool's stores and removals in vLLM's wire format (docs/fleet.md, "Events for routers").
+"""KV events for routers: the pool's stores and removals in vLLM's wire format (docs/fleet-events.md).
 
 - ``wire``: vLLM's ``KVEventBatch`` and its events as msgspec structs, in the form each vLLM release reads;
 - ``keys``: which router block a pool key stands for;

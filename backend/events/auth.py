@@ -1,5 +1,5 @@
 """Who may subscribe to a pool's events endpoint: the CURVE keys derived from the pool token, or, in plain
-mode, whoever reaches its addresses (docs/fleet.md).
+mode, whoever reaches its addresses (docs/fleet-events.md).
 
 Events carry what the pool holds (and, once engines pass them, token ids: prompt text), so the
 endpoint speaks ZMQ CURVE and admits one client key. Both key pairs are derived from the pool

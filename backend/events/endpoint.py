@@ -76,7 +76,7 @@ class EndpointConfig:
     publish: str = "tcp://*:5557"
     replay: str | None = None
     identity: str = ""  # default: "kvpool-" + the namespace
-    block_size: int = DEFAULT_CHUNK_TOKENS  # tokens per block announced (docs/fleet.md)
+    block_size: int = DEFAULT_CHUNK_TOKENS  # tokens per block announced (docs/fleet-events.md)
     chunk_size: int = 0  # LMCache's chunk_size; 0: the block size (one chunk, one block)
     medium: str = DEFAULT_MEDIUM
     form: str = DEFAULT_FORM  # the vLLM releases whose wire is written (wire.py)
@@ -319,7 +319,7 @@ class EventsEndpoint:
             self._publish(ready)
         if self.view.unsplit and not self._told_unsplit:
             self._told_unsplit = True
-            logger.info("events: chunks without token ids are announced whole, not split (docs/fleet.md)")
+            logger.info("events: chunks without token ids are announced whole, not split (docs/fleet-events.md)")
 
     def _ready(self, events: list[object], due: set[int]) -> list[object]:
         """``events`` (parents first) less the stores whose parent is announced neither before nor in them: a

@@ -9,7 +9,7 @@ A chunk put with its token record (the LMCache connector's ``event_tokens=on``) 
 with its token ids and its parent chunk's hash, as LMCache's own ``CacheStoreEvent`` says them.
 Any other store (one made without an LMCache engine in the process: a ``PoolClient`` put,
 LMCache's multiprocess mode) is announced with ``token_ids=[]``: not wrong, but a router that
-rebuilds hashes from tokens cannot use it (docs/fleet.md, "Pointing a router at kvpool").
+rebuilds hashes from tokens cannot use it (docs/fleet-events.md, "Pointing a router at kvpool").
 With a block size below the chunk size (``BlockShape.block_size`` < ``chunk_size``, LMCache
 #3938's split) such a chunk is announced as its ``tokens / block_size`` blocks: the last one's
 hash is the chunk's own, the others' are derived from it (:func:`sub_block_hashes`), each
@@ -51,7 +51,7 @@ def sub_block_hashes(chunk_hash: int, blocks: int) -> list[int]:
 
 @dataclass(frozen=True)
 class BlockShape:
-    """What every ``BlockStored`` says besides its hashes (docs/fleet.md says why each value)."""
+    """What every ``BlockStored`` says besides its hashes (docs/fleet-events.md says why each value)."""
 
     block_size: int
     medium: str | None

@@ -331,7 +331,7 @@ class NodeInfo:
     channel: str = ""  # channel transport this node serves ("nccl", "cpu"), empty if none
     tls: bool = False  # the node protocol is served over TLS only
     eviction: str = "lru"  # the node's eviction order (--eviction); an entry of an older build has none: lru
-    # The node keeps an event ring that takes a put's token records (docs/fleet.md); an older build's entry
+    # The node keeps an event ring that takes a put's token records (docs/fleet-events.md); an older build's entry
     # has none: clients send it no tokens, which it would refuse.
     event_tokens: bool = False
     draining: bool = False  # filled by NodeRegistry.nodes() from the draining set

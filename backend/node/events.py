@@ -1,4 +1,4 @@
-"""The node's ring of recent stores and removals, read by a ``kvpool events`` endpoint (docs/fleet.md).
+"""The node's ring of recent stores and removals, read by a ``kvpool events`` endpoint (docs/fleet-events.md).
 
 Off unless ``event_ring_keys`` is set. An entry is appended only after Redis took it: a put's
 keys once its index commit landed (``puts.py``), removed keys once their index entries were

@@ -118,7 +118,7 @@ class Limits:
     """Hard limits a node enforces before allocating anything for a frame."""
 
     max_meta_bytes: int = 4 * 1024 * 1024
-    # A HELLO or AUTH, and any frame before its connection is admitted (docs/protocol.md), needs
+    # A HELLO or AUTH, and any frame before its connection is admitted (docs/protocol-connections.md), needs
     # a few hundred bytes: a peer that has proven nothing cannot make the node hold 4 MiB.
     max_handshake_meta_bytes: int = 4096
     max_data_bytes: int = 2 * 1024 * 1024 * 1024

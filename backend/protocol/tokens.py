@@ -1,7 +1,7 @@
 """A chunk's token record: its token ids and its parent chunk's hash, from the engine to a router's events.
 
 The LMCache connector makes one per chunk it puts (``backend/lmcache/token_binding.py``), a put
-carries it to nodes that keep an event ring (the put's token section, docs/protocol.md "Put
+carries it to nodes that keep an event ring (the put's token section, docs/protocol-ops.md "Put
 tokens"), the node keeps the bytes as they came while the entry is in its ring, and EVENTS hands
 them to the ``kvpool events`` endpoint, which decodes them into a ``BlockStored``'s ``token_ids``
 and ``parent_block_hash``. The node checks a record's header and length, never its ids::

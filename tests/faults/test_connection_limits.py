@@ -3,7 +3,7 @@
 Raw sockets against real node processes (started with a 1 s handshake deadline, so a
 test waits about a second, not the default ten). After each fault the node must still
 serve a well-behaved client, and a client's pooled connections, once admitted, must
-stay open however long they idle. What is promised: docs/protocol.md, "Connection
+stay open however long they idle. What is promised: docs/protocol-connections.md, "Connection
 limits"; the TLS cases are in tests/security/test_tls_and_tokens.py.
 """
 

@@ -7,7 +7,7 @@ past ``--handshake-timeout-s``) first gets an error frame for request id 0 namin
 reason, written without waiting; a kvpool client raises it as its NodeUnavailable, and a
 connection that ends without a word, or a connect that gets no answer, still says what
 happened. Real node processes; the flood is a process of its own (``tests/security/flood.py``).
-What is promised: docs/protocol.md, "Connection limits".
+What is promised: docs/protocol-connections.md, "Connection limits".
 """
 
 from __future__ import annotations

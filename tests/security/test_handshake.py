@@ -1,4 +1,4 @@
-"""The mutual handshake (backend/handshake.py, docs/protocol.md "Authentication"): a node and a
+"""The mutual handshake (backend/handshake.py, docs/protocol-connections.md "Authentication"): a node and a
 client each prove the pool token to the other, over both nonces, the node the client meant and
 the address it dialled, so a relayed handshake is refused and a listener without the token is
 refused by the client before it sends anything but its HELLO.

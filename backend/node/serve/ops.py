@@ -163,7 +163,7 @@ class OpTable:
         ring = self.ctx.events
         if ring is None:
             raise ProtocolError(
-                f"node {self.ctx.node_id} keeps no event ring: start it with --event-ring-keys N (docs/fleet.md)"
+                f"node {self.ctx.node_id} keeps no event ring: start it with --event-ring-keys N (docs/fleet-events.md)"
             )
         since, max_keys, tokens = Events.decode_request(meta)
         page = ring.since(since, max_keys, MAX_EVENTS_TOKEN_BYTES if tokens else 0)
