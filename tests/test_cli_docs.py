@@ -53,7 +53,12 @@ of a `--prefix` that names none, is a usage error (nothing was pinned), a ttl ov
 is an error naming that cap, and `kvpool unpin` of a key its owner pins nowhere exits `1`; `141` when the reader of stdout went away
 (`kvpool ls | head`), quietly, as `cat` does. {url_json} take `--url kvpool://...`
 (default `$KVPOOL_URL`) and `--json`; `lmcache-config` takes `--url`; `selftest` takes the
-URL as its argument (default `$KVPOOL_URL`) and `--json`. What `doctor` finds is explained,
+URL as its argument (default `$KVPOOL_URL`) and `--json`. With `--json`, a verb that fails
+with a kvpool error (exit `1` or `2`) also prints one JSON object on stdout,
+`{{"error": "<the stderr line's text>", "type": "<the error's class>", "exit_code": N}}`, so a
+script reading stdout never reads nothing. When the URL came from `$KVPOOL_URL` and Redis is
+unreachable there, the line adds that the variable may be stale from an earlier `kvpool up`
+(each run starts Redis on a new port). What `doctor` finds is explained,
 cause by cause, in [troubleshooting](troubleshooting.md).
 """
 

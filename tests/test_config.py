@@ -797,17 +797,18 @@ def test_an_old_node_flag_yaml_key_or_eviction_name_is_refused_naming_the_new_on
 
 
 def test_node_flags_are_the_option_table(tmp_path: Path) -> None:
-    """Every flag of `kvpool node` and `kvpool up` is a NODE_OPTIONS entry (plus --config), and every
-    settable entry is a flag: the CLI, the YAML keys and the variables cannot drift apart."""
+    """Every flag of `kvpool node` and `kvpool up` is a NODE_OPTIONS entry (plus --config, and up's own
+    --events, which sets several of them), and every settable entry is a flag: the CLI, the YAML keys and
+    the variables cannot drift apart."""
     from backend.cli import build_parser
     from backend.config import NODE_OPTIONS
 
     parser = build_parser()
-    for verb in ("node", "up"):
+    for verb, own in (("node", {"--config"}), ("up", {"--config", "--events"})):
         sub = parser._subparsers._group_actions[0].choices[verb]  # type: ignore[union-attr]
         shown = [a for a in sub._actions if a.option_strings and a.dest != "help" and a.help != argparse.SUPPRESS]
         hidden = [a for a in sub._actions if a.option_strings and a.help == argparse.SUPPRESS]
-        assert {a.option_strings[0] for a in shown} == {"--config"} | {o.flag_name for o in NODE_OPTIONS if o.flag}
+        assert {a.option_strings[0] for a in shown} == own | {o.flag_name for o in NODE_OPTIONS if o.flag}
         assert hidden == []
     assert {o.env for o in NODE_OPTIONS if o.env} == {
         "KVPOOL_TOKEN",
