@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 __all__ = ["RespCounter", "CountingProxy"]
 
 RECV_BYTES = 1 << 20
-QUIET_S = 0.005  # longer than a client's pause between the pieces of one pipeline
+QUIET_S = 0.025  # longer than a client's pause between the pieces of one pipeline, on a loaded machine too
 CLOSE_TIMEOUT_S = 2.0
 _AGGREGATES = {ord("*"): 1, ord("~"): 1, ord(">"): 1, ord("%"): 2, ord("|"): 2}
 _BULKS = {ord("$"), ord("!"), ord("=")}
