@@ -35,7 +35,7 @@ from backend.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVE
 from backend.node.events import EventRing
 from kvpool import Chunk, PoolClient, PoolConfig
 from tests.support import vllm_events
-from tests.support.cli import REPO
+from tests.support.cli import REPO, events_addresses
 from tests.support.waits import until
 
 TOKEN = "events-token-0123456789abcdef0123456789"
@@ -455,17 +455,6 @@ def _curve(token: str, namespace: str) -> tuple[bytes, bytes, bytes]:
     return k.server_public, k.client_public, k.client_secret
 
 
-async def _addresses(proc: subprocess.Popen[str], count: int) -> list[str]:
-    """The addresses ``kvpool events`` says it bound, in the order it says them (its first ``count`` lines)."""
-    lines: list[str] = []
-    async with asyncio.timeout(60):
-        while len(lines) < count:
-            line = await asyncio.to_thread(proc.stdout.readline)  # type: ignore[union-attr]
-            assert line, f"kvpool events ended: {proc.stderr.read() if proc.stderr else ''}"
-            lines.append(line.strip())
-    return [line.rsplit(" on ", 1)[1] for line in lines]
-
-
 async def test_during_a_tenants_rotation_kvpool_events_serves_holders_of_either_of_its_tokens(
     node_factory, pool_url, tmp_path
 ):
@@ -494,7 +483,7 @@ async def test_during_a_tenants_rotation_kvpool_events_serves_holders_of_either_
     ctx = zmq.asyncio.Context()
     subs: dict[str, vllm_events.Subscriber] = {}
     try:
-        publish, replay, publish_next, replay_next = await _addresses(proc, 4)
+        publish, replay, publish_next, replay_next = await events_addresses(proc, 4)
         namespace = config(pool_url).namespace
         topic = f"kv@kvpool-{namespace}-alice@{MODEL}".encode()
         for who, address, replayed, token in (

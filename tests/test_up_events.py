@@ -22,6 +22,7 @@ from backend.events.keys import block_of
 from kvpool import Chunk, PoolConfig, SyncPoolClient, curve_keys
 from tests.conftest import REPO
 from tests.support import vllm_events
+from tests.support.cli import events_addresses
 from tests.support.up import UpProcess
 from tests.support.waits import until
 
@@ -31,17 +32,6 @@ MODEL = "up-events-model"
 
 def _env() -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}, "LMCACHE_TRACK_USAGE": "false"}
-
-
-async def _addresses(proc: subprocess.Popen[str], count: int) -> list[str]:
-    """The addresses ``kvpool events`` says it bound (its first ``count`` lines)."""
-    lines: list[str] = []
-    async with asyncio.timeout(60):
-        while len(lines) < count:
-            line = await asyncio.to_thread(proc.stdout.readline)  # type: ignore[union-attr]
-            assert line, f"kvpool events ended: {proc.stderr.read() if proc.stderr else ''}"
-            lines.append(line.strip())
-    return [line.rsplit(" on ", 1)[1] for line in lines]
 
 
 @pytest.mark.usefixtures("processes")
@@ -70,7 +60,7 @@ async def test_up_with_events_makes_a_pool_whose_kvpool_events_publishes_a_put()
             stderr=subprocess.PIPE,
             text=True,
         )
-        publish, replay = await _addresses(events, 2)
+        publish, replay = await events_addresses(events, 2)
         config = PoolConfig.from_url(url, {})
         keys = curve_keys(token_file.read_text().strip(), config.namespace)
         topic = f"kv@kvpool-{config.namespace}@{MODEL}".encode()

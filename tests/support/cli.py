@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["QUICKSTART_PASSWORD_FILE", "QUICKSTART_URL", "kvpool", "quickstart_url"]
+__all__ = ["QUICKSTART_PASSWORD_FILE", "QUICKSTART_URL", "events_addresses", "kvpool", "quickstart_url"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,3 +37,14 @@ def quickstart_url(tmp_path: Path) -> tuple[str, str]:
     password.write_text("a-password-for-the-quickstart\n")
     password.chmod(0o600)
     return QUICKSTART_URL.replace(QUICKSTART_PASSWORD_FILE, str(password)), str(password)
+
+
+async def events_addresses(proc: subprocess.Popen[str], count: int) -> list[str]:
+    """The addresses a running ``kvpool events`` says it bound, in the order it says them (its first ``count`` lines)."""
+    lines: list[str] = []
+    async with asyncio.timeout(60):
+        while len(lines) < count:
+            line = await asyncio.to_thread(proc.stdout.readline)  # type: ignore[union-attr]
+            assert line, f"kvpool events ended: {proc.stderr.read() if proc.stderr else ''}"
+            lines.append(line.strip())
+    return [line.rsplit(" on ", 1)[1] for line in lines]
